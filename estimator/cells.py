@@ -1,0 +1,81 @@
+"""Cells (GPU type × GPU count × stage count) and their estimates.
+
+This module holds the vocabulary only; estimation lives in ``estimator.estimate``.
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Cell:
+    """A GPU type, a GPU count laid out as whole or partial nodes, and a stage count."""
+
+    gpu_type: str
+    num_gpus: int
+    gpus_per_node: int
+    num_stages: int
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, -(-self.num_gpus // self.gpus_per_node))
+
+    def label(self) -> str:
+        """Compact form used in AdminComment and logs: ``a100x8:s2``."""
+        return f"{self.gpu_type}x{self.num_gpus}:s{self.num_stages}"
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage: layers [layer_start, layer_end) on dp × tp GPUs."""
+
+    layer_start: int
+    layer_end: int
+    dp: int
+    tp: int
+
+    @property
+    def num_gpus(self) -> int:
+        return self.dp * self.tp
+
+    def to_json(self) -> dict:
+        return {"layers": [self.layer_start, self.layer_end], "dp": self.dp, "tp": self.tp}
+
+
+@dataclass(frozen=True)
+class CellEstimate:
+    """The best plan found for one Cell and what it costs.
+
+    ``fidelity`` names what produced the numbers (``analytic``, ``compiled``, ``measured``);
+    ``comm_source`` says whether communication came from the measured table or the
+    latency-bandwidth model.
+    """
+
+    cell: Cell
+    stages: tuple[StagePlan, ...]
+    micro_batches: int
+    iteration_time_s: float
+    samples_per_s: float
+    peak_memory_gb: float
+    feasible: bool
+    reason: str
+    fidelity: str = "analytic"
+    comm_source: str = "table"
+
+    def to_json(self) -> dict:
+        c = self.cell
+        return {
+            "gpu_type": c.gpu_type,
+            "num_gpus": c.num_gpus,
+            "num_nodes": c.num_nodes,
+            "gpus_per_node": min(c.gpus_per_node, c.num_gpus),
+            "num_stages": c.num_stages,
+            "stages": [s.to_json() for s in self.stages],
+            "micro_batches": self.micro_batches,
+            "iteration_time_s": round(self.iteration_time_s, 6) if self.feasible else None,
+            "samples_per_s": round(self.samples_per_s, 4) if self.feasible else None,
+            "peak_memory_gb": round(self.peak_memory_gb, 3),
+            "feasible": self.feasible,
+            "reason": self.reason,
+            "fidelity": self.fidelity,
+            "comm_source": self.comm_source,
+        }

@@ -1,0 +1,167 @@
+"""Cluster specs: how many nodes of each GPU type, GPUs per node, and the network.
+
+A spec loads from YAML::
+
+    name: my-cluster
+    network: {kind: infiniband, bandwidth_gbps: 25}   # between nodes, per node, one direction
+    node_groups:
+      - {gpu_type: a100, nodes: 80, gpus_per_node: 4}
+      - {gpu_type: a40, nodes: 160, gpus_per_node: 2, partition: a40, network: {kind: default}}
+
+Errors name the bad field (``node_groups[1].nodes``).
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from estimator.errors import SpecError
+from estimator.gpus import gpu_type
+
+# Network kinds and their default per-node bandwidth, GB/s one direction. `default` is the
+# Ethernet of the measured clusters (10 GbE class); `infiniband` HDR 200 Gb/s.
+NETWORK_DEFAULT_GBPS = {"default": 1.25, "ethernet": 1.25, "infiniband": 25.0, "roce": 12.5}
+
+
+@dataclass(frozen=True)
+class Network:
+    kind: str = "default"
+    bandwidth_gbps: float = NETWORK_DEFAULT_GBPS["default"]
+
+
+@dataclass(frozen=True)
+class NodeGroup:
+    """Identical nodes of one GPU type."""
+
+    gpu_type: str
+    nodes: int
+    gpus_per_node: int
+    partition: str
+    network: Network
+
+    @property
+    def total_gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def node_names(self) -> tuple[str, ...]:
+        return tuple(f"{self.partition}-{i + 1}" for i in range(self.nodes))
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    name: str
+    node_groups: tuple[NodeGroup, ...]
+
+    @property
+    def gpu_types(self) -> tuple[str, ...]:
+        seen: list[str] = []
+        for g in self.node_groups:
+            if g.gpu_type not in seen:
+                seen.append(g.gpu_type)
+        return tuple(seen)
+
+    def total_gpus(self, gpu_type_name: str | None = None) -> int:
+        return sum(
+            g.total_gpus for g in self.node_groups
+            if gpu_type_name is None or g.gpu_type == gpu_type_name
+        )
+
+    def group(self, gpu_type_name: str) -> NodeGroup:
+        """The (first) node group of a GPU type."""
+        for g in self.node_groups:
+            if g.gpu_type == gpu_type_name:
+                return g
+        raise SpecError("gpu_type", gpu_type_name, f"cluster {self.name} has {', '.join(self.gpu_types)}")
+
+
+def _network(raw: object, where: str) -> Network:
+    if raw is None:
+        return Network()
+    if not isinstance(raw, dict):
+        raise SpecError(where, raw, "give a mapping {kind: ..., bandwidth_gbps: ...}")
+    kind = str(raw.get("kind", "default")).lower()
+    if kind not in NETWORK_DEFAULT_GBPS:
+        raise SpecError(f"{where}.kind", kind, f"use one of {', '.join(NETWORK_DEFAULT_GBPS)}")
+    bw = raw.get("bandwidth_gbps", NETWORK_DEFAULT_GBPS[kind])
+    if not isinstance(bw, (int, float)) or isinstance(bw, bool) or bw <= 0:
+        raise SpecError(f"{where}.bandwidth_gbps", bw, "give a positive number of GB/s")
+    return Network(kind, float(bw))
+
+
+def _positive_int(raw: dict, key: str, where: str) -> int:
+    value = raw.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise SpecError(f"{where}.{key}", value, "give a positive integer")
+    return value
+
+
+def cluster_from_dict(raw: object, source: str = "<dict>") -> ClusterSpec:
+    """Validate a parsed YAML mapping into a ClusterSpec."""
+    if not isinstance(raw, dict):
+        raise SpecError(source, raw, "a cluster spec is a mapping with name and node_groups")
+    name = raw.get("name")
+    if not isinstance(name, str) or not name:
+        raise SpecError("name", name, "give the cluster a name")
+    default_net = _network(raw.get("network"), "network")
+    groups_raw = raw.get("node_groups")
+    if not isinstance(groups_raw, list) or not groups_raw:
+        raise SpecError("node_groups", groups_raw, "list at least one {gpu_type, nodes, gpus_per_node}")
+    groups = []
+    for i, g in enumerate(groups_raw):
+        where = f"node_groups[{i}]"
+        if not isinstance(g, dict):
+            raise SpecError(where, g, "give a mapping {gpu_type, nodes, gpus_per_node}")
+        unknown = set(g) - {"gpu_type", "nodes", "gpus_per_node", "partition", "network"}
+        if unknown:
+            raise SpecError(f"{where}.{sorted(unknown)[0]}", g[sorted(unknown)[0]], "unknown key")
+        try:
+            gt = gpu_type(str(g.get("gpu_type")))
+        except SpecError as e:
+            raise SpecError(f"{where}.gpu_type", g.get("gpu_type"), e.hint) from None
+        nodes = _positive_int(g, "nodes", where)
+        per_node = _positive_int(g, "gpus_per_node", where)
+        partition = str(g.get("partition", gt.name))
+        net = _network(g["network"], f"{where}.network") if "network" in g else default_net
+        groups.append(NodeGroup(gt.name, nodes, per_node, partition, net))
+    return ClusterSpec(name, tuple(groups))
+
+
+def load_cluster(name_or_path: str) -> ClusterSpec:
+    """A built-in cluster by name, or a YAML file."""
+    if name_or_path in BUILTIN_CLUSTERS:
+        return BUILTIN_CLUSTERS[name_or_path]
+    path = Path(name_or_path)
+    if not path.exists():
+        raise SpecError("cluster", name_or_path,
+                        f"neither a built-in ({', '.join(BUILTIN_CLUSTERS)}) nor a readable YAML file")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise SpecError("cluster", name_or_path, f"malformed YAML: {str(e).splitlines()[0]}") from None
+    return cluster_from_dict(raw, str(path))
+
+
+BUILTIN_CLUSTERS: dict[str, ClusterSpec] = {
+    # The Crius/Arena papers' simulated cluster: 320 GPUs of each of four types.
+    "crius-1280": cluster_from_dict({
+        "name": "crius-1280",
+        "network": {"kind": "infiniband"},
+        "node_groups": [
+            {"gpu_type": "a100", "nodes": 80, "gpus_per_node": 4},
+            {"gpu_type": "a40", "nodes": 160, "gpus_per_node": 2},
+            {"gpu_type": "a10", "nodes": 160, "gpus_per_node": 2},
+            {"gpu_type": "v100", "nodes": 20, "gpus_per_node": 16},
+        ],
+    }),
+    # The local lab cluster (`slurm-ext lab up`): fake GPUs, one partition per type.
+    "lab": cluster_from_dict({
+        "name": "lab",
+        "node_groups": [
+            {"gpu_type": "a100", "nodes": 2, "gpus_per_node": 4},
+            {"gpu_type": "v100", "nodes": 2, "gpus_per_node": 4},
+            {"gpu_type": "a10", "nodes": 2, "gpus_per_node": 2},
+            {"gpu_type": "h100", "nodes": 1, "gpus_per_node": 8},
+        ],
+    }),
+}

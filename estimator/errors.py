@@ -1,0 +1,17 @@
+"""Typed errors of the estimator: each quotes the bad input and says how to fix it."""
+
+
+class SpecError(ValueError):
+    """A specification (model, cluster, job, GPU type) is invalid.
+
+    Args:
+        field: the name of the offending field, dotted for nested YAML (``nodes[2].gpus``).
+        value: the value that was given.
+        hint: what to do instead.
+    """
+
+    def __init__(self, field: str, value: object, hint: str):
+        self.field = field
+        self.value = value
+        self.hint = hint
+        super().__init__(f"{field}={value!r}: {hint}")

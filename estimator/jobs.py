@@ -1,0 +1,37 @@
+"""A training job as the estimator sees it: which model, what global batch, what was asked."""
+
+from dataclasses import dataclass
+
+from estimator.errors import SpecError
+from estimator.gpus import gpu_type as _gpu_type
+
+MAX_GLOBAL_BATCH = 1 << 24
+MAX_GPUS = 1 << 16
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What a user asks for.
+
+    Attributes:
+        model: a built-in model name (``gpt-1.3b``) or a path to a model YAML file.
+        global_batch: samples per iteration; fixed whatever the plan.
+        num_gpus: the GPU count asked for; None lets the estimator choose ("serverless").
+        gpu_type: the GPU type asked for, or None.
+    """
+
+    model: str
+    global_batch: int
+    num_gpus: int | None = None
+    gpu_type: str | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.global_batch, int) or isinstance(self.global_batch, bool) \
+                or not 0 < self.global_batch <= MAX_GLOBAL_BATCH:
+            raise SpecError("global_batch", self.global_batch, f"give a positive integer ≤ {MAX_GLOBAL_BATCH}")
+        if self.num_gpus is not None and (
+                not isinstance(self.num_gpus, int) or isinstance(self.num_gpus, bool)
+                or not 0 < self.num_gpus <= MAX_GPUS):
+            raise SpecError("num_gpus", self.num_gpus, f"give a positive integer ≤ {MAX_GPUS}")
+        if self.gpu_type is not None:
+            object.__setattr__(self, "gpu_type", _gpu_type(self.gpu_type).name)
