@@ -1,0 +1,1 @@
+"""What runs inside an allocation: the sbatch wrapper and the runner."""

@@ -1,0 +1,1 @@
+"""Who gets what: the policy interface, the policies, node placement, the trace simulator."""

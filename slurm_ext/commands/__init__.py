@@ -1,0 +1,1 @@
+"""One module per `slurm-ext` subcommand; each defines a click command named ``command``."""
