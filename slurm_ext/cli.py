@@ -5,6 +5,7 @@ called, so `slurm-ext estimate` does not pay for JAX or the Slurm client.
 """
 
 import importlib
+import importlib.util
 import logging
 import sys
 
@@ -33,8 +34,9 @@ class LazyGroup(click.Group):
 
     def format_commands(self, ctx, formatter):
         rows = [(name, SUBCOMMANDS[name]) for name in self.list_commands(ctx)]
-        with formatter.section("Commands"):
-            formatter.write_dl(rows)
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
 
 
 def _module_exists(name: str) -> bool:
