@@ -1,0 +1,350 @@
+"""The policy interface: what a policy sees (a Snapshot) and what it returns (a Decision).
+
+The daemon and the simulator build the same Snapshot and call the same
+``Policy.decide(snapshot) -> Decision``. A policy is pure over the snapshot: it never
+reads the clock, the environment or the filesystem, and it keeps no hidden state between
+calls. State that must survive a round (a queue order, a smoothed rate) travels as an
+explicit value: the policy returns it in ``Decision.policy_state`` and the caller hands
+it back unchanged in the next ``Snapshot.policy_state``.
+
+The actions a decision implies (start, resize, change type, move, suspend) are not part
+of the Decision; ``implied_actions(snapshot, decision)`` derives them, so the daemon and
+the simulator act on exactly the same difference.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from estimator.cells import Cell, CellEstimate
+from estimator.jobs import JobSpec
+
+PENDING = "pending"
+RUNNING = "running"
+JOB_STATES = (PENDING, RUNNING)
+
+# Why decide() is being called; policies may treat rounds and events differently.
+TRIGGER_ROUND = "round"
+TRIGGER_ARRIVAL = "arrival"
+TRIGGER_COMPLETION = "completion"
+DEFAULT_ROUND_S = 300.0
+
+Placement = tuple[tuple[str, int], ...]
+"""Node name and GPU count on that node, one pair per node, sorted by node name."""
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """One node as a policy sees it.
+
+    Attributes:
+        name: the node's name (Slurm NodeName or simulated ``a100-17``).
+        gpu_type: GPU type of every GPU on the node.
+        total_gpus: GPUs on the node.
+        unmanaged_gpus: GPUs held by jobs the policy does not manage (ordinary Slurm
+            jobs, drained GPUs); never available to the policy.
+    """
+
+    name: str
+    gpu_type: str
+    total_gpus: int
+    unmanaged_gpus: int = 0
+
+    @property
+    def managed_gpus(self) -> int:
+        """GPUs the policy may hand out on this node."""
+        return max(0, self.total_gpus - self.unmanaged_gpus)
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """A Cell and where it runs: ``placement`` sums to ``cell.num_gpus`` on nodes of its type."""
+
+    cell: Cell
+    placement: Placement
+
+    @property
+    def num_gpus(self) -> int:
+        return sum(g for _, g in self.placement)
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in self.placement)
+
+
+@dataclass(frozen=True)
+class JobView:
+    """One managed job as a policy sees it.
+
+    Attributes:
+        job_id: the job's id (Slurm job id or trace id), unique in a snapshot.
+        user: who submitted it.
+        spec: model, global batch and what was asked (GPU count and type, optional).
+        submit_time_s: when it was submitted, on the snapshot's clock.
+        state: ``pending`` (never started, or suspended) or ``running``.
+        assignment: its current Cell and placement while running, else None.
+        iterations_done: training iterations completed so far (fractional in simulation).
+        iterations_total: iterations the job will run in all.
+        restarts: how many times it was (re)started after its first start.
+        last_change_s: when its allocation last changed (submit time if never started).
+        deadline_s: when it should be done, or None.
+        guaranteed: the user asked for at least the throughput of the requested Cell.
+        estimates: the Cells the estimator enumerated for it and their estimates
+            (``plan_space="cell"``). A Cell the platform cannot run has ``feasible=False``
+            with the reason, e.g. ``no measured rate`` in simulation.
+        dp_only_estimates: the same Cells estimated with data parallelism only (one
+            stage), for baselines that know no pipeline or tensor parallelism.
+    """
+
+    job_id: str
+    user: str
+    spec: JobSpec
+    submit_time_s: float
+    state: str
+    assignment: Assignment | None
+    iterations_done: float
+    iterations_total: int
+    restarts: int
+    last_change_s: float
+    deadline_s: float | None = None
+    guaranteed: bool = False
+    estimates: tuple[CellEstimate, ...] = ()
+    dp_only_estimates: tuple[CellEstimate, ...] = ()
+
+    @property
+    def cell(self) -> Cell | None:
+        return self.assignment.cell if self.assignment else None
+
+    @property
+    def remaining_iterations(self) -> float:
+        return max(0.0, self.iterations_total - self.iterations_done)
+
+    @property
+    def progress_frac(self) -> float:
+        return min(1.0, self.iterations_done / self.iterations_total) if self.iterations_total else 1.0
+
+    def feasible_estimates(self, dp_only: bool = False) -> tuple[CellEstimate, ...]:
+        """The feasible estimates, fastest first (ties broken by fewer GPUs, then label)."""
+        pool = self.dp_only_estimates if dp_only else self.estimates
+        return tuple(sorted((e for e in pool if e.feasible),
+                            key=lambda e: (e.iteration_time_s, e.cell.num_gpus, e.cell.label())))
+
+    def estimate_for(self, cell: Cell, dp_only: bool = False) -> CellEstimate | None:
+        """The estimate of exactly ``cell``, or None when it was not enumerated."""
+        for e in (self.dp_only_estimates if dp_only else self.estimates):
+            if e.cell == cell:
+                return e
+        return None
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything a policy may look at, at one instant.
+
+    Attributes:
+        now_s: the current time on the caller's clock (simulated or wall), seconds.
+        nodes: the cluster's nodes.
+        jobs: the managed jobs not yet finished, in submission order.
+        trigger: why decide() is called (``round``, ``arrival``, ``completion``).
+        round_s: the period of scheduling rounds, seconds.
+        restart_cost_s: what one restart of a job costs in lost time (checkpoint,
+            resume, plan tuning), as the caller models it; lets a policy weigh a resize.
+        policy_state: the ``policy_state`` of the policy's previous Decision (None at first).
+    """
+
+    now_s: float
+    nodes: tuple[NodeView, ...]
+    jobs: tuple[JobView, ...]
+    trigger: str = TRIGGER_ROUND
+    round_s: float = DEFAULT_ROUND_S
+    restart_cost_s: float = 0.0
+    policy_state: object = None
+
+    def node(self, name: str) -> NodeView:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(name)
+
+    def job(self, job_id: str) -> JobView:
+        for j in self.jobs:
+            if j.job_id == job_id:
+                return j
+        raise KeyError(job_id)
+
+    def managed_capacity(self) -> dict[str, int]:
+        """Node name → GPUs the policy may hand out (ignoring managed jobs' holdings)."""
+        return {n.name: n.managed_gpus for n in self.nodes}
+
+    def free_gpus(self) -> dict[str, int]:
+        """Node name → GPUs free now, after unmanaged jobs and running managed jobs."""
+        free = self.managed_capacity()
+        for j in self.jobs:
+            if j.assignment is not None:
+                for name, gpus in j.assignment.placement:
+                    free[name] = free.get(name, 0) - gpus
+        return free
+
+    def gpus_by_type(self) -> dict[str, int]:
+        """GPU type → GPUs the policy may hand out."""
+        out: Counter[str] = Counter()
+        for n in self.nodes:
+            out[n.gpu_type] += n.managed_gpus
+        return dict(out)
+
+
+@dataclass(frozen=True)
+class JobDecision:
+    """What one job should have: an assignment, or None for pending; and why, briefly."""
+
+    job_id: str
+    assignment: Assignment | None
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A policy's answer: one JobDecision per job it decides about.
+
+    A job of the snapshot that is absent keeps what it has (running stays running on the
+    same placement; pending stays pending).
+    """
+
+    jobs: tuple[JobDecision, ...]
+    policy_state: object = None
+
+    def for_job(self, job_id: str) -> JobDecision | None:
+        for d in self.jobs:
+            if d.job_id == job_id:
+                return d
+        return None
+
+    def as_dict(self) -> dict[str, JobDecision]:
+        return {d.job_id: d for d in self.jobs}
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """A scheduling policy. Construct it with its configuration only; ``decide`` is pure."""
+
+    name: str
+
+    def decide(self, snapshot: Snapshot) -> Decision:
+        """The assignment every managed job should have now."""
+        ...
+
+
+# Action kinds implied by a decision.
+START = "start"            # pending → running (first start or resume after suspend)
+SUSPEND = "suspend"        # running → pending (checkpoint, release the GPUs)
+RESIZE = "resize"          # same GPU type, other GPU count (or stage count)
+CHANGE_TYPE = "change_type"  # other GPU type
+MOVE = "move"              # same Cell, other nodes
+ACTION_KINDS = (START, SUSPEND, RESIZE, CHANGE_TYPE, MOVE)
+
+
+@dataclass(frozen=True)
+class Action:
+    """One change to apply: ``before`` and ``after`` are assignments (None = not running)."""
+
+    kind: str
+    job_id: str
+    before: Assignment | None
+    after: Assignment | None
+    reason: str = ""
+
+    @property
+    def restarts_job(self) -> bool:
+        """Whether the job stops and starts again (every kind but a first start does)."""
+        return self.kind != SUSPEND and self.before is not None
+
+
+def implied_actions(snapshot: Snapshot, decision: Decision) -> tuple[Action, ...]:
+    """The actions that turn the snapshot's assignments into the decision's.
+
+    Suspensions come first, then resizes, type changes and moves, then starts, so that
+    applying them in order never needs GPUs that are still held.
+
+    Args:
+        snapshot: the state the policy saw.
+        decision: the policy's answer.
+
+    Returns:
+        The actions, in application order; jobs whose assignment is unchanged have none.
+    """
+    wanted = decision.as_dict()
+    actions: list[Action] = []
+    for job in snapshot.jobs:
+        d = wanted.get(job.job_id)
+        if d is None:
+            continue
+        before, after = job.assignment, d.assignment
+        if before == after:
+            continue
+        if after is None:
+            kind = SUSPEND
+        elif before is None:
+            kind = START
+        elif before.cell.gpu_type != after.cell.gpu_type:
+            kind = CHANGE_TYPE
+        elif before.cell != after.cell:
+            kind = RESIZE
+        else:
+            kind = MOVE
+        actions.append(Action(kind, job.job_id, before, after, d.reason))
+    order = {SUSPEND: 0, RESIZE: 1, CHANGE_TYPE: 1, MOVE: 1, START: 2}
+    return tuple(sorted(actions, key=lambda a: order[a.kind]))
+
+
+class DecisionError(ValueError):
+    """A decision that cannot be applied; the message names the job or node and the fault."""
+
+
+def final_assignments(snapshot: Snapshot, decision: Decision) -> dict[str, Assignment | None]:
+    """Job id → the assignment each job of the snapshot has once the decision is applied."""
+    wanted = decision.as_dict()
+    return {j.job_id: (wanted[j.job_id].assignment if j.job_id in wanted else j.assignment)
+            for j in snapshot.jobs}
+
+
+def validate_decision(snapshot: Snapshot, decision: Decision) -> None:
+    """Check a decision is applicable: known jobs, consistent placements, no over-commit.
+
+    Raises:
+        DecisionError: naming the first fault found.
+    """
+    known = {j.job_id for j in snapshot.jobs}
+    seen: set[str] = set()
+    for d in decision.jobs:
+        if d.job_id not in known:
+            raise DecisionError(f"decision names job {d.job_id!r}, which is not in the snapshot")
+        if d.job_id in seen:
+            raise DecisionError(f"decision names job {d.job_id!r} twice")
+        seen.add(d.job_id)
+    nodes = {n.name: n for n in snapshot.nodes}
+    used: Counter[str] = Counter()
+    for job_id, a in final_assignments(snapshot, decision).items():
+        if a is None:
+            continue
+        if a.num_gpus != a.cell.num_gpus:
+            raise DecisionError(f"job {job_id!r}: placement {a.placement} holds {a.num_gpus} GPUs, "
+                                f"Cell {a.cell.label()} needs {a.cell.num_gpus}")
+        names = [n for n, _ in a.placement]
+        if len(set(names)) != len(names):
+            raise DecisionError(f"job {job_id!r}: placement {a.placement} names a node twice")
+        for name, gpus in a.placement:
+            node = nodes.get(name)
+            if node is None:
+                raise DecisionError(f"job {job_id!r}: unknown node {name!r}")
+            if node.gpu_type != a.cell.gpu_type:
+                raise DecisionError(f"job {job_id!r}: node {name} has {node.gpu_type}, "
+                                    f"Cell {a.cell.label()} needs {a.cell.gpu_type}")
+            if gpus <= 0:
+                raise DecisionError(f"job {job_id!r}: {gpus} GPUs on node {name}")
+            used[name] += gpus
+    for name, gpus in used.items():
+        if gpus > nodes[name].managed_gpus:
+            raise DecisionError(f"node {name}: {gpus} GPUs assigned, "
+                                f"{nodes[name].managed_gpus} available to managed jobs")
