@@ -1,0 +1,71 @@
+"""Typed errors of the Slurm edge: each quotes what failed and says what to do."""
+
+from collections.abc import Sequence
+
+
+class SlurmExtError(Exception):
+    """Base class of the errors raised by slurm_ext's Slurm edge."""
+
+
+class SlurmCommandError(SlurmExtError):
+    """A command exited with a non-zero status.
+
+    Args:
+        argv: the argument list that was run.
+        returncode: its exit status.
+        stderr: what it wrote to stderr (stripped), quoted in the message.
+    """
+
+    def __init__(self, argv: Sequence[str], returncode: int, stderr: str):
+        self.argv = tuple(argv)
+        self.returncode = returncode
+        self.stderr = stderr
+        detail = stderr.strip().splitlines()[-1] if stderr.strip() else "(no stderr)"
+        super().__init__(f"{' '.join(self.argv)!r} exited {returncode}: {detail}")
+
+
+class CommandTimeoutError(SlurmExtError):
+    """A command did not finish within its time limit (it was killed).
+
+    Args:
+        argv: the argument list that was run.
+        timeout_s: the limit, seconds.
+    """
+
+    def __init__(self, argv: Sequence[str], timeout_s: float):
+        self.argv = tuple(argv)
+        self.timeout_s = timeout_s
+        super().__init__(
+            f"{' '.join(self.argv)!r} did not finish within {timeout_s:g} s; "
+            "is slurmctld up (check SLURM_CONF and `scontrol ping`)?")
+
+
+class CommandNotFoundError(SlurmExtError):
+    """The program to run is not installed or not on PATH."""
+
+    def __init__(self, argv: Sequence[str]):
+        self.argv = tuple(argv)
+        super().__init__(
+            f"{self.argv[0]!r} not found: install Slurm's client tools "
+            "(Debian: apt-get install slurm-client) or fix PATH")
+
+
+class SlurmParseError(SlurmExtError):
+    """Slurm printed something the parser cannot read.
+
+    Args:
+        what: which output or field (``squeue --json``, ``jobs[3].job_id``).
+        text: the offending text (shortened in the message).
+    """
+
+    def __init__(self, what: str, text: object):
+        self.what = what
+        self.text = text
+        shown = repr(text)
+        if len(shown) > 200:
+            shown = shown[:200] + "..."
+        super().__init__(f"cannot parse {what}: {shown}")
+
+
+class LabError(SlurmExtError):
+    """The local lab cluster cannot be started, stopped or inspected as asked."""
