@@ -1,0 +1,267 @@
+"""Elastic job specs: what a training job asks the daemon for, parsed from Slurm's fields.
+
+A job is elastic when its Comment is ``elastic``, optionally followed by ``key=value``
+settings. The same settings may be written in the batch script on lines of their own::
+
+    #ELASTIC model=gpt-1.3b global_batch=64 iterations=2000
+    #ELASTIC gpus=8 gpu_type=a100 deadline=2026-12-01T18:00:00Z guaranteed=yes
+
+When a key is set in both places the Comment wins, as an ``sbatch`` command-line option
+overrides an ``#SBATCH`` line: the Comment is what the user typed last.
+
+Everything here is pure: reading the batch script and loading a model file are done by
+the caller (the daemon), which passes their text or a loader function in. Every bad input
+raises :class:`ElasticSpecError` (a :class:`~estimator.errors.SpecError`) that quotes the
+offending text and says what to write instead; its message is short enough to be stored
+in the job's AdminComment.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone
+from typing import Callable
+
+from estimator.errors import SpecError
+from estimator.gpus import CATALOG
+from estimator.jobs import MAX_GLOBAL_BATCH, MAX_GPUS
+
+COMMENT_TAG = "elastic"
+SCRIPT_TAG = "#ELASTIC"
+KEYS = ("model", "global_batch", "iterations", "gpus", "gpu_type", "deadline", "guaranteed")
+REQUIRED_KEYS = ("model", "global_batch", "iterations")
+# Limits that keep a hostile or broken submission from costing the daemon time or memory.
+MAX_COMMENT_CHARS = 1024
+MAX_SCRIPT_CHARS = 4 << 20
+MAX_SCRIPT_SPEC_LINES = 32
+MAX_VALUE_CHARS = 256
+MAX_ITERATIONS = 10**9
+MAX_QUOTED_CHARS = 60
+# Values are names, numbers, dates and paths: nothing a shell or Slurm would interpret.
+_SAFE_VALUE = re.compile(r"[A-Za-z0-9._/:+\-]+")
+_KEY = re.compile(r"[a-z_]+")
+_YES = {"yes", "true", "1", "on"}
+_NO = {"no", "false", "0", "off"}
+
+
+class ElasticSpecError(SpecError):
+    """An elastic job's spec is invalid; the job runs as submitted and this is shown.
+
+    The message is one line, quotes (a bounded prefix of) the bad input and says what to
+    write instead.
+    """
+
+    def __init__(self, field: str, value: object, hint: str):
+        if isinstance(value, str) and len(value) > MAX_QUOTED_CHARS:
+            value = value[:MAX_QUOTED_CHARS] + "..."
+        super().__init__(field, value, hint)
+
+
+@dataclass(frozen=True)
+class ElasticSpec:
+    """A validated elastic job spec.
+
+    Attributes:
+        model: built-in model name or an absolute path to a model YAML file.
+        global_batch: samples per iteration, fixed whatever the plan.
+        iterations: training iterations the job needs in total.
+        num_gpus: the GPU count asked for; None lets the scheduler choose.
+        gpu_type: the GPU type asked for (catalog name); None lets the scheduler choose.
+        deadline_s: Unix time the job should finish by, or None.
+        guaranteed: the job must get at least the throughput of what it asked for.
+    """
+
+    model: str
+    global_batch: int
+    iterations: int
+    num_gpus: int | None = None
+    gpu_type: str | None = None
+    deadline_s: float | None = None
+    guaranteed: bool = False
+
+    def to_json(self) -> dict:
+        return {
+            "model": self.model, "global_batch": self.global_batch,
+            "iterations": self.iterations, "num_gpus": self.num_gpus,
+            "gpu_type": self.gpu_type, "deadline_s": self.deadline_s,
+            "guaranteed": self.guaranteed,
+        }
+
+    @classmethod
+    def from_json(cls, raw: dict) -> "ElasticSpec":
+        return cls(**{k: raw.get(k) for k in (
+            "model", "global_batch", "iterations", "num_gpus", "gpu_type", "deadline_s")},
+            guaranteed=bool(raw.get("guaranteed", False)))
+
+
+def is_elastic(comment: str | None) -> bool:
+    """True when a job's Comment marks it elastic (first word ``elastic``, any case)."""
+    if not comment:
+        return False
+    words = comment.strip().split(None, 1)
+    return bool(words) and words[0].lower() == COMMENT_TAG
+
+
+def _pairs(text: str, source: str) -> dict[str, str]:
+    """``key=value`` words of one source; duplicates and unknown keys are errors."""
+    out: dict[str, str] = {}
+    for word in text.split():
+        key, sep, value = word.partition("=")
+        if not sep:
+            raise ElasticSpecError(source, word, "write settings as key=value, e.g. model=gpt-1.3b")
+        key = key.strip().lower()
+        if not _KEY.fullmatch(key) or key not in KEYS:
+            raise ElasticSpecError(source, word, f"unknown key; use {', '.join(KEYS)}")
+        if key in out:
+            raise ElasticSpecError(key, value, f"set twice in the {source}; keep one")
+        if not value:
+            raise ElasticSpecError(key, value, "empty value")
+        if len(value) > MAX_VALUE_CHARS:
+            raise ElasticSpecError(key, value, f"longer than {MAX_VALUE_CHARS} characters")
+        if not _SAFE_VALUE.fullmatch(value):
+            raise ElasticSpecError(key, value,
+                                   "only letters, digits and . _ / : + - are allowed (no quotes, spaces or shell characters)")
+        out[key] = value
+    return out
+
+
+def comment_settings(comment: str | None) -> dict[str, str]:
+    """The ``key=value`` settings after ``elastic`` in a Comment (empty if none)."""
+    if comment is None:
+        return {}
+    if len(comment) > MAX_COMMENT_CHARS:
+        raise ElasticSpecError("comment", comment, f"longer than {MAX_COMMENT_CHARS} characters")
+    if not is_elastic(comment):
+        return {}
+    rest = comment.strip()[len(COMMENT_TAG):]
+    # Slurm shows a comment with commas or semicolons unchanged; accept them as separators
+    # so `--comment="elastic model=x,global_batch=8"` works too.
+    rest = re.sub(r"[,;]", " ", rest)
+    return _pairs(rest, "comment")
+
+
+def script_settings(script: str | None) -> dict[str, str]:
+    """The settings of the ``#ELASTIC`` lines of a batch script (empty if none).
+
+    Lines count only when ``#ELASTIC`` starts the line, as ``#SBATCH`` does.
+    """
+    if not script:
+        return {}
+    if len(script) > MAX_SCRIPT_CHARS:
+        raise ElasticSpecError("script", f"{len(script)} characters",
+                               f"batch scripts above {MAX_SCRIPT_CHARS} characters are not read")
+    lines = [line for line in script.splitlines() if line.startswith(SCRIPT_TAG)]
+    if len(lines) > MAX_SCRIPT_SPEC_LINES:
+        raise ElasticSpecError("script", f"{len(lines)} #ELASTIC lines",
+                               f"use at most {MAX_SCRIPT_SPEC_LINES}")
+    words: list[str] = []
+    for line in lines:
+        rest = line[len(SCRIPT_TAG):]
+        if rest and not rest[0].isspace():
+            raise ElasticSpecError("script", line, f"put a space after {SCRIPT_TAG}")
+        # A trailing shell comment on the line is allowed and ignored.
+        words.append(rest.split("#", 1)[0])
+    return _pairs(" ".join(words), "batch script")
+
+
+def merge_settings(from_script: dict[str, str], from_comment: dict[str, str]) -> dict[str, str]:
+    """Script settings overridden by comment settings."""
+    return {**from_script, **from_comment}
+
+
+def _int(settings: dict[str, str], key: str, low: int, high: int) -> int | None:
+    raw = settings.get(key)
+    if raw is None:
+        return None
+    try:
+        value = int(raw, 10)
+    except ValueError:
+        raise ElasticSpecError(key, raw, f"give a whole number between {low} and {high}") from None
+    if not low <= value <= high:
+        raise ElasticSpecError(key, raw, f"give a whole number between {low} and {high}")
+    return value
+
+
+def parse_deadline(raw: str) -> float:
+    """ISO 8601 date or date-time → Unix seconds; a time without zone is taken as UTC."""
+    text = raw[:-1] + "+00:00" if raw.endswith(("Z", "z")) else raw
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise ElasticSpecError("deadline", raw, "give an ISO 8601 time, e.g. 2026-12-01T18:00:00Z") from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    if not 2000 <= when.year <= 2200:
+        raise ElasticSpecError("deadline", raw, "give a year between 2000 and 2200")
+    return when.timestamp()
+
+
+def spec_from_settings(settings: dict[str, str]) -> ElasticSpec:
+    """Validate merged settings into an :class:`ElasticSpec` (the model is not loaded here)."""
+    for key in REQUIRED_KEYS:
+        if key not in settings:
+            raise ElasticSpecError(key, None, f"missing; add {key}=... to the comment or an {SCRIPT_TAG} line")
+    model = settings["model"]
+    if ".." in model.split("/"):
+        raise ElasticSpecError("model", model, "give a built-in model name or an absolute path without '..'")
+    gpu = settings.get("gpu_type")
+    if gpu is not None:
+        gpu = gpu.lower()
+        if gpu not in CATALOG:
+            raise ElasticSpecError("gpu_type", settings["gpu_type"], f"unknown GPU type; use one of {', '.join(CATALOG)}")
+    guaranteed_raw = settings.get("guaranteed", "no").lower()
+    if guaranteed_raw not in _YES | _NO:
+        raise ElasticSpecError("guaranteed", settings["guaranteed"], "write yes or no")
+    deadline = settings.get("deadline")
+    return ElasticSpec(
+        model=model,
+        global_batch=_int(settings, "global_batch", 1, MAX_GLOBAL_BATCH),
+        iterations=_int(settings, "iterations", 1, MAX_ITERATIONS),
+        num_gpus=_int(settings, "gpus", 1, MAX_GPUS),
+        gpu_type=gpu,
+        deadline_s=parse_deadline(deadline) if deadline is not None else None,
+        guaranteed=guaranteed_raw in _YES,
+    )
+
+
+def parse_spec(comment: str | None, script: str | None = None,
+               requested_gpus: int | None = None,
+               requested_type: str | None = None) -> ElasticSpec:
+    """The elastic spec of one job.
+
+    Args:
+        comment: the job's Comment (``elastic key=value ...``).
+        script: the batch script text, or None when it could not be read.
+        requested_gpus: the GPU count of the job's own Slurm request (e.g. ``--gres=gpu:4
+            -N2`` is 8), used when the spec sets no ``gpus``.
+        requested_type: the GPU type the user asked Slurm for (the submit hook keeps it as
+            ``requested=<type>`` in AdminComment), used when the spec sets no ``gpu_type``.
+
+    Raises:
+        ElasticSpecError: not elastic, or any setting is missing, unknown or out of range.
+    """
+    if not is_elastic(comment):
+        raise ElasticSpecError("comment", comment, f"not an elastic job; start the comment with '{COMMENT_TAG}'")
+    settings = merge_settings(script_settings(script), comment_settings(comment))
+    spec = spec_from_settings(settings)
+    if spec.num_gpus is None and requested_gpus:
+        spec = replace(spec, num_gpus=min(int(requested_gpus), MAX_GPUS))
+    if spec.gpu_type is None and requested_type and requested_type.lower() in CATALOG:
+        spec = replace(spec, gpu_type=requested_type.lower())
+    return spec
+
+
+def check_model(spec: ElasticSpec, load_model: Callable[[str], object]) -> object:
+    """Load the spec's model with ``load_model``; any failure becomes an ElasticSpecError.
+
+    A path must be absolute: the daemon does not run in the job's working directory.
+    """
+    if "/" in spec.model and not spec.model.startswith("/"):
+        raise ElasticSpecError("model", spec.model, "give a built-in model name or an absolute path to a YAML file")
+    try:
+        return load_model(spec.model)
+    except SpecError as e:
+        raise ElasticSpecError("model", spec.model, e.hint) from None
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise ElasticSpecError("model", spec.model, f"cannot be loaded: {type(e).__name__}") from None
