@@ -1,0 +1,286 @@
+"""The daemon's state: SQLite (standard library), one file, safe across crashes.
+
+Tables:
+
+- ``specs``: the elastic spec (or the spec error) seen for each job.
+- ``submit_times``: each job's original submit time; a requeue resets Slurm's.
+- ``progress``: iterations a job completed before its current run (kept across rescales).
+- ``estimates``: cached estimator results, by a key the caller builds.
+- ``journal``: every action on Slurm is written here *before* it is taken and marked
+  ``done`` (or ``failed``) after. A daemon that dies mid-action finds the open entries on
+  start; :func:`plan_recovery` says, purely from the entries and the jobs' current state,
+  what to redo so no job is lost or left held.
+
+Journal states: ``intended`` (written, maybe partly applied), ``done``, ``failed``,
+``abandoned`` (no longer applicable; the next round decides afresh).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from slurm_ext.slurm_client import JobUpdate, SlurmJob
+
+# Journal action kinds.
+START = "start"          # update a pending held job to its Cell, then release it
+RESCALE = "rescale"      # signal → requeued held → update → release
+SUSPEND = "suspend"      # signal → requeued held, stays held
+RELEASE = "release"      # a job the daemon will not manage: release it as submitted
+ANNOTATE = "annotate"    # AdminComment only
+KINDS = (START, RESCALE, SUSPEND, RELEASE, ANNOTATE)
+
+INTENDED, DONE, FAILED, ABANDONED = "intended", "done", "failed", "abandoned"
+
+# Recovery steps.
+REAPPLY = "reapply"      # write the entry's update again, then release
+RELEASE_ONLY = "release"
+CLOSE = "close"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS specs (
+    job_id INTEGER PRIMARY KEY, spec_json TEXT, error TEXT, seen_s REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS submit_times (
+    job_id INTEGER PRIMARY KEY, submit_s REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS progress (
+    job_id INTEGER PRIMARY KEY, iterations_done REAL NOT NULL, updated_s REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS estimates (
+    key TEXT PRIMARY KEY, value_json TEXT NOT NULL, created_s REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS journal (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, job_id INTEGER NOT NULL, kind TEXT NOT NULL,
+    payload_json TEXT NOT NULL, state TEXT NOT NULL, note TEXT NOT NULL DEFAULT '',
+    created_s REAL NOT NULL, updated_s REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS journal_open ON journal (state);
+"""
+
+
+@dataclass(frozen=True)
+class JournalEntry:
+    """One action on one job as written to the journal.
+
+    Attributes:
+        entry_id: the journal row id.
+        job_id: the Slurm job id.
+        kind: one of ``KINDS``.
+        update: the pending-job update the action applies (None for release-only kinds).
+        state: ``intended``, ``done``, ``failed`` or ``abandoned``.
+        note: why it was closed, or the failure's message.
+        created_s: when it was written (Unix seconds).
+    """
+
+    entry_id: int
+    job_id: int
+    kind: str
+    update: JobUpdate | None
+    state: str
+    note: str
+    created_s: float
+
+
+@dataclass(frozen=True)
+class RecoveryStep:
+    """What to do about one open journal entry: ``reapply``, ``release`` or ``close``."""
+
+    entry: JournalEntry
+    step: str
+    why: str
+
+
+def _update_to_json(update: JobUpdate | None) -> str:
+    if update is None:
+        return "null"
+    return json.dumps({"partition": update.partition, "gpus_per_node": update.gpus_per_node,
+                       "num_nodes": update.num_nodes, "admin_comment": update.admin_comment,
+                       "start_now": update.start_now})
+
+
+def _update_from_json(text: str) -> JobUpdate | None:
+    raw = json.loads(text)
+    return None if raw is None else JobUpdate(**raw)
+
+
+class Store:
+    """The daemon's SQLite state. One connection, used from one thread at a time.
+
+    Args:
+        path: the database file (created with its parent directory), or ``:memory:``.
+    """
+
+    def __init__(self, path: str | Path):
+        if str(path) != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        # isolation_level=None: autocommit; each write is durable once the call returns,
+        # which is what write-ahead journaling needs.
+        self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+        self._lock = threading.Lock()
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    def _exec(self, sql: str, args: Iterable = ()) -> sqlite3.Cursor:
+        with self._lock:
+            return self._db.execute(sql, tuple(args))
+
+    def _many(self, sql: str, rows: list[tuple]) -> None:
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                self._db.executemany(sql, rows)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    # -- specs --------------------------------------------------------------------------
+    def put_spec(self, job_id: int, spec_json: dict | None, error: str | None, now_s: float) -> None:
+        """Remember a job's parsed spec, or the error its spec raised."""
+        self._exec("INSERT OR REPLACE INTO specs VALUES (?, ?, ?, ?)",
+                   (job_id, None if spec_json is None else json.dumps(spec_json), error, now_s))
+
+    def spec(self, job_id: int) -> tuple[dict | None, str | None] | None:
+        """(spec JSON, error) of a job, or None when never seen."""
+        row = self._exec("SELECT spec_json, error FROM specs WHERE job_id = ?", (job_id,)).fetchone()
+        if row is None:
+            return None
+        return (None if row[0] is None else json.loads(row[0]), row[1])
+
+    def specs(self) -> dict[int, tuple[dict | None, str | None]]:
+        """Every remembered spec, by job id."""
+        rows = self._exec("SELECT job_id, spec_json, error FROM specs").fetchall()
+        return {r[0]: (None if r[1] is None else json.loads(r[1]), r[2]) for r in rows}
+
+    # -- original submit times ----------------------------------------------------------
+    def submit_times(self, jobs: Mapping[int, float]) -> dict[int, float]:
+        """Record first-seen submit times and return the original one of every job given.
+
+        Args:
+            jobs: job id → the submit time Slurm reports now (reset by a requeue).
+        """
+        if not jobs:
+            return {}
+        self._many("INSERT OR IGNORE INTO submit_times VALUES (?, ?)",
+                   [(j, float(s)) for j, s in jobs.items()])
+        known = dict(self._exec("SELECT job_id, submit_s FROM submit_times").fetchall())
+        return {j: known.get(j, float(s)) for j, s in jobs.items()}
+
+    # -- progress -----------------------------------------------------------------------
+    def add_progress(self, job_id: int, iterations: float, now_s: float) -> None:
+        """Add iterations a run completed (called when the run is stopped for a rescale)."""
+        self._exec("INSERT INTO progress VALUES (?, ?, ?) ON CONFLICT(job_id) DO UPDATE SET "
+                   "iterations_done = iterations_done + excluded.iterations_done, "
+                   "updated_s = excluded.updated_s", (job_id, float(iterations), now_s))
+
+    def progress(self) -> dict[int, float]:
+        """Job id → iterations completed in earlier runs."""
+        return dict(self._exec("SELECT job_id, iterations_done FROM progress").fetchall())
+
+    # -- estimates cache ----------------------------------------------------------------
+    def get_estimate(self, key: str) -> object | None:
+        row = self._exec("SELECT value_json FROM estimates WHERE key = ?", (key,)).fetchone()
+        return None if row is None else json.loads(row[0])
+
+    def put_estimate(self, key: str, value: object, now_s: float) -> None:
+        self._exec("INSERT OR REPLACE INTO estimates VALUES (?, ?, ?)",
+                   (key, json.dumps(value), now_s))
+
+    # -- forgetting finished jobs --------------------------------------------------------
+    def forget_jobs_except(self, active_job_ids: Iterable[int]) -> int:
+        """Drop specs, submit times and progress of jobs no longer active; returns rows dropped.
+
+        Open journal entries are kept: recovery closes them.
+        """
+        keep = set(active_job_ids)
+        dropped = 0
+        for table in ("specs", "submit_times", "progress"):
+            ids = [r[0] for r in self._exec(f"SELECT job_id FROM {table}").fetchall() if r[0] not in keep]
+            if ids:
+                self._many(f"DELETE FROM {table} WHERE job_id = ?", [(i,) for i in ids])
+                dropped += len(ids)
+        return dropped
+
+    # -- journal ------------------------------------------------------------------------
+    def intend(self, job_id: int, kind: str, update: JobUpdate | None, now_s: float) -> int:
+        """Write an action before taking it; returns the entry id."""
+        if kind not in KINDS:
+            raise ValueError(f"journal kind {kind!r}: use one of {', '.join(KINDS)}")
+        cur = self._exec("INSERT INTO journal (job_id, kind, payload_json, state, created_s, updated_s) "
+                         "VALUES (?, ?, ?, ?, ?, ?)",
+                         (job_id, kind, _update_to_json(update), INTENDED, now_s, now_s))
+        return int(cur.lastrowid)
+
+    def close_entry(self, entry_id: int, state: str, now_s: float, note: str = "") -> None:
+        """Mark an entry ``done``, ``failed`` or ``abandoned``."""
+        if state not in (DONE, FAILED, ABANDONED):
+            raise ValueError(f"journal state {state!r}: use done, failed or abandoned")
+        self._exec("UPDATE journal SET state = ?, note = ?, updated_s = ? WHERE id = ?",
+                   (state, note[:500], now_s, entry_id))
+
+    def open_entries(self) -> tuple[JournalEntry, ...]:
+        """Entries written but not closed, oldest first."""
+        return self._entries("WHERE state = ? ORDER BY id", (INTENDED,))
+
+    def entries(self, job_id: int | None = None) -> tuple[JournalEntry, ...]:
+        """All entries (of one job), oldest first."""
+        if job_id is None:
+            return self._entries("ORDER BY id", ())
+        return self._entries("WHERE job_id = ? ORDER BY id", (job_id,))
+
+    def _entries(self, where: str, args: tuple) -> tuple[JournalEntry, ...]:
+        rows = self._exec("SELECT id, job_id, kind, payload_json, state, note, created_s "
+                          f"FROM journal {where}", args).fetchall()
+        return tuple(JournalEntry(r[0], r[1], r[2], _update_from_json(r[3]), r[4], r[5], r[6])
+                     for r in rows)
+
+    def prune_journal(self, older_than_s: float) -> int:
+        """Delete closed entries written before ``older_than_s``; returns how many."""
+        cur = self._exec("DELETE FROM journal WHERE state != ? AND created_s < ?",
+                         (INTENDED, older_than_s))
+        return cur.rowcount
+
+
+def plan_recovery(entries: Iterable[JournalEntry],
+                  jobs: Mapping[int, SlurmJob]) -> tuple[RecoveryStep, ...]:
+    """What to do about open journal entries, given the jobs as Slurm shows them now.
+
+    Rules (the daemon may have died anywhere between writing an entry and closing it):
+
+    - the job is gone or finished: close the entry;
+    - a later open entry of the same job supersedes an earlier one: close the earlier;
+    - ``start`` / ``rescale`` and the job is held: the update may be half-written and the
+      release missing, so write the update again and release;
+    - ``release`` / ``annotate`` and the job is held: release it (annotate entries only
+      write AdminComment, so a held job was held for another reason: leave it and close);
+    - ``suspend`` and the job is held: that is the intended end state; close;
+    - the job is pending and not held, or running: the action completed (or, for a
+      rescale whose signal went out, the job will come back held and the next round
+      handles it like any pending job); close.
+    """
+    open_entries = sorted(entries, key=lambda e: e.entry_id)
+    latest: dict[int, int] = {}
+    for e in open_entries:
+        latest[e.job_id] = e.entry_id
+    steps: list[RecoveryStep] = []
+    for e in open_entries:
+        job = jobs.get(e.job_id)
+        if latest[e.job_id] != e.entry_id:
+            steps.append(RecoveryStep(e, CLOSE, "superseded by a later entry"))
+        elif job is None or not job.is_active:
+            steps.append(RecoveryStep(e, CLOSE, "job no longer active"))
+        elif not job.is_held:
+            steps.append(RecoveryStep(e, CLOSE, f"job is {job.state.lower()} and not held"))
+        elif e.kind in (START, RESCALE) and e.update is not None:
+            steps.append(RecoveryStep(e, REAPPLY, "held with the update unfinished"))
+        elif e.kind == RELEASE:
+            steps.append(RecoveryStep(e, RELEASE_ONLY, "held; release it as submitted"))
+        elif e.kind == SUSPEND:
+            steps.append(RecoveryStep(e, CLOSE, "suspended and held, as intended"))
+        else:
+            steps.append(RecoveryStep(e, CLOSE, "nothing to redo"))
+    return tuple(steps)

@@ -1,0 +1,138 @@
+"""The state store and the journal's recovery plan."""
+
+import sqlite3
+
+import pytest
+
+from slurm_ext.slurm_client import JobUpdate, SlurmJob
+from slurm_ext.store import (
+    ABANDONED, ANNOTATE, CLOSE, DONE, INTENDED, REAPPLY, RELEASE, RELEASE_ONLY, RESCALE,
+    START, SUSPEND, Store, plan_recovery,
+)
+
+UPDATE = JobUpdate(partition="a100", gpus_per_node=4, num_nodes=2,
+                   admin_comment="cell=a100x8:s2 plan=[dp2tp2|dp4tp1] mb=8 why=best")
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = Store(tmp_path / "state" / "slurm-ext.db")
+    yield s
+    s.close()
+
+
+def held(job_id, state="PENDING"):
+    return SlurmJob(job_id, "alice", "train", state, reason="JobHeldAdmin", priority=0,
+                    comment="elastic")
+
+
+def job(job_id, state, reason="Priority", priority=100):
+    return SlurmJob(job_id, "alice", "train", state, reason=reason, priority=priority,
+                    comment="elastic")
+
+
+def test_journal_is_durable_across_reopen(tmp_path):
+    path = tmp_path / "j.db"
+    s = Store(path)
+    first = s.intend(7, START, UPDATE, now_s=100.0)
+    second = s.intend(8, RELEASE, None, now_s=101.0)
+    s.close_entry(second, DONE, now_s=102.0, note="released")
+    s.close()  # as if the daemon died here
+    reopened = Store(path)
+    open_ = reopened.open_entries()
+    assert [e.entry_id for e in open_] == [first]
+    assert open_[0].update == UPDATE and open_[0].kind == START and open_[0].state == INTENDED
+    assert [e.state for e in reopened.entries()] == [INTENDED, DONE]
+    assert reopened.entries(8)[0].note == "released"
+    reopened.close()
+
+
+def test_rejects_unknown_kinds_and_states(store):
+    with pytest.raises(ValueError, match="kind 'explode'"):
+        store.intend(1, "explode", None, 0.0)
+    entry = store.intend(1, START, UPDATE, 0.0)
+    with pytest.raises(ValueError, match="state 'intended'"):
+        store.close_entry(entry, INTENDED, 1.0)
+
+
+def test_submit_time_survives_requeue(store):
+    assert store.submit_times({5: 1000.0, 6: 1010.0}) == {5: 1000.0, 6: 1010.0}
+    # A requeue resets Slurm's submit time; the store keeps the original.
+    assert store.submit_times({5: 2000.0, 9: 2001.0}) == {5: 1000.0, 9: 2001.0}
+
+
+def test_specs_estimates_progress(store):
+    store.put_spec(3, {"model": "gpt-1.3b"}, None, 1.0)
+    store.put_spec(4, None, "model='x': unknown", 1.0)
+    assert store.spec(3) == ({"model": "gpt-1.3b"}, None)
+    assert store.spec(4) == (None, "model='x': unknown")
+    assert store.spec(5) is None
+    store.put_estimate("k", [{"a": 1}], 1.0)
+    assert store.get_estimate("k") == [{"a": 1}] and store.get_estimate("other") is None
+    store.add_progress(3, 10.5, 1.0)
+    store.add_progress(3, 4.5, 2.0)
+    assert store.progress() == {3: 15.0}
+    store.submit_times({3: 1.0, 4: 1.0})
+    assert store.forget_jobs_except([3]) == 2
+    assert store.spec(4) is None and store.spec(3) is not None
+
+
+def test_prune_keeps_open_entries(store):
+    a = store.intend(1, START, UPDATE, 10.0)
+    b = store.intend(2, START, UPDATE, 10.0)
+    store.close_entry(b, DONE, 11.0)
+    assert store.prune_journal(older_than_s=50.0) == 1
+    assert [e.entry_id for e in store.entries()] == [a]
+
+
+def test_writes_are_committed_immediately(tmp_path):
+    path = tmp_path / "j.db"
+    s = Store(path)
+    s.intend(11, RESCALE, UPDATE, 5.0)
+    other = sqlite3.connect(path)  # another process reading while the daemon runs
+    assert other.execute("SELECT job_id, state FROM journal").fetchall() == [(11, INTENDED)]
+    other.close()
+    s.close()
+
+
+def entries(store, *specs):
+    for job_id, kind in specs:
+        store.intend(job_id, kind, UPDATE if kind in (START, RESCALE) else None, 1.0)
+    return store.open_entries()
+
+
+def steps_by_job(steps):
+    return {s.entry.job_id: s.step for s in steps}
+
+
+def test_recovery_reapplies_held_starts_and_rescales(store):
+    es = entries(store, (1, START), (2, RESCALE), (3, START), (4, RESCALE))
+    jobs = {1: held(1), 2: held(2, "SPECIAL_EXIT"), 3: job(3, "RUNNING"), 4: job(4, "RUNNING")}
+    assert steps_by_job(plan_recovery(es, jobs)) == {1: REAPPLY, 2: REAPPLY, 3: CLOSE, 4: CLOSE}
+
+
+def test_recovery_releases_and_closes(store):
+    es = entries(store, (1, RELEASE), (2, SUSPEND), (3, ANNOTATE), (4, START), (5, START))
+    jobs = {1: held(1), 2: held(2), 3: held(3), 4: job(4, "PENDING"),
+            5: job(5, "COMPLETED")}
+    steps = plan_recovery(es, jobs)
+    assert steps_by_job(steps) == {1: RELEASE_ONLY, 2: CLOSE, 3: CLOSE, 4: CLOSE, 5: CLOSE}
+    # A job Slurm forgot is closed too.
+    assert steps_by_job(plan_recovery(es, {})) == {i: CLOSE for i in range(1, 6)}
+
+
+def test_recovery_only_acts_on_the_latest_entry_of_a_job(store):
+    es = entries(store, (1, START), (1, RESCALE))
+    steps = plan_recovery(es, {1: held(1)})
+    assert [(s.entry.kind, s.step) for s in steps] == [(START, CLOSE), (RESCALE, REAPPLY)]
+    assert "superseded" in steps[0].why
+
+
+def test_held_means_hold_reason_or_zero_priority(store):
+    es = entries(store, (1, START))
+    not_held = job(1, "PENDING", reason="Resources", priority=5)
+    assert plan_recovery(es, {1: not_held})[0].step == CLOSE
+    zero_prio = job(1, "PENDING", reason="None", priority=0)
+    assert plan_recovery(es, {1: zero_prio})[0].step == REAPPLY
+    store.close_entry(es[0].entry_id, ABANDONED, 2.0, "test")
+    assert store.open_entries() == ()
