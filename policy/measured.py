@@ -1,0 +1,139 @@
+"""Ground truth of the simulator: measured seconds per iteration for an allocation.
+
+The table (``policy/data/measured_iter_time.csv``) gives, per (model, size, global batch,
+GPU type, nodes, GPUs per node), the iteration time of the best plan found on real GPUs.
+A simulated job advances at this rate for the allocation it actually holds.
+
+Rule for allocations that were not measured (written down in docs/simulation.md):
+
+1. The exact layout (GPU type, nodes, GPUs per node) measured and successful: its time.
+2. Else the nearest measured layout of the same model, batch, GPU type and GPU count:
+   nearest in log2(GPUs per node); on a tie, the slower one (a conservative guess). A
+   layout whose measurement failed (out of memory) is never used as a neighbour.
+3. Else the allocation is not runnable: no GPU count is ever extrapolated, because
+   memory, not speed, decides whether a model fits on fewer GPUs.
+
+An uneven placement (e.g. 4 + 2 + 2 GPUs) counts as its number of nodes and its largest
+per-node share; rule 2 then finds the nearest measured layout.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from estimator.errors import SpecError
+
+DEFAULT_MEASURED_PATH = Path(__file__).parent / "data" / "measured_iter_time.csv"
+_COLUMNS = ("model", "param", "global_batch", "gpu_type", "num_nodes", "gpus_per_node",
+            "num_gpus", "iter_time_s")
+
+
+def model_name(family: str, param_label: str) -> str:
+    """The built-in model name of a table row: (``gpt``, ``1.3B``) → ``gpt-1.3b``."""
+    return f"{family}-{param_label.lower()}"
+
+
+@dataclass(frozen=True)
+class MeasuredPoint:
+    """One row: an allocation's measured iteration time (None when the run failed)."""
+
+    model: str
+    global_batch: int
+    gpu_type: str
+    num_nodes: int
+    gpus_per_node: int
+    iter_time_s: float | None
+
+    @property
+    def num_gpus(self) -> int:
+        return self.num_nodes * self.gpus_per_node
+
+
+class MeasuredTable:
+    """Lookup of measured iteration times, with the nearest-layout rule.
+
+    Args:
+        points: the rows.
+        source: where they came from (for messages).
+    """
+
+    def __init__(self, points: tuple[MeasuredPoint, ...], source: str = "<memory>"):
+        self.points = points
+        self.source = source
+        self._exact: dict[tuple, float | None] = {}
+        self._by_count: dict[tuple, list[MeasuredPoint]] = {}
+        for p in points:
+            self._exact[(p.model, p.global_batch, p.gpu_type, p.num_nodes, p.gpus_per_node)] = p.iter_time_s
+            self._by_count.setdefault((p.model, p.global_batch, p.gpu_type, p.num_gpus), []).append(p)
+        self._cache: dict[tuple, float | None] = {}
+
+    def iter_time_s(self, model: str, global_batch: int, gpu_type: str,
+                    num_nodes: int, gpus_per_node: int) -> float | None:
+        """Seconds per iteration on this allocation, or None when it is not runnable."""
+        key = (model, global_batch, gpu_type, num_nodes, gpus_per_node)
+        if key in self._cache:
+            return self._cache[key]
+        value = self._lookup(key)
+        self._cache[key] = value
+        return value
+
+    def _lookup(self, key: tuple) -> float | None:
+        model, batch, gtype, nodes, per_node = key
+        exact = self._exact.get(key)
+        if exact is not None:
+            return exact
+        candidates = [p for p in self._by_count.get((model, batch, gtype, nodes * per_node), ())
+                      if p.iter_time_s is not None]
+        if not candidates:
+            return None
+        target = math.log2(per_node)
+        best = min(candidates, key=lambda p: (abs(math.log2(p.gpus_per_node) - target), -p.iter_time_s))
+        return best.iter_time_s
+
+    def best_locality_iter_time_s(self, model: str, global_batch: int, gpu_type: str,
+                                  num_gpus: int, node_size: int) -> float | None:
+        """The time of the most local layout (fewest nodes) — what a trace record asks for.
+
+        Only the exact layout counts here (no nearest-layout rule), as in the papers' trace
+        generator: a request is accepted only when this very allocation was measured.
+        """
+        per_node = min(num_gpus, node_size)
+        if per_node <= 0 or num_gpus % per_node:
+            return None
+        return self._exact.get((model, global_batch, gpu_type, num_gpus // per_node, per_node))
+
+    def models(self) -> tuple[str, ...]:
+        return tuple(sorted({p.model for p in self.points}))
+
+    def has_config(self, model: str, global_batch: int) -> bool:
+        return any(k[0] == model and k[1] == global_batch for k in self._exact)
+
+
+def load_measured(path: str | Path | None = None) -> MeasuredTable:
+    """Read a measured table (CSV with the columns of ``measured_iter_time.csv``).
+
+    Raises:
+        SpecError: the file is missing, lacks a column or has an unreadable row.
+    """
+    path = Path(path) if path is not None else DEFAULT_MEASURED_PATH
+    if not path.exists():
+        raise SpecError("measured", str(path), "give a readable CSV of measured iteration times")
+    points = []
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        missing = [c for c in _COLUMNS if c not in (reader.fieldnames or ())]
+        if missing:
+            raise SpecError("measured", str(path), f"missing column(s) {', '.join(missing)}")
+        for i, row in enumerate(reader, start=2):
+            try:
+                t = float(row["iter_time_s"])
+                points.append(MeasuredPoint(
+                    model_name(row["model"], row["param"]), int(row["global_batch"]),
+                    row["gpu_type"].strip().lower(), int(row["num_nodes"]),
+                    int(row["gpus_per_node"]), t if t > 0 else None))
+            except (TypeError, ValueError):
+                raise SpecError(f"measured line {i}", dict(row), "numbers expected in every column") from None
+    return MeasuredTable(tuple(points), str(path))
