@@ -1,0 +1,235 @@
+"""The daemon's configuration, resolved once into a frozen value.
+
+Precedence: command-line flag > environment (``SLURM_EXT_<KEY>``) > YAML file > defaults.
+Every key is documented in ``etc/slurm-ext.yaml``. :func:`resolve` is pure; only
+:func:`read_yaml` touches the filesystem.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import yaml
+
+from estimator.errors import SpecError
+from estimator.gpus import CATALOG
+
+ENV_PREFIX = "SLURM_EXT_"
+ENV_CONFIG = "SLURM_EXT_CONFIG"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+PLAN_SPACES = ("cell", "dp-only")
+
+
+class ConfigError(SpecError):
+    """A configuration value is invalid; the message names the key and where it came from."""
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """Everything the daemon reads from its configuration.
+
+    Attributes:
+        interval_s: seconds between scheduling rounds.
+        poll_s: seconds between cheap checks for newly submitted elastic jobs; a new one
+            starts a round early. 0 disables the check.
+        policy: the registered policy name.
+        policy_options: keyword configuration passed to the policy's constructor.
+        partitions: partition → GPU type. Empty: derived from the nodes' typed GPUs
+            (a partition whose nodes all carry one GPU type maps to it).
+        cluster: a cluster spec (built-in name or YAML path) giving the estimator the
+            network between nodes; None: derived from Slurm's nodes with ``network``.
+        network: network kind for a derived cluster spec (``default``, ``infiniband``, ...).
+        state_db: the SQLite state file.
+        metrics_port: port of the Prometheus endpoint; None: no metrics.
+        rescale_timeout_s: how long a running job may take to checkpoint and requeue
+            itself after USR1 before it is requeued by force.
+        dry_run: print the actions instead of taking them.
+        plan_space: estimator plan space for policies (``cell``; ``dp-only`` restricts
+            plans to data parallelism).
+        max_gpus: the largest GPU count the estimator considers for one job.
+        micro_batches: micro-batches per iteration; None: the estimator's default.
+        log_level: DEBUG, INFO, WARNING or ERROR.
+        slurm_timeout_s: time limit of each Slurm command.
+        backoff_max_s: longest wait between retries while slurmctld does not answer.
+        max_annotations_per_round: AdminComment-only updates (why a job waits) per round;
+            bounds a round's Slurm calls when thousands of jobs wait.
+    """
+
+    interval_s: float = 60.0
+    poll_s: float = 2.0
+    policy: str = "crius"
+    policy_options: tuple[tuple[str, object], ...] = ()
+    partitions: tuple[tuple[str, str], ...] = ()
+    cluster: str | None = None
+    network: str = "default"
+    state_db: str = "/var/lib/slurm-ext/state.db"
+    metrics_port: int | None = None
+    rescale_timeout_s: float = 120.0
+    dry_run: bool = False
+    plan_space: str = "cell"
+    max_gpus: int = 64
+    micro_batches: int | None = None
+    log_level: str = "INFO"
+    slurm_timeout_s: float = 30.0
+    backoff_max_s: float = 300.0
+    max_annotations_per_round: int = 200
+
+    def partition_map(self) -> dict[str, str]:
+        return dict(self.partitions)
+
+
+KEYS = tuple(f.name for f in fields(DaemonConfig))
+_FLOATS = {"interval_s", "poll_s", "rescale_timeout_s", "slurm_timeout_s", "backoff_max_s"}
+_INTS = {"max_gpus", "max_annotations_per_round"}
+_OPTIONAL_INTS = {"metrics_port", "micro_batches"}
+
+
+def read_yaml(path: str | Path) -> dict:
+    """The mapping in a YAML config file (empty file: empty mapping)."""
+    p = Path(path)
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except OSError as e:
+        raise ConfigError("config", str(path), f"cannot read: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError("config", str(path), f"malformed YAML: {str(e).splitlines()[0]}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError("config", str(path), "the file must hold a mapping of key: value")
+    return raw
+
+
+def env_values(env: Mapping[str, str]) -> dict[str, str]:
+    """``SLURM_EXT_<KEY>`` variables as config keys (``SLURM_EXT_INTERVAL_S`` → interval_s)."""
+    out = {}
+    for name, value in env.items():
+        if name.startswith(ENV_PREFIX) and name != ENV_CONFIG:
+            key = name[len(ENV_PREFIX):].lower()
+            if key in KEYS:
+                out[key] = value
+    return out
+
+
+def _bool(key: str, raw: object, source: str) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigError(key, raw, f"({source}) write true or false")
+
+
+def _number(key: str, raw: object, source: str, kind: type, optional: bool) -> float | int | None:
+    if optional and (raw is None or (isinstance(raw, str) and raw.strip().lower() in ("", "none", "null"))):
+        return None
+    if isinstance(raw, bool):
+        raise ConfigError(key, raw, f"({source}) give a number")
+    try:
+        value = kind(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(key, raw, f"({source}) give a {'whole ' if kind is int else ''}number") from None
+    if value < 0 or (kind is float and value != value):
+        raise ConfigError(key, raw, f"({source}) give a non-negative number")
+    return value
+
+
+def _partitions(raw: object, source: str) -> tuple[tuple[str, str], ...]:
+    if raw is None or raw == "":
+        return ()
+    if isinstance(raw, str):  # environment form: "a100=a100,gpu-old=v100"
+        pairs = []
+        for item in raw.split(","):
+            part, sep, gpu = item.partition("=")
+            if not sep:
+                raise ConfigError("partitions", raw, f"({source}) write partition=gpu_type,...")
+            pairs.append((part.strip(), gpu.strip()))
+        raw = dict(pairs)
+    if not isinstance(raw, dict):
+        raise ConfigError("partitions", raw, f"({source}) give a mapping partition: gpu_type")
+    out = []
+    for part, gpu in raw.items():
+        gpu_name = str(gpu).strip().lower()
+        if gpu_name not in CATALOG:
+            raise ConfigError(f"partitions.{part}", gpu, f"({source}) unknown GPU type; use one of {', '.join(CATALOG)}")
+        out.append((str(part), gpu_name))
+    return tuple(sorted(out))
+
+
+def _coerce(key: str, raw: object, source: str) -> object:
+    if key in _FLOATS:
+        value = _number(key, raw, source, float, False)
+        if key in ("interval_s", "slurm_timeout_s") and value <= 0:
+            raise ConfigError(key, raw, f"({source}) give a positive number of seconds")
+        return value
+    if key in _INTS:
+        return _number(key, raw, source, int, False)
+    if key in _OPTIONAL_INTS:
+        value = _number(key, raw, source, int, True)
+        if key == "metrics_port" and value is not None and not 0 < value < 65536:
+            raise ConfigError(key, raw, f"({source}) give a TCP port 1-65535 or null")
+        return value
+    if key == "dry_run":
+        return _bool(key, raw, source)
+    if key == "partitions":
+        return _partitions(raw, source)
+    if key == "policy_options":
+        if raw is None:
+            return ()
+        if not isinstance(raw, dict):
+            raise ConfigError(key, raw, f"({source}) give a mapping of option: value")
+        return tuple(sorted((str(k), v) for k, v in raw.items()))
+    if key == "log_level":
+        level = str(raw).strip().upper()
+        if level not in LOG_LEVELS:
+            raise ConfigError(key, raw, f"({source}) use one of {', '.join(LOG_LEVELS)}")
+        return level
+    if key == "plan_space":
+        if raw not in PLAN_SPACES:
+            raise ConfigError(key, raw, f"({source}) use one of {', '.join(PLAN_SPACES)}")
+        return raw
+    if key == "cluster":
+        return None if raw in (None, "", "none", "null") else str(raw)
+    if key in ("policy", "network", "state_db"):
+        if not isinstance(raw, str) or not raw.strip():
+            raise ConfigError(key, raw, f"({source}) give a non-empty string")
+        return raw.strip()
+    raise ConfigError(key, raw, f"({source}) unknown key; known: {', '.join(KEYS)}")
+
+
+def resolve(flags: Mapping[str, object] | None = None, env: Mapping[str, str] | None = None,
+            file_values: Mapping[str, object] | None = None,
+            file_name: str = "config file") -> DaemonConfig:
+    """Merge the sources into one DaemonConfig (flag > environment > file > default).
+
+    Args:
+        flags: values given on the command line (None values are ignored).
+        env: the process environment (only ``SLURM_EXT_*`` keys are read).
+        file_values: the YAML file's mapping.
+        file_name: the file's name, quoted in errors.
+
+    Raises:
+        ConfigError: an unknown key in the file or an invalid value anywhere, naming its source.
+    """
+    values: dict[str, object] = {}
+    for key in (file_values or {}):
+        if key not in KEYS:
+            raise ConfigError(str(key), file_values[key], f"({file_name}) unknown key; known: {', '.join(KEYS)}")
+    layers = [(file_name, dict(file_values or {})), ("environment", env_values(env or {})),
+              ("command line", {k: v for k, v in (flags or {}).items() if v is not None})]
+    for source, layer in layers:
+        for key, raw in layer.items():
+            values[key] = _coerce(key, raw, source)
+    return DaemonConfig(**values)
+
+
+def load_config(config_path: str | None, flags: Mapping[str, object] | None,
+                env: Mapping[str, str]) -> DaemonConfig:
+    """Read the YAML file (``--config``, else ``$SLURM_EXT_CONFIG``, else none) and resolve."""
+    path = config_path or env.get(ENV_CONFIG)
+    file_values = read_yaml(path) if path else {}
+    return resolve(flags, env, file_values, file_name=str(path) if path else "config file")

@@ -1,0 +1,95 @@
+"""The squeue view: AdminComment round trip, rows, table and JSON."""
+
+import json
+
+from estimator.cells import StagePlan
+from slurm_ext.slurm_client import SlurmJob
+from slurm_ext.squeue_view import (
+    PlanComment, cell_of, format_plan_comment, format_table, job_row, parse_plan_comment,
+    plan_label, rows, to_json,
+)
+
+FULL = PlanComment(requested="a100", cell="a100x8:s2", plan="[dp2tp2|dp4tp1]",
+                   micro_batches=16, samples_per_s=412.5, why="fastest feasible, 8 a100 free")
+
+
+def test_plan_label():
+    stages = (StagePlan(0, 12, 2, 2), StagePlan(12, 24, 4, 1))
+    assert plan_label(stages) == "[dp2tp2|dp4tp1]"
+
+
+def test_admin_comment_round_trip():
+    text = format_plan_comment(FULL)
+    assert text == ("requested=a100 cell=a100x8:s2 plan=[dp2tp2|dp4tp1] mb=16 sps=412.5 "
+                    "why=fastest feasible, 8 a100 free")
+    assert parse_plan_comment(text) == FULL
+    assert FULL.cell_parts() == ("a100", 8, 2)
+
+
+def test_why_is_one_ascii_line_and_error_wins():
+    pc = PlanComment(why="scaled 4→2 a100\nfor job 17 ünd", error=None)
+    text = format_plan_comment(pc)
+    assert text == "why=scaled 4->2 a100 for job 17 ?nd"
+    err = format_plan_comment(PlanComment(requested="any", why="x", error="model='q': unknown"))
+    assert err == "requested=any error=model='q': unknown"
+    assert parse_plan_comment(err).error == "model='q': unknown"
+
+
+def test_parse_tolerates_foreign_text():
+    assert parse_plan_comment("requested=any") == PlanComment(requested="any")
+    assert parse_plan_comment("set by admin") == PlanComment()
+    assert parse_plan_comment("mb=x sps=fast cell=weird") == PlanComment(cell="weird")
+    assert parse_plan_comment(None) == PlanComment()
+    assert PlanComment(cell="weird").cell_parts() is None
+
+
+def test_cell_of_uses_layout():
+    cell = cell_of(FULL, gpus_per_node=4)
+    assert (cell.gpu_type, cell.num_gpus, cell.num_stages, cell.num_nodes) == ("a100", 8, 2, 2)
+
+
+def running_elastic():
+    return SlurmJob(12, "alice", "train", "RUNNING", reason="None", partition="a100",
+                    comment="elastic model=gpt-1.3b", admin_comment=format_plan_comment(FULL),
+                    gpus_per_node=4, granted_gpus_per_node=(4, 4), granted_gpu_type="a100",
+                    nodes=("a100-1", "a100-2"), node_count=2)
+
+
+def test_rows_for_each_kind_of_job():
+    pending_plain = SlurmJob(13, "bob", "plain", "PENDING", reason="Resources", partition="v100",
+                             gpus_per_node=2, gpu_type_requested="v100", node_count=1)
+    held = SlurmJob(14, "carol", "t", "PENDING", reason="JobHeldUser", priority=0,
+                    comment="elastic", admin_comment="requested=any", gpus_per_node=1, node_count=1)
+    bad = SlurmJob(15, "dave", "t", "RUNNING", comment="elastic model=nope",
+                   admin_comment="requested=any error=model='nope': unknown model",
+                   granted_gpus_per_node=(2,), granted_gpu_type="a10", node_count=1)
+    waiting = SlurmJob(16, "erin", "t", "PENDING", reason="Priority", priority=1, comment="elastic",
+                       admin_comment="why=waiting for 8 a100", gpus_per_node=4, node_count=2)
+    done = SlurmJob(11, "x", "t", "COMPLETED")
+    table = rows([bad, held, running_elastic(), pending_plain, waiting, done])
+    assert [r.job_id for r in table] == [12, 13, 14, 15, 16]
+    r12, r13, r14, r15, r16 = table
+    assert (r12.gpus, r12.gpu_type, r12.nodes, r12.elastic) == (8, "a100", 2, True)
+    assert (r12.cell, r12.plan, r12.samples_per_s, r12.micro_batches) == ("a100x8:s2", "[dp2tp2|dp4tp1]", 412.5, 16)
+    assert (r13.gpus, r13.gpu_type, r13.elastic, r13.why, r13.cell) == (2, "v100", False, "Resources", None)
+    assert r14.why == "waiting for the slurm-ext daemon" and r14.requested == "any"
+    assert r15.spec_error == "model='nope': unknown model" and "runs as submitted" in r15.why
+    assert r16.why == "waiting for 8 a100 (slurm: Priority)" and r16.gpus == 8
+    assert len(rows([done], include_finished=True)) == 1
+
+
+def test_table_and_json():
+    table = rows([running_elastic()])
+    text = format_table(table)
+    header, line = text.splitlines()
+    assert header.split() == ["JOBID", "USER", "STATE", "PARTITION", "GPUS", "ELASTIC", "CELL",
+                              "PLAN", "SAMPLES/S", "WHY"]
+    assert line.split()[:9] == ["12", "alice", "RUNNING", "a100", "8xa100", "yes", "a100x8:s2",
+                                "[dp2tp2|dp4tp1]", "412.5"]
+    assert line.endswith("fastest feasible, 8 a100 free")
+    doc = json.loads(json.dumps(to_json(table)))
+    assert set(doc) == {"jobs"}
+    assert set(doc["jobs"][0]) == {"job_id", "user", "state", "partition", "gpus", "gpu_type",
+                                   "nodes", "elastic", "cell", "plan", "micro_batches",
+                                   "samples_per_s", "requested", "why", "spec_error"}
+    assert doc["jobs"][0]["job_id"] == 12 and doc["jobs"][0]["elastic"] is True
