@@ -1,0 +1,63 @@
+--[[
+slurm-ext: normalize elastic submissions (comment starting with "elastic").
+
+Slurm 22.05 cannot change a pending job's GPU type, so an elastic job must carry an
+untyped GPU count; the type is then chosen by partition (one partition per GPU type).
+At submit time a typed request such as --gres=gpu:a100:4 becomes gres gpu:4 in
+partition a100, requeue is forced on (the daemon rescales by requeueing), the job is held
+for the daemon (priority 0), and the user's requested type is kept in AdminComment
+("requested=a100", or "requested=any" when untyped). Only root may release or re-prioritize
+a held elastic job. Install beside slurm.conf with JobSubmitPlugins=lua.
+]]
+
+local function is_elastic(comment)
+   return comment ~= nil and string.find(string.lower(comment), "^%s*elastic") ~= nil
+end
+
+local function has_partition(part_list, name)
+   for _, part in pairs(part_list) do
+      if part.name == name then return true end
+   end
+   return false
+end
+
+function slurm_job_submit(job_desc, part_list, submit_uid)
+   if not is_elastic(job_desc.comment) then
+      return slurm.SUCCESS
+   end
+   local requested = "any"
+   local tres = job_desc.tres_per_node
+   if tres ~= nil then
+      -- "gres:gpu:a100:4" (22.05 adds the "gres:" prefix) or "gpu:a100:4"
+      local gtype, count = string.match(tres, "gpu:(%a[%w_%-]*):(%d+)")
+      if gtype ~= nil then
+         if not has_partition(part_list, gtype) then
+            slurm.log_user("elastic job asks for GPU type %s but there is no partition %s", gtype, gtype)
+            return slurm.ERROR
+         end
+         requested = gtype
+         job_desc.tres_per_node = string.gsub(tres, "gpu:" .. gtype .. ":" .. count, "gpu:" .. count, 1)
+         job_desc.partition = gtype
+      end
+   end
+   job_desc.requeue = 1
+   job_desc.priority = 0
+   job_desc.admin_comment = "requested=" .. requested
+   slurm.log_info("slurm-ext: elastic job from uid %u held for the daemon (requested=%s)",
+                  submit_uid, requested)
+   return slurm.SUCCESS
+end
+
+function slurm_job_modify(job_desc, job_rec, part_list, modify_uid)
+   if modify_uid ~= 0 and job_rec ~= nil and is_elastic(job_rec.comment)
+         and job_rec.priority == 0 and job_desc.priority ~= nil
+         and job_desc.priority ~= slurm.NO_VAL then
+      slurm.log_user("elastic job %u is held for the slurm-ext daemon; it releases the job",
+                     job_rec.job_id)
+      return slurm.ERROR
+   end
+   return slurm.SUCCESS
+end
+
+slurm.log_info("slurm-ext job_submit.lua loaded")
+return slurm.SUCCESS
