@@ -1,0 +1,272 @@
+"""Helpers shared by the Crius, Gavel, ElasticFlow and Sia policies.
+
+Three things every one of those policies needs and none should re-implement:
+
+* ``RateTable``: a job's feasible Cells keyed by (GPU type, GPU count), fastest first,
+  from the snapshot's estimates (``plan_space="cell"`` for Crius, the data-parallel-only
+  ones for the baselines, as the Crius and Arena papers ran them).
+* ``realize``: turn "job → wanted Cell" into a ``Decision`` with node placements from
+  ``policy.placement.FreeGpus``, keeping every unchanged job where it is, so that a policy
+  that re-plans from scratch never moves a job it did not mean to move.
+* ``solve_binary_program``: a 0/1 program through PuLP with HiGHS, CBC as fallback, always
+  under a time limit; ``None`` when neither answers in time, so the caller falls back to a
+  greedy rule and a round never blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from estimator.cells import Cell, CellEstimate
+from policy.interface import (
+    Assignment, Decision, DecisionError, JobDecision, JobView, Snapshot, validate_decision,
+)
+from policy.placement import FreeGpus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RateTable:
+    """The feasible Cells of one job, grouped by (GPU type, GPU count).
+
+    Attributes:
+        options: (gpu_type, num_gpus) → feasible estimates of that shape, fastest first
+            (ties: fewer stages, then label, so the choice is deterministic).
+    """
+
+    options: dict[tuple[str, int], tuple[CellEstimate, ...]]
+
+    @classmethod
+    def of(cls, job: JobView, dp_only: bool) -> "RateTable":
+        """The table of ``job`` from its Cell estimates or its data-parallel-only ones."""
+        grouped: dict[tuple[str, int], list[CellEstimate]] = {}
+        for e in (job.dp_only_estimates if dp_only else job.estimates):
+            if e.feasible and e.samples_per_s > 0:
+                grouped.setdefault((e.cell.gpu_type, e.cell.num_gpus), []).append(e)
+        return cls({k: tuple(sorted(v, key=_speed_key)) for k, v in sorted(grouped.items())})
+
+    def rate(self, gpu_type: str, num_gpus: int) -> float:
+        """Best samples/s of that shape, 0.0 when it is infeasible or was not estimated."""
+        opts = self.options.get((gpu_type, num_gpus))
+        return opts[0].samples_per_s if opts else 0.0
+
+    def counts(self, gpu_type: str) -> tuple[int, ...]:
+        """The GPU counts with a feasible Cell of ``gpu_type``, ascending."""
+        return tuple(sorted(n for t, n in self.options if t == gpu_type))
+
+    def best(self) -> CellEstimate | None:
+        """The fastest feasible Cell of all, or None."""
+        return min((o[0] for o in self.options.values()), key=_speed_key, default=None)
+
+    def rate_of_cell(self, cell: Cell) -> float:
+        """samples/s of exactly ``cell`` when it is in the table, else of its shape."""
+        for e in self.options.get((cell.gpu_type, cell.num_gpus), ()):
+            if e.cell == cell:
+                return e.samples_per_s
+        return self.rate(cell.gpu_type, cell.num_gpus)
+
+
+def _speed_key(e: CellEstimate) -> tuple:
+    return (-e.samples_per_s, e.cell.num_stages, e.cell.label())
+
+
+def requested_count(job: JobView, table: RateTable) -> int | None:
+    """The GPU count the job asked for, else the smallest count with a feasible Cell."""
+    if job.spec.num_gpus:
+        return job.spec.num_gpus
+    return min((n for _, n in table.options), default=None)
+
+
+def fits(free: FreeGpus, cell: Cell) -> bool:
+    """Whether ``cell`` fits in ``free`` in its own layout; cheaper than ``place``."""
+    per_node = min(cell.gpus_per_node, cell.num_gpus)
+    need = -(-cell.num_gpus // per_node)
+    got = 0
+    f = free.free
+    for name in free.by_type.get(cell.gpu_type, ()):
+        if f[name] >= per_node:
+            got += 1
+            if got >= need:
+                return True
+    return False
+
+
+def first_fitting(free: FreeGpus, estimates: tuple[CellEstimate, ...]) -> tuple[CellEstimate, tuple] | None:
+    """The first estimate whose Cell can be placed now, with its placement, or None."""
+    for e in estimates:
+        if fits(free, e.cell):
+            p = free.place(e.cell)
+            if p is not None:
+                return e, p
+    return None
+
+
+def realize(snapshot: Snapshot, wanted: dict[str, Cell | None], reasons: dict[str, str],
+            order: list[str] | None = None, policy_state: object = None) -> Decision:
+    """The Decision that gives each job in ``wanted`` its Cell, placed on nodes.
+
+    Jobs keep their placement when their Cell does not change. Jobs whose Cell changes give
+    their GPUs back first; then the resized or moved running jobs are placed (largest
+    first), then the starts in ``order`` (the policy's priority). A running job whose new
+    Cell cannot be placed keeps its old placement when that is still free, else waits;
+    a start that cannot be placed waits, with the reason said.
+
+    Args:
+        snapshot: the policy's input.
+        wanted: job id → the Cell it should run in, or None to wait / be suspended.
+            Jobs left out keep what they have.
+        reasons: job id → a short human reason.
+        order: the order to place new starts in (default: snapshot order).
+        policy_state: handed back unchanged in ``Decision.policy_state``.
+    """
+    free = FreeGpus.from_snapshot(snapshot)
+    jobs = {j.job_id: j for j in snapshot.jobs}
+    final: dict[str, Assignment | None] = {}
+    moved: list[JobView] = []
+    for j in snapshot.jobs:
+        if j.job_id not in wanted:
+            continue
+        cell = wanted[j.job_id]
+        if j.assignment is not None and cell == j.assignment.cell:
+            final[j.job_id] = j.assignment
+        elif j.assignment is not None:
+            free.release(j.assignment.placement)
+            if cell is None:
+                final[j.job_id] = None
+            else:
+                moved.append(j)
+        else:
+            final[j.job_id] = None
+    notes = dict(reasons)
+    moved.sort(key=lambda j: (-wanted[j.job_id].num_gpus, j.submit_time_s, j.job_id))
+    for j in moved:
+        p = free.place(wanted[j.job_id])
+        if p is not None:
+            free.take(p)
+            final[j.job_id] = Assignment(wanted[j.job_id], p)
+        elif _all_free(free, j.assignment.placement):
+            free.take(j.assignment.placement)
+            final[j.job_id] = j.assignment
+            notes[j.job_id] = f"kept {j.assignment.cell.label()}: no room for {wanted[j.job_id].label()}"
+        else:
+            final[j.job_id] = None
+            notes[j.job_id] = f"suspended: no room for {wanted[j.job_id].label()}"
+    starts = [i for i in (order or [j.job_id for j in snapshot.jobs])
+              if i in wanted and wanted[i] is not None and jobs[i].assignment is None]
+    for i in starts:
+        p = free.place(wanted[i])
+        if p is not None:
+            free.take(p)
+            final[i] = Assignment(wanted[i], p)
+        else:
+            notes[i] = f"waiting: {wanted[i].label()} does not fit on free nodes"
+    out = tuple(JobDecision(j.job_id, final[j.job_id], notes.get(j.job_id, ""))
+                for j in snapshot.jobs if j.job_id in final)
+    return Decision(out, policy_state)
+
+
+def checked_decision(snapshot: Snapshot, assign: dict[str, Assignment | None],
+                     reasons: dict[str, str], policy_state: object = None) -> Decision:
+    """A policy's own placements as a Decision, validated; ``realize`` re-derives them if not.
+
+    Policies track node-level free GPUs while deciding, so their placements should always be
+    a valid whole; the check guards against a bookkeeping slip ever over-committing a node.
+    """
+    own = Decision(tuple(JobDecision(j.job_id, assign.get(j.job_id, j.assignment),
+                                     reasons.get(j.job_id, "")) for j in snapshot.jobs), policy_state)
+    try:
+        validate_decision(snapshot, own)
+        return own
+    except DecisionError as e:  # a bookkeeping slip; realize never over-commits
+        log.warning("own placements invalid (%s); re-deriving them", e)
+        wanted = {i: (a.cell if a else None) for i, a in assign.items()}
+        return realize(snapshot, wanted, reasons, None, policy_state)
+
+
+def rate_in(estimates, cell: Cell) -> float:
+    """samples/s of ``cell``'s shape (type, count) among ``estimates``, 0.0 if absent."""
+    for e in estimates:
+        if e.cell == cell:
+            return e.samples_per_s
+    for e in estimates:
+        if e.cell.gpu_type == cell.gpu_type and e.cell.num_gpus == cell.num_gpus:
+            return e.samples_per_s
+    return 0.0
+
+
+def _all_free(free: FreeGpus, placement) -> bool:
+    return all(free.free[n] >= g for n, g in placement)
+
+
+def solve_binary_program(objective: dict[int, float], constraints: list[tuple[dict[int, float], str, float]],
+                         num_vars: int, maximize: bool, time_limit_s: float) -> list[int] | None:
+    """Solve a 0/1 program; the indices of the variables set to 1, or None.
+
+    Args:
+        objective: variable index → coefficient.
+        constraints: (coefficients, sense, bound) with sense ``<=``, ``>=`` or ``==``.
+        num_vars: variables are 0 … num_vars−1.
+        maximize: maximize (True) or minimize (False).
+        time_limit_s: seconds each solver may take.
+
+    Returns:
+        The chosen indices, or None when no solver found a feasible answer in time.
+    """
+    import pulp  # only Sia needs it; keep the other policies' import light
+
+    prob = pulp.LpProblem("policy", pulp.LpMaximize if maximize else pulp.LpMinimize)
+    if hasattr(prob, "add_variable"):  # PuLP ≥ 3.3 attaches variables to the model
+        xs = [prob.add_variable(f"x{i}", 0, 1, cat="Binary") for i in range(num_vars)]
+    else:
+        xs = [pulp.LpVariable(f"x{i}", 0, 1, cat="Binary") for i in range(num_vars)]
+    prob += pulp.lpSum(c * xs[i] for i, c in objective.items())
+    for k, (coefs, sense, bound) in enumerate(constraints):
+        expr = pulp.lpSum(c * xs[i] for i, c in coefs.items())
+        if sense == "<=":
+            prob += (expr <= bound, f"c{k}")
+        elif sense == ">=":
+            prob += (expr >= bound, f"c{k}")
+        else:
+            prob += (expr == bound, f"c{k}")
+    for solver in _solvers(time_limit_s):
+        try:
+            prob.solve(solver)
+        except Exception as e:  # a missing or crashing solver must not stop a round
+            log.warning("solver %s failed: %s", type(solver).__name__, e)
+            continue
+        if pulp.LpStatus[prob.status] in ("Optimal", "Not Solved") or prob.sol_status in (1, 2):
+            chosen = [i for i, x in enumerate(xs) if x.varValue is not None and x.varValue > 0.5]
+            if _satisfies(chosen, constraints):
+                return chosen
+    return None
+
+
+def _satisfies(chosen: list[int], constraints) -> bool:
+    on = set(chosen)
+    for coefs, sense, bound in constraints:
+        v = sum(c for i, c in coefs.items() if i in on)
+        if (sense == "<=" and v > bound + 1e-6) or (sense == ">=" and v < bound - 1e-6) \
+                or (sense == "==" and abs(v - bound) > 1e-6):
+            return False
+    return True
+
+
+def _solvers(time_limit_s: float) -> list:
+    import pulp
+
+    out = []
+    highs = getattr(pulp, "HiGHS", None)
+    if highs is not None:
+        s = highs(msg=False, timeLimit=time_limit_s)
+        if s.available():
+            out.append(s)
+    # CBC's command-line solver counts whole seconds; bundled with PuLP as PULP_CBC_CMD.
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        cbc = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(round(time_limit_s))))
+    if cbc.available():
+        out.append(cbc)
+    return out

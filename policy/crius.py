@@ -1,0 +1,402 @@
+"""Crius's scheduling policy (Algorithm 1 of the Crius paper), and its deadline-aware mode.
+
+Each job is offered Cells (GPU type × GPU count × stage count); the snapshot carries their
+estimates (counts {N/2, N, 2N} × every GPU type × stage counts, from the estimator). One
+``decide`` call runs the paper's event handlers over the snapshot:
+
+1. **Arrival / pending restart** (Alg. 1, ``OnArrival``): pending jobs in submission order
+   take the fastest feasible Cell that fits on free GPUs.
+2. **Opportunistic execution** (§ "Opportunistic execution"): a pending job that does not
+   fit leaves the free GPUs to later jobs, which run *opportunistically*; when it could start
+   on the GPUs those later jobs hold, they yield (are suspended) and it starts.
+3. **Resource scaling search** (Alg. 1, ``ScaleDownOrChangeType``): otherwise a bounded
+   breadth-first search (depth ``search_depth``, default 3) over plans that halve one running
+   job's GPU count (one branch per GPU type, the largest jobs first) or move one job to
+   another GPU type, keeping the feasible plan of largest gain — the total change of
+   normalized throughput, the arrival's own normalized throughput included. A plan is applied
+   only when its gain is positive.
+4. **Departure** (Alg. 1, ``OnDeparture``): after pending jobs were restarted, running jobs
+   scale up (to the next larger count of their Cells) in order of marginal normalized gain per
+   GPU, while that gain outweighs the restart it costs.
+
+A job's normalized throughput is its samples/s over that of the Cell it asked for (the
+requested type and count; the best Cell of the requested count when the type was free).
+
+``deadline_aware=True`` (``crius-ddl``) admits a job only on Cells that finish it by its
+deadline (restart cost included), never scales a running job onto a Cell that would miss
+its deadline, and drops — reports and never starts — a job no Cell can finish in time.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from estimator.cells import CellEstimate
+from policy._solver import RateTable, checked_decision, first_fitting, fits, requested_count
+from policy.interface import TRIGGER_ARRIVAL, TRIGGER_COMPLETION, Assignment, Decision, JobView, Snapshot
+from policy.placement import FreeGpus
+
+log = logging.getLogger(__name__)
+
+DROPPED_PREFIX = "dropped"
+
+
+@dataclass(frozen=True)
+class CriusState:
+    """What Crius carries from one decision to the next.
+
+    Attributes:
+        searched: pending jobs whose arrival search already ran (a search runs once per
+            arrival; departures re-run it for the head of the queue only).
+        dropped: jobs crius-ddl dropped because no Cell meets their deadline.
+    """
+
+    searched: frozenset[str] = frozenset()
+    dropped: frozenset[str] = frozenset()
+
+
+@dataclass
+class _Plan:
+    """One node of the scaling search: a trial world and the gain it has so far."""
+
+    free: FreeGpus
+    assign: dict[str, Assignment]
+    gain: float
+    steps: tuple[str, ...] = ()
+    changed: set[str] = field(default_factory=set)
+
+
+class CriusPolicy:
+    """Crius: Cells with resource scaling, a bounded search, and opportunistic execution.
+
+    Args:
+        search_depth: levels of the scale-down / type-change search (the paper's 3).
+        deadline_aware: the crius-ddl mode.
+        restart_searches: how many pending jobs at the head of the queue re-run the search
+            when GPUs are released; keeps a decision fast on long queues.
+        max_plans: plans one decision may expand in all searches together.
+    """
+
+    name = "crius"
+
+    def __init__(self, search_depth: int = 3, deadline_aware: bool = False,
+                 restart_searches: int = 2, max_plans: int = 1500):
+        self.search_depth = search_depth
+        self.deadline_aware = deadline_aware
+        self.restart_searches = restart_searches
+        self.max_plans = max_plans
+
+    def decide(self, snapshot: Snapshot) -> Decision:
+        """One pass of Crius's event handlers over the snapshot (see the module docstring)."""
+        return _Round(self, snapshot).run()
+
+
+class CriusDdlPolicy(CriusPolicy):
+    """crius-ddl: Crius admitting only what meets its deadline, dropping what cannot."""
+
+    name = "crius-ddl"
+
+    def __init__(self, search_depth: int = 3, restart_searches: int = 2, max_plans: int = 1500):
+        super().__init__(search_depth, True, restart_searches, max_plans)
+
+
+class _Round:
+    """The working state of one decision; discarded afterwards."""
+
+    def __init__(self, policy: CriusPolicy, snapshot: Snapshot):
+        self.p = policy
+        self.snap = snapshot
+        state = snapshot.policy_state if isinstance(snapshot.policy_state, CriusState) else CriusState()
+        self.searched = set(state.searched)
+        self.dropped = set(state.dropped)
+        self.jobs = {j.job_id: j for j in snapshot.jobs}
+        self.order = [j.job_id for j in snapshot.jobs]
+        self.rank = {i: k for k, i in enumerate(self.order)}
+        self.tables = {j.job_id: RateTable.of(j, dp_only=False) for j in snapshot.jobs}
+        self.ref = {j.job_id: self._reference_rate(j) for j in snapshot.jobs}
+        self.free = FreeGpus.from_snapshot(snapshot)
+        self.assign: dict[str, Assignment | None] = {j.job_id: j.assignment for j in snapshot.jobs}
+        self.reasons: dict[str, str] = {}
+        self.plans_left = policy.max_plans
+        self.types = tuple(sorted(self.free.by_type))
+
+    # ---- throughput bookkeeping -------------------------------------------------------
+
+    def _reference_rate(self, job: JobView) -> float:
+        t = self.tables[job.job_id]
+        n = requested_count(job, t)
+        if job.spec.gpu_type and n and t.rate(job.spec.gpu_type, n) > 0:
+            return t.rate(job.spec.gpu_type, n)
+        at_n = [t.rate(g, c) for (g, c) in t.options if c == n]
+        best = t.best()
+        return max(at_n, default=0.0) or (best.samples_per_s if best else 1.0)
+
+    def _norm(self, job_id: str, a: Assignment | None) -> float:
+        if a is None:
+            return 0.0
+        return self.tables[job_id].rate_of_cell(a.cell) / self.ref[job_id]
+
+    def _meets_deadline(self, job: JobView, e: CellEstimate, restart: bool = True) -> bool:
+        if not self.p.deadline_aware or job.deadline_s is None:
+            return True
+        cost = self.snap.restart_cost_s if restart else 0.0
+        return self.snap.now_s + cost + job.remaining_iterations * e.iteration_time_s <= job.deadline_s
+
+    def _candidates(self, job: JobView) -> tuple[CellEstimate, ...]:
+        """The job's feasible Cells (deadline-meeting in crius-ddl), fastest first."""
+        out = [o for opts in self.tables[job.job_id].options.values() for o in opts
+               if self._meets_deadline(job, o)]
+        return tuple(sorted(out, key=lambda e: (-e.samples_per_s, e.cell.num_gpus, e.cell.label())))
+
+    # ---- the round ----------------------------------------------------------------------
+
+    def run(self) -> Decision:
+        arrivals_only = self.snap.trigger == TRIGGER_ARRIVAL
+        departure = self.snap.trigger == TRIGGER_COMPLETION
+        restart_budget = self.p.restart_searches
+        for job_id in self.order:
+            job = self.jobs[job_id]
+            if self.assign[job_id] is not None or job_id in self.dropped:
+                continue
+            cands = self._candidates(job)
+            if not cands:
+                if self.p.deadline_aware and job.deadline_s is not None and self.tables[job_id].options:
+                    self.dropped.add(job_id)
+                    self.reasons[job_id] = f"{DROPPED_PREFIX}: no Cell finishes it by its deadline"
+                else:
+                    self.reasons[job_id] = "waiting: no feasible Cell"
+                continue
+            if self._start_on_free(job, cands) or self._start_by_reclaiming(job, cands):
+                continue
+            new = job_id not in self.searched
+            if new or (departure and restart_budget > 0):
+                restart_budget -= 0 if new else 1
+                self.searched.add(job_id)
+                if self._search_and_apply(job, cands):
+                    continue
+            best = cands[0].cell
+            why = f"waiting for {best.num_gpus} {best.gpu_type} (best Cell {best.label()})"
+            earlier = self.reasons.get(job_id, "")
+            self.reasons[job_id] = f"{earlier}; {why}" if earlier.startswith("yielded") else why
+        if not arrivals_only:
+            self._scale_up()
+        live = set(self.order)
+        state = CriusState(frozenset(self.searched & live), frozenset(self.dropped & live))
+        return checked_decision(self.snap, self.assign, self.reasons, state)
+
+    def _start(self, job_id: str, e: CellEstimate, placement, reason: str) -> None:
+        self.free.take(placement)
+        self.assign[job_id] = Assignment(e.cell, placement)
+        self.reasons[job_id] = reason
+
+    def _start_on_free(self, job: JobView, cands) -> bool:
+        """Alg. 1 OnArrival: the fastest feasible Cell that fits on free GPUs."""
+        got = first_fitting(self.free, cands)
+        if got is None:
+            return False
+        e, p = got
+        best = " (best)" if e is cands[0] else f" (best {cands[0].cell.label()} does not fit)"
+        self._start(job.job_id, e, p, f"started on {e.cell.label()}{best}")
+        return True
+
+    def _start_by_reclaiming(self, job: JobView, cands) -> bool:
+        """Opportunistic execution: later jobs running on GPUs this job waits for yield."""
+        later = [i for i in self.order[self.rank[job.job_id] + 1:]
+                 if self.assign[i] is not None and i not in self.dropped]
+        if not later:
+            return False
+        for e in cands:
+            on_type = [i for i in reversed(later) if self.assign[i].cell.gpu_type == e.cell.gpu_type]
+            trial = self.free.copy()
+            yielded = []
+            for i in on_type:
+                trial.release(self.assign[i].placement)
+                yielded.append(i)
+                if fits(trial, e.cell):
+                    break
+            p = trial.place(e.cell) if yielded else None
+            if p is None:
+                continue
+            # Keep only the yields the placement needs: later jobs off its nodes keep running.
+            used = {n for n, _ in p}
+            needed = [i for i in yielded if used & {n for n, _ in self.assign[i].placement}]
+            for i in needed:
+                self.free.release(self.assign[i].placement)
+                self.assign[i] = None
+                self.reasons[i] = f"yielded to earlier job {job.job_id} (opportunistic run ends)"
+            p = self.free.place(e.cell)
+            if p is None:  # the pruned yields did not leave the layout free; yield them all
+                for i in yielded:
+                    if self.assign[i] is not None:
+                        self.free.release(self.assign[i].placement)
+                        self.assign[i] = None
+                        self.reasons[i] = f"yielded to earlier job {job.job_id} (opportunistic run ends)"
+                p = self.free.place(e.cell)
+            if p is None:
+                continue
+            self._start(job.job_id, e, p, f"started on {e.cell.label()}; later opportunistic jobs yielded")
+            return True
+        return False
+
+    # ---- Alg. 1 ScaleDownOrChangeType: bounded breadth-first search ----------------------
+
+    def _search_and_apply(self, job: JobView, cands) -> bool:
+        root = _Plan(self.free.copy(), {i: a for i, a in self.assign.items() if a is not None}, 0.0)
+        frontier = [root]
+        best: tuple[float, _Plan, CellEstimate] | None = None
+        for _ in range(self.p.search_depth):
+            nxt = []
+            for plan in frontier:
+                for child in self._children(plan, job.job_id):
+                    self.plans_left -= 1
+                    e = next((c for c in cands if fits(child.free, c.cell)), None)
+                    if e is not None:
+                        total = child.gain + e.samples_per_s / self.ref[job.job_id]
+                        if best is None or total > best[0] + 1e-12:
+                            best = (total, child, e)
+                    else:
+                        nxt.append(child)
+                    if self.plans_left <= 0:
+                        break
+                if self.plans_left <= 0:
+                    break
+            frontier = nxt
+            if not frontier or self.plans_left <= 0:
+                break
+        if best is None or best[0] <= 0:
+            return False
+        total, plan, e = best
+        placement = plan.free.place(e.cell)
+        if placement is None:
+            return False
+        for i in plan.changed:
+            self.assign[i] = plan.assign[i]
+            self.reasons[i] = f"rescaled to {plan.assign[i].cell.label()} for job {job.job_id}"
+        self.free = plan.free
+        self._start(job.job_id, e, placement,
+                    f"started on {e.cell.label()} after {', '.join(plan.steps)} (gain {total:+.2f})")
+        return True
+
+    def _children(self, plan: _Plan, target: str) -> list[_Plan]:
+        out = []
+        for gtype in self.types:
+            c = self._shrink_one(plan, gtype)
+            if c is not None:
+                out.append(c)
+        c = self._change_type_one(plan, target)
+        if c is not None:
+            out.append(c)
+        return out
+
+    def _shrink_one(self, plan: _Plan, gtype: str) -> _Plan | None:
+        """Halve one job of ``gtype``: among the largest ones, the one that loses least."""
+        on_type = [(i, a) for i, a in plan.assign.items() if a.cell.gpu_type == gtype]
+        if not on_type:
+            return None
+        largest = max(a.cell.num_gpus for _, a in on_type)
+        best = None
+        for i, a in on_type:
+            if a.cell.num_gpus < max(2, largest // 2):
+                continue
+            smaller = [n for n in self.tables[i].counts(gtype) if n < a.cell.num_gpus]
+            if not smaller:
+                continue
+            opts = [o for o in self.tables[i].options[(gtype, max(smaller))]
+                    if self._meets_deadline(self.jobs[i], o)]
+            if not opts:
+                continue
+            delta = (opts[0].samples_per_s - self.tables[i].rate_of_cell(a.cell)) / self.ref[i]
+            key = (delta, -self.rank[i])
+            if best is None or key > best[0]:
+                best = (key, i, a, opts)
+        if best is None:
+            return None
+        (delta, _), i, a, opts = best
+        free = plan.free.copy()
+        free.release(a.placement)
+        for o in opts:
+            p = free.place(o.cell)
+            if p is not None:
+                free.take(p)
+                return self._child(plan, free, i, Assignment(o.cell, p), delta,
+                                   f"{i} {a.cell.num_gpus}→{o.cell.num_gpus} {gtype}")
+        return None
+
+    def _change_type_one(self, plan: _Plan, target: str) -> _Plan | None:
+        """Move one job to another GPU type, same count: the move of largest gain."""
+        best = None
+        for i, a in plan.assign.items():
+            t = self.tables[i]
+            cur = t.rate_of_cell(a.cell)
+            for gtype in self.types:
+                if gtype == a.cell.gpu_type or t.rate(gtype, a.cell.num_gpus) <= 0:
+                    continue
+                if plan.free.free_of_type(gtype) < a.cell.num_gpus:
+                    continue
+                opts = [o for o in t.options[(gtype, a.cell.num_gpus)] if self._meets_deadline(self.jobs[i], o)]
+                if not opts:
+                    continue
+                delta = (opts[0].samples_per_s - cur) / self.ref[i]
+                if best is None or (delta, -self.rank[i]) > best[0]:
+                    fitting = next((o for o in opts if fits(plan.free, o.cell)), None)
+                    if fitting is not None:
+                        best = ((delta, -self.rank[i]), i, a, fitting,
+                                (fitting.samples_per_s - cur) / self.ref[i])
+        if best is None:
+            return None
+        _, i, a, o, delta = best
+        free = plan.free.copy()
+        p = free.place(o.cell)
+        if p is None:
+            return None
+        free.release(a.placement)
+        free.take(p)
+        return self._child(plan, free, i, Assignment(o.cell, p), delta,
+                           f"{i} {a.cell.gpu_type}→{o.cell.gpu_type}")
+
+    @staticmethod
+    def _child(plan: _Plan, free: FreeGpus, job_id: str, a: Assignment, delta: float, step: str) -> _Plan:
+        assign = dict(plan.assign)
+        assign[job_id] = a
+        return _Plan(free, assign, plan.gain + delta, plan.steps + (step,), plan.changed | {job_id})
+
+    # ---- Alg. 1 OnDeparture: scale up running jobs -------------------------------------
+
+    def _scale_up(self) -> None:
+        """Give free GPUs to running jobs, largest normalized gain per added GPU first."""
+        offers = []
+        for i, a in self.assign.items():
+            if a is None:
+                continue
+            t = self.tables[i]
+            bigger = [n for n in t.counts(a.cell.gpu_type) if n > a.cell.num_gpus]
+            if not bigger:
+                continue
+            n = min(bigger)
+            job = self.jobs[i]
+            opts = [o for o in t.options[(a.cell.gpu_type, n)] if self._meets_deadline(job, o)]
+            cur = t.rate_of_cell(a.cell)
+            if not opts or cur <= 0 or opts[0].samples_per_s <= cur:
+                continue
+            # Worth a restart only when the faster Cell wins back the restart's cost.
+            rem = job.remaining_iterations * job.spec.global_batch
+            saved_s = rem / cur - rem / opts[0].samples_per_s
+            if saved_s <= self.snap.restart_cost_s:
+                continue
+            gain = (opts[0].samples_per_s - cur) / self.ref[i] / (n - a.cell.num_gpus)
+            offers.append((-gain, self.rank[i], i, a, opts))
+        offers.sort(key=lambda x: x[:2])
+        for _, _, i, a, opts in offers:
+            if self.free.free_of_type(a.cell.gpu_type) < opts[0].cell.num_gpus - a.cell.num_gpus:
+                continue
+            self.free.release(a.placement)
+            for o in opts:
+                p = self.free.place(o.cell)
+                if p is not None:
+                    self.free.take(p)
+                    self.assign[i] = Assignment(o.cell, p)
+                    self.reasons[i] = f"scaled up {a.cell.num_gpus}→{o.cell.num_gpus} {o.cell.gpu_type} on free GPUs"
+                    break
+            else:
+                self.free.take(a.placement)

@@ -1,0 +1,307 @@
+"""Crius, crius-ddl, Gavel, ElasticFlow and Sia on tiny hand-made snapshots with known answers."""
+
+import copy
+import itertools
+
+import pytest
+
+from estimator.cells import Cell, CellEstimate
+from estimator.jobs import JobSpec
+from policy.crius import CriusDdlPolicy, CriusPolicy, CriusState
+from policy.elasticflow import ElasticFlowPolicy
+from policy.gavel import GavelPolicy
+from policy.interface import (
+    PENDING, RUNNING, TRIGGER_ARRIVAL, TRIGGER_COMPLETION, Assignment, JobView, NodeView, Snapshot,
+    validate_decision,
+)
+from policy.sia import SiaPolicy
+
+NODE_SIZE = {"a100": 4, "v100": 4}
+BATCH = 64
+
+
+def est(gpu_type, n, rate, stages=1, feasible=True):
+    """A synthetic estimate: ``rate`` samples/s for a global batch of BATCH."""
+    cell = Cell(gpu_type, n, min(n, NODE_SIZE[gpu_type]), stages)
+    return CellEstimate(cell, (), 4 * stages, BATCH / rate if rate else 0.0, rate, 1.0, feasible,
+                        "" if feasible else "out of memory")
+
+
+def job(job_id, rates, *, gpus, gpu_type="a100", submit=0.0, running=None, deadline=None,
+        iterations=1000, done=0.0, dp_rates=None):
+    """A job; ``rates`` maps (type, count) → samples/s; ``running`` is (type, count, placement)."""
+    ests = tuple(est(t, n, r) for (t, n), r in sorted(rates.items()))
+    dp = tuple(est(t, n, r) for (t, n), r in sorted((dp_rates or rates).items()))
+    assignment = None
+    if running is not None:
+        t, n, placement = running
+        assignment = Assignment(est(t, n, 1.0).cell, placement)
+    return JobView(job_id, "u", JobSpec("gpt-1.3b", BATCH, gpus, gpu_type), submit,
+                   RUNNING if running else PENDING, assignment, done, iterations, 0, submit,
+                   deadline, False, ests, dp)
+
+
+def snap(nodes, jobs, now=100.0, trigger=TRIGGER_ARRIVAL, state=None, restart_cost_s=0.0):
+    return Snapshot(now, tuple(nodes), tuple(jobs), trigger, 300.0, restart_cost_s, state)
+
+
+def a100(k, unmanaged=0):
+    return NodeView(f"a100-{k}", "a100", 4, unmanaged)
+
+
+def v100(k):
+    return NodeView(f"v100-{k}", "v100", 4)
+
+
+def run(policy, s):
+    d = policy.decide(s)
+    validate_decision(s, d)
+    return d
+
+
+def cell_of(d, job_id):
+    a = d.for_job(job_id).assignment
+    return None if a is None else (a.cell.gpu_type, a.cell.num_gpus)
+
+
+def final_cell(s, d, job_id):
+    jd = d.for_job(job_id)
+    if jd is None:
+        a = s.job(job_id).assignment
+        return None if a is None else (a.cell.gpu_type, a.cell.num_gpus)
+    return cell_of(d, job_id)
+
+
+# ---- Gavel -----------------------------------------------------------------------------
+
+def test_gavel_moves_a_running_job_to_the_faster_type_when_it_is_free():
+    j = job("a", {("v100", 2): 10.0, ("a100", 2): 20.0}, gpus=2, gpu_type="v100",
+            running=("v100", 2, (("v100-1", 2),)))
+    s = snap([a100(1), v100(1)], [j], trigger="round")
+    assert final_cell(s, run(GavelPolicy(), s), "a") == ("a100", 2)
+
+
+def test_gavel_keeps_the_requested_count_and_admits_on_the_fastest_free_type():
+    j = job("a", {("v100", 2): 10.0, ("a100", 2): 20.0, ("a100", 4): 60.0}, gpus=2, gpu_type="v100")
+    s = snap([a100(1), v100(1)], [j])
+    assert cell_of(run(GavelPolicy(), s), "a") == ("a100", 2)
+
+
+def test_gavel_moves_a_running_job_away_to_admit_a_blocked_one():
+    # a100 is full with job r, which runs almost as fast on v100; p only runs on a100.
+    r = job("r", {("a100", 4): 20.0, ("v100", 4): 19.0}, gpus=4, running=("a100", 4, (("a100-1", 4),)))
+    p = job("p", {("a100", 4): 30.0}, gpus=4, submit=1.0)
+    s = snap([a100(1), v100(1)], [r, p])
+    d = run(GavelPolicy(), s)
+    assert (cell_of(d, "r"), cell_of(d, "p")) == (("v100", 4), ("a100", 4))
+
+
+# ---- ElasticFlow -----------------------------------------------------------------------
+
+def test_elasticflow_gives_the_extra_gpu_to_the_larger_marginal_gain():
+    # 3 managed GPUs: both jobs get their minimum share (1), the third GPU doubles one job.
+    big = job("big", {("a100", 1): 10.0, ("a100", 2): 19.0}, gpus=1)
+    small = job("small", {("a100", 1): 10.0, ("a100", 2): 12.0}, gpus=1, submit=1.0)
+    s = snap([a100(1, unmanaged=1)], [big, small])
+    d = run(ElasticFlowPolicy(), s)
+    assert (cell_of(d, "big"), cell_of(d, "small")) == (("a100", 2), ("a100", 1))
+    swapped = snap([a100(1, unmanaged=1)], [
+        job("big", {("a100", 1): 10.0, ("a100", 2): 12.0}, gpus=1),
+        job("small", {("a100", 1): 10.0, ("a100", 2): 19.0}, gpus=1, submit=1.0)])
+    d = run(ElasticFlowPolicy(), swapped)
+    assert (cell_of(d, "big"), cell_of(d, "small")) == (("a100", 1), ("a100", 2))
+
+
+def test_elasticflow_never_changes_the_requested_type():
+    j = job("a", {("v100", 1): 1.0, ("a100", 1): 50.0}, gpus=1, gpu_type="v100")
+    s = snap([a100(1), v100(1)], [j])
+    assert cell_of(run(ElasticFlowPolicy(), s), "a")[0] == "v100"
+
+
+def test_elasticflow_admission_blocks_the_queue_of_a_full_type():
+    first = job("first", {("a100", 8): 10.0}, gpus=8)  # minimum share 8 > 4 GPUs: blocks
+    later = job("later", {("a100", 1): 10.0}, gpus=1, submit=1.0)
+    s = snap([a100(1)], [first, later])
+    d = run(ElasticFlowPolicy(), s)
+    assert cell_of(d, "first") is None and cell_of(d, "later") is None
+
+
+# ---- Crius -------------------------------------------------------------------------------
+
+def test_crius_scales_a_running_job_down_to_admit_an_arrival_when_total_normalized_throughput_rises():
+    r = job("r", {("a100", 2): 20.0, ("a100", 4): 24.0}, gpus=2, running=("a100", 4, (("a100-1", 4),)))
+    p = job("p", {("a100", 2): 10.0}, gpus=2, submit=50.0)
+    s = snap([a100(1)], [r, p])
+    d = run(CriusPolicy(), s)
+    assert (final_cell(s, d, "r"), cell_of(d, "p")) == (("a100", 2), ("a100", 2))
+    assert "for job p" in d.for_job("r").reason
+
+
+def test_crius_does_not_scale_down_when_the_plan_loses_normalized_throughput():
+    # r asked for 4: halving it costs 0.79 of its normalized throughput; p, which asked
+    # for 4 (reference 100 samples/s), would only run on 2 GPUs at 10 samples/s (0.1).
+    r = job("r", {("a100", 2): 5.0, ("a100", 4): 24.0}, gpus=4, running=("a100", 4, (("a100-1", 4),)))
+    p = job("p", {("a100", 2): 10.0, ("a100", 4): 100.0}, gpus=4, submit=50.0)
+    s = snap([a100(1)], [r, p])
+    d = run(CriusPolicy(), s)
+    assert final_cell(s, d, "r") == ("a100", 4) and cell_of(d, "p") is None
+
+
+def test_crius_moves_a_job_to_another_type_to_admit_an_arrival():
+    r = job("r", {("a100", 4): 20.0, ("v100", 4): 18.0}, gpus=4, running=("a100", 4, (("a100-1", 4),)))
+    p = job("p", {("a100", 4): 40.0}, gpus=4, submit=50.0)
+    s = snap([a100(1), v100(1)], [r, p])
+    d = run(CriusPolicy(), s)
+    assert (final_cell(s, d, "r"), cell_of(d, "p")) == (("v100", 4), ("a100", 4))
+
+
+def test_crius_starts_the_fastest_feasible_cell_that_fits():
+    p = job("p", {("a100", 2): 10.0, ("a100", 4): 16.0, ("v100", 4): 30.0, ("v100", 8): 50.0}, gpus=4)
+    s = snap([a100(1), v100(1)], [p])
+    assert cell_of(run(CriusPolicy(), s), "p") == ("v100", 4)  # v100×8 does not fit
+
+
+def test_crius_opportunistic_job_runs_on_idle_gpus_then_yields_to_the_earlier_job():
+    holder = job("h", {("a100", 2): 10.0}, gpus=2, running=("a100", 2, (("a100-1", 2),)))
+    big = job("big", {("a100", 4): 40.0}, gpus=4, submit=10.0)
+    small = job("small", {("a100", 2): 10.0}, gpus=2, submit=20.0)
+    s = snap([a100(1)], [holder, big, small])
+    d = run(CriusPolicy(), s)
+    assert cell_of(d, "big") is None and cell_of(d, "small") == ("a100", 2)  # runs opportunistically
+    # h finishes: the GPUs big waits for are free only if small yields its two.
+    small_running = job("small", {("a100", 2): 10.0}, gpus=2, submit=20.0,
+                        running=("a100", 2, d.for_job("small").assignment.placement))
+    s2 = snap([a100(1)], [big, small_running], trigger=TRIGGER_COMPLETION, state=d.policy_state)
+    d2 = run(CriusPolicy(), s2)
+    assert cell_of(d2, "big") == ("a100", 4) and cell_of(d2, "small") is None
+    assert "yielded" in d2.for_job("small").reason
+
+
+def test_crius_scales_up_a_running_job_on_departure():
+    r = job("r", {("a100", 2): 10.0, ("a100", 4): 18.0}, gpus=2, running=("a100", 2, (("a100-1", 2),)))
+    s = snap([a100(1)], [r], trigger=TRIGGER_COMPLETION)
+    assert final_cell(s, run(CriusPolicy(), s), "r") == ("a100", 4)
+    # Not when the restart costs more than the faster Cell saves.
+    s = snap([a100(1)], [r], trigger=TRIGGER_COMPLETION, restart_cost_s=1e9)
+    assert final_cell(s, run(CriusPolicy(), s), "r") == ("a100", 2)
+
+
+def test_crius_ddl_refuses_a_job_that_cannot_meet_its_deadline():
+    # 1000 iterations of BATCH samples at 64 samples/s take 1000 s.
+    late = job("late", {("a100", 4): 64.0}, gpus=4, deadline=600.0)
+    ok = job("ok", {("a100", 4): 64.0}, gpus=4, deadline=2000.0, submit=1.0)
+    s = snap([a100(1), a100(2)], [late, ok], now=0.0)
+    d = run(CriusDdlPolicy(), s)
+    assert cell_of(d, "late") is None and d.for_job("late").reason.startswith("dropped")
+    assert cell_of(d, "ok") == ("a100", 4)
+    assert "late" in d.policy_state.dropped
+    # Plain crius starts both.
+    d = run(CriusPolicy(), s)
+    assert cell_of(d, "late") == ("a100", 4) and cell_of(d, "ok") == ("a100", 4)
+
+
+def test_crius_ddl_picks_a_cell_that_meets_the_deadline_over_a_faster_one_that_does_not_fit():
+    j = job("j", {("a100", 2): 64.0, ("a100", 4): 128.0, ("a100", 1): 16.0}, gpus=2, deadline=1200.0)
+    s = snap([a100(1, unmanaged=2)], [j], now=0.0)
+    assert cell_of(run(CriusDdlPolicy(), s), "j") == ("a100", 2)  # a100×1 would miss it
+
+
+# ---- Sia ---------------------------------------------------------------------------------
+
+def _sia_instance():
+    r = job("r", {("a100", 1): 10.0, ("a100", 2): 20.0, ("a100", 4): 40.0, ("v100", 1): 6.0,
+                  ("v100", 2): 12.0}, gpus=2, running=("a100", 2, (("a100-1", 2),)))
+    p1 = job("p1", {("a100", 1): 8.0, ("a100", 2): 16.0, ("v100", 1): 7.0, ("v100", 2): 14.0,
+                    ("v100", 4): 28.0}, gpus=2, submit=10.0)
+    p2 = job("p2", {("a100", 2): 30.0, ("a100", 4): 60.0, ("v100", 2): 9.0, ("v100", 4): 18.0},
+             gpus=4, submit=20.0)
+    return snap([a100(1), v100(1)], [r, p1, p2], now=4000.0, restart_cost_s=100.0)
+
+
+def test_sia_ilp_equals_brute_force_on_three_jobs():
+    s = _sia_instance()
+    policy = SiaPolicy()
+    running = [j for j in s.jobs if j.assignment]
+    pending = [j for j in s.jobs if not j.assignment]
+    configs = {j.job_id: policy._configs(s, j) for j in s.jobs}
+    capacity = s.gpus_by_type()
+
+    def cost(choice):  # the ILP's objective: Σ g^p, plus a penalty per job left out
+        total = 0.0
+        for j, c in zip(s.jobs, choice):
+            total += c.value if c is not None else max(x.value for x in configs[j.job_id]) + 1.0
+        return total
+
+    best = None
+    for choice in itertools.product(*[configs[j.job_id] + ([None] if j.assignment is None else [])
+                                      for j in s.jobs]):
+        used = {}
+        for c in choice:
+            if c is not None:
+                used[c.cell.gpu_type] = used.get(c.cell.gpu_type, 0) + c.cell.num_gpus
+        if all(used[t] <= capacity[t] for t in used):
+            if best is None or cost(choice) < cost(best) - 1e-9:
+                best = choice
+    got = policy._solve(running, pending, configs, capacity)
+    assert got is not None
+    ilp = tuple(got.get(j.job_id) for j in s.jobs)
+    assert cost(ilp) == pytest.approx(cost(best))
+    assert all(c is not None for c in ilp)  # everyone fits, so everyone is admitted
+
+
+def test_sia_decision_places_what_the_ilp_chose_and_skips_an_unchanged_round():
+    s = _sia_instance()
+    d = run(SiaPolicy(), s)
+    assert all(cell_of(d, i) is not None for i in ("r", "p1", "p2"))
+    # The same jobs on the same Cells next round: no re-solve, nothing changes.
+    jobs = [job(j.job_id, {}, gpus=2, submit=j.submit_time_s,
+                running=(cell_of(d, j.job_id)[0], cell_of(d, j.job_id)[1], d.for_job(j.job_id).assignment.placement))
+            for j in s.jobs]
+    s2 = snap(s.nodes, jobs, now=4300.0, state=d.policy_state)
+    assert run(SiaPolicy(), s2).jobs == ()
+
+
+def test_sia_greedy_fallback_admits_in_fifo_order():
+    s = _sia_instance()
+    policy = SiaPolicy()
+    running = [j for j in s.jobs if j.assignment]
+    pending = [j for j in s.jobs if not j.assignment]
+    configs = {j.job_id: policy._configs(s, j) for j in s.jobs}
+    got = policy._greedy(running, pending, configs, {"a100": 4, "v100": 4})
+    assert got["r"].cell.num_gpus == 2 and set(got) == {"r", "p1", "p2"}
+    used = {}
+    for c in got.values():
+        used[c.cell.gpu_type] = used.get(c.cell.gpu_type, 0) + c.cell.num_gpus
+    assert all(v <= 4 for v in used.values())
+
+
+# ---- every policy ------------------------------------------------------------------------
+
+POLICIES = [CriusPolicy, CriusDdlPolicy, GavelPolicy, ElasticFlowPolicy, SiaPolicy]
+
+
+def _busy_snapshot():
+    rates = {("a100", 1): 10.0, ("a100", 2): 18.0, ("a100", 4): 30.0, ("a100", 8): 50.0,
+             ("v100", 1): 6.0, ("v100", 2): 11.0, ("v100", 4): 20.0}
+    jobs = [job("r1", rates, gpus=2, running=("a100", 2, (("a100-1", 2),))),
+            job("r2", rates, gpus=4, gpu_type="v100", running=("v100", 4, (("v100-1", 4),)), submit=1.0)]
+    jobs += [job(f"p{k}", rates, gpus=[1, 2, 4, 8][k % 4], gpu_type=["a100", "v100"][k % 2],
+                 submit=10.0 + k, deadline=5000.0 + 500 * k) for k in range(8)]
+    return snap([a100(1), a100(2), v100(1), v100(2)], jobs, trigger=TRIGGER_COMPLETION)
+
+
+@pytest.mark.parametrize("cls", POLICIES)
+def test_every_policy_is_deterministic_valid_and_leaves_its_input_alone(cls):
+    s = _busy_snapshot()
+    before = copy.deepcopy(s)
+    d1, d2 = run(cls(), s), run(cls(), s)
+    assert d1 == d2
+    assert s == before
+    assert any(jd.assignment is not None for jd in d1.jobs if jd.job_id.startswith("p"))
+
+
+def test_crius_state_round_trips_and_forgets_finished_jobs():
+    s = _busy_snapshot()
+    d = run(CriusPolicy(), s)
+    assert isinstance(d.policy_state, CriusState)
+    assert d.policy_state.searched <= {j.job_id for j in s.jobs}
