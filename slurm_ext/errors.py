@@ -50,6 +50,22 @@ class CommandNotFoundError(SlurmExtError):
             "(Debian: apt-get install slurm-client) or fix PATH")
 
 
+class SlurmArgumentError(SlurmExtError, ValueError):
+    """A value cannot be turned into a Slurm command argument.
+
+    Args:
+        field: the argument (``job_id``, ``gpus_per_node``).
+        value: what was given.
+        hint: what to give instead.
+    """
+
+    def __init__(self, field: str, value: object, hint: str):
+        self.field = field
+        self.value = value
+        self.hint = hint
+        super().__init__(f"{field}={value!r}: {hint}")
+
+
 class SlurmParseError(SlurmExtError):
     """Slurm printed something the parser cannot read.
 

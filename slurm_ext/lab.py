@@ -418,12 +418,13 @@ class LabCluster:
         Stops exactly the recorded PIDs (checked against their command lines), never by name.
         """
         if self.is_up():
-            self._cancel_all_jobs(timeout_s)
+            self.cancel_all_jobs(timeout_s)
         self._stop_recorded(timeout_s)
         self._clean_runtime()
         log.info("lab down in %s", self.paths.root)
 
-    def _cancel_all_jobs(self, timeout_s: float) -> None:
+    def cancel_all_jobs(self, timeout_s: float = 30.0) -> None:
+        """Cancel every job and wait (up to a bound) until Slurm has finished them."""
         try:
             out = run_command(["squeue", "-h", "-o", "%A"], timeout_s=10, env=self.env())
             ids = sorted({line.strip() for line in out.stdout.splitlines() if line.strip()})

@@ -60,7 +60,7 @@ class SlurmJob:
         name: the job name.
         state: base state, e.g. ``PENDING``, ``RUNNING`` (see the constants above).
         state_flags: extra state flags Slurm reported (``REQUEUED``, ``COMPLETING``, ...).
-        reason: why it waits (``Priority``, ``JobHeldUser``, ...) or ``None`` text.
+        reason: why it waits (``Priority``, ``JobHeldUser``, ...), '' when it does not.
         partition: the partition (comma-separated list when several were given).
         comment: the user's comment (``elastic ...`` marks an elastic job).
         admin_comment: the admin comment (where the daemon keeps its plan).
@@ -77,7 +77,10 @@ class SlurmJob:
         batch: it has a batch script (sbatch).
         requeue: it may be requeued.
         array_job_id, array_task_id: set for array elements.
-        exit_code: the batch script's exit status once it ended (None before).
+        array_task_spec: for an array whose tasks have not started, the tasks still to
+            run (``0-7%2``); '' otherwise.
+        exit_code: the batch script's exit status of its last run once a run has ended
+            (None before; 128 + N for a death by signal N).
     """
 
     job_id: int
@@ -106,6 +109,7 @@ class SlurmJob:
     array_task_id: int | None = None
     exit_code: int | None = None
     state_flags: tuple[str, ...] = ()
+    array_task_spec: str = ""
 
     @property
     def is_elastic(self) -> bool:

@@ -1,0 +1,213 @@
+"""The Slurm CLI backend of `SlurmClient`: squeue/sinfo JSON to read, scontrol/scancel to act.
+
+Building each command (``*_argv``) is a pure function, tested without Slurm; running it
+goes through `run_command`; parsing the output lives in `slurm_ext.slurm_parse`.
+Values are converted to Slurm's formats here and nowhere else.
+"""
+
+import logging
+import re
+from collections.abc import Mapping
+
+from slurm_ext.errors import SlurmArgumentError
+from slurm_ext.run import run_command
+from slurm_ext.slurm_client import JobUpdate, SlurmJob, SlurmNode, SubmitRequest
+from slurm_ext.slurm_parse import parse_jobs, parse_nodes, parse_sbatch_parsable
+
+log = logging.getLogger(__name__)
+
+MAX_ADMIN_COMMENT_CHARS = 5000
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+_SIGNAL = re.compile(r"^(SIG)?([A-Z][A-Z0-9]*|[0-9]{1,2})$")
+_GRES = re.compile(r"^[a-z][a-z0-9_]*(:[A-Za-z0-9_.\-]+)?(:[0-9]+)?(,[a-z][a-z0-9_]*(:[A-Za-z0-9_.\-]+)?(:[0-9]+)?)*$")
+
+
+# ---- value checks -------------------------------------------------------------------------
+
+def _job_id(job_id: object) -> str:
+    if isinstance(job_id, bool) or not isinstance(job_id, int) or job_id <= 0:
+        raise SlurmArgumentError("job_id", job_id, "give Slurm's positive integer job id")
+    return str(job_id)
+
+
+def _positive(field: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise SlurmArgumentError(field, value, "give a positive integer")
+    return value
+
+
+def _name(field: str, value: object) -> str:
+    if not isinstance(value, str) or not _NAME.match(value):
+        raise SlurmArgumentError(field, value, "give a name of letters, digits, '_', '.', '-'")
+    return value
+
+
+def _admin_comment(value: object) -> str:
+    if not isinstance(value, str):
+        raise SlurmArgumentError("admin_comment", value, "give text")
+    if len(value) > MAX_ADMIN_COMMENT_CHARS:
+        raise SlurmArgumentError("admin_comment", value[:40] + "...",
+                                 f"keep it within {MAX_ADMIN_COMMENT_CHARS} characters "
+                                 f"(got {len(value)})")
+    if "\n" in value or "\r" in value:
+        raise SlurmArgumentError("admin_comment", value, "keep it on one line")
+    return value
+
+
+# ---- command builders (pure) --------------------------------------------------------------
+
+def squeue_json_argv() -> list[str]:
+    """All jobs as JSON (22.05 ignores filters with --json: filter after parsing)."""
+    return ["squeue", "--all", "--json"]
+
+
+def sinfo_json_argv() -> list[str]:
+    """All nodes as JSON."""
+    return ["sinfo", "--all", "--json"]
+
+
+def update_pending_argv(job_id: int, update: JobUpdate) -> list[str]:
+    """``scontrol update`` of a pending job.
+
+    The GPU count is untyped (``Gres=gpu:N``): 22.05 cannot retype a pending job, the
+    partition picks the type. The node count is written ``NumNodes=N-N`` because a single
+    number on a multi-node job becomes a range.
+
+    Raises:
+        SlurmArgumentError: a bad value, or an update that changes nothing.
+    """
+    argv = ["scontrol", "update", f"JobId={_job_id(job_id)}"]
+    if update.partition is not None:
+        argv.append(f"Partition={_name('partition', update.partition)}")
+    if update.gpus_per_node is not None:
+        argv.append(f"Gres=gpu:{_positive('gpus_per_node', update.gpus_per_node)}")
+    if update.num_nodes is not None:
+        n = _positive("num_nodes", update.num_nodes)
+        argv.append(f"NumNodes={n}-{n}")
+    if update.admin_comment is not None:
+        argv.append(f"AdminComment={_admin_comment(update.admin_comment)}")
+    if len(argv) == 3:
+        raise SlurmArgumentError("update", update, "set at least one of partition, "
+                                 "gpus_per_node, num_nodes, admin_comment")
+    if update.start_now:
+        # After a requeue Slurm adds BeginTime = now + 121 s unless told otherwise.
+        argv.append("StartTime=now")
+    return argv
+
+
+def hold_argv(job_id: int) -> list[str]:
+    """``scontrol hold`` (run as root or SlurmUser this is an admin hold)."""
+    return ["scontrol", "hold", _job_id(job_id)]
+
+
+def release_argv(job_id: int) -> list[str]:
+    return ["scontrol", "release", _job_id(job_id)]
+
+
+def signal_batch_argv(job_id: int, signal: str = "USR1") -> list[str]:
+    """Signal only the batch script's process (plain ``-s`` reaches only srun steps)."""
+    if not isinstance(signal, str) or not _SIGNAL.match(signal.upper()):
+        raise SlurmArgumentError("signal", signal, "give a signal name such as USR1 or a number")
+    name = _SIGNAL.match(signal.upper()).group(2)
+    return ["scancel", f"--signal={name}", "--batch", _job_id(job_id)]
+
+
+def requeue_hold_argv(job_id: int) -> list[str]:
+    """Requeue a running job held (SIGCONT+SIGTERM, SIGKILL after KillWait)."""
+    return ["scontrol", "requeuehold", _job_id(job_id)]
+
+
+def batch_script_argv(job_id: int) -> list[str]:
+    """The job's batch script, written to stdout."""
+    return ["scontrol", "write", "batch_script", _job_id(job_id), "-"]
+
+
+def cancel_argv(job_id: int) -> list[str]:
+    return ["scancel", _job_id(job_id)]
+
+
+def sbatch_argv(request: SubmitRequest) -> list[str]:
+    """``sbatch --parsable`` with the request's options; the script goes to stdin."""
+    if not isinstance(request.script, str) or not request.script.startswith("#!"):
+        raise SlurmArgumentError("script", (request.script or "")[:40],
+                                 "give the batch script's text, starting with #!")
+    argv = ["sbatch", "--parsable", f"--job-name={_name('name', request.name)}"]
+    if request.partition is not None:
+        argv.append(f"--partition={_name('partition', request.partition)}")
+    if request.nodes is not None:
+        argv.append(f"--nodes={_positive('nodes', request.nodes)}")
+    if request.gres is not None:
+        if not isinstance(request.gres, str) or not _GRES.match(request.gres):
+            raise SlurmArgumentError("gres", request.gres, "give e.g. gpu:4 or gpu:a100:4")
+        argv.append(f"--gres={request.gres}")
+    if request.comment is not None:
+        argv.append(f"--comment={request.comment}")
+    if request.hold:
+        argv.append("--hold")
+    if request.requeue is not None:
+        argv.append("--requeue" if request.requeue else "--no-requeue")
+    if request.time_limit_min is not None:
+        argv.append(f"--time={_positive('time_limit_min', request.time_limit_min)}")
+    if request.output is not None:
+        argv.append(f"--output={request.output}")
+    if request.workdir is not None:
+        argv.append(f"--chdir={request.workdir}")
+    for extra in request.extra_args:
+        if not isinstance(extra, str):
+            raise SlurmArgumentError("extra_args", extra, "give each sbatch option as a string")
+        argv.append(extra)
+    return argv
+
+
+# ---- the client ---------------------------------------------------------------------------
+
+class CliSlurmClient:
+    """`SlurmClient` over the Slurm command-line tools.
+
+    Args:
+        env: variables for every command (e.g. ``{"SLURM_CONF": ...}``), None to inherit.
+        timeout_s: time limit of each command.
+    """
+
+    def __init__(self, env: Mapping[str, str] | None = None, timeout_s: float = 30.0):
+        self.env = dict(env) if env is not None else None
+        self.timeout_s = timeout_s
+
+    def _run(self, argv: list[str], input_text: str | None = None) -> str:
+        return run_command(argv, self.timeout_s, input_text=input_text, env=self.env).stdout
+
+    def jobs(self) -> tuple[SlurmJob, ...]:
+        return parse_jobs(self._run(squeue_json_argv()))
+
+    def job(self, job_id: int) -> SlurmJob | None:
+        _job_id(job_id)
+        return next((j for j in self.jobs() if j.job_id == job_id), None)
+
+    def nodes(self) -> tuple[SlurmNode, ...]:
+        return parse_nodes(self._run(sinfo_json_argv()))
+
+    def update_pending(self, job_id: int, update: JobUpdate) -> None:
+        self._run(update_pending_argv(job_id, update))
+
+    def hold(self, job_id: int) -> None:
+        self._run(hold_argv(job_id))
+
+    def release(self, job_id: int) -> None:
+        self._run(release_argv(job_id))
+
+    def signal_batch(self, job_id: int, signal: str = "USR1") -> None:
+        self._run(signal_batch_argv(job_id, signal))
+
+    def requeue_hold(self, job_id: int) -> None:
+        self._run(requeue_hold_argv(job_id))
+
+    def batch_script(self, job_id: int) -> str:
+        return self._run(batch_script_argv(job_id))
+
+    def cancel(self, job_id: int) -> None:
+        self._run(cancel_argv(job_id))
+
+    def submit(self, request: SubmitRequest) -> int:
+        job_id = parse_sbatch_parsable(self._run(sbatch_argv(request), input_text=request.script))
+        log.info("submitted job %d (%s)", job_id, request.name)
+        return job_id

@@ -1,0 +1,352 @@
+"""Parse Slurm's output into `SlurmJob` / `SlurmNode` (pure functions, no Slurm needed).
+
+Defensive about the JSON shapes of several Slurm versions:
+
+- 22.05 (OpenAPI v0.0.38): numbers are plain, ``job_state`` a string, node ``state`` a
+  lower-case string plus ``state_flags``, ``exit_code`` the raw wait status.
+- 23.02 (v0.0.39): numbers become ``{"set": bool, "infinite": bool, "number": N}``.
+- 23.11+ (v0.0.40+): ``job_state`` (and node ``state``) become lists such as
+  ``["PENDING", "REQUEUED"]``; ``exit_code`` an object with ``return_code``; features lists.
+
+Unknown or missing fields become defaults; text that cannot be read at all raises
+`SlurmParseError` quoting it.
+"""
+
+import json
+import logging
+import re
+from collections.abc import Iterable, Mapping
+
+from slurm_ext.errors import SlurmParseError
+from slurm_ext.slurm_client import Gres, SlurmJob, SlurmNode
+
+log = logging.getLogger(__name__)
+
+JOB_BASE_STATES = frozenset({
+    "PENDING", "RUNNING", "SUSPENDED", "COMPLETE", "COMPLETED", "CANCELLED", "FAILED",
+    "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY",
+    # Shown instead of the base state by squeue while the flag is set:
+    "SPECIAL_EXIT", "REQUEUE_HOLD", "REQUEUED", "COMPLETING", "CONFIGURING", "RESIZING",
+    "SIGNALING", "STAGE_OUT", "STOPPED", "REQUEUE_FED", "REVOKED",
+})
+NODE_BASE_STATES = frozenset({
+    "idle", "down", "allocated", "alloc", "mixed", "mix", "error", "future", "unknown",
+    "drained", "draining", "drain", "fail", "failing", "maint", "reserved", "completing",
+    "inval", "planned", "reboot", "power_down", "powered_down", "powering_up",
+})
+
+
+# ---- small values -------------------------------------------------------------------------
+
+def number(value: object, default: int | None = None) -> int | None:
+    """A Slurm number: a plain int/float, or 23.02+'s ``{"set", "infinite", "number"}``.
+
+    Returns ``default`` when unset or infinite (or missing).
+    """
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, (int, float)):
+        return int(value)
+    if isinstance(value, Mapping):
+        if not value.get("set", True) or value.get("infinite", False):
+            return default
+        return number(value.get("number"), default)
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    return default
+
+
+def text(value: object) -> str:
+    """A string field ('' for null)."""
+    if value is None:
+        return ""
+    if isinstance(value, list):
+        return ",".join(text(v) for v in value)
+    return str(value)
+
+
+def string_list(value: object) -> tuple[str, ...]:
+    """A list field that older Slurm prints as comma-separated text."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return tuple(v.strip() for v in value.split(",") if v.strip())
+    if isinstance(value, list):
+        return tuple(str(v) for v in value if str(v))
+    return (str(value),)
+
+
+def state_and_flags(value: object, base_states: frozenset[str]) -> tuple[str, tuple[str, ...]]:
+    """A state that is a string (22.05) or a list of strings (23.11+) → (base, flags).
+
+    The base is the first element that is a known base state (else the first element).
+    """
+    items = list(string_list(value)) if not isinstance(value, str) else [value]
+    items = [i for i in items if i]
+    if not items:
+        return "", ()
+    base = next((i for i in items if i in base_states), items[0])
+    flags = tuple(i for i in items if i != base)
+    return base, flags
+
+
+def exit_code(value: object) -> int | None:
+    """The batch script's exit status: 22.05 prints the raw wait status, 23.11 an object.
+
+    A signal death reads as 128 + signal, as shells report it.
+    """
+    if value is None:
+        return None
+    if isinstance(value, Mapping) and ("return_code" in value or "signal" in value):
+        rc = number(value.get("return_code"), 0)
+        sig = number((value.get("signal") or {}).get("id") if isinstance(value.get("signal"), Mapping)
+                     else value.get("signal"), 0)
+        return 128 + sig if sig else rc
+    raw = number(value)
+    if raw is None:
+        return None
+    if raw & 0x7F:
+        return 128 + (raw & 0x7F)
+    return (raw >> 8) & 0xFF
+
+
+# ---- hostlists and gres -------------------------------------------------------------------
+
+_BRACKET = re.compile(r"^(.*?)\[([^\]]+)\](.*)$")
+
+
+def _split_top(text_: str) -> list[str]:
+    """Split on commas outside brackets and parentheses."""
+    parts, depth, cur = [], 0, []
+    for ch in text_:
+        if ch in "[(":
+            depth += 1
+        elif ch in "])":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    parts.append("".join(cur))
+    return [p.strip() for p in parts if p.strip()]
+
+
+def expand_hostlist(hostlist: str) -> tuple[str, ...]:
+    """``a100-[1-2],h100-1`` → ``("a100-1", "a100-2", "h100-1")`` (zero padding kept).
+
+    Raises:
+        SlurmParseError: a bracket range that is not numeric.
+    """
+    names: list[str] = []
+    for item in _split_top(hostlist or ""):
+        m = _BRACKET.match(item)
+        if not m:
+            names.append(item)
+            continue
+        prefix, ranges, suffix = m.groups()
+        for rng in ranges.split(","):
+            lo, _, hi = rng.partition("-")
+            if not lo.isdigit() or (hi and not hi.isdigit()):
+                raise SlurmParseError("hostlist", hostlist)
+            width = len(lo)
+            for i in range(int(lo), int(hi or lo) + 1):
+                names.extend(expand_hostlist(f"{prefix}{i:0{width}d}{suffix}"))
+    return tuple(names)
+
+
+_COUNT = re.compile(r"^(\d+)([KMG]?)$")
+
+
+def _count(token: str) -> int | None:
+    m = _COUNT.match(token)
+    if not m:
+        return None
+    return int(m.group(1)) * {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}[m.group(2)]
+
+
+def parse_gres_item(item: str) -> Gres | None:
+    """One gres entry: ``gpu:a100:4(S:0-1)``, ``gres:gpu:4``, ``gres/gpu:a100=4``, ``gpu``.
+
+    Returns None for empty / ``(null)`` / ``N/A`` text.
+    """
+    item = item.strip()
+    if not item or item in ("(null)", "N/A", "none"):
+        return None
+    item = item.split("(", 1)[0]
+    for prefix in ("gres:", "gres/"):
+        if item.startswith(prefix):
+            item = item[len(prefix):]
+    item = item.replace("=", ":")
+    parts = [p for p in item.split(":") if p != ""]
+    if not parts:
+        return None
+    name, rest = parts[0], parts[1:]
+    count = 1
+    if rest and _count(rest[-1]) is not None:
+        count = _count(rest[-1])
+        rest = rest[:-1]
+    gtype = rest[0] if rest else None
+    return Gres(name, gtype, count)
+
+
+def parse_gres(text_: object) -> tuple[Gres, ...]:
+    """A comma-separated gres string (node ``gres``/``gres_used``, ``tres_per_node``)."""
+    if isinstance(text_, list):
+        text_ = ",".join(str(t) for t in text_)
+    items = (parse_gres_item(i) for i in _split_top(text(text_)))
+    return tuple(g for g in items if g is not None)
+
+
+def gpus_of(gres: Iterable[Gres]) -> tuple[int, str | None]:
+    """Total GPUs in some gres entries, and their type (None if untyped or mixed)."""
+    count, types = 0, set()
+    for g in gres:
+        if g.name == "gpu":
+            count += g.count
+            types.add(g.type)
+    gtype = types.pop() if len(types) == 1 else None
+    return count, gtype
+
+
+def parse_gres_detail(detail: object) -> tuple[tuple[int, ...], str | None]:
+    """``["gpu:v100:3(IDX:0-2)", ...]`` (one per node) → ((3, ...), "v100")."""
+    counts, types = [], set()
+    for per_node in string_list(detail) if isinstance(detail, str) else (detail or []):
+        n, gtype = gpus_of(parse_gres(per_node))
+        counts.append(n)
+        if n:
+            types.add(gtype)
+    return tuple(counts), (types.pop() if len(types) == 1 else None)
+
+
+# ---- documents ----------------------------------------------------------------------------
+
+def load_document(raw: str, what: str, key: str) -> list[Mapping]:
+    """The list under `key` of a Slurm JSON document; empty output is an empty list.
+
+    Raises:
+        SlurmParseError: not JSON, or Slurm reported errors and no `key`.
+    """
+    if not raw or not raw.strip():
+        return []
+    try:
+        doc = json.loads(raw)
+    except json.JSONDecodeError:
+        raise SlurmParseError(what, raw) from None
+    if not isinstance(doc, Mapping):
+        raise SlurmParseError(what, raw)
+    errors = [e for e in doc.get("errors") or [] if e]
+    items = doc.get(key)
+    if items is None:
+        if errors:
+            raise SlurmParseError(f"{what} (Slurm reported errors)", errors)
+        return []
+    if errors:
+        log.warning("%s reported errors: %s", what, errors)
+    if not isinstance(items, list):
+        raise SlurmParseError(f"{what}: {key}", items)
+    return items
+
+
+def parse_job(raw: Mapping, where: str = "job") -> SlurmJob:
+    """One job object of ``squeue --json`` (any supported version)."""
+    job_id = number(raw.get("job_id"))
+    if job_id is None:
+        raise SlurmParseError(f"{where}.job_id", raw.get("job_id"))
+    state, flags = state_and_flags(raw.get("job_state"), JOB_BASE_STATES)
+    requested = parse_gres(raw.get("tres_per_node") or raw.get("gres") or "")
+    gpus_per_node, gpu_type = gpus_of(requested)
+    gpus_per_job, _ = gpus_of(parse_gres(raw.get("tres_per_job") or ""))
+    granted, granted_type = parse_gres_detail(raw.get("gres_detail"))
+    array_job_id = number(raw.get("array_job_id"), 0) or None
+    array_task_id = number(raw.get("array_task_id")) if array_job_id else None
+    restarts = number(raw.get("restart_cnt"), 0)
+    reason = text(raw.get("state_reason"))
+    user = text(raw.get("user_name")) or text(raw.get("user") if isinstance(raw.get("user"), str) else "")
+    if not user and number(raw.get("user_id")) is not None:
+        user = str(number(raw.get("user_id")))
+    return SlurmJob(
+        job_id=job_id,
+        user=user,
+        name=text(raw.get("name")),
+        state=state,
+        state_flags=flags,
+        reason="" if reason == "None" else reason,
+        partition=text(raw.get("partition")),
+        comment=text(raw.get("comment")),
+        admin_comment=text(raw.get("admin_comment")),
+        gpus_per_node=gpus_per_node,
+        gpu_type_requested=gpu_type,
+        gpus_per_job=gpus_per_job,
+        granted_gpus_per_node=granted,
+        granted_gpu_type=granted_type,
+        nodes=expand_hostlist(text(raw.get("nodes"))),
+        node_count=number(raw.get("node_count"), 0),
+        restart_count=restarts,
+        submit_time_s=number(raw.get("submit_time"), 0),
+        start_time_s=number(raw.get("start_time"), 0),
+        end_time_s=number(raw.get("end_time"), 0),
+        priority=number(raw.get("priority"), 0),
+        batch=bool(number(raw.get("batch_flag"), 1)),
+        requeue=bool(number(raw.get("requeue"), 0)),
+        array_job_id=array_job_id,
+        array_task_id=array_task_id,
+        array_task_spec=text(raw.get("array_task_string")) if array_job_id else "",
+        # A job that never ended reports 0: only trust the code once a run has ended.
+        exit_code=exit_code(raw.get("exit_code"))
+        if state not in ("PENDING", "RUNNING") or restarts else None,
+    )
+
+
+def parse_jobs(raw: str) -> tuple[SlurmJob, ...]:
+    """``squeue --json`` output → jobs, in Slurm's order (empty output → ())."""
+    items = load_document(raw, "squeue --json", "jobs")
+    return tuple(parse_job(j, f"jobs[{i}]") for i, j in enumerate(items))
+
+
+def parse_node(raw: Mapping, where: str = "node") -> SlurmNode:
+    """One node object of ``sinfo --json`` (any supported version)."""
+    name = text(raw.get("name"))
+    if not name:
+        raise SlurmParseError(f"{where}.name", raw.get("name"))
+    state_raw = raw.get("state")
+    base, flags = state_and_flags(
+        [s.lower() for s in string_list(state_raw)] if not isinstance(state_raw, str)
+        else state_raw.lower(), NODE_BASE_STATES)
+    flags = tuple(f.upper() for f in flags) + tuple(
+        f.upper() for f in string_list(raw.get("state_flags")))
+    features = raw.get("active_features", raw.get("features"))
+    return SlurmNode(
+        name=name,
+        state=base,
+        state_flags=flags,
+        partitions=string_list(raw.get("partitions")),
+        features=string_list(features),
+        gres=parse_gres(raw.get("gres")),
+        gres_used=parse_gres(raw.get("gres_used")),
+        cpus=number(raw.get("cpus"), 0),
+        real_memory_mb=number(raw.get("real_memory"), 0),
+    )
+
+
+def parse_nodes(raw: str) -> tuple[SlurmNode, ...]:
+    """``sinfo --json`` output → nodes (empty output → ())."""
+    items = load_document(raw, "sinfo --json", "nodes")
+    nodes = []
+    seen = set()
+    for i, n in enumerate(items):
+        # 23.x sinfo may list a node once per partition; keep the first.
+        node = parse_node(n, f"nodes[{i}]")
+        if node.name not in seen:
+            seen.add(node.name)
+            nodes.append(node)
+    return tuple(nodes)
+
+
+def parse_sbatch_parsable(out: str) -> int:
+    """``sbatch --parsable`` prints ``JOBID`` or ``JOBID;CLUSTER``."""
+    first = out.strip().split(";", 1)[0]
+    if not first.isdigit():
+        raise SlurmParseError("sbatch --parsable output", out)
+    return int(first)
