@@ -45,6 +45,8 @@ class DaemonConfig:
         metrics_port: port of the Prometheus endpoint; None: no metrics.
         rescale_timeout_s: how long a running job may take to checkpoint and requeue
             itself after USR1 before it is requeued by force.
+        restart_cost_s: what one restart costs a job (checkpoint, requeue, resume, plan
+            tuning), seconds; policies weigh a rescale against it.
         dry_run: print the actions instead of taking them.
         plan_space: estimator plan space for policies (``cell``; ``dp-only`` restricts
             plans to data parallelism).
@@ -67,6 +69,7 @@ class DaemonConfig:
     state_db: str = "/var/lib/slurm-ext/state.db"
     metrics_port: int | None = None
     rescale_timeout_s: float = 120.0
+    restart_cost_s: float = 60.0
     dry_run: bool = False
     plan_space: str = "cell"
     max_gpus: int = 64
@@ -81,7 +84,7 @@ class DaemonConfig:
 
 
 KEYS = tuple(f.name for f in fields(DaemonConfig))
-_FLOATS = {"interval_s", "poll_s", "rescale_timeout_s", "slurm_timeout_s", "backoff_max_s"}
+_FLOATS = {"interval_s", "poll_s", "rescale_timeout_s", "restart_cost_s", "slurm_timeout_s", "backoff_max_s"}
 _INTS = {"max_gpus", "max_annotations_per_round"}
 _OPTIONAL_INTS = {"metrics_port", "micro_batches"}
 

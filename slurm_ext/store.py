@@ -5,7 +5,8 @@ Tables:
 - ``specs``: the elastic spec (or the spec error) seen for each job.
 - ``submit_times``: each job's original submit time; a requeue resets Slurm's.
 - ``progress``: iterations a job completed before its current run (kept across rescales).
-- ``estimates``: cached estimator results, by a key the caller builds.
+- ``estimates``: cached estimator results, by a key the caller builds
+  (:class:`EstimateCache` keeps them in memory too).
 - ``journal``: every action on Slurm is written here *before* it is taken and marked
   ``done`` (or ``failed``) after. A daemon that dies mid-action finds the open entries on
   start; :func:`plan_recovery` says, purely from the entries and the jobs' current state,
@@ -24,6 +25,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from estimator.cells import Cell, CellEstimate, StagePlan
 from slurm_ext.slurm_client import JobUpdate, SlurmJob
 
 # Journal action kinds.
@@ -284,3 +286,52 @@ def plan_recovery(entries: Iterable[JournalEntry],
         else:
             steps.append(RecoveryStep(e, CLOSE, "nothing to redo"))
     return tuple(steps)
+
+
+def estimate_to_json(e: CellEstimate) -> dict:
+    """A CellEstimate as plain JSON (every field, unlike the rounded CLI form)."""
+    c = e.cell
+    return {"cell": [c.gpu_type, c.num_gpus, c.gpus_per_node, c.num_stages],
+            "stages": [[s.layer_start, s.layer_end, s.dp, s.tp] for s in e.stages],
+            "micro_batches": e.micro_batches, "iteration_time_s": e.iteration_time_s,
+            "samples_per_s": e.samples_per_s, "peak_memory_gb": e.peak_memory_gb,
+            "feasible": e.feasible, "reason": e.reason, "fidelity": e.fidelity,
+            "comm_source": e.comm_source}
+
+
+def estimate_from_json(raw: dict) -> CellEstimate:
+    """The inverse of :func:`estimate_to_json`."""
+    return CellEstimate(Cell(*raw["cell"]), tuple(StagePlan(*s) for s in raw["stages"]),
+                        raw["micro_batches"], raw["iteration_time_s"], raw["samples_per_s"],
+                        raw["peak_memory_gb"], raw["feasible"], raw["reason"],
+                        raw["fidelity"], raw["comm_source"])
+
+
+class EstimateCache:
+    """Cell estimates by key, in memory and in the store (they survive a restart).
+
+    Args:
+        store: the state store.
+    """
+
+    def __init__(self, store: Store):
+        self.store = store
+        self._memo: dict[str, tuple[CellEstimate, ...]] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key: str, compute, now_s: float) -> tuple[CellEstimate, ...]:
+        """The estimates under ``key``; ``compute()`` makes them on a miss."""
+        if key in self._memo:
+            self.hits += 1
+            return self._memo[key]
+        raw = self.store.get_estimate(key)
+        if raw is not None:
+            self.hits += 1
+            value = tuple(estimate_from_json(r) for r in raw)
+        else:
+            self.misses += 1
+            value = tuple(compute())
+            self.store.put_estimate(key, [estimate_to_json(e) for e in value], now_s)
+        self._memo[key] = value
+        return value

@@ -1,0 +1,87 @@
+"""`slurm-ext daemon`: the scheduler service (observe → decide → act).
+
+This is the daemon's entry point: it resolves the configuration once (flag > environment >
+YAML > defaults), configures logging (``key=value`` lines on stderr), installs the signal
+handlers (SIGTERM/SIGINT exit cleanly, SIGHUP re-reads the configuration) and runs rounds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+
+import click
+
+from slurm_ext.config import DaemonConfig, load_config
+
+LOG_FORMAT = "ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s"
+
+
+def configure_logging(level: str) -> None:
+    """Structured lines on stderr; replaces whatever the CLI group set up."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT, datefmt="%Y-%m-%dT%H:%M:%S"))
+    root.addHandler(handler)
+    root.setLevel(level)
+
+
+def make_client(config: DaemonConfig):
+    """The Slurm CLI backend with the configured command time limit."""
+    from slurm_ext.cli_backend import CliSlurmClient
+
+    return CliSlurmClient(timeout_s=config.slurm_timeout_s)
+
+
+@click.command("daemon")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False),
+              help="YAML configuration (default: $SLURM_EXT_CONFIG, else built-in defaults).")
+@click.option("--once", is_flag=True, help="Run one round and exit (status 1 if it failed).")
+@click.option("--dry-run", is_flag=True, default=None,
+              help="Print the actions a round would take; change nothing in Slurm.")
+@click.option("--interval-s", type=float, default=None, help="Seconds between rounds.")
+@click.option("--policy", default=None, help="Scheduling policy name (default: crius).")
+@click.option("--state-db", default=None, help="SQLite state file.")
+@click.option("--log-level", default=None, help="DEBUG, INFO, WARNING or ERROR.")
+def command(config_path, once, dry_run, interval_s, policy, state_db, log_level):
+    """Schedule elastic jobs: choose each one's GPU type, count, stages and plan."""
+    from slurm_ext.daemon import Daemon, kv
+    from slurm_ext.metrics import Metrics
+    from slurm_ext.store import Store
+
+    flags = {"dry_run": dry_run, "interval_s": interval_s, "policy": policy,
+             "state_db": state_db, "log_level": log_level}
+
+    def resolve() -> DaemonConfig:
+        return load_config(config_path, flags, os.environ)
+
+    config = resolve()
+    configure_logging(config.log_level)
+    log = logging.getLogger("slurm_ext.daemon")
+    store = Store(config.state_db)
+    metrics = Metrics(config.metrics_port)
+    daemon = Daemon(config, make_client(config), store, metrics=metrics,
+                    out=lambda line: click.echo(line), reload=resolve)
+
+    def on_stop(signum, _frame):
+        log.info(kv("signal", name=signal.Signals(signum).name, action="stop"))
+        daemon.request_stop()
+
+    def on_hup(_signum, _frame):
+        log.info(kv("signal", name="SIGHUP", action="reload"))
+        daemon.request_reload()
+
+    signal.signal(signal.SIGTERM, on_stop)
+    signal.signal(signal.SIGINT, on_stop)
+    signal.signal(signal.SIGHUP, on_hup)
+    log.info(kv("daemon_started", policy=config.policy, interval_s=config.interval_s,
+                dry_run=config.dry_run, state_db=config.state_db, once=once))
+    try:
+        status = daemon.run(once=once)
+    finally:
+        store.close()
+    raise click.exceptions.Exit(status)

@@ -1,0 +1,33 @@
+"""`slurm-ext squeue [--json]`: squeue plus each elastic job's Cell, plan, speed and why.
+
+Reads only Slurm (``squeue --json``), so any user can run it without the daemon's state.
+The JSON keys are documented in ``slurm_ext.squeue_view``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+
+@click.command("squeue")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: {\"jobs\": [...]}.")
+@click.option("--all", "include_finished", is_flag=True, help="Include recently finished jobs.")
+@click.option("--timeout-s", type=float, default=30.0, show_default=True,
+              help="Time limit of the squeue call.")
+def command(as_json, include_finished, timeout_s):
+    """Every job with its elastic Cell, plan, estimated samples/s and why."""
+    from slurm_ext.cli_backend import CliSlurmClient
+    from slurm_ext.errors import SlurmExtError
+    from slurm_ext.squeue_view import format_table, rows, to_json
+
+    try:
+        jobs = CliSlurmClient(timeout_s=timeout_s).jobs()
+    except SlurmExtError as e:
+        raise click.ClickException(str(e)) from None
+    table = rows(jobs, include_finished=include_finished)
+    if as_json:
+        click.echo(json.dumps(to_json(table), indent=1))
+    else:
+        click.echo(format_table(table))
