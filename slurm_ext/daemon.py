@@ -39,7 +39,7 @@ from estimator.models import load_model
 from policy.clock import Clock, WallClock
 from policy.interface import (
     CHANGE_TYPE, MOVE, PENDING, RESIZE, RUNNING, START, SUSPEND, TRIGGER_ARRIVAL,
-    TRIGGER_ROUND, Action, Assignment, Decision, DecisionError, JobView, NodeView, Policy,
+    TRIGGER_COMPLETION, TRIGGER_ROUND, Action, Assignment, Decision, DecisionError, JobView, NodeView, Policy,
     Snapshot, implied_actions, validate_decision,
 )
 from policy.placement import FreeGpus
@@ -465,7 +465,12 @@ class Daemon:
         part_types = partition_types(nodes, cfg.partition_map())
         cluster = cluster_spec(nodes, part_types, cfg.cluster, cfg.network)
         elastic = [j for j in active if j.is_elastic]
-        specs, errors = self._specs(elastic, now_s)
+        cached = self.store.specs()
+        active_ids = {j.job_id for j in active}
+        if trigger == TRIGGER_ROUND and any(
+                spec is not None and job_id not in active_ids for job_id, (spec, _) in cached.items()):
+            trigger = TRIGGER_COMPLETION  # a managed job ended since the last round
+        specs, errors = self._specs(elastic, cached, now_s)
         managed, launching, more_errors = self._managed(elastic, specs, nodes, part_types, cluster, now_s)
         errors += more_errors
         acts = _Acts()
@@ -485,7 +490,8 @@ class Daemon:
         self._policy_state = decision.policy_state
         t3 = time.perf_counter()
         self._act(snapshot, decision, {m.view.job_id: m for m in managed}, part_types, acts)
-        self.store.forget_jobs_except(j.job_id for j in active)
+        if not cfg.dry_run:
+            self.store.forget_jobs_except(active_ids)
         t4 = time.perf_counter()
         report = RoundReport(trigger, len(active), len(elastic), len(snapshot.jobs), len(errors),
                              tuple(acts.taken), t1 - t0, t2 - t1, t3 - t2, t4 - t3)
@@ -495,10 +501,9 @@ class Daemon:
                     actions=len(report.actions), seconds=report.total_s))
         return report
 
-    def _specs(self, elastic: list[SlurmJob], now_s: float
-               ) -> tuple[dict[int, ElasticSpec], list[tuple[SlurmJob, str]]]:
+    def _specs(self, elastic: list[SlurmJob], cached: dict[int, tuple[dict | None, str | None]],
+               now_s: float) -> tuple[dict[int, ElasticSpec], list[tuple[SlurmJob, str]]]:
         """Specs of elastic jobs (parsed once, then from the store) and the spec errors."""
-        cached = self.store.specs()
         specs: dict[int, ElasticSpec] = {}
         errors: list[tuple[SlurmJob, str]] = []
         for job in elastic:
@@ -718,8 +723,9 @@ class Daemon:
             for job_id in still:
                 entry, _, _ = entries.pop(job_id)
                 self.store.close_entry(entry, journal.FAILED, self.clock.now_s(), "never came back held")
+        now_jobs = {j.job_id: j for j in self.client.jobs()} if entries else {}
         for job_id, (entry, action, update) in sorted(entries.items()):
-            job = self.client.job(job_id)
+            job = now_jobs.get(job_id)
             if job is None or not job.is_active:
                 self.store.close_entry(entry, journal.ABANDONED, self.clock.now_s(), "job ended")
                 continue
@@ -746,8 +752,9 @@ class Daemon:
         deadline_s = self.clock.now_s() + timeout_s
         waiting = set(job_ids)
         while waiting and not self._stop:
+            jobs = {j.job_id: j for j in self.client.jobs()}
             for job_id in sorted(waiting):
-                job = self.client.job(job_id)
+                job = jobs.get(job_id)
                 if job is None or not job.is_active or (is_held(job) and job.state != "RUNNING"):
                     waiting.discard(job_id)
             if not waiting or self.clock.now_s() >= deadline_s:
