@@ -210,6 +210,20 @@ def busy_ports(ports: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(busy)
 
 
+def find_free_base_port(cluster: ClusterSpec, candidates: range,
+                        exclude: tuple[int, ...] = ()) -> int:
+    """The first candidate base port whose whole range is free and not in `exclude`.
+
+    Raises:
+        LabError: no candidate is free.
+    """
+    for base in candidates:
+        ports = ports_needed(cluster, base)
+        if not set(ports) & set(exclude) and not busy_ports(ports):
+            return base
+    raise LabError(f"no free port range for a lab among base ports {candidates}")
+
+
 def _cmdline(pid: int) -> list[str]:
     try:
         raw = Path(f"/proc/{pid}/cmdline").read_bytes()

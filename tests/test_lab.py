@@ -1,0 +1,220 @@
+"""Integration tests on a real Slurm: the lab cluster, job_submit.lua, the CLI client.
+
+They use the session lab of tests/conftest.py and skip without Slurm or root.
+"""
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from estimator.cluster import load_cluster
+from slurm_ext.errors import LabError, SlurmCommandError
+from slurm_ext.lab import LabCluster, find_free_base_port
+from slurm_ext.run import run_command, start_background
+from slurm_ext.slurm_client import JobUpdate, SlurmJob, SubmitRequest
+
+pytestmark = pytest.mark.slurm
+
+SLEEPER = "#!/bin/bash\nsleep 300\n"
+# Checkpoints on USR1 and asks to be requeued held (RequeueExitHold=86). The background
+# sleep + wait lets bash run the trap at once.
+TRAINER = """#!/bin/bash
+echo "start restart=${SLURM_RESTART_COUNT:-0} partition=$SLURM_JOB_PARTITION"
+trap 'echo checkpoint; exit 86' USR1
+while true; do sleep 0.2 & wait $!; done
+"""
+
+
+def wait_for(what: str, probe: Callable[[], object], timeout_s: float = 20.0):
+    """Poll until `probe` returns something truthy; fail with `what` and the last value."""
+    deadline = time.monotonic() + timeout_s
+    value = None
+    while time.monotonic() < deadline:
+        value = probe()
+        if value:
+            return value
+        time.sleep(0.25)
+    pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}; last: {value!r}")
+
+
+def job_where(client, job_id: int, cond: Callable[[SlurmJob], bool]) -> Callable[[], SlurmJob | None]:
+    def probe():
+        job = client.job(job_id)
+        return job if job is not None and cond(job) else None
+    return probe
+
+
+def request(tmp_path: Path, **kw) -> SubmitRequest:
+    kw.setdefault("script", SLEEPER)
+    return SubmitRequest(output=str(tmp_path / "%j.out"), workdir=str(tmp_path), **kw)
+
+
+def test_nodes_idle_per_type_with_their_gpus(slurm_client):
+    cluster = load_cluster("lab")
+    nodes = wait_for("every lab node idle", lambda: (
+        ns := {n.name: n for n in slurm_client.nodes()}) and all(
+            n.state == "idle" for n in ns.values()) and ns)
+    expected = {name: g for g in cluster.node_groups for name in g.node_names()}
+    assert set(nodes) == set(expected)
+    for name, group in expected.items():
+        node = nodes[name]
+        assert node.partitions == (group.partition,)
+        assert node.features == (group.gpu_type,)
+        assert node.gpu_type == group.gpu_type
+        assert node.gpus == group.gpus_per_node
+        assert node.gpus_used == 0
+        assert node.is_usable
+
+
+def test_typed_elastic_submission_is_normalized_and_held(slurm_client, tmp_path):
+    job_id = slurm_client.submit(request(
+        tmp_path, name="elastic-typed", gres="gpu:a100:4", nodes=2, requeue=False,
+        comment="elastic model=gpt-1.3b global_batch=64"))
+    job = slurm_client.job(job_id)
+    assert job.is_elastic and job.is_pending and job.is_held
+    assert job.reason == "JobHeldUser" and job.priority == 0
+    assert job.partition == "a100"
+    assert job.gpus_per_node == 4 and job.gpu_type_requested is None
+    assert job.node_count == 2
+    assert job.requeue, "job_submit.lua must force requeue on (the user asked --no-requeue)"
+    assert job.admin_comment == "requested=a100"
+    time.sleep(1.5)
+    assert slurm_client.job(job_id).is_pending, "a held elastic job must not start by itself"
+
+
+def test_plain_job_is_untouched(slurm_client, tmp_path):
+    job_id = slurm_client.submit(request(tmp_path, name="plain", partition="v100",
+                                         gres="gpu:v100:2"))
+    job = slurm_client.job(job_id)
+    assert not job.is_elastic and not job.is_held and job.priority > 0
+    assert job.gpu_type_requested == "v100" and job.gpus_per_node == 2
+    assert job.admin_comment == ""
+    running = wait_for("the plain job to run", job_where(slurm_client, job_id, lambda j: j.is_running))
+    assert running.granted_gpu_type == "v100" and running.granted_gpus_per_node == (2,)
+
+
+def test_elastic_submission_of_a_type_without_partition_is_refused(slurm_client, tmp_path):
+    with pytest.raises(SlurmCommandError) as info:
+        slurm_client.submit(request(tmp_path, name="bad", gres="gpu:l20:1", comment="elastic"))
+    assert "no partition l20" in info.value.stderr
+
+
+def test_owner_cannot_release_a_held_elastic_job(slurm_lab, slurm_client):
+    as_nobody = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+    out = run_command([*as_nobody, "sbatch", "--parsable", "--chdir=/tmp", "--output=/dev/null",
+                       "--comment=elastic", "--partition=a10", "--gres=gpu:1"],
+                      timeout_s=20, input_text=SLEEPER, env=slurm_lab.env())
+    job_id = int(out.stdout.strip())
+    assert slurm_client.job(job_id).user == "nobody"
+    with pytest.raises(SlurmCommandError):
+        run_command([*as_nobody, "scontrol", "release", str(job_id)], timeout_s=20,
+                    env=slurm_lab.env())
+    with pytest.raises(SlurmCommandError):
+        run_command([*as_nobody, "scontrol", "update", f"JobId={job_id}", "Priority=100"],
+                    timeout_s=20, env=slurm_lab.env())
+    assert slurm_client.job(job_id).is_held
+    slurm_client.release(job_id)  # root (the daemon) may
+    assert not slurm_client.job(job_id).is_held
+
+
+def test_update_and_release_lands_on_the_chosen_partition_count_and_nodes(slurm_client, tmp_path):
+    job_id = slurm_client.submit(request(tmp_path, name="steer", gres="gpu:a100:4", nodes=1,
+                                         comment="elastic"))
+    plan = "cell=v100x6 nodes=2 stages=2 plan=[0-12:dp3tp1,12-24:dp3tp1]"
+    slurm_client.update_pending(job_id, JobUpdate(partition="v100", gpus_per_node=3,
+                                                  num_nodes=2, admin_comment=plan))
+    job = slurm_client.job(job_id)
+    assert (job.partition, job.gpus_per_node, job.node_count) == ("v100", 3, 2)
+    assert job.admin_comment == plan and job.is_held
+    slurm_client.release(job_id)
+    job = wait_for("the steered job to run", job_where(slurm_client, job_id, lambda j: j.is_running))
+    assert job.nodes == ("v100-1", "v100-2")
+    assert job.granted_gpu_type == "v100" and job.granted_gpus_per_node == (3, 3)
+
+
+def test_hold_release_and_cancel_a_pending_job(slurm_client, tmp_path):
+    job_id = slurm_client.submit(request(tmp_path, name="later", partition="a10",
+                                         extra_args=("--begin=now+1hour",)))
+    assert not slurm_client.job(job_id).is_held
+    slurm_client.hold(job_id)
+    job = slurm_client.job(job_id)
+    assert job.is_held and job.reason == "JobHeldAdmin"
+    slurm_client.release(job_id)
+    assert not slurm_client.job(job_id).is_held
+    slurm_client.cancel(job_id)
+    assert slurm_client.job(job_id).state == "CANCELLED"
+
+
+def test_usr1_to_a_trainer_that_exits_86_requeues_it_held_and_it_restarts_rescaled(
+        slurm_client, tmp_path):
+    job_id = slurm_client.submit(request(tmp_path, name="trainer", script=TRAINER,
+                                         partition="a10", gres="gpu:1", comment="elastic",
+                                         extra_args=("--open-mode=append",)))
+    slurm_client.update_pending(job_id, JobUpdate(partition="a10", gpus_per_node=2, num_nodes=1))
+    slurm_client.release(job_id)
+    job = wait_for("the trainer to run", job_where(slurm_client, job_id, lambda j: j.is_running))
+    assert job.granted_gpu_type == "a10" and job.granted_gpus_per_node == (2,)
+    assert slurm_client.batch_script(job_id) == TRAINER
+    time.sleep(0.5)  # let bash install its trap
+    slurm_client.signal_batch(job_id, "USR1")
+    job = wait_for("the trainer to be requeued held",
+                   job_where(slurm_client, job_id, lambda j: j.is_held and j.restart_count == 1))
+    assert job.exit_code == 86 and job.state == "SPECIAL_EXIT"
+    slurm_client.update_pending(job_id, JobUpdate(partition="h100", gpus_per_node=6, num_nodes=1,
+                                                  admin_comment="cell=h100x6"))
+    slurm_client.release(job_id)
+    job = wait_for("the rescaled trainer to run",
+                   job_where(slurm_client, job_id, lambda j: j.is_running))
+    assert job.granted_gpu_type == "h100" and job.granted_gpus_per_node == (6,)
+    assert job.restart_count == 1
+    log_text = wait_for("the second start in the job's output", lambda: (
+        t := (tmp_path / f"{job_id}.out").read_text()) and "restart=1" in t and t)
+    assert "start restart=0 partition=a10" in log_text
+    assert "checkpoint" in log_text
+    assert "start restart=1 partition=h100" in log_text
+
+
+def test_requeue_hold_stops_a_job_that_ignores_the_signal(slurm_client, tmp_path):
+    job_id = slurm_client.submit(request(tmp_path, name="deaf", partition="a100",
+                                         gres="gpu:1", requeue=True))
+    wait_for("the job to run", job_where(slurm_client, job_id, lambda j: j.is_running))
+    slurm_client.requeue_hold(job_id)
+    job = wait_for("the job to be requeued held",
+                   job_where(slurm_client, job_id, lambda j: j.is_held and j.restart_count == 1))
+    assert not job.nodes or job.state != "RUNNING"
+
+
+def test_second_lab_refuses_to_start_twice_and_down_stops_exactly_its_pids(slurm_lab, tmp_path):
+    cluster = load_cluster("lab")
+    ours = tuple(range(slurm_lab.base_port, slurm_lab.base_port + 40))
+    other = LabCluster(tmp_path / "lab2", base_port=find_free_base_port(
+        cluster, range(19400, 20000, 40), exclude=ours))
+    bystander = start_background(["sleep", "60"])
+    try:
+        other.up()
+        with pytest.raises(LabError, match="already up"):
+            other.up()
+        with pytest.raises(LabError, match="already in use"):
+            LabCluster(tmp_path / "lab3", base_port=other.base_port).up()
+        daemons = other.daemons()
+        assert set(daemons) == {"munged", "slurmctld"} | {
+            f"slurmd {n}" for g in cluster.node_groups for n in g.node_names()}
+        assert all(alive for _, alive in daemons.values())
+        env = other.env()
+        run_command(["sbatch", "--parsable", "--partition=a10", f"--chdir={tmp_path}",
+                     "--output=/dev/null"], timeout_s=20, input_text=SLEEPER, env=env)
+        other.down()
+        assert not other.is_up()
+        for name, (pid, _) in daemons.items():
+            assert not Path(f"/proc/{pid}").exists() or \
+                Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z", name
+        assert os.kill(bystander, 0) is None  # still running
+        assert slurm_lab.is_up()
+        assert run_command(["scontrol", "ping"], timeout_s=10, env=slurm_lab.env())
+    finally:
+        other.down()
+        os.kill(bystander, signal.SIGTERM)
