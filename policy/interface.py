@@ -96,6 +96,9 @@ class JobView:
             with the reason, e.g. ``no measured rate`` in simulation.
         dp_only_estimates: the same Cells estimated with data parallelism only (one
             stage), for baselines that know no pipeline or tensor parallelism.
+        runnable_cells: the Cells the platform can run at all, when it knows (the
+            simulator: those with a measured rate); None means no such limit is known.
+            Estimates of Cells outside it are already marked infeasible.
     """
 
     job_id: str
@@ -112,6 +115,11 @@ class JobView:
     guaranteed: bool = False
     estimates: tuple[CellEstimate, ...] = ()
     dp_only_estimates: tuple[CellEstimate, ...] = ()
+    runnable_cells: frozenset[Cell] | None = None
+
+    def can_run(self, cell: Cell) -> bool:
+        """Whether the platform can run ``cell`` at all (estimates aside)."""
+        return self.runnable_cells is None or cell in self.runnable_cells
 
     @property
     def cell(self) -> Cell | None:

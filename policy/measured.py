@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import csv
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from estimator.errors import SpecError
@@ -137,3 +137,40 @@ def load_measured(path: str | Path | None = None) -> MeasuredTable:
             except (TypeError, ValueError):
                 raise SpecError(f"measured line {i}", dict(row), "numbers expected in every column") from None
     return MeasuredTable(tuple(points), str(path))
+
+
+def cell_layout(cell) -> tuple[int, int]:
+    """(num_nodes, gpus_per_node) a Cell asks for."""
+    per_node = min(cell.gpus_per_node, cell.num_gpus)
+    return (max(1, -(-cell.num_gpus // per_node)), per_node)
+
+
+def mask_unmeasured(estimates: tuple, model: str, global_batch: int, table: MeasuredTable,
+                    oracle: bool = False) -> tuple:
+    """Estimates as a policy may see them in simulation.
+
+    A Cell whose allocation has no measured rate becomes infeasible ("no measured rate"),
+    so the runnable set is visible to every policy. With ``oracle`` the feasible Cells
+    carry the measured time instead of the estimate.
+
+    Args:
+        estimates: CellEstimates from the estimator.
+        model, global_batch: the job's model and batch (the table's key).
+        table: the ground truth.
+        oracle: replace estimated times by measured ones.
+    """
+    out = []
+    for e in estimates:
+        nodes, per_node = cell_layout(e.cell)
+        t = table.iter_time_s(model, global_batch, e.cell.gpu_type, nodes, per_node)
+        if t is None:
+            reason = f"no measured rate for {e.cell.gpu_type} {nodes}x{per_node}"
+            out.append(replace(e, feasible=False, iteration_time_s=math.inf, samples_per_s=0.0,
+                               reason=e.reason or reason) if e.feasible else
+                       replace(e, reason=f"{e.reason}; {reason}" if e.reason else reason))
+        elif oracle:
+            out.append(replace(e, feasible=True, iteration_time_s=t, samples_per_s=global_batch / t,
+                               reason="", fidelity="measured"))
+        else:
+            out.append(e)
+    return tuple(out)

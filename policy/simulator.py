@@ -1,0 +1,401 @@
+"""The trace simulator: replays mapped trace jobs on a cluster under one policy.
+
+Only Slurm and the clock are replaced: the policy object is the one the daemon uses, fed
+the same ``Snapshot`` and answering the same ``Decision``. Jobs advance at the *measured*
+rate of the allocation they hold (``policy.measured``); policies decide on the estimator's
+numbers (or, with ``oracle``, on the measured ones).
+
+Events (arrivals, completions) and periodic rounds call ``decide``; events at the same
+instant are handled together in one call. Every (re)start costs time during which the job
+holds its GPUs without progress (``RestartCosts``). The run ends when every job has
+finished, when nothing can change any more (no job running, no arrival left, and the
+policy leaves the rest pending for ``stall_rounds`` rounds), or at ``max_time_s``; jobs
+left are reported unfinished, and jobs no Cell of this cluster can run are reported as
+never runnable, from the moment they arrive.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+from estimator.cells import CellEstimate
+from estimator.cluster import ClusterSpec
+from estimator.jobs import JobSpec
+from policy.clock import SimulatedClock
+from policy.interface import (PENDING, RUNNING, TRIGGER_ARRIVAL, TRIGGER_COMPLETION, TRIGGER_ROUND,
+                              Assignment, Decision, DecisionError, JobView, NodeView, Policy, Snapshot,
+                              implied_actions, validate_decision)
+from policy.measured import MeasuredTable, cell_layout, mask_unmeasured
+from policy.placement import layout_of
+from policy.trace import TraceJob
+
+log = logging.getLogger(__name__)
+
+
+class SimulationError(RuntimeError):
+    """A policy returned a decision that cannot be applied (names the policy and the fault)."""
+
+
+@dataclass(frozen=True)
+class RestartCosts:
+    """Seconds a job holds its GPUs without progress when it (re)starts.
+
+    Attributes:
+        launch_s: first start: processes, data loader, compilation.
+        checkpoint_resume_s: every later start: save on the signal, load, warm up.
+        tuning_full_s: a plan search over the whole Cell (Alpa-style), paid whenever a job
+            starts on a Cell it has not run on before.
+        tuning_pruned_s: the same search pruned by the Cell's estimate (Crius keeps half of
+            each stage's dp↔tp range).
+    """
+
+    launch_s: float = 30.0
+    checkpoint_resume_s: float = 60.0
+    tuning_full_s: float = 600.0
+    tuning_pruned_s: float = 150.0
+
+    def tuning_s(self, mode: str) -> float:
+        """Tuning time for a policy's ``plan_tuning`` mode (full, pruned, none)."""
+        return {"full": self.tuning_full_s, "pruned": self.tuning_pruned_s, "none": 0.0}.get(mode, self.tuning_full_s)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Simulation settings (frozen, resolved once by the caller)."""
+
+    round_s: float = 300.0
+    oracle: bool = False
+    costs: RestartCosts = RestartCosts()
+    stall_rounds: int = 3
+    max_time_s: float = 365 * 86400.0
+    timeline_min_step_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    """What happened to one job; times are None when they never happened."""
+
+    job_id: str
+    spec: JobSpec
+    submit_time_s: float
+    iterations: int
+    status: str  # finished | unfinished | never_runnable
+    first_start_s: float | None
+    finish_s: float | None
+    restarts: int
+    iterations_done: float
+    reason: str = ""
+    deadline_s: float | None = None
+
+    @property
+    def jct_s(self) -> float | None:
+        return None if self.finish_s is None else self.finish_s - self.submit_time_s
+
+    @property
+    def queue_s(self) -> float | None:
+        return None if self.first_start_s is None else self.first_start_s - self.submit_time_s
+
+
+@dataclass(frozen=True)
+class TimelinePoint:
+    """Cluster state right after one decision."""
+
+    time_s: float
+    samples_per_s: float
+    queued_jobs: int
+    running_jobs: int
+    gpus_in_use: tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """One policy's run over one trace."""
+
+    policy: str
+    jobs: tuple[JobOutcome, ...]
+    timeline: tuple[TimelinePoint, ...]
+    decision_times_s: tuple[float, ...]
+    samples_done: float
+    start_s: float
+    end_s: float
+    capacity_gpus: dict = field(default_factory=dict)
+
+
+class EstimateCache:
+    """Cell estimates per distinct job spec, computed once and masked by the measured table.
+
+    Args:
+        cluster: the simulated cluster.
+        table: the ground truth (Cells it cannot run become infeasible).
+        oracle: let policies see measured times instead of estimates.
+        estimate_fn: ``(spec, plan_space) -> tuple[CellEstimate, ...]``; defaults to the
+            analytic estimator (``estimator.estimate.estimate_job``).
+    """
+
+    def __init__(self, cluster: ClusterSpec, table: MeasuredTable, oracle: bool = False, estimate_fn=None):
+        self.cluster = cluster
+        self.table = table
+        self.oracle = oracle
+        self._estimate_fn = estimate_fn or self._analytic
+        self._cache: dict[tuple, tuple] = {}
+        self.estimate_seconds = 0.0
+
+    def _analytic(self, spec: JobSpec, plan_space: str) -> tuple[CellEstimate, ...]:
+        from estimator.estimate import EstimateOptions, estimate_job
+        return estimate_job(spec, self.cluster, EstimateOptions(plan_space=plan_space)).cells
+
+    def get(self, spec: JobSpec) -> tuple[tuple[CellEstimate, ...], tuple[CellEstimate, ...], frozenset]:
+        """(cell estimates, dp-only estimates, runnable Cells) of ``spec``."""
+        key = (spec.model, spec.global_batch, spec.num_gpus, spec.gpu_type)
+        hit = self._cache.get(key)
+        if hit is None:
+            t0 = time.perf_counter()
+            raw = {space: self._estimate_fn(spec, space) for space in ("cell", "dp-only")}
+            runnable = frozenset(
+                e.cell for e in raw["cell"] + raw["dp-only"]
+                if self.table.iter_time_s(spec.model, spec.global_batch, e.cell.gpu_type, *cell_layout(e.cell))
+                is not None)
+            hit = tuple(mask_unmeasured(raw[space], spec.model, spec.global_batch, self.table, self.oracle)
+                        for space in ("cell", "dp-only")) + (runnable,)
+            self.estimate_seconds += time.perf_counter() - t0
+            self._cache[key] = hit
+        return hit
+
+
+class _Job:
+    """Mutable simulation state of one job (never seen by policies)."""
+
+    __slots__ = ("trace", "estimates", "dp_only", "runnable", "assignment", "rate_s", "done", "anchor_s",
+                 "resume_s", "restarts", "last_change_s", "first_start_s", "finish_s", "version",
+                 "tuned", "view", "reason")
+
+    def __init__(self, trace: TraceJob, estimates, dp_only, runnable):
+        self.trace = trace
+        self.estimates, self.dp_only, self.runnable = estimates, dp_only, runnable
+        self.assignment: Assignment | None = None
+        self.rate_s: float | None = None  # seconds per iteration while running
+        self.done = 0.0
+        self.anchor_s = trace.submit_time_s
+        self.resume_s = trace.submit_time_s
+        self.restarts = 0
+        self.last_change_s = trace.submit_time_s
+        self.first_start_s: float | None = None
+        self.finish_s: float | None = None
+        self.version = 0
+        self.tuned: set = set()
+        self.view: JobView | None = None
+        self.reason = ""
+
+    def progress_at(self, now_s: float) -> float:
+        if self.rate_s is None:
+            return self.done
+        busy_from = max(self.anchor_s, self.resume_s)
+        return min(float(self.trace.iterations), self.done + max(0.0, now_s - busy_from) / self.rate_s)
+
+    def sync(self, now_s: float) -> None:
+        self.done = self.progress_at(now_s)
+        self.anchor_s = now_s
+
+    def finish_time_s(self) -> float:
+        return max(self.anchor_s, self.resume_s) + (self.trace.iterations - self.done) * self.rate_s
+
+
+def _job_view(job: _Job, now_s: float) -> JobView:
+    # Pending jobs' views do not change between events; reuse them (snapshots are hot).
+    if job.assignment is None and job.view is not None:
+        return job.view
+    t = job.trace
+    view = JobView(t.job_id, "trace", t.spec, t.submit_time_s, RUNNING if job.assignment else PENDING,
+                   job.assignment, job.progress_at(now_s), t.iterations, job.restarts,
+                   job.last_change_s, t.deadline_s, False, job.estimates, job.dp_only, job.runnable)
+    job.view = view if job.assignment is None else None
+    return view
+
+
+def never_runnable_reason(estimates: tuple[CellEstimate, ...], dp_only: tuple[CellEstimate, ...],
+                          runnable: frozenset, cluster: ClusterSpec) -> str:
+    """Why no Cell of the job can ever run on this cluster ("" when some can).
+
+    Runnable means measured (the platform can run it) and within the cluster's capacity
+    and node size; whether the estimator thinks it fits is the policies' business.
+    """
+    sizes = {g.gpu_type: g.gpus_per_node for g in cluster.node_groups}
+    for cell in runnable:
+        if cell.gpu_type in sizes and cell.num_gpus <= cluster.total_gpus(cell.gpu_type) \
+                and cell_layout(cell)[1] <= sizes[cell.gpu_type]:
+            return ""
+    reasons = sorted({e.reason for e in estimates + dp_only if e.reason})
+    return "no runnable Cell: " + ("; ".join(reasons[:3]) if reasons else "no Cell fits this cluster")
+
+
+def _stale(entry: tuple[float, int, str, int], active: dict[str, _Job]) -> bool:
+    job = active.get(entry[2])
+    return job is None or job.version != entry[3]
+
+
+def simulate(policy: Policy, trace_jobs: tuple[TraceJob, ...], cluster: ClusterSpec, table: MeasuredTable,
+             config: SimConfig = SimConfig(), estimates: EstimateCache | None = None,
+             progress=None) -> SimResult:
+    """Replay ``trace_jobs`` on ``cluster`` under ``policy``.
+
+    Args:
+        policy: the policy object (the daemon's interface).
+        trace_jobs: jobs from ``policy.trace.map_trace``, sorted by submission.
+        cluster: the simulated cluster.
+        table: measured iteration times (the ground truth).
+        config: round length, oracle mode, restart costs, stop rules.
+        estimates: a shared estimate cache (one per cluster/oracle setting); built if None.
+        progress: optional ``callback(jobs_done, jobs_total, now_s)`` called now and then.
+
+    Returns:
+        The outcome of every job, the timeline, and the decision times.
+
+    Raises:
+        SimulationError: the policy over-committed a node or named unknown jobs or nodes.
+    """
+    name = getattr(policy, "name", type(policy).__name__)
+    estimates = estimates or EstimateCache(cluster, table, config.oracle)
+    costs = config.costs
+    tuning_s = costs.tuning_s(getattr(policy, "plan_tuning", "full"))
+    nodes = tuple(NodeView(n, g.gpu_type, g.gpus_per_node) for g in cluster.node_groups for n in g.node_names())
+    clock = SimulatedClock(trace_jobs[0].submit_time_s if trace_jobs else 0.0)
+    active: dict[str, _Job] = {}
+    outcomes: dict[str, JobOutcome] = {}
+    completions: list[tuple[float, int, str, int]] = []
+    timeline: list[TimelinePoint] = []
+    decision_times: list[float] = []
+    samples_done = 0.0
+    next_arrival, seq = 0, 0
+    next_round_s = math.inf
+    idle_rounds = 0
+    policy_state = None
+    total = len(trace_jobs)
+
+    def finish(job: _Job, status: str, reason: str = "") -> None:
+        nonlocal samples_done
+        samples_done += job.done * job.trace.spec.global_batch
+        t = job.trace
+        outcomes[t.job_id] = JobOutcome(t.job_id, t.spec, t.submit_time_s, t.iterations, status,
+                                        job.first_start_s, job.finish_s, job.restarts, job.done, reason,
+                                        t.deadline_s)
+
+    while True:
+        while completions and _stale(completions[0], active):
+            heapq.heappop(completions)
+        t_arrival = trace_jobs[next_arrival].submit_time_s if next_arrival < total else math.inf
+        t_done = completions[0][0] if completions else math.inf
+        t_round = next_round_s if active else math.inf
+        now_s = min(t_arrival, t_done, t_round)
+        if now_s == math.inf or now_s > config.max_time_s:
+            break
+        clock.advance_to(now_s)
+        triggers = set()
+        while completions and completions[0][0] <= now_s:
+            _, _, job_id, version = heapq.heappop(completions)
+            job = active.get(job_id)
+            if job is None or job.version != version:
+                continue
+            job.done, job.finish_s = float(job.trace.iterations), now_s
+            del active[job_id]
+            finish(job, "finished")
+            triggers.add(TRIGGER_COMPLETION)
+        while next_arrival < total and trace_jobs[next_arrival].submit_time_s <= now_s:
+            tj = trace_jobs[next_arrival]
+            next_arrival += 1
+            cell_est, dp_est, runnable = estimates.get(tj.spec)
+            job = _Job(tj, cell_est, dp_est, runnable)
+            why = never_runnable_reason(cell_est, dp_est, runnable, cluster)
+            if why:
+                finish(job, "never_runnable", why)
+                continue
+            if not active:
+                next_round_s = now_s + config.round_s
+            active[tj.job_id] = job
+            triggers.add(TRIGGER_ARRIVAL)
+        if next_round_s <= now_s:
+            triggers.add(TRIGGER_ROUND)
+            while next_round_s <= now_s:
+                next_round_s += config.round_s
+        if not active:
+            continue
+        trigger = (TRIGGER_COMPLETION if TRIGGER_COMPLETION in triggers else
+                   TRIGGER_ARRIVAL if TRIGGER_ARRIVAL in triggers else TRIGGER_ROUND)
+        snapshot = Snapshot(now_s, nodes, tuple(_job_view(j, now_s) for j in active.values()), trigger,
+                            config.round_s, costs.checkpoint_resume_s + tuning_s, policy_state)
+        t0 = time.perf_counter()
+        decision: Decision = policy.decide(snapshot)
+        decision_times.append(time.perf_counter() - t0)
+        policy_state = decision.policy_state
+        try:
+            validate_decision(snapshot, decision)
+        except DecisionError as e:
+            raise SimulationError(f"policy {name} at t={now_s:.0f}s: {e}") from None
+        for d in decision.jobs:
+            active[d.job_id].reason = d.reason
+        actions = implied_actions(snapshot, decision)
+        for action in actions:
+            job = active[action.job_id]
+            job.sync(now_s)
+            job.version += 1
+            job.view = None
+            job.last_change_s = now_s
+            after = action.after
+            rate_s = None
+            if after is not None:
+                n_nodes, per_node = layout_of(after.placement)
+                spec = job.trace.spec
+                rate_s = table.iter_time_s(spec.model, spec.global_batch, after.cell.gpu_type, n_nodes, per_node)
+                if rate_s is None:
+                    log.info("policy %s: job %s on %s %dx%d has no measured rate; left pending",
+                             name, job.trace.job_id, after.cell.gpu_type, n_nodes, per_node)
+                    after = None
+            if after is None:
+                job.assignment, job.rate_s = None, None
+                continue
+            if job.first_start_s is None:
+                overhead_s = costs.launch_s
+                job.first_start_s = now_s
+            else:
+                overhead_s = costs.checkpoint_resume_s
+                job.restarts += 1
+            if after.cell not in job.tuned:
+                overhead_s += tuning_s
+                job.tuned.add(after.cell)
+            job.assignment, job.rate_s = after, rate_s
+            job.resume_s = now_s + overhead_s
+            seq += 1
+            heapq.heappush(completions, (job.finish_time_s(), seq, job.trace.job_id, job.version))
+        running = [j for j in active.values() if j.assignment is not None]
+        if not running and next_arrival >= total and not actions:
+            idle_rounds += 1
+            if idle_rounds > config.stall_rounds:
+                break
+        else:
+            idle_rounds = 0
+        if not timeline or now_s - timeline[-1].time_s >= config.timeline_min_step_s or actions:
+            in_use: dict[str, int] = {}
+            for j in running:
+                in_use[j.assignment.cell.gpu_type] = in_use.get(j.assignment.cell.gpu_type, 0) + j.assignment.num_gpus
+            timeline.append(TimelinePoint(now_s, sum(j.trace.spec.global_batch / j.rate_s for j in running),
+                                          len(active) - len(running), len(running), tuple(sorted(in_use.items()))))
+        if progress is not None and len(decision_times) % 500 == 0:
+            progress(len(outcomes), total, now_s)
+    end_s = clock.now_s()
+    for job in active.values():
+        job.sync(end_s)
+        finish(job, "unfinished", job.reason or "left pending by the policy")
+    for tj in trace_jobs[next_arrival:]:
+        outcomes[tj.job_id] = JobOutcome(tj.job_id, tj.spec, tj.submit_time_s, tj.iterations, "unfinished",
+                                         None, None, 0, 0.0, "arrives after the simulated horizon",
+                                         tj.deadline_s)
+    if progress is not None:
+        progress(len(outcomes), total, end_s)
+    finished = [o.finish_s for o in outcomes.values() if o.finish_s is not None]
+    start_s = trace_jobs[0].submit_time_s if trace_jobs else 0.0
+    capacity = {t: cluster.total_gpus(t) for t in cluster.gpu_types}
+    return SimResult(name, tuple(outcomes[t.job_id] for t in trace_jobs), tuple(timeline), tuple(decision_times),
+                     samples_done, start_s, max(finished) if finished else start_s, capacity)

@@ -1,0 +1,117 @@
+"""`slurm-ext simulate`: replay a job trace on a cluster under one or more policies.
+
+Prints a Markdown table to stdout; ``--json``, ``--markdown`` and ``--plots`` also write
+the report's JSON, the table and PNG plots. Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from estimator.cluster import load_cluster
+from estimator.errors import SpecError
+
+log = logging.getLogger(__name__)
+
+
+class _Progress:
+    """A one-line progress bar on stderr (a line every 30 s when stderr is not a terminal)."""
+
+    def __init__(self, label: str, stream=sys.stderr):
+        self.label = label
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.t0 = self.last = time.monotonic()
+
+    def __call__(self, done: int, total: int, now_s: float) -> None:
+        t = time.monotonic()
+        final = done >= total
+        if not final and t - self.last < (0.5 if self.tty else 30.0):
+            return
+        self.last = t
+        frac = done / total if total else 1.0
+        bar = "#" * int(frac * 30)
+        line = (f"{self.label:>12} [{bar:<30}] {done}/{total} jobs, "
+                f"t={now_s / 3600:.1f} h simulated, {t - self.t0:.0f} s")
+        if self.tty:
+            self.stream.write("\r" + line + ("\n" if final else ""))
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+def _write(path: str, text: str) -> None:
+    if path == "-":
+        click.echo(text, nl=False)
+        return
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text)
+    except OSError as e:
+        raise SpecError("output", path, f"cannot write: {e.strerror}") from None
+
+
+@click.command("simulate")
+@click.option("--trace", "trace_path", required=True, help="Trace CSV (job_id,submit_time_s,duration_s,num_gpus,...).")
+@click.option("--cluster", "cluster_name", required=True, help="Built-in cluster name or cluster YAML.")
+@click.option("--policy", "policies", multiple=True, required=True, help="Policy name; repeat to compare.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the trace-to-job mapping.")
+@click.option("--density", default=1.0, show_default=True, type=float, help="Share of trace records kept, (0, 1].")
+@click.option("--oracle", is_flag=True, help="Policies see measured iteration times instead of estimates.")
+@click.option("--round-s", default=300.0, show_default=True, type=float, help="Seconds between scheduling rounds.")
+@click.option("--measured", "measured_path", default=None, help="Measured iteration-time CSV (ground truth).")
+@click.option("--json", "json_out", default=None, help="Write the JSON report here ('-' for stdout).")
+@click.option("--markdown", "markdown_out", default=None, help="Also write the Markdown table here.")
+@click.option("--plots", "plots_dir", default=None, help="Write PNG plots into this directory.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def command(trace_path, cluster_name, policies, seed, density, oracle, round_s, measured_path,
+            json_out, markdown_out, plots_dir, quiet):
+    """Replay a job trace on a cluster under one or more policies."""
+    from policy.measured import load_measured
+    from policy.registry import make_policy, policy_class
+    from policy.report import markdown_table, report_json, summarize, write_plots
+    from policy.simulator import EstimateCache, SimConfig, SimulationError, simulate
+    from policy.trace import map_trace, offered_load, read_trace, trace_kind_for
+
+    if round_s <= 0:
+        raise SpecError("round_s", round_s, "give a positive number of seconds")
+    names = list(dict.fromkeys(p.strip().lower() for p in policies))
+    for name in names:
+        policy_class(name)  # unknown names fail before any work, listing the valid ones
+    cluster = load_cluster(cluster_name)
+    table = load_measured(measured_path)
+    jobs = map_trace(read_trace(trace_path), table, seed, density, trace_kind_for(trace_path))
+    if not jobs:
+        raise SpecError("trace", trace_path, "no job left after the submit filter and density; "
+                        "raise --density or use another trace")
+    load = offered_load(jobs, cluster.total_gpus())
+    config = SimConfig(round_s=round_s, oracle=oracle)
+    cache = EstimateCache(cluster, table, oracle)
+    results, per_policy = [], {}
+    for name in names:
+        bar = None if quiet else _Progress(name)
+        try:
+            result = simulate(make_policy(name), jobs, cluster, table, config, cache, bar)
+        except SimulationError as e:
+            raise click.ClickException(str(e)) from None
+        results.append(result)
+        per_policy[name] = summarize(result, load)
+    report = report_json(Path(trace_path).name, cluster.name, seed, per_policy, density=density,
+                         oracle=oracle, offered_load=round(load, 4), round_s=round_s)
+    log.info("estimates took %.1f s", cache.estimate_seconds)
+    table_md = markdown_table(report)
+    if json_out != "-":
+        click.echo(table_md, nl=False)
+    if markdown_out:
+        _write(markdown_out, table_md)
+    if json_out:
+        _write(json_out, json.dumps(report, indent=2, sort_keys=False) + "\n")
+    if plots_dir:
+        for path in write_plots(results, plots_dir):
+            log.info("plot %s", path)
