@@ -1,6 +1,7 @@
-"""Integration tests on a real Slurm: the lab cluster, job_submit.lua, the CLI client.
+"""The lab cluster: its generated config (pure), and integration tests on a real Slurm
+(the lab itself, job_submit.lua, the CLI client).
 
-They use the session lab of tests/conftest.py and skip without Slurm or root.
+Tests marked ``slurm`` use the session lab of tests/conftest.py and skip without Slurm or root.
 """
 
 import os
@@ -13,11 +14,12 @@ import pytest
 
 from estimator.cluster import load_cluster
 from slurm_ext.errors import LabError, SlurmCommandError
-from slurm_ext.lab import LabCluster, find_free_base_port
+from estimator.cluster import cluster_from_dict
+from slurm_ext.lab import (
+    LabCluster, LabPaths, find_free_base_port, ports_needed, render_gres_conf, render_slurm_conf,
+)
 from slurm_ext.run import run_command, start_background
 from slurm_ext.slurm_client import JobUpdate, SlurmJob, SubmitRequest
-
-pytestmark = pytest.mark.slurm
 
 SLEEPER = "#!/bin/bash\nsleep 300\n"
 # Checkpoints on USR1 and asks to be requeued held (RequeueExitHold=86). The background
@@ -53,6 +55,7 @@ def request(tmp_path: Path, **kw) -> SubmitRequest:
     return SubmitRequest(output=str(tmp_path / "%j.out"), workdir=str(tmp_path), **kw)
 
 
+@pytest.mark.slurm
 def test_nodes_idle_per_type_with_their_gpus(slurm_client):
     cluster = load_cluster("lab")
     nodes = wait_for("every lab node idle", lambda: (
@@ -70,6 +73,7 @@ def test_nodes_idle_per_type_with_their_gpus(slurm_client):
         assert node.is_usable
 
 
+@pytest.mark.slurm
 def test_typed_elastic_submission_is_normalized_and_held(slurm_client, tmp_path):
     job_id = slurm_client.submit(request(
         tmp_path, name="elastic-typed", gres="gpu:a100:4", nodes=2, requeue=False,
@@ -86,6 +90,7 @@ def test_typed_elastic_submission_is_normalized_and_held(slurm_client, tmp_path)
     assert slurm_client.job(job_id).is_pending, "a held elastic job must not start by itself"
 
 
+@pytest.mark.slurm
 def test_plain_job_is_untouched(slurm_client, tmp_path):
     job_id = slurm_client.submit(request(tmp_path, name="plain", partition="v100",
                                          gres="gpu:v100:2"))
@@ -97,12 +102,14 @@ def test_plain_job_is_untouched(slurm_client, tmp_path):
     assert running.granted_gpu_type == "v100" and running.granted_gpus_per_node == (2,)
 
 
+@pytest.mark.slurm
 def test_elastic_submission_of_a_type_without_partition_is_refused(slurm_client, tmp_path):
     with pytest.raises(SlurmCommandError) as info:
         slurm_client.submit(request(tmp_path, name="bad", gres="gpu:l20:1", comment="elastic"))
     assert "no partition l20" in info.value.stderr
 
 
+@pytest.mark.slurm
 def test_owner_cannot_release_a_held_elastic_job(slurm_lab, slurm_client):
     as_nobody = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
     out = run_command([*as_nobody, "sbatch", "--parsable", "--chdir=/tmp", "--output=/dev/null",
@@ -121,6 +128,7 @@ def test_owner_cannot_release_a_held_elastic_job(slurm_lab, slurm_client):
     assert not slurm_client.job(job_id).is_held
 
 
+@pytest.mark.slurm
 def test_update_and_release_lands_on_the_chosen_partition_count_and_nodes(slurm_client, tmp_path):
     job_id = slurm_client.submit(request(tmp_path, name="steer", gres="gpu:a100:4", nodes=1,
                                          comment="elastic"))
@@ -136,6 +144,7 @@ def test_update_and_release_lands_on_the_chosen_partition_count_and_nodes(slurm_
     assert job.granted_gpu_type == "v100" and job.granted_gpus_per_node == (3, 3)
 
 
+@pytest.mark.slurm
 def test_hold_release_and_cancel_a_pending_job(slurm_client, tmp_path):
     job_id = slurm_client.submit(request(tmp_path, name="later", partition="a10",
                                          extra_args=("--begin=now+1hour",)))
@@ -149,6 +158,7 @@ def test_hold_release_and_cancel_a_pending_job(slurm_client, tmp_path):
     assert slurm_client.job(job_id).state == "CANCELLED"
 
 
+@pytest.mark.slurm
 def test_usr1_to_a_trainer_that_exits_86_requeues_it_held_and_it_restarts_rescaled(
         slurm_client, tmp_path):
     job_id = slurm_client.submit(request(tmp_path, name="trainer", script=TRAINER,
@@ -178,6 +188,7 @@ def test_usr1_to_a_trainer_that_exits_86_requeues_it_held_and_it_restarts_rescal
     assert "start restart=1 partition=h100" in log_text
 
 
+@pytest.mark.slurm
 def test_requeue_hold_stops_a_job_that_ignores_the_signal(slurm_client, tmp_path):
     job_id = slurm_client.submit(request(tmp_path, name="deaf", partition="a100",
                                          gres="gpu:1", requeue=True))
@@ -188,6 +199,7 @@ def test_requeue_hold_stops_a_job_that_ignores_the_signal(slurm_client, tmp_path
     assert not job.nodes or job.state != "RUNNING"
 
 
+@pytest.mark.slurm
 def test_second_lab_refuses_to_start_twice_and_down_stops_exactly_its_pids(slurm_lab, tmp_path):
     cluster = load_cluster("lab")
     ours = tuple(range(slurm_lab.base_port, slurm_lab.base_port + 40))
@@ -218,3 +230,49 @@ def test_second_lab_refuses_to_start_twice_and_down_stops_exactly_its_pids(slurm
     finally:
         other.down()
         os.kill(bystander, signal.SIGTERM)
+
+
+# ---- generated config (no Slurm needed) ---------------------------------------------------
+
+def _settings(conf: str) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in conf.splitlines()
+                if "=" in line and not line.startswith(("#", "NodeName", "PartitionName")))
+
+
+def test_slurm_conf_follows_the_cluster_spec(tmp_path):
+    cluster = load_cluster("lab")
+    paths = LabPaths(tmp_path)
+    conf = render_slurm_conf(cluster, paths, 20000, "myhost")
+    nodes = [line for line in conf.splitlines() if line.startswith("NodeName=")]
+    parts = [line for line in conf.splitlines() if line.startswith("PartitionName=")]
+    assert len(nodes) == len(parts) == len(cluster.node_groups)
+    port = 20001
+    for g, node_line, part_line in zip(cluster.node_groups, nodes, parts):
+        names = f"{g.partition}-[1-{g.nodes}]" if g.nodes > 1 else f"{g.partition}-1"
+        ports = f"[{port}-{port + g.nodes - 1}]" if g.nodes > 1 else str(port)
+        assert node_line.startswith(f"NodeName={names} ")
+        assert f" Port={ports} " in node_line
+        assert f" Gres=gpu:{g.gpu_type}:{g.gpus_per_node} " in node_line
+        assert f" Features={g.gpu_type} " in node_line
+        assert part_line.startswith(f"PartitionName={g.partition} Nodes={names} ")
+        port += g.nodes
+    s = _settings(conf)
+    assert s["SlurmctldPort"] == "20000" and s["SlurmctldHost"] == "myhost"
+    assert (s["RequeueExit"], s["RequeueExitHold"]) == ("85", "86")
+    assert s["JobSubmitPlugins"] == "lua" and s["SlurmdParameters"] == "config_overrides"
+    assert int(s["MaxJobCount"]) >= 10000 and int(s["KillWait"]) <= 10
+    assert s["AuthInfo"] == f"socket={paths.munge_socket}"
+    for key in ("StateSaveLocation", "SlurmdSpoolDir", "SlurmctldPidFile", "SlurmdPidFile",
+                "SlurmctldLogFile", "SlurmdLogFile"):
+        assert s[key].startswith(str(tmp_path)), key
+
+
+def test_gres_conf_backs_every_gpu_with_a_device_file(tmp_path):
+    cluster = cluster_from_dict({"name": "two", "node_groups": [
+        {"gpu_type": "a40", "nodes": 3, "gpus_per_node": 2},
+        {"gpu_type": "h200", "nodes": 1, "gpus_per_node": 1, "partition": "big"}]})
+    gres = render_gres_conf(cluster, LabPaths(tmp_path)).splitlines()
+    assert gres[0] == "AutoDetect=off"
+    assert gres[1] == f"NodeName=a40-[1-3] Name=gpu Type=a40 File={tmp_path}/dev/nvidia[0-1]"
+    assert gres[2] == f"NodeName=big-1 Name=gpu Type=h200 File={tmp_path}/dev/nvidia0"
+    assert len(ports_needed(cluster, 100)) == 1 + 4

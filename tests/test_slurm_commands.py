@@ -1,0 +1,169 @@
+"""Slurm command builders (pure) and the one place that runs programs."""
+
+import os
+import signal
+import time
+
+import pytest
+
+from slurm_ext.cli_backend import (
+    CliSlurmClient, batch_script_argv, cancel_argv, hold_argv, release_argv, requeue_hold_argv,
+    sbatch_argv, signal_batch_argv, sinfo_json_argv, squeue_json_argv, update_pending_argv,
+)
+from slurm_ext.errors import (
+    CommandNotFoundError, CommandTimeoutError, SlurmArgumentError, SlurmCommandError,
+)
+from slurm_ext.run import reap, run_command, start_background
+from slurm_ext.slurm_client import JobUpdate, SlurmClient, SubmitRequest
+
+
+# ---- builders -----------------------------------------------------------------------------
+
+def test_readers_ask_for_json():
+    assert squeue_json_argv()[0] == "squeue" and "--json" in squeue_json_argv()
+    assert sinfo_json_argv()[0] == "sinfo" and "--json" in sinfo_json_argv()
+
+
+def test_full_pending_update():
+    argv = update_pending_argv(42, JobUpdate(partition="v100", gpus_per_node=3, num_nodes=2,
+                                             admin_comment="cell=v100x6 plan=[dp3,dp3]"))
+    assert argv == ["scontrol", "update", "JobId=42", "Partition=v100", "Gres=gpu:3",
+                    "NumNodes=2-2", "AdminComment=cell=v100x6 plan=[dp3,dp3]", "StartTime=now"]
+
+
+def test_partial_update_and_no_start_time():
+    assert update_pending_argv(7, JobUpdate(num_nodes=1, start_now=False)) == \
+        ["scontrol", "update", "JobId=7", "NumNodes=1-1"]
+    assert update_pending_argv(7, JobUpdate(admin_comment="")) == \
+        ["scontrol", "update", "JobId=7", "AdminComment=", "StartTime=now"]
+
+
+@pytest.mark.parametrize("update, field", [
+    (JobUpdate(), "update"),
+    (JobUpdate(gpus_per_node=0), "gpus_per_node"),
+    (JobUpdate(gpus_per_node=True), "gpus_per_node"),
+    (JobUpdate(gpus_per_node="3"), "gpus_per_node"),
+    (JobUpdate(num_nodes=-1), "num_nodes"),
+    (JobUpdate(partition="a100 Priority=1"), "partition"),
+    (JobUpdate(partition=""), "partition"),
+    (JobUpdate(admin_comment="x" * 5001), "admin_comment"),
+    (JobUpdate(admin_comment="two\nlines"), "admin_comment"),
+])
+def test_bad_updates_are_refused_naming_the_field(update, field):
+    with pytest.raises(SlurmArgumentError) as info:
+        update_pending_argv(1, update)
+    assert info.value.field == field and field in str(info.value)
+
+
+@pytest.mark.parametrize("job_id", [0, -3, "12", 1.0, True, None])
+def test_job_ids_must_be_positive_integers(job_id):
+    for build in (hold_argv, release_argv, requeue_hold_argv, batch_script_argv, cancel_argv):
+        with pytest.raises(SlurmArgumentError, match="job_id"):
+            build(job_id)
+
+
+def test_action_commands():
+    assert hold_argv(5) == ["scontrol", "hold", "5"]
+    assert release_argv(5) == ["scontrol", "release", "5"]
+    assert requeue_hold_argv(5) == ["scontrol", "requeuehold", "5"]
+    assert batch_script_argv(5) == ["scontrol", "write", "batch_script", "5", "-"]
+    assert cancel_argv(5) == ["scancel", "5"]
+
+
+@pytest.mark.parametrize("sig", ["USR1", "SIGUSR1", "usr1"])
+def test_signal_goes_to_the_batch_step_only(sig):
+    assert signal_batch_argv(9, sig) == ["scancel", "--signal=USR1", "--batch", "9"]
+
+
+@pytest.mark.parametrize("sig", ["USR1; reboot", "", "-9", 10])
+def test_bad_signals_are_refused(sig):
+    with pytest.raises(SlurmArgumentError, match="signal"):
+        signal_batch_argv(9, sig)
+
+
+def test_sbatch_with_every_option():
+    argv = sbatch_argv(SubmitRequest(
+        script="#!/bin/bash\ntrue\n", name="t1", partition="a10", nodes=2, gres="gpu:a10:2",
+        comment="elastic model=gpt-1.3b", hold=True, requeue=False, time_limit_min=30,
+        output="/tmp/o-%j", workdir="/tmp", extra_args=("--open-mode=append",)))
+    assert argv == ["sbatch", "--parsable", "--job-name=t1", "--partition=a10", "--nodes=2",
+                    "--gres=gpu:a10:2", "--comment=elastic model=gpt-1.3b", "--hold",
+                    "--no-requeue", "--time=30", "--output=/tmp/o-%j", "--chdir=/tmp",
+                    "--open-mode=append"]
+    assert sbatch_argv(SubmitRequest(script="#!/bin/sh\n")) == \
+        ["sbatch", "--parsable", "--job-name=slurm-ext"]
+
+
+@pytest.mark.parametrize("request_, field", [
+    (SubmitRequest(script="sleep 1"), "script"),
+    (SubmitRequest(script="#!/bin/sh\n", gres="gpu a100"), "gres"),
+    (SubmitRequest(script="#!/bin/sh\n", name="a b"), "name"),
+    (SubmitRequest(script="#!/bin/sh\n", nodes=0), "nodes"),
+    (SubmitRequest(script="#!/bin/sh\n", extra_args=(3,)), "extra_args"),
+])
+def test_bad_submissions_are_refused(request_, field):
+    with pytest.raises(SlurmArgumentError) as info:
+        sbatch_argv(request_)
+    assert info.value.field == field
+
+
+def test_cli_client_implements_the_protocol():
+    assert isinstance(CliSlurmClient(), SlurmClient)
+
+
+# ---- run_command --------------------------------------------------------------------------
+
+def test_a_string_command_is_a_type_error():
+    with pytest.raises(TypeError, match="not a string"):
+        run_command("squeue --json", timeout_s=5)
+    with pytest.raises(TypeError):
+        run_command(["echo", 3], timeout_s=5)
+    with pytest.raises(TypeError):
+        start_background("sleep 1")
+
+
+def test_output_input_and_environment():
+    out = run_command(["cat"], timeout_s=5, input_text="hello\n")
+    assert out.stdout == "hello\n" and out.returncode == 0
+    env = run_command(["env"], timeout_s=5, env={"SLURM_CONF": "/x/slurm.conf"}).stdout
+    assert "SLURM_CONF=/x/slurm.conf" in env.splitlines()
+    assert "PATH=" in env  # the rest of the environment is kept
+
+
+def test_failure_carries_argv_status_and_stderr():
+    argv = ["sh", "-c", "echo 'scontrol: error: Invalid job id specified' >&2; exit 3"]
+    with pytest.raises(SlurmCommandError) as info:
+        run_command(argv, timeout_s=5)
+    e = info.value
+    assert e.argv == tuple(argv) and e.returncode == 3
+    assert "Invalid job id specified" in e.stderr and "Invalid job id specified" in str(e)
+    assert run_command(argv, timeout_s=5, check=False).returncode == 3
+
+
+def test_timeout_and_missing_program_are_typed():
+    start = time.monotonic()
+    with pytest.raises(CommandTimeoutError, match="0.2 s"):
+        run_command(["sleep", "5"], timeout_s=0.2)
+    assert time.monotonic() - start < 3
+    with pytest.raises(CommandNotFoundError, match="no-such-program"):
+        run_command(["no-such-program-xyz"], timeout_s=5)
+
+
+def test_background_process_runs_until_stopped_by_pid(tmp_path):
+    log_path = tmp_path / "out.log"
+    pid = start_background(["sh", "-c", "echo started; exec sleep 30"], log_path=log_path)
+    try:
+        deadline = time.monotonic() + 5
+        while "started" not in log_path.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "started" in log_path.read_text()
+        assert os.getsid(pid) == pid  # its own session: a Ctrl-C on us does not reach it
+    finally:
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        reap(pid)
+        if not os.path.exists(f"/proc/{pid}"):
+            break
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{pid}")

@@ -1,0 +1,247 @@
+"""The Slurm output parsers, on recorded 22.05 output and constructed 23.02 / 23.11 shapes."""
+
+from pathlib import Path
+
+import pytest
+
+from estimator.cluster import load_cluster
+from slurm_ext.errors import SlurmParseError
+from slurm_ext.slurm_client import Gres
+from slurm_ext.slurm_parse import (
+    exit_code, expand_hostlist, number, parse_gres, parse_gres_detail, parse_gres_item,
+    parse_jobs, parse_nodes, parse_sbatch_parsable, state_and_flags, JOB_BASE_STATES,
+)
+
+FIXTURES = Path(__file__).parent / "fixtures"
+RECORDED = FIXTURES / "slurm-22.05"
+CONSTRUCTED = FIXTURES / "constructed"
+
+
+def jobs_of(path: Path) -> dict:
+    return {j.job_id: j for j in parse_jobs(path.read_text())}
+
+
+def nodes_of(path: Path) -> dict:
+    return {n.name: n for n in parse_nodes(path.read_text())}
+
+
+# ---- recorded 22.05 -----------------------------------------------------------------------
+
+def test_empty_output_and_empty_queue_give_no_jobs():
+    assert parse_jobs((RECORDED / "squeue_empty.json").read_text()) == ()
+    assert parse_jobs("") == ()
+    assert parse_nodes("  \n") == ()
+
+
+def test_elastic_jobs_as_job_submit_lua_left_them():
+    jobs = jobs_of(RECORDED / "squeue_pending_held.json")
+    typed = jobs[1]
+    assert typed.is_elastic and typed.is_held and typed.is_pending and typed.is_active
+    assert (typed.partition, typed.gpus_per_node, typed.gpu_type_requested) == ("a100", 4, None)
+    assert typed.admin_comment == "requested=a100" and typed.requeue
+    assert typed.node_count == 2 and typed.nodes == () and typed.granted_gpus == 0
+    assert typed.comment.startswith("elastic model=gpt-1.3b")
+    assert typed.user == "root" and typed.name == "elastic-typed" and typed.batch
+    assert typed.submit_time_s > 1_600_000_000 and typed.start_time_s == 0
+    assert typed.exit_code is None
+    untyped = jobs[2]
+    assert untyped.admin_comment == "requested=any" and untyped.partition == "a10"
+
+
+def test_plain_held_job_keeps_its_type_and_a_pending_array_its_task_spec():
+    jobs = jobs_of(RECORDED / "squeue_pending_held.json")
+    plain = jobs[3]
+    assert not plain.is_elastic and plain.is_held
+    assert (plain.gpus_per_node, plain.gpu_type_requested) == (2, "v100")
+    array = jobs[4]
+    assert array.array_job_id == 4 and array.array_task_id is None
+    assert array.array_task_spec == "0-7%2"
+
+
+def test_running_jobs_report_granted_gpus_per_node_from_gres_detail():
+    jobs = jobs_of(RECORDED / "squeue_running.json")
+    two_node = next(j for j in jobs.values() if j.name == "running-2node")
+    assert two_node.is_running and two_node.reason == ""
+    assert two_node.nodes == ("v100-1", "v100-2")
+    assert two_node.granted_gpus_per_node == (3, 3) and two_node.granted_gpu_type == "v100"
+    assert two_node.start_time_s >= two_node.submit_time_s > 0
+    rescale = next(j for j in jobs.values() if j.name == "rescale")
+    assert rescale.gpu_type_requested is None and rescale.granted_gpu_type == "a10"
+    waits = next(j for j in jobs.values() if j.name == "a100-waits")
+    assert waits.is_pending and not waits.is_held and waits.reason == "Resources"
+
+
+def test_array_tasks_are_separate_jobs_of_one_array():
+    jobs = jobs_of(RECORDED / "squeue_running.json")
+    tasks = sorted((j.array_task_id, j.job_id) for j in jobs.values() if j.name == "array-running")
+    assert [t for t, _ in tasks] == [0, 1, 2]
+    assert len({j.array_job_id for j in jobs.values() if j.name == "array-running"}) == 1
+    assert all(jobs[i].granted_gpus_per_node == (2,) for _, i in tasks)
+
+
+def test_cancelled_jobs_are_reported_but_not_active():
+    jobs = jobs_of(RECORDED / "squeue_running.json")
+    cancelled = [j for j in jobs.values() if j.state == "CANCELLED"]
+    assert cancelled and not any(j.is_active or j.is_held for j in cancelled)
+
+
+def test_requeued_held_job_after_exit_86():
+    job = next(j for j in jobs_of(RECORDED / "squeue_requeued_held.json").values()
+               if j.name == "rescale")
+    assert job.state == "SPECIAL_EXIT" and job.is_held and job.is_active
+    assert job.restart_count == 1 and job.exit_code == 86
+    assert job.granted_gpus_per_node == () and job.nodes == ()
+
+
+def test_idle_nodes_match_the_lab_cluster_spec():
+    nodes = nodes_of(RECORDED / "sinfo_idle.json")
+    cluster = load_cluster("lab")
+    assert set(nodes) == {n for g in cluster.node_groups for n in g.node_names()}
+    for g in cluster.node_groups:
+        for name in g.node_names():
+            node = nodes[name]
+            assert node.state == "idle" and node.is_usable
+            assert node.gres == (Gres("gpu", g.gpu_type, g.gpus_per_node),)
+            assert node.gpus_used == 0 and node.features == (g.gpu_type,)
+            assert node.partitions == (g.partition,)
+            assert node.cpus > 0 and node.real_memory_mb > 0
+
+
+def test_gpus_used_on_nodes_match_gpus_granted_to_running_jobs():
+    nodes = nodes_of(RECORDED / "sinfo_busy.json")
+    jobs = parse_jobs((RECORDED / "squeue_running.json").read_text())
+    granted: dict[str, int] = {}
+    for j in jobs:
+        for node, n in zip(j.nodes, j.granted_gpus_per_node):
+            granted[node] = granted.get(node, 0) + n
+    assert granted and {n: node.gpus_used for n, node in nodes.items() if node.gpus_used} == granted
+    assert {n.state for n in nodes.values()} == {"idle", "mixed"}
+
+
+# ---- constructed newer shapes -------------------------------------------------------------
+
+def test_slurm_23_02_number_objects():
+    jobs = jobs_of(CONSTRUCTED / "squeue_23.02.json")
+    held = jobs[101]
+    assert held.priority == 0 and held.is_held and held.node_count == 2
+    assert held.submit_time_s == 1700000000 and held.array_job_id is None
+    running = jobs[102]
+    assert running.restart_count == 2 and running.granted_gpus_per_node == (3, 3)
+    assert running.end_time_s == 1700086600
+    assert running.exit_code == 0  # a restarted job reports its last run's status
+    task = jobs[105]
+    assert (task.array_job_id, task.array_task_id) == (104, 1)
+    assert jobs[106].state == "COMPLETED" and jobs[106].exit_code == 1
+
+
+def test_slurm_23_11_state_lists_and_exit_code_objects():
+    jobs = jobs_of(CONSTRUCTED / "squeue_23.11.json")
+    requeued = jobs[201]
+    assert requeued.state == "PENDING" and requeued.state_flags == ("REQUEUED",)
+    assert requeued.is_held and requeued.exit_code == 86 and requeued.gpus_per_node == 1
+    running = jobs[202]
+    assert running.is_running and running.end_time_s == 0
+    assert (running.gpus_per_node, running.gpu_type_requested) == (4, "a100")
+    array = jobs[203]
+    assert array.gpus_per_job == 6 and array.gpus_per_node == 0
+    assert array.array_job_id == 203 and array.array_task_spec == "0-9%2"
+    assert jobs[204].exit_code == 128 + 9
+
+
+def test_newer_sinfo_state_lists_flags_and_duplicate_nodes():
+    nodes = nodes_of(CONSTRUCTED / "sinfo_23.02.json")
+    assert nodes["a100-1"].state == "mixed" and nodes["a100-1"].is_usable
+    assert nodes["a100-2"].state == "idle" and nodes["a100-2"].state_flags == ("DRAIN",)
+    assert not nodes["a100-2"].is_usable
+    assert not nodes["v100-1"].is_usable
+    assert nodes["v100-1"].features == ("v100", "nvlink")
+    assert nodes["v100-1"].partitions == ("v100", "all")
+    newer = parse_nodes((CONSTRUCTED / "sinfo_23.11.json").read_text())
+    assert [n.name for n in newer] == ["h100-1", "a10-1"]
+    assert newer[0].gpus == newer[0].gpus_used == 8 and newer[0].state == "allocated"
+    assert newer[1].gpus == 3 and newer[1].gpu_type == "a10"
+
+
+def test_controller_errors_and_garbage_raise_quoting_the_text():
+    with pytest.raises(SlurmParseError, match="Unable to contact slurm controller"):
+        parse_jobs((CONSTRUCTED / "squeue_errors.json").read_text())
+    with pytest.raises(SlurmParseError, match="squeue: error: Invalid"):
+        parse_jobs("squeue: error: Invalid user")
+    with pytest.raises(SlurmParseError, match="job_id"):
+        parse_jobs('{"jobs": [{"name": "no id"}]}')
+    with pytest.raises(SlurmParseError, match="name"):
+        parse_nodes('{"nodes": [{"state": "idle"}]}')
+
+
+# ---- small pieces -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("hostlist, names", [
+    ("", ()),
+    ("h100-1", ("h100-1",)),
+    ("a100-[1-2]", ("a100-1", "a100-2")),
+    ("v100-[1-2],h100-1", ("v100-1", "v100-2", "h100-1")),
+    ("n[08-10]", ("n08", "n09", "n10")),
+    ("gpu[1,3-4]x", ("gpu1x", "gpu3x", "gpu4x")),
+    ("r[1-2]n[1-2]", ("r1n1", "r1n2", "r2n1", "r2n2")),
+])
+def test_expand_hostlist(hostlist, names):
+    assert expand_hostlist(hostlist) == names
+
+
+def test_expand_hostlist_rejects_a_non_numeric_range():
+    with pytest.raises(SlurmParseError, match=r"a\[x-y\]"):
+        expand_hostlist("a[x-y]")
+
+
+@pytest.mark.parametrize("item, gres", [
+    ("gpu:a100:4", Gres("gpu", "a100", 4)),
+    ("gres:gpu:4", Gres("gpu", None, 4)),
+    ("gres/gpu:a100=4", Gres("gpu", "a100", 4)),
+    ("gres/gpu=2", Gres("gpu", None, 2)),
+    ("gpu:v100:3(IDX:0-2)", Gres("gpu", "v100", 3)),
+    ("gpu:a100:4(S:0-1)", Gres("gpu", "a100", 4)),
+    ("gpu", Gres("gpu", None, 1)),
+    ("mps:1K", Gres("mps", None, 1024)),
+    ("(null)", None),
+    ("", None),
+])
+def test_parse_gres_item(item, gres):
+    assert parse_gres_item(item) == gres
+
+
+def test_parse_gres_lists_and_details():
+    assert parse_gres("gpu:a10:2(S:0),gpu:a10:1(S:1)") == (Gres("gpu", "a10", 2), Gres("gpu", "a10", 1))
+    assert parse_gres(["gres/gpu:h100:8"]) == (Gres("gpu", "h100", 8),)
+    assert parse_gres_detail(["gpu:v100:3(IDX:0-2)", "gpu:v100:1(IDX:3)"]) == ((3, 1), "v100")
+    assert parse_gres_detail([]) == ((), None)
+
+
+@pytest.mark.parametrize("raw, value", [
+    (5, 5), (2.0, 2), (None, None), ("7", 7), ("x", None),
+    ({"set": True, "infinite": False, "number": 42}, 42),
+    ({"set": False, "infinite": False, "number": 0}, None),
+    ({"set": True, "infinite": True, "number": 0}, None),
+])
+def test_number_unwraps_plain_and_object_numbers(raw, value):
+    assert number(raw) == value
+
+
+def test_exit_codes_of_each_shape():
+    assert exit_code(86 << 8) == 86
+    assert exit_code(9) == 128 + 9
+    assert exit_code({"status": ["EXITED"], "return_code": {"set": True, "number": 3}}) == 3
+    assert exit_code(None) is None
+
+
+def test_state_and_flags_of_strings_and_lists():
+    assert state_and_flags("PENDING", JOB_BASE_STATES) == ("PENDING", ())
+    assert state_and_flags(["REQUEUED", "PENDING"], JOB_BASE_STATES) == ("REQUEUED", ("PENDING",))
+    assert state_and_flags(["CONFIGURING_X", "RUNNING"], JOB_BASE_STATES) == ("RUNNING", ("CONFIGURING_X",))
+    assert state_and_flags([], JOB_BASE_STATES) == ("", ())
+
+
+def test_sbatch_parsable_output():
+    assert parse_sbatch_parsable("123\n") == 123
+    assert parse_sbatch_parsable("77;lab\n") == 77
+    with pytest.raises(SlurmParseError, match="Submitted batch job"):
+        parse_sbatch_parsable("Submitted batch job 5")
