@@ -26,17 +26,21 @@ function slurm_job_submit(job_desc, part_list, submit_uid)
       return slurm.SUCCESS
    end
    local requested = "any"
-   local tres = job_desc.tres_per_node
-   if tres ~= nil then
-      -- "gres:gpu:a100:4" (22.05 adds the "gres:" prefix) or "gpu:a100:4"
-      local gtype, count = string.match(tres, "gpu:(%a[%w_%-]*):(%d+)")
+   -- --gres / --gpus-per-node land in tres_per_node, --gpus in tres_per_job:
+   -- "gres:gpu:a100:4" (22.05 adds the "gres:" prefix) or "gpu:a100:4".
+   for _, field in ipairs({"tres_per_node", "tres_per_job"}) do
+      local tres = job_desc[field]
+      local gtype, count = nil, nil
+      if tres ~= nil then
+         gtype, count = string.match(tres, "gpu:(%a[%w_%-]*):(%d+)")
+      end
       if gtype ~= nil then
          if not has_partition(part_list, gtype) then
             slurm.log_user("elastic job asks for GPU type %s but there is no partition %s", gtype, gtype)
             return slurm.ERROR
          end
          requested = gtype
-         job_desc.tres_per_node = string.gsub(tres, "gpu:" .. gtype .. ":" .. count, "gpu:" .. count, 1)
+         job_desc[field] = string.gsub(tres, "gpu:" .. gtype .. ":" .. count, "gpu:" .. count, 1)
          job_desc.partition = gtype
       end
    end

@@ -289,7 +289,7 @@ class LabCluster:
         """Each recorded daemon (``slurmctld``, ``slurmd a100-1``, ``munged``) → (PID, alive)."""
         rec = self.recorded_pids()
         out: dict[str, tuple[int, bool]] = {}
-        marker = str(self.paths.root)
+        marker = str(self.paths.root) + "/"
         if rec.get("munged"):
             out["munged"] = (rec["munged"], _alive(rec["munged"], marker))
         if rec.get("slurmctld"):
@@ -349,7 +349,7 @@ class LabCluster:
             for node in node_names(self.cluster):
                 pids["slurmd"][node] = start_background(
                     [SLURMD, "-D", "-f", str(p.conf), "-N", node], p.logs / f"slurmd-{node}.out")
-            self._save_pids(pids)
+                self._save_pids(pids)
             if not _wait_until(self._all_idle, timeout_s, 0.5):
                 raise LabError(f"nodes not idle after {timeout_s:g} s ({self._states_text()}); "
                                f"see {p.logs}/slurmctld.log and {p.logs}/slurmd-*.log")
@@ -453,7 +453,7 @@ class LabCluster:
 
     def _stop_recorded(self, timeout_s: float = 30.0) -> None:
         rec = self.recorded_pids()
-        marker = str(self.paths.root)
+        marker = str(self.paths.root) + "/"
         stages = [list(rec.get("slurmd", {}).values()), [rec.get("slurmctld")], [rec.get("munged")]]
         for pids in stages:
             pids = [pid for pid in pids if pid and _alive(pid, marker)]

@@ -91,6 +91,15 @@ def test_typed_elastic_submission_is_normalized_and_held(slurm_client, tmp_path)
 
 
 @pytest.mark.slurm
+def test_typed_gpus_per_job_of_an_elastic_job_become_untyped_too(slurm_client, tmp_path):
+    job_id = slurm_client.submit(request(tmp_path, name="elastic-gpus", comment="elastic",
+                                         extra_args=("--gpus=h100:6",)))
+    job = slurm_client.job(job_id)
+    assert (job.partition, job.gpus_per_job, job.gpus_per_node) == ("h100", 6, 0)
+    assert job.admin_comment == "requested=h100" and job.is_held
+
+
+@pytest.mark.slurm
 def test_plain_job_is_untouched(slurm_client, tmp_path):
     job_id = slurm_client.submit(request(tmp_path, name="plain", partition="v100",
                                          gres="gpu:v100:2"))
