@@ -59,6 +59,9 @@ log = logging.getLogger(__name__)
 HELD_FOR_RESCALE = frozenset({"SPECIAL_EXIT", "REQUEUE_HOLD"})
 RESCALE_POLL_S = 1.0
 REQUEUE_HOLD_WAIT_S = 45.0
+# A released job waiting for one of these will never start as it is: decide it afresh.
+STUCK_REASONS = frozenset({"BadConstraints", "PartitionNodeLimit", "PartitionConfig",
+                           "InvalidQOS", "PartitionDown", "PartitionInactive"})
 
 
 def kv(event: str, **fields: object) -> str:
@@ -305,12 +308,15 @@ class Daemon:
         metrics: Prometheus metrics (no-op when disabled).
         out: where ``--dry-run`` prints the actions it would take.
         reload: returns a fresh config on SIGHUP (None: reload is not possible).
+        env: variables for the daemon's own Slurm commands (the arrival poll), e.g.
+            ``{"SLURM_CONF": ...}``; None inherits the environment, as the client should.
     """
 
     def __init__(self, config: DaemonConfig, client: SlurmClient, store: Store,
                  clock: Clock | None = None, metrics: Metrics | None = None,
                  out: Callable[[str], None] = print,
-                 reload: Callable[[], DaemonConfig] | None = None):
+                 reload: Callable[[], DaemonConfig] | None = None,
+                 env: dict[str, str] | None = None):
         self.client = client
         self.store = store
         self._wake = threading.Event()
@@ -318,6 +324,7 @@ class Daemon:
         self.metrics = metrics or Metrics(None)
         self.out = out
         self._reload = reload
+        self._env = env
         self._stop = False
         self._reload_requested = False
         self._policy_state: object = None
@@ -413,7 +420,7 @@ class Daemon:
 
     def _new_elastic_job(self) -> bool:
         try:
-            text = run_command(pending_listing_argv(), self.config.slurm_timeout_s).stdout
+            text = run_command(pending_listing_argv(), self.config.slurm_timeout_s, env=self._env).stdout
         except SlurmExtError as e:
             log.debug(kv("poll_failed", error=e))
             return False
@@ -560,7 +567,7 @@ class Daemon:
                 state = RUNNING
             elif is_held(job):
                 assignment, state = None, PENDING
-            elif job.state == "PENDING" and pc.cell is not None:
+            elif job.state == "PENDING" and pc.cell is not None and job.reason not in STUCK_REASONS:
                 launching.append(job)  # released by us; Slurm starts it when it can
                 continue
             elif job.state == "PENDING":
@@ -640,6 +647,7 @@ class Daemon:
              part_types: dict[str, str], acts: _Acts) -> None:
         type_parts = type_partitions(part_types)
         rescales: list[tuple[Action, JobUpdate | None]] = []
+        starts: list[tuple[SlurmJob, JobUpdate]] = []
         for action in implied_actions(snapshot, decision):
             view = views_by_id[action.job_id]
             job: SlurmJob = view.slurm
@@ -653,12 +661,13 @@ class Daemon:
                     log.warning(kv("no_partition", job_id=job.job_id, gpu_type=action.after.cell.gpu_type))
                     continue
             if action.kind == START:
-                self._take(journal.START, job.job_id, update, is_held(job), acts,
-                           update.admin_comment)
+                starts.append((job, update))
             elif action.kind in (RESIZE, CHANGE_TYPE, SUSPEND):
                 rescales.append((action, update))
-        if rescales:
+        if rescales:  # first, so that the GPUs they give back are free for the starts
             self._rescale(rescales, views_by_id, acts)
+        for job, update in starts:
+            self._take(journal.START, job.job_id, update, is_held(job), acts, update.admin_comment)
         self._annotate_waiting(snapshot, decision, views_by_id, acts)
 
     def _annotate_waiting(self, snapshot, decision: Decision, views_by_id: dict, acts: _Acts) -> None:

@@ -1,0 +1,333 @@
+"""The daemon: configuration, the pure observe helpers, and rounds against the real lab.
+
+Lab tests (marked ``slurm``) use the session lab of tests/conftest.py and skip without
+Slurm or root.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from estimator.cells import Cell
+from slurm_ext.config import ConfigError, DaemonConfig, load_config, resolve
+from slurm_ext.daemon import (
+    Daemon, build_snapshot, cluster_spec, parse_pending_listing, partition_types,
+    requested_gpus, running_assignment, type_partitions,
+)
+from slurm_ext.slurm_client import Gres, JobUpdate, SlurmJob, SlurmNode, SubmitRequest
+from slurm_ext.squeue_view import parse_plan_comment, rows
+from slurm_ext.store import DONE, RESCALE, START, Store
+
+REPO = Path(__file__).resolve().parents[1]
+
+# ---------------------------------------------------------------------------- config
+
+
+def test_config_precedence_flag_env_file_default():
+    file_values = {"interval_s": 30, "policy": "fcfs", "poll_s": 5, "partitions": {"gpu": "A100"}}
+    env = {"SLURM_EXT_INTERVAL_S": "20", "SLURM_EXT_POLICY": "gavel", "HOME": "/root"}
+    cfg = resolve({"interval_s": 10.0, "dry_run": None}, env, file_values)
+    assert cfg.interval_s == 10.0          # flag
+    assert cfg.policy == "gavel"           # environment over file
+    assert cfg.poll_s == 5.0               # file over default
+    assert cfg.rescale_timeout_s == DaemonConfig().rescale_timeout_s  # default
+    assert cfg.partition_map() == {"gpu": "a100"}
+    assert cfg.dry_run is False
+
+
+def test_shipped_yaml_resolves_to_the_defaults():
+    cfg = load_config(str(REPO / "etc" / "slurm-ext.yaml"), {}, {})
+    assert cfg == DaemonConfig()
+
+
+@pytest.mark.parametrize("file_values, env, field", [
+    ({"intervall_s": 3}, {}, "intervall_s"),
+    ({"interval_s": 0}, {}, "interval_s"),
+    ({"interval_s": "soon"}, {}, "interval_s"),
+    ({"metrics_port": 70000}, {}, "metrics_port"),
+    ({"partitions": {"gpu": "tpu"}}, {}, "partitions.gpu"),
+    ({"log_level": "LOUD"}, {}, "log_level"),
+    ({}, {"SLURM_EXT_DRY_RUN": "perhaps"}, "dry_run"),
+    ({}, {"SLURM_EXT_PARTITIONS": "a100"}, "partitions"),
+])
+def test_bad_config_names_key_and_source(file_values, env, field):
+    with pytest.raises(ConfigError) as info:
+        resolve({}, env, file_values, file_name="site.yaml")
+    assert info.value.field == field
+    assert ("site.yaml" in str(info.value)) or ("environment" in str(info.value))
+
+
+# ------------------------------------------------------------------- pure helpers
+
+def node(name, gtype, gpus, used=0, partition=None, state="idle"):
+    return SlurmNode(name, state, partitions=(partition or gtype,), features=(gtype,),
+                     gres=(Gres("gpu", gtype, gpus),),
+                     gres_used=(Gres("gpu", gtype, used),) if used else ())
+
+
+NODES = (node("a100-1", "a100", 4, used=4), node("a100-2", "a100", 4, used=2),
+         node("v100-1", "v100", 4), node("h100-1", "h100", 8, state="down"),
+         SlurmNode("cpu-1", "idle", partitions=("cpu",)))
+
+
+def test_partition_types_derived_from_gres_and_config_wins():
+    mixed = NODES + (node("x-1", "a10", 2, partition="a100"),)
+    assert partition_types(mixed, {}) == {"v100": "v100", "h100": "h100"}
+    assert partition_types(NODES, {"gpu": "a100"}) == {"gpu": "a100"}
+    assert type_partitions({"big": "a100", "a100": "a100", "old": "v100"}) == {"a100": "a100", "v100": "old"}
+
+
+def test_cluster_spec_from_nodes():
+    spec = cluster_spec(NODES, partition_types(NODES, {}), None, "infiniband")
+    groups = {g.gpu_type: (g.nodes, g.gpus_per_node, g.network.kind) for g in spec.node_groups}
+    assert groups == {"a100": (2, 4, "infiniband"), "v100": (1, 4, "infiniband"), "h100": (1, 8, "infiniband")}
+
+
+def test_requested_gpus():
+    assert requested_gpus(SlurmJob(1, "u", "n", "PENDING", gpus_per_node=4, node_count=2)) == 8
+    assert requested_gpus(SlurmJob(1, "u", "n", "PENDING", gpus_per_job=6)) == 6
+    assert requested_gpus(SlurmJob(1, "u", "n", "PENDING")) is None
+
+
+def test_pending_listing():
+    text = "12|elastic model=x|\n13|plain|\n14_[1-3]|elastic|\n15||\n16|ELASTIC|\n"
+    assert parse_pending_listing(text) == [12, 16]
+
+
+def test_snapshot_counts_unmanaged_and_launching_gpus():
+    part_types = partition_types(NODES, {})
+    part_types["a100"] = "a100"
+    running = SlurmJob(7, "u", "t", "RUNNING", partition="a100", comment="elastic",
+                       admin_comment="cell=a100x4:s2 plan=[dp2tp1|dp2tp1]",
+                       granted_gpus_per_node=(2, 2), granted_gpu_type="a100",
+                       nodes=("a100-1", "a100-2"), node_count=2)
+    node_types = {n.name: n.gpu_type for n in NODES}
+    a = running_assignment(running, parse_plan_comment(running.admin_comment), node_types, part_types)
+    assert a.cell == Cell("a100", 4, 2, 2)
+    assert a.placement == (("a100-1", 2), ("a100-2", 2))
+
+    class View:  # build_snapshot reads only .view.assignment of managed jobs
+        pass
+    from types import SimpleNamespace
+    managed = [SimpleNamespace(view=SimpleNamespace(assignment=a, submit_time_s=1.0, job_id="7"))]
+    launching = [SlurmJob(8, "u", "t", "PENDING", partition="v100", comment="elastic",
+                          admin_comment="cell=v100x2:s1 why=x", gpus_per_node=2, node_count=1)]
+    snap = build_snapshot(100.0, NODES, managed, launching, part_types, "round", 60.0, 30.0, None)
+    unmanaged = {n.name: n.unmanaged_gpus for n in snap.nodes}
+    # a100-1: 4 used, 2 of them by the managed job; a100-2: 2 used, all managed;
+    # v100-1: 2 reserved for the launching job; h100-1 is down; cpu-1 has no GPUs.
+    assert unmanaged == {"a100-1": 2, "a100-2": 0, "v100-1": 2, "h100-1": 8}
+    assert snap.now_s == 100.0 and snap.restart_cost_s == 30.0
+
+
+# ------------------------------------------------------------------- the real lab
+
+TRAINER = """#!/bin/bash
+#ELASTIC global_batch=64 iterations=100000
+trap 'exit 86' USR1
+while true; do sleep 0.2 & wait $!; done
+"""
+
+
+def submit(client, tmp_path, comment=None, **kw):
+    return client.submit(SubmitRequest(script=kw.pop("script", TRAINER), comment=comment,
+                                       output=str(tmp_path / "%j.out"), workdir=str(tmp_path), **kw))
+
+
+def wait_for(what, probe, timeout_s=25.0):
+    deadline = time.monotonic() + timeout_s
+    value = None
+    while time.monotonic() < deadline:
+        value = probe()
+        if value:
+            return value
+        time.sleep(0.3)
+    pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}; last: {value!r}")
+
+
+def running(client, *job_ids):
+    def probe():
+        jobs = {j.job_id: j for j in client.jobs()}
+        got = [jobs.get(i) for i in job_ids]
+        return got if all(j is not None and j.is_running for j in got) else None
+    return probe
+
+
+def make_daemon(lab, client, tmp_path, out=None, **config):
+    cfg = resolve({"state_db": str(tmp_path / "state.db"), "rescale_timeout_s": 15.0, **config}, {}, {})
+    store = Store(cfg.state_db)
+    return Daemon(cfg, client, store, out=out or (lambda line: None), env=lab.env())
+
+
+def assert_runs_as_planned(job: SlurmJob):
+    pc = parse_plan_comment(job.admin_comment)
+    gtype, gpus, stages = pc.cell_parts()
+    assert job.partition == gtype and job.granted_gpu_type == gtype
+    assert job.granted_gpus == gpus
+    stage_plans = pc.plan.strip("[]").split("|")
+    assert len(stage_plans) == stages
+    used = 0
+    for sp in stage_plans:
+        dp, tp = sp[2:].split("tp")
+        used += int(dp) * int(tp)
+    assert used == gpus
+    assert pc.samples_per_s and pc.samples_per_s > 0 and pc.why
+
+
+@pytest.mark.slurm
+def test_elastic_jobs_start_on_the_chosen_cell_and_plain_jobs_are_untouched(slurm_lab, slurm_client, tmp_path):
+    plain_running = submit(slurm_client, tmp_path, partition="h100", gres="gpu:h100:8", name="plain")
+    plain_held = submit(slurm_client, tmp_path, partition="a10", gres="gpu:a10:1", hold=True, name="plain-held")
+    wait_for("the plain job to run", running(slurm_client, plain_running))
+    elastic = [
+        submit(slurm_client, tmp_path, "elastic model=gpt-1.3b"),
+        submit(slurm_client, tmp_path, "elastic model=moe-690m gpus=2 global_batch=32"),
+        submit(slurm_client, tmp_path, "elastic model=gpt-2.6b", gres="gpu:a100:4", nodes=1),
+    ]
+    typed = slurm_client.job(elastic[2])
+    assert typed.admin_comment == "requested=a100" and typed.gpu_type_requested is None
+    before = {j.job_id: j for j in slurm_client.jobs()}
+    daemon = make_daemon(slurm_lab, slurm_client, tmp_path)
+    report = daemon.round()
+    assert sorted(j for k, j in report.actions if k == "start") == sorted(elastic)
+    jobs = wait_for("the elastic jobs to run", running(slurm_client, *elastic))
+    for job in jobs:
+        assert_runs_as_planned(job)
+        assert job.partition != "h100", "the plain job's GPUs must count as used"
+    assert parse_plan_comment(jobs[2].admin_comment).requested == "a100"
+    after = {j.job_id: j for j in slurm_client.jobs()}
+    for plain in (plain_running, plain_held):
+        b, a = before[plain], after[plain]
+        assert (a.partition, a.admin_comment, a.gpus_per_node, a.priority, a.state) == \
+               (b.partition, b.admin_comment, b.gpus_per_node, b.priority, b.state)
+    assert after[plain_held].is_held
+    assert all(e.job_id not in (plain_running, plain_held) for e in daemon.store.entries())
+    assert all(e.state == DONE for e in daemon.store.entries())
+    # A second round with nothing new changes nothing.
+    assert daemon.round().actions == ()
+
+
+@pytest.mark.slurm
+def test_bad_spec_runs_as_submitted_with_the_error_in_the_view(slurm_lab, slurm_client, tmp_path):
+    bad = submit(slurm_client, tmp_path, "elastic model=no-such-model", partition="v100", gres="gpu:1")
+    daemon = make_daemon(slurm_lab, slurm_client, tmp_path)
+    report = daemon.round()
+    assert report.spec_errors == 1 and ("release", bad) in report.actions
+    (job,) = wait_for("the bad-spec job to run as submitted", running(slurm_client, bad))
+    assert job.partition == "v100" and job.granted_gpus == 1
+    (row,) = [r for r in rows(slurm_client.jobs()) if r.job_id == bad]
+    assert "no-such-model" in row.spec_error and "runs as submitted" in row.why
+    assert row.cell is None
+    assert daemon.round().actions == ()  # the error is written once
+
+
+@pytest.mark.slurm
+def test_dry_run_changes_nothing(slurm_lab, slurm_client, tmp_path):
+    ids = [submit(slurm_client, tmp_path, "elastic model=gpt-760m"),
+           submit(slurm_client, tmp_path, "elastic model=nope")]
+    before = {j.job_id: j for j in slurm_client.jobs()}
+    printed = []
+    daemon = make_daemon(slurm_lab, slurm_client, tmp_path, out=printed.append, dry_run=True)
+    report = daemon.round()
+    assert {j for _, j in report.actions} == set(ids)
+    assert any(line.startswith(f"dry-run: start job={ids[0]}") for line in printed)
+    assert any(line.startswith(f"dry-run: release job={ids[1]}") for line in printed)
+    time.sleep(1.0)
+    after = {j.job_id: j for j in slurm_client.jobs()}
+    for i in ids:
+        assert after[i].is_held and after[i].admin_comment == before[i].admin_comment
+        assert after[i].partition == before[i].partition
+    assert daemon.store.entries() == ()
+
+
+@pytest.mark.slurm
+def test_restart_after_dying_between_journal_and_action(slurm_lab, slurm_client, tmp_path):
+    """The daemon wrote its intent and died: before the update, and mid-rescale."""
+    db = tmp_path / "state.db"
+    store = Store(db)
+    # 1. A held job whose start was journaled but never applied.
+    pending = submit(slurm_client, tmp_path, "elastic model=gpt-760m")
+    store.intend(pending, START, JobUpdate(partition="v100", gpus_per_node=2, num_nodes=1,
+                                           admin_comment="cell=v100x2:s1 plan=[dp2tp1] why=recovered"), time.time())
+    # 2. A running job signalled for a rescale: it requeues itself held, nobody releases it.
+    moving = submit(slurm_client, tmp_path, "elastic model=gpt-760m", partition="a10", gres="gpu:1")
+    slurm_client.release(moving)
+    wait_for("the job to rescale to run", running(slurm_client, moving))
+    store.intend(moving, RESCALE, JobUpdate(partition="a100", gpus_per_node=4, num_nodes=1,
+                                            admin_comment="cell=a100x4:s1 plan=[dp4tp1] why=recovered"), time.time())
+    slurm_client.signal_batch(moving, "USR1")
+    wait_for("the job to come back held", lambda: (j := slurm_client.job(moving)) and j.is_held and not j.is_running)
+    store.close()  # the daemon is dead here
+
+    daemon = make_daemon(slurm_lab, slurm_client, tmp_path)
+    assert daemon.recover() == 2
+    assert daemon.store.open_entries() == ()
+    jobs = wait_for("both jobs to run again", running(slurm_client, pending, moving))
+    assert (jobs[0].partition, jobs[0].granted_gpus) == ("v100", 2)
+    assert (jobs[1].partition, jobs[1].granted_gpus, jobs[1].restart_count) == ("a100", 4, 1)
+    assert not any(j.is_held for j in slurm_client.jobs() if j.is_active)
+
+
+@pytest.mark.slurm
+def test_running_job_is_rescaled_through_requeue(slurm_lab, slurm_client, tmp_path):
+    blockers = [submit(slurm_client, tmp_path, partition=p, gres=g, nodes=n, name="blocker")
+                for p, g, n in (("h100", "gpu:8", 1), ("a100", "gpu:4", 2), ("v100", "gpu:4", 2), ("a10", "gpu:2", 1))]
+    wait_for("the blockers to run", running(slurm_client, *blockers))
+    job = submit(slurm_client, tmp_path, "elastic model=gpt-1.3b gpus=2 iterations=100000000")
+    daemon = make_daemon(slurm_lab, slurm_client, tmp_path)
+    daemon.round()
+    (first,) = wait_for("the elastic job to run", running(slurm_client, job))
+    assert parse_plan_comment(first.admin_comment).cell_parts() == ("a10", 2, 1)
+    slurm_client.cancel(blockers[-1])  # two a10 GPUs come free: Crius scales the job up
+    wait_for("the a10 blocker to end", lambda: not (j := slurm_client.job(blockers[-1])) or not j.is_active)
+    report = daemon.round()
+    assert ("resize", job) in report.actions
+    (after,) = wait_for("the rescaled job to run", running(slurm_client, job))
+    assert after.restart_count == 1 and after.granted_gpus == 4
+    assert_runs_as_planned(after)
+
+
+@pytest.mark.slurm
+def test_daemon_survives_slurmctld_outage(slurm_lab, slurm_client, tmp_path):
+    from slurm_ext.lab import SLURMCTLD
+    from slurm_ext.run import start_background
+    env = {**os.environ, **slurm_lab.env(), "SLURM_EXT_POLL_S": "0.5",
+           "SLURM_EXT_SLURM_TIMEOUT_S": "5", "SLURM_EXT_BACKOFF_MAX_S": "4"}
+    log_path = tmp_path / "daemon.err"
+    with open(log_path, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "slurm_ext", "daemon", "--interval-s", "2",
+                                 "--state-db", str(tmp_path / "state.db")],
+                                env=env, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        wait_for("a first round", lambda: "round_done" in log_path.read_text())
+        pids = slurm_lab.recorded_pids()
+        os.kill(pids["slurmctld"], signal.SIGTERM)
+        wait_for("slurmctld to stop", lambda: not slurm_lab.daemons()["slurmctld"][1], 15)
+        time.sleep(30)
+        assert proc.poll() is None, "the daemon must keep running while slurmctld is down"
+        assert "slurm_unreachable" in log_path.read_text()
+        conf = slurm_lab.paths.conf
+        pids["slurmctld"] = start_background([SLURMCTLD, "-D", "-i", "-f", str(conf)],
+                                             slurm_lab.paths.logs / "slurmctld.out")
+        slurm_lab.paths.pids.write_text(__import__("json").dumps(pids))
+        wait_for("slurmctld to answer", lambda: _answers(slurm_client), 20)
+        job = submit(slurm_client, tmp_path, "elastic model=gpt-760m")
+        (ran,) = wait_for("the daemon to start a new job on its own", running(slurm_client, job), 40)
+        assert parse_plan_comment(ran.admin_comment).cell is not None
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=20)
+    assert rc == 0
+    assert "daemon_stopped" in log_path.read_text()
+
+
+def _answers(client):
+    try:
+        return bool(client.nodes())
+    except Exception:
+        return False
