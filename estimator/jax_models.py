@@ -1,0 +1,702 @@
+"""The built-in model families as JAX training steps, one pipeline stage at a time.
+
+Shared by the compiled estimator (``estimator.compiled``, which only lowers and compiles
+them from abstract shapes) and the training runtime (which runs them). Everything here is
+pure JAX over plain pytrees: no Flax, no optax, no global state.
+
+Layer indexing matches the estimator's ``ModelSpec.layers``: layer 0 is the embedding (the
+stem for wide_resnet), layers 1..L are the blocks, layer L+1 is the head (with the loss).
+A stage is a contiguous range ``[layer_start, layer_end)``.
+
+Families (architectures as in the measured tables, Alpa's benchmark models):
+
+- ``gpt``: BERT-style post-LN blocks, exact GELU, no causal mask, untied LM head with bias,
+  a 512-row position table; fp16 compute with fp32 master weights, AdamW.
+- ``moe``: as gpt, 1,024-row position table, 8h dense FFN; even block indices are GShard
+  top-2 MoE layers (ReLU experts without biases, capacity 2S/E, dense one-hot dispatch
+  einsums over [G, S, E, C], S = 2,048 tokens a group); Adafactor.
+- ``wide_resnet``: ResNet-V1 bottleneck blocks, batch norm, fp32, SGD with Nesterov
+  momentum 0.9.
+
+Tensor parallelism is Megatron-style: column-sharded first matmul, row-sharded second
+(attention heads and FFN hidden); MoE experts are sharded over the same axis (expert
+parallelism, as GShard); wide_resnet convs shard output then input channels. The sharding
+is given as ``PartitionSpec`` trees over the mesh axes ``("dp", "tp")``; the layer code only
+calls ``ctx.act`` at layer boundaries so that the model stays mesh-agnostic.
+"""
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from estimator.errors import SpecError
+
+DTYPES = {"fp16": jnp.float16, "bf16": jnp.bfloat16, "fp32": jnp.float32}
+FAMILIES = ("gpt", "moe", "wide_resnet")
+WRN_STAGE_BLOCKS = (3, 4, 6, 3)
+
+
+@dataclass(frozen=True)
+class Arch:
+    """The hyper-parameters of one model.
+
+    Attributes:
+        family: ``gpt``, ``moe`` or ``wide_resnet``.
+        hidden: hidden size (gpt/moe).
+        num_blocks: transformer blocks (gpt/moe); wide_resnet always has 16 bottlenecks.
+        heads: attention heads.
+        vocab: vocabulary size.
+        seq_len: tokens per sample.
+        pos_rows: rows of the position table.
+        ffn_mult: FFN hidden = ffn_mult × hidden.
+        experts: experts per MoE layer (moe only).
+        expert_group: tokens per GShard group S (moe only).
+        base_channels: C of wide_resnet; width: W of wide_resnet.
+        image_size, num_classes: wide_resnet input and output.
+        compute_dtype: ``fp16``, ``bf16`` or ``fp32``; master weights are always fp32.
+        optimizer: ``adamw``, ``adafactor`` or ``sgd_nesterov``.
+    """
+
+    family: str
+    hidden: int = 0
+    num_blocks: int = 0
+    heads: int = 1
+    vocab: int = 0
+    seq_len: int = 0
+    pos_rows: int = 512
+    ffn_mult: int = 4
+    experts: int = 0
+    expert_group: int = 2048
+    base_channels: int = 0
+    width: int = 0
+    image_size: int = 224
+    num_classes: int = 1024
+    compute_dtype: str = "fp16"
+    optimizer: str = "adamw"
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise SpecError("family", self.family, f"use one of {', '.join(FAMILIES)}")
+        if self.compute_dtype not in DTYPES:
+            raise SpecError("compute_dtype", self.compute_dtype, f"use one of {', '.join(DTYPES)}")
+
+    @property
+    def num_layers(self) -> int:
+        """Embedding (or stem) + blocks + head."""
+        blocks = sum(WRN_STAGE_BLOCKS) if self.family == "wide_resnet" else self.num_blocks
+        return blocks + 2
+
+    @property
+    def capacity(self) -> int:
+        return max(1, 2 * self.expert_group // max(1, self.experts))
+
+    def with_dtype(self, dtype: str) -> "Arch":
+        return replace(self, compute_dtype=dtype)
+
+
+def _gpt(h, L, heads):
+    return Arch("gpt", hidden=h, num_blocks=L, heads=heads, vocab=51200, seq_len=1024,
+                pos_rows=512, ffn_mult=4, compute_dtype="fp16", optimizer="adamw")
+
+
+def _moe(h, L, E):
+    return Arch("moe", hidden=h, num_blocks=L, heads=16, vocab=32000, seq_len=1024,
+                pos_rows=1024, ffn_mult=8, experts=E, expert_group=2048,
+                compute_dtype="fp16", optimizer="adafactor")
+
+
+def _wrn(C, W):
+    return Arch("wide_resnet", base_channels=C, width=W, image_size=224, num_classes=1024,
+                compute_dtype="fp32", optimizer="sgd_nesterov")
+
+
+BUILTIN_ARCHS: dict[str, Arch] = {
+    "gpt-760m": _gpt(1536, 24, 16), "gpt-1.3b": _gpt(2048, 24, 32),
+    "gpt-2.6b": _gpt(2560, 32, 32), "gpt-6.7b": _gpt(4096, 32, 32),
+    "gpt-15b": _gpt(5120, 48, 40),
+    "moe-690m": _moe(768, 8, 16), "moe-1.3b": _moe(768, 16, 16),
+    "moe-2.4b": _moe(1024, 16, 16), "moe-10b": _moe(1536, 16, 32),
+    "moe-27b": _moe(2048, 16, 48),
+    "wide_resnet-500m": _wrn(224, 2), "wide_resnet-1b": _wrn(320, 2),
+    "wide_resnet-2b": _wrn(448, 2), "wide_resnet-4b": _wrn(640, 2),
+    "wide_resnet-6.8b": _wrn(320, 16),
+}
+
+
+def builtin_arch(name: str) -> Arch:
+    """The architecture of a built-in model name (``gpt-1.3b``)."""
+    key = name.strip().lower()
+    if key not in BUILTIN_ARCHS:
+        raise SpecError("model", name, f"no JAX model; known: {', '.join(BUILTIN_ARCHS)}")
+    return BUILTIN_ARCHS[key]
+
+
+def arch_from_model(spec) -> Arch:
+    """The JAX architecture of an ``estimator.models.ModelSpec`` (built-in or YAML).
+
+    Built-in names map directly; a YAML transformer's vocabulary, position rows, FFN ratio
+    and expert count are recovered from its layers' parameter counts, so the two views of
+    a model can never disagree on its size.
+    """
+    optimizer = {"sgd": "sgd_nesterov"}.get(spec.optimizer, spec.optimizer)
+    if spec.name.lower() in BUILTIN_ARCHS:
+        return replace(BUILTIN_ARCHS[spec.name.lower()], compute_dtype=spec.dtype,
+                       optimizer=optimizer)
+    if spec.family == "wide_resnet":
+        raise SpecError("model", spec.name, "only built-in wide_resnet sizes have a JAX model")
+    h, layers = spec.hidden, spec.layers
+    vocab = layers[-1].params // (h + 1)
+    pos_rows = (layers[0].params - vocab * h - 2 * h) // h
+    blocks = layers[1:-1]
+    dense = [b for b in blocks if b.kind != "moe"]
+    moe = [b for b in blocks if b.kind == "moe"]
+    ffn = 8 if moe else (dense[0].params - 4 * h * h - 9 * h) // (2 * h * h + h) if dense else 4
+    experts = (moe[0].params - 4 * h * h - 8 * h) // (h + 16 * h * h) if moe else 0
+    return Arch("moe" if moe else "gpt", hidden=h, num_blocks=len(blocks), heads=spec.heads,
+                vocab=vocab, seq_len=spec.sequence, pos_rows=pos_rows, ffn_mult=ffn,
+                experts=experts, expert_group=spec.min_tokens_per_shard or 2048,
+                compute_dtype=spec.dtype, optimizer=optimizer)
+
+
+# --------------------------------------------------------------------------- contexts
+
+
+@dataclass(frozen=True)
+class ShardCtx:
+    """How layer code constrains activations; identity when not sharded.
+
+    ``act`` pins an activation whose leading axis is the batch to batch sharding over
+    ``dp`` (Megatron keeps block boundaries replicated over tp).
+    """
+
+    act: Callable[[Any], Any] = field(default=lambda x: x)
+
+
+NO_SHARD = ShardCtx()
+
+
+def _cdt(arch: Arch):
+    return DTYPES[arch.compute_dtype]
+
+
+def _sds(shape, dtype=jnp.float32):
+    return jax.ShapeDtypeStruct(tuple(shape), dtype)
+
+
+# --------------------------------------------------------------------------- layer shapes
+
+
+def layer_kind(arch: Arch, index: int) -> str:
+    """``embed``, ``block``, ``moe_block``, ``stem``, ``bottleneck`` or ``head``."""
+    if not 0 <= index < arch.num_layers:
+        raise SpecError("layer", index, f"{arch.family} has layers 0..{arch.num_layers - 1}")
+    if index == arch.num_layers - 1:
+        return "head"
+    if index == 0:
+        return "stem" if arch.family == "wide_resnet" else "embed"
+    if arch.family == "wide_resnet":
+        return "bottleneck"
+    if arch.family == "moe" and (index - 1) % 2 == 0:
+        return "moe_block"
+    return "block"
+
+
+def _wrn_block_geometry(arch: Arch, index: int) -> tuple[int, int, int, int, bool]:
+    """(in_channels, f, stride, spatial_in, projection) of bottleneck ``index`` (1-based)."""
+    C, W = arch.base_channels, arch.width
+    i, spatial, in_ch = index - 1, arch.image_size // 4, C
+    for stage, nblocks in enumerate(WRN_STAGE_BLOCKS):
+        f = C * 2 ** stage
+        for b in range(nblocks):
+            stride = 2 if (b == 0 and stage > 0) else 1
+            if i == 0:
+                return in_ch, f, stride, spatial, b == 0
+            i -= 1
+            in_ch = 4 * f
+            spatial //= stride
+    raise AssertionError("unreachable")
+
+
+def layer_param_shapes(arch: Arch, index: int) -> dict:
+    """fp32 master-weight shapes of one layer (a pytree of ShapeDtypeStruct)."""
+    kind, h = layer_kind(arch, index), arch.hidden
+    if kind == "embed":
+        return {"tok": _sds((arch.vocab, h)), "pos": _sds((arch.pos_rows, h)),
+                "ln_g": _sds((h,)), "ln_b": _sds((h,))}
+    if kind in ("block", "moe_block"):
+        hd = h // arch.heads
+        p = {"wqkv": _sds((h, 3, arch.heads, hd)), "bqkv": _sds((3, arch.heads, hd)),
+             "wo": _sds((arch.heads, hd, h)), "bo": _sds((h,)),
+             "ln1_g": _sds((h,)), "ln1_b": _sds((h,)), "ln2_g": _sds((h,)), "ln2_b": _sds((h,))}
+        f = arch.ffn_mult * h
+        if kind == "moe_block":
+            E = arch.experts
+            p.update(wg=_sds((h, E)), wi=_sds((E, h, f)), wo2=_sds((E, f, h)))
+        else:
+            p.update(w1=_sds((h, f)), b1=_sds((f,)), w2=_sds((f, h)), b2=_sds((h,)))
+        return p
+    if kind == "stem":
+        C = arch.base_channels
+        return {"conv": _sds((7, 7, 3, C)), "bn_g": _sds((C,)), "bn_b": _sds((C,))}
+    if kind == "bottleneck":
+        cin, f, _, _, proj = _wrn_block_geometry(arch, index)
+        fw = f * arch.width
+        p = {"c1": _sds((1, 1, cin, f)), "g1": _sds((f,)), "b1": _sds((f,)),
+             "c2": _sds((3, 3, f, fw)), "g2": _sds((fw,)), "b2": _sds((fw,)),
+             "c3": _sds((1, 1, fw, 4 * f)), "g3": _sds((4 * f,)), "b3": _sds((4 * f,))}
+        if proj:
+            p.update(cp=_sds((1, 1, cin, 4 * f)), gp=_sds((4 * f,)), bp=_sds((4 * f,)))
+        return p
+    if arch.family == "wide_resnet":  # head
+        c = 32 * arch.base_channels
+        return {"w": _sds((c, arch.num_classes)), "b": _sds((arch.num_classes,))}
+    return {"w": _sds((h, arch.vocab)), "b": _sds((arch.vocab,))}
+
+
+def layer_state_shapes(arch: Arch, index: int) -> dict:
+    """Non-trained state (batch-norm running statistics) of one layer."""
+    kind = layer_kind(arch, index)
+    if kind == "stem":
+        C = arch.base_channels
+        return {"m": _sds((C,)), "v": _sds((C,))}
+    if kind == "bottleneck":
+        shapes = layer_param_shapes(arch, index)
+        return {f"{mv}{k[1:]}": _sds(s.shape) for k, s in shapes.items() if k[0] == "g"
+                for mv in "mv"}
+    return {}
+
+
+def layer_param_specs(arch: Arch, index: int) -> dict:
+    """PartitionSpec per parameter for tensor parallelism over mesh axis ``tp``."""
+    kind, shapes = layer_kind(arch, index), layer_param_shapes(arch, index)
+    table = {
+        "tok": P("tp", None), "wqkv": P(None, None, "tp", None), "bqkv": P(None, "tp", None),
+        "wo": P("tp", None, None), "w1": P(None, "tp"), "b1": P("tp"), "w2": P("tp", None),
+        "wi": P("tp", None, None), "wo2": P("tp", None, None),
+        "c1": P(None, None, None, "tp"), "g1": P("tp"), "c2": P(None, None, "tp", None),
+        "c3": P(None, None, None, "tp"), "g3": P("tp"), "b3": P("tp"),
+        "cp": P(None, None, None, "tp"), "gp": P("tp"), "bp": P("tp"),
+    }
+    if kind == "head":
+        return {"w": P(None, "tp"), "b": P("tp")}
+    if kind == "bottleneck":
+        table["b1"] = P("tp")
+    return {k: table.get(k, P()) for k in shapes}
+
+
+def layer_state_specs(arch: Arch, index: int) -> dict:
+    """Running statistics shard like the channels they describe."""
+    specs = layer_param_specs(arch, index)
+    return {k: specs.get("g" + k[1:], P()) for k in layer_state_shapes(arch, index)}
+
+
+def init_layer_params(arch: Arch, index: int, key) -> dict:
+    """Real fp32 weights for one layer (small normal init, unit norms, zero biases)."""
+    shapes = layer_param_shapes(arch, index)
+    out = {}
+    for i, (name, s) in enumerate(sorted(shapes.items())):
+        if len(s.shape) == 1:
+            one = name.startswith(("ln", "g", "bn_g"))
+            out[name] = jnp.ones(s.shape) if one else jnp.zeros(s.shape)
+        else:
+            fan_in = math.prod(s.shape[:-1]) if name not in ("wo",) else s.shape[0] * s.shape[1]
+            std = 1.0 / math.sqrt(max(1, fan_in))
+            out[name] = std * jax.random.normal(jax.random.fold_in(key, i), s.shape)
+    return out
+
+
+def init_layer_state(arch: Arch, index: int) -> dict:
+    return {k: (jnp.ones if k.startswith("v") else jnp.zeros)(s.shape)
+            for k, s in layer_state_shapes(arch, index).items()}
+
+
+# --------------------------------------------------------------------------- layer math
+
+
+def _layer_norm(x, g, b, eps=1e-12):
+    xf = x.astype(jnp.float32)
+    mu = xf.mean(-1, keepdims=True)
+    var = ((xf - mu) ** 2).mean(-1, keepdims=True)
+    return ((xf - mu) * jax.lax.rsqrt(var + eps) * g + b).astype(x.dtype)
+
+
+def _attention(p, x, arch: Arch):
+    dt = x.dtype
+    qkv = jnp.einsum("bsm,mthd->bsthd", x, p["wqkv"].astype(dt)) + p["bqkv"].astype(dt)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.asarray(math.sqrt(q.shape[-1]), dt)
+    probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(dt)
+    ctx = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+    return jnp.einsum("bqhd,hdm->bqm", ctx, p["wo"].astype(dt)) + p["bo"].astype(dt)
+
+
+def _moe_ffn(p, x, arch: Arch):
+    """GShard top-2 routing with dense one-hot dispatch and combine einsums."""
+    dt, (B, S, M) = x.dtype, x.shape
+    group = min(arch.expert_group, B * S)
+    if (B * S) % group:
+        raise SpecError("tokens", B * S, f"MoE needs a multiple of {group} tokens per micro-batch shard")
+    E, C = arch.experts, arch.capacity
+    xg = x.reshape(-1, group, M)
+    logits = jnp.einsum("gsm,me->gse", xg, p["wg"].astype(dt)).astype(jnp.float32)
+    gates = jax.nn.softmax(logits, axis=-1)
+    idx1 = jnp.argmax(gates, axis=-1)
+    mask1 = jax.nn.one_hot(idx1, E, dtype=jnp.float32)
+    idx2 = jnp.argmax(gates * (1.0 - mask1), axis=-1)
+    mask2 = jax.nn.one_hot(idx2, E, dtype=jnp.float32)
+    pos1 = jnp.cumsum(mask1, axis=1) - mask1
+    mask1 = mask1 * (pos1 < C)
+    pos2 = jnp.cumsum(mask2, axis=1) - mask2 + mask1.sum(axis=1, keepdims=True)
+    mask2 = mask2 * (pos2 < C)
+    g1 = (gates * mask1).sum(-1)
+    g2 = (gates * mask2).sum(-1)
+    denom = jnp.maximum(g1 + g2, 1e-9)
+    g1, g2 = g1 / denom, g2 / denom
+    loc1 = jax.nn.one_hot((pos1 * mask1).sum(-1).astype(jnp.int32), C, dtype=jnp.float32)
+    loc2 = jax.nn.one_hot((pos2 * mask2).sum(-1).astype(jnp.int32), C, dtype=jnp.float32)
+    combine = (g1[..., None, None] * mask1[..., None] * loc1[:, :, None, :]
+               + g2[..., None, None] * mask2[..., None] * loc2[:, :, None, :]).astype(dt)
+    dispatch = (combine > 0).astype(dt)
+    expert_in = jnp.einsum("gsec,gsm->egcm", dispatch, xg)
+    hidden = jax.nn.relu(jnp.einsum("egcm,emh->egch", expert_in, p["wi"].astype(dt)))
+    expert_out = jnp.einsum("egch,ehm->egcm", hidden, p["wo2"].astype(dt))
+    return jnp.einsum("gsec,egcm->gsm", combine, expert_out).reshape(B, S, M)
+
+
+def _dense_ffn(p, x):
+    dt = x.dtype
+    hid = jax.nn.gelu(x @ p["w1"].astype(dt) + p["b1"].astype(dt), approximate=False)
+    return hid @ p["w2"].astype(dt) + p["b2"].astype(dt)
+
+
+def _conv(x, w, stride=1):
+    pad = "SAME" if w.shape[0] > 1 else "VALID"
+    return jax.lax.conv_general_dilated(x, w.astype(x.dtype), (stride, stride), pad,
+                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
+def _batch_norm(x, g, b, m, v, momentum=0.9, eps=1e-5):
+    mean = x.mean(axis=(0, 1, 2))
+    var = ((x - mean) ** 2).mean(axis=(0, 1, 2))
+    y = (x - mean) * jax.lax.rsqrt(var + eps) * g + b
+    return y, momentum * m + (1 - momentum) * jax.lax.stop_gradient(mean), \
+        momentum * v + (1 - momentum) * jax.lax.stop_gradient(var)
+
+
+def apply_layer(arch: Arch, index: int, params: dict, state: dict, x, ctx: ShardCtx = NO_SHARD):
+    """Forward of one layer: returns (output, new_state).
+
+    The head returns per-example logits; ``loss_fn`` turns them into the loss.
+    """
+    kind, dt = layer_kind(arch, index), _cdt(arch)
+    if kind == "embed":
+        s = x.shape[1]
+        pos = jnp.minimum(jnp.arange(s), arch.pos_rows - 1)
+        y = jnp.take(params["tok"], x, axis=0) + jnp.take(params["pos"], pos, axis=0)[None]
+        return ctx.act(_layer_norm(y, params["ln_g"], params["ln_b"]).astype(dt)), state
+    if kind in ("block", "moe_block"):
+        x = _layer_norm(x + _attention(params, x, arch), params["ln1_g"], params["ln1_b"])
+        ffn = _moe_ffn(params, x, arch) if kind == "moe_block" else _dense_ffn(params, x)
+        return ctx.act(_layer_norm(x + ffn, params["ln2_g"], params["ln2_b"])), state
+    if kind == "stem":
+        y = _conv(x.astype(dt), params["conv"], 2)
+        y, m, v = _batch_norm(y, params["bn_g"], params["bn_b"], state["m"], state["v"])
+        y = jax.lax.reduce_window(jax.nn.relu(y), -jnp.inf, jax.lax.max, (1, 3, 3, 1),
+                                  (1, 2, 2, 1), "SAME")
+        return ctx.act(y), {"m": m, "v": v}
+    if kind == "bottleneck":
+        _, _, stride, _, proj = _wrn_block_geometry(arch, index)
+        new = {}
+
+        def bn(y, tag):
+            y, new["m" + tag], new["v" + tag] = _batch_norm(
+                y, params["g" + tag], params["b" + tag], state["m" + tag], state["v" + tag])
+            return y
+
+        y = jax.nn.relu(bn(_conv(x, params["c1"]), "1"))
+        y = jax.nn.relu(bn(_conv(y, params["c2"], stride), "2"))
+        y = bn(_conv(y, params["c3"]), "3")
+        short = bn(_conv(x, params["cp"], stride), "p") if proj else x
+        return ctx.act(jax.nn.relu(y + short)), new
+    if arch.family == "wide_resnet":
+        pooled = x.mean(axis=(1, 2))
+        return pooled @ params["w"].astype(pooled.dtype) + params["b"].astype(pooled.dtype), state
+    return x @ params["w"].astype(x.dtype) + params["b"].astype(x.dtype), state
+
+
+def loss_fn(logits, labels):
+    """Mean softmax cross-entropy in fp32."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.take_along_axis(logp, labels[..., None], axis=-1).mean()
+
+
+# --------------------------------------------------------------------------- stages
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Layers [layer_start, layer_end) of a model with a micro-batch size."""
+
+    arch: Arch
+    layer_start: int
+    layer_end: int
+    micro_batch: int
+    remat: bool = True
+
+    def __post_init__(self):
+        if not 0 <= self.layer_start < self.layer_end <= self.arch.num_layers:
+            raise SpecError("layers", (self.layer_start, self.layer_end),
+                            f"give 0 ≤ start < end ≤ {self.arch.num_layers}")
+        if self.micro_batch < 1:
+            raise SpecError("micro_batch", self.micro_batch, "give a positive sample count")
+
+    @property
+    def is_first(self) -> bool:
+        return self.layer_start == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.layer_end == self.arch.num_layers
+
+    @property
+    def layers(self) -> range:
+        return range(self.layer_start, self.layer_end)
+
+
+def activation_shape(arch: Arch, index: int, micro_batch: int) -> tuple[tuple[int, ...], Any]:
+    """Shape and dtype of the input of layer ``index`` (layer 0: the model input)."""
+    if arch.family != "wide_resnet":
+        if index == 0:
+            return (micro_batch, arch.seq_len), jnp.int32
+        return (micro_batch, arch.seq_len, arch.hidden), _cdt(arch)
+    if index == 0:
+        return (micro_batch, arch.image_size, arch.image_size, 3), jnp.float32
+    if index == arch.num_layers - 1:
+        s = arch.image_size // 32
+        return (micro_batch, s, s, 32 * arch.base_channels), _cdt(arch)
+    cin, _, _, spatial, _ = _wrn_block_geometry(arch, index)
+    return (micro_batch, spatial, spatial, cin), _cdt(arch)
+
+
+def label_shape(arch: Arch, micro_batch: int) -> tuple[int, ...]:
+    return (micro_batch, arch.seq_len) if arch.family != "wide_resnet" else (micro_batch,)
+
+
+def stage_forward(stage: Stage, params: list, state: list, x, ctx: ShardCtx = NO_SHARD):
+    """Run a stage's layers; each layer under jax.checkpoint when remat is on."""
+    new_state = []
+    for i, layer in enumerate(stage.layers):
+        def one(p, s, h, layer=layer):
+            return apply_layer(stage.arch, layer, p, s, h, ctx)
+        fn = jax.checkpoint(one) if stage.remat else one
+        x, s = fn(params[i], state[i], x)
+        new_state.append(s)
+    return x, new_state
+
+
+def stage_grad(stage: Stage, params, state, x, target, ctx: ShardCtx = NO_SHARD):
+    """Forward and backward of one micro-batch through a stage.
+
+    ``target`` is the labels on the last stage and the cotangent of the stage's output
+    elsewhere. Returns (loss or None, param grads, input cotangent or None, new state).
+    """
+    def fwd(p, h):
+        out, s = stage_forward(stage, p, state, h, ctx)
+        if stage.is_last:
+            return loss_fn(out, target), s
+        return out, s
+
+    if stage.is_first:
+        out, vjp, new_state = jax.vjp(lambda p: fwd(p, x), params, has_aux=True)
+        cot = jnp.ones((), out.dtype) if stage.is_last else target.astype(out.dtype)
+        (g_params,) = vjp(cot)
+        g_x = None
+    else:
+        out, vjp, new_state = jax.vjp(fwd, params, x, has_aux=True)
+        cot = jnp.ones((), out.dtype) if stage.is_last else target.astype(out.dtype)
+        g_params, g_x = vjp(cot)
+    loss = out if stage.is_last else None
+    return loss, g_params, g_x, new_state
+
+
+def stage_param_shapes(stage: Stage) -> list:
+    return [layer_param_shapes(stage.arch, i) for i in stage.layers]
+
+
+def stage_state_shapes(stage: Stage) -> list:
+    return [layer_state_shapes(stage.arch, i) for i in stage.layers]
+
+
+def count_params(arch: Arch, layers: range | None = None) -> int:
+    """Trainable parameters of the given layers (all layers by default)."""
+    layers = range(arch.num_layers) if layers is None else layers
+    return sum(math.prod(s.shape) for i in layers
+               for s in jax.tree.leaves(layer_param_shapes(arch, i)))
+
+
+# --------------------------------------------------------------------------- optimizers
+# Small optax-shaped pairs of pure functions over fp32 master weights: state is a plain
+# pytree, so it shards with the same PartitionSpecs as the parameters.
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    """``init(params) -> state``, ``update(grads, state, params) -> (params, state)`` and
+    ``specs(param_specs, param_shapes) -> state specs`` (how the state shards)."""
+
+    name: str
+    init: Callable
+    update: Callable
+    specs: Callable
+
+
+def _padded(spec, ndim: int) -> tuple:
+    t = tuple(spec)
+    return t + (None,) * (ndim - len(t))
+
+
+def _like_params(param_specs, param_shapes):
+    return jax.tree.map(lambda sp, s: P(*_padded(sp, len(s.shape))), param_specs, param_shapes,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def adamw(lr: float = 1e-4, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+          weight_decay: float = 0.01) -> Optimizer:
+    """AdamW with fp32 first and second moments (16 bytes a parameter with the master)."""
+    def init(params):
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        return {"count": jnp.zeros((), jnp.int32), "mu": zeros, "nu": zeros}
+
+    def update(grads, state, params):
+        t = state["count"] + 1
+        mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state["mu"], grads)
+        nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, state["nu"], grads)
+        c1, c2 = 1 - b1 ** t.astype(jnp.float32), 1 - b2 ** t.astype(jnp.float32)
+        new = jax.tree.map(
+            lambda p, m, v: p - lr * ((m / c1) / (jnp.sqrt(v / c2) + eps) + weight_decay * p),
+            params, mu, nu)
+        return new, {"count": t, "mu": mu, "nu": nu}
+
+    def specs(param_specs, param_shapes):
+        like = _like_params(param_specs, param_shapes)
+        return {"count": P(), "mu": like, "nu": like}
+
+    return Optimizer("adamw", init, update, specs)
+
+
+def adafactor(lr: float = 1e-3, decay: float = 0.8, eps: float = 1e-30,
+              clip: float = 1.0, min_dim_to_factor: int = 128) -> Optimizer:
+    """Adafactor without momentum: factored second moments for large matrices and up.
+
+    As in optax, only tensors whose last two dimensions are both ≥ ``min_dim_to_factor``
+    are factored; smaller ones keep a full second moment (a factored one of a tiny,
+    partly zero gradient underflows to 0 and turns the update into NaN).
+    """
+    def factored(p):
+        return p.ndim >= 2 and min(p.shape[-2:]) >= min_dim_to_factor
+
+    def init(params):
+        def one(p):
+            if factored(p):
+                return {"r": jnp.zeros(p.shape[:-1], jnp.float32),
+                        "c": jnp.zeros(p.shape[:-2] + p.shape[-1:], jnp.float32)}
+            return {"v": jnp.zeros(p.shape, jnp.float32)}
+        return {"count": jnp.zeros((), jnp.int32),
+                "v": jax.tree.map(one, params)}
+
+    def update(grads, state, params):
+        t = state["count"] + 1
+        beta = 1.0 - t.astype(jnp.float32) ** (-decay)
+
+        def one(p, g, v):
+            g2 = g * g + eps
+            if factored(p):
+                r = beta * v["r"] + (1 - beta) * g2.mean(-1)
+                c = beta * v["c"] + (1 - beta) * g2.mean(-2)
+                vhat = jnp.maximum(
+                    r[..., None] * c[..., None, :] / r.mean(-1, keepdims=True)[..., None], eps)
+                nv = {"r": r, "c": c}
+            else:
+                vhat = beta * v["v"] + (1 - beta) * g2
+                nv = {"v": vhat}
+            u = g * jax.lax.rsqrt(vhat)
+            u = u / jnp.maximum(1.0, jnp.sqrt(jnp.mean(u * u)) / clip)
+            return p - lr * u, nv
+
+        flat_p, tdef = jax.tree.flatten(params)
+        flat_g = tdef.flatten_up_to(grads)
+        flat_v = tdef.flatten_up_to(state["v"])
+        out = [one(p, g, v) for p, g, v in zip(flat_p, flat_g, flat_v)]
+        return (tdef.unflatten([o[0] for o in out]),
+                {"count": t, "v": tdef.unflatten([o[1] for o in out])})
+
+    def specs(param_specs, param_shapes):
+        def one(sp, s):
+            t = _padded(sp, len(s.shape))
+            if factored(s):
+                return {"r": P(*t[:-1]), "c": P(*(t[:-2] + t[-1:]))}
+            return {"v": P(*t)}
+        return {"count": P(), "v": jax.tree.map(one, param_specs, param_shapes,
+                                                 is_leaf=lambda x: isinstance(x, P))}
+
+    return Optimizer("adafactor", init, update, specs)
+
+
+def sgd_nesterov(lr: float = 0.1, momentum: float = 0.9) -> Optimizer:
+    """SGD with Nesterov momentum (one fp32 buffer a parameter)."""
+    def init(params):
+        return {"m": jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)}
+
+    def update(grads, state, params):
+        m = jax.tree.map(lambda b, g: momentum * b + g, state["m"], grads)
+        new = jax.tree.map(lambda p, b, g: p - lr * (g + momentum * b), params, m, grads)
+        return new, {"m": m}
+
+    def specs(param_specs, param_shapes):
+        return {"m": _like_params(param_specs, param_shapes)}
+
+    return Optimizer("sgd_nesterov", init, update, specs)
+
+
+OPTIMIZERS = {"adamw": adamw, "adafactor": adafactor, "sgd_nesterov": sgd_nesterov,
+              "sgd": sgd_nesterov}
+
+
+def optimizer_for(arch: Arch) -> Optimizer:
+    """The family's optimizer with its default hyper-parameters."""
+    if arch.optimizer not in OPTIMIZERS:
+        raise SpecError("optimizer", arch.optimizer, f"use one of {', '.join(OPTIMIZERS)}")
+    return OPTIMIZERS[arch.optimizer]()
+
+
+def stage_train_step(stage: Stage, optimizer: Optimizer, ctx: ShardCtx = NO_SHARD,
+                     micro_batches: int = 1) -> Callable:
+    """One iteration of a stage: forward and backward of ``micro_batches`` micro-batches
+    (gradients accumulated in fp32), then one optimizer update.
+
+    The returned function maps ``(params, opt_state, model_state, xs, targets)`` to
+    ``(params, opt_state, model_state, loss or None, input cotangents or None)``, where
+    ``xs`` and ``targets`` carry a leading micro-batch axis when ``micro_batches > 1``.
+    """
+    def step(params, opt_state, model_state, xs, targets):
+        if micro_batches == 1:
+            loss, grads, g_x, model_state = stage_grad(stage, params, model_state, xs, targets, ctx)
+        else:
+            grads, losses, g_xs = None, [], []
+            for k in range(micro_batches):
+                loss_k, g_k, gx_k, model_state = stage_grad(
+                    stage, params, model_state, xs[k], targets[k], ctx)
+                grads = g_k if grads is None else jax.tree.map(jnp.add, grads, g_k)
+                losses.append(loss_k)
+                g_xs.append(gx_k)
+            grads = jax.tree.map(lambda g: g / micro_batches, grads)
+            loss = None if losses[0] is None else jnp.mean(jnp.stack(losses))
+            g_x = None if g_xs[0] is None else jnp.stack(g_xs)
+        params, opt_state = optimizer.update(grads, opt_state, params)
+        return params, opt_state, model_state, loss, g_x
+
+    return step
