@@ -358,6 +358,39 @@ class LabCluster:
             raise
         log.info("lab up in %s: %d nodes", p.root, len(pids["slurmd"]))
 
+    def stop_slurmctld(self, timeout_s: float = 20.0) -> None:
+        """Stop only the controller (to test what survives an outage); jobs keep running.
+
+        Raises:
+            LabError: no slurmctld of this lab is running, or it did not stop.
+        """
+        pids = self.recorded_pids()
+        pid, marker = pids.get("slurmctld"), str(self.paths.root) + "/"
+        if not pid or not _alive(pid, marker):
+            raise LabError(f"no slurmctld of the lab in {self.paths.root} is running")
+        os.kill(pid, signal.SIGTERM)
+        if not _wait_until(lambda: not _alive(pid, marker), timeout_s):
+            raise LabError(f"slurmctld (PID {pid}) did not stop within {timeout_s:g} s")
+
+    def start_slurmctld(self, timeout_s: float = 20.0) -> None:
+        """Start the controller again, recovering its saved state (jobs, holds, comments).
+
+        Raises:
+            LabError: the lab is not up, slurmctld already runs, or it does not answer.
+        """
+        pids = self.recorded_pids()
+        marker = str(self.paths.root) + "/"
+        if not pids:
+            raise LabError(f"no lab in {self.paths.root}: run `slurm-ext lab up` first")
+        if pids.get("slurmctld") and _alive(pids["slurmctld"], marker):
+            raise LabError(f"slurmctld of the lab in {self.paths.root} already runs")
+        pids["slurmctld"] = start_background([SLURMCTLD, "-D", "-i", "-f", str(self.paths.conf)],
+                                             self.paths.logs / "slurmctld.out")
+        self._save_pids(pids)
+        if not _wait_until(self._ctld_answers, timeout_s):
+            raise LabError(f"slurmctld did not answer within {timeout_s:g} s; "
+                           f"see {self.paths.logs}/slurmctld.log")
+
     def _clean_runtime(self) -> None:
         p = self.paths
         for d in (p.state, p.spool, p.run, p.dev, p.munge, p.root / "tmp"):

@@ -226,8 +226,19 @@ def test_second_lab_refuses_to_start_twice_and_down_stops_exactly_its_pids(slurm
             f"slurmd {n}" for g in cluster.node_groups for n in g.node_names()}
         assert all(alive for _, alive in daemons.values())
         env = other.env()
+        held = int(run_command(["sbatch", "--parsable", "--partition=a10", f"--chdir={tmp_path}",
+                                "--output=/dev/null", "--comment=elastic"], timeout_s=20,
+                               input_text=SLEEPER, env=env).stdout)
+        other.stop_slurmctld()
+        with pytest.raises(SlurmCommandError):
+            run_command(["scontrol", "ping"], timeout_s=10, env=env)
+        other.start_slurmctld()
+        state = run_command(["squeue", "-h", "-j", str(held), "-O", "State,Reason,admin_comment"],
+                            timeout_s=10, env=env).stdout.split()
+        assert state == ["PENDING", "JobHeldUser", "requested=any"]  # recovered after the restart
         run_command(["sbatch", "--parsable", "--partition=a10", f"--chdir={tmp_path}",
                      "--output=/dev/null"], timeout_s=20, input_text=SLEEPER, env=env)
+        daemons = other.daemons()
         other.down()
         assert not other.is_up()
         for name, (pid, _) in daemons.items():
