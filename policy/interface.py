@@ -59,6 +59,34 @@ class NodeView:
 
 
 @dataclass(frozen=True)
+class NodeIndex:
+    """Lookups over a node tuple: capacity for managed jobs, type per node, nodes per type."""
+
+    capacity: dict[str, int]
+    type_of: dict[str, str]
+    by_type: dict[str, tuple[str, ...]]
+
+
+_last_index: list = [None, None]  # (nodes tuple, its NodeIndex): snapshots reuse one tuple
+
+
+def node_index(nodes: tuple[NodeView, ...]) -> NodeIndex:
+    """The lookups of a node tuple, cached for the tuple last asked about.
+
+    Callers that build snapshots in a loop (the simulator, the daemon between node
+    changes) pass the same tuple object each time, so the per-node work happens once.
+    """
+    if _last_index[0] is not nodes:
+        by_type: dict[str, list[str]] = {}
+        for n in nodes:
+            by_type.setdefault(n.gpu_type, []).append(n.name)
+        index = NodeIndex({n.name: n.managed_gpus for n in nodes}, {n.name: n.gpu_type for n in nodes},
+                          {t: tuple(sorted(names)) for t, names in by_type.items()})
+        _last_index[0], _last_index[1] = nodes, index
+    return _last_index[1]
+
+
+@dataclass(frozen=True)
 class Assignment:
     """A Cell and where it runs: ``placement`` sums to ``cell.num_gpus`` on nodes of its type."""
 
@@ -184,15 +212,15 @@ class Snapshot:
 
     def managed_capacity(self) -> dict[str, int]:
         """Node name → GPUs the policy may hand out (ignoring managed jobs' holdings)."""
-        return {n.name: n.managed_gpus for n in self.nodes}
+        return dict(node_index(self.nodes).capacity)
 
     def free_gpus(self) -> dict[str, int]:
         """Node name → GPUs free now, after unmanaged jobs and running managed jobs."""
-        free = self.managed_capacity()
+        free = dict(node_index(self.nodes).capacity)
         for j in self.jobs:
             if j.assignment is not None:
                 for name, gpus in j.assignment.placement:
-                    free[name] = free.get(name, 0) - gpus
+                    free[name] -= gpus
         return free
 
     def gpus_by_type(self) -> dict[str, int]:
@@ -323,19 +351,26 @@ def validate_decision(snapshot: Snapshot, decision: Decision) -> None:
     Raises:
         DecisionError: naming the first fault found.
     """
-    known = {j.job_id for j in snapshot.jobs}
+    jobs = {j.job_id: j for j in snapshot.jobs}
+    index = node_index(snapshot.nodes)
+    free = snapshot.free_gpus()
     seen: set[str] = set()
     for d in decision.jobs:
-        if d.job_id not in known:
+        job = jobs.get(d.job_id)
+        if job is None:
             raise DecisionError(f"decision names job {d.job_id!r}, which is not in the snapshot")
         if d.job_id in seen:
             raise DecisionError(f"decision names job {d.job_id!r} twice")
         seen.add(d.job_id)
-    nodes = {n.name: n for n in snapshot.nodes}
-    used: Counter[str] = Counter()
-    for job_id, a in final_assignments(snapshot, decision).items():
+        if job.assignment is not None:
+            for name, gpus in job.assignment.placement:
+                free[name] += gpus
+    touched: set[str] = set()
+    for d in decision.jobs:
+        a = d.assignment
         if a is None:
             continue
+        job_id = d.job_id
         if a.num_gpus != a.cell.num_gpus:
             raise DecisionError(f"job {job_id!r}: placement {a.placement} holds {a.num_gpus} GPUs, "
                                 f"Cell {a.cell.label()} needs {a.cell.num_gpus}")
@@ -343,16 +378,17 @@ def validate_decision(snapshot: Snapshot, decision: Decision) -> None:
         if len(set(names)) != len(names):
             raise DecisionError(f"job {job_id!r}: placement {a.placement} names a node twice")
         for name, gpus in a.placement:
-            node = nodes.get(name)
-            if node is None:
+            gtype = index.type_of.get(name)
+            if gtype is None:
                 raise DecisionError(f"job {job_id!r}: unknown node {name!r}")
-            if node.gpu_type != a.cell.gpu_type:
-                raise DecisionError(f"job {job_id!r}: node {name} has {node.gpu_type}, "
+            if gtype != a.cell.gpu_type:
+                raise DecisionError(f"job {job_id!r}: node {name} has {gtype}, "
                                     f"Cell {a.cell.label()} needs {a.cell.gpu_type}")
             if gpus <= 0:
                 raise DecisionError(f"job {job_id!r}: {gpus} GPUs on node {name}")
-            used[name] += gpus
-    for name, gpus in used.items():
-        if gpus > nodes[name].managed_gpus:
-            raise DecisionError(f"node {name}: {gpus} GPUs assigned, "
-                                f"{nodes[name].managed_gpus} available to managed jobs")
+            free[name] -= gpus
+            touched.add(name)
+    for name in sorted(touched):
+        if free[name] < 0:
+            raise DecisionError(f"node {name}: {index.capacity[name] - free[name]} GPUs assigned, "
+                                f"{index.capacity[name]} available to managed jobs")

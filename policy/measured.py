@@ -174,3 +174,30 @@ def mask_unmeasured(estimates: tuple, model: str, global_batch: int, table: Meas
         else:
             out.append(e)
     return tuple(out)
+
+
+def measured_estimates(spec, cluster, table: MeasuredTable, plan_space: str = "cell") -> tuple:
+    """Cells of a job estimated by the measured table alone (no analytic model).
+
+    For a site without the estimator's model files, and for tests: every GPU type of the
+    cluster × counts {N/2, N, 2N} (every power of two up to 16 when no count was asked)
+    × one stage, in the most local layout; the time is the measured one, and a Cell
+    without a measurement is infeasible. ``plan_space`` is accepted for the estimator's
+    signature; the table has one best plan per allocation whatever the plan space.
+    """
+    from estimator.cells import Cell, CellEstimate
+
+    del plan_space
+    out = []
+    for group in cluster.node_groups:
+        counts = (sorted({max(1, spec.num_gpus // 2), spec.num_gpus, 2 * spec.num_gpus})
+                  if spec.num_gpus else [1, 2, 4, 8, 16])
+        for n in counts:
+            cell = Cell(group.gpu_type, n, min(n, group.gpus_per_node), 1)
+            t = table.iter_time_s(spec.model, spec.global_batch, cell.gpu_type, *cell_layout(cell))
+            if t is None:
+                out.append(CellEstimate(cell, (), 1, math.inf, 0.0, 0.0, False,
+                                        f"no measured rate for {cell.gpu_type} x{n}", "measured"))
+            else:
+                out.append(CellEstimate(cell, (), 1, t, spec.global_batch / t, 0.0, True, "", "measured"))
+    return tuple(out)

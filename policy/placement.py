@@ -16,11 +16,10 @@ is a plain local value (the policy copies it from the snapshot and spends it).
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 
 from estimator.cells import Cell
-from policy.interface import Placement, Snapshot
+from policy.interface import Placement, Snapshot, node_index
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -64,13 +63,11 @@ class FreeGpus:
     def __init__(self, nodes: list[tuple[str, str, int]], free: dict[str, int] | None = None):
         self.capacity: dict[str, int] = {name: cap for name, _, cap in nodes}
         self.free: dict[str, int] = dict(free) if free is not None else dict(self.capacity)
-        self.by_type: dict[str, list[str]] = defaultdict(list)
-        self.type_of: dict[str, str] = {}
+        self.type_of: dict[str, str] = {name: gtype for name, gtype, _ in nodes}
+        by_type: dict[str, list[str]] = {}
         for name, gtype, _ in nodes:
-            self.by_type[gtype].append(name)
-            self.type_of[name] = gtype
-        for names in self.by_type.values():
-            names.sort()
+            by_type.setdefault(gtype, []).append(name)
+        self.by_type: dict[str, tuple[str, ...]] = {t: tuple(sorted(v)) for t, v in by_type.items()}
 
     @classmethod
     def from_snapshot(cls, snapshot: Snapshot, keep_running: bool = True) -> "FreeGpus":
@@ -81,17 +78,11 @@ class FreeGpus:
             keep_running: subtract what running managed jobs hold (True), or treat every
                 managed GPU as free, for a policy that re-plans everything (False).
         """
-        nodes = [(n.name, n.gpu_type, n.managed_gpus) for n in snapshot.nodes]
-        free = snapshot.free_gpus() if keep_running else None
-        return cls(nodes, free)
-
-    def copy(self) -> "FreeGpus":
-        other = object.__new__(FreeGpus)
-        other.capacity = self.capacity
-        other.by_type = self.by_type
-        other.type_of = self.type_of
-        other.free = dict(self.free)
-        return other
+        index = node_index(snapshot.nodes)
+        self = object.__new__(cls)
+        self.capacity, self.type_of, self.by_type = index.capacity, index.type_of, index.by_type
+        self.free = snapshot.free_gpus() if keep_running else dict(index.capacity)
+        return self
 
     def free_of_type(self, gpu_type: str) -> int:
         return sum(self.free[n] for n in self.by_type.get(gpu_type, ()))

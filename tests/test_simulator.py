@@ -1,0 +1,207 @@
+"""The trace simulator: known answers on hand-made traces, restarts, unrunnable jobs, determinism."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from estimator.cells import Cell
+from estimator.cluster import cluster_from_dict
+from estimator.jobs import JobSpec
+from policy.fcfs import FcfsPolicy
+from policy.interface import Assignment, Decision, JobDecision
+from policy.measured import MeasuredPoint, MeasuredTable, load_measured, measured_estimates
+from policy.placement import FreeGpus
+from policy.report import CONTRACT_KEYS, TIMING_KEYS, markdown_table, report_json, summarize, write_plots
+from policy.simulator import EstimateCache, RestartCosts, SimConfig, simulate
+from policy.trace import TraceJob
+from slurm_ext.cli import main
+
+COSTS = RestartCosts(launch_s=30.0, checkpoint_resume_s=60.0, tuning_full_s=600.0, tuning_pruned_s=150.0)
+CONFIG = SimConfig(round_s=300.0, costs=COSTS)
+T4, T2 = 2.0, 3.5  # measured seconds per iteration on 4 and 2 a100s
+
+
+def _table():
+    return MeasuredTable((
+        MeasuredPoint("gpt-1.3b", 128, "a100", 1, 4, T4),
+        MeasuredPoint("gpt-1.3b", 128, "a100", 1, 2, T2),
+        MeasuredPoint("gpt-1.3b", 128, "a100", 1, 1, None),  # out of memory
+    ))
+
+
+def _cluster(nodes=1):
+    return cluster_from_dict({"name": "tiny", "node_groups": [{"gpu_type": "a100", "nodes": nodes, "gpus_per_node": 4}]})
+
+
+def _cache(cluster, table, oracle=False):
+    return EstimateCache(cluster, table, oracle, lambda spec, space: measured_estimates(spec, cluster, table, space))
+
+
+def _job(job_id, submit_s, gpus, iterations=100, model="gpt-1.3b"):
+    return TraceJob(job_id, submit_s, JobSpec(model, 128, gpus, "a100"), iterations, 1.0, None)
+
+
+def _run(policy, jobs, cluster=None, table=None, config=CONFIG):
+    cluster, table = cluster or _cluster(), table or _table()
+    return simulate(policy, tuple(jobs), cluster, table, config, _cache(cluster, table, config.oracle))
+
+
+def test_fcfs_known_answer_on_a_tiny_trace():
+    jobs = [_job("a", 0.0, 4), _job("b", 10.0, 4), _job("c", 20.0, 2)]
+    result = _run(FcfsPolicy(), jobs)
+    out = {o.job_id: o for o in result.jobs}
+    first_run_s = COSTS.launch_s + COSTS.tuning_full_s
+    a_end = first_run_s + 100 * T4
+    b_end = a_end + first_run_s + 100 * T4
+    # c asks for 2 GPUs but waits behind b: FIFO per type, no backfilling.
+    c_end = b_end + first_run_s + 100 * T2
+    assert out["a"].finish_s == pytest.approx(a_end)
+    assert out["b"].first_start_s == pytest.approx(a_end) and out["b"].finish_s == pytest.approx(b_end)
+    assert out["c"].first_start_s == pytest.approx(b_end) and out["c"].finish_s == pytest.approx(c_end)
+    summary = summarize(result)
+    assert summary["finished"] == 3 and summary["unfinished"] == 0
+    assert summary["avg_jct_s"] == pytest.approx(round((a_end + b_end - 10 + c_end - 20) / 3, 3))
+    assert summary["makespan_s"] == pytest.approx(c_end)
+    assert summary["restarts_per_job"] == 0
+    assert summary["avg_throughput"] == pytest.approx(3 * 100 * 128 / c_end, rel=1e-3)
+
+
+def test_backfilling_fcfs_lets_the_small_job_through():
+    jobs = [_job("a", 0.0, 2), _job("b", 10.0, 4), _job("c", 20.0, 2)]
+    out = {o.job_id: o for o in _run(FcfsPolicy(strict_fifo=False), jobs).jobs}
+    assert out["c"].first_start_s == pytest.approx(20.0)
+    assert out["b"].first_start_s > out["c"].first_start_s
+
+
+def test_a_job_no_cell_can_run_is_reported_not_lost():
+    jobs = [_job("ok", 0.0, 4), _job("huge", 5.0, 8, model="gpt-15b"), _job("oom", 6.0, 1)]
+    result = _run(FcfsPolicy(), jobs)
+    out = {o.job_id: o for o in result.jobs}
+    assert len(result.jobs) == 3
+    assert out["huge"].status == "never_runnable" and "no runnable Cell" in out["huge"].reason
+    summary = summarize(result)
+    assert summary["unfinished"] == 1 + (out["oom"].status != "finished")
+    assert [n["job_id"] for n in summary["never_runnable"]] == ["huge"]
+    # the 1-GPU request failed when measured, but 2 GPUs (its N·2 Cell) can run: not "never"
+    assert out["oom"].status == "unfinished" and out["oom"].first_start_s is None
+
+
+class _Resizer:
+    """Starts every job on 4 GPUs, then shrinks it to 2 at its first round."""
+
+    name = "resizer"
+    plan_tuning = "pruned"
+
+    def decide(self, snapshot):
+        free = FreeGpus.from_snapshot(snapshot)
+        out = []
+        for job in snapshot.jobs:
+            if job.state == "pending":
+                cell = Cell("a100", 4, 4, 1)
+            elif snapshot.trigger == "round" and job.cell.num_gpus == 4:
+                free.release(job.assignment.placement)
+                cell = Cell("a100", 2, 4, 1)
+            else:
+                continue
+            placement = free.place(cell)
+            free.take(placement)
+            out.append(JobDecision(job.job_id, Assignment(cell, placement), f"{cell.num_gpus} a100"))
+        return Decision(tuple(out))
+
+
+def test_a_resize_costs_checkpoint_resume_plus_tuning_and_keeps_progress():
+    result = _run(_Resizer(), [_job("a", 0.0, 4, iterations=1000)])
+    (o,) = result.jobs
+    start_overhead_s = COSTS.launch_s + COSTS.tuning_pruned_s
+    done_at_round = (CONFIG.round_s - start_overhead_s) / T4
+    resume_s = CONFIG.round_s + COSTS.checkpoint_resume_s + COSTS.tuning_pruned_s
+    assert o.restarts == 1
+    assert o.finish_s == pytest.approx(resume_s + (1000 - done_at_round) * T2)
+
+
+def test_nearest_measured_layout_gives_the_rate():
+    table = MeasuredTable((MeasuredPoint("gpt-1.3b", 128, "a100", 2, 2, 5.0),))
+    assert table.iter_time_s("gpt-1.3b", 128, "a100", 1, 4) == 5.0  # 4 GPUs: only 2x2 measured
+    assert table.iter_time_s("gpt-1.3b", 128, "a100", 1, 8) is None  # no 8-GPU measurement
+    result = _run(FcfsPolicy(), [_job("a", 0.0, 4, iterations=10)], table=table)
+    assert result.jobs[0].finish_s == pytest.approx(COSTS.launch_s + COSTS.tuning_full_s + 10 * 5.0)
+
+
+def test_a_policy_that_never_starts_anything_ends_the_run_with_jobs_unfinished():
+    class Idle:
+        name = "idle"
+
+        def decide(self, snapshot):
+            return Decision(tuple(JobDecision(j.job_id, None, "idle policy") for j in snapshot.jobs))
+
+    result = _run(Idle(), [_job("a", 0.0, 4), _job("b", 1.0, 2)])
+    assert [o.status for o in result.jobs] == ["unfinished", "unfinished"]
+    assert all(o.reason == "idle policy" for o in result.jobs)
+
+
+def test_oracle_shows_measured_times_to_policies():
+    cluster, table = _cluster(), load_measured()
+    spec = JobSpec("gpt-1.3b", 128, 4, "a100")
+    fake = lambda s, space: tuple(e.__class__(e.cell, (), 1, 99.0, 1.0, 1.0, True, "")  # noqa: E731
+                                  for e in measured_estimates(s, cluster, table))
+    plain = EstimateCache(cluster, table, False, fake).get(spec)[0]
+    oracle = EstimateCache(cluster, table, True, fake).get(spec)[0]
+    four = Cell("a100", 4, 4, 1)
+    assert next(e for e in plain if e.cell == four).iteration_time_s == 99.0
+    assert next(e for e in oracle if e.cell == four).iteration_time_s == table.iter_time_s("gpt-1.3b", 128, "a100", 1, 4)
+    eight = next(e for e in plain if e.cell.num_gpus == 8)
+    assert not eight.feasible and "no measured rate" in eight.reason  # a100 2x4 is not measured
+
+
+def test_same_inputs_same_report(tmp_path):
+    jobs = [_job(str(i), 50.0 * i, [1, 2, 4][i % 3] if i % 3 else 4, iterations=50 + 7 * i) for i in range(12)]
+    cluster = _cluster(nodes=2)
+    a = summarize(_run(FcfsPolicy(), jobs, cluster))
+    b = summarize(_run(FcfsPolicy(), jobs, cluster))
+    for key in TIMING_KEYS:
+        a.pop(key), b.pop(key)
+    assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+def test_report_table_and_plots(tmp_path):
+    result = _run(FcfsPolicy(), [_job("a", 0.0, 4), _job("b", 10.0, 2)])
+    report = report_json("t.csv", "tiny", 0, {"fcfs": summarize(result, 0.5)}, offered_load=0.5)
+    assert set(CONTRACT_KEYS) <= set(report["policies"]["fcfs"])
+    table = markdown_table(report)
+    assert table.splitlines()[2].startswith("| fcfs | 2 | 2 | 0 |")
+    files = write_plots([result], tmp_path)
+    assert {f.name for f in files} == {"jct_cdf.png", "throughput.png", "queue_length.png", "gpu_use.png"}
+    assert all(f.stat().st_size > 1000 for f in files)
+
+
+TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "traces" / "pai_1day_synthetic_sizes.csv"
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason="shared trace data absent")
+def test_cli_writes_the_contract_json_and_is_deterministic(tmp_path, capsys):
+    args = ["simulate", "--trace", str(TRACE), "--cluster", "lab", "--policy", "fcfs", "--seed", "3",
+            "--density", "0.1", "--quiet"]
+    assert main(args + ["--json", str(tmp_path / "a.json"), "--markdown", str(tmp_path / "t.md")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("| policy |") and out == (tmp_path / "t.md").read_text()
+    assert main(args + ["--json", str(tmp_path / "b.json")]) == 0
+    a, b = (json.loads((tmp_path / f).read_text()) for f in ("a.json", "b.json"))
+    assert {"trace", "cluster", "seed", "policies"} <= set(a) and a["cluster"] == "lab"
+    assert set(CONTRACT_KEYS) <= set(a["policies"]["fcfs"])
+    for report in (a, b):
+        for key in TIMING_KEYS:
+            report["policies"]["fcfs"].pop(key)
+    assert a == b
+    # the lab cluster has no a40: such requests are reported, not dropped
+    s = a["policies"]["fcfs"]
+    assert s["jobs"] == s["finished"] + s["unfinished"]
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    assert main(["simulate", "--trace", str(tmp_path / "none.csv"), "--cluster", "lab", "--policy", "fcfs"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "none.csv" in err[0]
+    assert main(["simulate", "--trace", str(TRACE), "--cluster", "lab", "--policy", "nope"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "nope" in err and "fcfs" in err and len(err.splitlines()) == 1
