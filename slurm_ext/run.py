@@ -15,6 +15,9 @@ from slurm_ext.errors import CommandNotFoundError, CommandTimeoutError, SlurmCom
 
 log = logging.getLogger(__name__)
 
+# Background children by PID, kept so that their exit status can be collected (`reap`).
+_CHILDREN: dict[int, subprocess.Popen] = {}
+
 
 @dataclass(frozen=True)
 class CompletedCommand:
@@ -114,15 +117,19 @@ def start_background(argv: Sequence[str], log_path: Path | str | None = None,
     finally:
         if log_path is not None:
             out.close()
-    # The Popen object is dropped: the caller records the PID and stops it by PID. Mark it
-    # as reaped-by-us so Python does not warn; `reap` collects the exit status later.
-    proc.returncode = 0
+    _CHILDREN[proc.pid] = proc
     return proc.pid
 
 
-def reap(pid: int) -> None:
-    """Collect the exit status of a child we started, if it has exited (no-op otherwise)."""
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
+def reap(pid: int) -> int | None:
+    """Collect the exit status of a background child of this process if it has exited.
+
+    Returns:
+        Its exit status, or None while it runs (or when it is not our child: a process
+        started by an earlier command is reaped by init).
+    """
+    proc = _CHILDREN.get(pid)
+    if proc is None or proc.poll() is None:
+        return None
+    del _CHILDREN[pid]
+    return proc.returncode
