@@ -329,6 +329,9 @@ class LabCluster:
             if not Path(program).exists():
                 raise LabError(f"{program} is not installed: apt-get install slurmctld slurmd "
                                "slurm-client munge")
+        if os.geteuid() != 0:
+            raise LabError("the lab needs root (slurmd runs jobs as their users): "
+                           "run `sudo slurm-ext lab up`")
         busy = busy_ports(ports_needed(self.cluster, self.base_port))
         if busy:
             raise LabError(f"port(s) {', '.join(map(str, busy))} already in use; "
@@ -410,7 +413,13 @@ class LabCluster:
         shutil.copyfile(self.job_submit_lua, p.lua)
         most = max(g.gpus_per_node for g in self.cluster.node_groups)
         for i in range(most):
-            os.mknod(p.dev / f"nvidia{i}", 0o666 | stat.S_IFCHR, os.makedev(NULL_MAJOR, NULL_MINOR))
+            try:
+                os.mknod(p.dev / f"nvidia{i}", 0o666 | stat.S_IFCHR,
+                         os.makedev(NULL_MAJOR, NULL_MINOR))
+            except OSError as e:
+                raise LabError(f"cannot create the fake GPU device {p.dev}/nvidia{i} ({e}); "
+                               "the lab needs root and a filesystem that allows device "
+                               "files (not mounted nodev)") from None
 
     def _start_munged(self) -> int:
         p = self.paths
