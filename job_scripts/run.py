@@ -1,0 +1,421 @@
+"""The runner: what ``job_scripts/elastic.sbatch`` execs inside a Slurm allocation.
+
+``python -m job_scripts.run [options]`` reads what Slurm granted (nodes, GPUs per node,
+partition = GPU type, restart count), the job's model, global batch and iteration count
+(flags, or the ``#ELASTIC`` lines of the batch script) and its parallel plan (flag, the
+``SLURM_EXT_PLAN`` variable, the job's AdminComment written by the daemon, or else the
+tuner), resumes from the newest valid checkpoint (resharded onto the new plan), trains,
+and checkpoints:
+
+- every ``--checkpoint-every`` steps (the newest two are kept);
+- on SIGUSR1 (the daemon's rescale request): finish the current step, checkpoint, exit
+  86, which ``RequeueExitHold=86`` turns into a held requeue;
+- on SIGTERM: finish the current step, checkpoint, exit 143;
+- at the end: checkpoint, exit 0.
+
+It also writes ``<checkpoint dir>/measured.json`` (seconds per iteration after warm-up
+under the current Cell and plan) for the daemon. Without GPUs it runs on CPU fake
+devices, one per granted GPU, so the whole protocol runs on a laptop or in CI.
+
+Exit status: 0 done, 86 checkpointed for a rescale, 143 checkpointed on SIGTERM,
+2 bad input (one line on stderr saying what to fix).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from estimator.errors import SpecError
+from job_scripts.slurm_env import SlurmAllocation, allocation_from_env
+
+log = logging.getLogger("job_scripts.run")
+
+EXIT_RESCALE = 86
+EXIT_TERMINATED = 143
+EXIT_BAD_INPUT = 2
+PLAN_ENV = "SLURM_EXT_PLAN"
+CHECKPOINT_ROOT_ENV = "SLURM_EXT_CHECKPOINT_ROOT"
+MEASURED_FILE = "measured.json"
+# Flags that make XLA compile fast on the CPU; fake-device runs test the protocol, and
+# the tiny models they use spend most of their time compiling, not computing.
+CPU_FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0",
+                          "--xla_llvm_disable_expensive_passes=true")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything the runner was told, resolved once (flag > environment > script)."""
+
+    model: str
+    global_batch: int
+    iterations: int
+    plan_text: str | None
+    checkpoint_dir: Path
+    checkpoint_every: int
+    keep: int
+    seed: int
+    num_devices: int
+    platform: str  # cpu | gpu
+    warmup_steps: int
+    compile_cache_dir: str | None
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m job_scripts.run", description=__doc__.split("\n\n")[0])
+    p.add_argument("--elastic-script", help="batch script whose #ELASTIC lines give model, batch, iterations")
+    p.add_argument("--model", help="built-in model name or model YAML path")
+    p.add_argument("--global-batch", type=int, help="samples per iteration, whatever the plan")
+    p.add_argument("--iterations", type=int, help="total training iterations")
+    p.add_argument("--plan", help=f"plan string (else ${PLAN_ENV}, the AdminComment, or the tuner)")
+    p.add_argument("--checkpoint-root", help=f"checkpoints go to ROOT/<job id> (else ${CHECKPOINT_ROOT_ENV}, "
+                                             "$SLURM_SUBMIT_DIR/checkpoints, ./checkpoints)")
+    p.add_argument("--checkpoint-dir", help="exact checkpoint directory (overrides the root)")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every K steps (0: never)")
+    p.add_argument("--keep", type=int, default=2, help="checkpoints kept (default 2)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data stream")
+    p.add_argument("--devices", type=int, help="device count (default: the GPUs Slurm granted)")
+    p.add_argument("--platform", choices=("auto", "cpu", "gpu"), default="auto")
+    p.add_argument("--warmup-steps", type=int, default=2, help="steps not timed after each start")
+    p.add_argument("--compile-cache", help="JAX persistent compilation cache directory")
+    return p
+
+
+def _script_settings(path: str | None) -> dict[str, str]:
+    if not path:
+        return {}
+    from slurm_ext.jobspec import script_settings
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError as e:
+        raise SpecError("elastic_script", path, f"cannot read it: {e.strerror}") from None
+    return script_settings(text)
+
+
+def _gpu_platform_available() -> bool:
+    # Only the top-level name: find_spec of a dotted name imports its parent package.
+    has_plugin = importlib.util.find_spec("jax_cuda12_plugin") is not None
+    return has_plugin and Path("/dev/nvidiactl").exists()
+
+
+def resolve_config(args: argparse.Namespace, env: dict[str, str], alloc: SlurmAllocation) -> RunConfig:
+    """Flags > environment > #ELASTIC lines; raises SpecError naming what is missing."""
+    settings = _script_settings(args.elastic_script)
+    model = args.model or settings.get("model")
+    batch = args.global_batch or (int(settings["global_batch"]) if "global_batch" in settings else None)
+    iterations = args.iterations if args.iterations is not None else (
+        int(settings["iterations"]) if "iterations" in settings else None)
+    for name, value in (("model", model), ("global_batch", batch), ("iterations", iterations)):
+        if value is None:
+            raise SpecError(name, None, f"give --{name.replace('_', '-')} or an #ELASTIC {name}=... line")
+    if batch <= 0 or iterations < 0:
+        raise SpecError("global_batch" if batch <= 0 else "iterations", batch if batch <= 0 else iterations,
+                        "give a positive batch and a non-negative iteration count")
+    if args.checkpoint_dir:
+        ckpt = Path(args.checkpoint_dir)
+    else:
+        root = args.checkpoint_root or env.get(CHECKPOINT_ROOT_ENV) or (
+            str(Path(alloc.submit_dir) / "checkpoints") if alloc.submit_dir else "checkpoints")
+        ckpt = Path(root) / (alloc.job_id or "local")
+    platform = args.platform
+    if platform == "auto":
+        platform = "gpu" if _gpu_platform_available() else "cpu"
+    devices = args.devices or alloc.num_gpus or None
+    if devices is None:
+        devices = 1
+    if args.checkpoint_every < 0 or args.keep < 1:
+        raise SpecError("checkpoint_every", args.checkpoint_every, "give K ≥ 0 and --keep ≥ 1")
+    return RunConfig(model=model, global_batch=batch, iterations=iterations,
+                     plan_text=args.plan or env.get(PLAN_ENV) or None, checkpoint_dir=ckpt,
+                     checkpoint_every=args.checkpoint_every, keep=args.keep, seed=args.seed,
+                     num_devices=devices, platform=platform, warmup_steps=max(0, args.warmup_steps),
+                     compile_cache_dir=args.compile_cache)
+
+
+def _prepare_jax(cfg: RunConfig, env: dict[str, str]) -> None:
+    """Set XLA's device count before JAX is imported (it reads the flags once)."""
+    if cfg.platform == "cpu":
+        flags = env.get("XLA_FLAGS", "")
+        if "xla_force_host_platform_device_count" not in flags:
+            flags += f" --xla_force_host_platform_device_count={cfg.num_devices}"
+        for f in CPU_FAST_COMPILE_FLAGS:
+            if f.split("=")[0] not in flags:
+                flags += " " + f
+        os.environ["XLA_FLAGS"] = flags.strip()
+        os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def _exec_one_task_per_node(alloc: SlurmAllocation) -> None:
+    """Replace this batch process by ``srun`` starting one runner per node.
+
+    srun forwards SIGUSR1 and SIGTERM to its tasks and exits with their highest status,
+    so the rescale protocol works unchanged.
+    """
+    argv = ["srun", f"--nodes={alloc.num_nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+            sys.executable, "-m", "job_scripts.run", *sys.argv[1:]]
+    log.info("starting one task per node: %s", " ".join(argv))
+    os.execvp("srun", argv)
+
+
+class _StopFlag:
+    """Signal handlers only record what arrived; the loop acts between steps."""
+
+    def __init__(self):
+        self.signal_name: str | None = None
+
+    def install(self) -> None:
+        signal.signal(signal.SIGUSR1, self._handler)
+        signal.signal(signal.SIGTERM, self._handler)
+
+    def _handler(self, signum, frame):
+        self.signal_name = signal.Signals(signum).name
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s: %(message)s")
+    stop = _StopFlag()
+    stop.install()  # first, so a USR1 during start-up is not lost
+    env = dict(os.environ)
+    try:
+        alloc = allocation_from_env(env)
+        cfg = resolve_config(_parser().parse_args(argv), env, alloc)
+    except SpecError as e:
+        print(f"job_scripts.run: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if cfg.platform == "gpu" and alloc.num_nodes > 1 and not alloc.in_step:
+        _exec_one_task_per_node(alloc)
+    _prepare_jax(cfg, env)
+    try:
+        return run_training(cfg, alloc, stop)
+    except SpecError as e:
+        print(f"job_scripts.run: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+# --------------------------------------------------------------------------- training
+# Everything below imports JAX inside functions: only after _prepare_jax has set XLA_FLAGS.
+
+PLAN_KEYS = ("cell", "plan", "mb", "remat", "layers")
+
+
+def plan_tokens(admin_comment: str | None) -> str | None:
+    """The plan part of an AdminComment (the daemon may add ``why=...`` and other words)."""
+    if not admin_comment:
+        return None
+    words = [w for w in admin_comment.split() if w.partition("=")[0] in PLAN_KEYS and "=" in w]
+    keys = {w.partition("=")[0] for w in words}
+    return " ".join(words) if {"cell", "plan"} <= keys else None
+
+
+def _admin_comment_plan(job_id: str) -> str | None:
+    from job_scripts.slurm_env import admin_comment_from_scontrol, scontrol_show_job_argv
+    try:
+        from slurm_ext.run import run_command
+        out = run_command(scontrol_show_job_argv(job_id), timeout_s=30).stdout
+    except Exception as e:  # noqa: BLE001 - no Slurm, no plan: the tuner decides instead
+        log.warning("could not read the AdminComment of job %s (%s); tuning a plan here", job_id, e)
+        return None
+    return plan_tokens(admin_comment_from_scontrol(out))
+
+
+def _plan_from_text(text: str, model_spec, cfg: RunConfig, gpus_per_node: int):
+    from estimator.cells import Cell
+    from estimator.estimate import partition_stages
+    from estimator.plan_string import parse_plan
+    from job_scripts.train import ParallelPlan, even_layer_split
+
+    ps = parse_plan(text)
+    if ps.num_gpus != cfg.num_devices:
+        raise SpecError("plan", text, f"is for {ps.num_gpus} GPUs but this job has {cfg.num_devices}")
+    cell = Cell(ps.gpu_type, ps.num_gpus, max(1, gpus_per_node), ps.num_stages)
+    try:
+        default = partition_stages(model_spec, cell)
+    except SpecError:  # not a catalog GPU type (e.g. a CPU test cell): split evenly
+        default = even_layer_split(model_spec.num_layers, ps.num_stages)
+    return ParallelPlan(ps.stage_plans(default), ps.micro_batches, ps.remat), ps.format(), ps.cell_label
+
+
+def _tuned_plan(cfg: RunConfig, alloc: SlurmAllocation, model_spec):
+    from estimator.cells import Cell
+    from estimator.cluster import cluster_from_dict
+    from estimator.jobs import JobSpec
+    from estimator.tuner import tune
+
+    gpu = alloc.gpu_type or "a100"  # CPU runs outside a GPU partition: any catalog type
+    per_node = alloc.gpus_per_node or cfg.num_devices
+    nodes = max(1, cfg.num_devices // per_node)
+    cluster = cluster_from_dict({"name": "allocation", "node_groups": [
+        {"gpu_type": gpu, "nodes": nodes, "gpus_per_node": per_node}]})
+    job = JobSpec(cfg.model, cfg.global_batch, cfg.num_devices, gpu)
+    best = None
+    stages = 1
+    while stages <= min(cfg.num_devices, model_spec.num_layers):
+        result = tune(job, Cell(gpu, cfg.num_devices, per_node, stages), cluster)
+        b = result.best
+        if b is not None and b.score.feasible and (
+                best is None or b.score.iteration_time_s < best[0].score.iteration_time_s):
+            best = (b, result.plan_string())
+        stages *= 2
+    if best is None:
+        raise SpecError("plan", None, f"the tuner found no feasible plan for {cfg.model} on "
+                                      f"{cfg.num_devices} {gpu}; give one with --plan")
+    return best[1]
+
+
+def resolve_plan(cfg: RunConfig, alloc: SlurmAllocation, model_spec):
+    """(ParallelPlan, plan string, cell label) from flag/env, AdminComment or the tuner."""
+    if cfg.plan_text:
+        plan = _plan_from_text(cfg.plan_text, model_spec, cfg, alloc.gpus_per_node)
+        log.info("plan %s (given)", plan[1])
+        return plan
+    if alloc.job_id:
+        text = _admin_comment_plan(alloc.job_id)
+        if text:
+            try:
+                plan = _plan_from_text(text, model_spec, cfg, alloc.gpus_per_node)
+                log.info("plan %s (from the AdminComment)", plan[1])
+                return plan
+            except SpecError as e:
+                log.warning("AdminComment plan unusable (%s); tuning a plan here", e)
+    plan = _plan_from_text(_tuned_plan(cfg, alloc, model_spec), model_spec, cfg, alloc.gpus_per_node)
+    log.info("plan %s (tuned here)", plan[1])
+    return plan
+
+
+def _stream(arch, cfg: RunConfig):
+    from job_scripts.data import ImageStream, TokenStream
+    if arch.family == "wide_resnet":
+        return ImageStream(cfg.seed, cfg.global_batch, arch.image_size, 3, arch.num_classes)
+    return TokenStream(cfg.seed, cfg.global_batch, arch.seq_len, arch.vocab)
+
+
+class _Meter:
+    """Seconds per iteration after warm-up, written where the daemon reads it."""
+
+    def __init__(self, warmup_steps: int):
+        self.warmup_steps, self.seen, self.times_s = warmup_steps, 0, []
+
+    def add(self, seconds: float) -> None:
+        self.seen += 1
+        if self.seen > self.warmup_steps:
+            self.times_s.append(seconds)
+
+    def write(self, path: Path, info: dict) -> None:
+        from job_scripts.checkpoint import write_json_atomic
+        if not self.times_s:
+            return
+        mean_s = sum(self.times_s) / len(self.times_s)
+        write_json_atomic(path, {**info, "iteration_time_s": mean_s,
+                                 "steps_measured": len(self.times_s),
+                                 "samples_per_s": info["global_batch"] / mean_s,
+                                 "updated_at_s": time.time()})
+
+
+def run_training(cfg: RunConfig, alloc: SlurmAllocation, stop: _StopFlag) -> int:
+    """Resume or start, train until done or signalled, checkpoint; returns the exit status."""
+    import jax
+    import numpy as np
+
+    if cfg.compile_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", cfg.compile_cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    if alloc.num_processes > 1:
+        port = 20000 + int(alloc.job_id or 0) % 20000
+        jax.distributed.initialize(f"{alloc.node_names[0]}:{port}", alloc.num_processes,
+                                   alloc.process_id)
+    from estimator import jax_models as jm
+    from estimator.models import load_model
+    from job_scripts import checkpoint as ck
+    from job_scripts.train import Trainer
+
+    devices = jax.devices()
+    if len(devices) != cfg.num_devices:
+        raise SpecError("devices", len(devices), f"JAX sees {len(devices)} devices, the job has "
+                                                 f"{cfg.num_devices}; check CUDA_VISIBLE_DEVICES")
+    model_spec = load_model(cfg.model)
+    arch = jm.arch_from_model(model_spec)
+    plan, plan_text, cell_label = resolve_plan(cfg, alloc, model_spec)
+    trainer = Trainer(arch, plan, devices, cfg.global_batch, jm.optimizer_for(arch))
+    stream = _stream(arch, cfg)
+    writer = alloc.process_id == 0
+    meta = {"model": cfg.model, "global_batch": cfg.global_batch, "seed": cfg.seed,
+            "cell": cell_label, "plan": plan_text, "job_id": alloc.job_id,
+            "restart_count": alloc.restart_count}
+
+    latest = ck.load_latest(cfg.checkpoint_dir)
+    if latest is not None:
+        for key in ("model", "global_batch", "seed"):
+            if latest.meta.get(key) != meta[key]:
+                raise SpecError(key, meta[key], f"the checkpoint {latest.path} was written with "
+                                                f"{key}={latest.meta.get(key)!r}; use a new checkpoint directory")
+        trainer.load_arrays(latest.arrays)
+        done = latest.step
+        log.info("resumed from step %d (checkpoint %s, plan %s); next step %d; now %s on %d devices",
+                 done, latest.path, latest.meta.get("plan"), done + 1, plan_text, len(devices))
+    else:
+        trainer.init(cfg.seed)
+        done = 0
+        log.info("starting at step 1 (no checkpoint in %s); plan %s on %d devices",
+                 cfg.checkpoint_dir, plan_text, len(devices))
+
+    meter = _Meter(cfg.warmup_steps)
+    measured_info = {"job_id": alloc.job_id, "cell": cell_label, "plan": plan_text,
+                     "global_batch": cfg.global_batch, "num_devices": len(devices),
+                     "platform": cfg.platform, "restart_count": alloc.restart_count}
+    saved_step = done if latest is not None else None
+
+    def save(step: int) -> None:
+        nonlocal saved_step
+        arrays = trainer.state_arrays()  # collective across processes: every process calls it
+        if writer:
+            data = {"kind": type(stream).__name__, "seed": cfg.seed, "next_step": step + 1}
+            ck.save_checkpoint(cfg.checkpoint_dir, step, arrays, {**meta, "data": data}, cfg.keep)
+            meter.write(cfg.checkpoint_dir / MEASURED_FILE, measured_info)
+        saved_step = step
+
+    def agreed_stop() -> str | None:
+        if alloc.num_processes == 1:
+            return stop.signal_name
+        from jax.experimental import multihost_utils
+        codes = {None: 0, "SIGUSR1": 1, "SIGTERM": 2}
+        mine = np.array([codes.get(stop.signal_name, 2)], np.int32)
+        top = int(np.max(multihost_utils.process_allgather(mine)))
+        return {0: None, 1: "SIGUSR1", 2: "SIGTERM"}[top]
+
+    step = done
+    while step < cfg.iterations:
+        signalled = agreed_stop()
+        if signalled:
+            break
+        step += 1
+        batch = stream.batch(step)
+        t0 = time.perf_counter()
+        loss = trainer.step(batch.inputs, batch.targets)
+        elapsed_s = time.perf_counter() - t0
+        meter.add(elapsed_s)
+        log.info("step %d loss %.6f time %.3fs", step, loss, elapsed_s)
+        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.iterations:
+            save(step)
+    signalled = agreed_stop()
+    if saved_step != step:
+        save(step)
+    if signalled and step < cfg.iterations:
+        code = EXIT_RESCALE if signalled == "SIGUSR1" else EXIT_TERMINATED
+        log.info("%s: checkpointed step %d; exiting %d", signalled, step, code)
+        return code
+    if writer:
+        meter.write(cfg.checkpoint_dir / MEASURED_FILE, measured_info)
+    log.info("finished: %d iterations", step)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""What Slurm granted this job, read from its environment (pure functions).
+
+Inside an allocation Slurm describes the job through environment variables; these
+functions turn a mapping of them (``os.environ`` at the entry point, a recorded sample in
+tests) into one frozen :class:`SlurmAllocation`. Nothing here reads the environment on its
+own. The plan the daemon chose sits in the job's AdminComment, read from
+``scontrol show job`` output by :func:`admin_comment_from_scontrol`.
+
+GPUs per node come from, in order: ``SLURM_GPUS_ON_NODE`` (a count), ``SLURM_JOB_GPUS``
+or ``SLURM_STEP_GPUS`` (index lists), ``CUDA_VISIBLE_DEVICES`` (index or UUID list),
+``SLURM_GPUS_PER_NODE`` (``4`` or ``a100:4``). The GPU type is the partition's name when
+that names a catalog GPU type (slurm-ext keeps one partition per type).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from estimator.errors import SpecError
+from estimator.gpus import CATALOG
+
+# Hostlists are small in practice; the cap keeps a malformed range from allocating GBs.
+MAX_NODES = 1 << 16
+
+
+@dataclass(frozen=True)
+class SlurmAllocation:
+    """The resources of this job as Slurm granted them.
+
+    Attributes:
+        job_id: SLURM_JOB_ID, or None outside Slurm.
+        node_names: the job's nodes, expanded from SLURM_JOB_NODELIST.
+        gpus_per_node: GPUs on each node (0 when none were granted).
+        partition: SLURM_JOB_PARTITION, or None.
+        gpu_type: catalog GPU type named by the partition, or None.
+        restart_count: SLURM_RESTART_COUNT (0 on the first run).
+        process_id: SLURM_PROCID (rank of this process; 0 in the batch script).
+        num_processes: SLURM_NTASKS inside a step, else 1.
+        in_step: True inside an ``srun`` step, False in the batch script itself.
+        submit_dir: SLURM_SUBMIT_DIR, or None.
+    """
+
+    job_id: str | None
+    node_names: tuple[str, ...]
+    gpus_per_node: int
+    partition: str | None
+    gpu_type: str | None
+    restart_count: int
+    process_id: int = 0
+    num_processes: int = 1
+    in_step: bool = False
+    submit_dir: str | None = None
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, len(self.node_names))
+
+    @property
+    def num_gpus(self) -> int:
+        return self.num_nodes * self.gpus_per_node
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split on commas that are not inside brackets: ``a[1-2],b`` → ``a[1-2]``, ``b``."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise SpecError("SLURM_JOB_NODELIST", text, "unbalanced ']' in the hostlist")
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    if depth != 0:
+        raise SpecError("SLURM_JOB_NODELIST", text, "unbalanced '[' in the hostlist")
+    parts.append(text[start:])
+    return [p for p in parts if p]
+
+
+def _expand_range(body: str, whole: str) -> list[str]:
+    out: list[str] = []
+    for item in body.split(","):
+        lo, sep, hi = item.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise SpecError("SLURM_JOB_NODELIST", whole, f"bad range {item!r}; expected N or N-M")
+        if not sep:
+            out.append(lo)
+            continue
+        a, b = int(lo), int(hi)
+        if b < a or b - a >= MAX_NODES:
+            raise SpecError("SLURM_JOB_NODELIST", whole, f"bad range {item!r}")
+        width = len(lo)  # Slurm keeps zero padding: node[01-03]
+        out.extend(str(n).zfill(width) for n in range(a, b + 1))
+    return out
+
+
+def expand_nodelist(nodelist: str) -> tuple[str, ...]:
+    """Expand a Slurm hostlist such as ``a100-[1-2,4],h100-1`` or ``n[01-02]-g[1-2]``.
+
+    Args:
+        nodelist: the compressed hostlist (SLURM_JOB_NODELIST).
+
+    Returns:
+        Every host name, in Slurm's order.
+
+    Raises:
+        SpecError: malformed brackets or ranges (quoted).
+    """
+    names: list[str] = []
+    for part in _split_top_level(nodelist.strip()):
+        expanded = [""]
+        for piece in re.split(r"(\[[^\]]*\])", part):
+            if piece.startswith("["):
+                choices = _expand_range(piece[1:-1], nodelist)
+                expanded = [e + c for e in expanded for c in choices]
+            else:
+                expanded = [e + piece for e in expanded]
+            if len(expanded) > MAX_NODES:
+                raise SpecError("SLURM_JOB_NODELIST", nodelist, f"more than {MAX_NODES} nodes")
+        names.extend(expanded)
+    return tuple(names)
+
+
+def _int_var(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise SpecError(name, raw, "expected a non-negative integer") from None
+    if value < 0:
+        raise SpecError(name, raw, "expected a non-negative integer")
+    return value
+
+
+def _count_list(raw: str) -> int:
+    items = [x for x in raw.split(",") if x.strip()]
+    # Slurm writes NoDevFiles when GPUs were granted without device files.
+    return 0 if items == ["NoDevFiles"] else len(items)
+
+
+def gpus_per_node_from_env(env: Mapping[str, str]) -> int:
+    """GPUs on this node, from the first variable that says (see the module docstring)."""
+    if env.get("SLURM_GPUS_ON_NODE", "").strip():
+        return _int_var(env, "SLURM_GPUS_ON_NODE", 0)
+    for name in ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "CUDA_VISIBLE_DEVICES"):
+        raw = env.get(name)
+        if raw is not None and raw.strip():
+            return _count_list(raw)
+    raw = env.get("SLURM_GPUS_PER_NODE", "").strip()
+    if raw:
+        count = raw.rsplit(":", 1)[-1].split("(")[0]
+        if not count.isdigit():
+            raise SpecError("SLURM_GPUS_PER_NODE", raw, "expected N or TYPE:N")
+        return int(count)
+    return 0
+
+
+def gpu_type_of_partition(partition: str | None) -> str | None:
+    """The catalog GPU type a partition is named after (``a100``), else None."""
+    if not partition:
+        return None
+    name = partition.split(",")[0].strip().lower()
+    return name if name in CATALOG else None
+
+
+def allocation_from_env(env: Mapping[str, str]) -> SlurmAllocation:
+    """Read the allocation from Slurm's variables.
+
+    Outside Slurm (no SLURM_JOB_ID) this returns an allocation of one node, no job id and
+    the GPUs CUDA_VISIBLE_DEVICES lists (often 0); the caller then decides the device count.
+
+    Args:
+        env: the environment (``os.environ`` or a recorded sample).
+
+    Returns:
+        The allocation.
+
+    Raises:
+        SpecError: a variable that is present but malformed (quoted).
+    """
+    job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or None
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+    nodes = expand_nodelist(nodelist) if nodelist.strip() else ()
+    num_nodes = _int_var(env, "SLURM_JOB_NUM_NODES", 0) or _int_var(env, "SLURM_NNODES", 0)
+    if nodes and num_nodes and num_nodes != len(nodes):
+        raise SpecError("SLURM_NNODES", num_nodes,
+                        f"disagrees with SLURM_JOB_NODELIST={nodelist!r} ({len(nodes)} nodes)")
+    if not nodes and num_nodes:
+        nodes = tuple(f"node{i}" for i in range(num_nodes))
+    partition = env.get("SLURM_JOB_PARTITION") or None
+    in_step = bool(env.get("SLURM_STEP_ID", "").strip()) and env.get("SLURM_STEP_ID") != "batch"
+    return SlurmAllocation(
+        job_id=job_id,
+        node_names=nodes,
+        gpus_per_node=gpus_per_node_from_env(env),
+        partition=partition,
+        gpu_type=gpu_type_of_partition(partition),
+        restart_count=_int_var(env, "SLURM_RESTART_COUNT", 0),
+        process_id=_int_var(env, "SLURM_PROCID", 0) if in_step else 0,
+        num_processes=max(1, _int_var(env, "SLURM_NTASKS", 1)) if in_step else 1,
+        in_step=in_step,
+        submit_dir=env.get("SLURM_SUBMIT_DIR") or None,
+    )
+
+
+def scontrol_show_job_argv(job_id: str) -> list[str]:
+    """The command that prints a job's record, AdminComment included."""
+    if not str(job_id).replace("_", "").isdigit():
+        raise SpecError("job_id", job_id, "expected a numeric Slurm job id")
+    return ["scontrol", "show", "job", str(job_id)]
+
+
+def admin_comment_from_scontrol(text: str) -> str | None:
+    """The AdminComment of ``scontrol show job`` output, or None when unset.
+
+    Slurm prints ``AdminComment=...`` on a line of its own (the value may contain spaces),
+    so the value runs to the end of that line.
+    """
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("AdminComment="):
+            value = stripped[len("AdminComment="):].strip()
+            return value or None
+    return None
