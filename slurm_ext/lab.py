@@ -48,6 +48,8 @@ MAX_JOB_COUNT = 20000
 # The fake GPU device files are character devices 1:3 (/dev/null's numbers).
 NULL_MAJOR, NULL_MINOR = 1, 3
 PIDS_FILE = "pids.json"
+# One slurmd process per node on one machine: keep the lab small.
+MAX_LAB_NODES = 64
 
 
 @dataclass(frozen=True)
@@ -329,6 +331,10 @@ class LabCluster:
             if not Path(program).exists():
                 raise LabError(f"{program} is not installed: apt-get install slurmctld slurmd "
                                "slurm-client munge")
+        if len(node_names(self.cluster)) > MAX_LAB_NODES:
+            raise LabError(f"cluster {self.cluster.name!r} has {len(node_names(self.cluster))} "
+                           f"nodes; a lab runs one slurmd per node, at most {MAX_LAB_NODES}: "
+                           "use a smaller cluster spec (the built-in `lab`)")
         if os.geteuid() != 0:
             raise LabError("the lab needs root (slurmd runs jobs as their users): "
                            "run `sudo slurm-ext lab up`")

@@ -252,6 +252,26 @@ def test_second_lab_refuses_to_start_twice_and_down_stops_exactly_its_pids(slurm
         os.kill(bystander, signal.SIGTERM)
 
 
+@pytest.mark.slurm
+def test_lab_command_status_and_refusal_to_start_twice(slurm_lab):
+    from click.testing import CliRunner
+
+    from slurm_ext.commands.lab import command
+    args = ["--dir", str(slurm_lab.paths.root), "--base-port", str(slurm_lab.base_port)]
+    status = CliRunner().invoke(command, ["status", *args])
+    assert status.exit_code == 0
+    assert "slurmctld" in status.output and "stopped" not in status.output
+    for g in load_cluster("lab").node_groups:
+        assert f"{g.partition}-1 " in status.output and f"gpu:{g.gpu_type}:{g.gpus_per_node}" in status.output
+    again = CliRunner().invoke(command, ["up", *args])
+    assert again.exit_code == 1 and "already up" in again.output
+
+
+def test_a_cluster_too_big_for_one_machine_is_refused(tmp_path):
+    with pytest.raises(LabError, match="at most"):
+        LabCluster(tmp_path, load_cluster("crius-1280")).up()
+
+
 # ---- generated config (no Slurm needed) ---------------------------------------------------
 
 def _settings(conf: str) -> dict[str, str]:
