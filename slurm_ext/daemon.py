@@ -60,6 +60,9 @@ HELD_FOR_RESCALE = frozenset({"SPECIAL_EXIT", "REQUEUE_HOLD"})
 RESCALE_POLL_S = 1.0
 REQUEUE_HOLD_WAIT_S = 45.0
 # A released job waiting for one of these will never start as it is: decide it afresh.
+# So is one still waiting after LAUNCH_TIMEOUT_ROUNDS rounds (at least LAUNCH_TIMEOUT_MIN_S).
+LAUNCH_TIMEOUT_ROUNDS = 3
+LAUNCH_TIMEOUT_MIN_S = 60.0
 STUCK_REASONS = frozenset({"BadConstraints", "PartitionNodeLimit", "PartitionConfig",
                            "InvalidQOS", "PartitionDown", "PartitionInactive"})
 
@@ -207,15 +210,31 @@ def running_assignment(job: SlurmJob, pc: PlanComment, node_types: dict[str, str
     return Assignment(cell, tuple(sorted(zip(job.nodes, per_node))))
 
 
+def reserved_cell(job: SlurmJob, part_types: dict[str, str]) -> Cell | None:
+    """The GPUs a pending job will take once Slurm starts it, as a Cell (None: none known).
+
+    A job the daemon released carries its Cell in AdminComment; any other (an elastic job
+    with a spec error, released as submitted) takes what it asked Slurm for.
+    """
+    parts = parse_plan_comment(job.admin_comment).cell_parts()
+    if parts is not None:
+        return Cell(parts[0], parts[1], max(1, job.gpus_per_node or parts[1]), parts[2])
+    gtype = job.gpu_type_requested or part_types.get(job.partition)
+    gpus = requested_gpus(job)
+    if gtype is None or not gpus:
+        return None
+    return Cell(gtype, gpus, max(1, job.gpus_per_node or gpus), 1)
+
+
 def build_snapshot(now_s: float, nodes: tuple[SlurmNode, ...], managed: list[ManagedJob],
-                   launching: list[SlurmJob], part_types: dict[str, str], trigger: str,
+                   reserved: list[Cell], part_types: dict[str, str], trigger: str,
                    round_s: float, restart_cost_s: float, policy_state: object) -> Snapshot:
     """The policy's input: typed nodes with what unmanaged jobs hold, and the managed jobs.
 
     GPUs in use that no managed running job accounts for (plain jobs, elastic jobs with a
     spec error, jobs completing) are unmanaged; so are GPUs on nodes that are down or
-    drained, and GPUs reserved for ``launching`` jobs (released by the daemon, not yet
-    started by Slurm).
+    drained, and GPUs ``reserved`` for jobs Slurm is about to start (released by the
+    daemon, with a Cell or as submitted).
     """
     held_by_managed: Counter[str] = Counter()
     for m in managed:
@@ -230,12 +249,8 @@ def build_snapshot(now_s: float, nodes: tuple[SlurmNode, ...], managed: list[Man
         unmanaged[n.name] = min(n.gpus, max(0, used - held_by_managed[n.name]))
     free = FreeGpus([(n.name, t, n.gpus) for n, t in typed],
                     {n.name: n.gpus - unmanaged[n.name] - held_by_managed[n.name] for n, _ in typed})
-    for job in launching:
-        pc = parse_plan_comment(job.admin_comment)
-        parts = pc.cell_parts()
-        if parts is None:
-            continue
-        placement = free.place(Cell(parts[0], parts[1], max(1, job.gpus_per_node), parts[2]), strict=False)
+    for cell in reserved:
+        placement = free.place(cell, strict=False)
         if placement is not None:
             free.take(placement)
             for name, gpus in placement:
@@ -483,7 +498,10 @@ class Daemon:
         acts = _Acts()
         for job, message in errors:
             self._handle_spec_error(job, message, acts)
-        snapshot = build_snapshot(now_s, nodes, managed, launching, part_types, trigger,
+        # Jobs Slurm is about to start hold their GPUs already, as far as the policy goes.
+        about_to_start = launching + [j for j, _ in errors if j.state == "PENDING"]
+        reserved = [c for c in (reserved_cell(j, part_types) for j in about_to_start) if c is not None]
+        snapshot = build_snapshot(now_s, nodes, managed, reserved, part_types, trigger,
                                   cfg.interval_s, cfg.restart_cost_s, self._policy_state)
         t2 = time.perf_counter()
         decision = self.policy.decide(snapshot)
@@ -562,12 +580,15 @@ class Daemon:
             pc = parse_plan_comment(job.admin_comment)
             if job.state == "RUNNING":
                 assignment = running_assignment(job, pc, node_types, part_types)
-                if assignment is None:
-                    continue  # counted as unmanaged usage through the nodes' gres
+                if assignment is None:  # counted as unmanaged usage through the nodes' gres
+                    log.info(kv("running_job_not_managed", job_id=job.job_id, nodes=",".join(job.nodes),
+                                granted=",".join(map(str, job.granted_gpus_per_node)),
+                                gpu_type=job.granted_gpu_type))
+                    continue
                 state = RUNNING
             elif is_held(job):
                 assignment, state = None, PENDING
-            elif job.state == "PENDING" and pc.cell is not None and job.reason not in STUCK_REASONS:
+            elif job.state == "PENDING" and pc.cell is not None and not self._launch_stale(job, now_s):
                 launching.append(job)  # released by us; Slurm starts it when it can
                 continue
             elif job.state == "PENDING":
@@ -604,6 +625,18 @@ class Daemon:
                     float(spec.iterations), view.iterations_done + m.run_iterations(now_s))))
             managed.append(m)
         return managed, launching, errors
+
+    def _launch_stale(self, job: SlurmJob, now_s: float) -> bool:
+        """A released job Slurm will not start as planned: decide it afresh.
+
+        Either Slurm says it never will (``BadConstraints``, ...), or it has waited more
+        than ``LAUNCH_TIMEOUT_ROUNDS`` rounds for GPUs the policy thought were free.
+        """
+        if job.reason in STUCK_REASONS:
+            return True
+        starts = [e for e in self.store.entries(job.job_id) if e.kind in (journal.START, journal.RESCALE)]
+        limit_s = max(LAUNCH_TIMEOUT_MIN_S, LAUNCH_TIMEOUT_ROUNDS * self.config.interval_s)
+        return bool(starts) and now_s - starts[-1].created_s > limit_s
 
     # -- acting -------------------------------------------------------------------------
     def _take(self, kind: str, job_id: int, update: JobUpdate | None, release: bool, acts: _Acts,

@@ -12,12 +12,13 @@ import time
 from pathlib import Path
 
 import pytest
+from types import SimpleNamespace
 
 from estimator.cells import Cell
 from slurm_ext.config import ConfigError, DaemonConfig, load_config, resolve
 from slurm_ext.daemon import (
     Daemon, build_snapshot, cluster_spec, parse_pending_listing, partition_types,
-    requested_gpus, running_assignment, type_partitions,
+    requested_gpus, reserved_cell, running_assignment, type_partitions,
 )
 from slurm_ext.slurm_client import Gres, JobUpdate, SlurmJob, SlurmNode, SubmitRequest
 from slurm_ext.squeue_view import parse_plan_comment, rows
@@ -111,17 +112,19 @@ def test_snapshot_counts_unmanaged_and_launching_gpus():
     assert a.cell == Cell("a100", 4, 2, 2)
     assert a.placement == (("a100-1", 2), ("a100-2", 2))
 
-    class View:  # build_snapshot reads only .view.assignment of managed jobs
-        pass
-    from types import SimpleNamespace
+    # build_snapshot reads only the policy view of a managed job.
     managed = [SimpleNamespace(view=SimpleNamespace(assignment=a, submit_time_s=1.0, job_id="7"))]
-    launching = [SlurmJob(8, "u", "t", "PENDING", partition="v100", comment="elastic",
-                          admin_comment="cell=v100x2:s1 why=x", gpus_per_node=2, node_count=1)]
-    snap = build_snapshot(100.0, NODES, managed, launching, part_types, "round", 60.0, 30.0, None)
+    launching = SlurmJob(8, "u", "t", "PENDING", partition="v100", comment="elastic",
+                         admin_comment="cell=v100x2:s1 why=x", gpus_per_node=2, node_count=1)
+    as_submitted = SlurmJob(9, "u", "t", "PENDING", partition="v100", comment="elastic model=?",
+                            admin_comment="error=model: missing", gpus_per_node=1, node_count=1)
+    reserved = [reserved_cell(j, part_types) for j in (launching, as_submitted)]
+    assert reserved == [Cell("v100", 2, 2, 1), Cell("v100", 1, 1, 1)]
+    snap = build_snapshot(100.0, NODES, managed, reserved, part_types, "round", 60.0, 30.0, None)
     unmanaged = {n.name: n.unmanaged_gpus for n in snap.nodes}
     # a100-1: 4 used, 2 of them by the managed job; a100-2: 2 used, all managed;
-    # v100-1: 2 reserved for the launching job; h100-1 is down; cpu-1 has no GPUs.
-    assert unmanaged == {"a100-1": 2, "a100-2": 0, "v100-1": 2, "h100-1": 8}
+    # v100-1: 3 reserved for jobs about to start; h100-1 is down; cpu-1 has no GPUs.
+    assert unmanaged == {"a100-1": 2, "a100-2": 0, "v100-1": 3, "h100-1": 8}
     assert snap.now_s == 100.0 and snap.restart_cost_s == 30.0
 
 
