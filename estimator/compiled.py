@@ -395,3 +395,158 @@ def compiled_stage_costs(model: str, layer_start: int, layer_end: int, dp: int, 
 def flops_ratio(compiled: CompiledStage, analytic_flops_per_device: float) -> float:
     """Compiled / analytic per-device FLOPs (1.0 is perfect agreement)."""
     return compiled.flops_per_device / analytic_flops_per_device if analytic_flops_per_device else math.inf
+
+
+# --------------------------------------------------------------------------- running plans
+
+
+class PlanRunner:
+    """Runs a pipeline plan's training iterations on real devices (CPU or GPU).
+
+    Each stage gets its own (dp, tp) mesh over consecutive devices. One iteration is GPipe:
+    every micro-batch forward through all stages, then backward stage by stage (each
+    stage's backward recomputes its forward), gradients accumulated in fp32, then every
+    stage's optimizer update. The loss is the mean over micro-batches, so a plan's loss
+    equals the unsharded model's on the same micro-batches.
+
+    Args:
+        arch: the model.
+        stages: the plan's stages (layer ranges and dp × tp).
+        global_batch: samples per iteration.
+        micro_batches: pipeline micro-batches.
+        remat: layer-level rematerialization.
+        devices: at least the plan's GPU count of devices.
+    """
+
+    def __init__(self, arch, stages, global_batch: int, micro_batches: int, remat: bool, devices):
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        from estimator import jax_models as jm
+        if global_batch % micro_batches:
+            raise SpecError("micro_batches", micro_batches, f"must divide the global batch {global_batch}")
+        need = sum(s.dp * s.tp for s in stages)
+        if len(devices) < need:
+            raise SpecError("devices", len(devices), f"the plan needs {need} devices; run with more")
+        self.arch, self.micro_batches = arch, micro_batches
+        self.mb_size = global_batch // micro_batches
+        self.optimizer = jm.optimizer_for(arch)
+        self.parts = []
+        first = 0
+        for sp in stages:
+            if self.mb_size % sp.dp:
+                raise SpecError("dp", sp.dp, f"must divide the micro-batch of {self.mb_size} samples")
+            stage = jm.Stage(arch, sp.layer_start, sp.layer_end, self.mb_size, remat)
+            mesh = stage_mesh(list(devices[first:first + sp.dp * sp.tp]), sp.dp, sp.tp)
+            first += sp.dp * sp.tp
+            specs = stage_specs(stage, self.optimizer)
+            named = {k: jax.tree.map(lambda s, m=mesh: NamedSharding(m, s), v,
+                                     is_leaf=lambda x: isinstance(x, P)) for k, v in specs.items()}
+            batch = NamedSharding(mesh, P("dp"))
+            ctx = jm.ShardCtx(act=lambda x, b=batch: jax.lax.with_sharding_constraint(x, b))
+
+            def fwd(params, state, x, stage=stage, ctx=ctx):
+                return jm.stage_forward(stage, params, state, x, ctx)
+
+            def grad(params, state, x, target, stage=stage, ctx=ctx):
+                loss, g, gx, new_state = jm.stage_grad(stage, params, state, x, target, ctx)
+                return loss, g, gx, new_state
+
+            def update(params, opt_state, grads, n=micro_batches):
+                grads = jax.tree.map(lambda g: g / n, grads)
+                return self.optimizer.update(grads, opt_state, params)
+
+            self.parts.append({
+                "stage": stage, "named": named, "batch": batch,
+                "fwd": jax.jit(fwd), "grad": jax.jit(grad),
+                "update": jax.jit(update, out_shardings=(named["params"], named["opt"]),
+                                  donate_argnums=(0, 1)),
+                "acc": jax.jit(lambda a, b: jax.tree.map(lambda x, y: x + y, a, b),
+                               out_shardings=named["params"], donate_argnums=(0,)),
+            })
+
+    def init(self, seed: int = 0) -> list:
+        """Weights, optimizer and model state per stage, placed on the stage's devices.
+
+        Layer i's weights depend only on (seed, i), so any plan starts from the same model.
+        """
+        import jax
+        from estimator import jax_models as jm
+        key = jax.random.PRNGKey(seed)
+        out = []
+        for part in self.parts:
+            stage, named = part["stage"], part["named"]
+            params = [jm.init_layer_params(self.arch, i, jax.random.fold_in(key, i)) for i in stage.layers]
+            state = [jm.init_layer_state(self.arch, i) for i in stage.layers]
+            opt = self.optimizer.init(params)
+            out.append((jax.device_put(params, named["params"]), jax.device_put(opt, named["opt"]),
+                        jax.device_put(state, named["state"])))
+        return out
+
+    def step(self, train_state: list, inputs, labels) -> tuple[list, float]:
+        """One iteration over the global batch; returns the new state and the mean loss."""
+        import jax
+        import jax.numpy as jnp
+        mb, parts = self.mb_size, self.parts
+        params = [t[0] for t in train_state]
+        opts = [t[1] for t in train_state]
+        states = [t[2] for t in train_state]
+        grads: list = [None] * len(parts)
+        losses = []
+        for k in range(self.micro_batches):
+            x = inputs[k * mb:(k + 1) * mb]
+            y = labels[k * mb:(k + 1) * mb]
+            stage_inputs = []
+            for i, part in enumerate(parts):
+                x = jax.device_put(x, part["batch"])
+                stage_inputs.append(x)
+                if i < len(parts) - 1:
+                    x, states[i] = part["fwd"](params[i], states[i], x)
+            cot = jax.device_put(y, parts[-1]["batch"])
+            for i in range(len(parts) - 1, -1, -1):
+                part = parts[i]
+                loss, g, gx, new_state = part["grad"](params[i], states[i], stage_inputs[i],
+                                                      jax.device_put(cot, part["batch"]))
+                if i == len(parts) - 1:
+                    states[i] = new_state
+                    losses.append(loss)
+                grads[i] = g if grads[i] is None else part["acc"](grads[i], g)
+                cot = gx
+        new = []
+        for i, part in enumerate(parts):
+            p, o = part["update"](params[i], opts[i], grads[i])
+            new.append((p, o, states[i]))
+        return new, float(jnp.mean(jnp.stack([jax.device_get(v) for v in losses])))
+
+
+def dummy_batch(arch, global_batch: int, seed: int = 0):
+    """Deterministic inputs and labels of the model's shapes (token ids or images)."""
+    import jax
+    import jax.numpy as jnp
+    from estimator import jax_models as jm
+    key = jax.random.PRNGKey(seed)
+    shape, dtype = jm.activation_shape(arch, 0, global_batch)
+    if dtype == jnp.int32:
+        x = jax.random.randint(key, shape, 0, arch.vocab, jnp.int32)
+        y = jax.random.randint(jax.random.fold_in(key, 1), shape, 0, arch.vocab, jnp.int32)
+    else:
+        x = jax.random.normal(key, shape, dtype)
+        y = jax.random.randint(jax.random.fold_in(key, 1), jm.label_shape(arch, global_batch),
+                               0, arch.num_classes, jnp.int32)
+    return x, y
+
+
+def time_plan(arch, stages, global_batch: int, micro_batches: int, remat: bool, devices,
+              steps: int = 3, warmup: int = 1) -> float:
+    """Mean wall seconds per iteration of a plan on ``devices`` after ``warmup`` iterations."""
+    import jax
+    runner = PlanRunner(arch, stages, global_batch, micro_batches, remat, devices)
+    state = runner.init()
+    x, y = dummy_batch(arch, global_batch)
+    for _ in range(warmup):
+        state, _ = runner.step(state, x, y)
+    jax.block_until_ready(state)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        state, _ = runner.step(state, x, y)
+    jax.block_until_ready(state)
+    return (time.perf_counter() - t0) / steps

@@ -568,8 +568,9 @@ def adamw(lr: float = 1e-4, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-
           weight_decay: float = 0.01) -> Optimizer:
     """AdamW with fp32 first and second moments (16 bytes a parameter with the master)."""
     def init(params):
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        return {"count": jnp.zeros((), jnp.int32), "mu": zeros, "nu": zeros}
+        def zeros():  # two separate trees: mu and nu must not share buffers (donation)
+            return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        return {"count": jnp.zeros((), jnp.int32), "mu": zeros(), "nu": zeros()}
 
     def update(grads, state, params):
         t = state["count"] + 1

@@ -1,0 +1,194 @@
+"""Communication model: collective times from a measured table, else latency-bandwidth.
+
+The table is a CSV of measured NCCL collectives (columns ``gpu_type, num_nodes,
+gpus_per_node, network, op, replica_groups, group_size, bytes, seconds``, the format of the
+profiles the product ships in ``estimator/data/``). A site replaces it with its own profile
+(``comm_table`` in the config, ``--comm-table`` on the command line). Each row is filed
+under a *curve*: (GPU type, network, op, group size, nodes one group spans); a query
+interpolates its curve log-log in bytes. GPU types, group sizes or layouts the table does
+not cover fall back to a latency-bandwidth model built from the GPU catalog and the
+cluster's network, and the answer says which one it used.
+"""
+
+import ast
+import bisect
+import csv
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from estimator.errors import SpecError
+from estimator.gpus import gpu_type as _gpu_type
+
+OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "send")
+DEFAULT_TABLE = Path(__file__).parent / "data" / "collectives_measured.csv"
+LATENCY_INTRA_S = 10e-6
+LATENCY_INTER_S = 30e-6
+
+
+@dataclass(frozen=True)
+class CurveKey:
+    gpu_type: str
+    network: str
+    op: str
+    group_size: int
+    nodes_spanned: int
+
+
+@dataclass(frozen=True)
+class CommTime:
+    seconds: float
+    source: str  # "table" or "model"
+
+
+class CommTable:
+    """Measured collective curves, immutable after loading."""
+
+    def __init__(self, curves: dict[CurveKey, tuple[tuple[float, ...], tuple[float, ...]]]):
+        self._curves = curves
+        self._networks: dict[str, set[str]] = {}
+        for key in curves:
+            self._networks.setdefault(key.gpu_type, set()).add(key.network)
+
+    @property
+    def gpu_types(self) -> tuple[str, ...]:
+        return tuple(sorted(self._networks))
+
+    def curve(self, key: CurveKey):
+        return self._curves.get(key)
+
+    def network_for(self, gpu_type_name: str, network: str) -> str | None:
+        """The network column to read for a GPU type: the cluster's if profiled, else any."""
+        nets = self._networks.get(gpu_type_name)
+        if not nets:
+            return None
+        if network in nets:
+            return network
+        return "default" if "default" in nets else sorted(nets)[0]
+
+
+def _nodes_spanned(groups: list[list[int]], gpus_per_node: int, num_nodes: int, op: str) -> int:
+    if op == "send":
+        return min(2, num_nodes)
+    return max(len({d // gpus_per_node for d in g}) for g in groups)
+
+
+def _parse_groups(text: str) -> list[list[int]]:
+    cleaned = text.replace("np.int64(", "").replace(")", "")
+    return ast.literal_eval(cleaned)
+
+
+@lru_cache(maxsize=4)
+def load_comm_table(path: str | None = None) -> CommTable:
+    """Load (once per path) a measured collectives CSV into curves."""
+    p = Path(path) if path else DEFAULT_TABLE
+    if not p.is_file():
+        raise SpecError("comm_table", str(p), "give a readable CSV of measured collectives")
+    points: dict[CurveKey, dict[float, list[float]]] = {}
+    with p.open(newline="") as f:
+        reader = csv.DictReader(f)
+        need = {"gpu_type", "num_nodes", "gpus_per_node", "network", "op", "replica_groups",
+                "group_size", "bytes", "seconds"}
+        if not reader.fieldnames or not need <= set(reader.fieldnames):
+            raise SpecError("comm_table", str(p), f"CSV needs columns {', '.join(sorted(need))}")
+        group_cache: dict[tuple[str, int, int, str], int] = {}
+        for row in reader:
+            op = row["op"]
+            if op not in OPS:
+                continue
+            gpn, nn = int(row["gpus_per_node"]), int(row["num_nodes"])
+            gkey = (row["replica_groups"], gpn, nn, op)
+            if gkey not in group_cache:
+                group_cache[gkey] = _nodes_spanned(_parse_groups(row["replica_groups"]), gpn, nn, op)
+            key = CurveKey(row["gpu_type"], row["network"], op, int(row["group_size"]), group_cache[gkey])
+            points.setdefault(key, {}).setdefault(float(row["bytes"]), []).append(float(row["seconds"]))
+    curves = {}
+    for key, by_size in points.items():
+        sizes = sorted(by_size)
+        # Several layouts can share a curve: keep the median time at each size.
+        times = [sorted(by_size[s])[len(by_size[s]) // 2] for s in sizes]
+        curves[key] = (tuple(sizes), tuple(times))
+    return CommTable(curves)
+
+
+def _interpolate(sizes: tuple[float, ...], times: tuple[float, ...], nbytes: float) -> float:
+    if nbytes <= sizes[0]:
+        return times[0]
+    if nbytes >= sizes[-1]:
+        # Past the largest message: time grows at the last measured bandwidth.
+        if len(sizes) > 1 and sizes[-1] > sizes[-2]:
+            slope = max(0.0, (times[-1] - times[-2]) / (sizes[-1] - sizes[-2]))
+        else:
+            slope = times[-1] / sizes[-1]
+        return times[-1] + slope * (nbytes - sizes[-1])
+    i = bisect.bisect_right(sizes, nbytes)
+    x0, x1 = math.log(max(sizes[i - 1], 1.0)), math.log(sizes[i])
+    y0, y1 = math.log(max(times[i - 1], 1e-9)), math.log(max(times[i], 1e-9))
+    t = (math.log(nbytes) - x0) / (x1 - x0) if x1 > x0 else 0.0
+    return math.exp(y0 + t * (y1 - y0))
+
+
+def _algorithm_factor(op: str, n: int) -> float:
+    """Bytes each GPU sends per byte of buffer, for ring algorithms."""
+    if op == "all-reduce":
+        return 2.0 * (n - 1) / n
+    if op in ("all-gather", "reduce-scatter", "all-to-all"):
+        return (n - 1) / n
+    return 1.0
+
+
+def model_time(op: str, group_size: int, nodes_spanned: int, nbytes: float, gpu_type_name: str,
+               inter_node_gbps: float) -> float:
+    """Latency-bandwidth estimate: ring algorithms over the slowest link a group crosses."""
+    if group_size <= 1 or nbytes <= 0:
+        return 0.0
+    gpu = _gpu_type(gpu_type_name)
+    if nodes_spanned > 1:
+        # A node's NIC is shared by the node's members of the group.
+        per_node = max(1, group_size // nodes_spanned)
+        bw = min(gpu.intra_node_link_gbps, inter_node_gbps / (per_node if op != "send" else 1))
+        latency = LATENCY_INTER_S
+    else:
+        bw, latency = gpu.intra_node_link_gbps, LATENCY_INTRA_S
+    steps = 2 * (group_size - 1) if op == "all-reduce" else (group_size - 1 if op != "send" else 1)
+    return latency * steps + _algorithm_factor(op, group_size) * nbytes / (bw * 1e9)
+
+
+def collective_time(table: CommTable | None, op: str, group_size: int, nodes_spanned: int,
+                    nbytes: float, gpu_type_name: str, network: str,
+                    inter_node_gbps: float) -> CommTime:
+    """Seconds for one collective over ``nbytes`` (the full buffer) among ``group_size`` GPUs.
+
+    Reads the measured curve for this GPU type, op, group size and span when the table has
+    it; for another group size of the same span it rescales the nearest curve by the ring
+    algorithm's bytes per GPU; otherwise it uses the latency-bandwidth model.
+    """
+    if op not in OPS:
+        raise SpecError("op", op, f"use one of {', '.join(OPS)}")
+    if group_size <= 1 or nbytes <= 0:
+        return CommTime(0.0, "none")
+    if table is not None:
+        net = table.network_for(gpu_type_name, network)
+        if net is not None:
+            curve = table.curve(CurveKey(gpu_type_name, net, op, group_size, nodes_spanned))
+            if curve is not None:
+                return CommTime(_interpolate(*curve, nbytes), "table")
+            if op != "send":
+                near = _nearest_group(table, gpu_type_name, net, op, group_size, nodes_spanned)
+                if near is not None:
+                    g, curve = near
+                    scale = _algorithm_factor(op, group_size) / _algorithm_factor(op, g)
+                    return CommTime(_interpolate(*curve, nbytes) * scale, "table")
+    return CommTime(model_time(op, group_size, nodes_spanned, nbytes, gpu_type_name, inter_node_gbps), "model")
+
+
+def _nearest_group(table: CommTable, gpu: str, net: str, op: str, group_size: int, span: int):
+    best = None
+    for g in (group_size // 2, group_size * 2, group_size // 4, group_size * 4):
+        if g < 2:
+            continue
+        curve = table.curve(CurveKey(gpu, net, op, g, span))
+        if curve is not None and (best is None or abs(math.log2(g / group_size)) < abs(math.log2(best[0] / group_size))):
+            best = (g, curve)
+    return best

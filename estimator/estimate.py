@@ -1,0 +1,338 @@
+"""Analytic Cell estimation (Crius's agile estimation, formulas in place of compiles).
+
+For a Cell the layers are split into stages (``estimator.partition``); every stage is
+costed data-parallel-only and tensor-parallel-only; the assembled plans (each stage one of
+the two, communication between stages injected) are scored with the GPipe pipeline
+formula — first micro-batch through all stages + (B − 1) × the slowest stage — plus the
+data-parallel gradient synchronisation and the optimizer update. The best feasible plan
+gives the Cell's seconds per iteration, samples/s and peak memory per GPU.
+
+Because a stage's cost depends only on its own plan (inter-stage sends are charged to the
+sender), the best of the 2^S assembled plans is the per-stage best choice; the tuner
+(``estimator.tuner``) enumerates richer plans (hybrid dp × tp, micro-batch counts, remat).
+"""
+
+import math
+from dataclasses import dataclass, field, replace
+
+from estimator.cells import Cell, CellEstimate, StagePlan
+from estimator.cluster import ClusterSpec, NodeGroup
+from estimator.comm import CommTable, collective_time, load_comm_table
+from estimator.compute import Efficiency, efficiency, layer_time_s
+from estimator.errors import SpecError
+from estimator.gpus import gpu_type as _gpu_type
+from estimator.jobs import JobSpec
+from estimator.memory import MemoryOptions, StageMemory, stage_memory, state_bytes_per_param
+from estimator.models import DTYPE_BYTES, ModelSpec, load_model
+from estimator.partition import balanced_partition, stage_gpu_counts
+
+PLAN_SPACES = ("cell", "dp-only")
+
+
+@dataclass(frozen=True)
+class EstimateOptions:
+    """How Cells are enumerated and estimated.
+
+    Attributes:
+        plan_space: ``cell`` — per stage dp-only or tp-only, every stage count;
+            ``dp-only`` — one stage, data parallelism only (what static baselines see).
+        micro_batches: pipeline micro-batches; None means 4 × stages (the measured tables
+            used 16).
+        remat: layer-level rematerialization.
+        memory: reserve, usable fraction, ZeRO level.
+        comm_table: path of a measured collectives CSV; None for the shipped one.
+        max_gpus: the largest GPU count a "serverless" job (no count asked) is offered.
+        efficiency: per-GPU-type efficiency override (used when fitting).
+    """
+
+    plan_space: str = "cell"
+    micro_batches: int | None = None
+    remat: bool = True
+    memory: MemoryOptions = MemoryOptions()
+    comm_table: str | None = None
+    max_gpus: int = 64
+    efficiency: dict[str, Efficiency] | None = field(default=None, hash=False, compare=False)
+
+    def __post_init__(self):
+        if self.plan_space not in PLAN_SPACES:
+            raise SpecError("plan_space", self.plan_space, f"use one of {', '.join(PLAN_SPACES)}")
+        if self.micro_batches is not None and self.micro_batches < 1:
+            raise SpecError("micro_batches", self.micro_batches, "give a positive integer")
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One stage under one (dp, tp): time per micro-batch and per iteration, memory."""
+
+    plan: StagePlan
+    micro_batch_s: float  # forward + backward (+ recompute) of one micro-batch, with tp comm and sends
+    sync_s: float  # data-parallel gradient synchronisation, once per iteration
+    update_s: float  # optimizer update, once per iteration
+    memory: StageMemory
+    feasible: bool
+    reason: str
+    comm_source: str
+
+
+@dataclass(frozen=True)
+class PlanScore:
+    iteration_time_s: float
+    peak_memory_gb: float
+    feasible: bool
+    reason: str
+    stage_times_s: tuple[float, ...]
+    comm_source: str
+
+
+@dataclass(frozen=True)
+class JobEstimate:
+    job: JobSpec
+    cells: tuple[CellEstimate, ...]
+    best: CellEstimate | None
+
+    def to_json(self) -> dict:
+        return {
+            "model": self.job.model,
+            "global_batch": self.job.global_batch,
+            "cells": [c.to_json() for c in self.cells],
+            "best": self.best.to_json() if self.best else None,
+        }
+
+
+@dataclass(frozen=True)
+class _Context:
+    model: ModelSpec
+    global_batch: int
+    cell: Cell
+    group: NodeGroup
+    table: CommTable
+    eff: Efficiency
+    micro_batches: int
+    remat: bool
+    options: EstimateOptions
+
+
+def _span(first_device: int, count: int, stride: int, gpus_per_node: int) -> int:
+    """Nodes touched by devices first, first+stride, … (count of them)."""
+    return len({(first_device + k * stride) // gpus_per_node for k in range(count)})
+
+
+def _comm(ctx: _Context, op: str, group: int, span: int, nbytes: float) -> tuple[float, str]:
+    t = collective_time(ctx.table, op, group, span, nbytes, ctx.cell.gpu_type,
+                        ctx.group.network.kind, ctx.group.network.bandwidth_gbps)
+    if span > 1:
+        return t.seconds / ctx.eff.inter_node_frac, t.source
+    return t.seconds, t.source
+
+
+def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan) -> StageCost:
+    """Cost one stage: compute, tensor-parallel collectives, send to the next stage."""
+    model, gpu = ctx.model, _gpu_type(ctx.cell.gpu_type)
+    layers = model.layers[plan.layer_start:plan.layer_end]
+    gpn = min(ctx.cell.gpus_per_node, ctx.cell.num_gpus)
+    dp, tp, B = plan.dp, plan.tp, ctx.micro_batches
+    sources: set[str] = set()
+    reason = ""
+    samples_per_micro = ctx.global_batch / B
+    micro = samples_per_micro / dp
+    if ctx.global_batch % (B * dp):
+        reason = f"global batch {ctx.global_batch} does not split into {B} micro-batches × dp {dp}"
+    elif model.min_tokens_per_shard and micro * model.sequence % model.min_tokens_per_shard:
+        reason = (f"{int(micro * model.sequence)} tokens per micro-batch shard: MoE routing needs "
+                  f"a multiple of {model.min_tokens_per_shard}")
+    passes = 3.0 + (1.0 if ctx.remat else 0.0)
+    comm_passes = 2.0 + (1.0 if ctx.remat else 0.0)
+    compute_s = sum(layer_time_s(layer, gpu, ctx.eff, model.dtype, micro, tp, passes) for layer in layers)
+    comm_s = 0.0
+    if tp > 1:
+        tp_span = _span(first_device, tp, 1, gpn)
+        for layer in layers:
+            if layer.tp_allreduce_bytes:
+                t, src = _comm(ctx, "all-reduce", tp, tp_span, layer.tp_allreduce_bytes * micro)
+                comm_s += comm_passes * t
+                sources.add(src)
+            if layer.alltoall_bytes:
+                t, src = _comm(ctx, "all-to-all", tp, tp_span, layer.alltoall_bytes * micro)
+                comm_s += comm_passes * t
+                sources.add(src)
+    send_s = 0.0
+    if index < ctx.cell.num_stages - 1:
+        # Activations forward and their gradients back, each replica to its counterpart.
+        nbytes = layers[-1].output_bytes * micro
+        n = plan.num_gpus
+        crosses = (first_device + n - 1) // gpn != (first_device + n) // gpn
+        t, src = _comm(ctx, "send", 2, 2 if crosses else 1, nbytes)
+        sharing = min(dp, gpn) if crosses else 1  # replicas of a node share its NIC
+        send_s = 2.0 * t * sharing
+        sources.add(src)
+    params = sum(layer.params for layer in layers) / tp
+    w_b, g_b, o_b = state_bytes_per_param(model)
+    sync_s = 0.0
+    if dp > 1:
+        dp_span = _span(first_device, dp, tp, gpn)
+        t, src = _comm(ctx, "all-reduce", dp, dp_span, params * g_b)
+        sync_s = t
+        sources.add(src)
+    zero = ctx.options.memory.zero_level
+    update_params = params / (dp if zero >= 1 else 1)
+    # The update reads weights, grads, master and states, and writes weights, master, states.
+    update_bytes = update_params * (2 * w_b + g_b + 2 * o_b)
+    update_s = update_bytes / (gpu.memory_bandwidth_gbps * 1e9 * ctx.eff.memory_frac)
+    # GPipe keeps every micro-batch's activations until the backward passes start; a single
+    # stage is plain gradient accumulation, one micro-batch at a time.
+    in_flight = B if ctx.cell.num_stages > 1 else 1
+    mem = stage_memory(model, layers, dp, tp, max(1, math.ceil(micro)), in_flight, ctx.remat,
+                       ctx.options.memory)
+    usable = gpu.memory_gb * ctx.options.memory.usable_frac
+    if not reason and mem.peak_gb > usable:
+        reason = f"stage {index} needs {mem.peak_gb:.1f} GB per GPU, {gpu.name} has {usable:.1f} GB usable"
+    return StageCost(plan, compute_s + comm_s + send_s, sync_s, update_s, mem, not reason, reason,
+                     "model" if "model" in sources else "table")
+
+
+def pipeline_time_s(costs: tuple[StageCost, ...], micro_batches: int) -> float:
+    """GPipe: first micro-batch through every stage, then B − 1 at the slowest stage's pace."""
+    per_micro = [c.micro_batch_s for c in costs]
+    tail = max(c.sync_s + c.update_s for c in costs)
+    return sum(per_micro) + (micro_batches - 1) * max(per_micro) + tail
+
+
+def _context(job: JobSpec, cell: Cell, cluster: ClusterSpec, options: EstimateOptions,
+             micro_batches: int | None = None, remat: bool | None = None) -> _Context:
+    model = load_model(job.model)
+    group = cluster.group(cell.gpu_type)
+    gpu = _gpu_type(cell.gpu_type)
+    B = micro_batches or options.micro_batches or 4 * cell.num_stages
+    return _Context(model, job.global_batch, cell, group, load_comm_table(options.comm_table),
+                    efficiency(gpu, options.efficiency), B, options.remat if remat is None else remat,
+                    options)
+
+
+def partition_stages(model: ModelSpec, cell: Cell, options: EstimateOptions = EstimateOptions()
+                     ) -> tuple[tuple[int, int], ...]:
+    """Layer ranges of a Cell's stages, balanced by compute time on its GPU type."""
+    gpu = _gpu_type(cell.gpu_type)
+    eff = efficiency(gpu, options.efficiency)
+    loads = [layer_time_s(layer, gpu, eff, model.dtype, 1.0, 1, 1.0) for layer in model.layers]
+    cuts = [layer.output_bytes for layer in model.layers]
+    return balanced_partition(loads, cuts, cell.num_stages)
+
+
+def score_plan(job: JobSpec, cell: Cell, cluster: ClusterSpec, stages: tuple[StagePlan, ...],
+               micro_batches: int, remat: bool, options: EstimateOptions = EstimateOptions()) -> PlanScore:
+    """Score one fully specified plan of a Cell (used by the tuner)."""
+    ctx = _context(job, cell, cluster, options, micro_batches, remat)
+    costs, first = [], 0
+    for i, plan in enumerate(stages):
+        costs.append(stage_cost(ctx, i, first, plan))
+        first += plan.num_gpus
+    bad = next((c for c in costs if not c.feasible), None)
+    return PlanScore(pipeline_time_s(tuple(costs), micro_batches),
+                     max(c.memory.peak_gb for c in costs), bad is None, bad.reason if bad else "",
+                     tuple(c.micro_batch_s for c in costs),
+                     "model" if any(c.comm_source == "model" for c in costs) else "table")
+
+
+def _infeasible(cell: Cell, reason: str, B: int) -> CellEstimate:
+    return CellEstimate(cell, (), B, math.inf, 0.0, 0.0, False, reason)
+
+
+def estimate_cell(job: JobSpec, cell: Cell, cluster: ClusterSpec,
+                  options: EstimateOptions = EstimateOptions()) -> CellEstimate:
+    """The best assembled plan of one Cell (per stage dp-only or tp-only)."""
+    ctx = _context(job, cell, cluster, options)
+    if cell.num_stages > ctx.model.num_layers:
+        return _infeasible(cell, f"{cell.num_stages} stages > {ctx.model.num_layers} layers", ctx.micro_batches)
+    try:
+        per_stage = stage_gpu_counts(cell.num_gpus, cell.num_stages)
+    except SpecError as e:
+        return _infeasible(cell, e.hint, ctx.micro_batches)
+    ranges = partition_stages(ctx.model, cell, options)
+    chosen, first = [], 0
+    for i, ((start, end), n) in enumerate(zip(ranges, per_stage)):
+        variants = [StagePlan(start, end, n, 1)]
+        if n > 1 and options.plan_space == "cell":
+            variants.append(StagePlan(start, end, 1, n))
+        costs = [stage_cost(ctx, i, first, v) for v in variants]
+        ok = [c for c in costs if c.feasible]
+        chosen.append(min(ok, key=lambda c: c.micro_batch_s) if ok
+                      else min(costs, key=lambda c: c.memory.peak_gb))
+        first += n
+    costs = tuple(chosen)
+    bad = next((c for c in costs if not c.feasible), None)
+    t = pipeline_time_s(costs, ctx.micro_batches)
+    source = "model" if any(c.comm_source == "model" for c in costs) else "table"
+    peak = max(c.memory.peak_gb for c in costs)
+    plans = tuple(c.plan for c in costs)
+    if bad is not None:
+        return CellEstimate(cell, plans, ctx.micro_batches, math.inf, 0.0, peak, False, bad.reason,
+                            comm_source=source)
+    return CellEstimate(cell, plans, ctx.micro_batches, t, job.global_batch / t, peak, True, "",
+                        comm_source=source)
+
+
+def _powers_of_two(lo: int, hi: int) -> list[int]:
+    out, n = [], 1
+    while n <= hi:
+        if n >= lo:
+            out.append(n)
+        n *= 2
+    return out
+
+
+def stage_counts(num_gpus: int, num_layers: int) -> list[int]:
+    return [s for s in _powers_of_two(1, num_gpus) if s <= num_layers and num_gpus % s == 0]
+
+
+def enumerate_cells(job: JobSpec, cluster: ClusterSpec, options: EstimateOptions = EstimateOptions(),
+                    gpu_types: tuple[str, ...] | None = None, gpus_per_node: int | None = None
+                    ) -> tuple[Cell, ...]:
+    """The Cells of a job (Crius): counts {N/2, N, 2N} when N was asked for, else every power
+    of two up to ``max_gpus``; × every GPU type; × stage counts 1, 2, 4, … ≤ count."""
+    model = load_model(job.model)
+    types = gpu_types or cluster.gpu_types
+    cells = []
+    for t in types:
+        group = cluster.group(t)
+        capacity = cluster.total_gpus(t)
+        if job.num_gpus:
+            counts = sorted({max(1, job.num_gpus // 2), job.num_gpus, 2 * job.num_gpus})
+        else:
+            counts = _powers_of_two(1, min(options.max_gpus, capacity))
+        for n in counts:
+            if n > capacity:
+                continue
+            gpn = min(n, gpus_per_node or group.gpus_per_node)
+            spaces = [1] if options.plan_space == "dp-only" else stage_counts(n, model.num_layers)
+            cells.extend(Cell(t, n, gpn, s) for s in spaces)
+    return tuple(cells)
+
+
+def estimate_job(job: JobSpec, cluster: ClusterSpec, options: EstimateOptions = EstimateOptions(),
+                 gpu_types: tuple[str, ...] | None = None, gpus_per_node: int | None = None
+                 ) -> JobEstimate:
+    """Every Cell of a job with its estimate; ``best`` is the fastest feasible one.
+
+    Without a requested count, counts below the smallest that fits in memory are dropped
+    ("serverless": the user need not guess a count).
+    """
+    for t in gpu_types or ():
+        cluster.group(t)  # a clear error for a type the cluster lacks
+    cells = enumerate_cells(job, cluster, options, gpu_types, gpus_per_node)
+    estimates = [estimate_cell(job, c, cluster, options) for c in cells]
+    if not job.num_gpus:
+        smallest: dict[str, int] = {}
+        for e in estimates:
+            if e.feasible:
+                t = e.cell.gpu_type
+                smallest[t] = min(smallest.get(t, e.cell.num_gpus), e.cell.num_gpus)
+        estimates = [e for e in estimates
+                     if e.cell.num_gpus >= smallest.get(e.cell.gpu_type, math.inf)
+                     or e.cell.num_gpus == max(c.num_gpus for c in cells if c.gpu_type == e.cell.gpu_type)]
+    feasible = [e for e in estimates if e.feasible]
+    best = min(feasible, key=lambda e: (e.iteration_time_s, e.cell.num_gpus)) if feasible else None
+    return JobEstimate(job, tuple(estimates), best)
+
+
+def with_options(options: EstimateOptions, **changes) -> EstimateOptions:
+    return replace(options, **changes)
