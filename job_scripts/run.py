@@ -358,13 +358,14 @@ def run_training(cfg: RunConfig, alloc: SlurmAllocation, stop: _StopFlag) -> int
                                                 f"{key}={latest.meta.get(key)!r}; use a new checkpoint directory")
         trainer.load_arrays(latest.arrays)
         done = latest.step
-        log.info("resumed from step %d (checkpoint %s, plan %s); next step %d; now %s on %d devices",
-                 done, latest.path, latest.meta.get("plan"), done + 1, plan_text, len(devices))
+        log.info("resumed from step %d (checkpoint %s, plan %s); next step %d; "
+                 "now plan %s on %d devices, global batch %d", done, latest.path,
+                 latest.meta.get("plan"), done + 1, plan_text, len(devices), cfg.global_batch)
     else:
         trainer.init(cfg.seed)
         done = 0
-        log.info("starting at step 1 (no checkpoint in %s); plan %s on %d devices",
-                 cfg.checkpoint_dir, plan_text, len(devices))
+        log.info("starting at step 1 (no checkpoint in %s); plan %s on %d devices, "
+                 "global batch %d", cfg.checkpoint_dir, plan_text, len(devices), cfg.global_batch)
 
     meter = _Meter(cfg.warmup_steps)
     measured_info = {"job_id": alloc.job_id, "cell": cell_label, "plan": plan_text,

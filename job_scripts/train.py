@@ -237,6 +237,15 @@ class Trainer:
             out.update({k: _to_host(v) for k, v in st.named_state().items()})
         return out
 
+    def array_specs(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """Name → shape and dtype of every array :meth:`state_arrays` returns."""
+        out = {}
+        for st in self.stages:
+            for kind, templates in st.templates.items():
+                for i, tree in zip(st.layers, templates):
+                    out.update(_flatten(f"{kind}/{layer_key(i)}", tree))
+        return out
+
     def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
         """Reshard full host arrays (from any plan's checkpoint) onto this plan."""
         for st in self.stages:
