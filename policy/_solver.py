@@ -16,7 +16,8 @@ Three things every one of those policies needs and none should re-implement:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 from estimator.cells import Cell, CellEstimate
 from policy.interface import (
@@ -25,6 +26,10 @@ from policy.interface import (
 from policy.placement import FreeGpus
 
 log = logging.getLogger(__name__)
+
+# samples/s standing in for "runs, rate unknown" (a Cell the memory model rejects but the
+# platform runs); small enough never to win a comparison against a known rate.
+UNKNOWN_RATE = 1e-6
 
 
 @dataclass(frozen=True)
@@ -40,11 +45,28 @@ class RateTable:
 
     @classmethod
     def of(cls, job: JobView, dp_only: bool) -> "RateTable":
-        """The table of ``job`` from its Cell estimates or its data-parallel-only ones."""
+        """The table of ``job`` from its Cell estimates or its data-parallel-only ones.
+
+        With ``dp_only``, a job whose requested shape (type and count) has no feasible
+        data-parallel Cell — its model does not fit in data-parallel memory there — keeps
+        that shape with the Cell it would run as requested (``policy.fcfs``'s rule: the
+        fastest feasible Cell of the shape, else the one-stage Cell the platform can run).
+        A baseline then runs it as asked instead of never: the papers' baselines start every
+        job, and the user brought a plan that runs.
+        """
         grouped: dict[tuple[str, int], list[CellEstimate]] = {}
         for e in (job.dp_only_estimates if dp_only else job.estimates):
             if e.feasible and e.samples_per_s > 0:
                 grouped.setdefault((e.cell.gpu_type, e.cell.num_gpus), []).append(e)
+        if dp_only and job.spec.num_gpus and not any(
+                n == job.spec.num_gpus and (job.spec.gpu_type in (None, t)) for t, n in grouped):
+            from policy.fcfs import requested_estimate
+
+            asked = requested_estimate(job)
+            if asked is not None:
+                if asked.samples_per_s <= 0:  # infeasible by the memory model, runnable: no rate known
+                    asked = replace(asked, samples_per_s=UNKNOWN_RATE, iteration_time_s=math.inf)
+                grouped[(asked.cell.gpu_type, asked.cell.num_gpus)] = [asked]
         return cls({k: tuple(sorted(v, key=_speed_key)) for k, v in sorted(grouped.items())})
 
     def rate(self, gpu_type: str, num_gpus: int) -> float:

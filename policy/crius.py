@@ -79,6 +79,8 @@ class CriusPolicy:
     """
 
     name = "crius"
+    # Crius tunes a job's plan inside its Cell with the Cell-guided pruned search.
+    plan_tuning = "pruned"
 
     def __init__(self, search_depth: int = 3, deadline_aware: bool = False,
                  restart_searches: int = 2, max_plans: int = 1500):
