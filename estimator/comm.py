@@ -85,30 +85,34 @@ def load_comm_table(path: str | None = None) -> CommTable:
     p = Path(path) if path else DEFAULT_TABLE
     if not p.is_file():
         raise SpecError("comm_table", str(p), "give a readable CSV of measured collectives")
-    points: dict[CurveKey, dict[float, list[float]]] = {}
+    points: dict[tuple, list[tuple[float, float]]] = {}
     with p.open(newline="") as f:
-        reader = csv.DictReader(f)
-        need = {"gpu_type", "num_nodes", "gpus_per_node", "network", "op", "replica_groups",
-                "group_size", "bytes", "seconds"}
-        if not reader.fieldnames or not need <= set(reader.fieldnames):
-            raise SpecError("comm_table", str(p), f"CSV needs columns {', '.join(sorted(need))}")
-        group_cache: dict[tuple[str, int, int, str], int] = {}
+        reader = csv.reader(f)
+        header = next(reader, [])
+        need = ("gpu_type", "num_nodes", "gpus_per_node", "network", "op", "replica_groups",
+                "group_size", "bytes", "seconds")
+        if not set(need) <= set(header):
+            raise SpecError("comm_table", str(p), f"CSV needs columns {', '.join(need)}")
+        col = [header.index(name) for name in need]
+        group_cache: dict[tuple[str, str, str, str], int] = {}
         for row in reader:
-            op = row["op"]
+            gpu, nn, gpn, net, op, groups, size, nbytes, seconds = (row[i] for i in col)
             if op not in OPS:
                 continue
-            gpn, nn = int(row["gpus_per_node"]), int(row["num_nodes"])
-            gkey = (row["replica_groups"], gpn, nn, op)
-            if gkey not in group_cache:
-                group_cache[gkey] = _nodes_spanned(_parse_groups(row["replica_groups"]), gpn, nn, op)
-            key = CurveKey(row["gpu_type"], row["network"], op, int(row["group_size"]), group_cache[gkey])
-            points.setdefault(key, {}).setdefault(float(row["bytes"]), []).append(float(row["seconds"]))
+            gkey = (groups, gpn, nn, op)
+            span = group_cache.get(gkey)
+            if span is None:
+                span = group_cache[gkey] = _nodes_spanned(_parse_groups(groups), int(gpn), int(nn), op)
+            points.setdefault((gpu, net, op, size, span), []).append((float(nbytes), float(seconds)))
     curves = {}
-    for key, by_size in points.items():
+    for (gpu, net, op, size, span), samples in points.items():
+        by_size: dict[float, list[float]] = {}
+        for nbytes, seconds in samples:
+            by_size.setdefault(nbytes, []).append(seconds)
         sizes = sorted(by_size)
         # Several layouts can share a curve: keep the median time at each size.
-        times = [sorted(by_size[s])[len(by_size[s]) // 2] for s in sizes]
-        curves[key] = (tuple(sizes), tuple(times))
+        times = [sorted(by_size[x])[len(by_size[x]) // 2] for x in sizes]
+        curves[CurveKey(gpu, net, op, int(size), span)] = (tuple(sizes), tuple(times))
     return CommTable(curves)
 
 

@@ -8,6 +8,7 @@ cheapest inter-layer cuts).
 """
 
 from collections.abc import Sequence
+from functools import lru_cache
 
 from estimator.errors import SpecError
 
@@ -34,30 +35,39 @@ def balanced_partition(loads: Sequence[float], cut_bytes: Sequence[float],
     Returns:
         The ranges minimising the largest stage load, then the bytes over the cuts.
     """
+    return _balanced_partition(tuple(loads), tuple(cut_bytes), num_stages)
+
+
+@lru_cache(maxsize=4096)
+def _balanced_partition(loads: tuple[float, ...], cut_bytes: tuple[float, ...],
+                        num_stages: int) -> tuple[tuple[int, int], ...]:
     n = len(loads)
     if not 1 <= num_stages <= n:
         raise SpecError("num_stages", num_stages, f"give 1 to {n} stages for {n} layers")
     prefix = [0.0]
     for x in loads:
         prefix.append(prefix[-1] + x)
-    inf = (float("inf"), float("inf"))
-    # best[k][i]: (max load, cut bytes) of splitting the first i layers into k stages.
+    inf = float("inf")
+    # Phase 1: the smallest achievable largest-stage load (min-max linear partition).
+    # best[k][i]: smallest max load splitting the first i layers into k stages.
     best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, num_stages + 1):
+        for i in range(k, n - (num_stages - k) + 1):
+            best[k][i] = min(max(best[k - 1][j], prefix[i] - prefix[j]) for j in range(k - 1, i))
+    limit = best[num_stages][n] * (1 + 1e-9) + 1e-12
+    # Phase 2: among partitions whose every stage stays within that load, the cheapest cuts.
+    cost = [[inf] * (n + 1) for _ in range(num_stages + 1)]
     back = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = (0.0, 0.0)
-    tolerance = 1e-9 * prefix[-1]
+    cost[0][0] = 0.0
     for k in range(1, num_stages + 1):
         for i in range(k, n - (num_stages - k) + 1):
             for j in range(k - 1, i):
-                prev = best[k - 1][j]
-                if prev[0] == float("inf"):
+                if cost[k - 1][j] == inf or prefix[i] - prefix[j] > limit:
                     continue
-                load = max(prev[0], prefix[i] - prefix[j])
-                cut = prev[1] + (cut_bytes[j - 1] if j > 0 else 0.0)
-                cur = best[k][i]
-                if load < cur[0] - tolerance or (load <= cur[0] + tolerance and cut < cur[1]):
-                    best[k][i] = (load, cut)
-                    back[k][i] = j
+                c = cost[k - 1][j] + (cut_bytes[j - 1] if j > 0 else 0.0)
+                if c < cost[k][i]:
+                    cost[k][i], back[k][i] = c, j
     ranges = []
     i = n
     for k in range(num_stages, 0, -1):

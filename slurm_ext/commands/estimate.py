@@ -1,0 +1,117 @@
+"""`slurm-ext estimate`: the Cells of one job, their estimated speed and memory."""
+
+import json
+import os
+import sys
+
+import click
+
+from estimator.cluster import load_cluster
+from estimator.errors import SpecError
+from estimator.estimate import EstimateOptions, JobEstimate, estimate_job
+from estimator.jobs import JobSpec
+
+DEFAULT_CLUSTER = "crius-1280"
+BATCH_KEYS = {"model", "global_batch", "gpu_type", "num_gpus", "gpus_per_node"}
+MAX_BATCH_LINE_BYTES = 4096
+
+
+def _estimate(model: str, global_batch: int, gpu_type: str | None, gpus: int | None,
+              gpus_per_node: int | None, cluster_name: str, options: EstimateOptions) -> JobEstimate:
+    if gpus_per_node is not None and gpus_per_node < 1:
+        raise SpecError("gpus_per_node", gpus_per_node, "give a positive integer")
+    cluster = load_cluster(cluster_name)
+    job = JobSpec(model, global_batch, gpus, gpu_type)
+    types = (job.gpu_type,) if job.gpu_type else None
+    return estimate_job(job, cluster, options, types, gpus_per_node)
+
+
+def _table(result: JobEstimate) -> str:
+    head = (f"{'':1} {'type':5} {'gpus':>4} {'nodes':>5} {'/node':>5} {'stg':>3}  "
+            f"{'plan (dp x tp per stage)':28} {'s/iter':>8} {'samples/s':>9} {'GB/GPU':>6}  note")
+    lines = [f"model {result.job.model}, global batch {result.job.global_batch}", head]
+    for c in result.cells:
+        plan = "|".join(f"dp{s.dp}tp{s.tp}" for s in c.stages) or "-"
+        mark = "*" if c is result.best else " "
+        t = f"{c.iteration_time_s:8.3f}" if c.feasible else f"{'-':>8}"
+        rate = f"{c.samples_per_s:9.2f}" if c.feasible else f"{'-':>9}"
+        note = c.reason if not c.feasible else ("comm: latency-bandwidth model" if c.comm_source == "model" else "")
+        cell = c.cell
+        lines.append(f"{mark} {cell.gpu_type:5} {cell.num_gpus:4} {cell.num_nodes:5} "
+                     f"{min(cell.gpus_per_node, cell.num_gpus):5} {cell.num_stages:3}  {plan[:28]:28} "
+                     f"{t} {rate} {c.peak_memory_gb:6.1f}  {note}")
+    if result.best is None:
+        lines.append("no Cell fits: try more GPUs, a larger-memory GPU type or a smaller global batch")
+    else:
+        b = result.best
+        lines.append(f"best (*): {b.cell.label()} {b.samples_per_s:.2f} samples/s")
+    return "\n".join(lines)
+
+
+def _read_batch(source) -> list[dict]:
+    """Parse and validate every request before anything is estimated or printed."""
+    requests = []
+    for lineno, line in enumerate(source, 1):
+        if not line.strip():
+            continue
+        where = f"line {lineno}"
+        if len(line) > MAX_BATCH_LINE_BYTES:
+            raise SpecError(where, line[:40] + "…", f"longer than {MAX_BATCH_LINE_BYTES} bytes")
+        try:
+            req = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SpecError(where, line.strip()[:60], f"not JSON ({e.msg})") from None
+        if not isinstance(req, dict):
+            raise SpecError(where, req, "each line is a JSON object")
+        unknown = set(req) - BATCH_KEYS
+        if unknown:
+            raise SpecError(f"{where}.{sorted(unknown)[0]}", req[sorted(unknown)[0]],
+                            f"unknown key; use {', '.join(sorted(BATCH_KEYS))}")
+        for key in ("model", "global_batch"):
+            if key not in req:
+                raise SpecError(f"{where}.{key}", None, "required")
+        requests.append(req)
+    return requests
+
+
+@click.command("estimate")
+@click.option("--model", help="Built-in model name (e.g. gpt-1.3b) or a model YAML file.")
+@click.option("--global-batch", type=int, help="Samples per iteration.")
+@click.option("--gpu-type", help="Only Cells of this GPU type.")
+@click.option("--gpus", type=int, help="Requested GPU count N: Cells of N/2, N and 2N GPUs. "
+              "Without it, every power of two from the smallest that fits.")
+@click.option("--gpus-per-node", type=int, help="GPUs per node (default: the cluster's node size).")
+@click.option("--cluster", default=lambda: os.environ.get("SLURM_EXT_CLUSTER", DEFAULT_CLUSTER),
+              show_default=f"$SLURM_EXT_CLUSTER or {DEFAULT_CLUSTER}",
+              help="Built-in cluster (crius-1280, lab) or a cluster YAML file.")
+@click.option("--micro-batches", type=int, help="Pipeline micro-batches (default 4 × stages).")
+@click.option("--comm-table", type=click.Path(dir_okay=False),
+              help="Measured collectives CSV replacing the shipped one.")
+@click.option("--batch", "batch_file", type=click.File("r"),
+              help="One JSON request per line (FILE or - for stdin); prints one JSON result per line.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def command(model, global_batch, gpu_type, gpus, gpus_per_node, cluster, micro_batches,
+            comm_table, batch_file, as_json):
+    """The Cells of one job: for each GPU type × GPU count × stage count, the best per-stage
+    plan, seconds per iteration, samples/s and peak memory per GPU, or why it does not fit.
+
+    JSON: {"model", "global_batch", "cells": [...], "best": {...} | null}.
+    """
+    options = EstimateOptions(micro_batches=micro_batches, comm_table=comm_table)
+    if batch_file is not None:
+        if model or global_batch:
+            raise click.UsageError("--batch reads model and global_batch from each line; drop --model/--global-batch")
+        requests = _read_batch(batch_file)
+        results = []
+        for i, req in enumerate(requests, 1):
+            try:
+                results.append(_estimate(req["model"], req["global_batch"], req.get("gpu_type"),
+                                         req.get("num_gpus"), req.get("gpus_per_node"), cluster, options))
+            except SpecError as e:
+                raise SpecError(f"request {i}: {e.field}", e.value, e.hint) from None
+        sys.stdout.write("".join(json.dumps(r.to_json()) + "\n" for r in results))
+        return
+    if not model or global_batch is None:
+        raise click.UsageError("give --model and --global-batch (or --batch FILE)")
+    result = _estimate(model, global_batch, gpu_type, gpus, gpus_per_node, cluster, options)
+    click.echo(json.dumps(result.to_json(), indent=2) if as_json else _table(result))

@@ -1,0 +1,81 @@
+import io
+import json
+import sys
+
+import pytest
+
+from slurm_ext.cli import main
+
+CELL_KEYS = {"gpu_type", "num_gpus", "num_nodes", "gpus_per_node", "num_stages", "stages",
+             "iteration_time_s", "samples_per_s", "peak_memory_gb", "feasible", "reason"}
+
+
+def run(capsys, *args, stdin=None, monkeypatch=None):
+    if stdin is not None:
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_json_contract(capsys):
+    code, out, err = run(capsys, "estimate", "--model", "gpt-1.3b", "--global-batch", "256",
+                         "--gpus", "8", "--json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert set(d) == {"model", "global_batch", "cells", "best"}
+    assert d["model"] == "gpt-1.3b" and d["global_batch"] == 256
+    assert {c["num_gpus"] for c in d["cells"]} == {4, 8, 16}
+    for c in d["cells"]:
+        assert CELL_KEYS <= set(c)
+        assert sum(s["dp"] * s["tp"] for s in c["stages"]) == c["num_gpus"] or not c["feasible"]
+    feasible = [c for c in d["cells"] if c["feasible"]]
+    assert d["best"] == min(feasible, key=lambda c: c["iteration_time_s"])
+
+
+def test_table_marks_best(capsys):
+    code, out, _ = run(capsys, "estimate", "--model", "moe-690m", "--global-batch", "256",
+                       "--gpu-type", "a100", "--gpus", "2")
+    assert code == 0
+    assert "best (*): a100x" in out and out.count("\n* ") == 1
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--model", "gpt-99b", "--global-batch", "8"], "model='gpt-99b'"),
+    (["--model", "gpt-1.3b", "--global-batch", "-4"], "global_batch=-4"),
+    (["--model", "gpt-1.3b", "--global-batch", "8", "--gpu-type", "tpu"], "gpu_type='tpu'"),
+    (["--model", "gpt-1.3b", "--global-batch", "8", "--gpus", "0"], "num_gpus=0"),
+    (["--model", "gpt-1.3b", "--global-batch", "8", "--cluster", "nowhere"], "cluster='nowhere'"),
+])
+def test_errors_are_one_line_and_print_nothing(capsys, args, needle):
+    code, out, err = run(capsys, "estimate", *args, "--json")
+    assert code != 0 and out == ""
+    assert needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_malformed_model_yaml(capsys, tmp_path):
+    f = tmp_path / "m.yaml"
+    f.write_text("hidden: 64\nlayers: [\n")
+    code, out, err = run(capsys, "estimate", "--model", str(f), "--global-batch", "8")
+    assert code != 0 and out == "" and "malformed YAML" in err
+
+
+def test_batch_prints_one_result_per_line_in_order(capsys, monkeypatch):
+    reqs = [{"model": "gpt-760m", "global_batch": 128, "gpu_type": "a40", "num_gpus": 2, "gpus_per_node": 2},
+            {"model": "moe-690m", "global_batch": 256},
+            {"model": "wide_resnet-500m", "global_batch": 256, "gpu_type": "v100", "num_gpus": 4}]
+    code, out, err = run(capsys, "estimate", "--batch", "-",
+                         stdin="\n".join(json.dumps(r) for r in reqs) + "\n", monkeypatch=monkeypatch)
+    assert code == 0, err
+    lines = [json.loads(x) for x in out.splitlines()]
+    assert [x["model"] for x in lines] == [r["model"] for r in reqs]
+    assert {c["gpu_type"] for c in lines[0]["cells"]} == {"a40"}
+    assert all(c["gpus_per_node"] <= 2 for c in lines[0]["cells"])
+
+
+def test_batch_with_a_bad_line_prints_nothing(capsys, monkeypatch):
+    stdin = '{"model": "gpt-760m", "global_batch": 128}\n{"model": "gpt-760m", "global_batch": 0}\n'
+    code, out, err = run(capsys, "estimate", "--batch", "-", stdin=stdin, monkeypatch=monkeypatch)
+    assert code != 0 and out == "" and "request 2" in err
+    code, out, err = run(capsys, "estimate", "--batch", "-", stdin="not json\n", monkeypatch=monkeypatch)
+    assert code != 0 and out == "" and "line 1" in err

@@ -1,0 +1,47 @@
+import pytest
+
+from estimator.cluster import BUILTIN_CLUSTERS, cluster_from_dict, load_cluster
+from estimator.errors import SpecError
+from estimator.gpus import CATALOG, gpu_type
+
+
+def test_catalog_has_the_required_types_with_datasheet_memory():
+    assert {"a100", "v100", "a40", "a10", "h100", "l20", "h200"} <= set(CATALOG)
+    assert gpu_type("A100").memory_gb == 40 and gpu_type("v100").memory_gb == 32
+    assert gpu_type("h100").memory_gb == 80
+
+
+def test_crius_1280():
+    c = load_cluster("crius-1280")
+    assert c.total_gpus() == 1280
+    assert {t: c.total_gpus(t) for t in c.gpu_types} == {"a100": 320, "a40": 320, "a10": 320, "v100": 320}
+    assert c.group("v100").gpus_per_node == 16
+
+
+def test_lab_has_four_types():
+    assert len(BUILTIN_CLUSTERS["lab"].gpu_types) >= 4
+
+
+@pytest.mark.parametrize("raw, field", [
+    ({"node_groups": []}, "name"),
+    ({"name": "x"}, "node_groups"),
+    ({"name": "x", "node_groups": [{"gpu_type": "tpu", "nodes": 1, "gpus_per_node": 1}]}, "node_groups[0].gpu_type"),
+    ({"name": "x", "node_groups": [{"gpu_type": "a100", "nodes": 1, "gpus_per_node": 4},
+                                   {"gpu_type": "a10", "nodes": -2, "gpus_per_node": 2}]}, "node_groups[1].nodes"),
+    ({"name": "x", "node_groups": [{"gpu_type": "a100", "nodes": 1, "gpus_per_node": 4, "ram": 3}]}, "node_groups[0].ram"),
+    ({"name": "x", "network": {"kind": "carrier-pigeon"},
+      "node_groups": [{"gpu_type": "a100", "nodes": 1, "gpus_per_node": 4}]}, "network.kind"),
+])
+def test_yaml_errors_name_the_bad_field(raw, field):
+    with pytest.raises(SpecError) as e:
+        cluster_from_dict(raw)
+    assert e.value.field == field
+
+
+def test_load_from_yaml_file(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("name: mine\nnode_groups:\n  - {gpu_type: h100, nodes: 2, gpus_per_node: 8}\n")
+    c = load_cluster(str(f))
+    assert c.name == "mine" and c.total_gpus("h100") == 16
+    with pytest.raises(SpecError):
+        load_cluster(str(tmp_path / "missing.yaml"))

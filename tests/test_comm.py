@@ -1,0 +1,54 @@
+import pytest
+
+from estimator.comm import (CommTable, CurveKey, collective_time, load_comm_table, model_time)
+from estimator.errors import SpecError
+
+
+@pytest.fixture(scope="module")
+def table():
+    return load_comm_table()
+
+
+def test_measured_points_are_returned_exactly(tmp_path):
+    f = tmp_path / "t.csv"
+    f.write_text(
+        "gpu_type,num_nodes,gpus_per_node,network,op,replica_groups,group_size,num_elements,dtype,bytes,seconds\n"
+        'a100,1,4,default,all-reduce,"[[0,1,2,3]]",4,1,float32,1000,0.001\n'
+        'a100,1,4,default,all-reduce,"[[0,1,2,3]]",4,1,float32,100000,0.01\n'
+        'a100,2,2,default,all-reduce,"[[0,2],[1,3]]",2,1,float32,1000,0.5\n')
+    t = load_comm_table(str(f))
+    assert collective_time(t, "all-reduce", 4, 1, 1000, "a100", "default", 1.0).seconds == pytest.approx(0.001)
+    assert collective_time(t, "all-reduce", 4, 1, 100000, "a100", "default", 1.0).seconds == pytest.approx(0.01)
+    # Log-log interpolation halfway between the two points (geometric means).
+    mid = collective_time(t, "all-reduce", 4, 1, 10000, "a100", "default", 1.0)
+    assert mid.seconds == pytest.approx(0.00316, rel=0.01) and mid.source == "table"
+    # The cross-node pair is its own curve (span 2), not the intra-node one.
+    assert collective_time(t, "all-reduce", 2, 2, 1000, "a100", "default", 1.0).seconds == pytest.approx(0.5)
+
+
+def test_shipped_table_covers_the_measured_gpu_types(table):
+    assert {"a100", "v100", "a40", "a10"} <= set(table.gpu_types)
+
+
+def test_time_grows_with_bytes_and_crossing_nodes_is_slower(table):
+    small = collective_time(table, "all-reduce", 4, 1, 1e6, "a100", "default", 1.25).seconds
+    large = collective_time(table, "all-reduce", 4, 1, 1e9, "a100", "default", 1.25).seconds
+    cross = collective_time(table, "all-reduce", 8, 2, 1e9, "a100", "default", 1.25).seconds
+    assert small < large < cross
+
+
+def test_unprofiled_type_uses_the_latency_bandwidth_model(table):
+    t = collective_time(table, "all-reduce", 8, 1, 1e9, "h100", "default", 25.0)
+    assert t.source == "model"
+    # Ring all-reduce: 2·7/8 of the buffer over 450 GB/s NVLink, plus latency.
+    assert t.seconds == pytest.approx(2 * 7 / 8 * 1e9 / 450e9, rel=0.05)
+    assert t.seconds == pytest.approx(model_time("all-reduce", 8, 1, 1e9, "h100", 25.0))
+
+
+def test_errors(table):
+    with pytest.raises(SpecError):
+        collective_time(table, "broadcast", 2, 1, 1, "a100", "default", 1.0)
+    with pytest.raises(SpecError):
+        load_comm_table("/nonexistent/table.csv")
+    assert collective_time(table, "all-reduce", 1, 1, 1e9, "a100", "default", 1.0).seconds == 0.0
+    assert isinstance(table, CommTable) and table.curve(CurveKey("x", "y", "send", 2, 1)) is None

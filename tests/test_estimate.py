@@ -1,0 +1,100 @@
+import math
+
+import pytest
+
+from estimator.cells import Cell, StagePlan
+from estimator.cluster import load_cluster
+from estimator.estimate import (EstimateOptions, enumerate_cells, estimate_cell, estimate_job,
+                                pipeline_time_s, score_plan, StageCost)
+from estimator.jobs import JobSpec
+from estimator.memory import StageMemory
+
+CRIUS = load_cluster("crius-1280")
+
+
+def test_requested_count_gives_half_same_double_times_types_times_stages():
+    cells = enumerate_cells(JobSpec("gpt-1.3b", 256, num_gpus=8), CRIUS)
+    assert {c.num_gpus for c in cells} == {4, 8, 16}
+    assert {c.gpu_type for c in cells} == {"a100", "a40", "a10", "v100"}
+    for c in cells:
+        assert c.num_stages in (1, 2, 4, 8, 16) and c.num_stages <= c.num_gpus
+    assert len([c for c in cells if c.gpu_type == "a100" and c.num_gpus == 8]) == 4  # s = 1, 2, 4, 8
+
+
+def test_serverless_starts_at_the_smallest_count_that_fits():
+    est = estimate_job(JobSpec("gpt-6.7b", 256), CRIUS, EstimateOptions(max_gpus=32))
+    a10 = [c for c in est.cells if c.cell.gpu_type == "a10"]
+    smallest = min(c.cell.num_gpus for c in a10)
+    # 6.7B parameters cannot fit on fewer 24 GB GPUs than that, and that count does fit.
+    assert any(c.feasible for c in a10 if c.cell.num_gpus == smallest)
+    assert smallest >= 4
+
+
+def test_best_is_the_fastest_feasible_cell():
+    est = estimate_job(JobSpec("gpt-1.3b", 256, num_gpus=8), CRIUS)
+    feasible = [c for c in est.cells if c.feasible]
+    assert est.best in feasible
+    assert est.best.iteration_time_s == min(c.iteration_time_s for c in feasible)
+    assert est.best.samples_per_s == pytest.approx(256 / est.best.iteration_time_s)
+
+
+def test_infeasible_cells_say_why():
+    est = estimate_job(JobSpec("gpt-15b", 256, num_gpus=2, gpu_type="a10"), CRIUS, gpu_types=("a10",))
+    assert est.best is None
+    for c in est.cells:
+        assert not c.feasible and c.reason and math.isinf(c.iteration_time_s)
+    assert any("GB per GPU" in c.reason for c in est.cells)
+
+
+def test_batch_that_does_not_split_is_infeasible():
+    e = estimate_cell(JobSpec("gpt-1.3b", 100), Cell("a100", 4, 4, 1), CRIUS, EstimateOptions(micro_batches=16))
+    assert not e.feasible and "does not split" in e.reason
+
+
+def test_moe_needs_whole_expert_groups_per_shard():
+    # 256 samples / 16 micro-batches / dp 16 = 1 sample = 1,024 tokens < 2,048.
+    e = estimate_cell(JobSpec("moe-1.3b", 256), Cell("v100", 16, 16, 1), CRIUS,
+                      EstimateOptions(micro_batches=16, plan_space="dp-only"))
+    assert not e.feasible and "MoE" in e.reason
+
+
+def test_more_gpus_of_a_type_run_faster_within_a_node():
+    job = JobSpec("gpt-1.3b", 256)
+    t = [estimate_cell(job, Cell("v100", n, 16, 1), CRIUS).iteration_time_s for n in (2, 4, 8)]
+    assert t[0] > t[1] > t[2]
+
+
+def test_faster_gpu_is_faster():
+    job = JobSpec("gpt-1.3b", 256)
+    a100 = estimate_cell(job, Cell("a100", 4, 4, 1), CRIUS)
+    a10 = estimate_cell(job, Cell("a10", 4, 2, 1), CRIUS)
+    assert a100.iteration_time_s < a10.iteration_time_s
+
+
+def test_pipeline_formula():
+    mem = StageMemory(0, 0, 0, 0, 0)
+    costs = tuple(StageCost(StagePlan(0, 1, 1, 1), t, 0.1, 0.05, mem, True, "", "table") for t in (1.0, 3.0, 2.0))
+    # first micro-batch through all stages + (B − 1) × slowest + sync and update
+    assert pipeline_time_s(costs, 8) == pytest.approx(6.0 + 7 * 3.0 + 0.15)
+
+
+def test_cell_estimate_equals_the_best_assembled_plan():
+    """The per-stage choice is the optimum over all 2^S dp-only/tp-only assemblies."""
+    import itertools
+    job, cell = JobSpec("gpt-2.6b", 256), Cell("a100", 8, 4, 2)
+    est = estimate_cell(job, cell, CRIUS)
+    ranges = [(s.layer_start, s.layer_end) for s in est.stages]
+    scores = []
+    for choice in itertools.product((0, 1), repeat=2):
+        stages = tuple(StagePlan(a, b, 4, 1) if c == 0 else StagePlan(a, b, 1, 4)
+                       for (a, b), c in zip(ranges, choice))
+        s = score_plan(job, cell, CRIUS, stages, est.micro_batches, True)
+        if s.feasible:
+            scores.append(s.iteration_time_s)
+    assert est.iteration_time_s == pytest.approx(min(scores))
+
+
+def test_dp_only_plan_space_has_one_stage_and_no_tp():
+    est = estimate_job(JobSpec("gpt-1.3b", 256, num_gpus=8), CRIUS, EstimateOptions(plan_space="dp-only"))
+    assert all(c.cell.num_stages == 1 for c in est.cells)
+    assert all(s.tp == 1 for c in est.cells for s in c.stages)

@@ -1,0 +1,46 @@
+import itertools
+
+import pytest
+
+from estimator.errors import SpecError
+from estimator.partition import balanced_partition, stage_gpu_counts
+
+
+def brute_force(loads, cuts, k):
+    n = len(loads)
+    best = None
+    for bounds in itertools.combinations(range(1, n), k - 1):
+        edges = (0, *bounds, n)
+        ranges = tuple(zip(edges[:-1], edges[1:]))
+        key = (max(sum(loads[a:b]) for a, b in ranges), sum(cuts[b - 1] for _, b in ranges[:-1]))
+        if best is None or key < best[0]:
+            best = (key, ranges)
+    return best
+
+
+@pytest.mark.parametrize("loads, k", [
+    ([1, 1, 1, 1], 2), ([5, 1, 1, 1, 1, 1], 2), ([1, 2, 3, 4, 5, 6, 7], 3),
+    ([3, 1, 4, 1, 5, 9, 2, 6], 4), ([2] * 10, 5), ([1, 100, 1], 3),
+])
+def test_balanced_partition_matches_brute_force(loads, k):
+    cuts = [float((i * 7) % 5 + 1) for i in range(len(loads))]
+    ranges = balanced_partition(loads, cuts, k)
+    (best_load, best_cut), _ = brute_force(loads, cuts, k)
+    assert ranges[0][0] == 0 and ranges[-1][1] == len(loads)
+    assert all(a < b for a, b in ranges) and all(ranges[i][1] == ranges[i + 1][0] for i in range(k - 1))
+    assert max(sum(loads[a:b]) for a, b in ranges) == pytest.approx(best_load)
+    assert sum(cuts[b - 1] for _, b in ranges[:-1]) == pytest.approx(best_cut)
+
+
+def test_ties_prefer_cheaper_cuts():
+    # Cutting after layer 1 or after layer 2 balances equally (2 vs 2); the cut after layer
+    # 2 carries fewer bytes.
+    assert balanced_partition([1, 1, 0, 2], [9, 9, 1, 9], 2) == ((0, 3), (3, 4))
+
+
+def test_stage_gpu_counts():
+    assert stage_gpu_counts(8, 2) == (4, 4)
+    with pytest.raises(SpecError):
+        stage_gpu_counts(12, 2)  # 6 GPUs per stage is not a power of two
+    with pytest.raises(SpecError):
+        balanced_partition([1, 1], [1, 1], 3)
