@@ -77,7 +77,7 @@ class DaemonConfig:
     log_level: str = "INFO"
     slurm_timeout_s: float = 30.0
     backoff_max_s: float = 300.0
-    max_annotations_per_round: int = 200
+    max_annotations_per_round: int = 40
 
     def partition_map(self) -> dict[str, str]:
         return dict(self.partitions)

@@ -1,0 +1,107 @@
+"""How long one observe → decide → act cycle of the daemon takes with 2,000 queued jobs.
+
+Starts the lab cluster, submits ``--jobs`` elastic jobs (a mix of models and sizes, all
+held by the submit hook, as on a busy cluster), then runs ``--cycles`` daemon rounds in a
+row and prints one JSON object:
+
+``{"jobs_queued", "policy", "submit_s", "cycles": [{"cycle", "total_s", "observe_s",
+"estimate_s", "decide_s", "act_s", "managed", "actions", "slurm_calls_s"}...],
+"first_cycle_s", "steady_cycle_s", "target_s", "meets_target", "cpus", "slurm"}``
+
+- ``observe_s``: ``squeue --json`` and ``sinfo --json`` and their parsing;
+- ``estimate_s``: job specs (the first cycle reads every batch script), Cell estimates
+  (cached per distinct spec in the state store) and the policy's Snapshot;
+- ``decide_s``: the policy's ``decide``; ``act_s``: every Slurm update the round made
+  (starts and the per-round budget of "why it waits" AdminComment updates).
+- ``first_cycle_s`` is the cold cycle (every spec read, every estimate computed);
+  ``steady_cycle_s`` the median of the later ones, which is what a running daemon pays.
+
+Usage: ``python benchmarks/daemon_cycle.py [--jobs 2000] [--cycles 4] [--policy crius]``.
+Needs root and Slurm (the lab); takes a few minutes, most of it submitting the jobs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from estimator.cluster import load_cluster
+from slurm_ext.cli_backend import CliSlurmClient
+from slurm_ext.config import resolve
+from slurm_ext.daemon import Daemon
+from slurm_ext.lab import LabCluster, find_free_base_port
+from slurm_ext.run import run_command
+from slurm_ext.slurm_client import SubmitRequest
+from slurm_ext.store import Store
+
+SCRIPT = """#!/bin/bash
+#ELASTIC iterations=100000
+trap 'exit 86' USR1
+while true; do sleep 1 & wait $!; done
+"""
+SPECS = ("model=gpt-760m global_batch=32", "model=gpt-1.3b global_batch=64",
+         "model=gpt-2.6b global_batch=64 gpus=8", "model=moe-690m global_batch=32 gpus=2",
+         "model=moe-1.3b global_batch=64", "model=wide_resnet-500m global_batch=128 gpus=4",
+         "model=wide_resnet-1b global_batch=256 gpu_type=v100", "model=gpt-6.7b global_batch=32 gpus=16")
+TARGET_S = 2.0
+
+
+def submit_all(client: CliSlurmClient, n: int, workdir: Path) -> float:
+    """Submit n elastic jobs with 4 sbatch calls in flight; returns the seconds it took."""
+    started = time.perf_counter()
+
+    def one(i: int) -> int:
+        return client.submit(SubmitRequest(script=SCRIPT, name=f"bench-{i}", comment=f"elastic {SPECS[i % len(SPECS)]}",
+                                           output="/dev/null", workdir=str(workdir)))
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        list(pool.map(one, range(n)))
+    return time.perf_counter() - started
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=2000)
+    parser.add_argument("--cycles", type=int, default=4)
+    parser.add_argument("--policy", default="crius")
+    args = parser.parse_args(argv)
+    root = Path(tempfile.mkdtemp(prefix="slurm-ext-bench-"))
+    os.chmod(root, 0o755)
+    lab = LabCluster(root / "lab", base_port=find_free_base_port(load_cluster("lab"), range(19400, 20400, 40)))
+    lab.up()
+    try:
+        client = CliSlurmClient(env=lab.env(), timeout_s=120)
+        submit_s = submit_all(client, args.jobs, root)
+        config = resolve({"state_db": str(root / "state.db"), "policy": args.policy}, {}, {})
+        daemon = Daemon(config, client, Store(config.state_db), out=lambda line: None, env=lab.env())
+        cycles = []
+        for i in range(args.cycles):
+            r = daemon.round()
+            cycles.append({"cycle": i + 1, "total_s": round(r.total_s, 3), "observe_s": round(r.observe_s, 3),
+                           "estimate_s": round(r.estimate_s, 3), "decide_s": round(r.decide_s, 3),
+                           "act_s": round(r.act_s, 3), "jobs": r.jobs, "managed": r.managed,
+                           "actions": len(r.actions)})
+        version = run_command(["sinfo", "--version"], timeout_s=10, env=lab.env()).stdout.strip()
+        later = [c["total_s"] for c in cycles[1:]] or [cycles[0]["total_s"]]
+        steady = statistics.median(later)
+        print(json.dumps({
+            "jobs_queued": args.jobs, "policy": args.policy, "submit_s": round(submit_s, 1),
+            "cycles": cycles, "first_cycle_s": cycles[0]["total_s"], "steady_cycle_s": round(steady, 3),
+            "target_s": TARGET_S, "meets_target": steady <= TARGET_S, "cpus": os.cpu_count(),
+            "slurm": version}, indent=1))
+        return 0
+    finally:
+        lab.down(timeout_s=120)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
