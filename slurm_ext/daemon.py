@@ -261,8 +261,12 @@ def build_snapshot(now_s: float, nodes: tuple[SlurmNode, ...], managed: list[Man
 
 
 def start_update(assignment: Assignment, m: ManagedJob, type_parts: dict[str, str],
-                 reason: str, policy_name: str) -> JobUpdate | None:
-    """The pending-job update that gives ``m`` its Cell (None: no partition has the type)."""
+                 reason: str, policy_name: str, remat: bool = True) -> JobUpdate | None:
+    """The pending-job update that gives ``m`` its Cell (None: no partition has the type).
+
+    The AdminComment carries the plan string the runner reads (``estimator.plan_string``:
+    cell, per-stage dp × tp, micro-batches, rematerialization, stage boundaries).
+    """
     cell = assignment.cell
     partition = type_parts.get(cell.gpu_type)
     if partition is None:
@@ -275,10 +279,14 @@ def start_update(assignment: Assignment, m: ManagedJob, type_parts: dict[str, st
         num_nodes = -(-cell.num_gpus // per_node)
     est = best_estimate_for(m.view, cell)
     pc = parse_plan_comment(m.slurm.admin_comment)
+    layers = None
+    if est and est.stages:
+        layers = ",".join(str(b) for b in (est.stages[0].layer_start, *(s.layer_end for s in est.stages)))
     text = format_plan_comment(PlanComment(
         requested=pc.requested, cell=cell.label(),
         plan=plan_label(est.stages) if est else None,
         micro_batches=est.micro_batches if est else None,
+        remat=remat if est else None, layers=layers,
         samples_per_s=est.samples_per_s if est and est.feasible else None,
         why=reason or f"chosen by {policy_name}"))
     return JobUpdate(partition=partition, gpus_per_node=per_node, num_nodes=num_nodes,

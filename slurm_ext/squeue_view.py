@@ -7,12 +7,14 @@ access to the daemon's state file.
 AdminComment format (written by the daemon, parsed here), space-separated ``key=value``
 tokens; ``why=`` or ``error=`` comes last and its value runs to the end of the string::
 
-    requested=a100 cell=a100x8:s2 plan=[dp2tp2|dp4tp1] mb=16 sps=412.5 why=fastest feasible
+    requested=a100 cell=a100x8:s2 plan=[dp2tp2|dp4tp1] mb=16 remat=1 layers=0,13,26 sps=412.5 why=fastest feasible
 
 - ``requested``: the GPU type the user asked for (kept from the submit hook; ``any``).
-- ``cell``: GPU type × GPU count and stage count (``<type>x<gpus>:s<stages>``).
-- ``plan``: per stage ``dp<d>tp<t>``, stages separated by ``|``.
-- ``mb``: micro-batches per iteration. ``sps``: estimated samples per second.
+- ``cell plan mb remat layers``: the plan string of ``estimator.plan_string`` (what the
+  runner inside the job reads): ``cell`` is GPU type × GPU count and stage count
+  (``<type>x<gpus>:s<stages>``), ``plan`` per stage ``dp<d>tp<t>`` separated by ``|``,
+  ``mb`` micro-batches per iteration, ``remat`` 1 or 0, ``layers`` the stage boundaries.
+- ``sps``: estimated samples per second.
 - ``why``: why the job runs on this Cell, waits, or was rescaled.
 - ``error``: the job's elastic spec is invalid; it runs as submitted.
 
@@ -47,6 +49,8 @@ class PlanComment:
     cell: str | None = None
     plan: str | None = None
     micro_batches: int | None = None
+    remat: bool | None = None
+    layers: str | None = None
     samples_per_s: float | None = None
     why: str | None = None
     error: str | None = None
@@ -80,6 +84,10 @@ def format_plan_comment(pc: PlanComment) -> str:
         parts.append(f"plan={pc.plan}")
     if pc.micro_batches is not None:
         parts.append(f"mb={pc.micro_batches}")
+    if pc.remat is not None:
+        parts.append(f"remat={int(pc.remat)}")
+    if pc.layers:
+        parts.append(f"layers={pc.layers}")
     if pc.samples_per_s is not None:
         parts.append(f"sps={pc.samples_per_s:.4g}")
     if pc.error is not None:
@@ -116,7 +124,8 @@ def parse_plan_comment(text: str | None) -> PlanComment:
 
     return PlanComment(requested=values.get("requested"), cell=values.get("cell"),
                        plan=values.get("plan"), micro_batches=as_int(values.get("mb")),
-                       samples_per_s=as_float(values.get("sps")), why=values.get("why"),
+                       remat={"1": True, "0": False}.get(values.get("remat", "")),
+                       layers=values.get("layers"), samples_per_s=as_float(values.get("sps")), why=values.get("why"),
                        error=values.get("error"))
 
 

@@ -15,6 +15,7 @@ import pytest
 from types import SimpleNamespace
 
 from estimator.cells import Cell
+from estimator.plan_string import parse_plan
 from slurm_ext.config import ConfigError, DaemonConfig, load_config, resolve
 from slurm_ext.daemon import (
     Daemon, build_snapshot, cluster_spec, parse_pending_listing, partition_types,
@@ -180,6 +181,10 @@ def assert_runs_as_planned(job: SlurmJob):
         used += int(dp) * int(tp)
     assert used == gpus
     assert pc.samples_per_s and pc.samples_per_s > 0 and pc.why
+    # The runner inside the job reads the same plan back from the AdminComment.
+    plan = parse_plan(" ".join(w for w in job.admin_comment.split()
+                               if w.partition("=")[0] in ("cell", "plan", "mb", "remat", "layers")))
+    assert (plan.gpu_type, plan.num_gpus, plan.num_stages) == (gtype, gpus, stages)
 
 
 @pytest.mark.slurm

@@ -3,6 +3,7 @@
 import json
 
 from estimator.cells import StagePlan
+from estimator.plan_string import parse_plan
 from slurm_ext.slurm_client import SlurmJob
 from slurm_ext.squeue_view import (
     PlanComment, cell_of, format_plan_comment, format_table, job_row, parse_plan_comment,
@@ -10,7 +11,8 @@ from slurm_ext.squeue_view import (
 )
 
 FULL = PlanComment(requested="a100", cell="a100x8:s2", plan="[dp2tp2|dp4tp1]",
-                   micro_batches=16, samples_per_s=412.5, why="fastest feasible, 8 a100 free")
+                   micro_batches=16, remat=True, layers="0,13,26", samples_per_s=412.5,
+                   why="fastest feasible, 8 a100 free")
 
 
 def test_plan_label():
@@ -20,10 +22,19 @@ def test_plan_label():
 
 def test_admin_comment_round_trip():
     text = format_plan_comment(FULL)
-    assert text == ("requested=a100 cell=a100x8:s2 plan=[dp2tp2|dp4tp1] mb=16 sps=412.5 "
-                    "why=fastest feasible, 8 a100 free")
+    assert text == ("requested=a100 cell=a100x8:s2 plan=[dp2tp2|dp4tp1] mb=16 remat=1 "
+                    "layers=0,13,26 sps=412.5 why=fastest feasible, 8 a100 free")
     assert parse_plan_comment(text) == FULL
     assert FULL.cell_parts() == ("a100", 8, 2)
+
+
+def test_admin_comment_carries_the_plan_string_the_runner_reads():
+    words = format_plan_comment(FULL).split()
+    plan_words = " ".join(w for w in words if w.partition("=")[0] in ("cell", "plan", "mb", "remat", "layers"))
+    plan = parse_plan(plan_words)
+    assert (plan.gpu_type, plan.num_gpus, plan.num_stages) == ("a100", 8, 2)
+    assert plan.stages == ((2, 2), (4, 1)) and plan.micro_batches == 16 and plan.remat
+    assert plan.layer_bounds == (0, 13, 26)
 
 
 def test_why_is_one_ascii_line_and_error_wins():
