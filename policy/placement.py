@@ -84,6 +84,13 @@ class FreeGpus:
         self.free = snapshot.free_gpus() if keep_running else dict(index.capacity)
         return self
 
+    def copy(self) -> "FreeGpus":
+        """An independent free map over the same nodes (the node lookups are shared)."""
+        other = object.__new__(FreeGpus)
+        other.capacity, other.type_of, other.by_type = self.capacity, self.type_of, self.by_type
+        other.free = dict(self.free)
+        return other
+
     def free_of_type(self, gpu_type: str) -> int:
         return sum(self.free[n] for n in self.by_type.get(gpu_type, ()))
 
