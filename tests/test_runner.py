@@ -1,0 +1,154 @@
+"""The runner as a child process on CPU fake devices: rescale by USR1, hard kill, resume.
+
+Each run trains the tiny GPT of fixtures/runner/tiny-gpt.yaml (2 blocks, hidden 64,
+sequence 32, vocabulary 128, fp32) with a global batch of 16 for 8 steps. The reference
+is an uninterrupted run; an interrupted run must continue at exactly the step after its
+checkpoint and reproduce the reference's losses within LOSS_RTOL (float32 sums taken in
+another order under another plan; measured differences are around 1e-6).
+
+Runs share a JAX compilation cache, so a plan compiled once is not compiled again.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY_GPT = ROOT / "tests" / "fixtures" / "runner" / "tiny-gpt.yaml"
+ITERATIONS = 8
+GLOBAL_BATCH = 16
+LOSS_RTOL = 1e-4
+DP4 = "cell=a100x4:s1 plan=[dp4tp1] mb=2 remat=0"
+PP2_ON_2 = "cell=v100x2:s2 plan=[dp1tp1|dp1tp1] mb=4 remat=1"
+WAIT_S = 180
+
+_STEP = re.compile(r"step (\d+) loss ([0-9.]+)")
+
+
+class Runner:
+    """One runner process writing its log to a file."""
+
+    def __init__(self, tmp: Path, name: str, ckpt: Path, plan: str, devices: int, cache: Path,
+                 extra: tuple[str, ...] = (), restart_count: int = 0):
+        self.log_path = tmp / f"{name}.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "XLA_", "JAX_"))}
+        env["SLURM_RESTART_COUNT"] = str(restart_count)
+        argv = [sys.executable, "-m", "job_scripts.run", "--model", str(TINY_GPT),
+                "--global-batch", str(GLOBAL_BATCH), "--iterations", str(ITERATIONS),
+                "--plan", plan, "--devices", str(devices), "--platform", "cpu",
+                "--checkpoint-dir", str(ckpt), "--compile-cache", str(cache),
+                "--warmup-steps", "1", *extra]
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def text(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_for(self, pattern: str) -> re.Match:
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            m = re.search(pattern, self.text())
+            if m:
+                return m
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        self.proc.kill()
+        pytest.fail(f"runner never printed {pattern!r}:\n{self.text()[-3000:]}")
+
+    def finish(self) -> int:
+        try:
+            return self.proc.wait(WAIT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            pytest.fail(f"runner did not exit:\n{self.text()[-3000:]}")
+
+    def losses(self) -> dict[int, float]:
+        return {int(s): float(v) for s, v in _STEP.findall(self.text())}
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("jax-cache")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, cache):
+    """Losses of an uninterrupted run (dp4 on 4 devices)."""
+    tmp = tmp_path_factory.mktemp("reference")
+    run = Runner(tmp, "reference", tmp / "ckpt", DP4, 4, cache)
+    assert run.finish() == 0, run.text()[-3000:]
+    losses = run.losses()
+    assert sorted(losses) == list(range(1, ITERATIONS + 1))
+    return losses
+
+
+def _assert_matches(losses: dict[int, float], reference: dict[int, float]) -> None:
+    for step, loss in losses.items():
+        assert loss == pytest.approx(reference[step], rel=LOSS_RTOL), (step, loss, reference[step])
+
+
+def test_usr1_checkpoints_exits_86_and_resumes_under_another_plan(tmp_path, cache, reference):
+    ckpt = tmp_path / "ckpt"
+    first = Runner(tmp_path, "first", ckpt, DP4, 4, cache)
+    first.wait_for(r"step 2 loss")
+    first.proc.send_signal(signal.SIGUSR1)
+    assert first.finish() == 86, first.text()[-3000:]
+    saved = int(re.search(r"SIGUSR1: checkpointed step (\d+); exiting 86", first.text()).group(1))
+    assert 2 <= saved < ITERATIONS
+    # It finished the step it was in and stopped: no step after the checkpointed one ran.
+    assert max(first.losses()) == saved
+    manifest = json.loads((ckpt / f"ckpt-{saved:08d}.json").read_text())
+    assert manifest["meta"]["data"]["next_step"] == saved + 1
+    assert manifest["meta"]["global_batch"] == GLOBAL_BATCH
+
+    # The daemon gave it 2 GPUs of another type and a two-stage plan.
+    second = Runner(tmp_path, "second", ckpt, PP2_ON_2, 2, cache, restart_count=1)
+    assert second.finish() == 0, second.text()[-3000:]
+    text = second.text()
+    assert f"resumed from step {saved} (checkpoint" in text
+    assert f"next step {saved + 1}" in text and f"global batch {GLOBAL_BATCH}" in text
+    resumed = second.losses()
+    assert sorted(resumed) == list(range(saved + 1, ITERATIONS + 1))
+    _assert_matches({**first.losses(), **resumed}, reference)
+
+    measured = json.loads((ckpt / "measured.json").read_text())
+    assert measured["cell"] == "v100x2:s2" and measured["plan"] == PP2_ON_2
+    assert measured["iteration_time_s"] > 0 and measured["steps_measured"] >= 1
+
+
+def test_sigkill_resumes_from_last_periodic_checkpoint(tmp_path, cache, reference):
+    ckpt = tmp_path / "ckpt"
+    first = Runner(tmp_path, "killed", ckpt, DP4, 4, cache, extra=("--checkpoint-every", "2"))
+    first.wait_for(r"checkpoint step 4 written")
+    first.proc.send_signal(signal.SIGKILL)
+    assert first.finish() == -signal.SIGKILL
+    on_disk = sorted(int(p.stem[5:]) for p in ckpt.glob("ckpt-*.json"))
+    assert on_disk and all(s % 2 == 0 for s in on_disk) and len(on_disk) <= 2
+    last = on_disk[-1]
+    assert last >= 4
+
+    second = Runner(tmp_path, "after-kill", ckpt, DP4, 4, cache, restart_count=1)
+    assert second.finish() == 0, second.text()[-3000:]
+    assert f"resumed from step {last} (checkpoint" in second.text()
+    resumed = second.losses()
+    assert sorted(resumed) == list(range(last + 1, ITERATIONS + 1))
+    _assert_matches(resumed, reference)
+
+
+def test_bad_plan_is_one_line_and_exit_2(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "job_scripts.run", "--model", str(TINY_GPT), "--global-batch", "16",
+         "--iterations", "2", "--devices", "4", "--platform", "cpu",
+         "--plan", "cell=a100x8:s1 plan=[dp8tp1] mb=1 remat=0", "--checkpoint-dir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=WAIT_S,
+        env={k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "XLA_", "JAX_"))})
+    assert proc.returncode == 2
+    assert "is for 8 GPUs but this job has 4" in proc.stderr
