@@ -19,6 +19,10 @@ POLICIES: dict[str, str] = {
     "gavel": "policy.gavel:GavelPolicy",
     "elasticflow": "policy.elasticflow:ElasticFlowPolicy",
     "sia": "policy.sia:SiaPolicy",
+    "cells-ilp": "policy.cells_ilp:CellsIlpPolicy",
+    "cells-ilp-no-restart": "policy.cells_ilp:CellsIlpNoRestartPenalty",
+    "cells-ilp-no-type-change": "policy.cells_ilp:CellsIlpNoTypeChange",
+    "cells-ilp-no-count-change": "policy.cells_ilp:CellsIlpNoCountChange",
 }
 
 

@@ -1,0 +1,582 @@
+"""cells-ilp: one integer program per round over every job's Cells.
+
+Each job considered this round gets one binary variable per candidate Cell (GPU type ×
+GPU count × stages, the fastest plan of each shape) and one "wait" variable; exactly one
+of them is 1. Per GPU type the chosen Cells fit the GPUs, and for every per-node share s
+in use the GPUs of Cells needing s or more GPUs per node fit on nodes with at least s
+free GPUs (a valid relaxation of node packing); a placement pass with repair then puts
+the answer on nodes (``policy.placement``), so a decision never over-commits a node.
+
+Objective (maximized), per job j and Cell c:
+
+    w_j · norm_jc · keep_jc        with  w_j = aging_j / T_j
+
+* ``norm_jc`` = samples/s on c over samples/s on what the job asked for, so models with
+  many samples per second do not dominate;
+* ``T_j`` = the job's remaining time on what it asked for: weighting by 1/T favours jobs
+  close to finishing (w·norm is the rate at which c finishes the job: shortest remaining
+  time first, the rule that minimizes average completion time);
+* ``aging_j`` = 1 + (time since submission) / ``aging_s``: a job that waited long
+  catches up with short newcomers, so none starves;
+* ``keep_jc`` = 1 for the Cell a job runs on, else Rubick's (T − N·δ)/T with T the time
+  the job needs on c, δ the snapshot's restart cost and N = 1 + restarts so far (a job
+  restarted often becomes stickier). Suspending a running job costs the part of its
+  current value the restart destroys. A running job changed less than
+  ``min_change_interval_s`` ago keeps its Cell.
+
+Options: ``guarantee`` (a guaranteed job only gets Cells at least as fast as what it asked
+for, and a running one is never suspended), ``deadlines`` (a job with a deadline only
+gets Cells that finish it in time; one that no Cell can finish in time is reported and
+runs best effort), ``max_share_frac`` / ``share_limits`` (GPUs per user). The program goes
+through PuLP with HiGHS (CBC as fallback), warm-started from the current allocation and
+under a time limit; when no solver answers, a greedy rule decides, so a round never blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from dataclasses import dataclass
+
+from estimator.cells import Cell, CellEstimate
+from policy._solver import RateTable, requested_count
+from policy.interface import Assignment, Decision, JobDecision, JobView, Snapshot
+from policy.placement import FreeGpus
+
+log = logging.getLogger(__name__)
+
+WAIT = None  # the "wait" option of a job
+
+
+@dataclass(frozen=True)
+class CellsIlpState:
+    """What one decision hands the next: to skip re-solving a round where nothing changed.
+
+    Attributes:
+        fingerprint: (job id, Cell) of every job after the last solved decision.
+        solved_s: when that decision was made.
+    """
+
+    fingerprint: tuple = ()
+    solved_s: float = -math.inf
+
+
+@dataclass(frozen=True)
+class _Option:
+    """One candidate of one job: a Cell (None = wait) and its objective value."""
+
+    job_id: str
+    cell: Cell | None
+    value: float
+    alternatives: tuple[Cell, ...] = ()  # same shape, other layouts, for placement repair
+    current: bool = False  # the Cell the job runs on now
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """The static rate facts of one job spec (shared by every job of the same spec)."""
+
+    ref_rate: float  # samples/s of what was asked for
+    cells: tuple[tuple[CellEstimate, tuple[Cell, ...]], ...]  # fastest per shape + alternatives
+
+
+_SHAPES: dict[int, tuple[object, _Shape]] = {}
+
+
+def _shape_of(job: JobView) -> _Shape:
+    # Jobs of one spec share their estimates tuple; memoize on it (the tuple is kept
+    # alive with the entry, so its id cannot be reused while cached).
+    key = id(job.estimates)
+    hit = _SHAPES.get(key)
+    if hit is not None and hit[0] is job.estimates:
+        return hit[1]
+    table = RateTable.of(job, dp_only=False)
+    n = requested_count(job, table)
+    ref = 0.0
+    if job.spec.gpu_type and n:
+        ref = table.rate(job.spec.gpu_type, n)
+    if ref <= 0:
+        ref = max((table.rate(g, c) for g, c in table.options if c == n), default=0.0)
+    if ref <= 0:
+        best = table.best()
+        ref = best.samples_per_s if best else 1.0
+    cells = tuple((opts[0], tuple(o.cell for o in opts[1:])) for _, opts in sorted(table.options.items()))
+    shape = _Shape(ref, cells)
+    if len(_SHAPES) > 4096:
+        _SHAPES.clear()
+    _SHAPES[key] = (job.estimates, shape)
+    return shape
+
+
+class CellsIlpPolicy:
+    """The Cell ILP policy (see the module docstring for the formulation).
+
+    Args:
+        time_limit_s: seconds the solver may take per round.
+        aging_s: waiting time that doubles a job's weight.
+        min_change_interval_s: a running job keeps its Cell this long after a change.
+        restart_penalty: charge the restart cost of changing a running job (False: free).
+        type_changes: running jobs may change GPU type, and jobs may start on a type
+            other than the one they asked for.
+        count_changes: jobs may run on a GPU count other than the one they asked for.
+        guarantee: honour ``JobView.guaranteed`` (never below the requested throughput).
+        deadlines: honour ``JobView.deadline_s`` as a constraint on the Cells offered.
+        max_share_frac: at most this share of all GPUs per user (None: no limit).
+        share_limits: user → share of all GPUs, overriding ``max_share_frac`` per user.
+        max_pending: pending jobs (highest weight first) offered to one program.
+        max_movable: running jobs that may change in one round (half the lowest
+            weights, half the highest), the rest keep their Cells; bounds the program.
+        resolve_s: a round where no job arrived, finished or changed re-solves only
+            after this long.
+    """
+
+    name = "cells-ilp"
+    plan_tuning = "pruned"  # Cells come with estimates, so the plan search is Cell-guided
+
+    def __init__(self, time_limit_s: float = 0.5, aging_s: float = 4 * 3600.0,
+                 min_change_interval_s: float = 1800.0, restart_penalty: bool = True,
+                 type_changes: bool = True, count_changes: bool = True, guarantee: bool = True,
+                 deadlines: bool = True, max_share_frac: float | None = None,
+                 share_limits: dict[str, float] | None = None, max_pending: int = 48,
+                 max_movable: int = 48, resolve_s: float = 900.0):
+        self.time_limit_s = time_limit_s
+        self.aging_s = aging_s
+        self.min_change_interval_s = min_change_interval_s
+        self.restart_penalty = restart_penalty
+        self.type_changes = type_changes
+        self.count_changes = count_changes
+        self.guarantee = guarantee
+        self.deadlines = deadlines
+        self.max_share_frac = max_share_frac
+        self.share_limits = dict(share_limits or {})
+        self.max_pending = max_pending
+        self.max_movable = max_movable
+        self.resolve_s = resolve_s
+
+    # ---- weights and options ------------------------------------------------------------
+
+    def weight(self, snapshot: Snapshot, job: JobView) -> float:
+        """w_j: aging over the remaining time on the requested Cell (1/s)."""
+        shape = _shape_of(job)
+        rem_samples = max(job.remaining_iterations, 1e-9) * job.spec.global_batch
+        t_rem_s = rem_samples / shape.ref_rate
+        aging = 1.0 + max(0.0, snapshot.now_s - job.submit_time_s) / self.aging_s
+        return aging / max(t_rem_s, 1.0)
+
+    def options(self, snapshot: Snapshot, job: JobView, weight: float) -> tuple[list[_Option], str]:
+        """The job's candidates (wait included, listed last) and a note (deadline report)."""
+        shape = _shape_of(job)
+        cur = job.cell
+        asked_type = job.spec.gpu_type or (cur.gpu_type if cur else None)
+        asked_n = job.spec.num_gpus
+        rem_samples = max(job.remaining_iterations, 1e-9) * job.spec.global_batch
+        restarts = 1 + job.restarts
+        delta_s = snapshot.restart_cost_s if self.restart_penalty else 0.0
+        out: list[_Option] = []
+        cur_value = 0.0
+        candidates = []
+        for e, alts in shape.cells:
+            c = e.cell
+            is_cur = cur is not None and (c == cur or cur in alts)
+            if is_cur:
+                c, alts = cur, tuple(a for a in (e.cell,) + alts if a != cur)
+            elif not self.type_changes and asked_type and c.gpu_type != (cur.gpu_type if cur else asked_type):
+                continue
+            elif not self.count_changes and c.num_gpus != (cur.num_gpus if cur else (asked_n or c.num_gpus)):
+                continue
+            if self.guarantee and job.guaranteed and e.samples_per_s < shape.ref_rate * (1 - 1e-9):
+                continue
+            t_s = rem_samples / e.samples_per_s
+            keep = 1.0
+            if not is_cur:
+                # Rubick's restart discount, as T/(T + N·δ): the share of the time on c
+                # that is progress rather than restart, positive even for tiny jobs.
+                cost_s = delta_s * (restarts if cur is not None else 1)
+                keep = t_s / (t_s + cost_s) if t_s + cost_s > 0 else 1.0
+            value = weight * e.samples_per_s / shape.ref_rate * keep
+            if is_cur:
+                cur_value = weight * e.samples_per_s / shape.ref_rate
+            candidates.append((e, c, alts, t_s, is_cur, value))
+        note = ""
+        if self.deadlines and job.deadline_s is not None and candidates:
+            meets = [x for x in candidates
+                     if snapshot.now_s + (0.0 if x[4] else snapshot.restart_cost_s) + x[3] <= job.deadline_s]
+            if meets:
+                candidates = meets
+            else:
+                note = "cannot meet its deadline on any Cell; runs best effort"
+        for e, c, alts, t_s, is_cur, value in candidates:
+            out.append(_Option(job.job_id, c, value, alts, is_cur))
+        wait_value = 0.0
+        if cur is not None and cur_value > 0 and delta_s > 0:
+            t_cur = rem_samples / max(_rate_of(shape, cur), 1e-12)
+            wait_value = -cur_value * delta_s * restarts / (t_cur + delta_s * restarts)
+        if not (self.guarantee and job.guaranteed and cur is not None and any(o.cell == cur for o in out)):
+            out.append(_Option(job.job_id, WAIT, wait_value))
+        return out, note
+
+    # ---- the round ----------------------------------------------------------------------
+
+    def decide(self, snapshot: Snapshot) -> Decision:
+        """Solve the round's program (or skip an unchanged round) and place the answer."""
+        fp = tuple((j.job_id, j.cell) for j in snapshot.jobs)
+        state = snapshot.policy_state if isinstance(snapshot.policy_state, CellsIlpState) else None
+        if state is not None and state.fingerprint == fp and snapshot.now_s - state.solved_s < self.resolve_s:
+            return Decision((), state)
+        weights = {j.job_id: self.weight(snapshot, j) for j in snapshot.jobs}
+        movable, fixed = self._split(snapshot, weights)
+        pending = sorted((j for j in snapshot.jobs if j.assignment is None),
+                         key=lambda j: (-weights[j.job_id], j.submit_time_s, j.job_id))
+        offered = movable + pending[: self.max_pending]
+        options: dict[str, list[_Option]] = {}
+        reasons: dict[str, str] = {}
+        for j in offered:
+            options[j.job_id], note = self.options(snapshot, j, weights[j.job_id])
+            if note:
+                reasons[j.job_id] = note
+        free = FreeGpus.from_snapshot(snapshot)
+        for j in movable:
+            free.release(j.assignment.placement)
+        users = {j.job_id: j.user for j in snapshot.jobs}
+        share_left = self._share_left(snapshot, fixed)
+        chosen, how = solve_choice(options, free, users, share_left, self.time_limit_s)
+        if chosen is None:
+            chosen, how = self._greedy(offered, options, free, users, share_left), "greedy"
+        decision = self._place(snapshot, offered, pending, chosen, options, weights, reasons, how, share_left)
+        return Decision(decision, CellsIlpState(_fingerprint_after(snapshot, decision), snapshot.now_s))
+
+    def _split(self, snapshot: Snapshot, weights: dict[str, float]) -> tuple[list[JobView], list[JobView]]:
+        """(running jobs that may change this round, running jobs that keep their Cells)."""
+        running = [j for j in snapshot.jobs if j.assignment is not None]
+        eligible = [j for j in running if snapshot.now_s - j.last_change_s >= self.min_change_interval_s]
+        eligible.sort(key=lambda j: (weights[j.job_id], j.job_id))
+        if len(eligible) > self.max_movable:
+            half = self.max_movable // 2
+            eligible = eligible[:half] + eligible[len(eligible) - (self.max_movable - half):]
+        ids = {j.job_id for j in eligible}
+        return eligible, [j for j in running if j.job_id not in ids]
+
+    def _share_left(self, snapshot: Snapshot, fixed: list[JobView]) -> dict[str, float]:
+        """user → GPUs the user may still get this round (absent: no limit)."""
+        users = {j.user for j in snapshot.jobs}
+        total = sum(snapshot.gpus_by_type().values())
+        out = {}
+        for u in sorted(users):
+            frac = self.share_limits.get(u, self.max_share_frac)
+            if frac is None:
+                continue
+            held = sum(j.assignment.num_gpus for j in fixed if j.user == u)
+            out[u] = max(0.0, math.floor(frac * total + 1e-9) - held)
+        return out
+
+    def _greedy(self, offered, options, free: FreeGpus, users, share_left) -> dict[str, _Option]:
+        """Fallback: running jobs keep their Cells; the rest, by weight, take the best fitting Cell."""
+        trial = free.copy()
+        left = dict(share_left)
+        out: dict[str, _Option] = {}
+        for j in offered:
+            if j.assignment is None:
+                continue
+            mine = next((o for o in options[j.job_id] if o.cell == j.cell), None)
+            if mine is not None and _all_free(trial, j.assignment.placement):
+                trial.take(j.assignment.placement)
+                out[j.job_id] = mine
+                if j.user in left:
+                    left[j.user] -= j.cell.num_gpus
+        for j in offered:
+            if j.job_id in out:
+                continue
+            for o in sorted(options[j.job_id], key=lambda o: -o.value):
+                if o.cell is None:
+                    if j.assignment is None or not any(x.cell == j.cell for x in options[j.job_id]):
+                        out[j.job_id] = o
+                        break
+                    continue
+                if left.get(users[j.job_id], math.inf) < o.cell.num_gpus:
+                    continue
+                p = trial.place(o.cell)
+                if p is not None:
+                    trial.take(p)
+                    out[j.job_id] = o
+                    if users[j.job_id] in left:
+                        left[users[j.job_id]] -= o.cell.num_gpus
+                    break
+        return out
+
+    def _place(self, snapshot, offered, pending, chosen, options, weights, reasons, how, share_left):
+        """Put the chosen Cells on nodes; repair what does not fit; backfill leftovers."""
+        free = FreeGpus.from_snapshot(snapshot)
+        final: dict[str, Assignment | None] = {}
+        changed: list[JobView] = []
+        left = dict(share_left)
+        for j in offered:
+            o = chosen.get(j.job_id)
+            cell = o.cell if o is not None else None
+            if j.assignment is not None and cell == j.assignment.cell:
+                if j.user in left:
+                    left[j.user] -= j.assignment.num_gpus
+                continue
+            if j.assignment is not None:
+                free.release(j.assignment.placement)
+            if cell is None:
+                final[j.job_id] = None
+                if j.assignment is not None:
+                    reasons[j.job_id] = f"{how}: suspended for jobs of higher weight"
+                elif j.job_id not in reasons:
+                    reasons[j.job_id] = "waiting: not chosen this round"
+            else:
+                changed.append(j)
+        # Running jobs first (they hold state), then starts; heavier jobs first within each.
+        changed.sort(key=lambda j: (j.assignment is None, -weights[j.job_id], j.job_id))
+        tried: set[str] = set()
+        for j in changed:
+            o = chosen[j.job_id]
+            repair = options[j.job_id] if j.assignment is None else []
+            got = _place_first(free, [o.cell, *o.alternatives], repair, left.get(j.user, math.inf))
+            tried.add(j.job_id)
+            if got is not None:
+                final[j.job_id] = got
+                if j.user in left:
+                    left[j.user] -= got.num_gpus
+                verb = "started on" if j.assignment is None else "moved to"
+                fixed = "" if got.cell in (o.cell, *o.alternatives) else f" (repair: {o.cell.label()} did not fit)"
+                reasons[j.job_id] = f"{how}: {verb} {got.cell.label()}{fixed}"
+            elif j.assignment is not None and _all_free(free, j.assignment.placement):
+                free.take(j.assignment.placement)
+                final[j.job_id] = j.assignment
+                if j.user in left:
+                    left[j.user] -= j.assignment.num_gpus
+                reasons[j.job_id] = f"kept {j.cell.label()}: no room for {o.cell.label()}"
+            else:
+                final[j.job_id] = None
+                reasons[j.job_id] = f"waiting: {o.cell.label()} does not fit on free nodes"
+        # Backfill: GPUs the packing left free go to pending jobs by weight, on Cells no
+        # larger than they asked for, so nothing idles while jobs wait.
+        spare = free_total(free)
+        for j in pending[: 4 * self.max_pending]:
+            if spare <= 0:
+                break
+            if j.job_id in tried or final.get(j.job_id) is not None:
+                continue
+            opts = options.get(j.job_id) or self.options(snapshot, j, weights[j.job_id])[0]
+            small = [o for o in opts if o.cell is not None and o.cell.num_gpus <= (j.spec.num_gpus or o.cell.num_gpus)]
+            got = _place_first(free, [], small, min(spare, left.get(j.user, math.inf)))
+            if got is not None:
+                final[j.job_id] = got
+                spare -= got.num_gpus
+                if j.user in left:
+                    left[j.user] -= got.num_gpus
+                reasons[j.job_id] = f"backfilled on {got.cell.label()}"
+        return tuple(JobDecision(j.job_id, final[j.job_id], reasons.get(j.job_id, ""))
+                     for j in snapshot.jobs if j.job_id in final)
+
+
+def free_total(free: FreeGpus) -> int:
+    """Free GPUs of every type together."""
+    return sum(free.free.values())
+
+
+def _place_first(free: FreeGpus, first: list[Cell], options: list[_Option], share_gpus: float) -> Assignment | None:
+    """Take the first Cell that fits: ``first`` in order, then ``options`` by value (with their layouts)."""
+    tries = list(first)
+    for o in sorted((o for o in options if o.cell is not None), key=lambda o: (-o.value, o.cell.label())):
+        tries += [o.cell, *o.alternatives]
+    seen: set[Cell] = set()
+    for cell in tries:
+        if cell in seen or cell.num_gpus > share_gpus:
+            continue
+        seen.add(cell)
+        if free.free_of_type(cell.gpu_type) < cell.num_gpus:
+            continue
+        p = free.place(cell)
+        if p is not None:
+            free.take(p)
+            return Assignment(cell, p)
+    return None
+
+
+def _rate_of(shape: _Shape, cell: Cell) -> float:
+    for e, alts in shape.cells:
+        if e.cell == cell or cell in alts:
+            return e.samples_per_s
+    return 0.0
+
+
+def _all_free(free: FreeGpus, placement) -> bool:
+    return all(free.free[n] >= g for n, g in placement)
+
+
+def _fingerprint_after(snapshot: Snapshot, decisions: tuple[JobDecision, ...]) -> tuple:
+    d = {x.job_id: x for x in decisions}
+    return tuple((j.job_id, (d[j.job_id].assignment.cell if d[j.job_id].assignment else None)
+                  if j.job_id in d else j.cell) for j in snapshot.jobs)
+
+
+# ---- the integer program ------------------------------------------------------------------
+
+
+def solve_choice(options: dict[str, list[_Option]], free: FreeGpus, users: dict[str, str],
+                 share_left: dict[str, float], time_limit_s: float,
+                 solvers: tuple[str, ...] = ("highs", "cbc")) -> tuple[dict[str, _Option] | None, str]:
+    """The option per job that maximizes the total value within capacity; (None, why) if no solver answers.
+
+    Args:
+        options: job id → its options (wait included); exactly one is chosen per job.
+        free: free GPUs per node the chosen Cells may use.
+        users: job id → user, for ``share_left``.
+        share_left: user → GPUs the user may still get.
+        time_limit_s: seconds each solver may take.
+        solvers: which solvers to try, in order.
+    """
+    flat: list[_Option] = [o for opts in options.values() for o in opts]
+    if not flat:
+        return {}, "ILP"
+    if all(o.cell is None for o in flat):
+        return {o.job_id: o for o in flat}, "ILP"
+    rows: list[tuple[list[int], list[float], str, float]] = []
+    by_job: dict[str, list[int]] = {}
+    for k, o in enumerate(flat):
+        by_job.setdefault(o.job_id, []).append(k)
+    for ks in by_job.values():
+        rows.append((ks, [1.0] * len(ks), "==", 1.0))
+    for gtype in sorted({o.cell.gpu_type for o in flat if o.cell is not None}):
+        ks = [k for k, o in enumerate(flat) if o.cell is not None and o.cell.gpu_type == gtype]
+        rows.append((ks, [float(flat[k].cell.num_gpus) for k in ks], "<=", float(free.free_of_type(gtype))))
+        # Cells needing s GPUs per node only use nodes with s free, in multiples of s.
+        shares = sorted({min(flat[k].cell.gpus_per_node, flat[k].cell.num_gpus) for k in ks} - {1})
+        names = free.by_type.get(gtype, ())
+        for s in shares:
+            sub = [k for k in ks if min(flat[k].cell.gpus_per_node, flat[k].cell.num_gpus) >= s]
+            room = sum(free.free[n] // s * s for n in names)
+            rows.append((sub, [float(flat[k].cell.num_gpus) for k in sub], "<=", float(room)))
+    for user, gpus in sorted(share_left.items()):
+        ks = [k for k, o in enumerate(flat) if o.cell is not None and users.get(o.job_id) == user]
+        if ks:
+            rows.append((ks, [float(flat[k].cell.num_gpus) for k in ks], "<=", float(gpus)))
+    best = {}
+    for k, o in enumerate(flat):  # ties: the first listed (the current Cell, then by shape)
+        if o.job_id not in best or o.value > flat[best[o.job_id]].value:
+            best[o.job_id] = k
+    if _feasible(list(best.values()), rows):
+        # Every job can have its best option at once: that is the optimum, no solve needed.
+        return {flat[k].job_id: flat[k] for k in best.values()}, "ILP"
+    start = _warm_start(flat)
+    for name in solvers:
+        try:
+            got = _solve_pulp(flat, rows, start, name, time_limit_s)
+        except Exception as e:  # a missing or crashing solver must not stop a round
+            log.warning("solver %s failed: %s", name, e)
+            continue
+        if got is not None and _feasible(got, rows):
+            return {flat[k].job_id: flat[k] for k in got}, "ILP"
+    return None, "greedy"
+
+
+def _warm_start(flat: list[_Option]) -> list[int]:
+    """The current allocation: a running job's own Cell, else wait."""
+    current: dict[str, int] = {}
+    for k, o in enumerate(flat):
+        if o.current or (o.cell is None and o.job_id not in current):
+            current[o.job_id] = k
+    return sorted(current.values())
+
+
+def _solve_pulp(flat, rows, start: list[int], solver: str, time_limit_s: float) -> list[int] | None:
+    import pulp
+
+    prob = pulp.LpProblem("cells_ilp", pulp.LpMaximize)
+    xs = [pulp.LpVariable(f"x{k}", 0, 1, cat="Binary") for k in range(len(flat))]
+    prob += pulp.lpSum(o.value * xs[k] for k, o in enumerate(flat))
+    for r, (ks, coefs, sense, bound) in enumerate(rows):
+        expr = pulp.LpAffineExpression([(xs[k], c) for k, c in zip(ks, coefs)])
+        prob += ((expr == bound) if sense == "==" else (expr <= bound)), f"r{r}"
+    on = set(start)
+    for k, x in enumerate(xs):
+        x.setInitialValue(1 if k in on else 0)
+    if solver == "highs":
+        s = _WarmHighs(msg=False, timeLimit=time_limit_s, gapRel=1e-4)
+    else:
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            s = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(math.ceil(time_limit_s))), warmStart=True)
+    if not s.available():
+        return None
+    prob.solve(s)
+    if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        return None
+    return [k for k, x in enumerate(xs) if x.varValue is not None and x.varValue > 0.5]
+
+
+def _feasible(chosen: list[int], rows) -> bool:
+    on = set(chosen)
+    for ks, coefs, sense, bound in rows:
+        v = sum(c for k, c in zip(ks, coefs) if k in on)
+        if (sense == "<=" and v > bound + 1e-6) or (sense == "==" and abs(v - bound) > 1e-6):
+            return False
+    return True
+
+
+@functools.lru_cache(maxsize=1)
+def _highs_class():
+    import pulp
+
+    base = getattr(pulp, "HiGHS", None)
+    if base is None:
+        return None
+
+    class WarmHighs(base):
+        """PuLP's in-process HiGHS, handed the variables' initial values as a MIP start."""
+
+        def callSolver(self, lp):
+            try:
+                import highspy
+
+                values = [float(v.varValue or 0.0) for v in lp.variables()]
+                sol = highspy.HighsSolution()
+                sol.col_value = values
+                sol.value_valid = True
+                lp.solverModel.setSolution(sol)
+            except Exception as e:  # a start is an optimization only
+                log.debug("no MIP start: %s", e)
+            lp.solverModel.run()
+
+    return WarmHighs
+
+
+def _WarmHighs(**kwargs):
+    cls = _highs_class()
+    if cls is None:
+        raise RuntimeError("PuLP has no HiGHS interface")
+    return cls(**kwargs)
+
+
+# ---- ablations, registered under their own names ---------------------------------------
+
+
+class CellsIlpNoRestartPenalty(CellsIlpPolicy):
+    """cells-ilp with restarts free in the objective (ablation)."""
+
+    name = "cells-ilp-no-restart"
+
+    def __init__(self, **config):
+        super().__init__(**{**config, "restart_penalty": False})
+
+
+class CellsIlpNoTypeChange(CellsIlpPolicy):
+    """cells-ilp that never changes a job's GPU type (ablation)."""
+
+    name = "cells-ilp-no-type-change"
+
+    def __init__(self, **config):
+        super().__init__(**{**config, "type_changes": False})
+
+
+class CellsIlpNoCountChange(CellsIlpPolicy):
+    """cells-ilp that never changes a job's GPU count (ablation)."""
+
+    name = "cells-ilp-no-count-change"
+
+    def __init__(self, **config):
+        super().__init__(**{**config, "count_changes": False})
