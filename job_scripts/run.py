@@ -226,11 +226,11 @@ def _admin_comment_plan(job_id: str) -> str | None:
     return plan_tokens(admin_comment_from_scontrol(out))
 
 
-def _plan_from_text(text: str, model_spec, cfg: RunConfig, gpus_per_node: int):
+def _plan_from_text(text: str, model_spec, arch, cfg: RunConfig, gpus_per_node: int):
     from estimator.cells import Cell
     from estimator.estimate import partition_stages
     from estimator.plan_string import parse_plan
-    from job_scripts.train import ParallelPlan, even_layer_split
+    from job_scripts.train import ParallelPlan, check_plan, even_layer_split
 
     ps = parse_plan(text)
     if ps.num_gpus != cfg.num_devices:
@@ -240,7 +240,9 @@ def _plan_from_text(text: str, model_spec, cfg: RunConfig, gpus_per_node: int):
         default = partition_stages(model_spec, cell)
     except SpecError:  # not a catalog GPU type (e.g. a CPU test cell): split evenly
         default = even_layer_split(model_spec.num_layers, ps.num_stages)
-    return ParallelPlan(ps.stage_plans(default), ps.micro_batches, ps.remat), ps.format(), ps.cell_label
+    plan = ParallelPlan(ps.stage_plans(default), ps.micro_batches, ps.remat)
+    check_plan(plan, arch, cfg.global_batch, cfg.num_devices)
+    return plan, ps.format(), ps.cell_label
 
 
 def _tuned_plan(cfg: RunConfig, alloc: SlurmAllocation, model_spec):
@@ -270,22 +272,23 @@ def _tuned_plan(cfg: RunConfig, alloc: SlurmAllocation, model_spec):
     return best[1]
 
 
-def resolve_plan(cfg: RunConfig, alloc: SlurmAllocation, model_spec):
+def resolve_plan(cfg: RunConfig, alloc: SlurmAllocation, model_spec, arch):
     """(ParallelPlan, plan string, cell label) from flag/env, AdminComment or the tuner."""
     if cfg.plan_text:
-        plan = _plan_from_text(cfg.plan_text, model_spec, cfg, alloc.gpus_per_node)
+        plan = _plan_from_text(cfg.plan_text, model_spec, arch, cfg, alloc.gpus_per_node)
         log.info("plan %s (given)", plan[1])
         return plan
     if alloc.job_id:
         text = _admin_comment_plan(alloc.job_id)
         if text:
             try:
-                plan = _plan_from_text(text, model_spec, cfg, alloc.gpus_per_node)
+                plan = _plan_from_text(text, model_spec, arch, cfg, alloc.gpus_per_node)
                 log.info("plan %s (from the AdminComment)", plan[1])
                 return plan
             except SpecError as e:
                 log.warning("AdminComment plan unusable (%s); tuning a plan here", e)
-    plan = _plan_from_text(_tuned_plan(cfg, alloc, model_spec), model_spec, cfg, alloc.gpus_per_node)
+    plan = _plan_from_text(_tuned_plan(cfg, alloc, model_spec), model_spec, arch, cfg,
+                           alloc.gpus_per_node)
     log.info("plan %s (tuned here)", plan[1])
     return plan
 
@@ -342,7 +345,7 @@ def run_training(cfg: RunConfig, alloc: SlurmAllocation, stop: _StopFlag) -> int
                                                  f"{cfg.num_devices}; check CUDA_VISIBLE_DEVICES")
     model_spec = load_model(cfg.model)
     arch = jm.arch_from_model(model_spec)
-    plan, plan_text, cell_label = resolve_plan(cfg, alloc, model_spec)
+    plan, plan_text, cell_label = resolve_plan(cfg, alloc, model_spec, arch)
     trainer = Trainer(arch, plan, devices, cfg.global_batch, jm.optimizer_for(arch))
     stream = _stream(arch, cfg)
     writer = alloc.process_id == 0

@@ -87,6 +87,14 @@ def check_plan(plan: ParallelPlan, arch: jm.Arch, global_batch: int, num_devices
         if micro % s.dp:
             raise SpecError(f"stages[{i}].dp", s.dp,
                             f"must divide the micro-batch of {micro} samples")
+        for layer in range(s.layer_start, s.layer_end):
+            shapes = jm.layer_param_shapes(arch, layer)
+            for name, spec in jm.layer_param_specs(arch, layer).items():
+                for dim, axis in enumerate(spec):
+                    if axis == "tp" and shapes[name].shape[dim] % s.tp:
+                        raise SpecError(f"stages[{i}].tp", s.tp,
+                                        f"must divide dimension {dim} ({shapes[name].shape[dim]}) "
+                                        f"of layer {layer}'s {name}")
 
 
 def layer_key(index: int) -> str:
