@@ -129,6 +129,8 @@ class CellsIlpPolicy:
             weights, half the highest), the rest keep their Cells; bounds the program.
         resolve_s: a round where no job arrived, finished or changed re-solves only
             after this long.
+        solvers: the solvers to try in order (``highs``, ``cbc``); none left means the
+            greedy rule decides.
     """
 
     name = "cells-ilp"
@@ -139,7 +141,7 @@ class CellsIlpPolicy:
                  type_changes: bool = True, count_changes: bool = True, guarantee: bool = True,
                  deadlines: bool = True, max_share_frac: float | None = None,
                  share_limits: dict[str, float] | None = None, max_pending: int = 48,
-                 max_movable: int = 48, resolve_s: float = 900.0):
+                 max_movable: int = 48, resolve_s: float = 900.0, solvers: tuple[str, ...] = ("highs", "cbc")):
         self.time_limit_s = time_limit_s
         self.aging_s = aging_s
         self.min_change_interval_s = min_change_interval_s
@@ -153,6 +155,7 @@ class CellsIlpPolicy:
         self.max_pending = max_pending
         self.max_movable = max_movable
         self.resolve_s = resolve_s
+        self.solvers = tuple(solvers)
 
     # ---- weights and options ------------------------------------------------------------
 
@@ -240,7 +243,7 @@ class CellsIlpPolicy:
             free.release(j.assignment.placement)
         users = {j.job_id: j.user for j in snapshot.jobs}
         share_left = self._share_left(snapshot, fixed)
-        chosen, how = solve_choice(options, free, users, share_left, self.time_limit_s)
+        chosen, how = solve_choice(options, free, users, share_left, self.time_limit_s, self.solvers)
         if chosen is None:
             chosen, how = self._greedy(offered, options, free, users, share_left), "greedy"
         decision = self._place(snapshot, offered, pending, chosen, options, weights, reasons, how, share_left)
@@ -306,6 +309,7 @@ class CellsIlpPolicy:
 
     def _place(self, snapshot, offered, pending, chosen, options, weights, reasons, how, share_left):
         """Put the chosen Cells on nodes; repair what does not fit; backfill leftovers."""
+        notes, reasons = dict(reasons), {}
         free = FreeGpus.from_snapshot(snapshot)
         final: dict[str, Assignment | None] = {}
         changed: list[JobView] = []
@@ -323,7 +327,7 @@ class CellsIlpPolicy:
                 final[j.job_id] = None
                 if j.assignment is not None:
                     reasons[j.job_id] = f"{how}: suspended for jobs of higher weight"
-                elif j.job_id not in reasons:
+                else:
                     reasons[j.job_id] = "waiting: not chosen this round"
             else:
                 changed.append(j)
@@ -368,8 +372,12 @@ class CellsIlpPolicy:
                 if j.user in left:
                     left[j.user] -= got.num_gpus
                 reasons[j.job_id] = f"backfilled on {got.cell.label()}"
-        return tuple(JobDecision(j.job_id, final[j.job_id], reasons.get(j.job_id, ""))
+        return tuple(JobDecision(j.job_id, final[j.job_id], _with_note(reasons.get(j.job_id, ""), notes.get(j.job_id)))
                      for j in snapshot.jobs if j.job_id in final)
+
+
+def _with_note(reason: str, note: str | None) -> str:
+    return f"{reason}; {note}" if note and reason else (note or reason)
 
 
 def free_total(free: FreeGpus) -> int:
@@ -486,7 +494,10 @@ def _solve_pulp(flat, rows, start: list[int], solver: str, time_limit_s: float) 
     import pulp
 
     prob = pulp.LpProblem("cells_ilp", pulp.LpMaximize)
-    xs = [pulp.LpVariable(f"x{k}", 0, 1, cat="Binary") for k in range(len(flat))]
+    if hasattr(prob, "add_variable"):  # PuLP ≥ 3.3 attaches variables to the model
+        xs = [prob.add_variable(f"x{k}", 0, 1, cat="Binary") for k in range(len(flat))]
+    else:
+        xs = [pulp.LpVariable(f"x{k}", 0, 1, cat="Binary") for k in range(len(flat))]
     prob += pulp.lpSum(o.value * xs[k] for k, o in enumerate(flat))
     for r, (ks, coefs, sense, bound) in enumerate(rows):
         expr = pulp.LpAffineExpression([(xs[k], c) for k, c in zip(ks, coefs)])

@@ -1,0 +1,230 @@
+"""cells-ilp: the program's answer equals brute force, decisions never over-commit, the
+greedy fallback is feasible, guarantees, deadlines and share limits hold, and it is deterministic."""
+
+import itertools
+import random
+
+import pytest
+
+from estimator.cells import Cell, CellEstimate
+from estimator.jobs import JobSpec
+from policy.cells_ilp import CellsIlpPolicy, CellsIlpState, solve_choice
+from policy.interface import (PENDING, RUNNING, TRIGGER_ROUND, Assignment, JobView, NodeView, Snapshot,
+                              final_assignments, validate_decision)
+from policy.placement import FreeGpus
+from policy.registry import make_policy
+
+BATCH = 64
+NODE_SIZE = {"a100": 4, "v100": 8}
+
+
+def est(gpu_type, n, rate, stages=1):
+    cell = Cell(gpu_type, n, min(n, NODE_SIZE[gpu_type]), stages)
+    return CellEstimate(cell, (), 4, BATCH / rate, rate, 1.0, True, "")
+
+
+def job(job_id, rates, *, gpus, gpu_type="a100", submit=0.0, running=None, iterations=1000, done=0.0,
+        user="u", guaranteed=False, deadline=None, restarts=0, last_change=None):
+    ests = tuple(est(t, n, r) for (t, n), r in sorted(rates.items()))
+    assignment = None
+    if running is not None:
+        t, n, placement = running
+        assignment = Assignment(est(t, n, 1.0).cell, placement)
+    return JobView(job_id, user, JobSpec("gpt-1.3b", BATCH, gpus, gpu_type), submit,
+                   RUNNING if running else PENDING, assignment, done, iterations, restarts,
+                   submit if last_change is None else last_change, deadline, guaranteed, ests, ests)
+
+
+def nodes(a100=2, v100=1):
+    return tuple([NodeView(f"a100-{k}", "a100", 4) for k in range(a100)]
+                 + [NodeView(f"v100-{k}", "v100", 8) for k in range(v100)])
+
+
+def snap(jobs, node_views=None, now=10_000.0, restart_cost_s=200.0, state=None):
+    return Snapshot(now, node_views or nodes(), tuple(jobs), TRIGGER_ROUND, 300.0, restart_cost_s, state)
+
+
+def random_instance(seed, n_jobs=4):
+    """Jobs with random rates on a100 1–8 and v100 1–8; some running on free-standing placements."""
+    rng = random.Random(seed)
+    jobs, used = [], {"a100-0": 0, "a100-1": 0, "v100-0": 0}
+    for k in range(n_jobs):
+        per_gpu = {"a100": rng.uniform(5, 20), "v100": rng.uniform(2, 12)}
+        rates = {(t, n): per_gpu[t] * n * rng.uniform(0.6, 1.0) for t in ("a100", "v100") for n in (1, 2, 4, 8)}
+        asked = rng.choice([1, 2, 4])
+        running = None
+        if rng.random() < 0.4:
+            for name in ("a100-0", "a100-1"):
+                if used[name] + asked <= 4:
+                    used[name] += asked
+                    running = ("a100", asked, ((name, asked),))
+                    break
+        jobs.append(job(f"j{k}", rates, gpus=asked, submit=rng.uniform(0, 5000), running=running,
+                        iterations=rng.randint(200, 5000), done=rng.uniform(0, 100), last_change=0.0))
+    return snap(jobs)
+
+
+def relaxation_ok(cells, free: FreeGpus) -> bool:
+    """The program's capacity rows, re-derived: per type GPUs, and per node share s."""
+    for gtype, names in free.by_type.items():
+        mine = [c for c in cells if c.gpu_type == gtype]
+        if sum(c.num_gpus for c in mine) > free.free_of_type(gtype):
+            return False
+        for s in (2, 4, 8):
+            need = sum(c.num_gpus for c in mine if min(c.gpus_per_node, c.num_gpus) >= s)
+            if need > sum(free.free[n] // s * s for n in names):
+                return False
+    return True
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_program_answer_equals_brute_force_optimum(seed):
+    s = random_instance(seed)
+    policy = CellsIlpPolicy()
+    options = {}
+    for j in s.jobs:
+        options[j.job_id] = policy.options(s, j, policy.weight(s, j))[0]
+    free = FreeGpus.from_snapshot(s)
+    for j in s.jobs:
+        if j.assignment is not None:
+            free.release(j.assignment.placement)
+    best = -float("inf")
+    for combo in itertools.product(*options.values()):
+        if relaxation_ok([o.cell for o in combo if o.cell is not None], free):
+            best = max(best, sum(o.value for o in combo))
+    got, how = solve_choice(options, free, {j.job_id: j.user for j in s.jobs}, {}, 5.0)
+    assert how == "ILP" and got is not None
+    assert sum(o.value for o in got.values()) == pytest.approx(best, rel=1e-6)
+    assert relaxation_ok([o.cell for o in got.values() if o.cell is not None], free)
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("solvers", [("highs", "cbc"), ()])
+def test_decisions_never_over_commit_types_or_nodes(seed, solvers):
+    s = random_instance(100 + seed, n_jobs=7)
+    d = CellsIlpPolicy(solvers=solvers).decide(s)
+    validate_decision(s, d)  # raises on an over-committed node or a wrong-type placement
+    final = final_assignments(s, d)
+    capacity = s.gpus_by_type()
+    for gtype in capacity:
+        assert sum(a.num_gpus for a in final.values() if a and a.cell.gpu_type == gtype) <= capacity[gtype]
+    for a in final.values():
+        if a is not None:  # the Cell's own layout, as estimated (and measured)
+            assert all(g == min(a.cell.gpus_per_node, a.cell.num_gpus) for _, g in a.placement)
+
+
+def crowded():
+    """Three pending jobs that each want the whole a100 node; only one fits."""
+    rates = {("a100", 4): 40.0}
+    jobs = [job(f"p{k}", rates, gpus=4, submit=float(k), iterations=1000 * (k + 1)) for k in range(3)]
+    return snap(jobs, nodes(a100=1, v100=0))
+
+
+def test_no_solver_means_greedy_answer_that_is_valid_and_uses_the_gpus():
+    s = crowded()
+    assert solve_choice({}, FreeGpus.from_snapshot(s), {}, {}, 1.0, solvers=())[0] == {}
+    d = CellsIlpPolicy(solvers=()).decide(s)
+    validate_decision(s, d)
+    started = [x.job_id for x in d.jobs if x.assignment is not None]
+    assert started == ["p0"]  # the shortest job, by weight
+    assert "greedy" in d.for_job("p0").reason
+
+
+def test_ilp_prefers_the_job_closest_to_finishing():
+    s = crowded()
+    d = CellsIlpPolicy().decide(s)
+    validate_decision(s, d)
+    assert [x.job_id for x in d.jobs if x.assignment is not None] == ["p0"]
+    assert "ILP" in d.for_job("p0").reason
+
+
+def test_aging_lets_a_long_waiting_job_overtake_a_short_newcomer():
+    rates = {("a100", 4): 40.0}
+    old = job("old", rates, gpus=4, submit=0.0, iterations=4000)
+    new = job("new", rates, gpus=4, submit=99_000.0, iterations=1000)
+    s = snap([old, new], nodes(a100=1, v100=0), now=100_000.0)
+    d = CellsIlpPolicy(aging_s=3600.0).decide(s)
+    assert d.for_job("old").assignment is not None and d.for_job("new").assignment is None
+
+
+def guaranteed_instance(guaranteed):
+    # The running job asked for 4 a100; a short newcomer would like the node, and the
+    # running job could be squeezed to 2 GPUs (slower than what it asked for).
+    rates = {("a100", 2): 20.0, ("a100", 4): 40.0}
+    placement = (("a100-0", 4),)
+    r = job("r", rates, gpus=4, running=("a100", 4, placement), iterations=100_000, guaranteed=guaranteed,
+            last_change=0.0)
+    p = job("p", {("a100", 2): 20.0, ("a100", 4): 40.0}, gpus=4, submit=9_000.0, iterations=200)
+    return snap([r, p], nodes(a100=1, v100=0), restart_cost_s=10.0)
+
+
+def test_guaranteed_job_keeps_at_least_its_requested_throughput():
+    free_for_all = CellsIlpPolicy().decide(guaranteed_instance(False))
+    assert final_assignments(guaranteed_instance(False), free_for_all)["r"] != \
+        guaranteed_instance(False).job("r").assignment  # without the guarantee it gives way
+    s = guaranteed_instance(True)
+    d = CellsIlpPolicy().decide(s)
+    validate_decision(s, d)
+    a = final_assignments(s, d)["r"]
+    assert a is not None and a.cell.num_gpus == 4
+
+
+def test_deadline_is_a_constraint_and_a_missed_one_is_reported():
+    rates = {("a100", 1): 10.0, ("a100", 4): 40.0}
+    # 1000 iterations × 64 samples: 6400 s on one GPU, 1600 s on four.
+    tight = job("tight", rates, gpus=1, iterations=1000, deadline=10_000.0 + 3000.0)
+    hopeless = job("hopeless", rates, gpus=1, iterations=1000, deadline=10_000.0 + 100.0, user="v")
+    s = snap([tight, hopeless], nodes(a100=2, v100=0), restart_cost_s=10.0)
+    d = CellsIlpPolicy().decide(s)
+    validate_decision(s, d)
+    assert d.for_job("tight").assignment.cell.num_gpus == 4
+    assert "deadline" in d.for_job("hopeless").reason
+
+
+def test_share_limit_caps_a_users_gpus():
+    rates = {("a100", 4): 40.0}
+    jobs = [job(f"p{k}", rates, gpus=4, submit=float(k), user="alice") for k in range(2)]
+    s = snap(jobs, nodes(a100=2, v100=0))
+    assert sum(1 for x in CellsIlpPolicy().decide(s).jobs if x.assignment) == 2
+    d = CellsIlpPolicy(share_limits={"alice": 0.5}).decide(s)
+    validate_decision(s, d)
+    assert sum(x.assignment.num_gpus for x in d.jobs if x.assignment) == 4
+
+
+def test_restart_penalty_and_min_interval_keep_a_running_job_in_place():
+    rates = {("a100", 2): 20.0, ("a100", 4): 38.0}
+    r = job("r", rates, gpus=2, running=("a100", 2, (("a100-0", 2),)), iterations=2000, last_change=0.0)
+    s = snap([r], nodes(a100=1, v100=0), restart_cost_s=600.0)
+    # Growing to 4 GPUs saves ~1700 s of 3200 but a restart costs 600 s: worth it.
+    assert final_assignments(s, CellsIlpPolicy().decide(s))["r"].cell.num_gpus == 4
+    recent = snap([job("r", rates, gpus=2, running=("a100", 2, (("a100-0", 2),)), iterations=2000,
+                       last_change=9_500.0)], nodes(a100=1, v100=0), restart_cost_s=600.0)
+    assert final_assignments(recent, CellsIlpPolicy().decide(recent))["r"].cell.num_gpus == 2
+    sticky = snap([job("r", rates, gpus=2, running=("a100", 2, (("a100-0", 2),)), iterations=2000,
+                       last_change=0.0, restarts=5)], nodes(a100=1, v100=0), restart_cost_s=600.0)
+    assert final_assignments(sticky, CellsIlpPolicy().decide(sticky))["r"].cell.num_gpus == 2
+    assert final_assignments(sticky, CellsIlpPolicy(restart_penalty=False).decide(sticky))["r"].cell.num_gpus == 4
+
+
+def test_ablations_restrict_type_and_count():
+    rates = {("a100", 2): 10.0, ("v100", 2): 30.0, ("v100", 4): 60.0}
+    p = job("p", rates, gpus=2, gpu_type="a100")
+    s = snap([p])
+    assert final_assignments(s, make_policy("cells-ilp").decide(s))["p"].cell.num_gpus == 4
+    assert final_assignments(s, make_policy("cells-ilp-no-count-change").decide(s))["p"].cell == \
+        Cell("v100", 2, 2, 1)
+    assert final_assignments(s, make_policy("cells-ilp-no-type-change").decide(s))["p"].cell.gpu_type == "a100"
+
+
+def test_deterministic_and_skips_an_unchanged_round():
+    s = random_instance(7, n_jobs=7)
+    d1, d2 = CellsIlpPolicy().decide(s), CellsIlpPolicy().decide(s)
+    assert d1 == d2
+    assert isinstance(d1.policy_state, CellsIlpState)
+    # The next snapshot, with the decision applied and nothing else happening, is skipped.
+    final = final_assignments(s, d1)
+    jobs = [JobView(j.job_id, j.user, j.spec, j.submit_time_s, RUNNING if final[j.job_id] else PENDING,
+                    final[j.job_id], j.iterations_done, j.iterations_total, j.restarts, s.now_s,
+                    j.deadline_s, j.guaranteed, j.estimates, j.dp_only_estimates) for j in s.jobs]
+    again = snap(jobs, now=s.now_s + 300.0, state=d1.policy_state)
+    assert CellsIlpPolicy().decide(again).jobs == ()
