@@ -57,6 +57,8 @@ class DaemonConfig:
         backoff_max_s: longest wait between retries while slurmctld does not answer.
         max_annotations_per_round: AdminComment-only updates (why a job waits) per round;
             bounds a round's Slurm calls when thousands of jobs wait.
+        max_new_specs_per_round: new elastic jobs whose spec (batch script) is read per
+            round, oldest first; the rest wait for the next round.
     """
 
     interval_s: float = 60.0
@@ -78,6 +80,7 @@ class DaemonConfig:
     slurm_timeout_s: float = 30.0
     backoff_max_s: float = 300.0
     max_annotations_per_round: int = 40
+    max_new_specs_per_round: int = 50
 
     def partition_map(self) -> dict[str, str]:
         return dict(self.partitions)
@@ -85,7 +88,7 @@ class DaemonConfig:
 
 KEYS = tuple(f.name for f in fields(DaemonConfig))
 _FLOATS = {"interval_s", "poll_s", "rescale_timeout_s", "restart_cost_s", "slurm_timeout_s", "backoff_max_s"}
-_INTS = {"max_gpus", "max_annotations_per_round"}
+_INTS = {"max_gpus", "max_annotations_per_round", "max_new_specs_per_round"}
 _OPTIONAL_INTS = {"metrics_port", "micro_batches"}
 
 

@@ -21,6 +21,7 @@ logged and retried with back-off. Logs are ``key=value`` lines.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -188,11 +189,14 @@ class ManagedJob:
         return max(0.0, now_s - self.slurm.start_time_s) / est.iteration_time_s
 
 
-def estimate_key(spec: ElasticSpec, cluster: ClusterSpec, plan_space: str, cfg: DaemonConfig) -> str:
+@functools.lru_cache(maxsize=4096)
+def estimate_key(spec: ElasticSpec, cluster: ClusterSpec, plan_space: str,
+                 micro_batches: int | None, max_gpus: int) -> str:
+    """The estimate cache's key: everything the estimates depend on."""
     groups = [(g.gpu_type, g.nodes, g.gpus_per_node, g.network.kind, g.network.bandwidth_gbps)
               for g in cluster.node_groups]
     return json.dumps([spec.model, spec.global_batch, spec.num_gpus, spec.gpu_type, plan_space,
-                       cfg.micro_batches, cfg.max_gpus, groups])
+                       micro_batches, max_gpus, groups])
 
 
 def running_assignment(job: SlurmJob, pc: PlanComment, node_types: dict[str, str],
@@ -307,6 +311,8 @@ class RoundReport:
     estimate_s: float = 0.0
     decide_s: float = 0.0
     act_s: float = 0.0
+    new_specs: int = 0
+    unread_specs: int = 0
 
     @property
     def total_s(self) -> float:
@@ -353,6 +359,9 @@ class Daemon:
         self._policy_state: object = None
         self._known_ids: set[int] = set()
         self._estimates = EstimateCache(store)
+        self._spec_cache: dict[int, tuple[ElasticSpec | None, str | None]] | None = None
+        self._submit_s: dict[int, float] = {}
+        self._new_specs = 0
         self.config = config
         self.policy: Policy = make_policy(config.policy, **dict(config.policy_options))
 
@@ -404,9 +413,11 @@ class Daemon:
                 if not recovered:
                     self.recover()
                     recovered = True
-                self.round(trigger)
+                report = self.round(trigger)
                 self.metrics.round_done(self.clock.now_s() - started_s, "ok")
                 backoff_s = 0.0
+                if report.unread_specs:  # a backlog of new jobs: take the next batch soon
+                    backoff_s = min(self.config.interval_s, max(self.config.poll_s, 1.0))
             except SlurmExtError as e:
                 ok = False
                 self.metrics.error("slurm")
@@ -495,12 +506,15 @@ class Daemon:
         part_types = partition_types(nodes, cfg.partition_map())
         cluster = cluster_spec(nodes, part_types, cfg.cluster, cfg.network)
         elastic = [j for j in active if j.is_elastic]
-        cached = self.store.specs()
+        if self._spec_cache is None:  # once per process: what earlier runs parsed
+            self._spec_cache = {job_id: (None if sj is None else ElasticSpec.from_json(sj), err)
+                                for job_id, (sj, err) in self.store.specs().items()}
         active_ids = {j.job_id for j in active}
         if trigger == TRIGGER_ROUND and any(
-                spec is not None and job_id not in active_ids for job_id, (spec, _) in cached.items()):
+                spec is not None and job_id not in active_ids
+                for job_id, (spec, _) in self._spec_cache.items()):
             trigger = TRIGGER_COMPLETION  # a managed job ended since the last round
-        specs, errors = self._specs(elastic, cached, now_s)
+        specs, errors = self._specs(elastic, now_s)
         managed, launching, more_errors = self._managed(elastic, specs, nodes, part_types, cluster, now_s)
         errors += more_errors
         acts = _Acts()
@@ -525,33 +539,49 @@ class Daemon:
         self._act(snapshot, decision, {m.view.job_id: m for m in managed}, part_types, acts)
         if not cfg.dry_run:
             self.store.forget_jobs_except(active_ids)
+        self._spec_cache = {j: v for j, v in self._spec_cache.items() if j in active_ids}
+        self._submit_s = {j: v for j, v in self._submit_s.items() if j in active_ids}
         t4 = time.perf_counter()
         report = RoundReport(trigger, len(active), len(elastic), len(snapshot.jobs), len(errors),
-                             tuple(acts.taken), t1 - t0, t2 - t1, t3 - t2, t4 - t3)
+                             tuple(acts.taken), t1 - t0, t2 - t1, t3 - t2, t4 - t3,
+                             self._new_specs, len(elastic) - len(specs) - len(errors))
         self.metrics.jobs({"active": len(active), "elastic": len(elastic), "managed": len(snapshot.jobs)})
         log.info(kv("round_done", trigger=trigger, jobs=report.jobs, elastic=report.elastic,
                     managed=report.managed, spec_errors=report.spec_errors,
                     actions=len(report.actions), seconds=report.total_s))
         return report
 
-    def _specs(self, elastic: list[SlurmJob], cached: dict[int, tuple[dict | None, str | None]],
-               now_s: float) -> tuple[dict[int, ElasticSpec], list[tuple[SlurmJob, str]]]:
-        """Specs of elastic jobs (parsed once, then from the store) and the spec errors."""
+    def _specs(self, elastic: list[SlurmJob], now_s: float
+               ) -> tuple[dict[int, ElasticSpec], list[tuple[SlurmJob, str]]]:
+        """Specs of elastic jobs and the spec errors.
+
+        A job's spec is parsed once (its batch script read with one Slurm call) and kept in
+        the store; at most ``max_new_specs_per_round`` new ones per round, oldest job first,
+        so a flood of submissions does not stall a round. The rest wait for the next round.
+        """
         specs: dict[int, ElasticSpec] = {}
         errors: list[tuple[SlurmJob, str]] = []
-        for job in elastic:
-            if job.job_id in cached:
-                spec_json, error = cached[job.job_id]
-            else:
+        budget = self.config.max_new_specs_per_round
+        self._new_specs = 0
+        for job in sorted(elastic, key=lambda j: j.job_id):
+            cached = self._spec_cache.get(job.job_id)
+            if cached is None:
+                if budget <= 0:
+                    continue
+                budget -= 1
+                self._new_specs += 1
                 spec_json, error = self._parse(job)
                 if error is not None:
                     self.metrics.error("spec")
                 if not self.config.dry_run:
                     self.store.put_spec(job.job_id, spec_json, error, now_s)
+                cached = (None if spec_json is None else ElasticSpec.from_json(spec_json), error)
+                self._spec_cache[job.job_id] = cached
+            spec, error = cached
             if error is not None:
                 errors.append((job, error))
             else:
-                specs[job.job_id] = ElasticSpec.from_json(spec_json)
+                specs[job.job_id] = spec
         return specs, errors
 
     def _parse(self, job: SlurmJob) -> tuple[dict | None, str | None]:
@@ -576,8 +606,10 @@ class Daemon:
         """Managed jobs with their estimates; jobs Slurm is about to start; estimation errors."""
         cfg = self.config
         candidates = [j for j in elastic if j.job_id in specs]
-        submit_s = self.store.submit_times({j.job_id: j.submit_time_s for j in candidates}) \
-            if not cfg.dry_run else {j.job_id: float(j.submit_time_s) for j in candidates}
+        new = {j.job_id: float(j.submit_time_s) for j in candidates if j.job_id not in self._submit_s}
+        if new:  # the original submit time survives requeues (which reset Slurm's)
+            self._submit_s.update(self.store.submit_times(new) if not cfg.dry_run else new)
+        submit_s = self._submit_s
         progress = self.store.progress()
         node_types = {n.name: node_type(n, part_types) for n in nodes}
         managed: list[ManagedJob] = []
@@ -610,12 +642,13 @@ class Daemon:
                     options = EstimateOptions(plan_space=space, micro_batches=cfg.micro_batches,
                                               max_gpus=cfg.max_gpus)
                     est[space] = self._estimates.get(
-                        estimate_key(spec, cluster, space, cfg),
+                        estimate_key(spec, cluster, space, cfg.micro_batches, cfg.max_gpus),
                         lambda o=options: estimate_job(jspec, cluster, o).cells, now_s)
             except (SpecError, ValueError, KeyError, ArithmeticError) as e:
                 message = f"cannot estimate: {e}"
                 if not cfg.dry_run:
                     self.store.put_spec(job.job_id, None, message, now_s)
+                self._spec_cache[job.job_id] = (None, message)
                 errors.append((job, message))
                 continue
             started_s = float(job.start_time_s or job.submit_time_s)
