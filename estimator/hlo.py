@@ -34,8 +34,9 @@ _OP_RE = re.compile(
     r"(?P<op>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
     r"(?P<start>-start)?\(")
 _ARRAY_RE = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
+_IOTA = r"\[[\d,]+\](?:<=\[[\d,]+\])?(?:T\([\d,]+\))?"
 _GROUPS_RE = re.compile(r"replica_groups=(\{\{[\d,{}\s]*\}\}|\{\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?"
-                        r"|mesh\[[^\]]*\]\s*\{[^}]*\})")
+                        r"|mesh\[[^\]]*\](?:,\s*device_ids=\((?:" + _IOTA + r"|[\d,\s]+)\))?\s*\{[^}]*\})")
 _PAIRS_RE = re.compile(r"source_target_pairs=\{([\d,{}\s]*)\}")
 
 
@@ -98,22 +99,42 @@ def parse_replica_groups(text: str) -> tuple[tuple[int, ...], ...]:
             ids = ids.transpose([int(v) for v in m.group(3).split(",")])
         ids = ids.reshape(out_shape)
         return tuple(tuple(int(v) for v in row) for row in ids.reshape(out_shape[0], -1))
-    m = re.fullmatch(r"mesh\[([^\]]*)\]\s*\{([^}]*)\}", text)
+    m = re.fullmatch(r"mesh\[([^\]]*)\](?:,\s*device_ids=\((.*)\))?\s*\{([^}]*)\}", text)
     if not m:
         raise HloParseError(text, "unknown replica-group spelling")
     axes = re.findall(r"'([^']+)'\s*=\s*(\d+)", m.group(1))
     names = [a for a, _ in axes]
     sizes = [int(s) for _, s in axes]
-    chosen = re.findall(r"'([^']+)'", m.group(2))
+    chosen = re.findall(r"'([^']+)'", m.group(3))
     if any(c not in names for c in chosen):
         raise HloParseError(text, f"group axes {chosen} not in mesh axes {names}")
-    # Devices are numbered row-major over the mesh axes; a group varies the chosen axes.
-    ids = np.arange(math.prod(sizes)).reshape(sizes)
+    # Mesh positions are row-major over the axes; device_ids (default: the identity) says
+    # which device sits at each position. A group varies the chosen axes.
+    ids = _device_ids(m.group(2), math.prod(sizes), text).reshape(sizes)
     keep = [i for i, n in enumerate(names) if n not in chosen]
     vary = [names.index(c) for c in chosen]
     ids = ids.transpose(keep + vary)
     group = math.prod(sizes[i] for i in vary)
     return tuple(tuple(int(v) for v in row) for row in ids.reshape(-1, group))
+
+
+def _device_ids(spec: str | None, count: int, text: str) -> "np.ndarray":
+    """The device at each mesh position: an iota ``[2,2]T(1,0)`` or an explicit list."""
+    if spec is None:
+        return np.arange(count)
+    spec = spec.strip()
+    m = re.fullmatch(r"\[([\d,]+)\](?:<=\[([\d,]+)\])?(?:T\(([\d,]+)\))?", spec)
+    if m:
+        shape = [int(v) for v in (m.group(2) or m.group(1)).split(",")]
+        ids = np.arange(math.prod(shape)).reshape(shape)
+        if m.group(3):
+            ids = ids.transpose([int(v) for v in m.group(3).split(",")])
+        ids = ids.reshape(-1)
+    else:
+        ids = np.array([int(v) for v in spec.split(",") if v.strip()])
+    if ids.size != count:
+        raise HloParseError(text, f"device_ids lists {ids.size} devices for a mesh of {count}")
+    return ids
 
 
 def parse_collectives(hlo_text: str, num_devices: int | None = None) -> tuple[Collective, ...]:

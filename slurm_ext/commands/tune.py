@@ -1,0 +1,120 @@
+"""`slurm-ext tune`: the best parallel plan inside one Cell.
+
+Without ``--stages`` every stage count of the Cell's GPU count is tuned and the best Cell
+wins. ``--measure`` times the best few plans on the devices present (real GPUs, else as
+many CPU devices as the Cell has GPUs) and picks by measurement.
+"""
+
+import json
+import logging
+import os
+
+import click
+
+from estimator.cells import Cell
+from estimator.cluster import load_cluster
+from estimator.errors import SpecError
+from estimator.estimate import EstimateOptions, stage_counts
+from estimator.jobs import JobSpec
+from estimator.models import load_model
+from estimator.tuner import PRUNE_MODES, TuneOptions, TuneResult, tune
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CLUSTER = "crius-1280"
+MEASURE_TOP = 3
+
+
+def _cells(job: JobSpec, cluster_name: str, gpus_per_node: int | None, stages: int | None) -> list[Cell]:
+    cluster = load_cluster(cluster_name)
+    group = cluster.group(job.gpu_type)
+    if gpus_per_node is not None and gpus_per_node < 1:
+        raise SpecError("gpus_per_node", gpus_per_node, "give a positive integer")
+    gpn = min(job.num_gpus, gpus_per_node or group.gpus_per_node)
+    model = load_model(job.model)
+    counts = [stages] if stages else stage_counts(job.num_gpus, model.num_layers)
+    if not counts:
+        raise SpecError("gpus", job.num_gpus, "no stage count fits; give a power-of-two GPU count")
+    return [Cell(job.gpu_type, job.num_gpus, gpn, s) for s in counts]
+
+
+def _measure(job: JobSpec, result: TuneResult) -> TuneResult:
+    """Time the top feasible plans on this machine's devices and re-rank by measurement."""
+    from dataclasses import replace
+
+    # Only reached from the command line: the host device count must be set before JAX
+    # starts, so that a machine without GPUs can still run an N-device plan.
+    flag = f"--xla_force_host_platform_device_count={job.num_gpus}"
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+    import jax
+
+    from estimator.compiled import time_plan
+    from estimator.jax_models import arch_from_model
+
+    devices = jax.devices()
+    if len(devices) < job.num_gpus:
+        raise SpecError("gpus", job.num_gpus, f"--measure needs {job.num_gpus} devices, this machine "
+                        f"has {len(devices)} {devices[0].platform} device(s); run where the Cell is")
+    arch = arch_from_model(load_model(job.model))
+    top = [p for p in result.ranked if p.score.feasible][:MEASURE_TOP]
+    if not top:
+        return result
+    timed = []
+    for p in top:
+        c = p.candidate
+        seconds = time_plan(arch, c.stages, job.global_batch, c.micro_batches, c.remat, devices)
+        log.info("measured %s: %.4f s/iteration", result.plan_string(p), seconds)
+        timed.append(replace(p, measured_s=seconds))
+    timed.sort(key=lambda p: p.measured_s)
+    rest = [p for p in result.ranked if p not in top]
+    return replace(result, ranked=tuple(timed + rest), measured=True)
+
+
+def _text(result: TuneResult, top: int = 5) -> str:
+    lines = [f"cell {result.cell.label()}  prune={result.prune}  "
+             f"candidates evaluated: {result.candidates_evaluated}"]
+    for i, p in enumerate(result.ranked[:top]):
+        s = p.score
+        t = f"{s.iteration_time_s:9.4f} s" if s.feasible else "  infeasible"
+        m = f"  measured {p.measured_s:.4f} s" if p.measured_s is not None else ""
+        why = f"  ({s.reason})" if not s.feasible else ""
+        lines.append(f"{'*' if i == 0 else ' '} {result.plan_string(p):60} {t} "
+                     f"{s.peak_memory_gb:6.1f} GB{m}{why}")
+    if result.best is None or not result.best.score.feasible:
+        lines.append("no feasible plan: try more GPUs, more stages or a larger-memory GPU type")
+    return "\n".join(lines)
+
+
+@click.command("tune")
+@click.option("--model", required=True, help="Built-in model name (e.g. gpt-1.3b) or a model YAML file.")
+@click.option("--global-batch", type=int, required=True, help="Samples per iteration.")
+@click.option("--gpu-type", required=True, help="GPU type of the Cell.")
+@click.option("--gpus", type=int, required=True, help="GPU count of the Cell.")
+@click.option("--gpus-per-node", type=int, help="GPUs per node (default: the cluster's node size).")
+@click.option("--stages", type=int, help="Pipeline stages (default: try every stage count).")
+@click.option("--prune", type=click.Choice(PRUNE_MODES), default="cell", show_default=True,
+              help="cell: Crius/Arena pruning; none: score the whole plan space.")
+@click.option("--measure", is_flag=True, help="Time the best plans on this machine's devices.")
+@click.option("--cluster", default=lambda: os.environ.get("SLURM_EXT_CLUSTER", DEFAULT_CLUSTER),
+              show_default=DEFAULT_CLUSTER, help="Cluster name or YAML (its network and node size).")
+@click.option("--micro-batches", type=int,
+              help="Micro-batch count the search starts from (default: the Cell estimate's).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+def command(model, global_batch, gpu_type, gpus, gpus_per_node, stages, prune, measure, cluster,
+            micro_batches, as_json):
+    """The best parallel plan inside one Cell (per stage dp x tp, micro-batches, remat)."""
+    if stages is not None and stages < 1:
+        raise SpecError("stages", stages, "give a positive integer")
+    job = JobSpec(model, global_batch, gpus, gpu_type)
+    options = TuneOptions(prune=prune, estimate=EstimateOptions(micro_batches=micro_batches))
+    cluster_spec = load_cluster(cluster)
+    results = [tune(job, cell, cluster_spec, options)
+               for cell in _cells(job, cluster, gpus_per_node, stages)]
+    evaluated = sum(r.candidates_evaluated for r in results)
+    best = min(results, key=lambda r: r.best.rank_key() if r.best else (True, float("inf")))
+    from dataclasses import replace
+    best = replace(best, candidates_evaluated=evaluated)
+    if measure:
+        best = _measure(job, best)
+    click.echo(json.dumps(best.to_json()) if as_json else _text(best))

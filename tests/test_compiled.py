@@ -1,0 +1,167 @@
+"""HLO collective parsing, the compile cache, and compiled costs of a stage."""
+
+import json
+
+import pytest
+
+from estimator.hlo import HloParseError, classify_axis, parse_collectives, parse_replica_groups
+
+# Recorded from compiled.as_text() of sharded training steps (JAX 0.10.2, 4 CPU devices as
+# a (dp=2, tp=2) mesh): a gpt-1.3b block and a tiny MoE stage. Metadata trimmed.
+RECORDED = """\
+  %param.1 = f16[4,1024,2048]{2,1,0} parameter(1), sharding={devices=[2,1,1,2]<=[4] last_tile_dim_replicate}
+GPT
+MOE
+  ROOT %tuple = (f32[2]{0}) tuple(%x)
+"""
+RECORDED = RECORDED.replace("GPT", """%all-reduce.17 = (f32[2048]{0}, f32[2048]{0}, f32[2048]{0}, f32[2048]{0}) all-reduce(%ynn_fusion.8, %ynn_fusion.7, %ynn_fusion.6, %ynn_fusion.5), channel_id=8, replica_groups=mesh['axis_0'=2,'axis_1'=1,'axis_2'=1,'axis_3'=2] {'axis_0'}, use_global_device_ids=true, to_apply=%region_26.0.clone
+%all-reduce.15 = f16[4,1024,2048]{2,1,0} all-reduce(%convert_bitcast_fusion), channel_id=16, replica_groups=[2,2]<=[4], use_global_device_ids=true, to_apply=%add.7.clone""").replace("MOE", """%all-reduce = f32[2,64,64]{2,1,0} all-reduce(%bitcast_select_fusion), channel_id=5, replica_groups=[2,2]<=[4], use_global_device_ids=true, to_apply=%add.1.clone
+%all-reduce.2 = f32[2,64]{1,0} all-reduce(%bitcast_reduce_fusion), channel_id=7, replica_groups=mesh['axis_0'=2,'axis_1'=1,'axis_2'=2] {'axis_2'}, use_global_device_ids=true, to_apply=%region_8.9.clone
+%all-gather = f32[2,64,2]{1,0,2} all-gather(%bitcast.23), channel_id=9, replica_groups=[2,2]<=[4], dimensions={2}, use_global_device_ids=true
+%all-reduce.39 = (f32[64]{0}, f32[64]{0}, f32[64,64]{1,0}, f32[64,64]{1,0}, f32[64]{0}, /*index=5*/f32[3,2,16]{2,1,0}, f32[64]{0}, f32[64]{0}, f32[64]{0}, f32[64]{0}, /*index=10*/f32[2,64]{1,0}, f32[2,128,64]{2,1,0}, f32[64,2,16]{2,1,0}, f32[2,64,128]{2,1,0}, f32[3,2,16,64]{3,2,1,0}) all-reduce(%ynn_fusion.21, %ynn_fusion.20, %ynn_fusion.16, %wrapped_scatter.1, %ynn_fusion.13, /*index=5*/%ynn_fusion.12, %ynn_fusion.11, %ynn_fusion.10, %ynn_fusion.9, %ynn_fusion.8, /*index=10*/%ynn_fusion.7, %ynn_fusion.6, %bitcast.82, %ynn_fusion.3, %bitcast.85), channel_id=24, replica_groups=mesh['axis_0'=2,'axis_1'=1,'axis_2'=1,'axis_3'=2] {'axis_0'}, use_global_device_ids=true, to_apply=%region_41.42.clone
+%all-reduce.40 = (f32[], f32[], f32[], f32[], f32[], /*index=5*/f32[], f32[]) all-reduce(%ynn_fusion.14, %multiply_reduce_fusion, %wrapped_reduce.2, %wrapped_reduce.3, %wrapped_reduce.4, /*index=5*/%wrapped_reduce.5, %wrapped_reduce.6), channel_id=32, replica_groups=mesh['axis_0'=2,'axis_1'=1,'axis_2'=2], device_ids=([2,2]T(1,0)) {'axis_0'}, use_global_device_ids=true, to_apply=%region_57.58.clone""")
+
+# Not produced by the CPU compiles above; spelled as XLA prints them for GPU programs.
+XLA_SYNTAX = """\
+%reduce-scatter.1 = f32[128,64]{1,0} reduce-scatter(f32[512,64]{1,0} %p), channel_id=3, replica_groups={{0,1,2,3}}, dimensions={0}, to_apply=%add
+%all-to-all.2 = bf16[8,256]{1,0} all-to-all(bf16[8,256]{1,0} %q), channel_id=4, replica_groups={{0,2},{1,3}}, dimensions={0}
+%collective-permute.3 = f16[16,32]{1,0} collective-permute(f16[16,32]{1,0} %r), channel_id=5, source_target_pairs={{0,1},{1,2},{2,3}}
+%all-gather-start = (f32[4,8]{1,0}, f32[16,8]{1,0}) all-gather-start(f32[4,8]{1,0} %s), channel_id=6, replica_groups=[1,4]<=[4], dimensions={0}, use_global_device_ids=true
+%all-gather-done = f32[16,8]{1,0} all-gather-done((f32[4,8]{1,0}, f32[16,8]{1,0}) %all-gather-start)
+%all-reduce-start = f32[1024]{0} all-reduce-start(f32[1024]{0} %t), channel_id=7, replica_groups={}, to_apply=%add
+%all-reduce-done = f32[1024]{0} all-reduce-done(f32[1024]{0} %all-reduce-start)
+"""
+
+
+def test_recorded_collectives_bytes_groups_and_axes():
+    colls = {c.name: c for c in parse_collectives(RECORDED, 4)}
+    assert len(colls) == 7  # parameters and tuples are not collectives
+    # A tuple all-reduce sums its members: four fp32 vectors of 2048.
+    assert colls["all-reduce.17"].bytes == 4 * 2048 * 4
+    assert classify_axis(colls["all-reduce.17"].groups, 2, 2) == "dp"
+    # Megatron's per-layer activation all-reduce: fp16 [4,1024,2048] over tp.
+    assert colls["all-reduce.15"].bytes == 4 * 1024 * 2048 * 2
+    assert colls["all-reduce.15"].groups == ((0, 1), (2, 3))
+    assert classify_axis(colls["all-reduce.15"].groups, 2, 2) == "tp"
+    assert colls["all-reduce.2"].groups == ((0, 1), (2, 3))  # mesh form over the last axis
+    assert colls["all-gather"].kind == "all-gather" and colls["all-gather"].bytes == 2 * 64 * 2 * 4
+    # /*index=5*/ comments inside a tuple shape are skipped, every member counted.
+    assert colls["all-reduce.39"].bytes > 64 * 64 * 4 * 2
+    assert classify_axis(colls["all-reduce.39"].groups, 2, 2) == "dp"
+    # Scalars count 4 bytes each; device_ids=([2,2]T(1,0)) permutes the mesh positions.
+    assert colls["all-reduce.40"].bytes == 7 * 4
+    assert colls["all-reduce.40"].groups == ((0, 1), (2, 3))
+
+
+def test_xla_syntax_kinds_async_and_byte_conventions():
+    colls = {c.name: c for c in parse_collectives(XLA_SYNTAX, 4)}
+    assert set(colls) == {"reduce-scatter.1", "all-to-all.2", "collective-permute.3",
+                          "all-gather-start", "all-reduce-start"}  # -done halves not counted twice
+    assert colls["reduce-scatter.1"].bytes == 512 * 64 * 4  # the input: result × group size
+    assert colls["all-to-all.2"].bytes == 8 * 256 * 2 and colls["all-to-all.2"].group_size == 2
+    assert classify_axis(colls["all-to-all.2"].groups, 2, 2) == "dp"
+    assert colls["collective-permute.3"].groups == ((0, 1), (1, 2), (2, 3))
+    assert colls["all-gather-start"].bytes == 16 * 8 * 4  # the gathered result
+    assert colls["all-reduce-start"].group_size == 4  # {} = every device
+
+
+def test_replica_group_spellings_agree():
+    explicit = parse_replica_groups("{{0,2},{1,3}}")
+    assert parse_replica_groups("[2,2]<=[2,2]T(1,0)") == explicit
+    assert parse_replica_groups("mesh['dp'=2,'tp'=2] {'dp'}") == explicit
+    assert parse_replica_groups("mesh['dp'=2,'tp'=2] {'tp'}") == ((0, 1), (2, 3))
+    assert parse_replica_groups("mesh['a'=2,'b'=2,'c'=2] {'a','c'}") == (
+        (0, 1, 4, 5), (2, 3, 6, 7))
+
+
+def test_malformed_collective_lines_raise_with_the_line():
+    with pytest.raises(HloParseError, match="q7"):
+        parse_collectives("%x = q7[4]{0} all-reduce(%y), replica_groups={{0,1}}")
+    with pytest.raises(HloParseError, match="all devices"):
+        parse_collectives("%x = f32[4]{0} all-reduce(%y), replica_groups={}")
+
+
+# --------------------------------------------------------------------------- cache
+
+def _request(**changes):
+    from estimator.compiled import StageRequest
+    from estimator.jax_models import Arch
+    arch = Arch("gpt", hidden=64, num_blocks=2, heads=4, vocab=128, seq_len=32, compute_dtype="fp32")
+    base = dict(model="tiny", arch=arch, layer_start=1, layer_end=3, dp=2, tp=2, micro_batch=4,
+                remat=False, target="cpu")
+    base.update(changes)
+    return StageRequest(**base)
+
+
+def test_cache_key_changes_with_every_input():
+    from dataclasses import replace
+
+    from estimator.compiled import cache_key
+    base = _request()
+    variants = [
+        _request(model="other"), _request(layer_start=0), _request(layer_end=4),
+        _request(dp=4, micro_batch=8), _request(dp=1), _request(tp=1), _request(micro_batch=8),
+        _request(remat=True), _request(target="h100"),
+        _request(arch=replace(base.arch, compute_dtype="bf16")),
+        _request(arch=replace(base.arch, hidden=128)),
+    ]
+    keys = {cache_key(base, "0.10.2")} | {cache_key(v, "0.10.2") for v in variants}
+    assert len(keys) == len(variants) + 1
+    assert cache_key(base, "0.10.2") != cache_key(base, "0.10.3")
+    assert cache_key(base, "0.10.2") == cache_key(_request(), "0.10.2")  # deterministic
+
+
+def test_cached_result_is_returned_without_compiling(tmp_path):
+    from estimator.compiled import (CollectiveTotal, CompiledStage, cache_key, compile_stages,
+                                    installed_jax_version)
+    req = _request()
+    key = cache_key(req, installed_jax_version())
+    stored = CompiledStage(key, 1.5e9, 2.0e8, 1e6, (CollectiveTotal("all-reduce", "tp", 3, 4096),),
+                           None, "cpu", 0.5, installed_jax_version())
+    path = tmp_path / "compiled" / f"{key}.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(stored.to_json()))
+    # The cached entry comes back as is (a real compile would give other numbers).
+    assert compile_stages([req], tmp_path) == [stored]
+    assert stored.collective_bytes("tp") == {"all-reduce": 4096}
+    assert stored.collective_bytes("dp") == {}
+
+
+def test_request_validation_quotes_bad_values():
+    from estimator.errors import SpecError
+    with pytest.raises(SpecError, match="micro_batch=3"):
+        _request(micro_batch=3)  # not a multiple of dp=2
+    with pytest.raises(SpecError, match="target='tpu'"):
+        _request(target="tpu")
+
+
+# --------------------------------------------------------------------------- compiling
+
+
+SMALL_YAML = "hidden: 256\nlayers: 2\nheads: 4\nsequence: 128\nvocab: 512\ndtype: fp32\n"
+
+
+def test_compiled_flops_match_analytic_and_collectives_follow_the_plan(tmp_path):
+    from estimator.compiled import StageRequest, compile_stages
+    from estimator.jax_models import arch_from_model
+    from estimator.models import load_model
+    model_path = tmp_path / "small.yaml"
+    model_path.write_text(SMALL_YAML)
+    spec = load_model(str(model_path))
+    arch = arch_from_model(spec)
+    reqs = [StageRequest("small", arch, 1, 3, dp, tp, 8, False) for dp, tp in ((1, 1), (2, 2), (4, 1))]
+    # This process may already run JAX on one device: the compiles go to a spawn worker.
+    one, hybrid, dp4 = compile_stages(reqs, tmp_path / "cache")
+    fwd_per_sample = sum(layer.flops_fwd for layer in spec.layers[1:3])
+    for c, dp, tp in ((one, 1, 1), (hybrid, 2, 2), (dp4, 4, 1)):
+        analytic = 3 * fwd_per_sample * 8 / dp / tp  # forward + backward, no remat
+        assert abs(c.flops_per_device / analytic - 1) < 0.05, (dp, tp, c.flops_per_device, analytic)
+    assert one.collectives == ()
+    # tp: per-layer activation all-reduces (fp32 [micro/dp, s, h]); dp: the gradient sync.
+    tp_bytes = hybrid.collective_bytes("tp")["all-reduce"]
+    assert tp_bytes >= 2 * 2 * (8 // 2) * 128 * 256 * 4  # ≥ 2 per layer forward, 2 layers
+    grads = sum(layer.params for layer in spec.layers[1:3]) * 4
+    assert abs(dp4.collective_bytes("dp")["all-reduce"] / grads - 1) < 0.05
+    assert "tp" not in {c.axis for c in dp4.collectives}
+    # The results were cached under the caller's directory.
+    assert len(list((tmp_path / "cache" / "compiled").glob("*.json"))) == 3
