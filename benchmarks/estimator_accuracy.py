@@ -132,7 +132,8 @@ def evaluate(rows: list[Row], options: EstimateOptions) -> dict:
 
 
 def fit(rows: list[Row]) -> dict[str, Efficiency]:
-    """Robust least squares (soft L1) on log(estimate / measured) over the fit subset, per
+    """Robust least squares (soft L1) on the relative error (estimate − measured) / measured —
+    the quantity the accuracy reports — over the fit subset, per
     GPU type: a few rows the physics cannot explain do not pull the others."""
     import numpy as np
     from scipy.optimize import least_squares
@@ -148,7 +149,7 @@ def fit(rows: list[Row]) -> dict[str, Efficiency]:
             res = []
             for r in subset:
                 b = estimate_row(r, opts)
-                res.append(np.log((b.iteration_time_s if b else 1e3) / r.measured_s))
+                res.append((b.iteration_time_s if b else 1e3) / r.measured_s - 1.0)
             return np.array(res)
 
         x0 = [0.6, 0.4, 0.6, 200.0, 5.0, 0.5]

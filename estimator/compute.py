@@ -36,10 +36,10 @@ class Efficiency:
 # third of the measured table, chosen by a hash of each row's key); the other rows measure
 # accuracy. GPU types without measurements get the median of each fitted field.
 FITTED_EFFICIENCY: dict[str, Efficiency] = {
-    "a100": Efficiency(0.85, 0.6629, 0.4653, 76e-6, 58.5, 0.8758),
-    "v100": Efficiency(0.7911, 0.6423, 0.4379, 630e-6, 64.9, 1.0),
-    "a40": Efficiency(0.6212, 0.2677, 0.9, 33e-6, 54.9, 0.1502),
-    "a10": Efficiency(0.6985, 0.2635, 0.5058, 0.0, 61.7, 0.3203),
+    "a100": Efficiency(0.6602, 0.6559, 0.8875, 6e-6, 59.8, 0.9968),
+    "v100": Efficiency(0.7945, 0.7065, 0.6329, 456e-6, 63.7, 1.0),
+    "a40": Efficiency(0.6866, 0.2993, 0.9, 438e-6, 4.9, 0.1508),
+    "a10": Efficiency(0.5247, 0.2173, 0.823, 140e-6, 19.1, 0.3874),
 }
 DEFAULT_EFFICIENCY = Efficiency(*(
     sorted(getattr(e, f) for e in FITTED_EFFICIENCY.values())[len(FITTED_EFFICIENCY) // 2]

@@ -155,6 +155,15 @@ def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan) ->
                 t, src = _comm(ctx, "all-to-all", tp, tp_span, layer.alltoall_bytes * micro)
                 comm_s += comm_passes * t
                 sources.add(src)
+    if dp > 1:
+        # Batch statistics are global under SPMD data parallelism: every BatchNorm all-reduces
+        # its per-channel sums across the data-parallel group, forward and backward.
+        dp_span = _span(first_device, dp, tp, gpn)
+        for layer in layers:
+            if layer.batch_stat_syncs:
+                t, src = _comm(ctx, "all-reduce", dp, dp_span, layer.batch_stat_bytes)
+                comm_s += comm_passes * layer.batch_stat_syncs * t
+                sources.add(src)
     send_s = 0.0
     if index < ctx.cell.num_stages - 1:
         # Activations forward and their gradients back, each replica to its counterpart.

@@ -48,6 +48,8 @@ class LayerSpec:
     output_bytes: float  # the layer's output: kept under remat, sent between stages
     tp_allreduce_bytes: float  # Megatron tensor parallelism: forward all-reduce payload
     alltoall_bytes: float = 0.0  # expert dispatch + combine payload (MoE)
+    batch_stat_syncs: int = 0  # BatchNorm layers: each reduces batch statistics across dp
+    batch_stat_bytes: float = 0.0  # payload of one such reduction (sums per channel, fp32)
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,11 @@ def _moe_layer(i: int, s: int, h: int, a: int, experts: int, d: int) -> LayerSpe
     split = ((8 + 0) * s * h + 5 * a * s * s) * d / 2 \
         + tokens_routed * (3 + 4 * 8) * h * d / 2 \
         + 2 * s * experts * capacity * d  # dispatch mask and combine weights
-    elementwise = shared + split
+    # Top-2 routing over [S, E, C] (fp32): per choice a one-hot of positions and a gated
+    # product, each written and read (2 × 16 B); then their sum, the dispatch mask and the
+    # fp16 casts feeding the two einsums (16 B). Memory-bound work beyond the kept tensors.
+    routing = (2 * 16 + 16) * s * experts * capacity
+    elementwise = shared + split + routing
     # GShard all-to-all: dispatch and combine each move the routed tokens once.
     alltoall = 2 * tokens_routed * h * d
     return LayerSpec(f"layer{i}", "moe", params, flops, elementwise, shared + split, shared,
@@ -138,11 +144,11 @@ def wide_resnet(name: str, base_channels: int, width: int, image: int = 224,
     d = 4
     C, W = base_channels, width
 
-    def conv(hw: int, k: int, cin: int, cout: int) -> tuple[int, float, float]:
-        # params, forward FLOPs, output elements; BN adds 2 params per channel.
-        return k * k * cin * cout + 2 * cout, 2.0 * hw * hw * k * k * cin * cout, float(hw * hw * cout)
+    def conv(hw: int, k: int, cin: int, cout: int) -> tuple[int, float, float, int]:
+        # params, forward FLOPs, output elements, channels; BN adds 2 params per channel.
+        return k * k * cin * cout + 2 * cout, 2.0 * hw * hw * k * k * cin * cout, float(hw * hw * cout), cout
 
-    def layer(lname: str, kind: str, convs: list[tuple[int, float, float]], in_elems: float,
+    def layer(lname: str, kind: str, convs: list[tuple[int, float, float, int]], in_elems: float,
               out_elems: float) -> LayerSpec:
         params = sum(c[0] for c in convs)
         flops = sum(c[1] for c in convs)
@@ -151,7 +157,9 @@ def wide_resnet(name: str, base_channels: int, width: int, image: int = 224,
         # BN statistics read the conv output; normalise + ReLU (fused) read and write it.
         moved = sum(3 * c[2] for c in convs) * d + in_elems * d
         tp_bytes = out_elems * d
-        return LayerSpec(lname, kind, params, flops, moved, kept, in_elems * d, out_elems * d, tp_bytes)
+        stat_bytes = 2 * 4 * max(c[3] for c in convs)  # mean and variance per channel
+        return LayerSpec(lname, kind, params, flops, moved, kept, in_elems * d, out_elems * d, tp_bytes,
+                         batch_stat_syncs=len(convs), batch_stat_bytes=stat_bytes)
 
     stem_conv = conv(image // 2, 7, 3, C)
     hw = image // 4  # after the 3x3/2 max-pool
