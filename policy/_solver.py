@@ -45,6 +45,23 @@ class RateTable:
 
     @classmethod
     def of(cls, job: JobView, dp_only: bool) -> "RateTable":
+        """The table of ``job`` (memoized; see ``_build``)."""
+        source = job.dp_only_estimates if dp_only else job.estimates
+        key = (job.job_id, dp_only)
+        hit = _TABLES.get(key)
+        # Estimates are immutable tuples: the same object means the same table. Callers
+        # (the simulator's estimate cache, the daemon's store) hand out the same objects
+        # from one snapshot to the next, so a policy round rebuilds only new jobs' tables.
+        if hit is not None and hit[0] is source and hit[1] == job.spec:
+            return hit[2]
+        table = cls._build(job, dp_only)
+        if len(_TABLES) >= _TABLE_CACHE_SIZE:
+            _TABLES.clear()
+        _TABLES[key] = (source, job.spec, table)
+        return table
+
+    @classmethod
+    def _build(cls, job: JobView, dp_only: bool) -> "RateTable":
         """The table of ``job`` from its Cell estimates or its data-parallel-only ones.
 
         With ``dp_only``, a job whose requested shape (type and count) has no feasible
@@ -76,7 +93,8 @@ class RateTable:
 
     def counts(self, gpu_type: str) -> tuple[int, ...]:
         """The GPU counts with a feasible Cell of ``gpu_type``, ascending."""
-        return tuple(sorted(n for t, n in self.options if t == gpu_type))
+        # options is sorted by (type, count), so this is already ascending.
+        return tuple(n for t, n in self.options if t == gpu_type)
 
     def best(self) -> CellEstimate | None:
         """The fastest feasible Cell of all, or None."""
@@ -88,6 +106,26 @@ class RateTable:
             if e.cell == cell:
                 return e.samples_per_s
         return self.rate(cell.gpu_type, cell.num_gpus)
+
+
+# A pure memo of RateTable.of, bounded; cleared wholesale when full (a cheap, rare rebuild).
+_TABLE_CACHE_SIZE = 20000
+_TABLES: dict[tuple[str, bool], tuple[object, object, RateTable]] = {}
+
+
+def capacity_by_type(snapshot: Snapshot) -> dict[str, int]:
+    """GPU type → GPUs the policy may hand out (``Snapshot.gpus_by_type``, memoized per nodes)."""
+    hit = _CAPACITY.get("last")
+    if hit is not None and hit[0] is snapshot.nodes:
+        return dict(hit[1])
+    out: dict[str, int] = {}
+    for n in snapshot.nodes:
+        out[n.gpu_type] = out.get(n.gpu_type, 0) + max(0, n.total_gpus - n.unmanaged_gpus)
+    _CAPACITY["last"] = (snapshot.nodes, out)
+    return dict(out)
+
+
+_CAPACITY: dict[str, tuple] = {}
 
 
 def _speed_key(e: CellEstimate) -> tuple:

@@ -2,10 +2,11 @@
 
 ElasticFlow (ASPLOS'23) scales each job's GPU *count*; the GPU *type* stays what the job
 asked for (it knows homogeneous GPUs only) and a job sees data-parallel performance only.
-With deadlines set "long enough" (the papers' "Improvement in CE" setting), per GPU type:
+In throughput mode — deadlines set "long enough", the papers' "Improvement in CE" setting —
+per GPU type:
 
-1. **Minimum satisfactory share**: the smallest count on which the job runs (and, when it
-   has a deadline, finishes by it).
+1. **Minimum satisfactory share**: the smallest count on which the job runs (with
+   ``deadline_aware=True``, the smallest that also finishes it by its deadline).
 2. **Admission control** (FIFO): a pending job is admitted when the minimum shares of the
    running jobs and of every job admitted before it fit the type's GPUs; the first job that
    does not fit blocks the type's queue (the Arena baseline's rule).
@@ -18,10 +19,11 @@ Jobs whose count does not change keep their nodes; the rest are placed largest f
 
 from __future__ import annotations
 
+import heapq
 import logging
 
 from estimator.cells import Cell
-from policy._solver import RateTable, realize, requested_count
+from policy._solver import RateTable, capacity_by_type, realize, requested_count
 from policy.interface import Decision, JobView, Snapshot
 
 log = logging.getLogger(__name__)
@@ -32,16 +34,19 @@ class ElasticFlowPolicy:
 
     Args:
         min_gain_frac: a doubling must raise the job's throughput by this fraction.
+        deadline_aware: size minimum shares by deadlines (ElasticFlow's deadline mode);
+            off by default, the throughput mode the Crius and Arena papers compared with.
     """
 
     name = "elasticflow"
 
-    def __init__(self, min_gain_frac: float = 0.0):
+    def __init__(self, min_gain_frac: float = 0.0, deadline_aware: bool = False):
         self.min_gain_frac = min_gain_frac
+        self.deadline_aware = deadline_aware
 
     def decide(self, snapshot: Snapshot) -> Decision:
         """Admit by minimum share per GPU type, then double the best marginal gains."""
-        capacity = snapshot.gpus_by_type()
+        capacity = capacity_by_type(snapshot)
         tables = {j.job_id: RateTable.of(j, dp_only=True) for j in snapshot.jobs}
         wanted: dict[str, Cell | None] = {}
         reasons: dict[str, str] = {}
@@ -67,7 +72,7 @@ class ElasticFlowPolicy:
         blocked = False
         # ``jobs`` is in submission order; a stable sort puts running jobs first.
         for job in sorted(jobs, key=lambda j: j.assignment is None):
-            m = _min_share(snapshot, job, tables[job.job_id], gtype)
+            m = _min_share(snapshot, job, tables[job.job_id], gtype, self.deadline_aware)
             if job.assignment is None and (blocked or m is None or m > left):
                 blocked = blocked or m is not None
                 wanted[job.job_id] = None
@@ -78,28 +83,28 @@ class ElasticFlowPolicy:
                 m = job.cell.num_gpus
             share[job.job_id] = m
             left -= m
-        # 3: doublings by marginal throughput per added GPU.
-        while left > 0:
-            best = None
-            for i, n in share.items():
-                t = tables[i]
-                bigger = [c for c in t.counts(gtype) if c > n]
-                if not bigger:
-                    continue
-                m = min(bigger)
-                if m - n > left:
-                    continue
-                cur, new = t.rate(gtype, n), t.rate(gtype, m)
-                if new <= cur * (1 + self.min_gain_frac):
-                    continue
-                key = ((new - cur) / (m - n), -n)
-                if best is None or key > best[0]:
-                    best = (key, i, m)
-            if best is None:
-                break
-            _, i, m = best
-            left -= m - share[i]
+        # 3: doublings by marginal throughput per added GPU, best first (a heap of offers).
+        rank = {j.job_id: k for k, j in enumerate(jobs)}
+        offers: list[tuple] = []
+
+        def offer(i: str) -> None:
+            t, n = tables[i], share[i]
+            m = next((c for c in t.counts(gtype) if c > n), None)
+            if m is None:
+                return
+            cur, new = t.rate(gtype, n), t.rate(gtype, m)
+            if new > cur * (1 + self.min_gain_frac):
+                heapq.heappush(offers, (-(new - cur) / (m - n), n, rank[i], i, m))
+
+        for i in share:
+            offer(i)
+        while offers and left > 0:
+            _, n, _, i, m = heapq.heappop(offers)
+            if m - n > left:  # never affordable again: what is left only shrinks
+                continue
+            left -= m - n
             share[i] = m
+            offer(i)
         by_id = {j.job_id: j for j in jobs}
         for i, n in share.items():
             job = by_id[i]
@@ -126,10 +131,11 @@ def _home_type(job: JobView, table: RateTable, capacity: dict[str, int]) -> str 
     return max(rated)[1] if rated else None
 
 
-def _min_share(snapshot: Snapshot, job: JobView, table: RateTable, gtype: str) -> int | None:
-    """The smallest feasible count on ``gtype`` (that meets the deadline, when there is one)."""
+def _min_share(snapshot: Snapshot, job: JobView, table: RateTable, gtype: str,
+               deadline_aware: bool) -> int | None:
+    """The smallest feasible count on ``gtype`` (that meets the deadline, in deadline mode)."""
     for n in table.counts(gtype):
-        if job.deadline_s is None:
+        if job.deadline_s is None or not deadline_aware:
             return n
         e = table.options[(gtype, n)][0]
         finish = snapshot.now_s + snapshot.restart_cost_s + job.remaining_iterations * e.iteration_time_s

@@ -28,7 +28,7 @@ import logging
 from dataclasses import dataclass
 
 from estimator.cells import Cell
-from policy._solver import RateTable, realize, solve_binary_program
+from policy._solver import RateTable, capacity_by_type, realize, solve_binary_program
 from policy.interface import Decision, JobView, Snapshot
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ class SiaPolicy:
         running = [j for j in snapshot.jobs if j.assignment is not None]
         pending = [j for j in snapshot.jobs if j.assignment is None][: self.max_pending]
         configs = {j.job_id: self._configs(snapshot, j) for j in running + pending}
-        capacity = snapshot.gpus_by_type()
+        capacity = capacity_by_type(snapshot)
         chosen = self._solve(running, pending, configs, capacity)
         reasons: dict[str, str] = {}
         if chosen is None:
