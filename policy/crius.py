@@ -246,11 +246,12 @@ class _Round:
     def _search_and_apply(self, job: JobView, cands) -> bool:
         root = _Plan(self.free.copy(), {i: a for i, a in self.assign.items() if a is not None}, 0.0)
         frontier = [root]
+        target_types = frozenset(c.cell.gpu_type for c in cands)
         best: tuple[float, _Plan, CellEstimate] | None = None
         for _ in range(self.p.search_depth):
             nxt = []
             for plan in frontier:
-                for child in self._children(plan, job.job_id):
+                for child in self._children(plan, target_types):
                     self.plans_left -= 1
                     e = next((c for c in cands if fits(child.free, c.cell)), None)
                     if e is not None:
@@ -280,20 +281,23 @@ class _Round:
                     f"started on {e.cell.label()} after {', '.join(plan.steps)} (gain {total:+.2f})")
         return True
 
-    def _children(self, plan: _Plan, target: str) -> list[_Plan]:
+    def _children(self, plan: _Plan, target_types: frozenset[str]) -> list[_Plan]:
+        by_type: dict[str, list[tuple[str, Assignment]]] = {}
+        for i, a in plan.assign.items():
+            by_type.setdefault(a.cell.gpu_type, []).append((i, a))
+        free_by_type = {t: plan.free.free_of_type(t) for t in self.types}
         out = []
         for gtype in self.types:
-            c = self._shrink_one(plan, gtype)
+            c = self._shrink_one(plan, gtype, by_type.get(gtype, []))
             if c is not None:
                 out.append(c)
-        c = self._change_type_one(plan, target)
+        c = self._change_type_one(plan, free_by_type, target_types)
         if c is not None:
             out.append(c)
         return out
 
-    def _shrink_one(self, plan: _Plan, gtype: str) -> _Plan | None:
+    def _shrink_one(self, plan: _Plan, gtype: str, on_type: list) -> _Plan | None:
         """Halve one job of ``gtype``: among the largest ones, the one that loses least."""
-        on_type = [(i, a) for i, a in plan.assign.items() if a.cell.gpu_type == gtype]
         if not on_type:
             return None
         largest = max(a.cell.num_gpus for _, a in on_type)
@@ -325,26 +329,31 @@ class _Round:
                                    f"{i} {a.cell.num_gpus}→{o.cell.num_gpus} {gtype}")
         return None
 
-    def _change_type_one(self, plan: _Plan, target: str) -> _Plan | None:
-        """Move one job to another GPU type, same count: the move of largest gain."""
+    def _change_type_one(self, plan: _Plan, free_by_type: dict[str, int],
+                         target_types: frozenset[str]) -> _Plan | None:
+        """Move one job off a type the arrival can use, same count: the move of largest gain."""
         best = None
         for i, a in plan.assign.items():
+            if a.cell.gpu_type not in target_types:
+                continue
             t = self.tables[i]
-            cur = t.rate_of_cell(a.cell)
+            n = a.cell.num_gpus
+            cur = None
             for gtype in self.types:
-                if gtype == a.cell.gpu_type or t.rate(gtype, a.cell.num_gpus) <= 0:
+                if gtype == a.cell.gpu_type or free_by_type[gtype] < n:
                     continue
-                if plan.free.free_of_type(gtype) < a.cell.num_gpus:
-                    continue
-                opts = [o for o in t.options[(gtype, a.cell.num_gpus)] if self._meets_deadline(self.jobs[i], o)]
+                opts = t.options.get((gtype, n))
                 if not opts:
                     continue
+                cur = t.rate_of_cell(a.cell) if cur is None else cur
                 delta = (opts[0].samples_per_s - cur) / self.ref[i]
-                if best is None or (delta, -self.rank[i]) > best[0]:
-                    fitting = next((o for o in opts if fits(plan.free, o.cell)), None)
-                    if fitting is not None:
-                        best = ((delta, -self.rank[i]), i, a, fitting,
-                                (fitting.samples_per_s - cur) / self.ref[i])
+                if best is not None and (delta, -self.rank[i]) <= best[0]:
+                    continue
+                fitting = next((o for o in opts if self._meets_deadline(self.jobs[i], o)
+                                and fits(plan.free, o.cell)), None)
+                if fitting is not None:
+                    d = (fitting.samples_per_s - cur) / self.ref[i]
+                    best = ((d, -self.rank[i]), i, a, fitting, d)
         if best is None:
             return None
         _, i, a, o, delta = best

@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 MAX_MOVES = 3
 # A move restarts the job; only worth it above this relative throughput gain.
 MIN_MOVE_GAIN_FRAC = 0.05
+# Blocked pending jobs (FIFO) that may look for a running job to move, per decision: the
+# papers' Gavel re-solves on each arrival, one new job at a time.
+MAX_ROOM_SEARCHES = 4
 
 
 class GavelPolicy:
@@ -52,6 +55,7 @@ class GavelPolicy:
         options = {j.job_id: _per_type(j) for j in snapshot.jobs}
         reasons: dict[str, str] = {}
         moves_left = self.max_moves
+        searches_left = MAX_ROOM_SEARCHES
 
         # 1 + 2. Admission in submission order; a blocked job may move one running job away.
         for job in snapshot.jobs:
@@ -68,9 +72,11 @@ class GavelPolicy:
                 assign[job.job_id] = Assignment(e.cell, p)
                 reasons[job.job_id] = f"started on {e.cell.label()} (fastest type with room)"
                 continue
-            if moves_left > 0 and self._make_room(job.job_id, opts, free, assign, options, rank, reasons):
-                moves_left -= 1
-                continue
+            if moves_left > 0 and searches_left > 0:
+                searches_left -= 1
+                if self._make_room(job.job_id, opts, free, assign, options, rank, reasons):
+                    moves_left -= 1
+                    continue
             reasons[job.job_id] = f"waiting for {opts[0].cell.num_gpus} GPUs of any type"
 
         # 3. Re-optimize: running jobs move to a faster type with free GPUs now.
