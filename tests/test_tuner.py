@@ -1,0 +1,173 @@
+"""The plan tuner: the plan space, Crius/Arena pruning, the CLI, and tuned plans that run."""
+
+import contextlib
+import io
+import json
+import math
+import multiprocessing
+
+import pytest
+
+from estimator.cells import Cell, StagePlan
+from estimator.cluster import load_cluster
+from estimator.jobs import JobSpec
+from estimator.plan_string import parse_plan
+from estimator.tuner import (TuneOptions, arena_filter, candidate_partitions, pruned_splits,
+                             stage_splits, tune)
+
+TINY_YAML = "hidden: 32\nlayers: 2\nheads: 2\nsequence: 16\nvocab: 64\ndtype: fp32\n"
+
+
+def test_stage_splits_cover_every_power_of_two_factorisation():
+    assert stage_splits(8) == ((8, 1), (4, 2), (2, 4), (1, 8))
+    assert stage_splits(1) == ((1, 1),)
+    for n in (2, 4, 8, 16):
+        dp_half, tp_half = set(pruned_splits(n, "dp")), set(pruned_splits(n, "tp"))
+        assert (n, 1) in dp_half and (1, n) in tp_half
+        assert (n, 1) not in tp_half and (1, n) not in dp_half
+        assert dp_half | tp_half == set(stage_splits(n))
+    # The √N × √N half-hybrid is in both halves.
+    assert (4, 4) in pruned_splits(16, "dp") and (4, 4) in pruned_splits(16, "tp")
+
+
+def test_candidate_partitions_are_contiguous_and_include_the_balanced_one():
+    base = ((0, 9), (9, 17), (17, 26))
+    parts = candidate_partitions(base, 26, 2)
+    assert parts[0] == base
+    assert len(parts) == 1 + 2 * 2 * 2
+    for p in parts:
+        assert p[0][0] == 0 and p[-1][1] == 26
+        assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(p, p[1:]))
+
+
+def test_arena_filter_drops_dominated_and_more_imbalanced_partitions():
+    metrics = {
+        "balanced": (1.02, 100.0, 3.0),
+        "cheap-cut": (1.10, 50.0, 2.9),  # on the frontier and the best proxy time
+        "dominated": (1.20, 120.0, 3.5),
+        "skewed": (1.30, 40.0, 4.0),  # on the frontier, but more imbalanced than the best
+    }
+    assert set(arena_filter(metrics)) == {"balanced", "cheap-cut"}
+
+
+@pytest.mark.parametrize("model, batch, cell", [
+    ("gpt-1.3b", 256, Cell("a100", 8, 4, 2)),
+    ("wide_resnet-2b", 512, Cell("a100", 16, 4, 4)),
+])
+def test_pruned_tuning_keeps_quality_with_far_fewer_candidates(model, batch, cell):
+    cluster, job = load_cluster("crius-1280"), JobSpec(model, batch)
+    full = tune(job, cell, cluster, TuneOptions(prune="none"))
+    pruned = tune(job, cell, cluster, TuneOptions(prune="cell"))
+    assert full.candidates_evaluated >= 5 * pruned.candidates_evaluated
+    assert full.best.score.feasible and pruned.best.score.feasible
+    assert full.best.score.iteration_time_s <= pruned.best.score.iteration_time_s
+    assert full.best.score.iteration_time_s / pruned.best.score.iteration_time_s >= 0.97
+    # Every plan respects the Cell: dp × tp = the stage's GPUs, layers cover the model.
+    for plan in full.ranked:
+        assert sum(s.num_gpus for s in plan.candidate.stages) == cell.num_gpus
+        assert len(plan.candidate.stages) == cell.num_stages
+    # Ranking: feasible first, then by time.
+    times = [p.score.iteration_time_s for p in full.ranked if p.score.feasible]
+    assert times == sorted(times)
+    # The reported plan string names exactly the best plan.
+    parsed = parse_plan(pruned.plan_string())
+    assert parsed.stage_plans(pruned.default_ranges) == pruned.best.candidate.stages
+    assert parsed.micro_batches == pruned.best.candidate.micro_batches
+
+
+def _cli(argv: list[str]) -> tuple[int, str, str]:
+    from slurm_ext.cli import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(argv)
+    return rc, out.getvalue(), err.getvalue()
+
+
+def test_tune_cli_json_contract():
+    rc, out, _ = _cli(["tune", "--model", "gpt-1.3b", "--global-batch", "256", "--gpu-type", "a100",
+                       "--gpus", "8", "--stages", "2", "--json"])
+    assert rc == 0
+    doc = json.loads(out)
+    assert {"cell", "prune", "candidates_evaluated", "best"} <= set(doc)
+    assert doc["cell"] == "a100x8:s2" and doc["prune"] == "cell"
+    best = doc["best"]
+    assert {"plan", "stages", "iteration_time_s", "peak_memory_gb", "feasible"} <= set(best)
+    plan = parse_plan(best["plan"])
+    assert [[s["dp"], s["tp"]] for s in best["stages"]] == [list(s) for s in plan.stages]
+    assert best["feasible"] and best["iteration_time_s"] > 0
+    # Without --stages every stage count is tuned: more candidates, a best at least as good.
+    rc, out, _ = _cli(["tune", "--model", "gpt-1.3b", "--global-batch", "256", "--gpu-type",
+                       "a100", "--gpus", "8", "--json"])
+    every = json.loads(out)
+    assert every["candidates_evaluated"] > doc["candidates_evaluated"]
+    assert every["best"]["iteration_time_s"] <= best["iteration_time_s"]
+
+
+def test_tune_cli_errors_are_one_line_with_exit_2():
+    rc, out, err = _cli(["tune", "--model", "gpt-1.3b", "--global-batch", "256", "--gpu-type",
+                         "h100", "--gpus", "8", "--cluster", "crius-1280"])
+    assert rc == 2 and out == ""
+    assert err.count("\n") == 1 and "h100" in err
+
+
+# --------------------------------------------------------------------------- running plans
+
+
+def _tune_and_run(model_path: str) -> dict:
+    """In a spawn child with 4 CPU devices: tune a tiny model, run its plan and references."""
+    import jax
+
+    from estimator.compiled import PlanRunner, dummy_batch
+    from estimator.estimate import partition_stages
+    from estimator.jax_models import arch_from_model
+    from estimator.models import load_model
+    spec = load_model(model_path)
+    arch = arch_from_model(spec)
+    batch = 8
+    cell = Cell("a100", 4, 4, 2)
+    result = tune(JobSpec(model_path, batch), cell, load_cluster("crius-1280"), TuneOptions())
+    plan = parse_plan(result.plan_string())
+    stages = plan.stage_plans(partition_stages(spec, cell))
+    x, y = dummy_batch(arch, batch)
+    devices = jax.devices()
+    losses = {}
+    n = arch.num_layers
+    hybrid = (StagePlan(0, n // 2, 1, 2), StagePlan(n // 2, n, 2, 1))
+    for name, st, mb, remat, devs in (
+            ("tuned", stages, plan.micro_batches, plan.remat, devices),
+            ("tuned_ref", (StagePlan(0, n, 1, 1),), plan.micro_batches, False, devices[:1]),
+            ("hybrid", hybrid, 2, True, devices),
+            ("hybrid_ref", (StagePlan(0, n, 1, 1),), 2, False, devices[:1])):
+        runner = PlanRunner(arch, st, batch, mb, remat, devs)
+        state = runner.init(seed=3)
+        state, first = runner.step(state, x, y)
+        _, second = runner.step(state, x, y)
+        losses[name] = (first, second)
+    return {"losses": losses, "plan": result.plan_string(),
+            "evaluated": result.candidates_evaluated}
+
+
+def _measure_cli(model_path: str) -> tuple[int, str, str]:
+    return _cli(["tune", "--model", model_path, "--global-batch", "8", "--gpu-type", "a100",
+                 "--gpus", "2", "--stages", "1", "--measure", "--json"])
+
+
+def test_tuned_plan_trains_like_the_unsharded_model_and_measure_picks_by_time(tmp_path):
+    from estimator.compiled import _worker_init, child_xla_flags
+    model_path = tmp_path / "tiny.yaml"
+    model_path.write_text(TINY_YAML)
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1, initializer=_worker_init, initargs=(child_xla_flags(4),)) as pool:
+        ran = pool.apply(_tune_and_run, (str(model_path),))
+        rc, out, err = pool.apply(_measure_cli, (str(model_path),))
+    losses = ran["losses"]
+    assert ran["plan"].startswith("cell=a100x4:s2 ")
+    for plan, ref in (("tuned", "tuned_ref"), ("hybrid", "hybrid_ref")):
+        for got, want in zip(losses[plan], losses[ref]):
+            assert math.isfinite(got) and got == pytest.approx(want, rel=1e-5, abs=1e-5)
+    assert losses["hybrid"][1] < losses["hybrid"][0]  # the update is applied: loss falls
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["measured"] is True
+    assert doc["best"]["measured_iteration_time_s"] > 0
+    assert parse_plan(doc["best"]["plan"]).num_gpus == 2
