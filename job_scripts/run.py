@@ -43,6 +43,8 @@ EXIT_TERMINATED = 143
 EXIT_BAD_INPUT = 2
 PLAN_ENV = "SLURM_EXT_PLAN"
 CHECKPOINT_ROOT_ENV = "SLURM_EXT_CHECKPOINT_ROOT"
+COMPILE_CACHE_ENV = "SLURM_EXT_COMPILE_CACHE"
+COMPILE_CACHE_DIR = "jax-cache"  # beside the jobs' checkpoint directories
 MEASURED_FILE = "measured.json"
 # Flags that make XLA compile fast on the CPU; fake-device runs test the protocol, and
 # the tiny models they use spend most of their time compiling, not computing.
@@ -84,7 +86,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=int, help="device count (default: the GPUs Slurm granted)")
     p.add_argument("--platform", choices=("auto", "cpu", "gpu"), default="auto")
     p.add_argument("--warmup-steps", type=int, default=2, help="steps not timed after each start")
-    p.add_argument("--compile-cache", help="JAX persistent compilation cache directory")
+    p.add_argument("--compile-cache", help=f"JAX persistent compilation cache directory (else "
+                                           f"${COMPILE_CACHE_ENV}, else ROOT/{COMPILE_CACHE_DIR} "
+                                           "unless --checkpoint-dir is given; '' turns it off)")
     return p
 
 
@@ -118,25 +122,31 @@ def resolve_config(args: argparse.Namespace, env: dict[str, str], alloc: SlurmAl
     if batch <= 0 or iterations < 0:
         raise SpecError("global_batch" if batch <= 0 else "iterations", batch if batch <= 0 else iterations,
                         "give a positive batch and a non-negative iteration count")
+    default_cache = ""
     if args.checkpoint_dir:
         ckpt = Path(args.checkpoint_dir)
     else:
         root = args.checkpoint_root or env.get(CHECKPOINT_ROOT_ENV) or (
             str(Path(alloc.submit_dir) / "checkpoints") if alloc.submit_dir else "checkpoints")
         ckpt = Path(root) / (alloc.job_id or "local")
+        default_cache = str(Path(root) / COMPILE_CACHE_DIR)
     platform = args.platform
     if platform == "auto":
         platform = "gpu" if _gpu_platform_available() else "cpu"
     devices = args.devices or alloc.num_gpus or None
     if devices is None:
         devices = 1
+    # Shared by the jobs under one root: a job restarted on a plan seen before (its own
+    # or another job's) skips most of XLA's compile.
+    cache = args.compile_cache if args.compile_cache is not None else env.get(
+        COMPILE_CACHE_ENV, default_cache)
     if args.checkpoint_every < 0 or args.keep < 1:
         raise SpecError("checkpoint_every", args.checkpoint_every, "give K ≥ 0 and --keep ≥ 1")
     return RunConfig(model=model, global_batch=batch, iterations=iterations,
                      plan_text=args.plan or env.get(PLAN_ENV) or None, checkpoint_dir=ckpt,
                      checkpoint_every=args.checkpoint_every, keep=args.keep, seed=args.seed,
                      num_devices=devices, platform=platform, warmup_steps=max(0, args.warmup_steps),
-                     compile_cache_dir=args.compile_cache)
+                     compile_cache_dir=cache or None)
 
 
 def _prepare_jax(cfg: RunConfig, env: dict[str, str]) -> None:

@@ -86,7 +86,7 @@ def test_daemon_rescales_training_job_which_resumes_at_next_step(slurm_lab, slur
     daemon.round()
     first = _wait_for("the training job to run", lambda: _running(slurm_client, train), 30)
     assert (first.granted_gpu_type, first.granted_gpus, first.restart_count) == ("a100", 4, 0)
-    _wait_for("training steps", lambda: re.search(r"step 3 loss", _read(log_path)), 150)
+    _wait_for("training steps", lambda: re.search(r"step 2 loss", _read(log_path)), 150)
 
     a10_blocker = blockers[2]
     slurm_client.cancel(a10_blocker)
