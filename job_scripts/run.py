@@ -30,11 +30,32 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
-from estimator.errors import SpecError
-from job_scripts.slurm_env import SlurmAllocation, allocation_from_env
+
+class _StopFlag:
+    """Signal handlers only record what arrived; the loop acts between steps."""
+
+    def __init__(self):
+        self.signal_name: str | None = None
+
+    def install(self) -> None:
+        signal.signal(signal.SIGUSR1, self._handler)
+        signal.signal(signal.SIGTERM, self._handler)
+
+    def _handler(self, signum, frame):
+        self.signal_name = signal.Signals(signum).name
+
+
+# Installed before anything else is imported: a rescale request that arrives while the
+# runner starts up is recorded, not fatal (SIGUSR1's default action ends the process).
+_STOP = _StopFlag()
+if __name__ == "__main__":
+    _STOP.install()
+
+from estimator.errors import SpecError  # noqa: E402
+from job_scripts.slurm_env import SlurmAllocation, allocation_from_env  # noqa: E402
 
 log = logging.getLogger("job_scripts.run")
 
@@ -174,25 +195,11 @@ def _exec_one_task_per_node(alloc: SlurmAllocation) -> None:
     os.execvp("srun", argv)
 
 
-class _StopFlag:
-    """Signal handlers only record what arrived; the loop acts between steps."""
-
-    def __init__(self):
-        self.signal_name: str | None = None
-
-    def install(self) -> None:
-        signal.signal(signal.SIGUSR1, self._handler)
-        signal.signal(signal.SIGTERM, self._handler)
-
-    def _handler(self, signum, frame):
-        self.signal_name = signal.Signals(signum).name
-
-
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s: %(message)s")
-    stop = _StopFlag()
-    stop.install()  # first, so a USR1 during start-up is not lost
+    stop = _STOP
+    stop.install()  # again, for callers that import main() instead of running the module
     env = dict(os.environ)
     try:
         alloc = allocation_from_env(env)

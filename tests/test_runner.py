@@ -170,3 +170,18 @@ def test_bad_plan_is_one_line_and_exit_2(tmp_path):
         env={k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "XLA_", "JAX_"))})
     assert proc.returncode == 2
     assert "is for 8 GPUs but this job has 4" in proc.stderr
+
+
+def test_usr1_before_the_first_step_checkpoints_step_0(tmp_path, cache, reference):
+    ckpt = tmp_path / "ckpt"
+    first = Runner(tmp_path, "early", ckpt, DP4, 4, cache)
+    first.wait_for(r"plan .* \(given\)")  # started up, not trained yet
+    first.proc.send_signal(signal.SIGUSR1)
+    assert first.finish() == 86, first.text()[-3000:]
+    assert "checkpointed step 0; exiting 86" in first.text() and not first.losses()
+    second = Runner(tmp_path, "after-early", ckpt, DP4, 4, cache, restart_count=1)
+    assert second.finish() == 0, second.text()[-3000:]
+    assert "resumed from step 0 (checkpoint" in second.text() and "next step 1;" in second.text()
+    resumed = second.losses()
+    assert sorted(resumed) == list(range(1, ITERATIONS + 1))
+    _assert_matches(resumed, reference)
