@@ -68,6 +68,8 @@ class FcfsPolicy:
                 continue
             if blocked >= types:
                 break
+            if job.spec.gpu_type in blocked:
+                continue  # cheap early skip: long queues are mostly behind a blocked head
             want = requested_estimate(job)
             if want is None:
                 asked = f"{job.spec.num_gpus or 'any'} {job.spec.gpu_type or 'GPU'}"

@@ -215,13 +215,17 @@ class Snapshot:
         return dict(node_index(self.nodes).capacity)
 
     def free_gpus(self) -> dict[str, int]:
-        """Node name → GPUs free now, after unmanaged jobs and running managed jobs."""
-        free = dict(node_index(self.nodes).capacity)
-        for j in self.jobs:
-            if j.assignment is not None:
-                for name, gpus in j.assignment.placement:
-                    free[name] -= gpus
-        return free
+        """Node name → GPUs free now, after unmanaged jobs and running managed jobs (a new dict)."""
+        cached = self.__dict__.get("_free_gpus")
+        if cached is None:
+            cached = dict(node_index(self.nodes).capacity)
+            for j in self.jobs:
+                if j.assignment is not None:
+                    for name, gpus in j.assignment.placement:
+                        cached[name] -= gpus
+            # A private memo, not a field: equality and hashing ignore it.
+            object.__setattr__(self, "_free_gpus", cached)
+        return dict(cached)
 
     def gpus_by_type(self) -> dict[str, int]:
         """GPU type → GPUs the policy may hand out."""
