@@ -120,3 +120,43 @@ def test_policy_leaves_unmanaged_gpus_alone(name, trace_jobs, estimates):
     snapshot = Snapshot(2000.0, nodes, tuple(jobs))
     decision = policy.decide(snapshot)
     validate_decision(snapshot, decision)
+
+
+def _view(job_id, assignment):
+    from estimator.jobs import JobSpec
+    state = "running" if assignment else "pending"
+    return JobView(job_id, "u", JobSpec("gpt-1.3b", 128, 4, "a100"), 0.0, state, assignment, 0.0, 10, 0, 0.0)
+
+
+def test_implied_actions_classify_every_change_and_order_releases_first():
+    from estimator.cells import Cell
+    from policy.interface import Assignment, DecisionError, JobDecision
+    nodes = (NodeView("a-1", "a100", 4), NodeView("a-2", "a100", 4), NodeView("v-1", "v100", 16))
+    a4 = Assignment(Cell("a100", 4, 4, 1), (("a-1", 4),))
+    jobs = (_view("start", None), _view("stop", a4),
+            _view("resize", Assignment(Cell("a100", 2, 4, 1), (("a-2", 2),))),
+            _view("retype", Assignment(Cell("a100", 1, 4, 1), (("a-2", 1),))),
+            _view("move", Assignment(Cell("a100", 1, 4, 1), (("a-2", 1),))), _view("same", None))
+    snap = Snapshot(0.0, nodes, jobs)
+    decision = Decision((
+        JobDecision("start", Assignment(Cell("a100", 4, 4, 1), (("a-1", 4),)), "start"),
+        JobDecision("stop", None, "stop"),
+        JobDecision("resize", Assignment(Cell("a100", 1, 4, 1), (("a-2", 1),))),
+        JobDecision("retype", Assignment(Cell("v100", 8, 16, 1), (("v-1", 8),))),
+        JobDecision("move", Assignment(Cell("a100", 1, 4, 1), (("a-2", 1),))),  # unchanged
+    ))
+    validate_decision(snap, decision)
+    kinds = {a.job_id: a.kind for a in implied_actions(snap, decision)}
+    assert kinds == {"start": "start", "stop": "suspend", "resize": "resize", "retype": "change_type"}
+    assert implied_actions(snap, decision)[0].kind == "suspend"
+    moved = Decision((JobDecision("move", Assignment(Cell("a100", 1, 4, 1), (("a-1", 1),))),))
+    with pytest.raises(DecisionError, match="a-1"):  # a-1 is still held by "stop"
+        validate_decision(snap, moved)
+    over = Decision((JobDecision("start", Assignment(Cell("a100", 4, 4, 1), (("a-2", 4),))),))
+    with pytest.raises(DecisionError, match="a-2"):
+        validate_decision(snap, over)
+    wrong_type = Decision((JobDecision("start", Assignment(Cell("v100", 4, 4, 1), (("a-1", 4),))),))
+    with pytest.raises(DecisionError, match="a100"):
+        validate_decision(snap, wrong_type)
+    assert [a.kind for a in implied_actions(snap, Decision((JobDecision("move", Assignment(
+        Cell("a100", 1, 4, 1), (("a-1", 1),))), JobDecision("stop", None))))] == ["suspend", "move"]
