@@ -14,9 +14,8 @@ each cycle is ``{"cycle", "total_s", "observe_s", "estimate_s", "decide_s", "act
   (cached per distinct spec in the state store) and the policy's Snapshot;
 - ``decide_s``: the policy's ``decide``; ``act_s``: every Slurm update the round made
   (starts and the per-round budget of "why it waits" AdminComment updates).
-- ``warmup``: the cold rounds, while the daemon reads the new jobs' specs (at most
-  ``max_new_specs_per_round`` batch scripts per round) and computes their estimates;
-  ``first_cycle_s`` is the first of them.
+- ``warmup``: the cold round(s), while the daemon reads every new job's spec (one batch
+  script each) and computes their estimates; ``first_cycle_s`` is the first of them.
 - ``cycles``: rounds after every spec is known; ``steady_cycle_s`` is their median, what
   a running daemon pays per round with 2,000 jobs queued.
 
@@ -92,7 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         client = CliSlurmClient(env=lab.env(), timeout_s=120)
         submit_s = submit_all(client, args.jobs, root)
-        config = resolve({"state_db": str(root / "state.db"), "policy": args.policy}, {}, {})
+        # Every new spec is read in the first round here (the service default reads 50 per
+        # round and follows up within seconds): the warm-up is then one long cold round.
+        config = resolve({"state_db": str(root / "state.db"), "policy": args.policy,
+                          "max_new_specs_per_round": args.jobs}, {}, {})
         daemon = Daemon(config, client, Store(config.state_db), out=lambda line: None, env=lab.env())
         warmup, cycles = [], []
         # Warm-up: the daemon reads new specs (one batch script each) at a bounded rate per

@@ -40,17 +40,19 @@ from estimator.models import load_model
 from policy.clock import Clock, WallClock
 from policy.interface import (
     CHANGE_TYPE, MOVE, PENDING, RESIZE, RUNNING, START, SUSPEND, TRIGGER_ARRIVAL,
-    TRIGGER_COMPLETION, TRIGGER_ROUND, Action, Assignment, Decision, DecisionError, JobView, NodeView, Policy,
-    Snapshot, implied_actions, validate_decision,
+    TRIGGER_COMPLETION, TRIGGER_ROUND, Action, Assignment, Decision, DecisionError, JobView,
+    NodeView, Policy, Snapshot, implied_actions, validate_decision,
 )
 from policy.placement import FreeGpus
 from policy.registry import make_policy
 from slurm_ext.config import DaemonConfig
-from slurm_ext.errors import SlurmExtError
+from slurm_ext.errors import SlurmCommandError, SlurmExtError
 from slurm_ext.jobspec import ElasticSpec, ElasticSpecError, check_model, is_elastic, parse_spec
 from slurm_ext.metrics import Metrics
 from slurm_ext.run import run_command
-from slurm_ext.slurm_client import JobUpdate, SlurmClient, SlurmJob, SlurmNode
+from slurm_ext.slurm_client import (
+    ACTIVE_STATES, HELD_REASONS, JobUpdate, SlurmClient, SlurmJob, SlurmNode,
+)
 from slurm_ext.squeue_view import PlanComment, format_plan_comment, parse_plan_comment, plan_label
 from slurm_ext import store as journal
 from slurm_ext.store import EstimateCache, Store, plan_recovery
@@ -60,6 +62,8 @@ log = logging.getLogger(__name__)
 HELD_FOR_RESCALE = frozenset({"SPECIAL_EXIT", "REQUEUE_HOLD"})
 RESCALE_POLL_S = 1.0
 REQUEUE_HOLD_WAIT_S = 45.0
+JOURNAL_KEEP_S = 7 * 86400.0  # closed journal entries are kept this long for inspection
+PRUNE_EVERY_S = 3600.0
 # A released job waiting for one of these will never start as it is: decide it afresh.
 # So is one still waiting after LAUNCH_TIMEOUT_ROUNDS rounds (at least LAUNCH_TIMEOUT_MIN_S).
 LAUNCH_TIMEOUT_ROUNDS = 3
@@ -80,6 +84,7 @@ def kv(event: str, **fields: object) -> str:
 
 
 def is_held(job: SlurmJob) -> bool:
+    """Held, including requeued-held after a rescale signal (``SPECIAL_EXIT``)."""
     return job.is_held or job.state in HELD_FOR_RESCALE
 
 
@@ -98,6 +103,34 @@ def parse_pending_listing(text: str) -> list[int]:
         job_id = job_id.strip()
         if job_id.isdigit() and is_elastic(comment.rstrip("|")):
             out.append(int(job_id))
+    return out
+
+
+def job_states_argv(job_ids: set[int]) -> list[str]:
+    """A cheap listing of some jobs' state, reason and priority (finished ones included)."""
+    return ["squeue", "-h", "--states=all", "-j", ",".join(str(j) for j in sorted(job_ids)),
+            "-O", "JobID:|,State:|,Reason:|,Priority:|"]
+
+
+def parse_job_states(text: str) -> dict[int, tuple[str, bool]]:
+    """Job id → (state, held) from :func:`job_states_argv`'s output.
+
+    Held: requeued held after a rescale signal (``SPECIAL_EXIT``, ``REQUEUE_HOLD``), or
+    pending with a hold reason or zero priority.
+    """
+    out: dict[int, tuple[str, bool]] = {}
+    for line in text.splitlines():
+        fields = line.split("|")
+        if len(fields) < 4 or not fields[0].strip().isdigit():
+            continue
+        state, reason = fields[1].strip(), fields[2].strip()
+        try:
+            zero_priority = float(fields[3]) == 0.0
+        except ValueError:
+            zero_priority = False
+        held = state in HELD_FOR_RESCALE or (state == "PENDING" and (
+            reason in HELD_REASONS or reason == "job requeued in held state" or zero_priority))
+        out[int(fields[0])] = (state, held)
     return out
 
 
@@ -362,6 +395,7 @@ class Daemon:
         self._spec_cache: dict[int, tuple[ElasticSpec | None, str | None]] | None = None
         self._submit_s: dict[int, float] = {}
         self._new_specs = 0
+        self._pruned_s = 0.0
         self.config = config
         self.policy: Policy = make_policy(config.policy, **dict(config.policy_options))
 
@@ -539,6 +573,9 @@ class Daemon:
         self._act(snapshot, decision, {m.view.job_id: m for m in managed}, part_types, acts)
         if not cfg.dry_run:
             self.store.forget_jobs_except(active_ids)
+            if now_s - self._pruned_s > PRUNE_EVERY_S:
+                self.store.prune_journal(now_s - JOURNAL_KEEP_S)
+                self._pruned_s = now_s
         self._spec_cache = {j: v for j, v in self._spec_cache.items() if j in active_ids}
         self._submit_s = {j: v for j, v in self._submit_s.items() if j in active_ids}
         t4 = time.perf_counter()
@@ -795,6 +832,9 @@ class Daemon:
             entries[job_id] = (entry, action, update)
             log.info(kv("rescale_signalled", job_id=job_id, kind=action.kind, why=action.reason))
         waiting = self._wait_held(set(entries), self.config.rescale_timeout_s)
+        if self._stop:  # leave the entries open: the next start finishes them (recover)
+            log.warning(kv("rescale_interrupted", job_ids=",".join(map(str, sorted(entries)))))
+            return
         for job_id in sorted(waiting):
             log.warning(kv("rescale_forced", job_id=job_id, why="no requeue after USR1"))
             try:
@@ -806,10 +846,9 @@ class Daemon:
             for job_id in still:
                 entry, _, _ = entries.pop(job_id)
                 self.store.close_entry(entry, journal.FAILED, self.clock.now_s(), "never came back held")
-        now_jobs = {j.job_id: j for j in self.client.jobs()} if entries else {}
+        states = self._job_states(set(entries)) if entries else {}
         for job_id, (entry, action, update) in sorted(entries.items()):
-            job = now_jobs.get(job_id)
-            if job is None or not job.is_active:
+            if states.get(job_id, ("GONE", False))[0] not in ACTIVE_STATES:
                 self.store.close_entry(entry, journal.ABANDONED, self.clock.now_s(), "job ended")
                 continue
             try:
@@ -817,7 +856,7 @@ class Daemon:
                     self.client.update_pending(job_id, update)
                     self.client.release(job_id)
                 else:
-                    pc = parse_plan_comment(job.admin_comment)
+                    pc = parse_plan_comment(views_by_id[action.job_id].slurm.admin_comment)
                     self.client.update_pending(job_id, JobUpdate(
                         admin_comment=format_plan_comment(PlanComment(requested=pc.requested, why=action.reason or "suspended")),
                         start_now=False))
@@ -830,15 +869,27 @@ class Daemon:
             acts.taken.append((action.kind, job_id))
             log.info(kv("action", kind=action.kind, job_id=job_id, why=action.reason))
 
+    def _job_states(self, job_ids: set[int]) -> dict[int, tuple[str, bool]]:
+        """Job id → (state, held) of the given jobs, from the cheap listing (gone: absent)."""
+        out = run_command(job_states_argv(job_ids), self.config.slurm_timeout_s, env=self._env,
+                          check=False)
+        if out.returncode != 0 and "Invalid job id" not in out.stderr:
+            raise SlurmCommandError(out.argv, out.returncode, out.stderr)
+        return parse_job_states(out.stdout)
+
     def _wait_held(self, job_ids: set[int], timeout_s: float) -> set[int]:
         """Wait until each job is held or gone; returns the ones still running at the deadline."""
         deadline_s = self.clock.now_s() + timeout_s
         waiting = set(job_ids)
         while waiting and not self._stop:
-            jobs = {j.job_id: j for j in self.client.jobs()}
+            try:
+                states = self._job_states(waiting)
+            except SlurmExtError as e:
+                log.warning(kv("poll_failed", error=e))
+                states = {j: ("UNKNOWN", False) for j in waiting}
             for job_id in sorted(waiting):
-                job = jobs.get(job_id)
-                if job is None or not job.is_active or (is_held(job) and job.state != "RUNNING"):
+                state, held = states.get(job_id, ("GONE", False))
+                if state not in ACTIVE_STATES or (held and state != "RUNNING"):
                     waiting.discard(job_id)
             if not waiting or self.clock.now_s() >= deadline_s:
                 break

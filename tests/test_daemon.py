@@ -4,6 +4,7 @@ Lab tests (marked ``slurm``) use the session lab of tests/conftest.py and skip w
 Slurm or root.
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -18,7 +19,8 @@ from estimator.cells import Cell
 from estimator.plan_string import parse_plan
 from slurm_ext.config import ConfigError, DaemonConfig, load_config, resolve
 from slurm_ext.daemon import (
-    Daemon, build_snapshot, cluster_spec, parse_pending_listing, partition_types,
+    Daemon, build_snapshot, cluster_spec, job_states_argv, parse_job_states,
+    parse_pending_listing, partition_types,
     requested_gpus, reserved_cell, running_assignment, type_partitions,
 )
 from slurm_ext.slurm_client import Gres, JobUpdate, SlurmJob, SlurmNode, SubmitRequest
@@ -96,6 +98,21 @@ def test_requested_gpus():
     assert requested_gpus(SlurmJob(1, "u", "n", "PENDING")) is None
 
 
+def test_job_states_listing():
+    # Lines as Slurm 22.05 prints them (the SPECIAL_EXIT one after exit 86, constructed).
+    text = ("1|PENDING|None|0.99998474121093|\n"
+            "2|RUNNING|None|0.99998474121093|\n"
+            "3|PENDING|job requeued in held state|0.00000000000000|\n"
+            "4|SPECIAL_EXIT|JobHeldUser|0.00000000000000|\n"
+            "5|PENDING|JobHeldAdmin|0.00000000000000|\n"
+            "6|COMPLETED|None|0.99998474121093|\n"
+            "garbage\n")
+    assert parse_job_states(text) == {
+        1: ("PENDING", False), 2: ("RUNNING", False), 3: ("PENDING", True),
+        4: ("SPECIAL_EXIT", True), 5: ("PENDING", True), 6: ("COMPLETED", False)}
+    assert job_states_argv({12, 3})[4] == "3,12"
+
+
 def test_pending_listing():
     text = "12|elastic model=x|\n13|plain|\n14_[1-3]|elastic|\n15||\n16|ELASTIC|\n"
     assert parse_pending_listing(text) == [12, 16]
@@ -127,6 +144,28 @@ def test_snapshot_counts_unmanaged_and_launching_gpus():
     # v100-1: 3 reserved for jobs about to start; h100-1 is down; cpu-1 has no GPUs.
     assert unmanaged == {"a100-1": 2, "a100-2": 0, "v100-1": 3, "h100-1": 8}
     assert snap.now_s == 100.0 and snap.restart_cost_s == 30.0
+
+
+def test_metrics_are_served_when_a_port_is_configured():
+    pytest.importorskip("prometheus_client")
+    import socket
+    import urllib.request
+    from slurm_ext.metrics import Metrics
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    metrics = Metrics(port)
+    metrics.round_done(0.25, "ok")
+    metrics.action("start")
+    metrics.action("start")
+    metrics.error("spec")
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert "slurm_ext_round_seconds_count 1.0" in text
+    assert 'slurm_ext_actions_total{kind="start"} 2.0' in text
+    assert 'slurm_ext_errors_total{kind="spec"} 1.0' in text
+    off = Metrics(None)
+    off.round_done(1.0, "ok")  # a no-op without a port
+    assert not off.enabled
 
 
 # ------------------------------------------------------------------- the real lab
@@ -232,6 +271,14 @@ def test_bad_spec_runs_as_submitted_with_the_error_in_the_view(slurm_lab, slurm_
     assert "no-such-model" in row.spec_error and "runs as submitted" in row.why
     assert row.cell is None
     assert daemon.round().actions == ()  # the error is written once
+    # Any user sees it: the view reads only Slurm, not the daemon's state.
+    as_nobody = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+    out = subprocess.run([*as_nobody, sys.executable, "-m", "slurm_ext", "squeue", "--json"],
+                         env={**os.environ, **slurm_lab.env()}, capture_output=True, text=True,
+                         timeout=60, cwd="/")
+    assert out.returncode == 0, out.stderr
+    (seen,) = [j for j in json.loads(out.stdout)["jobs"] if j["job_id"] == bad]
+    assert seen["elastic"] is True and "no-such-model" in seen["spec_error"]
 
 
 @pytest.mark.slurm
@@ -322,7 +369,7 @@ def test_daemon_survives_slurmctld_outage(slurm_lab, slurm_client, tmp_path):
         conf = slurm_lab.paths.conf
         pids["slurmctld"] = start_background([SLURMCTLD, "-D", "-i", "-f", str(conf)],
                                              slurm_lab.paths.logs / "slurmctld.out")
-        slurm_lab.paths.pids.write_text(__import__("json").dumps(pids))
+        slurm_lab.paths.pids.write_text(json.dumps(pids))
         wait_for("slurmctld to answer", lambda: _answers(slurm_client), 20)
         job = submit(slurm_client, tmp_path, "elastic model=gpt-760m")
         (ran,) = wait_for("the daemon to start a new job on its own", running(slurm_client, job), 40)
