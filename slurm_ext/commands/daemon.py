@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sqlite3
 import sys
 
 import click
@@ -62,7 +63,12 @@ def command(config_path, once, dry_run, interval_s, policy, state_db, log_level)
     config = resolve()
     configure_logging(config.log_level)
     log = logging.getLogger("slurm_ext.daemon")
-    store = Store(config.state_db)
+    try:
+        store = Store(config.state_db)
+    except (OSError, sqlite3.Error) as e:
+        raise click.ClickException(
+            f"cannot open the state file {config.state_db!r}: {e}; set state_db in the config "
+            "(or --state-db) to a writable path") from None
     metrics = Metrics(config.metrics_port)
     daemon = Daemon(config, make_client(config), store, metrics=metrics,
                     out=lambda line: click.echo(line), reload=resolve)
