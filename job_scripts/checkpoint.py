@@ -79,6 +79,7 @@ def _sha256(path: Path) -> str:
 def write_json_atomic(path: Path, obj: object) -> None:
     """Write JSON to ``path`` through a temporary file, fsync and rename."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=1, sort_keys=True)

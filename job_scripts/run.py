@@ -262,7 +262,8 @@ def _plan_from_text(text: str, model_spec, arch, cfg: RunConfig, gpus_per_node: 
     return plan, ps.format(), ps.cell_label
 
 
-def _tuned_plan(cfg: RunConfig, alloc: SlurmAllocation, model_spec):
+def _tuned_plan(cfg: RunConfig, alloc: SlurmAllocation, model_spec, arch):
+    """The fastest feasible tuned plan of every stage count that this trainer can run."""
     from estimator.cells import Cell
     from estimator.cluster import cluster_from_dict
     from estimator.jobs import JobSpec
@@ -274,19 +275,22 @@ def _tuned_plan(cfg: RunConfig, alloc: SlurmAllocation, model_spec):
     cluster = cluster_from_dict({"name": "allocation", "node_groups": [
         {"gpu_type": gpu, "nodes": nodes, "gpus_per_node": per_node}]})
     job = JobSpec(cfg.model, cfg.global_batch, cfg.num_devices, gpu)
-    best = None
+    ranked = []
     stages = 1
     while stages <= min(cfg.num_devices, model_spec.num_layers):
         result = tune(job, Cell(gpu, cfg.num_devices, per_node, stages), cluster)
-        b = result.best
-        if b is not None and b.score.feasible and (
-                best is None or b.score.iteration_time_s < best[0].score.iteration_time_s):
-            best = (b, result.plan_string())
+        ranked.extend((p.score.iteration_time_s, result.plan_string(p))
+                      for p in result.ranked if p.score.feasible)
         stages *= 2
-    if best is None:
-        raise SpecError("plan", None, f"the tuner found no feasible plan for {cfg.model} on "
-                                      f"{cfg.num_devices} {gpu}; give one with --plan")
-    return best[1]
+    # The estimator does not know every constraint of the real shardings (tp must divide
+    # heads and vocabulary, micro-batches the batch): take the best plan that passes them.
+    for _, text in sorted(ranked, key=lambda r: r[0]):
+        try:
+            return _plan_from_text(text, model_spec, arch, cfg, alloc.gpus_per_node)
+        except SpecError as e:
+            log.info("tuned plan %s skipped: %s", text, e)
+    raise SpecError("plan", None, f"the tuner found no feasible plan for {cfg.model} on "
+                                  f"{cfg.num_devices} {gpu}; give one with --plan")
 
 
 def resolve_plan(cfg: RunConfig, alloc: SlurmAllocation, model_spec, arch):
@@ -304,8 +308,7 @@ def resolve_plan(cfg: RunConfig, alloc: SlurmAllocation, model_spec, arch):
                 return plan
             except SpecError as e:
                 log.warning("AdminComment plan unusable (%s); tuning a plan here", e)
-    plan = _plan_from_text(_tuned_plan(cfg, alloc, model_spec), model_spec, arch, cfg,
-                           alloc.gpus_per_node)
+    plan = _tuned_plan(cfg, alloc, model_spec, arch)
     log.info("plan %s (tuned here)", plan[1])
     return plan
 
@@ -323,10 +326,14 @@ class _Meter:
     def __init__(self, warmup_steps: int):
         self.warmup_steps, self.seen, self.times_s = warmup_steps, 0, []
 
-    def add(self, seconds: float) -> None:
+    def add(self, seconds: float) -> bool:
+        """Record one step; True when the count of timed steps reached a power of two."""
         self.seen += 1
-        if self.seen > self.warmup_steps:
-            self.times_s.append(seconds)
+        if self.seen <= self.warmup_steps:
+            return False
+        self.times_s.append(seconds)
+        n = len(self.times_s)
+        return n & (n - 1) == 0
 
     def write(self, path: Path, info: dict) -> None:
         from job_scripts.checkpoint import write_json_atomic
@@ -421,8 +428,11 @@ def run_training(cfg: RunConfig, alloc: SlurmAllocation, stop: _StopFlag) -> int
         t0 = time.perf_counter()
         loss = trainer.step(batch.inputs, batch.targets)
         elapsed_s = time.perf_counter() - t0
-        meter.add(elapsed_s)
         log.info("step %d loss %.6f time %.3fs", step, loss, elapsed_s)
+        # Early and then ever rarer updates (1, 2, 4, 8, ... timed steps): the daemon
+        # learns the real speed of a new plan within a few steps, at little cost.
+        if meter.add(elapsed_s) and writer:
+            meter.write(cfg.checkpoint_dir / MEASURED_FILE, measured_info)
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.iterations:
             save(step)
     signalled = agreed_stop()

@@ -38,14 +38,14 @@ _STEP = re.compile(r"step (\d+) loss ([0-9.]+)")
 class Runner:
     """One runner process writing its log to a file."""
 
-    def __init__(self, tmp: Path, name: str, ckpt: Path, plan: str, devices: int, cache: Path,
+    def __init__(self, tmp: Path, name: str, ckpt: Path, plan: str | None, devices: int, cache: Path,
                  extra: tuple[str, ...] = (), restart_count: int = 0):
         self.log_path = tmp / f"{name}.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "XLA_", "JAX_"))}
         env["SLURM_RESTART_COUNT"] = str(restart_count)
         argv = [sys.executable, "-m", "job_scripts.run", "--model", str(TINY_GPT),
                 "--global-batch", str(GLOBAL_BATCH), "--iterations", str(ITERATIONS),
-                "--plan", plan, "--devices", str(devices), "--platform", "cpu",
+                *(("--plan", plan) if plan else ()), "--devices", str(devices), "--platform", "cpu",
                 "--checkpoint-dir", str(ckpt), "--compile-cache", str(cache),
                 "--warmup-steps", "1", *extra]
         with open(self.log_path, "w") as log:
@@ -137,7 +137,7 @@ def test_usr1_checkpoints_exits_86_and_resumes_under_another_plan(tmp_path, cach
     assert sorted(resumed) == list(range(saved + 1, ITERATIONS + 1))
     _assert_matches({**first.losses(), **resumed}, reference)
 
-    measured = json.loads((ckpt / "measured.json").read_text())
+    measured = json.loads((ckpt / "measured.json").read_text())  # the last run's figures
     assert measured["cell"] == "v100x2:s2" and measured["plan"] == PP2_ON_2
     assert measured["iteration_time_s"] > 0 and measured["steps_measured"] >= 1
 
@@ -153,8 +153,10 @@ def test_sigkill_resumes_from_last_periodic_checkpoint(tmp_path, cache, referenc
     last = on_disk[-1]
     assert last >= 4
 
-    second = Runner(tmp_path, "after-kill", ckpt, DP4, 4, cache, restart_count=1)
+    # No plan given this time: the runner tunes one for its 4 devices.
+    second = Runner(tmp_path, "after-kill", ckpt, None, 4, cache, restart_count=1)
     assert second.finish() == 0, second.text()[-3000:]
+    assert "(tuned here)" in second.text()
     assert f"resumed from step {last} (checkpoint" in second.text()
     resumed = second.losses()
     assert sorted(resumed) == list(range(last + 1, ITERATIONS + 1))
