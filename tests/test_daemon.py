@@ -347,6 +347,50 @@ def test_running_job_is_rescaled_through_requeue(slurm_lab, slurm_client, tmp_pa
     assert_runs_as_planned(after)
 
 
+SLOW_CHECKPOINT = """#!/bin/bash
+#ELASTIC global_batch=64 iterations=100000000
+trap 'sleep 6; exit 86' USR1
+while true; do sleep 0.2 & wait $!; done
+"""
+
+
+@pytest.mark.slurm
+def test_daemon_killed_mid_rescale_is_finished_on_restart(slurm_lab, slurm_client, tmp_path):
+    """kill -9 while a job checkpoints for a rescale: the restarted daemon releases it."""
+    blockers = [submit(slurm_client, tmp_path, partition=p, gres=g, nodes=n, name="blocker")
+                for p, g, n in (("h100", "gpu:8", 1), ("a100", "gpu:4", 2), ("v100", "gpu:4", 2), ("a10", "gpu:2", 1))]
+    wait_for("the blockers to run", running(slurm_client, *blockers))
+    job = submit(slurm_client, tmp_path, "elastic model=gpt-1.3b gpus=2", script=SLOW_CHECKPOINT)
+    db = tmp_path / "state.db"
+    env = {**os.environ, **slurm_lab.env(), "SLURM_EXT_POLL_S": "0.5"}
+    argv = [sys.executable, "-m", "slurm_ext", "daemon", "--interval-s", "2", "--state-db", str(db)]
+    log_path = tmp_path / "daemon.err"
+    with open(log_path, "w") as err:
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        wait_for("the elastic job to run", running(slurm_client, job))
+        slurm_client.cancel(blockers[-1])  # two a10 GPUs come free: Crius scales the job up
+        wait_for("the rescale to be journaled", lambda: "rescale_signalled" in log_path.read_text(), 30)
+    finally:
+        proc.kill()  # SIGKILL: no chance to finish the rescale
+        proc.wait(timeout=10)
+    store = Store(db)
+    (entry,) = [e for e in store.open_entries() if e.job_id == job]
+    assert entry.kind == RESCALE
+    store.close()
+    held = wait_for("the job to come back held",
+                    lambda: (j := slurm_client.job(job)) and j.is_held and not j.is_running and j)
+    assert held.restart_count == 1
+    out = subprocess.run(argv + ["--once"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "event=recover" in out.stderr
+    (after,) = wait_for("the job to run on its new Cell", running(slurm_client, job))
+    assert after.granted_gpus == entry.update.gpus_per_node * entry.update.num_nodes
+    assert after.partition == entry.update.partition
+    assert_runs_as_planned(after)
+    assert not any(j.is_held for j in slurm_client.jobs() if j.is_active)
+
+
 @pytest.mark.slurm
 def test_daemon_survives_slurmctld_outage(slurm_lab, slurm_client, tmp_path):
     from slurm_ext.lab import SLURMCTLD
