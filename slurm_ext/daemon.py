@@ -24,11 +24,14 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import pwd
+import stat
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from estimator.cells import Cell, CellEstimate
 from estimator.cluster import ClusterSpec, cluster_from_dict, load_cluster
@@ -132,6 +135,33 @@ def parse_job_states(text: str) -> dict[int, tuple[str, bool]]:
             reason in HELD_REASONS or reason == "job requeued in held state" or zero_priority))
         out[int(fields[0])] = (state, held)
     return out
+
+
+MAX_MODEL_FILE_BYTES = 1 << 20
+
+
+def model_loader_for(user: str) -> Callable[[str], object]:
+    """``load_model`` that reads a model file only if the job's owner could read it.
+
+    The daemon runs as root: without this a user could name any file (``/dev/zero``, a
+    file only root may read) as a model and learn from the error what it holds.
+    """
+    def load(name: str) -> object:
+        if "/" in name:
+            path = Path(name)
+            st = path.stat()  # OSError: check_model reports "cannot be loaded"
+            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MODEL_FILE_BYTES:
+                raise SpecError("model", name, f"give a regular YAML file of at most {MAX_MODEL_FILE_BYTES} bytes")
+            try:
+                uid = pwd.getpwnam(user).pw_uid if user else None
+            except KeyError:
+                uid = None
+            if not (st.st_mode & stat.S_IROTH or (uid is not None and st.st_uid == uid
+                                                  and st.st_mode & stat.S_IRUSR)):
+                raise SpecError("model", name, "the file must be readable by the job's owner "
+                                "(owned by them or world-readable)")
+        return load_model(name)
+    return load
 
 
 def partition_types(nodes: tuple[SlurmNode, ...], configured: dict[str, str]) -> dict[str, str]:
@@ -631,7 +661,7 @@ class Daemon:
         try:
             spec = parse_spec(job.comment, script, requested_gpus(job),
                               pc.requested or job.gpu_type_requested)
-            check_model(spec, load_model)
+            check_model(spec, model_loader_for(job.user))
         except ElasticSpecError as e:
             log.warning(kv("spec_error", job_id=job.job_id, user=job.user, error=e))
             return None, str(e)

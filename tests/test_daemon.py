@@ -19,7 +19,7 @@ from estimator.cells import Cell
 from estimator.plan_string import parse_plan
 from slurm_ext.config import ConfigError, DaemonConfig, load_config, resolve
 from slurm_ext.daemon import (
-    Daemon, build_snapshot, cluster_spec, job_states_argv, parse_job_states,
+    Daemon, build_snapshot, cluster_spec, job_states_argv, model_loader_for, parse_job_states,
     parse_pending_listing, partition_types,
     requested_gpus, reserved_cell, running_assignment, type_partitions,
 )
@@ -111,6 +111,20 @@ def test_job_states_listing():
         1: ("PENDING", False), 2: ("RUNNING", False), 3: ("PENDING", True),
         4: ("SPECIAL_EXIT", True), 5: ("PENDING", True), 6: ("COMPLETED", False)}
     assert job_states_argv({12, 3})[4] == "3,12"
+
+
+def test_model_files_must_be_readable_by_the_job_owner(tmp_path):
+    from estimator.errors import SpecError
+    secret = tmp_path / "secret.yaml"
+    secret.write_text("name: x\n")
+    secret.chmod(0o600)  # owned by root, not world-readable
+    with pytest.raises(SpecError, match="readable by the job's owner"):
+        model_loader_for("nobody")(str(secret))
+    with pytest.raises(SpecError, match="regular YAML file"):
+        model_loader_for("nobody")("/dev/zero")
+    with pytest.raises(FileNotFoundError):
+        model_loader_for("nobody")(str(tmp_path / "missing.yaml"))
+    assert model_loader_for("nobody")("gpt-760m").num_layers > 0
 
 
 def test_pending_listing():
