@@ -55,8 +55,10 @@ if __name__ == "__main__":
     _STOP.install()
 
 from estimator.errors import SpecError  # noqa: E402
-from job_scripts.slurm_env import SlurmAllocation, allocation_from_env  # noqa: E402
+from job_scripts.slurm_env import (SlurmAllocation, admin_comment_from_scontrol,  # noqa: E402
+                                   allocation_from_env, comment_from_scontrol)
 
+# Named explicitly: run as ``python -m job_scripts.run`` this module's __name__ is __main__.
 log = logging.getLogger("job_scripts.run")
 
 EXIT_RESCALE = 86
@@ -113,15 +115,27 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _script_settings(path: str | None) -> dict[str, str]:
-    if not path:
-        return {}
-    from slurm_ext.jobspec import script_settings
+def _elastic_settings(path: str | None, comment: str | None) -> dict[str, str]:
+    """The job's ``#ELASTIC`` settings, overridden by those in its Comment (as the daemon reads them)."""
+    from slurm_ext.jobspec import comment_settings, merge_settings, script_settings
+    text = ""
+    if path:
+        try:
+            text = Path(path).read_text(errors="replace")
+        except OSError as e:
+            raise SpecError("elastic_script", path, f"cannot read it: {e.strerror}") from None
+    return merge_settings(script_settings(text), comment_settings(comment))
+
+
+def scontrol_job_text(job_id: str) -> str | None:
+    """``scontrol show job`` of this job (Comment, AdminComment), or None without Slurm."""
+    from job_scripts.slurm_env import scontrol_show_job_argv
     try:
-        text = Path(path).read_text(errors="replace")
-    except OSError as e:
-        raise SpecError("elastic_script", path, f"cannot read it: {e.strerror}") from None
-    return script_settings(text)
+        from slurm_ext.run import run_command
+        return run_command(scontrol_show_job_argv(job_id), timeout_s=30).stdout
+    except Exception as e:  # noqa: BLE001 - without Slurm the flags and the tuner decide
+        log.warning("could not read job %s with scontrol (%s)", job_id, e)
+        return None
 
 
 def _gpu_platform_available() -> bool:
@@ -130,9 +144,11 @@ def _gpu_platform_available() -> bool:
     return has_plugin and Path("/dev/nvidiactl").exists()
 
 
-def resolve_config(args: argparse.Namespace, env: dict[str, str], alloc: SlurmAllocation) -> RunConfig:
-    """Flags > environment > #ELASTIC lines; raises SpecError naming what is missing."""
-    settings = _script_settings(args.elastic_script)
+def resolve_config(args: argparse.Namespace, env: dict[str, str], alloc: SlurmAllocation,
+                   comment: str | None = None) -> RunConfig:
+    """Flags > environment > the job's Comment > its #ELASTIC lines; raises SpecError
+    naming what is missing."""
+    settings = _elastic_settings(args.elastic_script, comment)
     model = args.model or settings.get("model")
     batch = args.global_batch or (int(settings["global_batch"]) if "global_batch" in settings else None)
     iterations = args.iterations if args.iterations is not None else (
@@ -203,7 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ)
     try:
         alloc = allocation_from_env(env)
-        cfg = resolve_config(_parser().parse_args(argv), env, alloc)
+        args = _parser().parse_args(argv)
+        job_text = scontrol_job_text(alloc.job_id) if alloc.job_id else None
+        comment = comment_from_scontrol(job_text) if job_text else None
+        cfg = resolve_config(args, env, alloc, comment)
     except SpecError as e:
         print(f"job_scripts.run: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -211,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         _exec_one_task_per_node(alloc)
     _prepare_jax(cfg, env)
     try:
-        return run_training(cfg, alloc, stop)
+        return run_training(cfg, alloc, stop, job_text)
     except SpecError as e:
         print(f"job_scripts.run: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -230,17 +249,6 @@ def plan_tokens(admin_comment: str | None) -> str | None:
     words = [w for w in admin_comment.split() if w.partition("=")[0] in PLAN_KEYS and "=" in w]
     keys = {w.partition("=")[0] for w in words}
     return " ".join(words) if {"cell", "plan"} <= keys else None
-
-
-def _admin_comment_plan(job_id: str) -> str | None:
-    from job_scripts.slurm_env import admin_comment_from_scontrol, scontrol_show_job_argv
-    try:
-        from slurm_ext.run import run_command
-        out = run_command(scontrol_show_job_argv(job_id), timeout_s=30).stdout
-    except Exception as e:  # noqa: BLE001 - no Slurm, no plan: the tuner decides instead
-        log.warning("could not read the AdminComment of job %s (%s); tuning a plan here", job_id, e)
-        return None
-    return plan_tokens(admin_comment_from_scontrol(out))
 
 
 def _plan_from_text(text: str, model_spec, arch, cfg: RunConfig, gpus_per_node: int):
@@ -293,21 +301,20 @@ def _tuned_plan(cfg: RunConfig, alloc: SlurmAllocation, model_spec, arch):
                                   f"{cfg.num_devices} {gpu}; give one with --plan")
 
 
-def resolve_plan(cfg: RunConfig, alloc: SlurmAllocation, model_spec, arch):
+def resolve_plan(cfg: RunConfig, alloc: SlurmAllocation, model_spec, arch, job_text: str | None):
     """(ParallelPlan, plan string, cell label) from flag/env, AdminComment or the tuner."""
     if cfg.plan_text:
         plan = _plan_from_text(cfg.plan_text, model_spec, arch, cfg, alloc.gpus_per_node)
         log.info("plan %s (given)", plan[1])
         return plan
-    if alloc.job_id:
-        text = _admin_comment_plan(alloc.job_id)
-        if text:
-            try:
-                plan = _plan_from_text(text, model_spec, arch, cfg, alloc.gpus_per_node)
-                log.info("plan %s (from the AdminComment)", plan[1])
-                return plan
-            except SpecError as e:
-                log.warning("AdminComment plan unusable (%s); tuning a plan here", e)
+    text = plan_tokens(admin_comment_from_scontrol(job_text)) if job_text else None
+    if text:
+        try:
+            plan = _plan_from_text(text, model_spec, arch, cfg, alloc.gpus_per_node)
+            log.info("plan %s (from the AdminComment)", plan[1])
+            return plan
+        except SpecError as e:
+            log.warning("AdminComment plan unusable (%s); tuning a plan here", e)
     plan = _tuned_plan(cfg, alloc, model_spec, arch)
     log.info("plan %s (tuned here)", plan[1])
     return plan
@@ -346,7 +353,8 @@ class _Meter:
                                  "updated_at_s": time.time()})
 
 
-def run_training(cfg: RunConfig, alloc: SlurmAllocation, stop: _StopFlag) -> int:
+def run_training(cfg: RunConfig, alloc: SlurmAllocation, stop: _StopFlag,
+                 job_text: str | None = None) -> int:
     """Resume or start, train until done or signalled, checkpoint; returns the exit status."""
     import jax
     import numpy as np
@@ -361,6 +369,7 @@ def run_training(cfg: RunConfig, alloc: SlurmAllocation, stop: _StopFlag) -> int
     from estimator import jax_models as jm
     from estimator.models import load_model
     from job_scripts import checkpoint as ck
+    from job_scripts.data import data_position
     from job_scripts.train import Trainer
 
     devices = jax.devices()
@@ -369,7 +378,7 @@ def run_training(cfg: RunConfig, alloc: SlurmAllocation, stop: _StopFlag) -> int
                                                  f"{cfg.num_devices}; check CUDA_VISIBLE_DEVICES")
     model_spec = load_model(cfg.model)
     arch = jm.arch_from_model(model_spec)
-    plan, plan_text, cell_label = resolve_plan(cfg, alloc, model_spec, arch)
+    plan, plan_text, cell_label = resolve_plan(cfg, alloc, model_spec, arch, job_text)
     trainer = Trainer(arch, plan, devices, cfg.global_batch, jm.optimizer_for(arch))
     stream = _stream(arch, cfg)
     writer = alloc.process_id == 0
@@ -404,7 +413,7 @@ def run_training(cfg: RunConfig, alloc: SlurmAllocation, stop: _StopFlag) -> int
         nonlocal saved_step
         arrays = trainer.state_arrays()  # collective across processes: every process calls it
         if writer:
-            data = {"kind": type(stream).__name__, "seed": cfg.seed, "next_step": step + 1}
+            data = data_position(stream, step + 1)
             ck.save_checkpoint(cfg.checkpoint_dir, step, arrays, {**meta, "data": data}, cfg.keep)
             meter.write(cfg.checkpoint_dir / MEASURED_FILE, measured_info)
         saved_step = step

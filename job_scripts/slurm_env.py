@@ -216,15 +216,25 @@ def scontrol_show_job_argv(job_id: str) -> list[str]:
     return ["scontrol", "show", "job", str(job_id)]
 
 
-def admin_comment_from_scontrol(text: str) -> str | None:
-    """The AdminComment of ``scontrol show job`` output, or None when unset.
+def line_field_from_scontrol(text: str, name: str) -> str | None:
+    """A field that ``scontrol show job`` prints on a line of its own, or None when unset.
 
-    Slurm prints ``AdminComment=...`` on a line of its own (the value may contain spaces),
-    so the value runs to the end of that line.
+    Slurm prints ``AdminComment=``, ``SystemComment=`` and ``Comment=`` each on their own
+    line (the value may contain spaces), so the value runs to the end of that line.
     """
+    prefix = f"{name}="
     for line in text.splitlines():
         stripped = line.strip()
-        if stripped.startswith("AdminComment="):
-            value = stripped[len("AdminComment="):].strip()
-            return value or None
+        if stripped.startswith(prefix):
+            return stripped[len(prefix):].strip() or None
     return None
+
+
+def admin_comment_from_scontrol(text: str) -> str | None:
+    """The AdminComment (where the daemon writes the plan), or None when unset."""
+    return line_field_from_scontrol(text, "AdminComment")
+
+
+def comment_from_scontrol(text: str) -> str | None:
+    """The Comment (``elastic key=value ...``), or None when unset."""
+    return line_field_from_scontrol(text, "Comment")

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from estimator.errors import SpecError
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY_GPT = ROOT / "tests" / "fixtures" / "runner" / "tiny-gpt.yaml"
 ITERATIONS = 8
@@ -187,3 +189,27 @@ def test_usr1_before_the_first_step_checkpoints_step_0(tmp_path, cache, referenc
     resumed = second.losses()
     assert sorted(resumed) == list(range(1, ITERATIONS + 1))
     _assert_matches(resumed, reference)
+
+
+def test_config_precedence_flag_env_comment_script(tmp_path):
+    from job_scripts.run import _parser, resolve_config
+    from job_scripts.slurm_env import SlurmAllocation
+
+    script = tmp_path / "job.sbatch"
+    script.write_text("#!/bin/bash\n#ELASTIC model=gpt-760m global_batch=128 iterations=1000\n")
+    alloc = SlurmAllocation(job_id="17", node_names=("a100-1", "a100-2"), gpus_per_node=4,
+                            partition="a100", gpu_type="a100", restart_count=1,
+                            submit_dir=str(tmp_path / "home"))
+    base = ["--elastic-script", str(script), "--platform", "cpu"]
+    cfg = resolve_config(_parser().parse_args(base), {}, alloc, comment="elastic global_batch=64")
+    assert (cfg.model, cfg.global_batch, cfg.iterations) == ("gpt-760m", 64, 1000)  # comment wins
+    assert cfg.num_devices == 8 and cfg.plan_text is None
+    assert cfg.checkpoint_dir == tmp_path / "home" / "checkpoints" / "17"
+    assert cfg.compile_cache_dir == str(tmp_path / "home" / "checkpoints" / "jax-cache")
+    env = {"SLURM_EXT_CHECKPOINT_ROOT": str(tmp_path / "shared"), "SLURM_EXT_PLAN": "cell=a100x8:s1 plan=[dp8tp1] mb=1 remat=0"}
+    cfg = resolve_config(_parser().parse_args([*base, "--global-batch", "32"]), env, alloc,
+                         comment="elastic global_batch=64")
+    assert cfg.global_batch == 32 and cfg.plan_text == env["SLURM_EXT_PLAN"]
+    assert cfg.checkpoint_dir == tmp_path / "shared" / "17"
+    with pytest.raises(SpecError, match="iterations"):
+        resolve_config(_parser().parse_args(["--model", "gpt-760m", "--global-batch", "8"]), {}, alloc)

@@ -114,3 +114,18 @@ def test_scontrol_argv_refuses_non_numeric_ids():
     assert scontrol_show_job_argv("17") == ["scontrol", "show", "job", "17"]
     with pytest.raises(SpecError):
         scontrol_show_job_argv("17; rm -rf /")
+
+
+def test_comment_from_scontrol_and_its_elastic_settings():
+    from slurm_ext.jobspec import comment_settings
+
+    from job_scripts.slurm_env import comment_from_scontrol
+
+    recorded = (SAMPLES / "a100-2nodes-first-run.scontrol").read_text()
+    assert comment_from_scontrol(recorded) is None
+    # Constructed from the recorded record: Slurm prints Comment= on its own line after
+    # AdminComment= when a job has one.
+    text = recorded.replace("   StdErr=", "   Comment=elastic model=gpt-1.3b global_batch=64 \n   StdErr=")
+    assert comment_from_scontrol(text) == "elastic model=gpt-1.3b global_batch=64"
+    assert admin_comment_from_scontrol(text).startswith("cell=a100x8:s2")
+    assert comment_settings(comment_from_scontrol(text)) == {"model": "gpt-1.3b", "global_batch": "64"}
