@@ -229,9 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.platform == "gpu" and alloc.num_nodes > 1 and not alloc.in_step:
         _exec_one_task_per_node(alloc)
     _prepare_jax(cfg, env)
+    from job_scripts.checkpoint import CheckpointError
     try:
         return run_training(cfg, alloc, stop, job_text)
-    except SpecError as e:
+    except (SpecError, CheckpointError) as e:
+        # Starting over would silently throw away the job's progress: stop and say why.
         print(f"job_scripts.run: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
