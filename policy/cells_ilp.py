@@ -37,16 +37,18 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from estimator.cells import Cell, CellEstimate
 from policy._solver import RateTable, requested_count
+from policy.fcfs import requested_estimate
 from policy.interface import Assignment, Decision, JobDecision, JobView, Snapshot
 from policy.placement import FreeGpus
 
 log = logging.getLogger(__name__)
 
 WAIT = None  # the "wait" option of a job
+MIN_TIME_S = 60.0  # remaining times below this weigh as this (a nearly done job is not infinitely urgent)
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,14 @@ def _shape_of(job: JobView) -> _Shape:
         best = table.best()
         ref = best.samples_per_s if best else 1.0
     cells = tuple((opts[0], tuple(o.cell for o in opts[1:])) for _, opts in sorted(table.options.items()))
+    if not cells:
+        # The memory model rejects every Cell but the platform runs what was asked for:
+        # offer that (the baselines' rule), at the estimator's time when it has one.
+        asked = requested_estimate(job)
+        if asked is not None and job.can_run(asked.cell):
+            it_s = asked.iteration_time_s if 0 < asked.iteration_time_s < math.inf else 1.0
+            ref = job.spec.global_batch / it_s
+            cells = ((replace(asked, samples_per_s=ref, iteration_time_s=it_s), ()),)
     shape = _Shape(ref, cells)
     if len(_SHAPES) > 4096:
         _SHAPES.clear()
@@ -136,7 +146,8 @@ class CellsIlpPolicy:
     name = "cells-ilp"
     plan_tuning = "pruned"  # Cells come with estimates, so the plan search is Cell-guided
 
-    def __init__(self, time_limit_s: float = 0.5, aging_s: float = 4 * 3600.0,
+    def __init__(self, time_limit_s: float = 0.5, aging_s: float = 4 * 3600.0, wait_cost_s: float = 3600.0,
+                 size_exponent: float = 0.5,
                  min_change_interval_s: float = 1800.0, restart_penalty: bool = True,
                  type_changes: bool = True, count_changes: bool = True, guarantee: bool = True,
                  deadlines: bool = True, max_share_frac: float | None = None,
@@ -144,6 +155,8 @@ class CellsIlpPolicy:
                  max_movable: int = 48, resolve_s: float = 900.0, solvers: tuple[str, ...] = ("highs", "cbc")):
         self.time_limit_s = time_limit_s
         self.aging_s = aging_s
+        self.wait_cost_s = wait_cost_s
+        self.size_exponent = size_exponent
         self.min_change_interval_s = min_change_interval_s
         self.restart_penalty = restart_penalty
         self.type_changes = type_changes
@@ -159,25 +172,31 @@ class CellsIlpPolicy:
 
     # ---- weights and options ------------------------------------------------------------
 
-    def weight(self, snapshot: Snapshot, job: JobView) -> float:
-        """w_j: aging over the remaining time on the requested Cell (1/s)."""
+    def _scale(self, snapshot: Snapshot, job: JobView) -> tuple[float, float]:
+        """(T_ref, the job's weight per second saved): its remaining time on what it asked
+        for, and aging / T_ref^β."""
         shape = _shape_of(job)
-        rem_samples = max(job.remaining_iterations, 1e-9) * job.spec.global_batch
-        t_rem_s = rem_samples / shape.ref_rate
+        t_ref_s = max(job.remaining_iterations, 1e-9) * job.spec.global_batch / shape.ref_rate
         aging = 1.0 + max(0.0, snapshot.now_s - job.submit_time_s) / self.aging_s
-        return aging / max(t_rem_s, 1.0)
+        return t_ref_s, aging / max(t_ref_s, MIN_TIME_S) ** self.size_exponent
 
-    def options(self, snapshot: Snapshot, job: JobView, weight: float) -> tuple[list[_Option], str]:
+    def weight(self, snapshot: Snapshot, job: JobView) -> float:
+        """The job's priority: what running it as asked is worth (its value over waiting)."""
+        t_ref_s, per_s = self._scale(snapshot, job)
+        return per_s * self.wait_cost_s
+
+    def options(self, snapshot: Snapshot, job: JobView) -> tuple[list[_Option], str]:
         """The job's candidates (wait included, listed last) and a note (deadline report)."""
         shape = _shape_of(job)
         cur = job.cell
         asked_type = job.spec.gpu_type or (cur.gpu_type if cur else None)
         asked_n = job.spec.num_gpus
         rem_samples = max(job.remaining_iterations, 1e-9) * job.spec.global_batch
-        restarts = 1 + job.restarts
+        t_ref_s, per_s = self._scale(snapshot, job)
         delta_s = snapshot.restart_cost_s if self.restart_penalty else 0.0
-        out: list[_Option] = []
-        cur_value = 0.0
+        restart_s = delta_s * (1 + job.restarts) if cur is not None else delta_s
+        # Waiting costs the job its remaining time plus D (and a restart when it runs now).
+        wait_cost_s = t_ref_s + self.wait_cost_s + (restart_s if cur is not None else 0.0)
         candidates = []
         for e, alts in shape.cells:
             c = e.cell
@@ -190,17 +209,9 @@ class CellsIlpPolicy:
                 continue
             if self.guarantee and job.guaranteed and e.samples_per_s < shape.ref_rate * (1 - 1e-9):
                 continue
-            t_s = rem_samples / e.samples_per_s
-            keep = 1.0
-            if not is_cur:
-                # Rubick's restart discount, as T/(T + N·δ): the share of the time on c
-                # that is progress rather than restart, positive even for tiny jobs.
-                cost_s = delta_s * (restarts if cur is not None else 1)
-                keep = t_s / (t_s + cost_s) if t_s + cost_s > 0 else 1.0
-            value = weight * e.samples_per_s / shape.ref_rate * keep
-            if is_cur:
-                cur_value = weight * e.samples_per_s / shape.ref_rate
-            candidates.append((e, c, alts, t_s, is_cur, value))
+            t_s = rem_samples / e.samples_per_s  # = T_ref / normalized throughput
+            cost_s = t_s + (0.0 if is_cur else restart_s)
+            candidates.append((e, c, alts, t_s, is_cur, per_s * (wait_cost_s - cost_s)))
         note = ""
         if self.deadlines and job.deadline_s is not None and candidates:
             meets = [x for x in candidates
@@ -209,14 +220,9 @@ class CellsIlpPolicy:
                 candidates = meets
             else:
                 note = "cannot meet its deadline on any Cell; runs best effort"
-        for e, c, alts, t_s, is_cur, value in candidates:
-            out.append(_Option(job.job_id, c, value, alts, is_cur))
-        wait_value = 0.0
-        if cur is not None and cur_value > 0 and delta_s > 0:
-            t_cur = rem_samples / max(_rate_of(shape, cur), 1e-12)
-            wait_value = -cur_value * delta_s * restarts / (t_cur + delta_s * restarts)
+        out = [_Option(job.job_id, c, value, alts, is_cur) for e, c, alts, t_s, is_cur, value in candidates]
         if not (self.guarantee and job.guaranteed and cur is not None and any(o.cell == cur for o in out)):
-            out.append(_Option(job.job_id, WAIT, wait_value))
+            out.append(_Option(job.job_id, WAIT, 0.0))
         return out, note
 
     # ---- the round ----------------------------------------------------------------------
@@ -235,7 +241,7 @@ class CellsIlpPolicy:
         options: dict[str, list[_Option]] = {}
         reasons: dict[str, str] = {}
         for j in offered:
-            options[j.job_id], note = self.options(snapshot, j, weights[j.job_id])
+            options[j.job_id], note = self.options(snapshot, j)
             if note:
                 reasons[j.job_id] = note
         free = FreeGpus.from_snapshot(snapshot)
@@ -244,8 +250,11 @@ class CellsIlpPolicy:
         users = {j.job_id: j.user for j in snapshot.jobs}
         share_left = self._share_left(snapshot, fixed)
         chosen, how = solve_choice(options, free, users, share_left, self.time_limit_s, self.solvers)
-        if chosen is None:
-            chosen, how = self._greedy(offered, options, free, users, share_left), "greedy"
+        if chosen is None or how != "ILP":
+            # No answer, or one cut short by the time limit: the greedy rule's when better.
+            greedy = self._greedy(offered, options, free, users, share_left)
+            if chosen is None or _total(greedy) > _total(chosen) + 1e-12:
+                chosen, how = greedy, "greedy"
         decision = self._place(snapshot, offered, pending, chosen, options, weights, reasons, how, share_left)
         return Decision(decision, CellsIlpState(_fingerprint_after(snapshot, decision), snapshot.now_s))
 
@@ -363,7 +372,7 @@ class CellsIlpPolicy:
                 break
             if j.job_id in tried or final.get(j.job_id) is not None:
                 continue
-            opts = options.get(j.job_id) or self.options(snapshot, j, weights[j.job_id])[0]
+            opts = options.get(j.job_id) or self.options(snapshot, j)[0]
             small = [o for o in opts if o.cell is not None and o.cell.num_gpus <= (j.spec.num_gpus or o.cell.num_gpus)]
             got = _place_first(free, [], small, min(spare, left.get(j.user, math.inf)))
             if got is not None:
@@ -402,6 +411,10 @@ def _place_first(free: FreeGpus, first: list[Cell], options: list[_Option], shar
             free.take(p)
             return Assignment(cell, p)
     return None
+
+
+def _total(chosen: dict[str, _Option]) -> float:
+    return sum(o.value for o in chosen.values())
 
 
 def _rate_of(shape: _Shape, cell: Cell) -> float:
@@ -476,8 +489,8 @@ def solve_choice(options: dict[str, list[_Option]], free: FreeGpus, users: dict[
         except Exception as e:  # a missing or crashing solver must not stop a round
             log.warning("solver %s failed: %s", name, e)
             continue
-        if got is not None and _feasible(got, rows):
-            return {flat[k].job_id: flat[k] for k in got}, "ILP"
+        if got is not None and _feasible(got[0], rows):
+            return {flat[k].job_id: flat[k] for k in got[0]}, "ILP" if got[1] else "ILP (time limit)"
     return None, "greedy"
 
 
@@ -490,7 +503,8 @@ def _warm_start(flat: list[_Option]) -> list[int]:
     return sorted(current.values())
 
 
-def _solve_pulp(flat, rows, start: list[int], solver: str, time_limit_s: float) -> list[int] | None:
+def _solve_pulp(flat, rows, start: list[int], solver: str, time_limit_s: float) -> tuple[list[int], bool] | None:
+    """(chosen indices, proven optimal) from one solver, or None when it has no answer."""
     import pulp
 
     prob = pulp.LpProblem("cells_ilp", pulp.LpMaximize)
@@ -517,7 +531,8 @@ def _solve_pulp(flat, rows, start: list[int], solver: str, time_limit_s: float) 
     prob.solve(s)
     if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
         return None
-    return [k for k, x in enumerate(xs) if x.varValue is not None and x.varValue > 0.5]
+    optimal = prob.sol_status == pulp.LpSolutionOptimal
+    return [k for k, x in enumerate(xs) if x.varValue is not None and x.varValue > 0.5], optimal
 
 
 def _feasible(chosen: list[int], rows) -> bool:

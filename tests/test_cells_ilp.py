@@ -83,7 +83,7 @@ def test_program_answer_equals_brute_force_optimum(seed):
     policy = CellsIlpPolicy()
     options = {}
     for j in s.jobs:
-        options[j.job_id] = policy.options(s, j, policy.weight(s, j))[0]
+        options[j.job_id] = policy.options(s, j)[0]
     free = FreeGpus.from_snapshot(s)
     for j in s.jobs:
         if j.assignment is not None:
