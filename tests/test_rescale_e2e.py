@@ -62,7 +62,8 @@ def _training_script() -> str:
         "iterations=100000 gpus=8\n")
 
 
-def test_daemon_rescales_training_job_which_resumes_at_next_step(slurm_lab, slurm_client, tmp_path):
+def test_daemon_rescales_training_job_which_resumes_at_next_step(slurm_lab, slurm_client, tmp_path,
+                                                                 tmp_path_factory):
     from slurm_ext.config import resolve
     from slurm_ext.daemon import Daemon
     from slurm_ext.store import Store
@@ -75,7 +76,9 @@ def test_daemon_rescales_training_job_which_resumes_at_next_step(slurm_lab, slur
         _wait_for("the blockers to run", lambda b=b: _running(slurm_client, b), 30)
 
     log_path = tmp_path / "train.out"
-    env = (f"--export=ALL,SLURM_EXT_PYTHON={sys.executable},"
+    # JAX's compilation cache is shared with test_runner's runs of the same plan.
+    cache = tmp_path_factory.getbasetemp() / "runner-jax-cache"
+    env = (f"--export=ALL,SLURM_EXT_PYTHON={sys.executable},SLURM_EXT_COMPILE_CACHE={cache},"
            f"SLURM_EXT_CHECKPOINT_ROOT={tmp_path / 'ckpt'},SLURM_EXT_CHECKPOINT_EVERY=1000")
     train = slurm_client.submit(SubmitRequest(
         script=_training_script(), name="train", comment="elastic", output=str(log_path),

@@ -30,7 +30,9 @@ TINY_GPT = ROOT / "tests" / "fixtures" / "runner" / "tiny-gpt.yaml"
 ITERATIONS = 8
 GLOBAL_BATCH = 16
 LOSS_RTOL = 1e-4
-DP4 = "cell=a100x4:s1 plan=[dp4tp1] mb=2 remat=0"
+# The plan the daemon gives the tiny GPT on 4 GPUs in test_rescale_e2e: its compiled
+# programs are shared through the session's compilation cache.
+DP4 = "cell=a100x4:s1 plan=[dp4tp1] mb=4 remat=1"
 PP2_ON_2 = "cell=v100x2:s2 plan=[dp1tp1|dp1tp1] mb=4 remat=1"
 WAIT_S = 180
 
@@ -81,7 +83,10 @@ class Runner:
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("jax-cache")
+    """JAX's compilation cache, shared with the other runner tests of this pytest run."""
+    path = tmp_path_factory.getbasetemp() / "runner-jax-cache"
+    path.mkdir(exist_ok=True)
+    return path
 
 
 class Reference:
