@@ -402,6 +402,10 @@ def run_training(cfg: RunConfig, alloc: SlurmAllocation, stop: _StopFlag,
     else:
         trainer.init(cfg.seed)
         done = 0
+        if alloc.restart_count:
+            log.warning("restart %d of job %s found no checkpoint in %s: training from step 1 "
+                        "(is the checkpoint root shared and the same as before?)",
+                        alloc.restart_count, alloc.job_id, cfg.checkpoint_dir)
         log.info("starting at step 1 (no checkpoint in %s); plan %s on %d devices, "
                  "global batch %d", cfg.checkpoint_dir, plan_text, len(devices), cfg.global_batch)
 
