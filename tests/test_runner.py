@@ -6,7 +6,7 @@ is an uninterrupted run under a two-stage plan on 2 devices; interrupted runs us
 data-parallel plan on 4 devices (and resume under either), must continue at exactly the
 step after their checkpoint and reproduce the reference's losses within LOSS_RTOL
 (float32 sums taken in another order under another plan; measured differences are
-around 1e-6).
+below 1e-6).
 
 Runs share a JAX compilation cache, so each of the two plans is compiled once; the
 reference runs alongside the first interrupted run.
