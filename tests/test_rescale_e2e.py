@@ -84,7 +84,10 @@ def test_daemon_rescales_training_job_which_resumes_at_next_step(slurm_lab, slur
         script=_training_script(), name="train", comment="elastic", output=str(log_path),
         workdir=str(REPO), extra_args=(env,)))
 
-    cfg = resolve({"state_db": str(tmp_path / "state.db"), "rescale_timeout_s": 90.0}, {}, {})
+    # Crius's arrival search (move a running job to another GPU type) is the rescale this
+    # scenario is built for; pinned so a change of the default policy does not change it.
+    cfg = resolve({"state_db": str(tmp_path / "state.db"), "rescale_timeout_s": 90.0,
+                   "policy": "crius"}, {}, {})
     daemon = Daemon(cfg, slurm_client, Store(cfg.state_db), out=lambda line: None, env=slurm_lab.env())
     daemon.round()
     first = _wait_for("the training job to run", lambda: _running(slurm_client, train), 30)
