@@ -149,10 +149,16 @@ def resolve_config(args: argparse.Namespace, env: dict[str, str], alloc: SlurmAl
     """Flags > environment > the job's Comment > its #ELASTIC lines; raises SpecError
     naming what is missing."""
     settings = _elastic_settings(args.elastic_script, comment)
+
+    def number(key: str) -> int | None:
+        raw = settings.get(key)
+        if raw is not None and not raw.isdigit():
+            raise SpecError(key, raw, "give a whole number")
+        return None if raw is None else int(raw)
+
     model = args.model or settings.get("model")
-    batch = args.global_batch or (int(settings["global_batch"]) if "global_batch" in settings else None)
-    iterations = args.iterations if args.iterations is not None else (
-        int(settings["iterations"]) if "iterations" in settings else None)
+    batch = args.global_batch or number("global_batch")
+    iterations = args.iterations if args.iterations is not None else number("iterations")
     for name, value in (("model", model), ("global_batch", batch), ("iterations", iterations)):
         if value is None:
             raise SpecError(name, None, f"give --{name.replace('_', '-')} or an #ELASTIC {name}=... line")
