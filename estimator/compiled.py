@@ -35,7 +35,7 @@ from estimator.errors import SpecError
 log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_DIR = Path("~/.cache/slurm-ext").expanduser()
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 # XLA's GPU target specs (xla/backends/gpu/target_config/specs/) per catalog GPU type.
 # a40 is a GA102 like the RTX A6000, the closest spec XLA ships.
 GPU_TARGET_SPECS = {"a100": "a100_sxm_40.txtpb", "v100": "v100.txtpb", "h100": "h100_sxm.txtpb",
@@ -265,23 +265,32 @@ def stage_mesh(devices, dp: int, tp: int):
     return Mesh(np.array(devices[:dp * tp]).reshape(dp, tp), ("dp", "tp"))
 
 
-def stage_specs(stage, optimizer) -> dict:
-    """PartitionSpec trees of a stage's params, optimizer state, model state and inputs."""
+def stage_specs(stage, optimizer, runs=None) -> dict:
+    """PartitionSpec trees of a stage's params, optimizer state, model state and inputs.
+
+    Per layer by default; per run (stacked repeated layers) with ``runs``.
+    """
     from jax.sharding import PartitionSpec as P
     from estimator import jax_models as jm
     arch = stage.arch
-    p_specs = [jm.layer_param_specs(arch, i) for i in stage.layers]
-    p_shapes = jm.stage_param_shapes(stage)
-    return {
-        "params": p_specs,
-        "opt": optimizer.specs(p_specs, p_shapes),
-        "state": [jm.layer_state_specs(arch, i) for i in stage.layers],
-        "x": P("dp"), "target": P("dp"),
-    }
+    if runs is None:
+        p_specs = [jm.layer_param_specs(arch, i) for i in stage.layers]
+        p_shapes = jm.stage_param_shapes(stage)
+        s_specs = [jm.layer_state_specs(arch, i) for i in stage.layers]
+    else:
+        p_specs = [jm.run_param_specs(arch, r) for r in runs]
+        p_shapes = [jm.run_param_shapes(arch, r) for r in runs]
+        s_specs = [jm.run_state_specs(arch, r) for r in runs]
+    return {"params": p_specs, "opt": optimizer.specs(p_specs, p_shapes), "state": s_specs,
+            "x": P("dp"), "target": P("dp")}
 
 
-def build_stage_step(stage, mesh, donate: bool = True):
-    """The jitted, sharded one-micro-batch training step of a stage and its abstract args."""
+def build_stage_step(stage, mesh, donate: bool = True, scan: bool = True):
+    """The jitted, sharded one-micro-batch training step of a stage and its abstract args.
+
+    With ``scan`` repeated layers run under ``lax.scan`` (see ``jax_models.layer_runs``).
+    Returns (jitted step, abstract args, runs).
+    """
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -291,21 +300,22 @@ def build_stage_step(stage, mesh, donate: bool = True):
         return jax.tree.map(lambda sp: NamedSharding(mesh, sp), tree,
                             is_leaf=lambda x: isinstance(x, P))
 
-    opt = jm.optimizer_for(stage.arch)
-    specs = stage_specs(stage, opt)
+    arch, mb = stage.arch, stage.micro_batch
+    runs = jm.layer_runs(arch, stage.layers) if scan else tuple((i, 1, 1) for i in stage.layers)
+    opt = jm.optimizer_for(arch)
+    specs = stage_specs(stage, opt, runs)
     shard = {k: named(v) for k, v in specs.items()}
     batch = NamedSharding(mesh, P("dp"))
     ctx = jm.ShardCtx(act=lambda x: jax.lax.with_sharding_constraint(x, batch))
-    step = jm.stage_train_step(stage, opt, ctx)
-    p_shapes = jm.stage_param_shapes(stage)
+    step = jm.stage_train_step(stage, opt, ctx, runs=runs)
+    p_shapes = [jm.run_param_shapes(arch, r) for r in runs]
     o_shapes = jax.eval_shape(opt.init, p_shapes)
-    s_shapes = jm.stage_state_shapes(stage)
+    s_shapes = [jm.run_state_shapes(arch, r) for r in runs]
 
     def abstract(shapes, shardings):
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             shapes, shardings)
 
-    arch, mb = stage.arch, stage.micro_batch
     x_shape, x_dtype = jm.activation_shape(arch, stage.layer_start, mb)
     if stage.is_last:
         t_shape, t_dtype = jm.label_shape(arch, mb), jnp.int32
@@ -319,7 +329,60 @@ def build_stage_step(stage, mesh, donate: bool = True):
     out = (shard["params"], shard["opt"], shard["state"],
            replicated if stage.is_last else None, None if stage.is_first else batch)
     jitted = jax.jit(step, out_shardings=out, donate_argnums=(0, 1, 2) if donate else ())
-    return jitted, args
+    return jitted, args, runs
+
+
+# Forward + backward costs of one repeated unit, per (arch, unit, micro-batch, plan, remat):
+# shared by every stage that repeats it, so each is compiled once per process.
+_UNIT_COSTS: dict[tuple, tuple[float, float, float]] = {}
+
+
+def _unit_costs(stage, run, mesh, dp: int, tp: int) -> tuple[float, float, float]:
+    """(flops, bytes accessed, transcendentals) per device of one unit's forward+backward."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from estimator import jax_models as jm
+    arch, (first, period, _) = stage.arch, run
+    key = (arch, tuple(jm._layer_signature(arch, first + j) for j in range(period)),
+           stage.micro_batch, dp, tp, stage.remat)
+    if key in _UNIT_COSTS:
+        return _UNIT_COSTS[key]
+    batch = NamedSharding(mesh, P("dp"))
+    ctx = jm.ShardCtx(act=lambda x: jax.lax.with_sharding_constraint(x, batch))
+
+    def named(tree):
+        return jax.tree.map(lambda sp: NamedSharding(mesh, sp), tree,
+                            is_leaf=lambda x: isinstance(x, P))
+
+    # The unit runs as a two-trip scan, as in the stage: under remat its backward then
+    # recomputes its forward as in a real pipeline (a lone checkpointed layer whose
+    # backward directly follows its forward would have the recompute folded away).
+    two = (first, period, 2)
+    p_sh, s_sh = named(jm.run_param_specs(arch, two)), named(jm.run_state_specs(arch, two))
+
+    def abstract(shapes, shardings):
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            shapes, shardings)
+
+    x_shape, x_dtype = jm.activation_shape(arch, first, stage.micro_batch)
+    unit = jm.Stage(arch, first, first + 2 * period, stage.micro_batch, stage.remat)
+
+    def fwd_bwd(p, s, x, t):
+        _, g, gx, _ = jm.stage_grad(unit, [p], [s], x, t, ctx, runs=(two,))
+        return g, gx
+
+    compiled = jax.jit(fwd_bwd, out_shardings=([p_sh], batch)).lower(
+        abstract(jm.run_param_shapes(arch, two), p_sh), abstract(jm.run_state_shapes(arch, two), s_sh),
+        jax.ShapeDtypeStruct(x_shape, x_dtype, sharding=batch),
+        jax.ShapeDtypeStruct(x_shape, x_dtype, sharding=batch)).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    # A loop body is counted once; if XLA unrolled the two trips, halve.
+    per = 1.0 if " while(" in compiled.as_text() else 0.5
+    cost = {k: per * float(v) for k, v in cost.items() if isinstance(v, (int, float))}
+    _UNIT_COSTS[key] = (float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)),
+                        float(cost.get("transcendentals", 0.0)))
+    return _UNIT_COSTS[key]
 
 
 def _gpu_target_devices(gpu: str, n: int, spec_dir: str | None):
@@ -344,31 +407,38 @@ def _compile_one(request: StageRequest, key: str, spec_dir: str | None) -> dict:
                      request.remat)
     t0 = time.perf_counter()
     mesh = stage_mesh(jax.devices("cpu"), request.dp, request.tp)
-    jitted, args = build_stage_step(stage, mesh)
+    jitted, args, runs = build_stage_step(stage, mesh)
     compiled = jitted.lower(*args).compile()
     compile_s = time.perf_counter() - t0
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    flops, nbytes, trans = (float(cost.get(k, 0.0)) for k in ("flops", "bytes accessed", "transcendentals"))
+    # XLA counts a scan body once: add the unit's other (repeats − 1) executions.
+    for run in runs:
+        if run[2] > 1:
+            uf, ub, ut = _unit_costs(stage, run, mesh, request.dp, request.tp)
+            flops += (run[2] - 1) * uf
+            nbytes += (run[2] - 1) * ub
+            trans += (run[2] - 1) * ut
     colls = hlo.parse_collectives(compiled.as_text(), request.num_devices)
     totals: dict[tuple[str, str], list[int]] = {}
     for c in colls:
         axis = hlo.classify_axis(c.groups, request.dp, request.tp)
         t = totals.setdefault((c.kind, axis), [0, 0])
-        t[0] += 1
-        t[1] += c.bytes
+        t[0] += c.repeats
+        t[1] += c.bytes * c.repeats
     memory = None
     if request.target != "cpu":
         devices = _gpu_target_devices(request.target, request.num_devices, spec_dir)
         if devices is not None:
-            g_jitted, g_args = build_stage_step(stage, stage_mesh(devices, request.dp, request.tp))
+            g_jitted, g_args, _ = build_stage_step(stage, stage_mesh(devices, request.dp, request.tp))
             mem = g_jitted.lower(*g_args).compile().memory_analysis()
             memory = float(getattr(mem, "peak_memory_in_bytes", 0) or (
                 mem.argument_size_in_bytes + mem.output_size_in_bytes
                 + mem.temp_size_in_bytes - mem.alias_size_in_bytes))
     return CompiledStage(
-        request_key=key, flops_per_device=float(cost.get("flops", 0.0)),
-        bytes_accessed_per_device=float(cost.get("bytes accessed", 0.0)),
-        transcendentals_per_device=float(cost.get("transcendentals", 0.0)),
+        request_key=key, flops_per_device=flops, bytes_accessed_per_device=nbytes,
+        transcendentals_per_device=trans,
         collectives=tuple(CollectiveTotal(k, a, n, b) for (k, a), (n, b) in sorted(totals.items())),
         memory_bytes=memory, target=request.target, compile_s=round(compile_s, 3),
         jax_version=jax.__version__).to_json()
@@ -420,6 +490,7 @@ class PlanRunner:
 
     def __init__(self, arch, stages, global_batch: int, micro_batches: int, remat: bool, devices):
         import jax
+        import jax.numpy as jnp
         from jax.sharding import NamedSharding, PartitionSpec as P
         from estimator import jax_models as jm
         if global_batch % micro_batches:
@@ -447,9 +518,11 @@ class PlanRunner:
             def fwd(params, state, x, stage=stage, ctx=ctx):
                 return jm.stage_forward(stage, params, state, x, ctx)
 
-            def grad(params, state, x, target, stage=stage, ctx=ctx):
+            def grad(params, state, x, target, acc, stage=stage, ctx=ctx):
+                # Accumulating here saves a separate add program per stage.
                 loss, g, gx, new_state = jm.stage_grad(stage, params, state, x, target, ctx)
-                return loss, g, gx, new_state
+                return loss, jax.tree.map(jnp.add, acc, g), gx, new_state
+
 
             def update(params, opt_state, grads, n=micro_batches):
                 grads = jax.tree.map(lambda g: g / n, grads)
@@ -457,11 +530,13 @@ class PlanRunner:
 
             self.parts.append({
                 "stage": stage, "named": named, "batch": batch,
-                "fwd": jax.jit(fwd), "grad": jax.jit(grad),
+                "fwd": jax.jit(fwd),
+                "grad": jax.jit(grad, donate_argnums=(4,)),
                 "update": jax.jit(update, out_shardings=(named["params"], named["opt"]),
                                   donate_argnums=(0, 1)),
-                "acc": jax.jit(lambda a, b: jax.tree.map(lambda x, y: x + y, a, b),
-                               out_shardings=named["params"], donate_argnums=(0,)),
+                "opt_init": jax.jit(self.optimizer.init, out_shardings=named["opt"]),
+                "zeros": jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p),
+                                 out_shardings=named["params"]),
             })
 
     def init(self, seed: int = 0) -> list:
@@ -470,16 +545,15 @@ class PlanRunner:
         Layer i's weights depend only on (seed, i), so any plan starts from the same model.
         """
         import jax
-        from estimator import jax_models as jm
-        key = jax.random.PRNGKey(seed)
         out = []
         for part in self.parts:
             stage, named = part["stage"], part["named"]
-            params = [jm.init_layer_params(self.arch, i, jax.random.fold_in(key, i)) for i in stage.layers]
-            state = [jm.init_layer_state(self.arch, i) for i in stage.layers]
-            opt = self.optimizer.init(params)
-            out.append((jax.device_put(params, named["params"]), jax.device_put(opt, named["opt"]),
-                        jax.device_put(state, named["state"])))
+            # Host-side init: no XLA program per weight shape, and identical on any plan.
+            params = jax.device_put([_host_layer_params(self.arch, i, seed) for i in stage.layers],
+                                    named["params"])
+            state = jax.device_put([_host_layer_state(self.arch, i) for i in stage.layers],
+                                   named["state"])
+            out.append((params, part["opt_init"](params), state))
         return out
 
     def step(self, train_state: list, inputs, labels) -> tuple[list, float]:
@@ -490,7 +564,7 @@ class PlanRunner:
         params = [t[0] for t in train_state]
         opts = [t[1] for t in train_state]
         states = [t[2] for t in train_state]
-        grads: list = [None] * len(parts)
+        grads = [part["zeros"](p) for part, p in zip(parts, params)]
         losses = []
         for k in range(self.micro_batches):
             x = inputs[k * mb:(k + 1) * mb]
@@ -504,18 +578,41 @@ class PlanRunner:
             cot = jax.device_put(y, parts[-1]["batch"])
             for i in range(len(parts) - 1, -1, -1):
                 part = parts[i]
-                loss, g, gx, new_state = part["grad"](params[i], states[i], stage_inputs[i],
-                                                      jax.device_put(cot, part["batch"]))
+                loss, grads[i], gx, new_state = part["grad"](
+                    params[i], states[i], stage_inputs[i], jax.device_put(cot, part["batch"]), grads[i])
                 if i == len(parts) - 1:
                     states[i] = new_state
                     losses.append(loss)
-                grads[i] = g if grads[i] is None else part["acc"](grads[i], g)
                 cot = gx
         new = []
         for i, part in enumerate(parts):
             p, o = part["update"](params[i], opts[i], grads[i])
             new.append((p, o, states[i]))
         return new, float(jnp.mean(jnp.stack([jax.device_get(v) for v in losses])))
+
+
+def _host_layer_params(arch, index: int, seed: int) -> dict:
+    """One layer's fp32 weights drawn on the host from (seed, layer): normal with std
+    1/sqrt(fan-in) for matrices and kernels, ones for norm scales, zeros for biases."""
+    import numpy as np
+    from estimator import jax_models as jm
+    rng = np.random.default_rng([seed, index])
+    out = {}
+    for name, s in sorted(jm.layer_param_shapes(arch, index).items()):
+        if len(s.shape) == 1:
+            one = name.startswith(("ln", "g", "bn_g"))
+            out[name] = (np.ones if one else np.zeros)(s.shape, np.float32)
+        else:
+            fan_in = s.shape[0] * s.shape[1] if name == "wo" else math.prod(s.shape[:-1])
+            out[name] = (rng.standard_normal(s.shape) / math.sqrt(fan_in)).astype(np.float32)
+    return out
+
+
+def _host_layer_state(arch, index: int) -> dict:
+    import numpy as np
+    from estimator import jax_models as jm
+    return {k: (np.ones if k.startswith("v") else np.zeros)(s.shape, np.float32)
+            for k, s in jm.layer_state_shapes(arch, index).items()}
 
 
 def dummy_batch(arch, global_batch: int, seed: int = 0):

@@ -57,6 +57,8 @@ class Collective:
         bytes: payload bytes (see the module docstring for the convention).
         group_size: devices in each group (2 for a collective-permute pair).
         groups: the device groups (for collective-permute, the source-target pairs).
+        repeats: executions per program run: the product of the known trip counts of the
+            while loops (``lax.scan`` bodies) around it; 1 outside loops.
     """
 
     kind: str
@@ -64,6 +66,7 @@ class Collective:
     bytes: int
     group_size: int
     groups: tuple[tuple[int, ...], ...]
+    repeats: int = 1
 
 
 def _shape_bytes(shape_text: str, line: str) -> int:
@@ -137,8 +140,38 @@ def _device_ids(spec: str | None, count: int, text: str) -> "np.ndarray":
     return ids
 
 
+_COMP_RE = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s*->\s*.*\{\s*$")
+_WHILE_RE = re.compile(r"\swhile\(.*?body=%?([\w.\-]+)")
+_TRIP_RE = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+
+
+def loop_repeats(hlo_text: str) -> dict[str, int]:
+    """Executions per run of every computation that is a while-loop body (nested loops
+    multiply). Loops without a known trip count count once."""
+    parent_of: dict[str, tuple[str, int]] = {}
+    current = None
+    for line in hlo_text.splitlines():
+        m = _COMP_RE.match(line)
+        if m:
+            current = m.group(1)
+            continue
+        w = _WHILE_RE.search(line)
+        if w and current is not None:
+            t = _TRIP_RE.search(line)
+            parent_of[w.group(1)] = (current, int(t.group(1)) if t else 1)
+
+    def repeats(comp: str, depth: int = 0) -> int:
+        if comp not in parent_of or depth > 64:
+            return 1
+        parent, n = parent_of[comp]
+        return n * repeats(parent, depth + 1)
+
+    return {body: repeats(body) for body in parent_of}
+
+
 def parse_collectives(hlo_text: str, num_devices: int | None = None) -> tuple[Collective, ...]:
-    """Every collective in ``hlo_text`` (as printed by ``compiled.as_text()``).
+    """Every collective in ``hlo_text`` (as printed by ``compiled.as_text()``), with how
+    many times it runs (inside ``lax.scan`` loops: the trip count).
 
     Args:
         hlo_text: optimized per-device HLO module text.
@@ -148,10 +181,17 @@ def parse_collectives(hlo_text: str, num_devices: int | None = None) -> tuple[Co
         HloParseError: a collective line whose shape or groups cannot be read.
     """
     out = []
+    loops = loop_repeats(hlo_text)
+    current = None
     for line in hlo_text.splitlines():
+        cm = _COMP_RE.match(line)
+        if cm:
+            current = cm.group(1)
+            continue
         m = _OP_RE.match(line)
         if not m:
             continue
+        reps = loops.get(current, 1)
         kind, shape_text = m.group("op"), m.group("shape")
         if m.group("start"):
             # An async start returns (operands..., results..., scratch): count the results.
@@ -160,7 +200,7 @@ def parse_collectives(hlo_text: str, num_devices: int | None = None) -> tuple[Co
         if kind == "collective-permute":
             pm = _PAIRS_RE.search(line)
             groups = parse_replica_groups("{" + pm.group(1) + "}") if pm else ()
-            out.append(Collective(kind, m.group("name"), size, 2, groups))
+            out.append(Collective(kind, m.group("name"), size, 2, groups, reps))
             continue
         gm = _GROUPS_RE.search(line)
         groups = parse_replica_groups(gm.group(1)) if gm else ()
@@ -172,7 +212,7 @@ def parse_collectives(hlo_text: str, num_devices: int | None = None) -> tuple[Co
             raise HloParseError(line, "replica groups span all devices; pass num_devices")
         if kind == "reduce-scatter":
             size *= group_size
-        out.append(Collective(kind, m.group("name"), size, group_size, groups))
+        out.append(Collective(kind, m.group("name"), size, group_size, groups, reps))
     return tuple(out)
 
 
@@ -218,8 +258,8 @@ def classify_axis(groups: tuple[tuple[int, ...], ...], dp: int, tp: int) -> str:
 
 
 def bytes_by_kind(collectives: tuple[Collective, ...]) -> dict[str, int]:
-    """Total payload bytes per collective kind (kinds absent are 0)."""
+    """Total payload bytes per program run, per collective kind (kinds absent are 0)."""
     totals = {k: 0 for k in COLLECTIVE_KINDS}
     for c in collectives:
-        totals[c.kind] += c.bytes
+        totals[c.kind] += c.bytes * c.repeats
     return totals

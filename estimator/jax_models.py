@@ -498,14 +498,18 @@ def stage_forward(stage: Stage, params: list, state: list, x, ctx: ShardCtx = NO
     return x, new_state
 
 
-def stage_grad(stage: Stage, params, state, x, target, ctx: ShardCtx = NO_SHARD):
+def stage_grad(stage: Stage, params, state, x, target, ctx: ShardCtx = NO_SHARD, runs=None):
     """Forward and backward of one micro-batch through a stage.
 
     ``target`` is the labels on the last stage and the cotangent of the stage's output
-    elsewhere. Returns (loss or None, param grads, input cotangent or None, new state).
+    elsewhere. With ``runs`` (``layer_runs``) params and state are per run, stacked.
+    Returns (loss or None, param grads, input cotangent or None, new state).
     """
     def fwd(p, h):
-        out, s = stage_forward(stage, p, state, h, ctx)
+        if runs is None:
+            out, s = stage_forward(stage, p, state, h, ctx)
+        else:
+            out, s = runs_forward(stage, runs, p, state, h, ctx)
         if stage.is_last:
             return loss_fn(out, target), s
         return out, s
@@ -521,6 +525,97 @@ def stage_grad(stage: Stage, params, state, x, target, ctx: ShardCtx = NO_SHARD)
         g_params, g_x = vjp(cot)
     loss = out if stage.is_last else None
     return loss, g_params, g_x, new_state
+
+
+# --------------------------------------------------------------------------- scanned runs
+# For compiling, repeated identical layers run under ``lax.scan`` with their weights
+# stacked on a leading axis: the program (and its compile time) stays the size of one
+# unit however many layers the stage has. XLA's cost analysis counts a loop body once, so
+# ``estimator.compiled`` adds the other trip-count − 1 executions.
+
+
+def _layer_signature(arch: Arch, index: int) -> tuple:
+    shapes = tuple(sorted((k, v.shape) for k, v in layer_param_shapes(arch, index).items()))
+    out = activation_shape(arch, index + 1, 1)[0] if index + 1 < arch.num_layers else None
+    return (layer_kind(arch, index), shapes, activation_shape(arch, index, 1)[0], out)
+
+
+def layer_runs(arch: Arch, layers: range, max_period: int = 2) -> tuple[tuple[int, int, int], ...]:
+    """Cover ``layers`` with runs ``(first layer, period, repeats)`` of identical units.
+
+    A unit is ``period`` consecutive layers (2 for MoE's alternating MoE/dense blocks);
+    a layer that repeats nothing is a run of one.
+    """
+    sig = {i: _layer_signature(arch, i) for i in layers}
+    runs, i, end = [], layers.start, layers.stop
+    while i < end:
+        best = (1, 1)
+        for period in range(1, max_period + 1):
+            count = 1
+            while i + (count + 1) * period <= end and all(
+                    sig[i + count * period + j] == sig[i + j] for j in range(period)):
+                count += 1
+            if count >= 2 and count * period > best[0] * best[1]:
+                best = (period, count)
+        if best[1] == 1:
+            best = (1, 1)
+        runs.append((i, best[0], best[1]))
+        i += best[0] * best[1]
+    return tuple(runs)
+
+
+def _stacked(tree, count: int, fn):
+    return jax.tree.map(fn, tree, is_leaf=lambda x: isinstance(x, (P, jax.ShapeDtypeStruct))) \
+        if count > 1 else tree
+
+
+def run_param_shapes(arch: Arch, run: tuple[int, int, int]) -> list:
+    first, period, count = run
+    return [_stacked(layer_param_shapes(arch, first + j), count,
+                     lambda s: _sds((count, *s.shape), s.dtype)) for j in range(period)]
+
+
+def run_state_shapes(arch: Arch, run: tuple[int, int, int]) -> list:
+    first, period, count = run
+    return [_stacked(layer_state_shapes(arch, first + j), count,
+                     lambda s: _sds((count, *s.shape), s.dtype)) for j in range(period)]
+
+
+def run_param_specs(arch: Arch, run: tuple[int, int, int]) -> list:
+    first, period, count = run
+    return [_stacked(layer_param_specs(arch, first + j), count, lambda sp: P(None, *sp))
+            for j in range(period)]
+
+
+def run_state_specs(arch: Arch, run: tuple[int, int, int]) -> list:
+    first, period, count = run
+    return [_stacked(layer_state_specs(arch, first + j), count, lambda sp: P(None, *sp))
+            for j in range(period)]
+
+
+def runs_forward(stage: Stage, runs, params: list, state: list, x, ctx: ShardCtx = NO_SHARD):
+    """A stage's forward over runs (params and state per run, stacked when repeated)."""
+    new_state = []
+    for run, p_run, s_run in zip(runs, params, state):
+        first, period, count = run
+
+        def unit(h, ps, first=first, period=period):
+            p_unit, s_unit = ps
+            out_s = []
+            for j in range(period):
+                def one(p, s, hh, layer=first + j):
+                    return apply_layer(stage.arch, layer, p, s, hh, ctx)
+                fn = jax.checkpoint(one) if stage.remat else one
+                h, sj = fn(p_unit[j], s_unit[j], h)
+                out_s.append(sj)
+            return h, out_s
+
+        if count == 1:
+            x, s_new = unit(x, (p_run, s_run))
+        else:
+            x, s_new = jax.lax.scan(unit, x, (p_run, s_run))
+        new_state.append(s_new)
+    return x, new_state
 
 
 def stage_param_shapes(stage: Stage) -> list:
@@ -675,7 +770,7 @@ def optimizer_for(arch: Arch) -> Optimizer:
 
 
 def stage_train_step(stage: Stage, optimizer: Optimizer, ctx: ShardCtx = NO_SHARD,
-                     micro_batches: int = 1) -> Callable:
+                     micro_batches: int = 1, runs=None) -> Callable:
     """One iteration of a stage: forward and backward of ``micro_batches`` micro-batches
     (gradients accumulated in fp32), then one optimizer update.
 
@@ -685,12 +780,13 @@ def stage_train_step(stage: Stage, optimizer: Optimizer, ctx: ShardCtx = NO_SHAR
     """
     def step(params, opt_state, model_state, xs, targets):
         if micro_batches == 1:
-            loss, grads, g_x, model_state = stage_grad(stage, params, model_state, xs, targets, ctx)
+            loss, grads, g_x, model_state = stage_grad(stage, params, model_state, xs, targets,
+                                                       ctx, runs)
         else:
             grads, losses, g_xs = None, [], []
             for k in range(micro_batches):
                 loss_k, g_k, gx_k, model_state = stage_grad(
-                    stage, params, model_state, xs[k], targets[k], ctx)
+                    stage, params, model_state, xs[k], targets[k], ctx, runs)
                 grads = g_k if grads is None else jax.tree.map(jnp.add, grads, g_k)
                 losses.append(loss_k)
                 g_xs.append(gx_k)

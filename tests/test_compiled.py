@@ -138,7 +138,7 @@ def test_request_validation_quotes_bad_values():
 # --------------------------------------------------------------------------- compiling
 
 
-SMALL_YAML = "hidden: 256\nlayers: 2\nheads: 4\nsequence: 128\nvocab: 512\ndtype: fp32\n"
+SMALL_YAML = "hidden: 512\nlayers: 2\nheads: 8\nsequence: 128\nvocab: 512\ndtype: fp32\n"
 
 
 def test_compiled_flops_match_analytic_and_collectives_follow_the_plan(tmp_path):
@@ -159,7 +159,7 @@ def test_compiled_flops_match_analytic_and_collectives_follow_the_plan(tmp_path)
     assert one.collectives == ()
     # tp: per-layer activation all-reduces (fp32 [micro/dp, s, h]); dp: the gradient sync.
     tp_bytes = hybrid.collective_bytes("tp")["all-reduce"]
-    assert tp_bytes >= 2 * 2 * (8 // 2) * 128 * 256 * 4  # ≥ 2 per layer forward, 2 layers
+    assert tp_bytes >= 2 * 2 * (8 // 2) * 128 * 512 * 4  # ≥ 2 per layer forward, 2 layers
     grads = sum(layer.params for layer in spec.layers[1:3]) * 4
     assert abs(dp4.collective_bytes("dp")["all-reduce"] / grads - 1) < 0.05
     assert "tp" not in {c.axis for c in dp4.collectives}
