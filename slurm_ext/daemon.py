@@ -711,6 +711,9 @@ class Daemon:
                     est[space] = self._estimates.get(
                         estimate_key(spec, cluster, space, cfg.micro_batches, cfg.max_gpus),
                         lambda o=options: estimate_job(jspec, cluster, o).cells, now_s)
+                if not any(e.feasible for e in est[cfg.plan_space]):
+                    why = next((e.reason for e in est[cfg.plan_space] if e.reason), "no Cell enumerated")
+                    raise SpecError("model", spec.model, f"no Cell of this cluster fits it ({why})")
             except (SpecError, ValueError, KeyError, ArithmeticError) as e:
                 message = f"cannot estimate: {e}"
                 if not cfg.dry_run:

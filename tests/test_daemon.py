@@ -276,11 +276,14 @@ def test_elastic_jobs_start_on_the_chosen_cell_and_plain_jobs_are_untouched(slur
 @pytest.mark.slurm
 def test_bad_spec_runs_as_submitted_with_the_error_in_the_view(slurm_lab, slurm_client, tmp_path):
     bad = submit(slurm_client, tmp_path, "elastic model=no-such-model", partition="v100", gres="gpu:1")
+    # Valid, but nothing in this cluster holds 15B parameters on 1 or 2 GPUs: never left held.
+    too_big = submit(slurm_client, tmp_path, "elastic model=gpt-15b gpus=1", partition="a10", gres="gpu:1")
     daemon = make_daemon(slurm_lab, slurm_client, tmp_path)
     report = daemon.round()
-    assert report.spec_errors == 1 and ("release", bad) in report.actions
-    (job,) = wait_for("the bad-spec job to run as submitted", running(slurm_client, bad))
+    assert report.spec_errors == 2 and {("release", bad), ("release", too_big)} <= set(report.actions)
+    job, big = wait_for("the bad-spec jobs to run as submitted", running(slurm_client, bad, too_big))
     assert job.partition == "v100" and job.granted_gpus == 1
+    assert big.partition == "a10" and "no Cell of this cluster fits it" in big.admin_comment
     (row,) = [r for r in rows(slurm_client.jobs()) if r.job_id == bad]
     assert "no-such-model" in row.spec_error and "runs as submitted" in row.why
     assert row.cell is None
