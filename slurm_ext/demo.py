@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shutil
 import sys
 import tempfile
 import time
@@ -115,6 +116,11 @@ def run_demo(root: Path, rounds: int, policy: str, script_path: Path | None) -> 
         time.sleep(1)
         _banner("slurm-ext squeue")
         _squeue(lab)
+        for out in sorted(root.glob("*.out")):
+            text = out.read_text(errors="replace")
+            if "checkpoint" in text:  # a job the daemon rescaled: its two runs
+                _banner(f"output of a rescaled job ({out.name})")
+                print(text, flush=True)
         return 0
     finally:
         _banner("stopping the lab cluster")
@@ -123,7 +129,8 @@ def run_demo(root: Path, rounds: int, policy: str, script_path: Path | None) -> 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m slurm_ext.demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", type=Path, default=None, help="working directory (default: a new temporary one)")
+    parser.add_argument("--dir", type=Path, default=None,
+                        help="working directory, kept afterwards (default: a temporary one, removed)")
     parser.add_argument("--rounds", type=int, default=3, help="daemon rounds before the plain job ends")
     parser.add_argument("--policy", default="crius", help="scheduling policy")
     parser.add_argument("--script", type=Path, default=None, help="batch script to submit instead of the stand-in")
@@ -139,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     except SlurmExtError as e:
         print(f"demo failed: {e}", file=sys.stderr)
         return 1
+    finally:
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":
