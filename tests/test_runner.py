@@ -3,13 +3,14 @@
 Each run trains the tiny GPT of fixtures/runner/tiny-gpt.yaml (2 blocks, hidden 64,
 sequence 32, vocabulary 128, fp32) with a global batch of 16 for 8 steps. The reference
 is an uninterrupted run under a two-stage plan on 2 devices; interrupted runs use a
-data-parallel plan on 4 devices (and resume under either), must continue at exactly the
+data-parallel plan on 4 devices and resume under a pipeline + data + tensor parallel plan,
+a plan tuned for 2 devices, or the same plan; they must continue at exactly the
 step after their checkpoint and reproduce the reference's losses within LOSS_RTOL
 (float32 sums taken in another order under another plan; measured differences are
 below 1e-6).
 
-Runs share a JAX compilation cache, so each of the two plans is compiled once; the
-reference runs alongside the first interrupted run.
+Runs share a JAX compilation cache, so each plan is compiled once; the reference runs
+alongside the first interrupted runs.
 """
 
 import json
@@ -34,6 +35,9 @@ LOSS_RTOL = 1e-4
 # programs are shared through the session's compilation cache.
 DP4 = "cell=a100x4:s1 plan=[dp4tp1] mb=4 remat=1"
 PP2_ON_2 = "cell=v100x2:s2 plan=[dp1tp1|dp1tp1] mb=4 remat=1"
+# Pipeline, data and tensor parallelism at once: embedding + block 1 on 2 devices (dp),
+# block 2 + head on 2 devices (tp).
+MIXED = "cell=h100x4:s2 plan=[dp2tp1|dp1tp2] mb=2 remat=1 layers=0,2,4"
 WAIT_S = 180
 
 _STEP = re.compile(r"step (\d+) loss ([0-9.]+)")
@@ -132,10 +136,8 @@ def test_usr1_checkpoints_exits_86_and_resumes_under_another_plan(tmp_path, cach
     assert manifest["meta"]["data"]["next_step"] == saved + 1
     assert manifest["meta"]["global_batch"] == GLOBAL_BATCH
 
-    # The daemon gave it 2 GPUs of another type and a two-stage plan (the reference's plan:
-    # once the reference is done, its compiled programs are in the cache).
-    reference.losses()
-    second = Runner(tmp_path, "second", ckpt, PP2_ON_2, 2, cache, restart_count=1)
+    # The daemon moved it to another GPU type with a two-stage dp/tp plan.
+    second = Runner(tmp_path, "second", ckpt, MIXED, 4, cache, restart_count=1)
     assert second.finish() == 0, second.text()[-3000:]
     text = second.text()
     assert f"resumed from step {saved} (checkpoint" in text
@@ -145,7 +147,7 @@ def test_usr1_checkpoints_exits_86_and_resumes_under_another_plan(tmp_path, cach
     _assert_matches({**first.losses(), **resumed}, reference)
 
     measured = json.loads((ckpt / "measured.json").read_text())  # the last run's figures
-    assert measured["cell"] == "v100x2:s2" and measured["plan"] == PP2_ON_2
+    assert measured["cell"] == "h100x4:s2" and measured["plan"] == MIXED
     assert measured["iteration_time_s"] > 0 and measured["steps_measured"] >= 1
 
 
@@ -160,8 +162,8 @@ def test_sigkill_resumes_from_last_periodic_checkpoint(tmp_path, cache, referenc
     last = on_disk[-1]
     assert last >= 4
 
-    # No plan given this time: the runner tunes one for its 4 devices.
-    second = Runner(tmp_path, "after-kill", ckpt, None, 4, cache, restart_count=1)
+    # Restarted on 2 GPUs without a plan: the runner tunes one for its 2 devices.
+    second = Runner(tmp_path, "after-kill", ckpt, None, 2, cache, restart_count=1)
     assert second.finish() == 0, second.text()[-3000:]
     assert "(tuned here)" in second.text()
     assert f"resumed from step {last} (checkpoint" in second.text()
