@@ -185,8 +185,14 @@ def resolve_config(args: argparse.Namespace, env: dict[str, str], alloc: SlurmAl
         COMPILE_CACHE_ENV, default_cache)
     if args.checkpoint_every < 0 or args.keep < 1:
         raise SpecError("checkpoint_every", args.checkpoint_every, "give K ≥ 0 and --keep ≥ 1")
+    plan_text = args.plan or env.get(PLAN_ENV) or None
+    if plan_text:  # a given plan that cannot fit fails now, before JAX is even imported
+        from estimator.plan_string import parse_plan
+        if parse_plan(plan_text).num_gpus != devices:
+            raise SpecError("plan", plan_text, f"is for {parse_plan(plan_text).num_gpus} GPUs "
+                                               f"but this job has {devices}")
     return RunConfig(model=model, global_batch=batch, iterations=iterations,
-                     plan_text=args.plan or env.get(PLAN_ENV) or None, checkpoint_dir=ckpt,
+                     plan_text=plan_text, checkpoint_dir=ckpt,
                      checkpoint_every=args.checkpoint_every, keep=args.keep, seed=args.seed,
                      num_devices=devices, platform=platform, warmup_steps=max(0, args.warmup_steps),
                      compile_cache_dir=cache or None)
