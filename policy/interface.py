@@ -205,10 +205,15 @@ class Snapshot:
         raise KeyError(name)
 
     def job(self, job_id: str) -> JobView:
-        for j in self.jobs:
-            if j.job_id == job_id:
-                return j
-        raise KeyError(job_id)
+        return self.job_index()[job_id]
+
+    def job_index(self) -> dict[str, JobView]:
+        """Job id → view (memoised per snapshot; do not modify the returned dict)."""
+        index = self.__dict__.get("_job_index")
+        if index is None:
+            index = {j.job_id: j for j in self.jobs}
+            object.__setattr__(self, "_job_index", index)
+        return index
 
     def managed_capacity(self) -> dict[str, int]:
         """Node name → GPUs the policy may hand out (ignoring managed jobs' holdings)."""
@@ -305,7 +310,8 @@ def implied_actions(snapshot: Snapshot, decision: Decision) -> tuple[Action, ...
     """The actions that turn the snapshot's assignments into the decision's.
 
     Suspensions come first, then resizes, type changes and moves, then starts, so that
-    applying them in order never needs GPUs that are still held.
+    applying them in order never needs GPUs that are still held; within a kind, in the
+    decision's order.
 
     Args:
         snapshot: the state the policy saw.
@@ -314,14 +320,14 @@ def implied_actions(snapshot: Snapshot, decision: Decision) -> tuple[Action, ...
     Returns:
         The actions, in application order; jobs whose assignment is unchanged have none.
     """
-    wanted = decision.as_dict()
+    jobs = snapshot.job_index()
     actions: list[Action] = []
-    for job in snapshot.jobs:
-        d = wanted.get(job.job_id)
-        if d is None:
+    for d in decision.jobs:
+        job = jobs.get(d.job_id)
+        if job is None:
             continue
         before, after = job.assignment, d.assignment
-        if before == after:
+        if before is after or before == after:
             continue
         if after is None:
             kind = SUSPEND
@@ -355,10 +361,11 @@ def validate_decision(snapshot: Snapshot, decision: Decision) -> None:
     Raises:
         DecisionError: naming the first fault found.
     """
-    jobs = {j.job_id: j for j in snapshot.jobs}
+    jobs = snapshot.job_index()
     index = node_index(snapshot.nodes)
     free = snapshot.free_gpus()
     seen: set[str] = set()
+    changed = []
     for d in decision.jobs:
         job = jobs.get(d.job_id)
         if job is None:
@@ -366,11 +373,14 @@ def validate_decision(snapshot: Snapshot, decision: Decision) -> None:
         if d.job_id in seen:
             raise DecisionError(f"decision names job {d.job_id!r} twice")
         seen.add(d.job_id)
+        if d.assignment is job.assignment or d.assignment == job.assignment:
+            continue  # unchanged: already counted in the snapshot's free GPUs
+        changed.append(d)
         if job.assignment is not None:
             for name, gpus in job.assignment.placement:
                 free[name] += gpus
     touched: set[str] = set()
-    for d in decision.jobs:
+    for d in changed:
         a = d.assignment
         if a is None:
             continue
