@@ -176,8 +176,9 @@ class _StageRunner:
         self.values: dict[str, list] = {}
 
     def init(self, seed: int) -> None:
-        # Keys folded from the global layer index: the same weights whatever the split.
-        key = jax.random.key(seed, impl="rbg")
+        # Keys folded from the global layer index, and the default (partitionable) threefry
+    # generator: the same weights whatever the stage split and the tp sharding.
+        key = jax.random.key(seed)
         p, s, o = self._init(key)
         self.values = {"params": p, "state": s, "opt": o}
 

@@ -89,7 +89,8 @@ def test_manifest_records_checksum_and_size(tmp_path):
 
 def _reshard_child(directory: str, queue) -> None:
     """dp4 → checkpoint → dp2tp2 → checkpoint → pp2 (2 stages), on 4 fake CPU devices."""
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=4 "
+                               "--xla_backend_optimization_level=0")
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
 
@@ -107,6 +108,12 @@ def _reshard_child(directory: str, queue) -> None:
     }
     opt = jm.optimizer_for(arch)
     first = Trainer(arch, plans["dp4"], jax.devices(), 16, opt)
+    # Fresh weights do not depend on the plan either (tp-sharded initialisation included).
+    first.init(0)
+    sharded = Trainer(arch, plans["dp2tp2"], jax.devices(), 16, opt)
+    sharded.init(0)
+    a, b = first.state_arrays(), sharded.state_arrays()
+    same_init = sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
     # Random values everywhere (optimizer moments and counters included), so a leaf
     # that is dropped, swapped or left at its initial value cannot go unnoticed.
     rng = np.random.default_rng(0)
@@ -126,7 +133,8 @@ def _reshard_child(directory: str, queue) -> None:
     same = sorted(final.arrays) == sorted(original) and all(
         np.array_equal(final.arrays[k], original[k]) and final.arrays[k].dtype == original[k].dtype
         for k in original)
-    queue.put({"step": final.step, "same": same, "names": len(original), "shards": shard_shapes})
+    queue.put({"step": final.step, "same": same, "names": len(original), "shards": shard_shapes,
+               "same_init": same_init})
 
 
 def test_checkpoint_reshards_dp4_to_dp2tp2_to_pp2_exactly(tmp_path):
@@ -139,6 +147,7 @@ def test_checkpoint_reshards_dp4_to_dp2tp2_to_pp2_exactly(tmp_path):
     assert child.exitcode == 0
     assert result["step"] == 3
     assert result["same"], "parameters or optimizer state changed across dp4 → dp2tp2 → pp2"
+    assert result["same_init"], "initial weights differ between dp4 and dp2tp2"
     assert result["names"] > 20
     # Under tp=2 the FFN input matrix (64 × 256) really is split by columns.
     assert result["shards"]["dp2tp2"] == ((64, 256), (64, 128))
