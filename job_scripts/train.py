@@ -177,7 +177,7 @@ class _StageRunner:
 
     def init(self, seed: int) -> None:
         # Keys folded from the global layer index, and the default (partitionable) threefry
-    # generator: the same weights whatever the stage split and the tp sharding.
+        # generator: the same weights whatever the stage split and the tp sharding.
         key = jax.random.key(seed)
         p, s, o = self._init(key)
         self.values = {"params": p, "state": s, "opt": o}
