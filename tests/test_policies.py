@@ -315,3 +315,29 @@ def test_crius_state_round_trips_and_forgets_finished_jobs():
     d = run(CriusPolicy(), s)
     assert isinstance(d.policy_state, CriusState)
     assert d.policy_state.searched <= {j.job_id for j in s.jobs}
+
+
+def test_binary_program_solvers_agree_with_brute_force():
+    from policy._solver import _solve_highspy, _solve_pulp, solve_binary_program
+
+    weights, values = [3, 4, 5, 2, 6], [4.0, 5.0, 7.0, 3.0, 8.0]
+    objective = dict(enumerate(values))
+    constraints = [(dict(enumerate(map(float, weights))), "<=", 10.0), ({0: 1.0, 1: 1.0}, "<=", 1.0)]
+    best = max((sum(values[i] for i in c), c) for r in range(6) for c in itertools.combinations(range(5), r)
+               if sum(weights[i] for i in c) <= 10 and not {0, 1} <= set(c))
+    for solve in (_solve_highspy, _solve_pulp, solve_binary_program):
+        got = solve(objective, constraints, 5, True, 2.0)
+        assert sum(values[i] for i in got) == pytest.approx(best[0])
+
+
+def test_elasticflow_deadline_mode_sizes_the_minimum_share_by_the_deadline():
+    # 1000 iterations of BATCH samples: 1 GPU (16/s) takes 4000 s, 2 GPUs (32/s) 2000 s.
+    j = job("j", {("a100", 1): 16.0, ("a100", 2): 32.0}, gpus=1, deadline=2500.0)
+    other = job("o", {("a100", 1): 16.0, ("a100", 2): 17.0}, gpus=1, submit=1.0)
+    s = snap([a100(1, unmanaged=1)], [j, other], now=0.0)
+    assert cell_of(run(ElasticFlowPolicy(deadline_aware=True), s), "j") == ("a100", 2)
+    s = snap([a100(1, unmanaged=2)], [j, other], now=0.0)
+    d = run(ElasticFlowPolicy(deadline_aware=True), s)
+    assert cell_of(d, "j") == ("a100", 2) and cell_of(d, "o") is None
+    d = run(ElasticFlowPolicy(), s)  # throughput mode: both get one GPU
+    assert cell_of(d, "j") == ("a100", 1) and cell_of(d, "o") == ("a100", 1)
