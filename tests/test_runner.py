@@ -32,7 +32,7 @@ ITERATIONS = 8
 GLOBAL_BATCH = 16
 LOSS_RTOL = 1e-4
 # The plan the daemon gives the tiny GPT on 4 GPUs in test_rescale_e2e: its compiled
-# programs are shared through the session's compilation cache.
+# programs are shared through this pytest run's compilation cache.
 DP4 = "cell=a100x4:s1 plan=[dp4tp1] mb=4 remat=1"
 PP2_ON_2 = "cell=v100x2:s2 plan=[dp1tp1|dp1tp1] mb=4 remat=1"
 # Pipeline, data and tensor parallelism at once: embedding + block 1 on 2 devices (dp),
