@@ -7,22 +7,25 @@ in use the GPUs of Cells needing s or more GPUs per node fit on nodes with at le
 free GPUs (a valid relaxation of node packing); a placement pass with repair then puts
 the answer on nodes (``policy.placement``), so a decision never over-commits a node.
 
-Objective (maximized), per job j and Cell c:
+Objective (maximized), per job j and Cell c: the expected completion time the Cell saves
+over waiting, weighted,
 
-    w_j · norm_jc · keep_jc        with  w_j = aging_j / T_j
+    v_jc = a_j / T_j^β · (T_j + D + R_j − T_j / norm_jc − R_jc)        (wait: v = 0)
 
 * ``norm_jc`` = samples/s on c over samples/s on what the job asked for, so models with
-  many samples per second do not dominate;
-* ``T_j`` = the job's remaining time on what it asked for: weighting by 1/T favours jobs
-  close to finishing (w·norm is the rate at which c finishes the job: shortest remaining
-  time first, the rule that minimizes average completion time);
-* ``aging_j`` = 1 + (time since submission) / ``aging_s``: a job that waited long
-  catches up with short newcomers, so none starves;
-* ``keep_jc`` = 1 for the Cell a job runs on, else Rubick's (T − N·δ)/T with T the time
-  the job needs on c, δ the snapshot's restart cost and N = 1 + restarts so far (a job
-  restarted often becomes stickier). Suspending a running job costs the part of its
-  current value the restart destroys. A running job changed less than
-  ``min_change_interval_s`` ago keeps its Cell.
+  many samples per second do not dominate; ``T_j / norm_jc`` is the time c needs.
+* ``T_j`` = the job's remaining time on what it asked for. Dividing by T^β favours jobs
+  close to finishing (β = 1 is shortest-remaining-time-first, what minimizes average JCT
+  under contention; β = 0 is pure time saved, what minimizes it when everyone runs).
+* ``D`` = what waiting costs beyond the job's own time (``wait_cost_s``): the larger it is,
+  the more admitting a job outweighs making an admitted job faster.
+* ``a_j`` = 1 + (time since submission) / ``aging_s``: a job that waited long catches up
+  with short newcomers, so none starves.
+* ``R_jc`` = the restart cost of c: 0 for the Cell a job runs on, the snapshot's restart
+  cost δ for a start, N·δ for a change of a running job with N = 1 + its restarts so far
+  (Rubick's T − N·δ: a job restarted often becomes stickier); ``R_j`` = N·δ for a
+  running job (suspending it means paying a restart later), 0 for a pending one. A running
+  job changed less than ``min_change_interval_s`` ago keeps its Cell.
 
 Options: ``guarantee`` (a guaranteed job only gets Cells at least as fast as what it asked
 for, and a running one is never suspended), ``deadlines`` (a job with a deadline only
@@ -83,16 +86,16 @@ class _Shape:
     cells: tuple[tuple[CellEstimate, tuple[Cell, ...]], ...]  # fastest per shape + alternatives
 
 
-_SHAPES: dict[int, tuple[object, _Shape]] = {}
+_SHAPES: dict[tuple, tuple[object, object, _Shape]] = {}
 
 
 def _shape_of(job: JobView) -> _Shape:
     # Jobs of one spec share their estimates tuple; memoize on it (the tuple is kept
     # alive with the entry, so its id cannot be reused while cached).
-    key = id(job.estimates)
+    key = (id(job.estimates), job.spec, id(job.runnable_cells))
     hit = _SHAPES.get(key)
-    if hit is not None and hit[0] is job.estimates:
-        return hit[1]
+    if hit is not None and hit[0] is job.estimates and hit[1] is job.runnable_cells:
+        return hit[2]
     table = RateTable.of(job, dp_only=False)
     n = requested_count(job, table)
     ref = 0.0
@@ -115,7 +118,7 @@ def _shape_of(job: JobView) -> _Shape:
     shape = _Shape(ref, cells)
     if len(_SHAPES) > 4096:
         _SHAPES.clear()
-    _SHAPES[key] = (job.estimates, shape)
+    _SHAPES[key] = (job.estimates, job.runnable_cells, shape)
     return shape
 
 
@@ -125,6 +128,8 @@ class CellsIlpPolicy:
     Args:
         time_limit_s: seconds the solver may take per round.
         aging_s: waiting time that doubles a job's weight.
+        wait_cost_s: D, what waiting costs a job beyond its own remaining time.
+        size_exponent: β, how strongly short remaining times are favoured (0 to 1).
         min_change_interval_s: a running job keeps its Cell this long after a change.
         restart_penalty: charge the restart cost of changing a running job (False: free).
         type_changes: running jobs may change GPU type, and jobs may start on a type
@@ -146,13 +151,13 @@ class CellsIlpPolicy:
     name = "cells-ilp"
     plan_tuning = "pruned"  # Cells come with estimates, so the plan search is Cell-guided
 
-    def __init__(self, time_limit_s: float = 0.5, aging_s: float = 4 * 3600.0, wait_cost_s: float = 3600.0,
+    def __init__(self, time_limit_s: float = 0.3, aging_s: float = 4 * 3600.0, wait_cost_s: float = 3600.0,
                  size_exponent: float = 0.5,
                  min_change_interval_s: float = 1800.0, restart_penalty: bool = True,
                  type_changes: bool = True, count_changes: bool = True, guarantee: bool = True,
                  deadlines: bool = True, max_share_frac: float | None = None,
-                 share_limits: dict[str, float] | None = None, max_pending: int = 48,
-                 max_movable: int = 48, resolve_s: float = 900.0, solvers: tuple[str, ...] = ("highs", "cbc")):
+                 share_limits: dict[str, float] | None = None, max_pending: int = 32,
+                 max_movable: int = 32, resolve_s: float = 900.0, solvers: tuple[str, ...] = ("highs", "cbc")):
         self.time_limit_s = time_limit_s
         self.aging_s = aging_s
         self.wait_cost_s = wait_cost_s
@@ -220,7 +225,9 @@ class CellsIlpPolicy:
                 candidates = meets
             else:
                 note = "cannot meet its deadline on any Cell; runs best effort"
-        out = [_Option(job.job_id, c, value, alts, is_cur) for e, c, alts, t_s, is_cur, value in candidates]
+        out = [_Option(job.job_id, c, value, alts, is_cur) for e, c, alts, t_s, is_cur, value in candidates
+               if value > 0 or is_cur]
+        out = _undominated(out)
         if not (self.guarantee and job.guaranteed and cur is not None and any(o.cell == cur for o in out)):
             out.append(_Option(job.job_id, WAIT, 0.0))
         return out, note
@@ -271,6 +278,8 @@ class CellsIlpPolicy:
 
     def _share_left(self, snapshot: Snapshot, fixed: list[JobView]) -> dict[str, float]:
         """user → GPUs the user may still get this round (absent: no limit)."""
+        if self.max_share_frac is None and not self.share_limits:
+            return {}
         users = {j.user for j in snapshot.jobs}
         total = sum(snapshot.gpus_by_type().values())
         out = {}
@@ -411,6 +420,22 @@ def _place_first(free: FreeGpus, first: list[Cell], options: list[_Option], shar
             free.take(p)
             return Assignment(cell, p)
     return None
+
+
+def _undominated(options: list[_Option]) -> list[_Option]:
+    """Drop a Cell when another of the same type is worth at least as much with no more
+    GPUs and no more GPUs per node: no optimum needs it, and the program gets smaller."""
+    def dominated(o: _Option) -> bool:
+        for p in options:
+            if p is o or p.cell.gpu_type != o.cell.gpu_type or o.current:
+                continue
+            if p.value >= o.value and p.cell.num_gpus <= o.cell.num_gpus and \
+                    min(p.cell.gpus_per_node, p.cell.num_gpus) <= min(o.cell.gpus_per_node, o.cell.num_gpus) and \
+                    (p.value, -p.cell.num_gpus, p.cell.label()) > (o.value, -o.cell.num_gpus, o.cell.label()):
+                return True
+        return False
+
+    return [o for o in options if not dominated(o)]
 
 
 def _total(chosen: dict[str, _Option]) -> float:
