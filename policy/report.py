@@ -68,8 +68,10 @@ def summarize(result: SimResult, offered_load: float | None = None) -> dict:
         "never_runnable": [{"job_id": o.job_id, "model": o.spec.model, "global_batch": o.spec.global_batch,
                             "num_gpus": o.spec.num_gpus, "gpu_type": o.spec.gpu_type, "reason": o.reason}
                            for o in never],
-        "left_unfinished": [{"job_id": o.job_id, "iterations_done": _round(o.iterations_done, 1),
-                             "iterations": o.iterations, "reason": o.reason} for o in left],
+        "left_unfinished": [{"job_id": o.job_id, "model": o.spec.model, "global_batch": o.spec.global_batch,
+                             "num_gpus": o.spec.num_gpus, "gpu_type": o.spec.gpu_type,
+                             "iterations_done": _round(o.iterations_done, 1), "iterations": o.iterations,
+                             "reason": o.reason} for o in left],
         "samples_processed": _round(result.samples_done, 1),
     }
     if with_deadline:
