@@ -272,7 +272,11 @@ class Decision:
 
 @runtime_checkable
 class Policy(Protocol):
-    """A scheduling policy. Construct it with its configuration only; ``decide`` is pure."""
+    """A scheduling policy. Construct it with its configuration only; ``decide`` is pure.
+
+    Optional class attribute ``plan_tuning`` (``"full"`` by default, ``"pruned"`` for a
+    Cell-guided search, ``"none"``) tells the simulator what plan tuning costs on a new Cell.
+    """
 
     name: str
 

@@ -394,7 +394,7 @@ def simulate(policy: Policy, trace_jobs: tuple[TraceJob, ...], cluster: ClusterS
                 in_use[j.assignment.cell.gpu_type] = in_use.get(j.assignment.cell.gpu_type, 0) + j.assignment.cell.num_gpus
             timeline.append(TimelinePoint(now_s, sum(j.trace.spec.global_batch / j.rate_s for j in running.values()),
                                           len(active) - len(running), len(running), tuple(sorted(in_use.items()))))
-        if progress is not None and len(decision_times) % 500 == 0:
+        if progress is not None and len(decision_times) % 50 == 0:
             progress(len(outcomes), total, now_s)
     end_s = clock.now_s()
     for job in active.values():
