@@ -126,7 +126,8 @@ class JobView:
             stage), for baselines that know no pipeline or tensor parallelism.
         runnable_cells: the Cells the platform can run at all, when it knows (the
             simulator: those with a measured rate); None means no such limit is known.
-            Estimates of Cells outside it are already marked infeasible.
+            Estimates of Cells outside it are already marked infeasible. A set's order
+            changes with Python's hash seed: test membership, or iterate it sorted.
     """
 
     job_id: str
