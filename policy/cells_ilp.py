@@ -212,8 +212,10 @@ class CellsIlpPolicy:
                 continue
             elif not self.count_changes and c.num_gpus != (cur.num_gpus if cur else (asked_n or c.num_gpus)):
                 continue
-            if self.guarantee and job.guaranteed and e.samples_per_s < shape.ref_rate * (1 - 1e-9):
-                continue
+            if self.guarantee and job.guaranteed:
+                if e.samples_per_s < shape.ref_rate * (1 - 1e-9):
+                    continue
+                alts = ()  # other layouts of the shape may be slower than what was asked for
             t_s = rem_samples / e.samples_per_s  # = T_ref / normalized throughput
             cost_s = t_s + (0.0 if is_cur else restart_s)
             candidates.append((e, c, alts, t_s, is_cur, per_s * (wait_cost_s - cost_s)))
