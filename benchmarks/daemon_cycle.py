@@ -4,12 +4,14 @@ Starts the lab cluster, submits ``--jobs`` elastic jobs (a mix of models and siz
 held by the submit hook, as on a busy cluster), then runs ``--cycles`` daemon rounds in a
 row and prints one JSON object:
 
-``{"jobs_queued", "policy", "submit_s", "warmup": [cycle...], "cycles": [cycle...],
-"first_cycle_s", "steady_cycle_s", "target_s", "meets_target", "cpus", "slurm"}`` where
-each cycle is ``{"cycle", "total_s", "observe_s", "estimate_s", "decide_s", "act_s",
-"jobs", "managed", "new_specs", "actions"}``.
+``{"command", "jobs_queued", "policy", "submit_s", "warmup": [cycle...], "cycles":
+[cycle...], "first_cycle_s", "steady_cycle_s", "steady_max_s", "steady_parts_s",
+"steady_share", "target_s", "meets_target", "cpus", "load_avg_1m", "slurm"}`` where each
+cycle is ``{"cycle", "total_s", "observe_s", "estimate_s", "decide_s", "act_s", "jobs",
+"managed", "new_specs", "actions"}``.
 
-- ``observe_s``: ``squeue --json`` and ``sinfo --json`` and their parsing;
+- ``observe_s``: the job listings (``squeue -O``, three of them), the grants of newly
+  running GPU jobs (``scontrol -d show job``), ``sinfo --json``, and their parsing;
 - ``estimate_s``: job specs (the first cycle reads every batch script), Cell estimates
   (cached per distinct spec in the state store) and the policy's Snapshot;
 - ``decide_s``: the policy's ``decide``; ``act_s``: every Slurm update the round made
@@ -17,15 +19,19 @@ each cycle is ``{"cycle", "total_s", "observe_s", "estimate_s", "decide_s", "act
 - ``warmup``: the cold round(s), while the daemon reads every new job's spec (one batch
   script each) and computes their estimates; ``first_cycle_s`` is the first of them.
 - ``cycles``: rounds after every spec is known; ``steady_cycle_s`` is their median, what
-  a running daemon pays per round with 2,000 jobs queued.
+  a running daemon pays per round with 2,000 jobs queued, ``steady_max_s`` the slowest;
+  ``steady_parts_s`` the median of each part and ``steady_share`` its share of the sum
+  (the machine may be shared: the share says where the time goes even when it is loaded).
 
-Usage: ``python benchmarks/daemon_cycle.py [--jobs 2000] [--cycles 4] [--policy crius]``.
+Usage: ``python benchmarks/daemon_cycle.py [--jobs 2000] [--cycles 5] [--policy crius]
+[--out FILE] [--profile FILE]`` (``--profile``: cProfile stats of the steady cycles).
 Needs root and Slurm (the lab); takes a few minutes, most of it submitting the jobs.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
 import shutil
@@ -55,6 +61,7 @@ SPECS = ("model=gpt-760m global_batch=32", "model=gpt-1.3b global_batch=64",
          "model=moe-1.3b global_batch=64", "model=wide_resnet-500m global_batch=128 gpus=4",
          "model=wide_resnet-1b global_batch=256 gpu_type=v100", "model=gpt-6.7b global_batch=32 gpus=16")
 TARGET_S = 2.0
+PARTS = ("observe_s", "estimate_s", "decide_s", "act_s")
 
 
 def submit_all(client: CliSlurmClient, n: int, workdir: Path) -> float:
@@ -80,9 +87,11 @@ def _row(i: int, r) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=2000)
-    parser.add_argument("--cycles", type=int, default=3, help="steady cycles measured after warm-up")
+    parser.add_argument("--cycles", type=int, default=5, help="steady cycles measured after warm-up")
     parser.add_argument("--max-warmup", type=int, default=20, help="cold rounds at most, while specs are read")
     parser.add_argument("--policy", default="crius")
+    parser.add_argument("--out", help="also write the JSON to this file")
+    parser.add_argument("--profile", help="write cProfile stats of the steady cycles to this file")
     args = parser.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="slurm-ext-bench-"))
     os.chmod(root, 0o755)
@@ -104,16 +113,31 @@ def main(argv: list[str] | None = None) -> int:
             warmup.append(_row(len(warmup) + 1, r))
             if r.unread_specs == 0:
                 break
+        profiler = cProfile.Profile() if args.profile else None
         for i in range(args.cycles):
-            cycles.append(_row(i + 1, daemon.round()))
+            if profiler:
+                profiler.enable()
+            r = daemon.round()
+            if profiler:
+                profiler.disable()
+            cycles.append(_row(i + 1, r))
+        if profiler:
+            profiler.dump_stats(args.profile)
         version = run_command(["sinfo", "--version"], timeout_s=10, env=lab.env()).stdout.strip()
         steady = statistics.median(c["total_s"] for c in cycles)
-        print(json.dumps({
+        parts = {k: round(statistics.median(c[k] for c in cycles), 3) for k in PARTS}
+        result = json.dumps({
+            "command": "python benchmarks/daemon_cycle.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "jobs_queued": args.jobs, "policy": args.policy, "submit_s": round(submit_s, 1),
             "warmup": warmup, "cycles": cycles, "first_cycle_s": warmup[0]["total_s"],
             "steady_cycle_s": round(steady, 3),
+            "steady_max_s": max(c["total_s"] for c in cycles), "steady_parts_s": parts,
+            "steady_share": {k: round(v / max(sum(parts.values()), 1e-9), 3) for k, v in parts.items()},
             "target_s": TARGET_S, "meets_target": steady <= TARGET_S, "cpus": os.cpu_count(),
-            "slurm": version}, indent=1))
+            "load_avg_1m": round(os.getloadavg()[0], 1), "slurm": version}, indent=1)
+        print(result)
+        if args.out:
+            Path(args.out).write_text(result + "\n")
         return 0
     finally:
         lab.down(timeout_s=120)

@@ -1,4 +1,4 @@
-"""The Slurm CLI backend of `SlurmClient`: squeue/sinfo JSON to read, scontrol/scancel to act.
+"""The Slurm CLI backend of `SlurmClient`: squeue listings and sinfo JSON to read, scontrol/scancel to act.
 
 Building each command (``*_argv``) is a pure function, tested without Slurm; running it
 goes through `run_command`; parsing the output lives in `slurm_ext.slurm_parse`.
@@ -9,14 +9,24 @@ import logging
 import re
 from collections.abc import Mapping
 
-from slurm_ext.errors import SlurmArgumentError
+from collections.abc import Iterable
+from dataclasses import replace
+
+from slurm_ext.errors import SlurmArgumentError, SlurmCommandError, SlurmParseError
 from slurm_ext.run import run_command
 from slurm_ext.slurm_client import JobUpdate, SlurmJob, SlurmNode, SubmitRequest
-from slurm_ext.slurm_parse import parse_jobs, parse_nodes, parse_sbatch_parsable
+from slurm_ext.slurm_parse import (
+    ADMIN_COMMENT_FIELDS, LISTING_FIELDS, NAME_FIELDS, parse_job_detail, parse_job_listing,
+    parse_jobs, parse_nodes, parse_sbatch_parsable,
+)
 
 log = logging.getLogger(__name__)
 
 MAX_ADMIN_COMMENT_CHARS = 5000
+# More running GPU jobs than this without a known grant: one `scontrol show job` for all.
+DETAIL_ONE_BY_ONE_MAX = 8
+# Times in the listing as epoch seconds, whatever the site's SLURM_TIME_FORMAT.
+LISTING_ENV = {"SLURM_TIME_FORMAT": "%s"}
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 _SIGNAL = re.compile(r"^(SIG)?([A-Z][A-Z0-9]*|[0-9]{1,2})$")
 _GRES = re.compile(r"^[a-z][a-z0-9_]*(:[A-Za-z0-9_.\-]+)?(:[0-9]+)?(,[a-z][a-z0-9_]*(:[A-Za-z0-9_.\-]+)?(:[0-9]+)?)*$")
@@ -28,6 +38,13 @@ def _job_id(job_id: object) -> str:
     if isinstance(job_id, bool) or not isinstance(job_id, int) or job_id <= 0:
         raise SlurmArgumentError("job_id", job_id, "give Slurm's positive integer job id")
     return str(job_id)
+
+
+def _job_ids(job_ids: Iterable[object]) -> str:
+    ids = [_job_id(j) for j in job_ids]
+    if not ids:
+        raise SlurmArgumentError("job_ids", ids, "give at least one job id")
+    return ",".join(ids)
 
 
 def _positive(field: str, value: object) -> int:
@@ -61,13 +78,30 @@ def squeue_json_argv() -> list[str]:
     return ["squeue", "--all", "--json"]
 
 
+def job_listing_argv(fields: Iterable[str], job_ids: Iterable[int] | None = None) -> list[str]:
+    """A cheap ``|``-separated listing of every job (finished ones included), or of some.
+
+    ``Field:|`` prints the field untruncated with ``|`` after it (0.02 s for 2,000 jobs
+    where ``--json`` takes 0.3 s). Run it with `LISTING_ENV`.
+    """
+    argv = ["squeue", "--all", "--states=all", "--noheader"]
+    if job_ids is not None:
+        argv += ["--jobs", _job_ids(job_ids)]
+    return argv + ["--Format", ",".join(f"{f}:|" for f in fields)]
+
+
+def job_detail_argv(job_id: int | None = None) -> list[str]:
+    """``scontrol -d -o show job``: one line per job with its GPUs per node (all jobs: None)."""
+    return ["scontrol", "-d", "-o", "show", "job"] + ([_job_id(job_id)] if job_id is not None else [])
+
+
 def sinfo_json_argv() -> list[str]:
     """All nodes as JSON."""
     return ["sinfo", "--all", "--json"]
 
 
-def update_pending_argv(job_id: int, update: JobUpdate) -> list[str]:
-    """``scontrol update`` of a pending job.
+def update_pending_argv(job_id: int | list[int] | tuple[int, ...], update: JobUpdate) -> list[str]:
+    """``scontrol update`` of a pending job (or of several at once: a list of ids).
 
     The GPU count is untyped (``Gres=gpu:N``): 22.05 cannot retype a pending job, the
     partition picks the type. The node count is written ``NumNodes=N-N`` because a single
@@ -76,7 +110,8 @@ def update_pending_argv(job_id: int, update: JobUpdate) -> list[str]:
     Raises:
         SlurmArgumentError: a bad value, or an update that changes nothing.
     """
-    argv = ["scontrol", "update", f"JobId={_job_id(job_id)}"]
+    ids = _job_ids(job_id) if isinstance(job_id, (list, tuple)) else _job_id(job_id)
+    argv = ["scontrol", "update", f"JobId={ids}"]
     if update.partition is not None:
         argv.append(f"Partition={_name('partition', update.partition)}")
     if update.gpus_per_node is not None:
@@ -95,13 +130,13 @@ def update_pending_argv(job_id: int, update: JobUpdate) -> list[str]:
     return argv
 
 
-def hold_argv(job_id: int) -> list[str]:
-    """``scontrol hold`` (run as root or SlurmUser this is an admin hold)."""
-    return ["scontrol", "hold", _job_id(job_id)]
+def hold_argv(job_id: int | list[int] | tuple[int, ...]) -> list[str]:
+    """``scontrol hold`` of one job or several (as root or SlurmUser, an admin hold)."""
+    return ["scontrol", "hold", _job_ids(job_id) if isinstance(job_id, (list, tuple)) else _job_id(job_id)]
 
 
-def release_argv(job_id: int) -> list[str]:
-    return ["scontrol", "release", _job_id(job_id)]
+def release_argv(job_id: int | list[int] | tuple[int, ...]) -> list[str]:
+    return ["scontrol", "release", _job_ids(job_id) if isinstance(job_id, (list, tuple)) else _job_id(job_id)]
 
 
 def signal_batch_argv(job_id: int, signal: str = "USR1") -> list[str]:
@@ -172,16 +207,66 @@ class CliSlurmClient:
     def __init__(self, env: Mapping[str, str] | None = None, timeout_s: float = 30.0):
         self.env = dict(env) if env is not None else None
         self.timeout_s = timeout_s
+        # Running job → ((start time, restarts, nodes), GPUs per node, type): a grant does
+        # not change while the job runs, so it is read once per run.
+        self._granted: dict[int, tuple[tuple, tuple[int, ...], str | None]] = {}
 
     def _run(self, argv: list[str], input_text: str | None = None) -> str:
         return run_command(argv, self.timeout_s, input_text=input_text, env=self.env).stdout
 
+    def _listing(self, job_ids: Iterable[int] | None) -> tuple[SlurmJob, ...]:
+        env = {**(self.env or {}), **LISTING_ENV}
+        texts = [run_command(job_listing_argv(fields, job_ids), self.timeout_s, env=env).stdout
+                 for fields in (LISTING_FIELDS, ADMIN_COMMENT_FIELDS, NAME_FIELDS)]
+        return parse_job_listing(*texts)
+
     def jobs(self) -> tuple[SlurmJob, ...]:
-        return parse_jobs(self._run(squeue_json_argv()))
+        try:
+            jobs = self._listing(None)
+        except SlurmParseError as e:  # free text imitating a record: JSON is unambiguous
+            log.warning("squeue listing unreadable, reading JSON instead: %s", e)
+            return parse_jobs(self._run(squeue_json_argv()))
+        return self._with_grants(jobs)
+
+    def _with_grants(self, jobs: tuple[SlurmJob, ...]) -> tuple[SlurmJob, ...]:
+        """Jobs with the GPUs granted on each node filled in for running GPU jobs."""
+        wanted = {j.job_id: j for j in jobs
+                  if j.state == "RUNNING" and j.nodes and (j.gpus_per_node or j.gpus_per_job)}
+        key = {i: (j.start_time_s, j.restart_count, j.nodes) for i, j in wanted.items()}
+        self._granted = {i: g for i, g in self._granted.items() if i in wanted and g[0] == key[i]}
+        missing = {i: wanted[i].name for i in wanted if i not in self._granted}
+        if missing:
+            if len(missing) <= DETAIL_ONE_BY_ONE_MAX:
+                found = {}
+                for job_id in sorted(missing):
+                    out = run_command(job_detail_argv(job_id), self.timeout_s, env=self.env, check=False)
+                    if out.returncode != 0 and "Invalid job id" not in out.stderr:
+                        raise SlurmCommandError(out.argv, out.returncode, out.stderr)
+                    # Its own line comes first; later ones can only be its comment's text.
+                    found.update(parse_job_detail(out.stdout.split("\n", 1)[0], {job_id: missing[job_id]}))
+            else:
+                found = parse_job_detail(self._run(job_detail_argv()), missing)
+            for job_id, per_node in found.items():
+                job = wanted[job_id]
+                counts = tuple(per_node.get(n, (0, None))[0] for n in job.nodes)
+                types = {per_node[n][1] for n in job.nodes if n in per_node and per_node[n][0]}
+                self._granted[job_id] = (key[job_id], counts, types.pop() if len(types) == 1 else None)
+        return tuple(replace(j, granted_gpus_per_node=self._granted[j.job_id][1],
+                             granted_gpu_type=self._granted[j.job_id][2])
+                     if j.job_id in self._granted else j for j in jobs)
 
     def job(self, job_id: int) -> SlurmJob | None:
         _job_id(job_id)
-        return next((j for j in self.jobs() if j.job_id == job_id), None)
+        try:
+            jobs = self._listing([job_id])
+        except SlurmCommandError as e:
+            if "Invalid job id" in e.stderr:
+                return None
+            raise
+        except SlurmParseError:
+            jobs = parse_jobs(self._run(squeue_json_argv()))
+            return next((j for j in jobs if j.job_id == job_id), None)
+        return next((j for j in self._with_grants(jobs) if j.job_id == job_id), None)
 
     def nodes(self) -> tuple[SlurmNode, ...]:
         return parse_nodes(self._run(sinfo_json_argv()))
@@ -189,11 +274,20 @@ class CliSlurmClient:
     def update_pending(self, job_id: int, update: JobUpdate) -> None:
         self._run(update_pending_argv(job_id, update))
 
+    def update_pending_many(self, job_ids: Iterable[int], update: JobUpdate) -> None:
+        self._run(update_pending_argv(list(job_ids), update))
+
     def hold(self, job_id: int) -> None:
         self._run(hold_argv(job_id))
 
+    def hold_many(self, job_ids: Iterable[int]) -> None:
+        self._run(hold_argv(list(job_ids)))
+
     def release(self, job_id: int) -> None:
         self._run(release_argv(job_id))
+
+    def release_many(self, job_ids: Iterable[int]) -> None:
+        self._run(release_argv(list(job_ids)))
 
     def signal_batch(self, job_id: int, signal: str = "USR1") -> None:
         self._run(signal_batch_argv(job_id, signal))

@@ -269,12 +269,27 @@ class SlurmClient(Protocol):
         """Change a pending job's partition, GPUs per node, node count, admin comment."""
         ...
 
+    def update_pending_many(self, job_ids: Sequence[int], update: JobUpdate) -> None:
+        """The same change to several pending jobs with one call to Slurm.
+
+        Raises when Slurm refused any of them; the others may have changed.
+        """
+        ...
+
     def hold(self, job_id: int) -> None:
         """Hold a pending job (admin hold: the owner cannot release it)."""
         ...
 
+    def hold_many(self, job_ids: Sequence[int]) -> None:
+        """Hold several pending jobs with one call (raises if any was refused)."""
+        ...
+
     def release(self, job_id: int) -> None:
         """Release a held job."""
+        ...
+
+    def release_many(self, job_ids: Sequence[int]) -> None:
+        """Release several held jobs with one call (raises if any was refused)."""
         ...
 
     def signal_batch(self, job_id: int, signal: str = "USR1") -> None:

@@ -350,3 +350,171 @@ def parse_sbatch_parsable(out: str) -> int:
     if not first.isdigit():
         raise SlurmParseError("sbatch --parsable output", out)
     return int(first)
+
+
+# ---- the cheap listing (squeue -h -O 'Field:|,...') ---------------------------------------
+#
+# ``squeue -O`` with a ``|`` suffix and no width prints each field untruncated and 15 times
+# faster than ``--json``. Free text (Comment, AdminComment, Name) may itself hold ``|`` or a
+# newline, so each listing carries exactly one free-text field, last, and only the job id
+# before it is trusted to start a record. Times are epoch seconds (SLURM_TIME_FORMAT=%s).
+
+LISTING_FIELDS = ("JobID", "ArrayJobID", "ArrayTaskID", "State", "Reason", "Partition",
+                  "UserName", "tres-per-node", "tres-per-job", "NodeList", "NumNodes",
+                  "RestartCnt", "SubmitTime", "StartTime", "EndTime", "PriorityLong",
+                  "BatchFlag", "Requeue", "exit_code", "Comment")
+ADMIN_COMMENT_FIELDS = ("JobID", "admin_comment")
+NAME_FIELDS = ("JobID", "Name")
+_UNSET = ("", "N/A", "(null)", "Unknown", "None", "NONE")
+
+
+def listing_records(text_: str, fields: int) -> dict[int, list[str]]:
+    """Records of a ``|``-separated listing whose last field is free text → job id → fields.
+
+    A line that does not start like a record (a job id, then enough fields) continues the
+    previous record's free text (a newline in a comment). A job id seen twice means some
+    free text imitates a record: the listing cannot be trusted.
+
+    Raises:
+        SlurmParseError: a repeated job id (quoted).
+    """
+    records: dict[int, list[str]] = {}
+    last: list[str] | None = None
+    for line in text_.split("\n"):
+        head, sep, _ = line.partition("|")
+        parts = line.split("|", fields - 1) if sep and head.isdigit() else None
+        if parts is not None and len(parts) == fields:
+            job_id = int(head)
+            if job_id in records:
+                raise SlurmParseError("squeue listing: job id listed twice", line)
+            records[job_id] = parts
+            last = parts
+        elif last is not None and line:
+            last[-1] = f"{last[-1]}\n{line}"
+    for parts in records.values():  # the free text ends with the field's own suffix '|'
+        if parts[-1].endswith("|"):
+            parts[-1] = parts[-1][:-1]
+    return records
+
+
+def _listing_int(value: str) -> int:
+    value = value.strip()
+    if value in _UNSET:
+        return 0
+    try:
+        return int(value)
+    except ValueError:
+        try:
+            return int(float(value))
+        except ValueError:
+            raise SlurmParseError("squeue listing: number", value) from None
+
+
+def listing_exit_code(value: str) -> int:
+    """``exit_code`` of the listing: ``status:signal`` or a raw wait status → shell's code."""
+    value = value.strip()
+    if ":" in value:
+        status, _, sig = value.partition(":")
+        return 128 + _listing_int(sig) if _listing_int(sig) else _listing_int(status)
+    return exit_code(_listing_int(value))
+
+
+def parse_job_listing(main: str, admin_comments: str, names: str) -> tuple[SlurmJob, ...]:
+    """The three cheap listings (`LISTING_FIELDS`, `ADMIN_COMMENT_FIELDS`, `NAME_FIELDS`) → jobs.
+
+    A job is kept only when it is in the main and the AdminComment listings (which the
+    daemon writes and users cannot: a record forged inside a comment has no counterpart
+    there). Granted GPUs per node are not in any listing: ``granted_*`` stay empty.
+
+    Raises:
+        SlurmParseError: a listing that cannot be read unambiguously.
+    """
+    rows = listing_records(main, len(LISTING_FIELDS))
+    admin = listing_records(admin_comments, len(ADMIN_COMMENT_FIELDS))
+    name_of = listing_records(names, len(NAME_FIELDS))
+    jobs = []
+    for job_id, f in rows.items():
+        if job_id not in admin:
+            continue
+        (_, array_job, array_task, state_, reason, partition, user, per_node, per_job,
+         nodelist, node_count, restarts, submit, start, end, priority, batch, requeue,
+         exit_raw, comment) = f
+        state, flags = state_and_flags(state_.strip(), JOB_BASE_STATES)
+        gpus_per_node, gpu_type = gpus_of(parse_gres(per_node))
+        gpus_per_job, _ = gpus_of(parse_gres(per_job))
+        array_task = array_task.strip()
+        is_array = array_task not in _UNSET
+        restart_count = _listing_int(restarts)
+        jobs.append(SlurmJob(
+            job_id=job_id,
+            user=user.strip(),
+            name=name_of[job_id][1] if job_id in name_of else "",
+            state=state,
+            state_flags=flags,
+            reason="" if reason.strip() in _UNSET else reason.strip(),
+            partition=partition.strip(),
+            comment="" if comment == "(null)" else comment,
+            admin_comment="" if admin[job_id][1] == "(null)" else admin[job_id][1],
+            gpus_per_node=gpus_per_node,
+            gpu_type_requested=gpu_type,
+            gpus_per_job=gpus_per_job,
+            nodes=expand_hostlist(nodelist.strip()) if nodelist.strip() not in _UNSET else (),
+            node_count=_listing_int(node_count),
+            restart_count=restart_count,
+            submit_time_s=_listing_int(submit),
+            start_time_s=_listing_int(start),
+            end_time_s=_listing_int(end),
+            priority=_listing_int(priority),
+            batch=bool(_listing_int(batch)),
+            requeue=bool(_listing_int(requeue)),
+            array_job_id=_listing_int(array_job) if is_array else None,
+            array_task_id=int(array_task) if is_array and array_task.isdigit() else None,
+            array_task_spec=array_task if is_array and not array_task.isdigit() else "",
+            exit_code=listing_exit_code(exit_raw)
+            if state not in ("PENDING", "RUNNING") or restart_count else None,
+        ))
+    return tuple(jobs)
+
+
+# ---- granted GPUs of running jobs (scontrol -d -o show job) -------------------------------
+
+_DETAIL = re.compile(r" JOB_GRES=\S*((?:\s+Nodes=\S+ CPU_IDs=\S+ Mem=\S+ GRES=\S*)+)")
+_DETAIL_HEAD = re.compile(r"JobId=(\d+) (?:(?:ArrayJobId|ArrayTaskId|ArrayTaskThrottle|HetJobId|HetJobOffset)=\S+ )*JobName=")
+_DETAIL_ITEM = re.compile(r"Nodes=(\S+) CPU_IDs=\S+ Mem=\S+ GRES=(\S*)")
+
+
+def parse_job_detail(text_: str, names: Mapping[int, str]
+                     ) -> dict[int, dict[str, tuple[int, str | None]]]:
+    """``scontrol -d -o show job`` → job id → node → (GPUs granted there, their type).
+
+    Only jobs in ``names`` (job id → job name, from the listing) are read, and only when
+    their line starts with exactly that id and name: the name is the one free text before
+    the per-node detail, so a name imitating the detail cannot shift it. A comment with a
+    newline can imitate a whole line: a job with two lines is left out (ask for it alone,
+    where its own line comes first).
+    """
+    out: dict[int, dict[str, tuple[int, str | None]]] = {}
+    seen: set[int] = set()
+    twice: set[int] = set()
+    for line in text_.splitlines():
+        head = _DETAIL_HEAD.match(line)
+        if head is None or int(head.group(1)) not in names:
+            continue
+        job_id = int(head.group(1))
+        if job_id in seen:
+            twice.add(job_id)
+            continue
+        seen.add(job_id)
+        prefix = line[:head.end()] + names[job_id] + " "
+        if not line.startswith(prefix):
+            continue
+        m = _DETAIL.search(line, len(prefix) - 1)
+        if m is None:
+            continue
+        per_node: dict[str, tuple[int, str | None]] = {}
+        for hosts, gres in _DETAIL_ITEM.findall(m.group(1)):
+            granted = gpus_of(parse_gres(gres))
+            for host in expand_hostlist(hosts):
+                per_node[host] = granted
+        out[job_id] = per_node
+    return {j: v for j, v in out.items() if j not in twice}

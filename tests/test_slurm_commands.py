@@ -7,8 +7,9 @@ import time
 import pytest
 
 from slurm_ext.cli_backend import (
-    CliSlurmClient, batch_script_argv, cancel_argv, hold_argv, release_argv, requeue_hold_argv,
-    sbatch_argv, signal_batch_argv, sinfo_json_argv, squeue_json_argv, update_pending_argv,
+    LISTING_ENV, CliSlurmClient, batch_script_argv, cancel_argv, hold_argv, job_detail_argv,
+    job_listing_argv, release_argv, requeue_hold_argv, sbatch_argv, signal_batch_argv,
+    sinfo_json_argv, squeue_json_argv, update_pending_argv,
 )
 from slurm_ext.errors import (
     CommandNotFoundError, CommandTimeoutError, SlurmArgumentError, SlurmCommandError,
@@ -22,6 +23,27 @@ from slurm_ext.slurm_client import JobUpdate, SlurmClient, SubmitRequest
 def test_readers_ask_for_json():
     assert squeue_json_argv()[0] == "squeue" and "--json" in squeue_json_argv()
     assert sinfo_json_argv()[0] == "sinfo" and "--json" in sinfo_json_argv()
+
+
+def test_listing_is_untruncated_and_pipe_separated():
+    argv = job_listing_argv(("JobID", "State", "Comment"))
+    assert argv[:4] == ["squeue", "--all", "--states=all", "--noheader"]
+    assert argv[-2:] == ["--Format", "JobID:|,State:|,Comment:|"]
+    assert job_listing_argv(("JobID",), [12, 3])[4:6] == ["--jobs", "12,3"]
+    assert LISTING_ENV == {"SLURM_TIME_FORMAT": "%s"}
+    assert job_detail_argv(7) == ["scontrol", "-d", "-o", "show", "job", "7"]
+    assert job_detail_argv() == ["scontrol", "-d", "-o", "show", "job"]
+
+
+def test_batched_commands_name_every_job():
+    update = JobUpdate(partition="a10", gpus_per_node=2, num_nodes=1, admin_comment="why=x")
+    assert update_pending_argv([4, 5, 6], update)[2] == "JobId=4,5,6"
+    assert hold_argv([4, 5]) == ["scontrol", "hold", "4,5"]
+    assert release_argv((4, 5)) == ["scontrol", "release", "4,5"]
+    with pytest.raises(SlurmArgumentError, match="job_ids"):
+        release_argv([])
+    with pytest.raises(SlurmArgumentError, match="job_id"):
+        hold_argv([4, -1])
 
 
 def test_full_pending_update():
@@ -167,3 +189,26 @@ def test_background_process_runs_until_stopped_by_pid(tmp_path):
             break
         time.sleep(0.05)
     assert not os.path.exists(f"/proc/{pid}")
+
+
+@pytest.mark.slurm
+def test_batched_update_hold_release_on_the_lab(slurm_client, tmp_path):
+    script = "#!/bin/bash\nsleep 300\n"
+    ids = [slurm_client.submit(SubmitRequest(script=script, partition="a10", gres="gpu:1", hold=True,
+                                             output=str(tmp_path / "%j.out"), workdir=str(tmp_path)))
+           for _ in range(3)]
+    slurm_client.update_pending_many(ids, JobUpdate(admin_comment="why=batched", start_now=False))
+    jobs = {j.job_id: j for j in slurm_client.jobs()}
+    assert [jobs[i].admin_comment for i in ids] == ["why=batched"] * 3
+    slurm_client.release_many(ids[:2])
+    jobs = {j.job_id: j for j in slurm_client.jobs()}
+    assert [jobs[i].is_held for i in ids] == [False, False, True]
+    # One job Slurm refuses (gone) fails the call: the caller then goes job by job.
+    slurm_client.cancel(ids[0])
+    with pytest.raises(SlurmCommandError):
+        slurm_client.update_pending_many([ids[0], ids[2]], JobUpdate(admin_comment="why=again", start_now=False))
+    deadline = time.monotonic() + 20
+    while not (job := slurm_client.job(ids[1])).is_running and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert job.granted_gpus_per_node == (1,) and job.granted_gpu_type == "a10"
+    assert slurm_client.job(10**8) is None

@@ -8,8 +8,9 @@ from estimator.cluster import load_cluster
 from slurm_ext.errors import SlurmParseError
 from slurm_ext.slurm_client import Gres
 from slurm_ext.slurm_parse import (
-    exit_code, expand_hostlist, number, parse_gres, parse_gres_detail, parse_gres_item,
-    parse_jobs, parse_nodes, parse_sbatch_parsable, state_and_flags, JOB_BASE_STATES,
+    exit_code, expand_hostlist, listing_exit_code, listing_records, number, parse_gres,
+    parse_gres_detail, parse_gres_item, parse_job_detail, parse_job_listing, parse_jobs,
+    parse_nodes, parse_sbatch_parsable, state_and_flags, JOB_BASE_STATES,
 )
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -245,3 +246,89 @@ def test_sbatch_parsable_output():
     assert parse_sbatch_parsable("77;lab\n") == 77
     with pytest.raises(SlurmParseError, match="Submitted batch job"):
         parse_sbatch_parsable("Submitted batch job 5")
+
+
+# ---- the cheap listing (recorded 22.05: listing/*, see record_listing.py there) -----------
+
+LISTING = RECORDED / "listing"
+SITUATIONS = ("pending_held", "running", "requeued_held")
+
+
+def listing_of(name: str) -> dict:
+    texts = [(LISTING / f"{name}.{part}.txt").read_text() for part in ("main", "admin_comment", "name")]
+    return {j.job_id: j for j in parse_job_listing(*texts)}
+
+
+@pytest.mark.parametrize("name", SITUATIONS)
+def test_listing_reads_the_same_jobs_as_json(name):
+    """Recorded back to back: every field agrees, but what only JSON or detail carries."""
+    from dataclasses import asdict
+    by_json = {j.job_id: j for j in parse_jobs((LISTING / f"{name}.json").read_text())}
+    listed = listing_of(name)
+    assert sorted(listed) == sorted(by_json) and len(listed) >= 4
+    for job_id, j in by_json.items():
+        a, b = asdict(j), asdict(listed[job_id])
+        # JSON projects an unfinished job's end from its time limit; the listing says NONE.
+        if j.is_active:
+            assert b.pop("end_time_s") == 0
+            a.pop("end_time_s")
+        # Granted GPUs per node come from `parse_job_detail`.
+        if j.is_running:
+            for key in ("granted_gpus_per_node", "granted_gpu_type"):
+                a.pop(key), b.pop(key)
+        assert a == b, job_id
+
+
+def test_listing_keeps_pipes_and_newlines_inside_free_text():
+    jobs = listing_of("pending_held")
+    tricky = jobs[2]
+    # The comment holds '|', a newline and a line imitating a record of job 1.
+    assert tricky.comment == "elastic model=gpt-760m note=a|b\n1|1|N/A|RUNNING|None|h100|root|"
+    assert tricky.admin_comment == "requested=any cell=a10x2:s2 plan=[dp1tp1|dp1tp1] why=chosen"
+    assert tricky.name == "name|with pipe JOB_GRES=x"
+    assert jobs[1].state == "PENDING" and jobs[1].is_held  # not the imitation's RUNNING
+    assert jobs[3].comment == "" and jobs[3].admin_comment == ""  # Slurm prints (null)
+
+
+def test_listing_exit_status_of_a_requeued_job():
+    job = listing_of("requeued_held")[7]
+    assert (job.state, job.restart_count, job.exit_code, job.is_held) == ("SPECIAL_EXIT", 1, 86, True)
+    assert listing_exit_code("22016") == 86 and listing_exit_code("0:9") == 137
+    assert listing_exit_code("2:0") == 2
+
+
+def test_a_comment_imitating_a_whole_record_is_refused_or_dropped():
+    main = (LISTING / "pending_held.main.txt").read_text()
+    admin = (LISTING / "pending_held.admin_comment.txt").read_text()
+    names = (LISTING / "pending_held.name.txt").read_text()
+    line = next(ln for ln in main.splitlines() if ln.startswith("3|"))
+    forged_existing = main.replace("note=a|b", "note=a|b\n" + line.replace("JobHeldUser", "None"))
+    with pytest.raises(SlurmParseError, match="listed twice"):
+        parse_job_listing(forged_existing, admin, names)
+    # A record of a job Slurm does not have: not in the AdminComment listing, left out.
+    forged_new = main.replace("note=a|b", "note=a|b\n" + line.replace("3|3|", "99|99|", 1))
+    assert 99 not in {j.job_id for j in parse_job_listing(forged_new, admin, names)}
+    assert listing_records("12|x|y|\nmore|\n13|z|w|\n", 3) == {12: ["12", "x", "y|\nmore"],
+                                                                13: ["13", "z", "w"]}
+
+
+def test_granted_gpus_per_node_from_scontrol_detail():
+    names = {j.job_id: j.name for j in listing_of("running").values()}
+    detail = parse_job_detail((LISTING / "running.detail.txt").read_text(), names)
+    assert detail[8] == {"a100-1": (4, "a100"), "a100-2": (2, "a100")}  # --gpus=6 over 2 nodes
+    assert detail[5] == {"v100-1": (3, "v100"), "v100-2": (3, "v100")}
+    assert detail[10] == {"h100-1": (2, "h100")}  # an array task
+    assert 9 not in detail and 1 not in detail  # pending, cancelled: nothing granted
+    # The JSON of the same moment agrees.
+    by_json = {j.job_id: j for j in parse_jobs((LISTING / "running.json").read_text())}
+    for job_id, per_node in detail.items():
+        assert tuple(per_node[n][0] for n in by_json[job_id].nodes) == by_json[job_id].granted_gpus_per_node
+
+
+def test_detail_imitated_in_a_name_or_a_comment_is_not_believed():
+    real = "JobId=5 JobName=x UserId=u(0) CoreSpec=* JOB_GRES=gpu:a10:1   Nodes=a10-1 CPU_IDs=0 Mem=0 GRES=gpu:a10:1(IDX:0) MinCPUsNode=1"
+    fake = "y JOB_GRES=gpu:h100:8   Nodes=h100-1 CPU_IDs=0 Mem=0 GRES=gpu:h100:8(IDX:0-7) MinCPUsNode=1"
+    named = real.replace("JobName=x", f"JobName=x {fake}")
+    assert parse_job_detail(named, {5: f"x {fake}"}) == {5: {"a10-1": (1, "a10")}}
+    assert parse_job_detail(named, {5: "z"}) == {}  # not the name the listing showed
+    assert parse_job_detail(real + "\n" + real.replace("a10", "h100"), {5: "x"}) == {}  # two lines

@@ -1,0 +1,396 @@
+"""Acting: turning the policy's implied actions into journaled Slurm commands.
+
+- a pending elastic job the policy starts: ``scontrol update`` to the partition of the
+  chosen GPU type, untyped GPUs per node, ``NumNodes=N-N``, the plan in AdminComment,
+  ``StartTime=now``, then release. Starts with identical updates go to Slurm together
+  (one ``scontrol update JobId=a,b,c`` and one release), each journaled on its own;
+- a running elastic job the policy rescales: USR1 to the batch step, wait (up to
+  ``rescale_timeout_s``) for the job to requeue itself held (exit 86), else
+  ``requeuehold``; then the same update and release (or, to suspend, stay held);
+- an elastic job whose spec is invalid: the error goes to its AdminComment and the job is
+  released to run exactly as submitted;
+- pending jobs the policy leaves waiting: held, with why in AdminComment, within a
+  per-round budget; jobs with the same text are updated (and held) with one call.
+
+Every action is written to the journal before it is taken and closed after, so a restart
+finishes or undoes half-done work (:meth:`Actor.recover`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from policy.clock import Clock
+from policy.interface import (
+    CHANGE_TYPE, MOVE, RESIZE, START, SUSPEND, Action, Assignment, Decision, Snapshot,
+    implied_actions,
+)
+from slurm_ext import store as journal
+from slurm_ext.config import DaemonConfig
+from slurm_ext.errors import SlurmCommandError, SlurmExtError
+from slurm_ext.metrics import Metrics
+from slurm_ext.observe import (
+    ManagedJob, best_estimate_for, is_held, job_states_argv, kv, parse_job_states, same_shape,
+    type_partitions,
+)
+from slurm_ext.run import run_command
+from slurm_ext.slurm_client import ACTIVE_STATES, JobUpdate, SlurmClient, SlurmJob
+from slurm_ext.squeue_view import PlanComment, format_plan_comment, parse_plan_comment, plan_label
+from slurm_ext.store import Store, plan_recovery
+
+log = logging.getLogger(__name__)
+
+RESCALE_POLL_S = 1.0
+REQUEUE_HOLD_WAIT_S = 45.0
+
+
+def start_update(assignment: Assignment, m: ManagedJob, type_parts: dict[str, str],
+                 reason: str, policy_name: str, remat: bool = True) -> JobUpdate | None:
+    """The pending-job update that gives ``m`` its Cell (None: no partition has the type).
+
+    The AdminComment carries the plan string the runner reads (``estimator.plan_string``:
+    cell, per-stage dp × tp, micro-batches, rematerialization, stage boundaries).
+    """
+    cell = assignment.cell
+    partition = type_parts.get(cell.gpu_type)
+    if partition is None:
+        return None
+    counts = [g for _, g in assignment.placement]
+    if counts and min(counts) == max(counts):
+        per_node, num_nodes = counts[0], len(counts)
+    else:
+        per_node = min(cell.gpus_per_node, cell.num_gpus)
+        num_nodes = -(-cell.num_gpus // per_node)
+    est = best_estimate_for(m.view, cell)
+    pc = parse_plan_comment(m.slurm.admin_comment)
+    layers = None
+    if est and est.stages:
+        layers = ",".join(str(b) for b in (est.stages[0].layer_start, *(s.layer_end for s in est.stages)))
+    text = format_plan_comment(PlanComment(
+        requested=pc.requested, cell=cell.label(),
+        plan=plan_label(est.stages) if est else None,
+        micro_batches=est.micro_batches if est else None,
+        remat=remat if est else None, layers=layers,
+        samples_per_s=est.samples_per_s if est and est.feasible else None,
+        why=reason or f"chosen by {policy_name}"))
+    return JobUpdate(partition=partition, gpus_per_node=per_node, num_nodes=num_nodes,
+                     admin_comment=text, start_now=True)
+
+
+@dataclass
+class Acts:
+    """Actions of one round, collected while acting."""
+
+    taken: list[tuple[str, int]] = field(default_factory=list)
+
+
+def group_by(items, key) -> list[list]:
+    """Items with equal keys together, in first-seen order."""
+    groups: dict = {}
+    for item in items:
+        groups.setdefault(key(item), []).append(item)
+    return list(groups.values())
+
+
+class Actor:
+    """Applies a round's actions to Slurm, journaled in the store.
+
+    Args:
+        client: the Slurm backend.
+        store: the state store (journal, progress).
+        clock: the clock.
+        metrics: Prometheus metrics.
+        out: where ``--dry-run`` prints the actions it would take.
+        config: returns the current configuration (it changes on reload).
+        stopped: True once the service was asked to stop (a rescale then stops waiting).
+        env: variables for the cheap state polls during a rescale.
+    """
+
+    def __init__(self, client: SlurmClient, store: Store, clock: Clock, metrics: Metrics,
+                 out: Callable[[str], None], config: Callable[[], DaemonConfig],
+                 stopped: Callable[[], bool], env: dict[str, str] | None = None):
+        self.client = client
+        self.store = store
+        self.clock = clock
+        self.metrics = metrics
+        self.out = out
+        self._config = config
+        self._stopped = stopped
+        self._env = env
+
+    @property
+    def config(self) -> DaemonConfig:
+        return self._config()
+
+    def recover(self) -> int:
+        """Finish or undo actions a previous run left open; returns the entries handled."""
+        entries = self.store.open_entries()
+        if not entries:
+            return 0
+        jobs = {j.job_id: j for j in self.client.jobs()}
+        for step in plan_recovery(entries, jobs):
+            e = step.entry
+            log.warning(kv("recover", job_id=e.job_id, kind=e.kind, step=step.step, why=step.why))
+            if self.config.dry_run:
+                self.out(f"dry-run: recover job={e.job_id} kind={e.kind} step={step.step} ({step.why})")
+                continue
+            try:
+                if step.step == journal.REAPPLY:
+                    self.client.update_pending(e.job_id, e.update)
+                    self.client.release(e.job_id)
+                elif step.step == journal.RELEASE_ONLY:
+                    self.client.release(e.job_id)
+                self.store.close_entry(e.entry_id, journal.DONE, self.clock.now_s(), f"recovered: {step.why}")
+            except SlurmExtError as err:
+                self.store.close_entry(e.entry_id, journal.FAILED, self.clock.now_s(), str(err))
+                log.error(kv("recover_failed", job_id=e.job_id, error=err))
+        return len(entries)
+
+    def take(self, kind: str, job_id: int, update: JobUpdate | None, release: bool, acts: Acts,
+             describe: str) -> bool:
+        """Journal, apply, close one pending-job action; True when it was applied."""
+        return bool(self.take_many(kind, [(job_id, describe)], update, release, acts))
+
+    def take_many(self, kind: str, jobs: list[tuple[int, str]], update: JobUpdate | None,
+                  release: bool, acts: Acts) -> list[int]:
+        """The same pending-job action for several jobs: journal each, apply with one call.
+
+        Each job gets its own journal entry, written before Slurm is asked and closed
+        after, so recovery sees exactly what it would see for single actions. When Slurm
+        refuses the call, each job is tried on its own so that one bad job costs only
+        itself. Returns the jobs the action was applied to.
+        """
+        if self.config.dry_run:
+            for job_id, describe in jobs:
+                self.out(f"dry-run: {kind} job={job_id} {describe}")
+                acts.taken.append((kind, job_id))
+            return [j for j, _ in jobs]
+        now_s = self.clock.now_s()
+        entries = {job_id: self.store.intend(job_id, kind, update, now_s) for job_id, _ in jobs}
+        errors: dict[int, SlurmExtError] = {}
+        try:
+            self._apply([j for j, _ in jobs], update, release)
+        except SlurmExtError as e:
+            if len(jobs) == 1:
+                errors[jobs[0][0]] = e
+            else:
+                log.warning(kv("batch_failed", kind=kind, jobs=len(jobs), error=e))
+                for job_id, _ in jobs:
+                    try:
+                        self._apply([job_id], update, release)
+                    except SlurmExtError as one:
+                        errors[job_id] = one
+        done = []
+        for job_id, describe in jobs:
+            if job_id in errors:
+                self.store.close_entry(entries[job_id], journal.FAILED, self.clock.now_s(), str(errors[job_id]))
+                self.metrics.error("action")
+                log.error(kv("action_failed", kind=kind, job_id=job_id, error=errors[job_id]))
+                continue
+            self.store.close_entry(entries[job_id], journal.DONE, self.clock.now_s())
+            self.metrics.action(kind)
+            acts.taken.append((kind, job_id))
+            log.info(kv("action", kind=kind, job_id=job_id, detail=describe))
+            done.append(job_id)
+        return done
+
+    def _apply(self, job_ids: list[int], update: JobUpdate | None, release: bool) -> None:
+        """Update then release pending jobs, one Slurm call each for all of them."""
+        if len(job_ids) == 1:
+            if update is not None:
+                self.client.update_pending(job_ids[0], update)
+            if release:
+                self.client.release(job_ids[0])
+            return
+        if update is not None:
+            self.client.update_pending_many(job_ids, update)
+        if release:
+            self.client.release_many(job_ids)
+
+    def handle_spec_error(self, job: SlurmJob, message: str, acts: Acts) -> None:
+        pc = parse_plan_comment(job.admin_comment)
+        wanted = format_plan_comment(PlanComment(requested=pc.requested, error=message))
+        held = is_held(job) and job.state == "PENDING"
+        if job.admin_comment == wanted and not held:
+            return
+        update = JobUpdate(admin_comment=wanted, start_now=False) if job.admin_comment != wanted else None
+        if held:
+            self.take(journal.RELEASE, job.job_id, update, True, acts,
+                       f"spec error, released as submitted: {message}")
+        elif update is not None:
+            self.take(journal.ANNOTATE, job.job_id, update, False, acts, f"spec error: {message}")
+
+    def act(self, snapshot: Snapshot, decision: Decision, views_by_id: dict[str, ManagedJob],
+            part_types: dict[str, str], policy_name: str, acts: Acts) -> None:
+        """Apply the decision's implied actions: rescales first, then starts, then holds."""
+        type_parts = type_partitions(part_types)
+        rescales: list[tuple[Action, JobUpdate | None]] = []
+        starts: list[tuple[SlurmJob, JobUpdate]] = []
+        for action in implied_actions(snapshot, decision):
+            view = views_by_id[action.job_id]
+            job: SlurmJob = view.slurm
+            if action.kind == MOVE or (action.kind == RESIZE and same_shape(action.before.cell, action.after.cell)):
+                continue  # Slurm picks the nodes; a new layout alone is not worth a restart
+            update = None
+            if action.after is not None:
+                update = start_update(action.after, view, type_parts, action.reason, policy_name)
+                if update is None:
+                    log.warning(kv("no_partition", job_id=job.job_id, gpu_type=action.after.cell.gpu_type))
+                    continue
+            if action.kind == START:
+                starts.append((job, update))
+            elif action.kind in (RESIZE, CHANGE_TYPE, SUSPEND):
+                rescales.append((action, update))
+        if rescales:  # first, so that the GPUs they give back are free for the starts
+            self._rescale(rescales, views_by_id, acts)
+        # Jobs of the same spec chosen for the same Cell get the same update: one call.
+        for group in group_by(starts, lambda ju: (ju[1], is_held(ju[0]))):
+            update, held = group[0][1], is_held(group[0][0])
+            self.take_many(journal.START, [(job.job_id, update.admin_comment) for job, _ in group],
+                           update, held, acts)
+        self._annotate_waiting(snapshot, decision, views_by_id, acts)
+
+    def _annotate_waiting(self, snapshot, decision: Decision, views_by_id: dict, acts: Acts) -> None:
+        """Hold pending elastic jobs the policy leaves waiting and say why, within a budget.
+
+        Most waiting jobs share their text (``why=waiting for GPUs``): jobs with the same
+        text are updated with one call, and those not yet held are held with one more.
+        """
+        budget = self.config.max_annotations_per_round
+        wanted = decision.as_dict()
+        todo: list[tuple[int, str, bool]] = []
+        for jv in snapshot.jobs:
+            d = wanted.get(jv.job_id)
+            if jv.assignment is not None or (d is not None and d.assignment is not None):
+                continue
+            job: SlurmJob = views_by_id[jv.job_id].slurm
+            pc = parse_plan_comment(job.admin_comment)
+            why = (d.reason if d and d.reason else "waiting for GPUs")
+            text = format_plan_comment(PlanComment(requested=pc.requested, why=why))
+            held = is_held(job)
+            if held and text == job.admin_comment:
+                continue
+            if budget <= 0:
+                break
+            budget -= 1
+            if self.config.dry_run:
+                self.out(f"dry-run: annotate job={job.job_id} {text}")
+                continue
+            todo.append((job.job_id, text, held))
+        for group in group_by(todo, lambda t: t[1]):
+            update = JobUpdate(admin_comment=group[0][1], start_now=False)
+            self._annotate([j for j, _, _ in group], update, [j for j, _, held in group if not held])
+
+    def _annotate(self, job_ids: list[int], update: JobUpdate, to_hold: list[int]) -> None:
+        try:
+            if len(job_ids) > 1:
+                self.client.update_pending_many(job_ids, update)
+            else:
+                self.client.update_pending(job_ids[0], update)
+            if len(to_hold) > 1:
+                self.client.hold_many(to_hold)
+            elif to_hold:
+                self.client.hold(to_hold[0])
+            return
+        except SlurmExtError as e:
+            if len(job_ids) == 1:
+                log.warning(kv("annotate_failed", job_id=job_ids[0], error=e))
+                return
+            log.warning(kv("batch_failed", kind="annotate", jobs=len(job_ids), error=e))
+        for job_id in job_ids:  # one by one, so that one bad job costs only itself
+            try:
+                self.client.update_pending(job_id, update)
+                if job_id in to_hold:
+                    self.client.hold(job_id)
+            except SlurmExtError as e:
+                log.warning(kv("annotate_failed", job_id=job_id, error=e))
+
+    def _rescale(self, items: list[tuple[Action, JobUpdate | None]], views_by_id: dict, acts: Acts) -> None:
+        """USR1 → wait for requeue-held (or force it) → update → release, for all at once."""
+        if self.config.dry_run:
+            for action, update in items:
+                self.out(f"dry-run: {action.kind} job={action.job_id} signal USR1, requeue held, "
+                         f"then {update.admin_comment if update else 'stay held'}")
+                acts.taken.append((action.kind, int(action.job_id)))
+            return
+        entries: dict[int, tuple[int, Action, JobUpdate | None]] = {}
+        for action, update in items:
+            job_id = int(action.job_id)
+            kind = journal.SUSPEND if update is None else journal.RESCALE
+            now_s = self.clock.now_s()
+            entry = self.store.intend(job_id, kind, update, now_s)
+            view = views_by_id[action.job_id]
+            self.store.add_progress(job_id, view.run_iterations(now_s), now_s)
+            try:
+                self.client.signal_batch(job_id, "USR1")
+            except SlurmExtError as e:
+                log.warning(kv("signal_failed", job_id=job_id, error=e))
+            entries[job_id] = (entry, action, update)
+            log.info(kv("rescale_signalled", job_id=job_id, kind=action.kind, why=action.reason))
+        waiting = self._wait_held(set(entries), self.config.rescale_timeout_s)
+        if self._stopped():  # leave the entries open: the next start finishes them (recover)
+            log.warning(kv("rescale_interrupted", job_ids=",".join(map(str, sorted(entries)))))
+            return
+        for job_id in sorted(waiting):
+            log.warning(kv("rescale_forced", job_id=job_id, why="no requeue after USR1"))
+            try:
+                self.client.requeue_hold(job_id)
+            except SlurmExtError as e:
+                log.error(kv("requeue_hold_failed", job_id=job_id, error=e))
+        if waiting:
+            still = self._wait_held(waiting, REQUEUE_HOLD_WAIT_S)
+            for job_id in still:
+                entry, _, _ = entries.pop(job_id)
+                self.store.close_entry(entry, journal.FAILED, self.clock.now_s(), "never came back held")
+        states = self._job_states(set(entries)) if entries else {}
+        for job_id, (entry, action, update) in sorted(entries.items()):
+            if states.get(job_id, ("GONE", False))[0] not in ACTIVE_STATES:
+                self.store.close_entry(entry, journal.ABANDONED, self.clock.now_s(), "job ended")
+                continue
+            try:
+                if update is not None:
+                    self.client.update_pending(job_id, update)
+                    self.client.release(job_id)
+                else:
+                    pc = parse_plan_comment(views_by_id[action.job_id].slurm.admin_comment)
+                    self.client.update_pending(job_id, JobUpdate(
+                        admin_comment=format_plan_comment(PlanComment(requested=pc.requested, why=action.reason or "suspended")),
+                        start_now=False))
+            except SlurmExtError as e:
+                self.store.close_entry(entry, journal.FAILED, self.clock.now_s(), str(e))
+                log.error(kv("rescale_failed", job_id=job_id, error=e))
+                continue
+            self.store.close_entry(entry, journal.DONE, self.clock.now_s())
+            self.metrics.action(action.kind)
+            acts.taken.append((action.kind, job_id))
+            log.info(kv("action", kind=action.kind, job_id=job_id, why=action.reason))
+
+    def _job_states(self, job_ids: set[int]) -> dict[int, tuple[str, bool]]:
+        """Job id → (state, held) of the given jobs, from the cheap listing (gone: absent)."""
+        out = run_command(job_states_argv(job_ids), self.config.slurm_timeout_s, env=self._env,
+                          check=False)
+        if out.returncode != 0 and "Invalid job id" not in out.stderr:
+            raise SlurmCommandError(out.argv, out.returncode, out.stderr)
+        return parse_job_states(out.stdout)
+
+    def _wait_held(self, job_ids: set[int], timeout_s: float) -> set[int]:
+        """Wait until each job is held or gone; returns the ones still running at the deadline."""
+        deadline_s = self.clock.now_s() + timeout_s
+        waiting = set(job_ids)
+        while waiting and not self._stopped():
+            try:
+                states = self._job_states(waiting)
+            except SlurmExtError as e:
+                log.warning(kv("poll_failed", error=e))
+                states = {j: ("UNKNOWN", False) for j in waiting}
+            for job_id in sorted(waiting):
+                state, held = states.get(job_id, ("GONE", False))
+                if state not in ACTIVE_STATES or (held and state != "RUNNING"):
+                    waiting.discard(job_id)
+            if not waiting or self.clock.now_s() >= deadline_s:
+                break
+            time.sleep(RESCALE_POLL_S)
+        return waiting
