@@ -16,10 +16,14 @@ job's configuration each round with one integer linear program:
   as many jobs as fit are admitted; per type the counts fit the GPUs; at most ``max_moves``
   running jobs change configuration per round (the Arena baseline's bound).
 
-The ILP runs through PuLP with HiGHS (CBC as fallback) under a time limit; when neither
+Sia re-plans once per scheduling round (``trigger == round``): the ILP runs through HiGHS
+(``policy._solver``; PuLP with HiGHS, then CBC, as fallback) under a time limit; when none
 answers, a greedy rule decides (pending jobs in FIFO order take their best configuration
 that still fits). A round in which no job arrived, finished or changed re-uses the last
-answer without solving.
+answer without solving; only the ``max_free_running`` running jobs with most to gain may
+change (the others are fixed), which bounds the ILP on a busy cluster. Between rounds,
+arrivals and departures only admit pending jobs onto free GPUs (each on its best
+configuration up to the count it asked for), so no job idles until the next round.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from dataclasses import dataclass
 
 from estimator.cells import Cell
 from policy._solver import RateTable, capacity_by_type, realize, solve_binary_program
-from policy.interface import Decision, JobView, Snapshot
+from policy.interface import TRIGGER_ROUND, Assignment, Decision, JobDecision, JobView, Snapshot
+from policy.placement import FreeGpus
 
 log = logging.getLogger(__name__)
 
@@ -61,45 +66,82 @@ class SiaPolicy:
         max_moves: running jobs that may change configuration in one round.
         time_limit_s: seconds the solver may take per round.
         max_pending: pending jobs (FIFO) offered to one ILP; bounds its size.
+        max_free_running: running jobs (those with most to gain) the ILP may reconfigure;
+            the others keep their configuration this round.
     """
 
     name = "sia"
 
     def __init__(self, fairness_p: float = FAIRNESS_P, max_moves: int = MAX_MOVES,
-                 time_limit_s: float = 0.5, max_pending: int = 48):
+                 time_limit_s: float = 0.5, max_pending: int = 32, max_free_running: int = 24):
         self.p = fairness_p
         self.max_moves = max_moves
         self.time_limit_s = time_limit_s
         self.max_pending = max_pending
+        self.max_free_running = max_free_running
 
     def decide(self, snapshot: Snapshot) -> Decision:
-        """Solve the round's ILP (or re-use the last answer) and place the result."""
+        """A round solves the ILP (unless nothing changed); an event only admits onto free GPUs."""
+        state = snapshot.policy_state if isinstance(snapshot.policy_state, SiaState) else SiaState()
+        if snapshot.trigger != TRIGGER_ROUND:
+            return self._admit_between_rounds(snapshot, state)
         fp = tuple((j.job_id, j.cell) for j in snapshot.jobs)
-        if isinstance(snapshot.policy_state, SiaState) and snapshot.policy_state.fingerprint == fp:
-            return Decision((), snapshot.policy_state)
+        if state.fingerprint == fp:
+            return Decision((), state)
         running = [j for j in snapshot.jobs if j.assignment is not None]
         pending = [j for j in snapshot.jobs if j.assignment is None][: self.max_pending]
         configs = {j.job_id: self._configs(snapshot, j) for j in running + pending}
         capacity = capacity_by_type(snapshot)
-        chosen = self._solve(running, pending, configs, capacity)
+        # Only the running jobs with most to gain may change; the rest are fixed in place.
+        # Sia itself moves few jobs a round (and so does max_moves): this keeps the ILP small.
+        rank = {j.job_id: k for k, j in enumerate(snapshot.jobs)}
+        movable = sorted(running, key=lambda j: (-_improvable(configs[j.job_id], j.cell), rank[j.job_id]))
+        fixed = movable[self.max_free_running:]
+        movable = movable[: self.max_free_running]
+        for j in fixed:
+            capacity[j.cell.gpu_type] = capacity.get(j.cell.gpu_type, 0) - j.cell.num_gpus
+        chosen = self._solve(movable, pending, configs, capacity)
         reasons: dict[str, str] = {}
         if chosen is None:
-            chosen = self._greedy(running, pending, configs, capacity)
+            chosen = self._greedy(movable, pending, configs, capacity)
             how = "greedy (no ILP answer in time)"
         else:
             how = "ILP"
         wanted: dict[str, Cell | None] = {}
-        for j in running + pending:
+        for j in movable + pending:
             c = chosen.get(j.job_id)
             wanted[j.job_id] = c.cell if c else None
             if c is None:
                 reasons[j.job_id] = "waiting: not allocated this round"
             elif c.cell != j.cell:
                 reasons[j.job_id] = f"{how}: {c.cell.label()} (goodput {c.goodput:.2f})"
-        rank = {j.job_id: k for k, j in enumerate(snapshot.jobs)}
         order = sorted(wanted, key=lambda i: (-(wanted[i].num_gpus if wanted[i] else 0), rank[i]))
         decision = realize(snapshot, wanted, reasons, order)
         return Decision(decision.jobs, SiaState(_fingerprint_after(snapshot, decision)))
+
+    def _admit_between_rounds(self, snapshot: Snapshot, state: SiaState) -> Decision:
+        """Arrivals and departures between rounds: pending jobs (FIFO) take free GPUs.
+
+        Each takes its best configuration (highest goodput) up to the count it asked for
+        that fits on free nodes now; the next round's ILP may reconfigure it.
+        """
+        free = FreeGpus.from_snapshot(snapshot)
+        out = []
+        for j in snapshot.jobs:
+            if j.assignment is not None:
+                continue
+            configs = self._configs(snapshot, j)
+            cap = j.spec.num_gpus or max((c.cell.num_gpus for c in configs), default=0)
+            for c in sorted(configs, key=lambda c: (-c.goodput, c.cell.label())):
+                if c.cell.num_gpus > cap:
+                    continue
+                p = free.place(c.cell)
+                if p is not None:
+                    free.take(p)
+                    out.append(JobDecision(j.job_id, Assignment(c.cell, p),
+                                           f"started on {c.cell.label()} until the next round"))
+                    break
+        return Decision(tuple(out), state)
 
     def _configs(self, snapshot: Snapshot, job: JobView) -> list[_Config]:
         """The job's configurations with their Sia goodput and objective value."""
@@ -177,6 +219,14 @@ class SiaPolicy:
                     left[c.cell.gpu_type] -= c.cell.num_gpus
                     break
         return out
+
+
+def _improvable(configs: list[_Config], cell: Cell) -> float:
+    """How much a running job's objective value could drop by reconfiguring (p < 0)."""
+    cur = next((c.value for c in configs if c.cell == cell), None)
+    if cur is None:
+        return 0.0
+    return cur - min(c.value for c in configs)
 
 
 def _fingerprint_after(snapshot: Snapshot, decision: Decision) -> tuple:

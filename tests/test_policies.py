@@ -225,7 +225,7 @@ def _sia_instance():
                     ("v100", 4): 28.0}, gpus=2, submit=10.0)
     p2 = job("p2", {("a100", 2): 30.0, ("a100", 4): 60.0, ("v100", 2): 9.0, ("v100", 4): 18.0},
              gpus=4, submit=20.0)
-    return snap([a100(1), v100(1)], [r, p1, p2], now=4000.0, restart_cost_s=100.0)
+    return snap([a100(1), v100(1)], [r, p1, p2], now=4000.0, restart_cost_s=100.0, trigger="round")
 
 
 def test_sia_ilp_equals_brute_force_on_three_jobs():
@@ -267,8 +267,16 @@ def test_sia_decision_places_what_the_ilp_chose_and_skips_an_unchanged_round():
     jobs = [job(j.job_id, {}, gpus=2, submit=j.submit_time_s,
                 running=(cell_of(d, j.job_id)[0], cell_of(d, j.job_id)[1], d.for_job(j.job_id).assignment.placement))
             for j in s.jobs]
-    s2 = snap(s.nodes, jobs, now=4300.0, state=d.policy_state)
+    s2 = snap(s.nodes, jobs, now=4300.0, state=d.policy_state, trigger="round")
     assert run(SiaPolicy(), s2).jobs == ()
+
+
+def test_sia_admits_arrivals_onto_free_gpus_between_rounds_without_moving_running_jobs():
+    r = job("r", {("a100", 2): 20.0, ("a100", 4): 40.0}, gpus=2, running=("a100", 2, (("a100-1", 2),)))
+    p = job("p", {("a100", 1): 8.0, ("a100", 2): 16.0, ("a100", 4): 30.0, ("v100", 2): 10.0}, gpus=2, submit=5.0)
+    s = snap([a100(1), v100(1)], [r, p], trigger=TRIGGER_ARRIVAL)
+    d = run(SiaPolicy(), s)
+    assert d.for_job("r") is None and cell_of(d, "p") == ("a100", 2)  # best up to the 2 asked
 
 
 def test_sia_greedy_fallback_admits_in_fifo_order():
