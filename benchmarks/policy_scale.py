@@ -17,7 +17,11 @@ time and ``decide_cpu_s`` this process's CPU time: on a machine shared with othe
 two differ, and the CPU time is what the round costs.; ``how`` counts the decision paths named in the reasons
 (ILP, ILP (time limit), greedy, backfilled).
 
-Usage: ``python benchmarks/policy_scale.py [--max-gpus 10240] [--jobs 5000] [--seed 0]``.
+The timed rounds run with ``--time-limit-s`` (2 s: at this scale a round may take 10 s,
+and the limit is wall-clock time, which a loaded machine stretches).
+
+Usage: ``python benchmarks/policy_scale.py [--max-gpus 10240] [--jobs 5000] [--seed 0]
+[--time-limit-s 2]``.
 """
 
 from __future__ import annotations
@@ -136,12 +140,14 @@ def main(argv=None) -> int:
     parser.add_argument("--max-gpus", type=int, default=10_240)
     parser.add_argument("--jobs", type=int, default=5_000, help="active jobs on the largest cluster")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--time-limit-s", type=float, default=2.0,
+                        help="solver time limit of the timed rounds (a 10,240-GPU round may take 10 s)")
     args = parser.parse_args(argv)
     rounds = []
     sizes = [g for g in (1_280, 2_560, 5_120, 10_240) if g < args.max_gpus] + [args.max_gpus]
     for gpus in sizes:
         snap = snapshot(gpus, max(1, args.jobs * gpus // args.max_gpus), args.seed)
-        rounds.append(one_round(CellsIlpPolicy(), snap))
+        rounds.append(one_round(CellsIlpPolicy(time_limit_s=args.time_limit_s), snap))
         print(json.dumps(rounds[-1]), file=sys.stderr)
     largest = snapshot(args.max_gpus, args.jobs, args.seed)
     time_limited = one_round(CellsIlpPolicy(time_limit_s=1e-3), largest)
