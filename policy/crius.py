@@ -103,6 +103,21 @@ class CriusDdlPolicy(CriusPolicy):
         super().__init__(search_depth, True, restart_searches, max_plans)
 
 
+class _Assignments(dict):
+    """Job → Assignment or None, knowing which jobs hold one (few, among thousands queued)."""
+
+    def __init__(self, items):
+        super().__init__(items)
+        self.holding = {i for i, a in self.items() if a is not None}
+
+    def __setitem__(self, job_id: str, a: Assignment | None) -> None:
+        super().__setitem__(job_id, a)
+        if a is None:
+            self.holding.discard(job_id)
+        else:
+            self.holding.add(job_id)
+
+
 class _Round:
     """The working state of one decision; discarded afterwards."""
 
@@ -118,7 +133,7 @@ class _Round:
         self.tables = {j.job_id: RateTable.of(j, dp_only=False) for j in snapshot.jobs}
         self.ref = {j.job_id: self._reference_rate(j) for j in snapshot.jobs}
         self.free = FreeGpus.from_snapshot(snapshot)
-        self.assign: dict[str, Assignment | None] = {j.job_id: j.assignment for j in snapshot.jobs}
+        self.assign = _Assignments((j.job_id, j.assignment) for j in snapshot.jobs)
         self.reasons: dict[str, str] = {}
         self.plans_left = policy.max_plans
         self.types = tuple(sorted(self.free.by_type))
@@ -204,8 +219,9 @@ class _Round:
 
     def _start_by_reclaiming(self, job: JobView, cands) -> bool:
         """Opportunistic execution: later jobs running on GPUs this job waits for yield."""
-        later = [i for i in self.order[self.rank[job.job_id] + 1:]
-                 if self.assign[i] is not None and i not in self.dropped]
+        rank = self.rank[job.job_id]  # the few running jobs, not all queued ones, in order
+        later = sorted((i for i in self.assign.holding if self.rank[i] > rank and i not in self.dropped),
+                       key=self.rank.__getitem__)
         if not later:
             return False
         for e in cands:
