@@ -210,6 +210,7 @@ def compile_stages(requests: list[StageRequest], cache_dir: Path | None = DEFAUL
         spec_dir = str(gpu_specs_dir) if gpu_specs_dir else None
         jobs = [(requests[i], keys[i], spec_dir) for i in todo]
         if _devices_here() >= need:
+            _prepare_gpu_targets(jobs)  # only works if the CPU backend is not up yet
             fresh = [_compile_one(*job) for job in jobs]
         else:
             fresh = _compile_in_child(jobs, need)
@@ -245,6 +246,7 @@ def _worker_init(xla_flags: str) -> None:
 
 
 def _compile_many(jobs: list) -> list[dict]:
+    _prepare_gpu_targets(jobs)
     return [_compile_one(*job) for job in jobs]
 
 
@@ -385,17 +387,45 @@ def _unit_costs(stage, run, mesh, dp: int, tp: int) -> tuple[float, float, float
     return _UNIT_COSTS[key]
 
 
-def _gpu_target_devices(gpu: str, n: int, spec_dir: str | None):
-    if not spec_dir or not gpu_target_available():
-        return None
-    path = Path(spec_dir) / GPU_TARGET_SPECS[gpu]
-    if not path.is_file():
-        log.warning("no GPU target spec %s; skipping GPU-target memory", path)
-        return None
+# Compile-only GPU devices per GPU type, created before the CPU backend starts (after
+# that the CUDA plugin no longer offers its topology); later requests take a prefix.
+_GPU_TOPOLOGIES: dict[str, list] = {}
+
+
+def _prepare_gpu_targets(jobs: list) -> None:
+    """Create each GPU target's topology once, sized for the largest request."""
+    sizes: dict[str, int] = {}
+    spec_dirs: dict[str, str] = {}
+    for request, _, spec_dir in jobs:
+        if request.target != "cpu" and spec_dir:
+            sizes[request.target] = max(sizes.get(request.target, 0), request.num_devices)
+            spec_dirs[request.target] = spec_dir
+    if not sizes or not gpu_target_available():
+        return
+    import jax
     from jax.experimental import topologies
-    topo = topologies.get_topology_desc(platform="cuda", target_config=path.read_text(),
-                                        topology=f"1x1x{n}")
-    return list(topo.devices)
+    # The devices are compile-only: CPU is the only platform to run on, which also keeps
+    # the CUDA plugin from demanding a CUDA runtime this machine may not have.
+    jax.config.update("jax_platforms", "cpu")
+    for gpu, n in sizes.items():
+        if len(_GPU_TOPOLOGIES.get(gpu, ())) >= n:
+            continue
+        path = Path(spec_dirs[gpu]) / GPU_TARGET_SPECS[gpu]
+        if not path.is_file():
+            log.warning("no GPU target spec %s; skipping GPU-target memory", path)
+            continue
+        try:
+            topo = topologies.get_topology_desc(platform="cuda", target_config=path.read_text(),
+                                                topology=f"1x1x{n}")
+        except (NotImplementedError, RuntimeError) as e:
+            log.warning("GPU target %s unavailable (%s); skipping GPU-target memory", gpu, e)
+            continue
+        _GPU_TOPOLOGIES[gpu] = list(topo.devices)
+
+
+def _gpu_target_devices(gpu: str, n: int):
+    devices = _GPU_TOPOLOGIES.get(gpu, [])
+    return devices[:n] if len(devices) >= n else None
 
 
 def _compile_one(request: StageRequest, key: str, spec_dir: str | None) -> dict:
@@ -405,6 +435,11 @@ def _compile_one(request: StageRequest, key: str, spec_dir: str | None) -> dict:
     from estimator import jax_models as jm
     stage = jm.Stage(request.arch, request.layer_start, request.layer_end, request.micro_batch,
                      request.remat)
+    # GPU-target devices first: once the CPU backend is up, the CUDA plugin's
+    # compile-only topology is no longer offered.
+    gpu_devices = None
+    if request.target != "cpu":
+        gpu_devices = _gpu_target_devices(request.target, request.num_devices)
     t0 = time.perf_counter()
     mesh = stage_mesh(jax.devices("cpu"), request.dp, request.tp)
     jitted, args, runs = build_stage_step(stage, mesh)
@@ -428,14 +463,12 @@ def _compile_one(request: StageRequest, key: str, spec_dir: str | None) -> dict:
         t[0] += c.repeats
         t[1] += c.bytes * c.repeats
     memory = None
-    if request.target != "cpu":
-        devices = _gpu_target_devices(request.target, request.num_devices, spec_dir)
-        if devices is not None:
-            g_jitted, g_args, _ = build_stage_step(stage, stage_mesh(devices, request.dp, request.tp))
-            mem = g_jitted.lower(*g_args).compile().memory_analysis()
-            memory = float(getattr(mem, "peak_memory_in_bytes", 0) or (
-                mem.argument_size_in_bytes + mem.output_size_in_bytes
-                + mem.temp_size_in_bytes - mem.alias_size_in_bytes))
+    if gpu_devices is not None:
+        g_jitted, g_args, _ = build_stage_step(stage, stage_mesh(gpu_devices, request.dp, request.tp))
+        mem = g_jitted.lower(*g_args).compile().memory_analysis()
+        memory = float(getattr(mem, "peak_memory_in_bytes", 0) or (
+            mem.argument_size_in_bytes + mem.output_size_in_bytes
+            + mem.temp_size_in_bytes - mem.alias_size_in_bytes))
     return CompiledStage(
         request_key=key, flops_per_device=flops, bytes_accessed_per_device=nbytes,
         transcendentals_per_device=trans,

@@ -165,3 +165,35 @@ def test_compiled_flops_match_analytic_and_collectives_follow_the_plan(tmp_path)
     assert "tp" not in {c.axis for c in dp4.collectives}
     # The results were cached under the caller's directory.
     assert len(list((tmp_path / "cache" / "compiled").glob("*.json"))) == 3
+
+
+# The fields of XLA's H100 SXM target spec (xla/backends/gpu/target_config/specs/
+# h100_sxm.txtpb, Apache-2.0) that a compile needs.
+H100_SPEC = """gpu_device_info {
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132
+  fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
+  block_dim_limit_z: 65535 memory_bandwidth: 3352320000000 l2_cache_size: 52428800
+  clock_rate_ghz: 1.98 device_memory_size: 84942979072 shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 }
+  registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+dnn_version_info { major: 8 minor: 9 patch: 4 }
+device_description_str: "NVIDIA H100 80GB HBM3"
+"""
+
+
+def test_gpu_target_memory_when_the_extra_is_installed(tmp_path):
+    from estimator.compiled import gpu_target_available
+    if not gpu_target_available():
+        pytest.skip("the gpu-target extra (jax-cuda12-plugin) is not installed")
+    from estimator.compiled import GPU_TARGET_SPECS, compile_stages
+    (tmp_path / GPU_TARGET_SPECS["h100"]).write_text(H100_SPEC)
+    cpu_only, with_gpu = compile_stages([_request(), _request(target="h100")], None, tmp_path)
+    assert cpu_only.memory_bytes is None
+    # fp32 weights, AdamW moments and gradients of two tp-sharded blocks at least.
+    from estimator.jax_models import count_params
+    state = count_params(_request().arch, range(1, 3)) / 2 * 4 * 4
+    assert with_gpu.memory_bytes > state
+    assert with_gpu.flops_per_device == pytest.approx(cpu_only.flops_per_device)

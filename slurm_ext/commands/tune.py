@@ -8,6 +8,7 @@ many CPU devices as the Cell has GPUs) and picks by measurement.
 import json
 import logging
 import os
+from dataclasses import replace
 
 import click
 
@@ -40,8 +41,6 @@ def _cells(job: JobSpec, cluster_name: str, gpus_per_node: int | None, stages: i
 
 def _measure(job: JobSpec, result: TuneResult) -> TuneResult:
     """Time the top feasible plans on this machine's devices and re-rank by measurement."""
-    from dataclasses import replace
-
     # Only reached from the command line: the host device count must be set before JAX
     # starts, so that a machine without GPUs can still run an N-device plan.
     flag = f"--xla_force_host_platform_device_count={job.num_gpus}"
@@ -113,7 +112,6 @@ def command(model, global_batch, gpu_type, gpus, gpus_per_node, stages, prune, m
                for cell in _cells(job, cluster, gpus_per_node, stages)]
     evaluated = sum(r.candidates_evaluated for r in results)
     best = min(results, key=lambda r: r.best.rank_key() if r.best else (True, float("inf")))
-    from dataclasses import replace
     best = replace(best, candidates_evaluated=evaluated)
     if measure:
         best = _measure(job, best)
