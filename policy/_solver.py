@@ -69,14 +69,16 @@ class RateTable:
         that shape with the Cell it would run as requested (``policy.fcfs``'s rule: the
         fastest feasible Cell of the shape, else the one-stage Cell the platform can run).
         A baseline then runs it as asked instead of never: the papers' baselines start every
-        job, and the user brought a plan that runs.
+        job, and the user brought a plan that runs. Likewise a job none of whose Cells the
+        memory model accepts, though the platform runs what it asked for.
         """
         grouped: dict[tuple[str, int], list[CellEstimate]] = {}
         for e in (job.dp_only_estimates if dp_only else job.estimates):
             if e.feasible and e.samples_per_s > 0:
                 grouped.setdefault((e.cell.gpu_type, e.cell.num_gpus), []).append(e)
-        if dp_only and job.spec.num_gpus and not any(
-                n == job.spec.num_gpus and (job.spec.gpu_type in (None, t)) for t, n in grouped):
+        missing_request = dp_only and job.spec.num_gpus and not any(
+            n == job.spec.num_gpus and (job.spec.gpu_type in (None, t)) for t, n in grouped)
+        if missing_request or not grouped:
             from policy.fcfs import requested_estimate
 
             asked = requested_estimate(job)

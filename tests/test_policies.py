@@ -96,12 +96,17 @@ def test_gavel_moves_a_running_job_away_to_admit_a_blocked_one():
     assert (cell_of(d, "r"), cell_of(d, "p")) == (("v100", 4), ("a100", 4))
 
 
-@pytest.mark.parametrize("cls", [lambda: GavelPolicy(), lambda: ElasticFlowPolicy(), lambda: SiaPolicy()])
-def test_baselines_run_a_job_as_requested_when_data_parallelism_does_not_fit_it(cls):
+@pytest.mark.parametrize("cls", [lambda: GavelPolicy(), lambda: ElasticFlowPolicy(), lambda: SiaPolicy(),
+                                 lambda: CriusPolicy()])
+def test_policies_run_a_job_as_requested_when_the_memory_model_rejects_it(cls):
     # Only a 2-stage plan fits the model on a100×4: no data-parallel Cell is feasible.
     j = job("big", {("a100", 4): 30.0}, gpus=4, dp_rates={})
     j = JobView(**{**j.__dict__, "estimates": (est("a100", 4, 30.0, stages=2),),
                    "dp_only_estimates": (est("a100", 4, 0.0, feasible=False),)})
+    s = snap([a100(1), v100(1)], [j])
+    assert cell_of(run(cls(), s), "big") == ("a100", 4)
+    # Rejected by the memory model everywhere, yet the platform runs the requested Cell.
+    j = JobView(**{**j.__dict__, "estimates": (est("a100", 4, 0.0, feasible=False),)})
     s = snap([a100(1), v100(1)], [j])
     assert cell_of(run(cls(), s), "big") == ("a100", 4)
 
