@@ -33,17 +33,17 @@ from slurm_ext.config import DaemonConfig
 from slurm_ext.errors import SlurmCommandError, SlurmExtError
 from slurm_ext.metrics import Metrics
 from slurm_ext.observe import (
-    ManagedJob, best_estimate_for, is_held, job_states_argv, kv, parse_job_states, same_shape,
-    type_partitions,
+    ManagedJob, best_estimate_for, is_held, job_states_argv, kv, parse_job_states, plan_comment,
+    same_shape, type_partitions,
 )
 from slurm_ext.run import run_command
 from slurm_ext.slurm_client import ACTIVE_STATES, JobUpdate, SlurmClient, SlurmJob
-from slurm_ext.squeue_view import PlanComment, format_plan_comment, parse_plan_comment, plan_label
+from slurm_ext.squeue_view import PlanComment, format_plan_comment, plan_label
 from slurm_ext.store import Store, plan_recovery
 
 log = logging.getLogger(__name__)
 
-RESCALE_POLL_S = 1.0
+RESCALE_POLL_S = 0.3  # a state poll is one cheap squeue of the jobs being rescaled
 REQUEUE_HOLD_WAIT_S = 45.0
 
 
@@ -65,7 +65,7 @@ def start_update(assignment: Assignment, m: ManagedJob, type_parts: dict[str, st
         per_node = min(cell.gpus_per_node, cell.num_gpus)
         num_nodes = -(-cell.num_gpus // per_node)
     est = best_estimate_for(m.view, cell)
-    pc = parse_plan_comment(m.slurm.admin_comment)
+    pc = plan_comment(m.slurm.admin_comment)
     layers = None
     if est and est.stages:
         layers = ",".join(str(b) for b in (est.stages[0].layer_start, *(s.layer_end for s in est.stages)))
@@ -211,7 +211,7 @@ class Actor:
             self.client.release_many(job_ids)
 
     def handle_spec_error(self, job: SlurmJob, message: str, acts: Acts) -> None:
-        pc = parse_plan_comment(job.admin_comment)
+        pc = plan_comment(job.admin_comment)
         wanted = format_plan_comment(PlanComment(requested=pc.requested, error=message))
         held = is_held(job) and job.state == "PENDING"
         if job.admin_comment == wanted and not held:
@@ -267,7 +267,7 @@ class Actor:
             if jv.assignment is not None or (d is not None and d.assignment is not None):
                 continue
             job: SlurmJob = views_by_id[jv.job_id].slurm
-            pc = parse_plan_comment(job.admin_comment)
+            pc = plan_comment(job.admin_comment)
             why = (d.reason if d and d.reason else "waiting for GPUs")
             text = format_plan_comment(PlanComment(requested=pc.requested, why=why))
             held = is_held(job)
@@ -355,7 +355,7 @@ class Actor:
                     self.client.update_pending(job_id, update)
                     self.client.release(job_id)
                 else:
-                    pc = parse_plan_comment(views_by_id[action.job_id].slurm.admin_comment)
+                    pc = plan_comment(views_by_id[action.job_id].slurm.admin_comment)
                     self.client.update_pending(job_id, JobUpdate(
                         admin_comment=format_plan_comment(PlanComment(requested=pc.requested, why=action.reason or "suspended")),
                         start_now=False))

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 
 from slurm_ext.errors import SlurmArgumentError, SlurmCommandError, SlurmParseError
-from slurm_ext.run import run_command
+from slurm_ext.run import run_command, run_commands
 from slurm_ext.slurm_client import JobUpdate, SlurmJob, SlurmNode, SubmitRequest
 from slurm_ext.slurm_parse import (
     ADMIN_COMMENT_FIELDS, LISTING_FIELDS, NAME_FIELDS, parse_job_detail, parse_job_listing,
@@ -216,9 +216,10 @@ class CliSlurmClient:
 
     def _listing(self, job_ids: Iterable[int] | None) -> tuple[SlurmJob, ...]:
         env = {**(self.env or {}), **LISTING_ENV}
-        texts = [run_command(job_listing_argv(fields, job_ids), self.timeout_s, env=env).stdout
-                 for fields in (LISTING_FIELDS, ADMIN_COMMENT_FIELDS, NAME_FIELDS)]
-        return parse_job_listing(*texts)
+        done = run_commands([job_listing_argv(fields, job_ids)
+                             for fields in (LISTING_FIELDS, ADMIN_COMMENT_FIELDS, NAME_FIELDS)],
+                            self.timeout_s, env=env)
+        return parse_job_listing(*(d.stdout for d in done))
 
     def jobs(self) -> tuple[SlurmJob, ...]:
         try:

@@ -39,12 +39,11 @@ from slurm_ext.metrics import Metrics
 from slurm_ext.observe import (  # noqa: F401
     HELD_FOR_RESCALE, ManagedJob, build_snapshot, cluster_spec, estimate_key, is_held,
     job_states_argv, kv, model_loader_for, node_type, parse_job_states, parse_pending_listing,
-    partition_types, pending_listing_argv, requested_gpus, reserved_cell, running_assignment,
-    type_partitions,
+    partition_types, pending_listing_argv, plan_comment, requested_gpus, reserved_cell,
+    running_assignment, type_partitions,
 )
 from slurm_ext.run import run_command
 from slurm_ext.slurm_client import SlurmClient, SlurmJob, SlurmNode
-from slurm_ext.squeue_view import parse_plan_comment
 from slurm_ext.store import EstimateCache, Store
 
 log = logging.getLogger(__name__)
@@ -333,7 +332,7 @@ class Daemon:
         except SlurmExtError as e:
             log.warning(kv("batch_script_unreadable", job_id=job.job_id, error=e))
             script = None
-        pc = parse_plan_comment(job.admin_comment)
+        pc = plan_comment(job.admin_comment)
         try:
             spec = parse_spec(job.comment, script, requested_gpus(job),
                               pc.requested or job.gpu_type_requested)
@@ -358,9 +357,10 @@ class Daemon:
         managed: list[ManagedJob] = []
         launching: list[SlurmJob] = []
         errors: list[tuple[SlurmJob, str]] = []
+        by_spec: dict[ElasticSpec, tuple[JobSpec, dict | str]] = {}
         for job in candidates:
             spec = specs[job.job_id]
-            pc = parse_plan_comment(job.admin_comment)
+            pc = plan_comment(job.admin_comment)
             if job.state == "RUNNING":
                 assignment = running_assignment(job, pc, node_types, part_types)
                 if assignment is None:  # counted as unmanaged usage through the nodes' gres
@@ -378,20 +378,11 @@ class Daemon:
                 assignment, state = None, PENDING
             else:
                 continue  # completing, suspended, ...: its GPUs show in the nodes' gres
-            jspec = JobSpec(spec.model, spec.global_batch, spec.num_gpus, spec.gpu_type)
-            try:
-                est = {}
-                for space in (cfg.plan_space, "dp-only"):
-                    options = EstimateOptions(plan_space=space, micro_batches=cfg.micro_batches,
-                                              max_gpus=cfg.max_gpus)
-                    est[space] = self._estimates.get(
-                        estimate_key(spec, cluster, space, cfg.micro_batches, cfg.max_gpus),
-                        lambda o=options: estimate_job(jspec, cluster, o).cells, now_s)
-                if not any(e.feasible for e in est[cfg.plan_space]):
-                    why = next((e.reason for e in est[cfg.plan_space] if e.reason), "no Cell enumerated")
-                    raise SpecError("model", spec.model, f"no Cell of this cluster fits it ({why})")
-            except (SpecError, ValueError, KeyError, ArithmeticError) as e:
-                message = f"cannot estimate: {e}"
+            if spec not in by_spec:  # jobs of one spec share their estimates: look up once
+                by_spec[spec] = self._estimate(spec, cluster, now_s)
+            jspec, est = by_spec[spec]
+            if isinstance(est, str):
+                message = est
                 if not cfg.dry_run:
                     self.store.put_spec(job.job_id, None, message, now_s)
                 self._spec_cache[job.job_id] = (None, message)
@@ -412,6 +403,26 @@ class Daemon:
                     float(spec.iterations), view.iterations_done + m.run_iterations(now_s))))
             managed.append(m)
         return managed, launching, errors
+
+    def _estimate(self, spec: ElasticSpec, cluster: ClusterSpec, now_s: float
+                  ) -> tuple[JobSpec, dict | str]:
+        """The spec's job and its estimates by plan space, or why it cannot be estimated."""
+        cfg = self.config
+        jspec = JobSpec(spec.model, spec.global_batch, spec.num_gpus, spec.gpu_type)
+        try:
+            est = {}
+            for space in (cfg.plan_space, "dp-only"):
+                options = EstimateOptions(plan_space=space, micro_batches=cfg.micro_batches,
+                                          max_gpus=cfg.max_gpus)
+                est[space] = self._estimates.get(
+                    estimate_key(spec, cluster, space, cfg.micro_batches, cfg.max_gpus),
+                    lambda o=options: estimate_job(jspec, cluster, o).cells, now_s)
+            if not any(e.feasible for e in est[cfg.plan_space]):
+                why = next((e.reason for e in est[cfg.plan_space] if e.reason), "no Cell enumerated")
+                raise SpecError("model", spec.model, f"no Cell of this cluster fits it ({why})")
+        except (SpecError, ValueError, KeyError, ArithmeticError) as e:
+            return jspec, f"cannot estimate: {e}"
+        return jspec, est
 
     def _launch_stale(self, job: SlurmJob, now_s: float) -> bool:
         """A released job Slurm will not start as planned: decide it afresh.

@@ -31,6 +31,12 @@ from slurm_ext.squeue_view import PlanComment, parse_plan_comment
 HELD_FOR_RESCALE = frozenset({"SPECIAL_EXIT", "REQUEUE_HOLD"})
 
 
+@functools.lru_cache(maxsize=8192)
+def plan_comment(text: str) -> PlanComment:
+    """`parse_plan_comment`, memoized: thousands of waiting jobs share a few AdminComments."""
+    return parse_plan_comment(text)
+
+
 def kv(event: str, **fields: object) -> str:
     """One structured log line: ``event=round_done jobs=12 why="no GPUs"``."""
     parts = [f"event={event}"]
@@ -239,7 +245,7 @@ def reserved_cell(job: SlurmJob, part_types: dict[str, str]) -> Cell | None:
     A job the daemon released carries its Cell in AdminComment; any other (an elastic job
     with a spec error, released as submitted) takes what it asked Slurm for.
     """
-    parts = parse_plan_comment(job.admin_comment).cell_parts()
+    parts = plan_comment(job.admin_comment).cell_parts()
     if parts is not None:
         return Cell(parts[0], parts[1], max(1, job.gpus_per_node or parts[1]), parts[2])
     gtype = job.gpu_type_requested or part_types.get(job.partition)

@@ -7,6 +7,7 @@ logged, and fails with a typed error that carries its stderr.
 import logging
 import os
 import subprocess
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,6 +89,49 @@ def run_command(argv: Sequence[str], timeout_s: float, input_text: str | None = 
         log.info("exit %d: %s: %s", proc.returncode, args, proc.stderr.strip())
         raise SlurmCommandError(args, proc.returncode, proc.stderr)
     return CompletedCommand(args, proc.returncode, proc.stdout, proc.stderr)
+
+
+def run_commands(argvs: Sequence[Sequence[str]], timeout_s: float,
+                 env: Mapping[str, str] | None = None) -> list[CompletedCommand]:
+    """Run several programs at once and wait for all of them (each must exit 0).
+
+    For independent reads (three listings of the same queue): on a loaded machine their
+    waits overlap instead of adding up.
+
+    Raises:
+        SlurmCommandError: one exited non-zero (the first such, in argument order).
+        CommandTimeoutError: they were not all done within ``timeout_s``.
+        CommandNotFoundError: a program does not exist.
+    """
+    all_args = [_check_argv(a) for a in argvs]
+    procs: list[subprocess.Popen] = []
+    try:
+        for args in all_args:
+            log.debug("run %s", args)
+            procs.append(subprocess.Popen(args, shell=False, stdin=subprocess.DEVNULL,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          text=True, env=_merged_env(env)))
+        deadline = time.monotonic() + timeout_s
+        outputs = []
+        for args, proc in zip(all_args, procs):
+            try:
+                out, err = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("timed out after %g s: %s", timeout_s, args)
+                raise CommandTimeoutError(args, timeout_s) from None
+            outputs.append(CompletedCommand(args, proc.returncode, out, err))
+    except FileNotFoundError:
+        raise CommandNotFoundError(all_args[len(procs)]) from None
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for done in outputs:
+        if done.returncode != 0:
+            log.info("exit %d: %s: %s", done.returncode, done.argv, done.stderr.strip())
+            raise SlurmCommandError(done.argv, done.returncode, done.stderr)
+    return outputs
 
 
 def start_background(argv: Sequence[str], log_path: Path | str | None = None,

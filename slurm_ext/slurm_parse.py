@@ -12,6 +12,7 @@ Unknown or missing fields become defaults; text that cannot be read at all raise
 `SlurmParseError` quoting it.
 """
 
+import functools
 import json
 import logging
 import re
@@ -368,6 +369,15 @@ NAME_FIELDS = ("JobID", "Name")
 _UNSET = ("", "N/A", "(null)", "Unknown", "None", "NONE")
 
 
+@functools.lru_cache(maxsize=1024)
+def _gpus_of_text(gres: str) -> tuple[int, str | None]:
+    # Thousands of queued jobs share a handful of request strings: parse each once.
+    return gpus_of(parse_gres(gres))
+
+
+_hosts = functools.lru_cache(maxsize=4096)(expand_hostlist)
+
+
 def listing_records(text_: str, fields: int) -> dict[int, list[str]]:
     """Records of a ``|``-separated listing whose last field is free text → job id → fields.
 
@@ -440,8 +450,8 @@ def parse_job_listing(main: str, admin_comments: str, names: str) -> tuple[Slurm
          nodelist, node_count, restarts, submit, start, end, priority, batch, requeue,
          exit_raw, comment) = f
         state, flags = state_and_flags(state_.strip(), JOB_BASE_STATES)
-        gpus_per_node, gpu_type = gpus_of(parse_gres(per_node))
-        gpus_per_job, _ = gpus_of(parse_gres(per_job))
+        gpus_per_node, gpu_type = _gpus_of_text(per_node)
+        gpus_per_job, _ = _gpus_of_text(per_job)
         array_task = array_task.strip()
         is_array = array_task not in _UNSET
         restart_count = _listing_int(restarts)
@@ -458,7 +468,7 @@ def parse_job_listing(main: str, admin_comments: str, names: str) -> tuple[Slurm
             gpus_per_node=gpus_per_node,
             gpu_type_requested=gpu_type,
             gpus_per_job=gpus_per_job,
-            nodes=expand_hostlist(nodelist.strip()) if nodelist.strip() not in _UNSET else (),
+            nodes=_hosts(nodelist.strip()) if nodelist.strip() not in _UNSET else (),
             node_count=_listing_int(node_count),
             restart_count=restart_count,
             submit_time_s=_listing_int(submit),

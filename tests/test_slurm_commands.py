@@ -14,7 +14,7 @@ from slurm_ext.cli_backend import (
 from slurm_ext.errors import (
     CommandNotFoundError, CommandTimeoutError, SlurmArgumentError, SlurmCommandError,
 )
-from slurm_ext.run import reap, run_command, start_background
+from slurm_ext.run import reap, run_command, run_commands, start_background
 from slurm_ext.slurm_client import JobUpdate, SlurmClient, SubmitRequest
 
 
@@ -160,6 +160,21 @@ def test_failure_carries_argv_status_and_stderr():
     assert e.argv == tuple(argv) and e.returncode == 3
     assert "Invalid job id specified" in e.stderr and "Invalid job id specified" in str(e)
     assert run_command(argv, timeout_s=5, check=False).returncode == 3
+
+
+def test_commands_run_together_each_checked():
+    started = time.monotonic()
+    a, b = run_commands([["sh", "-c", "sleep 0.5; echo a"], ["sh", "-c", "sleep 0.5; echo $X"]],
+                        timeout_s=10, env={"X": "b"})
+    assert (a.stdout, b.stdout) == ("a\n", "b\n")
+    assert time.monotonic() - started < 0.95  # together, not one after the other
+    with pytest.raises(SlurmCommandError) as info:
+        run_commands([["true"], ["sh", "-c", "echo nope >&2; exit 4"]], timeout_s=10)
+    assert info.value.returncode == 4 and "nope" in str(info.value)
+    with pytest.raises(CommandTimeoutError):
+        run_commands([["sleep", "5"], ["true"]], timeout_s=0.3)
+    with pytest.raises(CommandNotFoundError):
+        run_commands([["true"], ["/nonexistent/prog"]], timeout_s=5)
 
 
 def test_timeout_and_missing_program_are_typed():
