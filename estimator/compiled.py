@@ -345,7 +345,7 @@ def _unit_costs(stage, run, mesh, dp: int, tp: int) -> tuple[float, float, float
     from jax.sharding import NamedSharding, PartitionSpec as P
     from estimator import jax_models as jm
     arch, (first, period, _) = stage.arch, run
-    key = (arch, tuple(jm._layer_signature(arch, first + j) for j in range(period)),
+    key = (arch, tuple(jm.layer_signature(arch, first + j) for j in range(period)),
            stage.micro_batch, dp, tp, stage.remat)
     if key in _UNIT_COSTS:
         return _UNIT_COSTS[key]

@@ -534,7 +534,8 @@ def stage_grad(stage: Stage, params, state, x, target, ctx: ShardCtx = NO_SHARD,
 # ``estimator.compiled`` adds the other trip-count − 1 executions.
 
 
-def _layer_signature(arch: Arch, index: int) -> tuple:
+def layer_signature(arch: Arch, index: int) -> tuple:
+    """What makes two layers interchangeable: kind, parameter shapes, in and out shapes."""
     shapes = tuple(sorted((k, v.shape) for k, v in layer_param_shapes(arch, index).items()))
     out = activation_shape(arch, index + 1, 1)[0] if index + 1 < arch.num_layers else None
     return (layer_kind(arch, index), shapes, activation_shape(arch, index, 1)[0], out)
@@ -546,7 +547,7 @@ def layer_runs(arch: Arch, layers: range, max_period: int = 2) -> tuple[tuple[in
     A unit is ``period`` consecutive layers (2 for MoE's alternating MoE/dense blocks);
     a layer that repeats nothing is a run of one.
     """
-    sig = {i: _layer_signature(arch, i) for i in layers}
+    sig = {i: layer_signature(arch, i) for i in layers}
     runs, i, end = [], layers.start, layers.stop
     while i < end:
         best = (1, 1)
