@@ -324,11 +324,9 @@ class Actor:
             entry = self.store.intend(job_id, kind, update, now_s)
             view = views_by_id[action.job_id]
             self.store.add_progress(job_id, view.run_iterations(now_s), now_s)
-            try:
-                self.client.signal_batch(job_id, "USR1")
-            except SlurmExtError as e:
-                log.warning(kv("signal_failed", job_id=job_id, error=e))
             entries[job_id] = (entry, action, update)
+        self._signal(sorted(entries))
+        for job_id, (_, action, _) in sorted(entries.items()):
             log.info(kv("rescale_signalled", job_id=job_id, kind=action.kind, why=action.reason))
         waiting = self._wait_held(set(entries), self.config.rescale_timeout_s)
         if self._stopped():  # leave the entries open: the next start finishes them (recover)
@@ -367,6 +365,21 @@ class Actor:
             self.metrics.action(action.kind)
             acts.taken.append((action.kind, job_id))
             log.info(kv("action", kind=action.kind, job_id=job_id, why=action.reason))
+
+    def _signal(self, job_ids: list[int]) -> None:
+        """USR1 to the batch scripts, with one call for all.
+
+        When Slurm refuses some of them it still signals the others: signalling those
+        again could interrupt their checkpoint, so a job that missed the signal is left to
+        the forced requeue after the timeout.
+        """
+        try:
+            if len(job_ids) > 1:
+                self.client.signal_batch_many(job_ids, "USR1")
+            else:
+                self.client.signal_batch(job_ids[0], "USR1")
+        except SlurmExtError as e:
+            log.warning(kv("signal_failed", job_ids=",".join(map(str, job_ids)), error=e))
 
     def _job_states(self, job_ids: set[int]) -> dict[int, tuple[str, bool]]:
         """Job id → (state, held) of the given jobs, from the cheap listing (gone: absent)."""

@@ -139,11 +139,17 @@ def release_argv(job_id: int | list[int] | tuple[int, ...]) -> list[str]:
     return ["scontrol", "release", _job_ids(job_id) if isinstance(job_id, (list, tuple)) else _job_id(job_id)]
 
 
-def signal_batch_argv(job_id: int, signal: str = "USR1") -> list[str]:
-    """Signal only the batch script's process (plain ``-s`` reaches only srun steps)."""
+def signal_batch_argv(job_id: int | list[int] | tuple[int, ...], signal: str = "USR1") -> list[str]:
+    """Signal only the batch script's process (plain ``-s`` reaches only srun steps).
+
+    Several jobs (a list of ids) are signalled by one scancel.
+    """
     if not isinstance(signal, str) or not _SIGNAL.match(signal.upper()):
         raise SlurmArgumentError("signal", signal, "give a signal name such as USR1 or a number")
     name = _SIGNAL.match(signal.upper()).group(2)
+    if isinstance(job_id, (list, tuple)):
+        _job_ids(job_id)
+        return ["scancel", f"--signal={name}", "--batch", *(_job_id(j) for j in job_id)]
     return ["scancel", f"--signal={name}", "--batch", _job_id(job_id)]
 
 
@@ -210,6 +216,7 @@ class CliSlurmClient:
         # Running job → ((start time, restarts, nodes), GPUs per node, type): a grant does
         # not change while the job runs, so it is read once per run.
         self._granted: dict[int, tuple[tuple, tuple[int, ...], str | None]] = {}
+        self._parsed: dict = {}  # the last listing's jobs, reused while their records match
 
     def _run(self, argv: list[str], input_text: str | None = None) -> str:
         return run_command(argv, self.timeout_s, input_text=input_text, env=self.env).stdout
@@ -219,7 +226,7 @@ class CliSlurmClient:
         done = run_commands([job_listing_argv(fields, job_ids)
                              for fields in (LISTING_FIELDS, ADMIN_COMMENT_FIELDS, NAME_FIELDS)],
                             self.timeout_s, env=env)
-        return parse_job_listing(*(d.stdout for d in done))
+        return parse_job_listing(*(d.stdout for d in done), memo=self._parsed if job_ids is None else None)
 
     def jobs(self) -> tuple[SlurmJob, ...]:
         try:
@@ -239,8 +246,10 @@ class CliSlurmClient:
         if missing:
             if len(missing) <= DETAIL_ONE_BY_ONE_MAX:
                 found = {}
-                for job_id in sorted(missing):
-                    out = run_command(job_detail_argv(job_id), self.timeout_s, env=self.env, check=False)
+                ids = sorted(missing)
+                outs = run_commands([job_detail_argv(j) for j in ids], self.timeout_s, env=self.env,
+                                    check=False)
+                for job_id, out in zip(ids, outs):
                     if out.returncode != 0 and "Invalid job id" not in out.stderr:
                         raise SlurmCommandError(out.argv, out.returncode, out.stderr)
                     # Its own line comes first; later ones can only be its comment's text.
@@ -292,6 +301,9 @@ class CliSlurmClient:
 
     def signal_batch(self, job_id: int, signal: str = "USR1") -> None:
         self._run(signal_batch_argv(job_id, signal))
+
+    def signal_batch_many(self, job_ids: Iterable[int], signal: str = "USR1") -> None:
+        self._run(signal_batch_argv(list(job_ids), signal))
 
     def requeue_hold(self, job_id: int) -> None:
         self._run(requeue_hold_argv(job_id))

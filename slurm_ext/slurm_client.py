@@ -296,6 +296,10 @@ class SlurmClient(Protocol):
         """Send a signal to the batch script's process only (the trainer checkpoints)."""
         ...
 
+    def signal_batch_many(self, job_ids: Sequence[int], signal: str = "USR1") -> None:
+        """Signal the batch scripts of several jobs with one call (raises if any was refused)."""
+        ...
+
     def requeue_hold(self, job_id: int) -> None:
         """Requeue a running job and hold it (fallback when it ignores the signal)."""
         ...

@@ -429,12 +429,19 @@ def listing_exit_code(value: str) -> int:
     return exit_code(_listing_int(value))
 
 
-def parse_job_listing(main: str, admin_comments: str, names: str) -> tuple[SlurmJob, ...]:
+def parse_job_listing(main: str, admin_comments: str, names: str,
+                      memo: dict | None = None) -> tuple[SlurmJob, ...]:
     """The three cheap listings (`LISTING_FIELDS`, `ADMIN_COMMENT_FIELDS`, `NAME_FIELDS`) → jobs.
 
     A job is kept only when it is in the main and the AdminComment listings (which the
     daemon writes and users cannot: a record forged inside a comment has no counterpart
     there). Granted GPUs per node are not in any listing: ``granted_*`` stay empty.
+
+    Args:
+        main, admin_comments, names: the three listings' output.
+        memo: kept by the caller between calls: a job whose three records did not change
+            since the last call is the same `SlurmJob` again, not parsed anew (most of a
+            long queue does not change between two rounds).
 
     Raises:
         SlurmParseError: a listing that cannot be read unambiguously.
@@ -442,9 +449,17 @@ def parse_job_listing(main: str, admin_comments: str, names: str) -> tuple[Slurm
     rows = listing_records(main, len(LISTING_FIELDS))
     admin = listing_records(admin_comments, len(ADMIN_COMMENT_FIELDS))
     name_of = listing_records(names, len(NAME_FIELDS))
+    seen = {} if memo is None else memo
     jobs = []
+    fresh: dict = {}
     for job_id, f in rows.items():
         if job_id not in admin:
+            continue
+        raw = (tuple(f), admin[job_id][1], name_of[job_id][1] if job_id in name_of else "")
+        hit = seen.get(job_id)
+        if hit is not None and hit[0] == raw:
+            jobs.append(hit[1])
+            fresh[job_id] = hit
             continue
         (_, array_job, array_task, state_, reason, partition, user, per_node, per_job,
          nodelist, node_count, restarts, submit, start, end, priority, batch, requeue,
@@ -483,6 +498,10 @@ def parse_job_listing(main: str, admin_comments: str, names: str) -> tuple[Slurm
             exit_code=listing_exit_code(exit_raw)
             if state not in ("PENDING", "RUNNING") or restart_count else None,
         ))
+        fresh[job_id] = (raw, jobs[-1])
+    if memo is not None:
+        memo.clear()
+        memo.update(fresh)
     return tuple(jobs)
 
 

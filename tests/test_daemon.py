@@ -274,6 +274,22 @@ def test_elastic_jobs_start_on_the_chosen_cell_and_plain_jobs_are_untouched(slur
 
 
 @pytest.mark.slurm
+def test_identical_starts_go_to_slurm_together_each_journaled(slurm_lab, slurm_client, tmp_path):
+    ids = [submit(slurm_client, tmp_path, "elastic model=gpt-760m gpus=1") for _ in range(3)]
+    daemon = make_daemon(slurm_lab, slurm_client, tmp_path)
+    report = daemon.round()
+    assert sorted(j for k, j in report.actions if k == "start") == sorted(ids)
+    jobs = wait_for("the elastic jobs to run", running(slurm_client, *ids))
+    # Same spec, same free GPUs: the same update, given with one scontrol call.
+    assert len({(j.partition, j.admin_comment) for j in jobs}) == 1
+    for job in jobs:
+        assert_runs_as_planned(job)
+    entries = daemon.store.entries()
+    assert sorted(e.job_id for e in entries if e.kind == START) == sorted(ids)
+    assert all(e.state == DONE for e in entries)
+
+
+@pytest.mark.slurm
 def test_bad_spec_runs_as_submitted_with_the_error_in_the_view(slurm_lab, slurm_client, tmp_path):
     bad = submit(slurm_client, tmp_path, "elastic model=no-such-model", partition="v100", gres="gpu:1")
     # Valid, but nothing in this cluster holds 15B parameters on 1 or 2 GPUs: never left held.

@@ -92,6 +92,12 @@ def test_action_commands():
     assert cancel_argv(5) == ["scancel", "5"]
 
 
+def test_one_scancel_signals_several_batch_scripts():
+    assert signal_batch_argv([3, 4], "USR1") == ["scancel", "--signal=USR1", "--batch", "3", "4"]
+    with pytest.raises(SlurmArgumentError, match="job_ids"):
+        signal_batch_argv([], "USR1")
+
+
 @pytest.mark.parametrize("sig", ["USR1", "SIGUSR1", "usr1"])
 def test_signal_goes_to_the_batch_step_only(sig):
     assert signal_batch_argv(9, sig) == ["scancel", "--signal=USR1", "--batch", "9"]

@@ -279,6 +279,17 @@ def test_listing_reads_the_same_jobs_as_json(name):
         assert a == b, job_id
 
 
+def test_unchanged_records_are_reused_and_changed_ones_parsed_again():
+    texts = [(LISTING / f"running.{part}.txt").read_text() for part in ("main", "admin_comment", "name")]
+    memo: dict = {}
+    first = {j.job_id: j for j in parse_job_listing(*texts, memo=memo)}
+    admin = texts[1].replace("5|(null)|", "5|why=changed|")
+    again = {j.job_id: j for j in parse_job_listing(texts[0], admin, texts[2], memo=memo)}
+    assert again[8] is first[8] and again == {**first, 5: again[5]}
+    assert again[5].admin_comment == "why=changed" and first[5].admin_comment == ""
+    assert set(memo) == set(first)
+
+
 def test_listing_keeps_pipes_and_newlines_inside_free_text():
     jobs = listing_of("pending_held")
     tricky = jobs[2]
