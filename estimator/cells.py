@@ -45,7 +45,8 @@ class StagePlan:
 class CellEstimate:
     """The best plan found for one Cell and what it costs.
 
-    ``fidelity`` names what produced the numbers (``analytic``, ``compiled``, ``measured``);
+    ``fidelity`` names what produced the time (``analytic``, ``compiled``, ``measured``)
+    and ``memory_fidelity`` what produced the memory (``analytic``, ``compiled``);
     ``comm_source`` says whether communication came from the measured table or the
     latency-bandwidth model.
     """
@@ -58,8 +59,9 @@ class CellEstimate:
     peak_memory_gb: float
     feasible: bool
     reason: str
-    fidelity: str = "analytic"
+    fidelity: str = "analytic"  # of iteration_time_s and samples_per_s
     comm_source: str = "table"
+    memory_fidelity: str = "analytic"  # of peak_memory_gb
 
     def to_json(self) -> dict:
         c = self.cell
@@ -77,5 +79,6 @@ class CellEstimate:
             "feasible": self.feasible,
             "reason": self.reason,
             "fidelity": self.fidelity,
+            "memory_fidelity": self.memory_fidelity,
             "comm_source": self.comm_source,
         }

@@ -53,17 +53,18 @@ def efficiency(gpu: GpuType, table: dict[str, Efficiency] | None = None) -> Effi
 
 
 def layer_time_s(layer: LayerSpec, gpu: GpuType, eff: Efficiency, dtype: str, samples: float,
-                 tp: int, passes: float) -> float:
+                 tp: int, passes: float, flops_scale: float = 1.0) -> float:
     """Seconds for ``passes`` forward-equivalents of one layer over ``samples`` on tp GPUs.
 
-    A backward pass costs two forward passes; rematerialization adds one.
+    A backward pass costs two forward passes; rematerialization adds one. ``flops_scale``
+    corrects the layer's FLOPs (compiled / formula) when a compiler counted them.
     """
     if dtype == "fp32":
         # fp32 training ran its convolutions and matmuls on CUDA cores (no TF32).
         rate = gpu.fp32_tflops * 1e12 * eff.conv_frac
     else:
         rate = gpu.peak_tflops(dtype) * 1e12 * eff.matmul_frac
-    work_flop = layer.flops_fwd * samples / tp
+    work_flop = layer.flops_fwd * samples / tp * flops_scale
     occupancy = work_flop / (work_flop + eff.half_rate_gflop * 1e9) if work_flop > 0 else 1.0
     flops_s = work_flop / (rate * occupancy)
     shared = layer.activation_bytes_tp_shared / max(layer.activation_bytes, 1.0)

@@ -12,6 +12,7 @@ sender), the best of the 2^S assembled plans is the per-stage best choice; the t
 (``estimator.tuner``) enumerates richer plans (hybrid dp × tp, micro-batch counts, remat).
 """
 
+import logging
 import math
 from dataclasses import dataclass, field, replace
 
@@ -26,7 +27,13 @@ from estimator.memory import MemoryOptions, StageMemory, stage_memory, state_byt
 from estimator.models import DTYPE_BYTES, ModelSpec, load_model
 from estimator.partition import balanced_partition, stage_gpu_counts
 
+log = logging.getLogger(__name__)
+
 PLAN_SPACES = ("cell", "dp-only")
+FIDELITIES = ("analytic", "compiled")
+# Compiled collective kinds → the measured table's ops.
+_COMPILED_OPS = {"all-reduce": "all-reduce", "all-gather": "all-gather", "reduce-scatter": "reduce-scatter",
+                 "all-to-all": "all-to-all", "collective-permute": "send"}
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,11 @@ class EstimateOptions:
         comm_table: path of a measured collectives CSV; None for the shipped one.
         max_gpus: the largest GPU count a "serverless" job (no count asked) is offered.
         efficiency: per-GPU-type efficiency override (used when fitting).
+        fidelity: ``analytic`` (formulas) or ``compiled``: every stage variant's training
+            step is compiled with XLA (``estimator.compiled``) and its per-device FLOPs,
+            collectives and, with the GPU-target extra, memory replace the formulas.
+        compile_cache_dir: where compiled results are cached (None: the default cache).
+        gpu_specs_dir: XLA GPU target specs, for compiled memory of the Cell's GPU type.
     """
 
     plan_space: str = "cell"
@@ -51,11 +63,16 @@ class EstimateOptions:
     memory: MemoryOptions = MemoryOptions()
     comm_table: str | None = None
     max_gpus: int = 64
+    fidelity: str = "analytic"
+    compile_cache_dir: str | None = None
+    gpu_specs_dir: str | None = None
     efficiency: dict[str, Efficiency] | None = field(default=None, hash=False, compare=False)
 
     def __post_init__(self):
         if self.plan_space not in PLAN_SPACES:
             raise SpecError("plan_space", self.plan_space, f"use one of {', '.join(PLAN_SPACES)}")
+        if self.fidelity not in FIDELITIES:
+            raise SpecError("fidelity", self.fidelity, f"use one of {', '.join(FIDELITIES)}")
         if self.micro_batches is not None and self.micro_batches < 1:
             raise SpecError("micro_batches", self.micro_batches, "give a positive integer")
 
@@ -72,6 +89,11 @@ class StageCost:
     feasible: bool
     reason: str
     comm_source: str
+    compiled_peak_gb: float | None = None  # from a GPU-target compile, when there was one
+
+    @property
+    def peak_gb(self) -> float:
+        return self.memory.peak_gb if self.compiled_peak_gb is None else self.compiled_peak_gb
 
 
 @dataclass(frozen=True)
@@ -125,8 +147,24 @@ def _comm(ctx: _Context, op: str, group: int, span: int, nbytes: float) -> tuple
     return t.seconds, t.source
 
 
-def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan) -> StageCost:
-    """Cost one stage: compute, tensor-parallel collectives, send to the next stage."""
+def _compiled_comm_s(ctx: _Context, compiled, axis: str, group: int, span: int) -> tuple[float, set[str]]:
+    """Seconds of a compiled program's collectives over one mesh axis (table or model)."""
+    total, sources = 0.0, set()
+    for c in compiled.collectives:
+        if c.axis != axis or not c.count:
+            continue
+        t, src = _comm(ctx, _COMPILED_OPS.get(c.kind, "all-reduce"), group, span, c.bytes / c.count)
+        total += c.count * t
+        sources.add(src)
+    return total, sources
+
+
+def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan, compiled=None) -> StageCost:
+    """Cost one stage: compute, tensor-parallel collectives, send to the next stage.
+
+    ``compiled`` (an ``estimator.compiled.CompiledStage`` of this stage variant) replaces
+    the formulas' FLOPs, collectives and, when it has one, the memory figure.
+    """
     model, gpu = ctx.model, _gpu_type(ctx.cell.gpu_type)
     layers = model.layers[plan.layer_start:plan.layer_end]
     gpn = min(ctx.cell.gpus_per_node, ctx.cell.num_gpus)
@@ -142,9 +180,17 @@ def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan) ->
                   f"a multiple of {model.min_tokens_per_shard}")
     passes = 3.0 + (1.0 if ctx.remat else 0.0)
     comm_passes = 2.0 + (1.0 if ctx.remat else 0.0)
-    compute_s = sum(layer_time_s(layer, gpu, ctx.eff, model.dtype, micro, tp, passes) for layer in layers)
+    flops_scale = 1.0
+    if compiled is not None:
+        formula = sum(layer.flops_fwd for layer in layers) * micro / tp * passes
+        flops_scale = compiled.flops_per_device / formula if formula > 0 else 1.0
+    compute_s = sum(layer_time_s(layer, gpu, ctx.eff, model.dtype, micro, tp, passes, flops_scale)
+                    for layer in layers)
     comm_s = 0.0
-    if tp > 1:
+    if tp > 1 and compiled is not None:
+        comm_s, srcs = _compiled_comm_s(ctx, compiled, "tp", tp, _span(first_device, tp, 1, gpn))
+        sources |= srcs
+    elif tp > 1:
         tp_span = _span(first_device, tp, 1, gpn)
         for layer in layers:
             if layer.tp_allreduce_bytes:
@@ -177,7 +223,10 @@ def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan) ->
     params = sum(layer.params for layer in layers) / tp
     w_b, g_b, o_b = state_bytes_per_param(model)
     sync_s = 0.0
-    if dp > 1:
+    if dp > 1 and compiled is not None:
+        sync_s, srcs = _compiled_comm_s(ctx, compiled, "dp", dp, _span(first_device, dp, tp, gpn))
+        sources |= srcs
+    elif dp > 1:
         dp_span = _span(first_device, dp, tp, gpn)
         t, src = _comm(ctx, "all-reduce", dp, dp_span, params * g_b)
         sync_s = t
@@ -192,11 +241,19 @@ def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan) ->
     in_flight = B if ctx.cell.num_stages > 1 else 1
     mem = stage_memory(model, layers, dp, tp, max(1, math.ceil(micro)), in_flight, ctx.remat,
                        ctx.options.memory)
+    compiled_peak_gb = None
+    if compiled is not None and compiled.memory_bytes:
+        # The compiled step holds one micro-batch; GPipe keeps the others' stage inputs too.
+        kept = sum(layer.output_bytes for layer in layers) if ctx.remat else \
+            sum(layer.activation_bytes for layer in layers)
+        compiled_peak_gb = (compiled.memory_bytes + (in_flight - 1) * micro * kept) / 1e9 \
+            + ctx.options.memory.reserve_gb
+    peak_gb = mem.peak_gb if compiled_peak_gb is None else compiled_peak_gb
     usable = gpu.memory_gb * ctx.options.memory.usable_frac
-    if not reason and mem.peak_gb > usable:
-        reason = f"stage {index} needs {mem.peak_gb:.1f} GB per GPU, {gpu.name} has {usable:.1f} GB usable"
+    if not reason and peak_gb > usable:
+        reason = f"stage {index} needs {peak_gb:.1f} GB per GPU, {gpu.name} has {usable:.1f} GB usable"
     return StageCost(plan, compute_s + comm_s + send_s, sync_s, update_s, mem, not reason, reason,
-                     "model" if "model" in sources else "table")
+                     "model" if "model" in sources else "table", compiled_peak_gb)
 
 
 def pipeline_time_s(costs: tuple[StageCost, ...], micro_batches: int) -> float:
@@ -237,7 +294,7 @@ def score_plan(job: JobSpec, cell: Cell, cluster: ClusterSpec, stages: tuple[Sta
         first += plan.num_gpus
     bad = next((c for c in costs if not c.feasible), None)
     return PlanScore(pipeline_time_s(tuple(costs), micro_batches),
-                     max(c.memory.peak_gb for c in costs), bad is None, bad.reason if bad else "",
+                     max(c.peak_gb for c in costs), bad is None, bad.reason if bad else "",
                      tuple(c.micro_batch_s for c in costs),
                      "model" if any(c.comm_source == "model" for c in costs) else "table")
 
@@ -257,27 +314,69 @@ def estimate_cell(job: JobSpec, cell: Cell, cluster: ClusterSpec,
     except SpecError as e:
         return _infeasible(cell, e.hint, ctx.micro_batches)
     ranges = partition_stages(ctx.model, cell, options)
-    chosen, first = [], 0
-    for i, ((start, end), n) in enumerate(zip(ranges, per_stage)):
-        variants = [StagePlan(start, end, n, 1)]
+    variants = []
+    for (start, end), n in zip(ranges, per_stage):
+        stage = [StagePlan(start, end, n, 1)]
         if n > 1 and options.plan_space == "cell":
-            variants.append(StagePlan(start, end, 1, n))
-        costs = [stage_cost(ctx, i, first, v) for v in variants]
+            stage.append(StagePlan(start, end, 1, n))
+        variants.append(stage)
+    compiled = _compile_variants(job, ctx, variants) if options.fidelity == "compiled" else {}
+    chosen, first = [], 0
+    for i, stage in enumerate(variants):
+        costs = [stage_cost(ctx, i, first, v, compiled.get(v)) for v in stage]
         ok = [c for c in costs if c.feasible]
         chosen.append(min(ok, key=lambda c: c.micro_batch_s) if ok
-                      else min(costs, key=lambda c: c.memory.peak_gb))
-        first += n
+                      else min(costs, key=lambda c: c.peak_gb))
+        first += stage[0].num_gpus
     costs = tuple(chosen)
     bad = next((c for c in costs if not c.feasible), None)
     t = pipeline_time_s(costs, ctx.micro_batches)
     source = "model" if any(c.comm_source == "model" for c in costs) else "table"
-    peak = max(c.memory.peak_gb for c in costs)
+    peak = max(c.peak_gb for c in costs)
     plans = tuple(c.plan for c in costs)
+    fidelity = "compiled" if compiled else "analytic"
+    memory_fidelity = "compiled" if all(c.compiled_peak_gb is not None for c in costs) else "analytic"
     if bad is not None:
         return CellEstimate(cell, plans, ctx.micro_batches, math.inf, 0.0, peak, False, bad.reason,
-                            comm_source=source)
+                            fidelity, source, memory_fidelity)
     return CellEstimate(cell, plans, ctx.micro_batches, t, job.global_batch / t, peak, True, "",
-                        comm_source=source)
+                        fidelity, source, memory_fidelity)
+
+
+def _compile_variants(job: JobSpec, ctx: _Context, variants: list[list[StagePlan]]) -> dict:
+    """Compile every stage variant of a Cell in one batch (cached on disk); {plan: costs}.
+
+    Variants whose micro-batch does not split evenly are left to the formulas (and are
+    reported infeasible by them anyway).
+    """
+    from pathlib import Path
+
+    from estimator.compiled import DEFAULT_CACHE_DIR, GPU_TARGET_SPECS, StageRequest, compile_stages
+    from estimator.jax_models import arch_from_model
+
+    micro = ctx.global_batch // ctx.micro_batches
+    if micro * ctx.micro_batches != ctx.global_batch:
+        return {}
+    arch = arch_from_model(ctx.model)
+    opts = ctx.options
+    target = ctx.cell.gpu_type if opts.gpu_specs_dir and ctx.cell.gpu_type in GPU_TARGET_SPECS else "cpu"
+    plans = [v for stage in variants for v in stage if micro % v.dp == 0]
+    requests = [StageRequest(ctx.model.name, arch, v.layer_start, v.layer_end, v.dp, v.tp, micro,
+                             ctx.remat, target) for v in plans]
+    cache = Path(opts.compile_cache_dir) if opts.compile_cache_dir else DEFAULT_CACHE_DIR
+    specs = Path(opts.gpu_specs_dir) if opts.gpu_specs_dir else None
+    try:
+        return dict(zip(plans, compile_stages(requests, cache, specs)))
+    except Exception as e:  # noqa: BLE001 - a variant XLA cannot partition keeps its formulas
+        log.warning("compiling %s as a batch failed (%s); compiling variants one by one",
+                    ctx.cell.label(), e)
+    out = {}
+    for plan, request in zip(plans, requests):
+        try:
+            out[plan] = compile_stages([request], cache, specs)[0]
+        except Exception as e:  # noqa: BLE001
+            log.warning("cannot compile %s %s: %s; using the formulas", ctx.cell.label(), plan, e)
+    return out
 
 
 def _powers_of_two(lo: int, hi: int) -> list[int]:

@@ -35,7 +35,12 @@ def _table(result: JobEstimate) -> str:
         mark = "*" if c is result.best else " "
         t = f"{c.iteration_time_s:8.3f}" if c.feasible else f"{'-':>8}"
         rate = f"{c.samples_per_s:9.2f}" if c.feasible else f"{'-':>9}"
-        note = c.reason if not c.feasible else ("comm: latency-bandwidth model" if c.comm_source == "model" else "")
+        notes = [c.reason] if not c.feasible else []
+        if c.comm_source == "model":
+            notes.append("comm: latency-bandwidth model")
+        if c.fidelity != "analytic" or c.memory_fidelity != "analytic":
+            notes.append(f"time: {c.fidelity}, memory: {c.memory_fidelity}")
+        note = "; ".join(notes)
         cell = c.cell
         lines.append(f"{mark} {cell.gpu_type:5} {cell.num_gpus:4} {cell.num_nodes:5} "
                      f"{min(cell.gpus_per_node, cell.num_gpus):5} {cell.num_stages:3}  {plan[:28]:28} "
@@ -87,17 +92,26 @@ def _read_batch(source) -> list[dict]:
 @click.option("--micro-batches", type=int, help="Pipeline micro-batches (default 4 × stages).")
 @click.option("--comm-table", type=click.Path(dir_okay=False),
               help="Measured collectives CSV replacing the shipped one.")
+@click.option("--fidelity", type=click.Choice(["analytic", "compiled"]), default="analytic",
+              show_default=True, help="compiled: compile every stage variant with XLA on CPU "
+              "devices (cached on disk; minutes the first time) and use its FLOPs, collectives "
+              "and, with --gpu-specs-dir and the GPU-target extra, its memory.")
+@click.option("--compile-cache", type=click.Path(file_okay=False),
+              help="Cache directory of compiled stages (default ~/.cache/slurm-ext).")
+@click.option("--gpu-specs-dir", type=click.Path(file_okay=False, exists=True),
+              help="XLA GPU target specs, for compiled memory of the Cell's GPU type.")
 @click.option("--batch", "batch_file", type=click.File("r"),
               help="One JSON request per line (FILE or - for stdin); prints one JSON result per line.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def command(model, global_batch, gpu_type, gpus, gpus_per_node, cluster, micro_batches,
-            comm_table, batch_file, as_json):
+            comm_table, fidelity, compile_cache, gpu_specs_dir, batch_file, as_json):
     """The Cells of one job: for each GPU type × GPU count × stage count, the best per-stage
     plan, seconds per iteration, samples/s and peak memory per GPU, or why it does not fit.
 
     JSON: {"model", "global_batch", "cells": [...], "best": {...} | null}.
     """
-    options = EstimateOptions(micro_batches=micro_batches, comm_table=comm_table)
+    options = EstimateOptions(micro_batches=micro_batches, comm_table=comm_table, fidelity=fidelity,
+                              compile_cache_dir=compile_cache, gpu_specs_dir=gpu_specs_dir)
     if batch_file is not None:
         if model or global_batch:
             raise click.UsageError("--batch reads model and global_batch from each line; drop --model/--global-batch")
