@@ -42,6 +42,7 @@ class RateTable:
     """
 
     options: dict[tuple[str, int], tuple[CellEstimate, ...]]
+    fastest: tuple[CellEstimate, ...] = ()
 
     @classmethod
     def of(cls, job: JobView, dp_only: bool) -> "RateTable":
@@ -86,7 +87,10 @@ class RateTable:
                 if asked.samples_per_s <= 0:  # infeasible by the memory model, runnable: no rate known
                     asked = replace(asked, samples_per_s=UNKNOWN_RATE, iteration_time_s=math.inf)
                 grouped[(asked.cell.gpu_type, asked.cell.num_gpus)] = [asked]
-        return cls({k: tuple(sorted(v, key=_speed_key)) for k, v in sorted(grouped.items())})
+        options = {k: tuple(sorted(v, key=_speed_key)) for k, v in sorted(grouped.items())}
+        every = sorted((e for v in options.values() for e in v),
+                       key=lambda e: (-e.samples_per_s, e.cell.num_gpus, e.cell.label()))
+        return cls(options, tuple(every))
 
     def rate(self, gpu_type: str, num_gpus: int) -> float:
         """Best samples/s of that shape, 0.0 when it is infeasible or was not estimated."""
@@ -153,6 +157,39 @@ def fits(free: FreeGpus, cell: Cell) -> bool:
             if got >= need:
                 return True
     return False
+
+
+class FitIndex:
+    """Constant-time "does this Cell fit?" over a ``FreeGpus`` that changes rarely.
+
+    Per GPU type, how many nodes have at least g GPUs free, for every g. Scanning a long
+    pending queue asks this for every Cell of every job while the free GPUs stay the same;
+    call ``invalidate`` after changing the ``FreeGpus``.
+    """
+
+    def __init__(self, free: FreeGpus):
+        self.free = free
+        self._at_least: dict[str, list[int]] | None = None
+
+    def invalidate(self) -> None:
+        self._at_least = None
+
+    def fits(self, cell: Cell) -> bool:
+        if self._at_least is None:
+            self._at_least = {}
+            for gtype, names in self.free.by_type.items():
+                size = max((self.free.capacity[n] for n in names), default=0)
+                counts = [0] * (size + 2)
+                for n in names:
+                    counts[max(0, min(self.free.free[n], size))] += 1
+                for g in range(size, -1, -1):  # suffix sums: nodes with ≥ g free
+                    counts[g] += counts[g + 1]
+                self._at_least[gtype] = counts
+        counts = self._at_least.get(cell.gpu_type)
+        per_node = min(cell.gpus_per_node, cell.num_gpus)
+        if counts is None or per_node > len(counts) - 2:  # larger than any node
+            return False
+        return counts[per_node] >= -(-cell.num_gpus // per_node)
 
 
 def first_fitting(free: FreeGpus, estimates: tuple[CellEstimate, ...]) -> tuple[CellEstimate, tuple] | None:

@@ -33,13 +33,15 @@ import logging
 from dataclasses import dataclass, field
 
 from estimator.cells import CellEstimate
-from policy._solver import RateTable, checked_decision, first_fitting, fits, requested_count
+from policy._solver import FitIndex, RateTable, checked_decision, fits, requested_count
 from policy.interface import TRIGGER_ARRIVAL, TRIGGER_COMPLETION, Assignment, Decision, JobView, Snapshot
 from policy.placement import FreeGpus
 
 log = logging.getLogger(__name__)
 
 DROPPED_PREFIX = "dropped"
+# job id → (its rate table, its reference rate): a pure memo across decisions.
+_REFERENCE: dict[str, tuple[RateTable, float]] = {}
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,8 @@ class CriusPolicy:
         restart_searches: how many pending jobs at the head of the queue re-run the search
             when GPUs are released; keeps a decision fast on long queues.
         max_plans: plans one decision may expand in all searches together.
+        reclaim_heads: pending jobs at the head of the queue that may make later
+            (opportunistic) jobs yield, per decision.
     """
 
     name = "crius"
@@ -83,7 +87,8 @@ class CriusPolicy:
     plan_tuning = "pruned"
 
     def __init__(self, search_depth: int = 3, deadline_aware: bool = False,
-                 restart_searches: int = 2, max_plans: int = 1500):
+                 restart_searches: int = 2, max_plans: int = 1500, reclaim_heads: int = 4):
+        self.reclaim_heads = reclaim_heads
         self.search_depth = search_depth
         self.deadline_aware = deadline_aware
         self.restart_searches = restart_searches
@@ -99,8 +104,9 @@ class CriusDdlPolicy(CriusPolicy):
 
     name = "crius-ddl"
 
-    def __init__(self, search_depth: int = 3, restart_searches: int = 2, max_plans: int = 1500):
-        super().__init__(search_depth, True, restart_searches, max_plans)
+    def __init__(self, search_depth: int = 3, restart_searches: int = 2, max_plans: int = 1500,
+                 reclaim_heads: int = 4):
+        super().__init__(search_depth, True, restart_searches, max_plans, reclaim_heads)
 
 
 class _Assignments(dict):
@@ -131,8 +137,12 @@ class _Round:
         self.order = [j.job_id for j in snapshot.jobs]
         self.rank = {i: k for k, i in enumerate(self.order)}
         self.tables = {j.job_id: RateTable.of(j, dp_only=False) for j in snapshot.jobs}
-        self.ref = {j.job_id: self._reference_rate(j) for j in snapshot.jobs}
+        # Jobs of one spec share their estimates object (the daemon's and the simulator's
+        # caches hand out one per spec): their reference rate and candidates are computed once.
+        self._by_spec: dict[tuple, tuple] = {}
+        self.ref = {j.job_id: self._shared(j, "ref", self._reference_rate) for j in snapshot.jobs}
         self.free = FreeGpus.from_snapshot(snapshot)
+        self.index = FitIndex(self.free)
         self.assign = _Assignments((j.job_id, j.assignment) for j in snapshot.jobs)
         self.reasons: dict[str, str] = {}
         self.plans_left = policy.max_plans
@@ -142,6 +152,17 @@ class _Round:
 
     def _reference_rate(self, job: JobView) -> float:
         t = self.tables[job.job_id]
+        hit = _REFERENCE.get(job.job_id)
+        if hit is not None and hit[0] is t:  # tables are memoized: same table, same answer
+            return hit[1]
+        ref = self._reference_rate_of(job, t)
+        if len(_REFERENCE) > 20000:
+            _REFERENCE.clear()
+        _REFERENCE[job.job_id] = (t, ref)
+        return ref
+
+    @staticmethod
+    def _reference_rate_of(job: JobView, t: RateTable) -> float:
         n = requested_count(job, t)
         if job.spec.gpu_type and n and t.rate(job.spec.gpu_type, n) > 0:
             return t.rate(job.spec.gpu_type, n)
@@ -160,11 +181,22 @@ class _Round:
         cost = self.snap.restart_cost_s if restart else 0.0
         return self.snap.now_s + cost + job.remaining_iterations * e.iteration_time_s <= job.deadline_s
 
+    def _shared(self, job: JobView, what: str, compute):
+        """``compute(job)``, once per (estimates object, spec): it depends on nothing else."""
+        key = (what, id(job.estimates), job.spec)
+        hit = self._by_spec.get(key)
+        if hit is not None and hit[0] is job.estimates:
+            return hit[1]
+        value = compute(job)
+        self._by_spec[key] = (job.estimates, value)  # holding the estimates keeps the id valid
+        return value
+
     def _candidates(self, job: JobView) -> tuple[CellEstimate, ...]:
         """The job's feasible Cells (deadline-meeting in crius-ddl), fastest first."""
-        out = [o for opts in self.tables[job.job_id].options.values() for o in opts
-               if self._meets_deadline(job, o)]
-        return tuple(sorted(out, key=lambda e: (-e.samples_per_s, e.cell.num_gpus, e.cell.label())))
+        every = self.tables[job.job_id].fastest
+        if not self.p.deadline_aware or job.deadline_s is None:
+            return every
+        return tuple(e for e in every if self._meets_deadline(job, e))
 
     # ---- the round ----------------------------------------------------------------------
 
@@ -172,6 +204,9 @@ class _Round:
         arrivals_only = self.snap.trigger == TRIGGER_ARRIVAL
         departure = self.snap.trigger == TRIGGER_COMPLETION
         restart_budget = self.p.restart_searches
+        # Only the head of the queue reclaims GPUs from opportunistic jobs: they are the
+        # blockers the paper's opportunistic execution lets later jobs run ahead of.
+        reclaim_budget = self.p.reclaim_heads
         for job_id in self.order:
             job = self.jobs[job_id]
             if self.assign[job_id] is not None or job_id in self.dropped:
@@ -184,8 +219,12 @@ class _Round:
                 else:
                     self.reasons[job_id] = "waiting: no feasible Cell"
                 continue
-            if self._start_on_free(job, cands) or self._start_by_reclaiming(job, cands):
+            if self._start_on_free(job, cands):
                 continue
+            if reclaim_budget > 0:
+                reclaim_budget -= 1
+                if self._start_by_reclaiming(job, cands):
+                    continue
             new = job_id not in self.searched
             if new or (departure and restart_budget > 0):
                 restart_budget -= 0 if new else 1
@@ -204,15 +243,19 @@ class _Round:
 
     def _start(self, job_id: str, e: CellEstimate, placement, reason: str) -> None:
         self.free.take(placement)
+        self.index.invalidate()
         self.assign[job_id] = Assignment(e.cell, placement)
         self.reasons[job_id] = reason
 
     def _start_on_free(self, job: JobView, cands) -> bool:
         """Alg. 1 OnArrival: the fastest feasible Cell that fits on free GPUs."""
-        got = first_fitting(self.free, cands)
-        if got is None:
+        for e in cands:
+            if self.index.fits(e.cell):
+                p = self.free.place(e.cell)
+                if p is not None:
+                    break
+        else:
             return False
-        e, p = got
         best = " (best)" if e is cands[0] else f" (best {cands[0].cell.label()} does not fit)"
         self._start(job.job_id, e, p, f"started on {e.cell.label()}{best}")
         return True
@@ -239,6 +282,7 @@ class _Round:
             # Keep only the yields the placement needs: later jobs off its nodes keep running.
             used = {n for n, _ in p}
             needed = [i for i in yielded if used & {n for n, _ in self.assign[i].placement}]
+            self.index.invalidate()
             for i in needed:
                 self.free.release(self.assign[i].placement)
                 self.assign[i] = None
@@ -293,6 +337,7 @@ class _Round:
             self.assign[i] = plan.assign[i]
             self.reasons[i] = f"rescaled to {plan.assign[i].cell.label()} for job {job.job_id}"
         self.free = plan.free
+        self.index = FitIndex(self.free)
         self._start(job.job_id, e, placement,
                     f"started on {e.cell.label()} after {', '.join(plan.steps)} (gain {total:+.2f})")
         return True
@@ -414,6 +459,7 @@ class _Round:
             gain = (opts[0].samples_per_s - cur) / self.ref[i] / (n - a.cell.num_gpus)
             offers.append((-gain, self.rank[i], i, a, opts))
         offers.sort(key=lambda x: x[:2])
+        self.index.invalidate()
         for _, _, i, a, opts in offers:
             if self.free.free_of_type(a.cell.gpu_type) < opts[0].cell.num_gpus - a.cell.num_gpus:
                 continue
