@@ -107,6 +107,8 @@ def _shape_of(job: JobView) -> _Shape:
         best = table.best()
         ref = best.samples_per_s if best else 1.0
     cells = tuple((opts[0], tuple(o.cell for o in opts[1:])) for _, opts in sorted(table.options.items()))
+    if all(not math.isfinite(e.iteration_time_s) for e, _ in cells):
+        cells = ()  # only a "runs, rate unknown" stand-in: value it as below
     if not cells:
         # The memory model rejects every Cell but the platform runs what was asked for:
         # offer that (the baselines' rule), at the estimator's time when it has one.

@@ -228,3 +228,19 @@ def test_deterministic_and_skips_an_unchanged_round():
                     j.deadline_s, j.guaranteed, j.estimates, j.dp_only_estimates) for j in s.jobs]
     again = snap(jobs, now=s.now_s + 300.0, state=d1.policy_state)
     assert CellsIlpPolicy().decide(again).jobs == ()
+
+
+def test_job_the_memory_model_rejects_everywhere_runs_as_requested():
+    asked = Cell("a100", 4, 4, 1)
+    rejected = tuple(CellEstimate(Cell("a100", n, min(n, 4), 1), (), 4, 0.0, 0.0, 99.0, False, "out of memory")
+                     for n in (2, 4, 8))
+    j = JobView("big", "u", JobSpec("gpt-1.3b", BATCH, 4, "a100"), 0.0, PENDING, None, 0.0, 100, 0, 0.0,
+                None, False, rejected, rejected, frozenset({asked}))
+    s = snap([j], nodes(a100=1, v100=0))
+    d = CellsIlpPolicy().decide(s)
+    validate_decision(s, d)
+    assert d.for_job("big").assignment.cell == asked
+    no_platform = JobView("big2", "u", j.spec, 0.0, PENDING, None, 0.0, 100, 0, 0.0, None, False,
+                          rejected, rejected, frozenset())
+    d = CellsIlpPolicy().decide(snap([no_platform], nodes(a100=1, v100=0)))
+    assert all(x.assignment is None for x in d.jobs)
