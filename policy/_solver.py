@@ -169,9 +169,11 @@ class FitIndex:
 
     def __init__(self, free: FreeGpus):
         self.free = free
+        self.version = 0  # bumped on every change: answers cached under it stay valid
         self._at_least: dict[str, list[int]] | None = None
 
     def invalidate(self) -> None:
+        self.version += 1
         self._at_least = None
 
     def fits(self, cell: Cell) -> bool:

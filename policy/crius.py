@@ -143,6 +143,7 @@ class _Round:
         self.ref = {j.job_id: self._shared(j, "ref", self._reference_rate) for j in snapshot.jobs}
         self.free = FreeGpus.from_snapshot(snapshot)
         self.index = FitIndex(self.free)
+        self._no_fit: dict[tuple[int, int], tuple] = {}
         self.assign = _Assignments((j.job_id, j.assignment) for j in snapshot.jobs)
         self.reasons: dict[str, str] = {}
         self.plans_left = policy.max_plans
@@ -249,12 +250,19 @@ class _Round:
 
     def _start_on_free(self, job: JobView, cands) -> bool:
         """Alg. 1 OnArrival: the fastest feasible Cell that fits on free GPUs."""
+        # Jobs of one spec share their candidates: once none fits, none fits for the next
+        # job of that spec either, until the free GPUs change (a long queue is mostly
+        # repeats of a few hundred specs).
+        key = (id(cands), self.index.version)
+        if key in self._no_fit:
+            return False
         for e in cands:
             if self.index.fits(e.cell):
                 p = self.free.place(e.cell)
                 if p is not None:
                     break
         else:
+            self._no_fit[key] = cands  # holding cands keeps its id valid
             return False
         best = " (best)" if e is cands[0] else f" (best {cands[0].cell.label()} does not fit)"
         self._start(job.job_id, e, p, f"started on {e.cell.label()}{best}")
@@ -337,7 +345,8 @@ class _Round:
             self.assign[i] = plan.assign[i]
             self.reasons[i] = f"rescaled to {plan.assign[i].cell.label()} for job {job.job_id}"
         self.free = plan.free
-        self.index = FitIndex(self.free)
+        self.index.free = self.free
+        self.index.invalidate()
         self._start(job.job_id, e, placement,
                     f"started on {e.cell.label()} after {', '.join(plan.steps)} (gain {total:+.2f})")
         return True
