@@ -332,6 +332,8 @@ def simulate(policy: Policy, trace_jobs: tuple[TraceJob, ...], cluster: ClusterS
             while next_round_s <= now_s:
                 next_round_s += config.round_s
         if not active:
+            if timeline and timeline[-1].running_jobs:
+                timeline.append(TimelinePoint(now_s, 0.0, 0, 0, ()))
             continue
         trigger = (TRIGGER_COMPLETION if TRIGGER_COMPLETION in triggers else
                    TRIGGER_ARRIVAL if TRIGGER_ARRIVAL in triggers else TRIGGER_ROUND)
@@ -382,7 +384,8 @@ def simulate(policy: Policy, trace_jobs: tuple[TraceJob, ...], cluster: ClusterS
             job.resume_s = now_s + overhead_s
             seq += 1
             heapq.heappush(completions, (job.finish_time_s(), seq, job.trace.job_id, job.version))
-        if not running and next_arrival >= total and not actions:
+        if not running and next_arrival >= total:
+            # Only the policy can change anything now; refused assignments count as idle.
             idle_rounds += 1
             if idle_rounds > config.stall_rounds:
                 break

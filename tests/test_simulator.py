@@ -140,6 +140,23 @@ def test_a_policy_that_never_starts_anything_ends_the_run_with_jobs_unfinished()
     assert all(o.reason == "idle policy" for o in result.jobs)
 
 
+def test_an_unmeasured_assignment_leaves_the_job_pending_and_the_run_ends():
+    class Stubborn:
+        """Always puts every job on one a100, which the table says ran out of memory."""
+
+        name = "stubborn"
+
+        def decide(self, snapshot):
+            out = []
+            for i, job in enumerate(snapshot.jobs):
+                out.append(JobDecision(job.job_id, Assignment(Cell("a100", 1, 4, 1), ((f"a100-{i + 1}", 1),))))
+            return Decision(tuple(out))
+
+    result = _run(Stubborn(), [_job("a", 0.0, 2), _job("b", 1.0, 2)], cluster=_cluster(nodes=2))
+    assert [o.status for o in result.jobs] == ["unfinished", "unfinished"]
+    assert all(o.first_start_s is None and o.iterations_done == 0 for o in result.jobs)
+
+
 def test_oracle_shows_measured_times_to_policies():
     cluster, table = _cluster(), load_measured()
     spec = JobSpec("gpt-1.3b", 128, 4, "a100")
