@@ -155,7 +155,7 @@ def write_plots(results: list[SimResult], out_dir: str | Path) -> list[Path]:
             ys = [dict(p.gpus_in_use).get(gtype, 0) / cap for p in r.timeline]
             ax.step(xs, ys, where="post", label=gtype, linewidth=0.8)
         ax.set_ylim(0, 1.05)
-        ax.set_ylabel("GPUs in use")
+        ax.set_ylabel("share in use")
         ax.set_title(r.policy, fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="upper right")
