@@ -2,8 +2,9 @@
 
 - a pending elastic job the policy starts: ``scontrol update`` to the partition of the
   chosen GPU type, untyped GPUs per node, ``NumNodes=N-N``, the plan in AdminComment,
-  ``StartTime=now``, then release. Starts with identical updates go to Slurm together
-  (one ``scontrol update JobId=a,b,c`` and one release), each journaled on its own;
+  ``StartTime=now``, then release. Starts with identical updates are released with one
+  call (the update itself goes job by job: scontrol changes the node count of one job at
+  a time), each journaled on its own;
 - a running elastic job the policy rescales: USR1 to the batch step, wait (up to
   ``rescale_timeout_s``) for the job to requeue itself held (exit 86), else
   ``requeuehold``; then the same update and release (or, to suspend, stay held);
@@ -156,7 +157,7 @@ class Actor:
 
     def take_many(self, kind: str, jobs: list[tuple[int, str]], update: JobUpdate | None,
                   release: bool, acts: Acts) -> list[int]:
-        """The same pending-job action for several jobs: journal each, apply with one call.
+        """The same pending-job action for several jobs: journal each, apply with few calls.
 
         Each job gets its own journal entry, written before Slurm is asked and closed
         after, so recovery sees exactly what it would see for single actions. When Slurm
@@ -170,19 +171,17 @@ class Actor:
             return [j for j, _ in jobs]
         now_s = self.clock.now_s()
         entries = {job_id: self.store.intend(job_id, kind, update, now_s) for job_id, _ in jobs}
+        ids = [j for j, _ in jobs]
         errors: dict[int, SlurmExtError] = {}
-        try:
-            self._apply([j for j, _ in jobs], update, release)
-        except SlurmExtError as e:
-            if len(jobs) == 1:
-                errors[jobs[0][0]] = e
-            else:
-                log.warning(kv("batch_failed", kind=kind, jobs=len(jobs), error=e))
-                for job_id, _ in jobs:
-                    try:
-                        self._apply([job_id], update, release)
-                    except SlurmExtError as one:
-                        errors[job_id] = one
+        if update is not None:
+            # scontrol takes a list of jobs for most fields, but a node count only for one
+            # job ("Invalid job ID 4,10"): such updates go one by one, the release together.
+            batch = self.client.update_pending_many if update.num_nodes is None else None
+            errors.update(self._each(ids, lambda j: self.client.update_pending(j, update),
+                                     batch and (lambda js: batch(js, update)), kind))
+        if release:
+            errors.update(self._each([j for j in ids if j not in errors], self.client.release,
+                                     self.client.release_many, kind))
         done = []
         for job_id, describe in jobs:
             if job_id in errors:
@@ -197,18 +196,27 @@ class Actor:
             done.append(job_id)
         return done
 
-    def _apply(self, job_ids: list[int], update: JobUpdate | None, release: bool) -> None:
-        """Update then release pending jobs, one Slurm call each for all of them."""
-        if len(job_ids) == 1:
-            if update is not None:
-                self.client.update_pending(job_ids[0], update)
-            if release:
-                self.client.release(job_ids[0])
-            return
-        if update is not None:
-            self.client.update_pending_many(job_ids, update)
-        if release:
-            self.client.release_many(job_ids)
+    @staticmethod
+    def _each(job_ids: list[int], one: Callable[[int], None],
+              many: Callable[[list[int]], None] | None, kind: str) -> dict[int, SlurmExtError]:
+        """Apply ``many`` to all jobs at once (else ``one`` to each); the jobs it failed for.
+
+        When the call for all fails, each job is tried on its own so that one bad job (gone,
+        no longer pending) costs only itself.
+        """
+        if many is not None and len(job_ids) > 1:
+            try:
+                many(job_ids)
+                return {}
+            except SlurmExtError as e:
+                log.warning(kv("batch_failed", kind=kind, jobs=len(job_ids), error=e))
+        errors: dict[int, SlurmExtError] = {}
+        for job_id in job_ids:
+            try:
+                one(job_id)
+            except SlurmExtError as e:
+                errors[job_id] = e
+        return errors
 
     def handle_spec_error(self, job: SlurmJob, message: str, acts: Acts) -> None:
         pc = plan_comment(job.admin_comment)

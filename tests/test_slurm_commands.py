@@ -215,21 +215,32 @@ def test_background_process_runs_until_stopped_by_pid(tmp_path):
 @pytest.mark.slurm
 def test_batched_update_hold_release_on_the_lab(slurm_client, tmp_path):
     script = "#!/bin/bash\nsleep 300\n"
-    ids = [slurm_client.submit(SubmitRequest(script=script, partition="a10", gres="gpu:1", hold=True,
-                                             output=str(tmp_path / "%j.out"), workdir=str(tmp_path)))
-           for _ in range(3)]
+
+    def submit(**kw):
+        return slurm_client.submit(SubmitRequest(script=script, partition="a10", gres="gpu:1",
+                                                 output=str(tmp_path / "%j.out"), workdir=str(tmp_path), **kw))
+
+    # Held, and not eligible for an hour: released, they stay pending.
+    ids = [submit(hold=True, extra_args=("--begin=now+3600",)) for _ in range(3)]
     slurm_client.update_pending_many(ids, JobUpdate(admin_comment="why=batched", start_now=False))
     jobs = {j.job_id: j for j in slurm_client.jobs()}
     assert [jobs[i].admin_comment for i in ids] == ["why=batched"] * 3
-    slurm_client.release_many(ids[:2])
+    # A node count is changed one job at a time only (22.05: "Invalid job ID a,b").
+    with pytest.raises(SlurmCommandError, match="Invalid job ID"):
+        slurm_client.update_pending_many(ids, JobUpdate(num_nodes=1, admin_comment="why=n"))
+    slurm_client.release_many(ids)
+    assert not any(j.is_held for j in slurm_client.jobs() if j.job_id in ids)
+    slurm_client.hold_many(ids[:2])
     jobs = {j.job_id: j for j in slurm_client.jobs()}
-    assert [jobs[i].is_held for i in ids] == [False, False, True]
+    assert [jobs[i].is_held for i in ids] == [True, True, False]
     # One job Slurm refuses (gone) fails the call: the caller then goes job by job.
     slurm_client.cancel(ids[0])
     with pytest.raises(SlurmCommandError):
         slurm_client.update_pending_many([ids[0], ids[2]], JobUpdate(admin_comment="why=again", start_now=False))
+    # A running GPU job's grant per node, from the detail of that job alone.
+    runs = submit()
     deadline = time.monotonic() + 20
-    while not (job := slurm_client.job(ids[1])).is_running and time.monotonic() < deadline:
+    while not (job := slurm_client.job(runs)).is_running and time.monotonic() < deadline:
         time.sleep(0.3)
     assert job.granted_gpus_per_node == (1,) and job.granted_gpu_type == "a10"
     assert slurm_client.job(10**8) is None
