@@ -237,7 +237,17 @@ class _Round:
             earlier = self.reasons.get(job_id, "")
             self.reasons[job_id] = f"{earlier}; {why}" if earlier.startswith("yielded") else why
         if not arrivals_only:
-            self._scale_up()
+            # GPU types a waiting job could start on are reserved for it: scaling a running
+            # job onto them would let earlier jobs grow forever ahead of a large blocked one.
+            waiting: set[str] = set()
+            seen: set[int] = set()
+            for i in self.order:
+                if self.assign[i] is None and i not in self.dropped and len(waiting) < len(self.types):
+                    cands = self._candidates(self.jobs[i])
+                    if id(cands) not in seen:  # shared by every job of one spec
+                        seen.add(id(cands))
+                        waiting.update(e.cell.gpu_type for e in cands)
+            self._scale_up(reserved=waiting)
         live = set(self.order)
         state = CriusState(frozenset(self.searched & live), frozenset(self.dropped & live))
         return checked_decision(self.snap, self.assign, self.reasons, state)
@@ -444,11 +454,15 @@ class _Round:
 
     # ---- Alg. 1 OnDeparture: scale up running jobs -------------------------------------
 
-    def _scale_up(self) -> None:
-        """Give free GPUs to running jobs, largest normalized gain per added GPU first."""
+    def _scale_up(self, reserved: set[str]) -> None:
+        """Give free GPUs to running jobs, largest normalized gain per added GPU first.
+
+        Args:
+            reserved: GPU types that waiting jobs could use; no job scales up on them.
+        """
         offers = []
         for i, a in self.assign.items():
-            if a is None:
+            if a is None or a.cell.gpu_type in reserved:
                 continue
             t = self.tables[i]
             bigger = [n for n in t.counts(a.cell.gpu_type) if n > a.cell.num_gpus]

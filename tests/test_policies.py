@@ -201,6 +201,15 @@ def test_crius_scales_up_a_running_job_on_departure():
     assert final_cell(s, run(CriusPolicy(), s), "r") == ("a100", 2)
 
 
+def test_crius_does_not_scale_up_onto_gpus_a_waiting_job_could_use():
+    r = job("r", {("a100", 2): 10.0, ("a100", 4): 18.0}, gpus=2, running=("a100", 2, (("a100-1", 2),)))
+    other = job("o", {("a100", 2): 10.0}, gpus=2, running=("a100", 2, (("a100-2", 2),)), submit=1.0)
+    big = job("big", {("a100", 4): 40.0}, gpus=4, submit=2.0)  # 2 + 2 free, never 4 on one node
+    s = snap([a100(1), a100(2)], [r, other, big], trigger=TRIGGER_COMPLETION)
+    d = run(CriusPolicy(), s)
+    assert final_cell(s, d, "r") == ("a100", 2) and cell_of(d, "big") is None
+
+
 def test_crius_ddl_refuses_a_job_that_cannot_meet_its_deadline():
     # 1000 iterations of BATCH samples at 64 samples/s take 1000 s.
     late = job("late", {("a100", 4): 64.0}, gpus=4, deadline=600.0)
