@@ -48,17 +48,18 @@ class RateTable:
     def of(cls, job: JobView, dp_only: bool) -> "RateTable":
         """The table of ``job`` (memoized; see ``_build``)."""
         source = job.dp_only_estimates if dp_only else job.estimates
-        key = (job.job_id, dp_only)
+        key = (id(source), id(job.estimates), job.spec, dp_only)
         hit = _TABLES.get(key)
-        # Estimates are immutable tuples: the same object means the same table. Callers
-        # (the simulator's estimate cache, the daemon's store) hand out the same objects
-        # from one snapshot to the next, so a policy round rebuilds only new jobs' tables.
-        if hit is not None and hit[0] is source and hit[1] == job.spec:
+        # Estimates are immutable tuples: the same objects mean the same table. Callers
+        # (the simulator's estimate cache, the daemon's store) hand out one object per job
+        # spec, the same from one snapshot to the next, so a table is built once per spec
+        # and shared by its jobs (which lets policies skip repeats of a spec in a queue).
+        if hit is not None and hit[0] is source and hit[1] is job.estimates:
             return hit[2]
         table = cls._build(job, dp_only)
         if len(_TABLES) >= _TABLE_CACHE_SIZE:
             _TABLES.clear()
-        _TABLES[key] = (source, job.spec, table)
+        _TABLES[key] = (source, job.estimates, table)  # holding them keeps their ids valid
         return table
 
     @classmethod
@@ -116,7 +117,7 @@ class RateTable:
 
 # A pure memo of RateTable.of, bounded; cleared wholesale when full (a cheap, rare rebuild).
 _TABLE_CACHE_SIZE = 20000
-_TABLES: dict[tuple[str, bool], tuple[object, object, RateTable]] = {}
+_TABLES: dict[tuple, tuple[object, object, RateTable]] = {}
 
 
 def capacity_by_type(snapshot: Snapshot) -> dict[str, int]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 
 from estimator.cells import CellEstimate
-from policy._solver import RateTable, checked_decision, first_fitting, fits, rate_in, requested_count
+from policy._solver import FitIndex, RateTable, checked_decision, fits, rate_in, requested_count
 from policy.interface import Assignment, Decision, Snapshot
 from policy.placement import FreeGpus
 
@@ -52,10 +52,12 @@ class GavelPolicy:
         free = FreeGpus.from_snapshot(snapshot)
         assign = {j.job_id: j.assignment for j in snapshot.jobs}
         rank = {j.job_id: k for k, j in enumerate(snapshot.jobs)}
-        options = {j.job_id: _per_type(j) for j in snapshot.jobs}
+        options = {j.job_id: _per_type(RateTable.of(j, dp_only=True), j) for j in snapshot.jobs}
         reasons: dict[str, str] = {}
         moves_left = self.max_moves
         searches_left = MAX_ROOM_SEARCHES
+        index = FitIndex(free)
+        no_fit: dict[tuple[int, int], list] = {}
 
         # 1 + 2. Admission in submission order; a blocked job may move one running job away.
         for job in snapshot.jobs:
@@ -65,16 +67,23 @@ class GavelPolicy:
             if not opts:
                 reasons[job.job_id] = "waiting: no feasible data-parallel Cell at the requested count"
                 continue
-            got = first_fitting(free, tuple(opts))
-            if got is not None:
+            # Jobs of one spec share ``opts``: once none fits, the rest of the queue's jobs
+            # of that spec need no check until the free GPUs change.
+            key = (id(opts), index.version)
+            got = None if key in no_fit else _first_fitting(free, index, opts)
+            if got is None:
+                no_fit[key] = opts
+            else:
                 e, p = got
                 free.take(p)
+                index.invalidate()
                 assign[job.job_id] = Assignment(e.cell, p)
                 reasons[job.job_id] = f"started on {e.cell.label()} (fastest type with room)"
                 continue
             if moves_left > 0 and searches_left > 0:
                 searches_left -= 1
                 if self._make_room(job.job_id, opts, free, assign, options, rank, reasons):
+                    index.invalidate()
                     moves_left -= 1
                     continue
             reasons[job.job_id] = f"waiting for {opts[0].cell.num_gpus} GPUs of any type"
@@ -147,9 +156,30 @@ class GavelPolicy:
         return True
 
 
-def _per_type(job) -> list[CellEstimate]:
-    """The job's fastest data-parallel Cell of each type at its requested count, fastest first."""
-    table = RateTable.of(job, dp_only=True)
+def _per_type(table: RateTable, job) -> list[CellEstimate]:
+    """The job's fastest data-parallel Cell of each type at its requested count, fastest first.
+
+    Memoized per table (one per job spec), so jobs of one spec share one list.
+    """
     n = requested_count(job, table)
-    out = [table.options[(t, c)][0] for (t, c) in table.options if c == n]
-    return sorted(out, key=lambda e: (-e.samples_per_s, e.cell.label()))
+    hit = _PER_TYPE.get(id(table))
+    if hit is not None and hit[0] is table and hit[1] == n:
+        return hit[2]
+    out = sorted((table.options[(t, c)][0] for (t, c) in table.options if c == n),
+                 key=lambda e: (-e.samples_per_s, e.cell.label()))
+    if len(_PER_TYPE) > 20000:
+        _PER_TYPE.clear()
+    _PER_TYPE[id(table)] = (table, n, out)
+    return out
+
+
+_PER_TYPE: dict[int, tuple] = {}
+
+
+def _first_fitting(free: FreeGpus, index: FitIndex, opts: list[CellEstimate]):
+    for e in opts:
+        if index.fits(e.cell):
+            p = free.place(e.cell)
+            if p is not None:
+                return e, p
+    return None

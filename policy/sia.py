@@ -32,7 +32,7 @@ import logging
 from dataclasses import dataclass
 
 from estimator.cells import Cell
-from policy._solver import RateTable, capacity_by_type, realize, solve_binary_program
+from policy._solver import FitIndex, RateTable, capacity_by_type, realize, solve_binary_program
 from policy.interface import TRIGGER_ROUND, Assignment, Decision, JobDecision, JobView, Snapshot
 from policy.placement import FreeGpus
 
@@ -126,21 +126,32 @@ class SiaPolicy:
         that fits on free nodes now; the next round's ILP may reconfigure it.
         """
         free = FreeGpus.from_snapshot(snapshot)
+        index = FitIndex(free)
+        no_fit: dict[tuple, RateTable] = {}
         out = []
         for j in snapshot.jobs:
             if j.assignment is not None:
                 continue
+            # A pending job's configurations depend on its spec only: once none of a spec's
+            # fits, later jobs of that spec need no check until the free GPUs change.
+            table = RateTable.of(j, dp_only=True)
+            key = (id(table), j.spec.num_gpus, index.version)
+            if key in no_fit:
+                continue
             configs = self._configs(snapshot, j)
             cap = j.spec.num_gpus or max((c.cell.num_gpus for c in configs), default=0)
             for c in sorted(configs, key=lambda c: (-c.goodput, c.cell.label())):
-                if c.cell.num_gpus > cap:
+                if c.cell.num_gpus > cap or not index.fits(c.cell):
                     continue
                 p = free.place(c.cell)
                 if p is not None:
                     free.take(p)
+                    index.invalidate()
                     out.append(JobDecision(j.job_id, Assignment(c.cell, p),
                                            f"started on {c.cell.label()} until the next round"))
                     break
+            else:
+                no_fit[key] = table
         return Decision(tuple(out), state)
 
     def _configs(self, snapshot: Snapshot, job: JobView) -> list[_Config]:
