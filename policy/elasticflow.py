@@ -72,9 +72,11 @@ class ElasticFlowPolicy:
         blocked = False
         # ``jobs`` is in submission order; a stable sort puts running jobs first.
         for job in sorted(jobs, key=lambda j: j.assignment is None):
+            if job.assignment is None and blocked:
+                continue  # behind a blocked head: stays queued (absent from the decision)
             m = _min_share(snapshot, job, tables[job.job_id], gtype, self.deadline_aware)
-            if job.assignment is None and (blocked or m is None or m > left):
-                blocked = blocked or m is not None
+            if job.assignment is None and (m is None or m > left):
+                blocked = m is not None
                 wanted[job.job_id] = None
                 reasons[job.job_id] = ("waiting: no count finishes it in time" if m is None
                                        else f"waiting: minimum share {m} {gtype} not free")
