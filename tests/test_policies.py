@@ -138,7 +138,8 @@ def test_elasticflow_admission_blocks_the_queue_of_a_full_type():
     later = job("later", {("a100", 1): 10.0}, gpus=1, submit=1.0)
     s = snap([a100(1)], [first, later])
     d = run(ElasticFlowPolicy(), s)
-    assert cell_of(d, "first") is None and cell_of(d, "later") is None
+    assert final_cell(s, d, "first") is None and final_cell(s, d, "later") is None
+    assert "minimum share 8" in d.for_job("first").reason
 
 
 # ---- Crius -------------------------------------------------------------------------------
