@@ -244,18 +244,19 @@ class CliSlurmClient:
         self._granted = {i: g for i, g in self._granted.items() if i in wanted and g[0] == key[i]}
         missing = {i: wanted[i].name for i in wanted if i not in self._granted}
         if missing:
-            if len(missing) <= DETAIL_ONE_BY_ONE_MAX:
-                found = {}
-                ids = sorted(missing)
+            found = {}
+            if len(missing) > DETAIL_ONE_BY_ONE_MAX:
+                found = parse_job_detail(self._run(job_detail_argv()), missing)
+            # A job asked for alone has its own line first (later ones can only be its
+            # comment's text): that also settles the few the listing of all left ambiguous.
+            ids = sorted(j for j in missing if j not in found)[:DETAIL_ONE_BY_ONE_MAX]
+            if ids:
                 outs = run_commands([job_detail_argv(j) for j in ids], self.timeout_s, env=self.env,
                                     check=False)
                 for job_id, out in zip(ids, outs):
                     if out.returncode != 0 and "Invalid job id" not in out.stderr:
                         raise SlurmCommandError(out.argv, out.returncode, out.stderr)
-                    # Its own line comes first; later ones can only be its comment's text.
                     found.update(parse_job_detail(out.stdout.split("\n", 1)[0], {job_id: missing[job_id]}))
-            else:
-                found = parse_job_detail(self._run(job_detail_argv()), missing)
             for job_id, per_node in found.items():
                 job = wanted[job_id]
                 counts = tuple(per_node.get(n, (0, None))[0] for n in job.nodes)

@@ -244,3 +244,21 @@ def test_batched_update_hold_release_on_the_lab(slurm_client, tmp_path):
         time.sleep(0.3)
     assert job.granted_gpus_per_node == (1,) and job.granted_gpu_type == "a10"
     assert slurm_client.job(10**8) is None
+
+
+@pytest.mark.slurm
+def test_grants_of_many_new_running_jobs_come_from_one_listing_of_all(slurm_client, tmp_path):
+    from slurm_ext.cli_backend import DETAIL_ONE_BY_ONE_MAX
+    wanted = {"h100": 8, "a10": 2}
+    assert sum(wanted.values()) > DETAIL_ONE_BY_ONE_MAX
+    ids = {slurm_client.submit(SubmitRequest(script="#!/bin/bash\nsleep 300\n", partition=p, gres="gpu:1",
+                                             output=str(tmp_path / "%j.out"), workdir=str(tmp_path))): p
+           for p, n in wanted.items() for _ in range(n)}
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        jobs = {j.job_id: j for j in CliSlurmClient(env=slurm_client.env).jobs() if j.job_id in ids}
+        if all(j.is_running for j in jobs.values()) and len(jobs) == len(ids):
+            break
+        time.sleep(0.5)
+    assert {i: (j.granted_gpus_per_node, j.granted_gpu_type) for i, j in jobs.items()} == \
+        {i: ((1,), p) for i, p in ids.items()}
