@@ -176,9 +176,11 @@ class Actor:
         if update is not None:
             # scontrol takes a list of jobs for most fields, but a node count only for one
             # job ("Invalid job ID 4,10"): such updates go one by one, the release together.
-            batch = self.client.update_pending_many if update.num_nodes is None else None
-            errors.update(self._each(ids, lambda j: self.client.update_pending(j, update),
-                                     batch and (lambda js: batch(js, update)), kind))
+            many = None
+            if update.num_nodes is None:
+                def many(js: list[int]) -> None:
+                    self.client.update_pending_many(js, update)
+            errors.update(self._each(ids, lambda j: self.client.update_pending(j, update), many, kind))
         if release:
             errors.update(self._each([j for j in ids if j not in errors], self.client.release,
                                      self.client.release_many, kind))
