@@ -549,7 +549,8 @@ def _solve_pulp(flat, rows, start: list[int], solver: str, time_limit_s: float) 
     for k, x in enumerate(xs):
         x.setInitialValue(1 if k in on else 0)
     if solver == "highs":
-        s = _WarmHighs(msg=False, timeLimit=time_limit_s, gapRel=1e-4)
+        # One thread: the program is small, and worker threads only wait on a busy machine.
+        s = _WarmHighs(msg=False, timeLimit=time_limit_s, gapRel=1e-4, threads=1)
     else:
         import warnings
         with warnings.catch_warnings():
