@@ -55,6 +55,7 @@ if __name__ == "__main__":
     _STOP.install()
 
 from estimator.errors import SpecError  # noqa: E402
+from estimator.refine import MEASURED_FILE  # noqa: E402
 from job_scripts.slurm_env import (SlurmAllocation, admin_comment_from_scontrol,  # noqa: E402
                                    allocation_from_env, comment_from_scontrol)
 
@@ -68,7 +69,6 @@ PLAN_ENV = "SLURM_EXT_PLAN"
 CHECKPOINT_ROOT_ENV = "SLURM_EXT_CHECKPOINT_ROOT"
 COMPILE_CACHE_ENV = "SLURM_EXT_COMPILE_CACHE"
 COMPILE_CACHE_DIR = "jax-cache"  # beside the jobs' checkpoint directories
-MEASURED_FILE = "measured.json"
 # Flags that make XLA compile fast on the CPU; fake-device runs test the protocol, and
 # the tiny models they use spend most of their time compiling, not computing.
 CPU_FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0",

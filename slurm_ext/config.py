@@ -59,6 +59,11 @@ class DaemonConfig:
             bounds a round's Slurm calls when thousands of jobs wait.
         max_new_specs_per_round: new elastic jobs whose spec (batch script) is read per
             round, oldest first; the rest wait for the next round.
+        checkpoint_root: the directory where elastic jobs keep their checkpoints (the
+            runner's ``SLURM_EXT_CHECKPOINT_ROOT``); a running job's measured seconds per
+            iteration (``ROOT/<job id>/measured.json``) then refine its Cells' estimates.
+            None: no feedback.
+        use_cpu_measurements: also trust speeds measured on CPU fake devices (lab, tests).
     """
 
     interval_s: float = 60.0
@@ -81,6 +86,8 @@ class DaemonConfig:
     backoff_max_s: float = 300.0
     max_annotations_per_round: int = 40
     max_new_specs_per_round: int = 50
+    checkpoint_root: str | None = None
+    use_cpu_measurements: bool = False
 
     def partition_map(self) -> dict[str, str]:
         return dict(self.partitions)
@@ -179,7 +186,7 @@ def _coerce(key: str, raw: object, source: str) -> object:
         if key == "metrics_port" and value is not None and not 0 < value < 65536:
             raise ConfigError(key, raw, f"({source}) give a TCP port 1-65535 or null")
         return value
-    if key == "dry_run":
+    if key in ("dry_run", "use_cpu_measurements"):
         return _bool(key, raw, source)
     if key == "partitions":
         return _partitions(raw, source)
@@ -198,7 +205,7 @@ def _coerce(key: str, raw: object, source: str) -> object:
         if raw not in PLAN_SPACES:
             raise ConfigError(key, raw, f"({source}) use one of {', '.join(PLAN_SPACES)}")
         return raw
-    if key == "cluster":
+    if key in ("cluster", "checkpoint_root"):
         return None if raw in (None, "", "none", "null") else str(raw)
     if key in ("policy", "network", "state_db"):
         if not isinstance(raw, str) or not raw.strip():

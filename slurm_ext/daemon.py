@@ -17,12 +17,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from dataclasses import dataclass, replace
 
 from estimator.cluster import ClusterSpec
 from estimator.estimate import EstimateOptions, estimate_job
 from estimator.errors import SpecError
 from estimator.jobs import JobSpec
+from estimator.refine import MEASURED_FILE, Measurement, refine
 from policy.clock import Clock, WallClock
 from policy.interface import (
     PENDING, RUNNING, TRIGGER_ARRIVAL, TRIGGER_COMPLETION, TRIGGER_ROUND, Decision,
@@ -38,7 +40,8 @@ from slurm_ext.metrics import Metrics
 # The observe helpers are re-exported: callers and tests know them from here.
 from slurm_ext.observe import (  # noqa: F401
     HELD_FOR_RESCALE, ManagedJob, build_snapshot, cluster_spec, estimate_key, is_held,
-    job_states_argv, kv, model_loader_for, node_type, parse_job_states, parse_pending_listing,
+    job_states_argv, kv, measurement_from_text, model_loader_for, node_type, parse_job_states,
+    parse_pending_listing,
     partition_types, pending_listing_argv, plan_comment, requested_gpus, reserved_cell,
     running_assignment, type_partitions,
 )
@@ -388,6 +391,11 @@ class Daemon:
                 self._spec_cache[job.job_id] = (None, message)
                 errors.append((job, message))
                 continue
+            estimates = est[cfg.plan_space]
+            if state == RUNNING and cfg.checkpoint_root:
+                measured = self._measurement(job, pc.cell)
+                if measured is not None:  # Rubick's continuous fitting of the running Cell
+                    estimates = refine(estimates, measured, spec.global_batch)
             started_s = float(job.start_time_s or job.submit_time_s)
             view = JobView(
                 job_id=str(job.job_id), user=job.user, spec=jspec,
@@ -396,13 +404,22 @@ class Daemon:
                 iterations_total=spec.iterations, restarts=job.restart_count,
                 last_change_s=started_s if state == RUNNING else submit_s.get(job.job_id, started_s),
                 deadline_s=spec.deadline_s, guaranteed=spec.guaranteed,
-                estimates=est[cfg.plan_space], dp_only_estimates=est["dp-only"])
+                estimates=estimates, dp_only_estimates=est["dp-only"])
             m = ManagedJob(job, spec, view)
             if state == RUNNING:
                 m = ManagedJob(job, spec, replace(view, iterations_done=min(
                     float(spec.iterations), view.iterations_done + m.run_iterations(now_s))))
             managed.append(m)
         return managed, launching, errors
+
+    def _measurement(self, job: SlurmJob, cell_label: str | None) -> Measurement | None:
+        """What the job's runner measured on its current Cell (``measured.json``), if anything."""
+        path = Path(self.config.checkpoint_root) / str(job.job_id) / MEASURED_FILE
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError):
+            return None
+        return measurement_from_text(text, cell_label, self.config.use_cpu_measurements)
 
     def _estimate(self, spec: ElasticSpec, cluster: ClusterSpec, now_s: float
                   ) -> tuple[JobSpec, dict | str]:

@@ -22,6 +22,7 @@ from estimator.cluster import ClusterSpec, cluster_from_dict, load_cluster
 from estimator.errors import SpecError
 from estimator.gpus import CATALOG
 from estimator.models import load_model
+from estimator.refine import Measurement
 from policy.interface import Assignment, JobView, NodeView, Snapshot
 from policy.placement import FreeGpus
 from slurm_ext.jobspec import ElasticSpec, is_elastic
@@ -215,6 +216,24 @@ class ManagedJob:
 
 
 @functools.lru_cache(maxsize=4096)
+def measurement_from_text(text: str, cell_label: str | None, allow_cpu: bool) -> Measurement | None:
+    """The runner's ``measured.json`` as a Measurement of the job's current Cell, or None.
+
+    A file of another Cell (written before a rescale), from CPU fake devices (unless
+    allowed: lab and tests), or that does not parse, says nothing about the current Cell.
+    """
+    try:
+        raw = json.loads(text)
+        m = Measurement.from_json(raw)
+    except (ValueError, SpecError):
+        return None
+    if cell_label is None or m.cell_label != cell_label:
+        return None
+    if raw.get("platform") != "gpu" and not allow_cpu:
+        return None
+    return m
+
+
 def estimate_key(spec: ElasticSpec, cluster: ClusterSpec, plan_space: str,
                  micro_batches: int | None, max_gpus: int) -> str:
     """The estimate cache's key: everything the estimates depend on."""

@@ -453,3 +453,15 @@ def test_daemon_survives_slurmctld_outage(slurm_lab, slurm_client, tmp_path):
     assert rc == 0
     assert "daemon_stopped" in log_path.read_text()
 
+
+
+def test_measurement_feedback_only_for_the_current_cell():
+    from slurm_ext.observe import measurement_from_text
+    text = json.dumps({"cell": "a100x4:s1", "iteration_time_s": 2.0, "steps_measured": 8, "platform": "gpu"})
+    m = measurement_from_text(text, "a100x4:s1", allow_cpu=False)
+    assert m is not None and m.iteration_time_s == 2.0
+    assert measurement_from_text(text, "a10x4:s1", allow_cpu=False) is None  # before a rescale
+    cpu = text.replace('"gpu"', '"cpu"')
+    assert measurement_from_text(cpu, "a100x4:s1", allow_cpu=False) is None
+    assert measurement_from_text(cpu, "a100x4:s1", allow_cpu=True) is not None
+    assert measurement_from_text("{not json", "a100x4:s1", allow_cpu=True) is None
