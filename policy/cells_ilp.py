@@ -379,7 +379,7 @@ class CellsIlpPolicy:
                 reasons[j.job_id] = f"waiting: {o.cell.label()} does not fit on free nodes"
         # Backfill: GPUs the packing left free go to pending jobs by weight, on Cells no
         # larger than they asked for, so nothing idles while jobs wait.
-        spare = free_total(free)
+        spare = _free_total(free)
         for j in pending[: 4 * self.max_pending]:
             if spare <= 0:
                 break
@@ -402,7 +402,7 @@ def _with_note(reason: str, note: str | None) -> str:
     return f"{reason}; {note}" if note and reason else (note or reason)
 
 
-def free_total(free: FreeGpus) -> int:
+def _free_total(free: FreeGpus) -> int:
     """Free GPUs of every type together."""
     return sum(free.free.values())
 
