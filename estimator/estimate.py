@@ -303,10 +303,33 @@ def _infeasible(cell: Cell, reason: str, B: int) -> CellEstimate:
     return CellEstimate(cell, (), B, math.inf, 0.0, 0.0, False, reason)
 
 
+MAX_ACCUMULATION_DOUBLINGS = 3
+
+
 def estimate_cell(job: JobSpec, cell: Cell, cluster: ClusterSpec,
                   options: EstimateOptions = EstimateOptions()) -> CellEstimate:
-    """The best assembled plan of one Cell (per stage dp-only or tp-only)."""
-    ctx = _context(job, cell, cluster, options)
+    """The best assembled plan of one Cell (per stage dp-only or tp-only).
+
+    With the default micro-batch count (4 × stages), a Cell that runs out of memory is
+    tried again with 2×, 4× and 8× as many (smaller) micro-batches — gradient
+    accumulation trades speed for activation memory — and the first that fits is kept.
+    """
+    est = _estimate_cell(job, cell, cluster, options, None)
+    doublings = 0
+    while (not est.feasible and options.micro_batches is None and est.stages
+           and "GB per GPU" in est.reason and doublings < MAX_ACCUMULATION_DOUBLINGS
+           and 2 * est.micro_batches <= job.global_batch):
+        doublings += 1
+        retry = _estimate_cell(job, cell, cluster, options, 2 * est.micro_batches)
+        if retry.feasible or "GB per GPU" not in retry.reason:
+            return retry if retry.feasible else est
+        est = retry
+    return est
+
+
+def _estimate_cell(job: JobSpec, cell: Cell, cluster: ClusterSpec, options: EstimateOptions,
+                   micro_batches: int | None) -> CellEstimate:
+    ctx = _context(job, cell, cluster, options, micro_batches)
     if cell.num_stages > ctx.model.num_layers:
         return _infeasible(cell, f"{cell.num_stages} stages > {ctx.model.num_layers} layers", ctx.micro_batches)
     try:

@@ -114,3 +114,12 @@ def test_compiled_fidelity_replaces_flops_and_says_so(tmp_path):
     assert compiled.feasible and compiled.iteration_time_s == pytest.approx(analytic.iteration_time_s, rel=0.25)
     assert any((tmp_path / "cache").iterdir())  # results cached on disk
     assert compiled.to_json()["fidelity"] == "compiled"
+
+
+def test_out_of_memory_cell_retries_with_more_micro_batches():
+    job, cell = JobSpec("moe-27b", 1024), Cell("v100", 16, 16, 1)
+    fixed = estimate_cell(job, cell, CRIUS, EstimateOptions(micro_batches=4))
+    assert not fixed.feasible and "GB per GPU" in fixed.reason
+    default = estimate_cell(job, cell, CRIUS)  # 4 × stages, doubled while it does not fit
+    assert default.feasible and default.micro_batches > 4
+    assert default.peak_memory_gb < fixed.peak_memory_gb
