@@ -38,8 +38,12 @@ test: setup
 demo: setup
 	$(PY) -m slurm_ext.demo
 
+# Benchmarks that need no Slurm; daemon_cycle.py (root, the lab) and policy_scale.py run on their own.
 bench: setup
 	$(PY) benchmarks/estimator_accuracy.py
+	$(PY) benchmarks/estimate_speed.py
+	$(PY) benchmarks/tuner_pruning.py
+	$(PY) benchmarks/compile_time.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache
