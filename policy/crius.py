@@ -457,34 +457,49 @@ class _Round:
     def _scale_up(self, reserved: set[str]) -> None:
         """Give free GPUs to running jobs, largest normalized gain per added GPU first.
 
+        A job grows to the next larger count of its type, or returns to its fastest Cell
+        when a search moved it to another type to admit someone (else it would stay on the
+        slower type for the rest of its run).
+
         Args:
-            reserved: GPU types that waiting jobs could use; no job scales up on them.
+            reserved: GPU types that waiting jobs could use; no job grows onto them.
         """
         offers = []
         for i, a in self.assign.items():
-            if a is None or a.cell.gpu_type in reserved:
+            if a is None:
                 continue
             t = self.tables[i]
-            bigger = [n for n in t.counts(a.cell.gpu_type) if n > a.cell.num_gpus]
-            if not bigger:
-                continue
-            n = min(bigger)
             job = self.jobs[i]
-            opts = [o for o in t.options[(a.cell.gpu_type, n)] if self._meets_deadline(job, o)]
             cur = t.rate_of_cell(a.cell)
-            if not opts or cur <= 0 or opts[0].samples_per_s <= cur:
+            if cur <= 0:
                 continue
-            # Worth a restart only when the faster Cell wins back the restart's cost.
-            rem = job.remaining_iterations * job.spec.global_batch
-            saved_s = rem / cur - rem / opts[0].samples_per_s
-            if saved_s <= self.snap.restart_cost_s:
-                continue
-            gain = (opts[0].samples_per_s - cur) / self.ref[i] / (n - a.cell.num_gpus)
-            offers.append((-gain, self.rank[i], i, a, opts))
+            shapes = []
+            bigger = [n for n in t.counts(a.cell.gpu_type) if n > a.cell.num_gpus]
+            if bigger:
+                shapes.append((a.cell.gpu_type, min(bigger)))
+            if t.fastest and t.fastest[0].cell.gpu_type != a.cell.gpu_type:
+                shapes.append((t.fastest[0].cell.gpu_type, t.fastest[0].cell.num_gpus))
+            best = None
+            for gtype, n in shapes:
+                if gtype in reserved:
+                    continue
+                opts = [o for o in t.options[(gtype, n)] if self._meets_deadline(job, o)]
+                if not opts or opts[0].samples_per_s <= cur:
+                    continue
+                # Worth a restart only when the faster Cell wins back the restart's cost.
+                rem = job.remaining_iterations * job.spec.global_batch
+                if rem / cur - rem / opts[0].samples_per_s <= self.snap.restart_cost_s:
+                    continue
+                added = n - (a.cell.num_gpus if gtype == a.cell.gpu_type else 0)
+                gain = (opts[0].samples_per_s - cur) / self.ref[i] / max(1, added)
+                if best is None or gain > best[0]:
+                    best = (gain, opts, added)
+            if best is not None:
+                offers.append((-best[0], self.rank[i], i, a, best[1], best[2]))
         offers.sort(key=lambda x: x[:2])
         self.index.invalidate()
-        for _, _, i, a, opts in offers:
-            if self.free.free_of_type(a.cell.gpu_type) < opts[0].cell.num_gpus - a.cell.num_gpus:
+        for _, _, i, a, opts, added in offers:
+            if self.free.free_of_type(opts[0].cell.gpu_type) < added:
                 continue
             self.free.release(a.placement)
             for o in opts:
@@ -492,7 +507,8 @@ class _Round:
                 if p is not None:
                     self.free.take(p)
                     self.assign[i] = Assignment(o.cell, p)
-                    self.reasons[i] = f"scaled up {a.cell.num_gpus}→{o.cell.num_gpus} {o.cell.gpu_type} on free GPUs"
+                    how = "scaled up" if o.cell.gpu_type == a.cell.gpu_type else "moved back"
+                    self.reasons[i] = f"{how} {a.cell.label()}→{o.cell.label()} on free GPUs"
                     break
             else:
                 self.free.take(a.placement)

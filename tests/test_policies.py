@@ -202,6 +202,13 @@ def test_crius_scales_up_a_running_job_on_departure():
     assert final_cell(s, run(CriusPolicy(), s), "r") == ("a100", 2)
 
 
+def test_crius_moves_a_job_back_to_its_fastest_type_when_that_frees_up():
+    r = job("r", {("a100", 4): 40.0, ("v100", 4): 20.0}, gpus=4, running=("v100", 4, (("v100-1", 4),)))
+    s = snap([a100(1), v100(1)], [r], trigger="round")
+    d = run(CriusPolicy(), s)
+    assert final_cell(s, d, "r") == ("a100", 4) and "moved back" in d.for_job("r").reason
+
+
 def test_crius_does_not_scale_up_onto_gpus_a_waiting_job_could_use():
     r = job("r", {("a100", 2): 10.0, ("a100", 4): 18.0}, gpus=2, running=("a100", 2, (("a100-1", 2),)))
     other = job("o", {("a100", 2): 10.0}, gpus=2, running=("a100", 2, (("a100-2", 2),)), submit=1.0)
