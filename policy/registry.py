@@ -16,6 +16,7 @@ from policy.interface import Policy
 POLICIES: dict[str, str] = {
     "fcfs": "policy.fcfs:FcfsPolicy",
     "crius": "policy.crius:CriusPolicy",
+    "crius-ddl": "policy.crius:CriusDdlPolicy",
     "gavel": "policy.gavel:GavelPolicy",
     "elasticflow": "policy.elasticflow:ElasticFlowPolicy",
     "sia": "policy.sia:SiaPolicy",
