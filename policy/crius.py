@@ -479,7 +479,6 @@ class _Round:
                 shapes.append((a.cell.gpu_type, min(bigger)))
             if t.fastest and t.fastest[0].cell.gpu_type != a.cell.gpu_type:
                 shapes.append((t.fastest[0].cell.gpu_type, t.fastest[0].cell.num_gpus))
-            best = None
             for gtype, n in shapes:
                 if gtype in reserved:
                     continue
@@ -492,14 +491,14 @@ class _Round:
                     continue
                 added = n - (a.cell.num_gpus if gtype == a.cell.gpu_type else 0)
                 gain = (opts[0].samples_per_s - cur) / self.ref[i] / max(1, added)
-                if best is None or gain > best[0]:
-                    best = (gain, opts, added)
-            if best is not None:
-                offers.append((-best[0], self.rank[i], i, a, best[1], best[2]))
+                offers.append((-gain, self.rank[i], i, a, opts, added))
+        # Every shape is an offer of its own: when a job's best shape has no free GPUs,
+        # its next one (e.g. growing on its own type) still gets its turn.
         offers.sort(key=lambda x: x[:2])
         self.index.invalidate()
+        grown: set = set()
         for _, _, i, a, opts, added in offers:
-            if self.free.free_of_type(opts[0].cell.gpu_type) < added:
+            if i in grown or self.free.free_of_type(opts[0].cell.gpu_type) < added:
                 continue
             self.free.release(a.placement)
             for o in opts:
@@ -509,6 +508,7 @@ class _Round:
                     self.assign[i] = Assignment(o.cell, p)
                     how = "scaled up" if o.cell.gpu_type == a.cell.gpu_type else "moved back"
                     self.reasons[i] = f"{how} {a.cell.label()}→{o.cell.label()} on free GPUs"
+                    grown.add(i)
                     break
             else:
                 self.free.take(a.placement)

@@ -16,6 +16,8 @@ run as root (the lab starts slurmd, which needs root).
 import os
 import shutil
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -63,3 +65,16 @@ def slurm_client(slurm_lab):
     from slurm_ext.cli_backend import CliSlurmClient
     yield CliSlurmClient(env=slurm_lab.env())
     slurm_lab.cancel_all_jobs()
+
+
+def wait_for(what: str, probe: Callable[[], object], timeout_s: float = 20.0):
+    """Poll until ``probe`` returns something truthy and return it; else fail the test with
+    ``what`` and the last value. Lab tests import it: ``from conftest import wait_for``."""
+    deadline = time.monotonic() + timeout_s
+    value = None
+    while time.monotonic() < deadline:
+        value = probe()
+        if value:
+            return value
+        time.sleep(0.25)
+    pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}; last: {value!r}")

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 from estimator.cells import Cell
 from estimator.plan_string import parse_plan
+from conftest import wait_for as _wait
 from slurm_ext.config import ConfigError, DaemonConfig, load_config, resolve
 from slurm_ext.daemon import (
     Daemon, build_snapshot, cluster_spec, job_states_argv, model_loader_for, parse_job_states,
@@ -197,14 +198,7 @@ def submit(client, tmp_path, comment=None, **kw):
 
 
 def wait_for(what, probe, timeout_s=25.0):
-    deadline = time.monotonic() + timeout_s
-    value = None
-    while time.monotonic() < deadline:
-        value = probe()
-        if value:
-            return value
-        time.sleep(0.3)
-    pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}; last: {value!r}")
+    return _wait(what, probe, timeout_s)
 
 
 def running(client, *job_ids):

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from estimator.cluster import load_cluster
+from conftest import wait_for
 from slurm_ext.errors import LabError, SlurmCommandError
 from estimator.cluster import cluster_from_dict
 from slurm_ext.lab import (
@@ -29,18 +30,6 @@ echo "start restart=${SLURM_RESTART_COUNT:-0} partition=$SLURM_JOB_PARTITION"
 trap 'echo checkpoint; exit 86' USR1
 while true; do sleep 0.2 & wait $!; done
 """
-
-
-def wait_for(what: str, probe: Callable[[], object], timeout_s: float = 20.0):
-    """Poll until `probe` returns something truthy; fail with `what` and the last value."""
-    deadline = time.monotonic() + timeout_s
-    value = None
-    while time.monotonic() < deadline:
-        value = probe()
-        if value:
-            return value
-        time.sleep(0.25)
-    pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}; last: {value!r}")
 
 
 def job_where(client, job_id: int, cond: Callable[[SlurmJob], bool]) -> Callable[[], SlurmJob | None]:

@@ -12,11 +12,11 @@ new GPU type.
 
 import re
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from conftest import wait_for as _wait_for
 from slurm_ext.slurm_client import SubmitRequest
 
 pytestmark = pytest.mark.slurm
@@ -31,17 +31,6 @@ ARRIVAL = f"""#!/bin/bash
 trap 'exit 86' USR1
 while true; do sleep 0.2 & wait $!; done
 """
-
-
-def _wait_for(what, probe, timeout_s):
-    deadline = time.monotonic() + timeout_s
-    value = None
-    while time.monotonic() < deadline:
-        value = probe()
-        if value:
-            return value
-        time.sleep(0.3)
-    pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}; last: {value!r}")
 
 
 def _read(path: Path) -> str:
