@@ -27,7 +27,7 @@ TINY_GPT = FIXTURES / "tiny-gpt.yaml"
 GLOBAL_BATCH = 16
 
 ARRIVAL = f"""#!/bin/bash
-#ELASTIC model={FIXTURES / "arrival-4b.yaml"} global_batch=64 iterations=100000 gpus=4 gpu_type=a100
+#ELASTIC model={FIXTURES / "arrival-6b.yaml"} global_batch=64 iterations=100000 gpus=4 gpu_type=a100
 trap 'exit 86' USR1
 while true; do sleep 0.2 & wait $!; done
 """
