@@ -23,6 +23,7 @@ Model YAML (a transformer)::
 """
 
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import yaml
@@ -252,12 +253,19 @@ def load_model(name_or_path: str) -> ModelSpec:
     if not path.suffix.lower() in (".yaml", ".yml") or not path.is_file():
         raise SpecError("model", name_or_path,
                         f"not a built-in ({', '.join(BUILTIN_MODELS)}) nor a readable .yaml file")
-    if path.stat().st_size > MAX_MODEL_FILE_BYTES:
+    st = path.stat()
+    if st.st_size > MAX_MODEL_FILE_BYTES:
         raise SpecError("model", name_or_path, f"file larger than {MAX_MODEL_FILE_BYTES} bytes")
+    # Every Cell of a job asks for its model: parse a file once per version of it.
+    return _load_model_file(str(path), st.st_mtime_ns, st.st_size)
+
+
+@lru_cache(maxsize=256)
+def _load_model_file(path: str, mtime_ns: int, size: int) -> ModelSpec:
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.safe_load(Path(path).read_text())
     except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise SpecError("model", name_or_path, f"malformed YAML: {str(e).splitlines()[0]}") from None
+        raise SpecError("model", path, f"malformed YAML: {str(e).splitlines()[0]}") from None
     except OSError as e:
-        raise SpecError("model", name_or_path, f"cannot read: {e.strerror}") from None
-    return model_from_dict(raw, str(path))
+        raise SpecError("model", path, f"cannot read: {e.strerror}") from None
+    return model_from_dict(raw, path)
