@@ -3,6 +3,11 @@
 Averages cover finished jobs only: unfinished and never-runnable jobs are counted and
 listed, never padded into the averages. Every figure but the ``decision_time_*`` keys
 (wall-clock measurements of the policy) is a function of the inputs and the seed.
+
+Fragmentation (``fragmentation_avg``, ``fragmentation_p95``, ``fragmentation_avg_by_type``)
+is the share of free GPUs that sit on partly used nodes (``policy.placement``), weighted
+by how long the timeline holds each value: the average over time, and the value it stays
+at or below for 95 % of the time, from the first decision to the last finish.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ MARKDOWN_COLUMNS = (
     ("avg_jct_s", "avg JCT (h)", "h"), ("p50_jct_s", "p50 JCT (h)", "h"), ("p99_jct_s", "p99 JCT (h)", "h"),
     ("avg_queue_s", "avg queue (h)", "h"), ("makespan_s", "makespan (h)", "h"),
     ("avg_throughput", "throughput (samples/s)", "{:.1f}"), ("restarts_per_job", "restarts/job", "{:.2f}"),
+    ("fragmentation_avg", "fragmentation avg", "{:.3f}"), ("fragmentation_p95", "fragmentation p95", "{:.3f}"),
     ("decision_time_p50_s", "decide p50 (ms)", "ms"), ("decision_time_p99_s", "decide p99 (ms)", "ms"),
     ("decision_time_max_s", "decide max (ms)", "ms"),
 )
@@ -36,6 +42,45 @@ def _round(x: float | None, digits: int = 3) -> float | None:
 
 def _pct(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
+
+
+def time_weighted(times_s: list[float], values: list[float], end_s: float, q: float = 95.0
+                  ) -> tuple[float | None, float | None]:
+    """Average and q-th percentile of a step function over time.
+
+    Args:
+        times_s: when each value starts to hold (ascending).
+        values: the value from that time until the next one.
+        end_s: when the last value stops holding (earlier means the last holds for 0 s).
+        q: the percentile: the smallest value the function stays at or below for at
+            least q % of the time.
+
+    Returns:
+        (average, percentile), or (None, None) when the steps cover no time.
+    """
+    if not times_s:
+        return None, None
+    t = np.asarray(times_s, dtype=float)
+    v = np.asarray(values, dtype=float)
+    weights = np.diff(np.append(t, max(end_s, t[-1])))
+    total = weights.sum()
+    if total <= 0:
+        return None, None
+    order = np.argsort(v, kind="stable")
+    covered = np.cumsum(weights[order])
+    # The tolerance keeps a share that is exactly q % (up to rounding) on its own step.
+    at = int(np.searchsorted(covered, q / 100.0 * total * (1 - 1e-12)))
+    return float((v * weights).sum() / total), float(v[order][min(at, len(v) - 1)])
+
+
+def _fragmentation_summary(result: SimResult) -> dict:
+    timeline = result.timeline
+    times = [p.time_s for p in timeline]
+    avg, p95 = time_weighted(times, [p.fragmentation_frac for p in timeline], result.end_s)
+    by_type = {t: _round(time_weighted(times, [p.fragmentation_frac_of(t) for p in timeline], result.end_s)[0], 4)
+               for t in sorted(result.capacity_gpus)}
+    return {"fragmentation_avg": _round(avg, 4), "fragmentation_p95": _round(p95, 4),
+            "fragmentation_avg_by_type": by_type}
 
 
 def summarize(result: SimResult, offered_load: float | None = None) -> dict:
@@ -73,6 +118,7 @@ def summarize(result: SimResult, offered_load: float | None = None) -> dict:
                              "iterations_done": _round(o.iterations_done, 1), "iterations": o.iterations,
                              "reason": o.reason} for o in left],
         "samples_processed": _round(result.samples_done, 1),
+        **_fragmentation_summary(result),
     }
     if with_deadline:
         out["deadlines_met_frac"] = _round(sum(o.finish_s <= o.deadline_s for o in with_deadline)
@@ -110,7 +156,7 @@ def markdown_table(report: dict) -> str:
 
 
 def write_plots(results: list[SimResult], out_dir: str | Path) -> list[Path]:
-    """JCT CDF, cluster throughput, queue length and GPU use per type over time, as PNGs.
+    """JCT CDF, cluster throughput, queue length, fragmentation and GPU use per type over time, as PNGs.
 
     Returns:
         The files written.
@@ -137,7 +183,9 @@ def write_plots(results: list[SimResult], out_dir: str | Path) -> list[Path]:
     written.append(_save(fig, out / "jct_cdf.png", plt))
 
     for key, ylabel, fname in (("samples_per_s", "cluster throughput (samples/s)", "throughput.png"),
-                               ("queued_jobs", "queued jobs", "queue_length.png")):
+                               ("queued_jobs", "queued jobs", "queue_length.png"),
+                               ("fragmentation_frac", "free GPUs on partly used nodes ÷ free GPUs",
+                                "fragmentation.png")):
         fig, ax = plt.subplots(figsize=(8, 4.5))
         for r in results:
             xs = [(p.time_s - r.start_s) / 3600 for p in r.timeline]

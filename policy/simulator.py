@@ -12,6 +12,14 @@ finished, when nothing can change any more (no job running, no arrival left, and
 policy leaves the rest pending for ``stall_rounds`` rounds), or at ``max_time_s``; jobs
 left are reported unfinished, and jobs no Cell of this cluster can run are reported as
 never runnable, from the moment they arrive.
+
+The timeline records the cluster after every decision that changed an allocation and
+after every completion (and at least every ``timeline_min_step_s`` otherwise), so between
+two points nothing held by a job changes. Each point carries the **fragmentation** of the
+free GPUs, per GPU type, as ``policy.placement.FreeGpus.fragmentation`` defines it: free
+GPUs on nodes that are partly in use ÷ free GPUs. Those GPUs cannot host a Cell whose
+layout wants whole nodes, whatever the policy does next, short of moving a job. It costs
+one pass over the nodes and the running jobs' placements per recorded point.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from policy.interface import (PENDING, RUNNING, TRIGGER_ARRIVAL, TRIGGER_COMPLET
                               Assignment, Decision, DecisionError, JobView, NodeView, Policy, Snapshot,
                               implied_actions, validate_decision)
 from policy.measured import MeasuredTable, cell_layout, mask_unmeasured
-from policy.placement import layout_of
+from policy.placement import Fragmentation, FreeGpus, layout_of
 from policy.trace import TraceJob
 
 log = logging.getLogger(__name__)
@@ -102,13 +110,37 @@ class JobOutcome:
 
 @dataclass(frozen=True)
 class TimelinePoint:
-    """Cluster state right after one decision."""
+    """Cluster state right after one decision or completion.
+
+    Attributes:
+        time_s: simulated time.
+        samples_per_s: cluster throughput at the measured rates.
+        queued_jobs: active jobs without an allocation.
+        running_jobs: jobs holding GPUs.
+        gpus_in_use: (GPU type, GPUs held by jobs) pairs.
+        fragmentation: per GPU type, how scattered the free GPUs are; empty when no GPU
+            is in use (every free GPU is then on a whole free node).
+    """
 
     time_s: float
     samples_per_s: float
     queued_jobs: int
     running_jobs: int
     gpus_in_use: tuple[tuple[str, int], ...]
+    fragmentation: tuple[Fragmentation, ...] = ()
+
+    @property
+    def fragmentation_frac(self) -> float:
+        """Free GPUs on partly used nodes ÷ free GPUs, all types together (0 when none is free)."""
+        free = sum(f.free_gpus for f in self.fragmentation)
+        return sum(f.free_on_partial_nodes for f in self.fragmentation) / free if free else 0.0
+
+    def fragmentation_frac_of(self, gpu_type: str) -> float:
+        """The same share for one GPU type (0 when none of it is free or it is all idle)."""
+        for f in self.fragmentation:
+            if f.gpu_type == gpu_type:
+                return f.fragmentation_frac
+        return 0.0
 
 
 @dataclass(frozen=True)
@@ -241,6 +273,15 @@ def never_runnable_reason(estimates: tuple[CellEstimate, ...], dp_only: tuple[Ce
     return "no runnable Cell: " + ("; ".join(reasons[:3]) if reasons else "no Cell fits this cluster")
 
 
+def _fragmentation(all_free: FreeGpus, running: dict[str, _Job]) -> tuple[Fragmentation, ...]:
+    # O(nodes + placements): a fresh free map from the running jobs, not a running tally,
+    # so it cannot drift from what the jobs hold.
+    free = all_free.copy()
+    for job in running.values():
+        free.take(job.assignment.placement)
+    return free.fragmentation()
+
+
 def _stale(entry: tuple[float, int, str, int], active: dict[str, _Job]) -> bool:
     job = active.get(entry[2])
     return job is None or job.version != entry[3]
@@ -271,6 +312,7 @@ def simulate(policy: Policy, trace_jobs: tuple[TraceJob, ...], cluster: ClusterS
     costs = config.costs
     tuning_s = costs.tuning_s(getattr(policy, "plan_tuning", "full"))
     nodes = tuple(NodeView(n, g.gpu_type, g.gpus_per_node) for g in cluster.node_groups for n in g.node_names())
+    all_free = FreeGpus([(n.name, n.gpu_type, n.managed_gpus) for n in nodes])
     clock = SimulatedClock(trace_jobs[0].submit_time_s if trace_jobs else 0.0)
     active: dict[str, _Job] = {}
     running: dict[str, _Job] = {}
@@ -391,12 +433,14 @@ def simulate(policy: Policy, trace_jobs: tuple[TraceJob, ...], cluster: ClusterS
                 break
         else:
             idle_rounds = 0
-        if not timeline or now_s - timeline[-1].time_s >= config.timeline_min_step_s or actions:
+        if (not timeline or now_s - timeline[-1].time_s >= config.timeline_min_step_s or actions
+                or TRIGGER_COMPLETION in triggers):
             in_use: dict[str, int] = {}
             for j in running.values():
                 in_use[j.assignment.cell.gpu_type] = in_use.get(j.assignment.cell.gpu_type, 0) + j.assignment.cell.num_gpus
             timeline.append(TimelinePoint(now_s, sum(j.trace.spec.global_batch / j.rate_s for j in running.values()),
-                                          len(active) - len(running), len(running), tuple(sorted(in_use.items()))))
+                                          len(active) - len(running), len(running), tuple(sorted(in_use.items())),
+                                          _fragmentation(all_free, running) if running else ()))
         if progress is not None and len(decision_times) % 50 == 0:
             progress(len(outcomes), total, now_s)
     end_s = clock.now_s()

@@ -12,8 +12,10 @@ from policy.fcfs import FcfsPolicy
 from policy.interface import Assignment, Decision, JobDecision
 from policy.measured import MeasuredPoint, MeasuredTable, load_measured, measured_estimates
 from policy.placement import FreeGpus
-from policy.report import CONTRACT_KEYS, TIMING_KEYS, markdown_table, report_json, summarize, write_plots
-from policy.simulator import EstimateCache, RestartCosts, SimConfig, simulate
+from policy.placement import Fragmentation
+from policy.report import (CONTRACT_KEYS, TIMING_KEYS, markdown_table, report_json, summarize, time_weighted,
+                           write_plots)
+from policy.simulator import EstimateCache, RestartCosts, SimConfig, TimelinePoint, simulate
 from policy.trace import TraceJob
 from slurm_ext.cli import main
 
@@ -120,6 +122,65 @@ def test_a_resize_costs_checkpoint_resume_plus_tuning_and_keeps_progress():
     assert o.finish_s == pytest.approx(resume_s + (1000 - done_at_round) * T2)
 
 
+class _Spreader:
+    """Puts each pending job on 2 GPUs of its own a100 node, so both nodes end up partly used."""
+
+    name = "spreader"
+    plan_tuning = "none"
+
+    def decide(self, snapshot):
+        taken = {n for j in snapshot.jobs if j.assignment for n, _ in j.assignment.placement}
+        free_nodes = [n.name for n in snapshot.nodes if n.name not in taken]
+        out = []
+        for job in snapshot.jobs:
+            if job.state == "pending":
+                node = free_nodes.pop(0)
+                out.append(JobDecision(job.job_id, Assignment(Cell("a100", 2, 2, 1), ((node, 2),)), "spread"))
+        return Decision(tuple(out))
+
+
+def test_fragmentation_over_time_known_by_hand():
+    # Two 4-GPU nodes. a and b take 2 GPUs on separate nodes: the 4 free GPUs all sit on
+    # partly used nodes (1.0). a ends at 30 + 100 x 3.5 = 380 s: its node is whole again,
+    # 2 of the 6 free GPUs are on b's node (1/3) until b ends at 30 + 10,000 x 3.5 s.
+    result = _run(_Spreader(), [_job("a", 0.0, 2, iterations=100), _job("b", 0.0, 2, iterations=10_000)],
+                  cluster=_cluster(nodes=2))
+    a_end, b_end = 30 + 100 * T2, 30 + 10_000 * T2
+    out = {o.job_id: o for o in result.jobs}
+    assert out["a"].finish_s == pytest.approx(a_end) and out["b"].finish_s == pytest.approx(b_end)
+    at = {p.time_s: p for p in result.timeline}
+    assert at[0.0].fragmentation_frac == 1.0
+    assert at[a_end].fragmentation_frac == pytest.approx(1 / 3)  # recorded at the completion itself
+    (frag,) = at[a_end].fragmentation
+    assert (frag.free_gpus, frag.free_whole_nodes, frag.free_on_partial_nodes) == (6, 1, 2)
+    assert result.timeline[-1].fragmentation_frac == 0.0  # nothing runs: every free GPU is on a whole node
+    summary = summarize(result)
+    # 1.0 for 380 s, then 1/3 for the rest: time-weighted, not per timeline point.
+    expected_avg = (a_end * 1.0 + (b_end - a_end) / 3) / b_end
+    assert summary["fragmentation_avg"] == pytest.approx(round(expected_avg, 4))
+    # 1.0 holds for about 1 % of the time, so the p95 is the 1/3 that holds for the rest.
+    assert summary["fragmentation_p95"] == pytest.approx(round(1 / 3, 4))
+    assert summary["fragmentation_avg_by_type"] == {"a100": summary["fragmentation_avg"]}
+
+
+def test_cluster_fragmentation_pools_the_free_gpus_of_every_type():
+    point = TimelinePoint(0.0, 0.0, 0, 2, (("a100", 6), ("a40", 2)),
+                          (Fragmentation("a100", 4, 0, 3, 2, 0.75), Fragmentation("a40", 2, 1, 0, 2, 0.0)))
+    assert point.fragmentation_frac == pytest.approx(3 / 6)  # not the mean of 0.75 and 0
+    assert point.fragmentation_frac_of("a40") == 0.0 and point.fragmentation_frac_of("v100") == 0.0
+
+
+def test_time_weighted_average_and_percentile():
+    # 0.2 for 10 s, 0.9 for 1 s, 0.5 for 9 s; the last value (0.0 at t=20) holds for no time.
+    times, values = [0.0, 10.0, 11.0, 20.0], [0.2, 0.9, 0.5, 0.0]
+    avg, p95 = time_weighted(times, values, end_s=20.0)
+    assert avg == pytest.approx((0.2 * 10 + 0.9 * 1 + 0.5 * 9) / 20)
+    assert p95 == 0.5  # at or below 0.5 for 19 of the 20 s: exactly 95 %
+    assert time_weighted(times, values, end_s=20.0, q=96)[1] == 0.9
+    assert time_weighted(times, values, end_s=20.0, q=50)[1] == 0.2
+    assert time_weighted([], [], 5.0) == (None, None)
+
+
 def test_nearest_measured_layout_gives_the_rate():
     table = MeasuredTable((MeasuredPoint("gpt-1.3b", 128, "a100", 2, 2, 5.0),))
     assert table.iter_time_s("gpt-1.3b", 128, "a100", 1, 4) == 5.0  # 4 GPUs: only 2x2 measured
@@ -188,7 +249,9 @@ def test_report_table_and_plots(tmp_path):
     table = markdown_table(report)
     assert table.splitlines()[2].startswith("| fcfs | 2 | 2 | 0 |")
     files = write_plots([result], tmp_path)
-    assert {f.name for f in files} == {"jct_cdf.png", "throughput.png", "queue_length.png", "gpu_use.png"}
+    assert {f.name for f in files} == {"jct_cdf.png", "throughput.png", "queue_length.png", "fragmentation.png",
+                                       "gpu_use.png"}
+    assert "| fragmentation avg | fragmentation p95 |" in table
     assert all(f.stat().st_size > 1000 for f in files)
 
 
@@ -206,6 +269,8 @@ def test_cli_writes_the_contract_json_and_is_deterministic(tmp_path, capsys):
     a, b = (json.loads((tmp_path / f).read_text()) for f in ("a.json", "b.json"))
     assert {"trace", "cluster", "seed", "policies"} <= set(a) and a["cluster"] == "lab"
     assert set(CONTRACT_KEYS) <= set(a["policies"]["fcfs"])
+    assert {"fragmentation_avg", "fragmentation_p95", "fragmentation_avg_by_type"} <= set(a["policies"]["fcfs"])
+    assert all(0.0 <= a["policies"]["fcfs"][k] <= 1.0 for k in ("fragmentation_avg", "fragmentation_p95"))
     for report in (a, b):
         for key in TIMING_KEYS:
             report["policies"]["fcfs"].pop(key)
