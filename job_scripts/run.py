@@ -56,8 +56,9 @@ if __name__ == "__main__":
 
 from estimator.errors import SpecError  # noqa: E402
 from estimator.refine import MEASURED_FILE  # noqa: E402
-from job_scripts.slurm_env import (SlurmAllocation, admin_comment_from_scontrol,  # noqa: E402
-                                   allocation_from_env, comment_from_scontrol)
+from job_scripts.slurm_env import (COORDINATOR_ENV, SlurmAllocation,  # noqa: E402
+                                   admin_comment_from_scontrol, allocation_from_env,
+                                   comment_from_scontrol, coordinator_address)
 
 # Named explicitly: run as ``python -m job_scripts.run`` this module's __name__ is __main__.
 log = logging.getLogger("job_scripts.run")
@@ -69,6 +70,7 @@ PLAN_ENV = "SLURM_EXT_PLAN"
 CHECKPOINT_ROOT_ENV = "SLURM_EXT_CHECKPOINT_ROOT"
 COMPILE_CACHE_ENV = "SLURM_EXT_COMPILE_CACHE"
 COMPILE_CACHE_DIR = "jax-cache"  # beside the jobs' checkpoint directories
+LAUNCH_ENV = "SLURM_EXT_LAUNCH"
 # Flags that make XLA compile fast on the CPU; fake-device runs test the protocol, and
 # the tiny models they use spend most of their time compiling, not computing.
 CPU_FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0",
@@ -91,6 +93,7 @@ class RunConfig:
     platform: str  # cpu | gpu
     warmup_steps: int
     compile_cache_dir: str | None
+    launch: str = "single"  # single | srun (one process per node, joined by jax.distributed)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -109,6 +112,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=int, help="device count (default: the GPUs Slurm granted)")
     p.add_argument("--platform", choices=("auto", "cpu", "gpu"), default="auto")
     p.add_argument("--warmup-steps", type=int, default=2, help="steps not timed after each start")
+    p.add_argument("--launch", choices=("auto", "srun", "single"), default=None,
+                   help=f"on several nodes: srun one process per node (joined by jax.distributed) or "
+                        f"run a single process (else ${LAUNCH_ENV}; auto: srun on GPUs, single on CPU)")
     p.add_argument("--compile-cache", help=f"JAX persistent compilation cache directory (else "
                                            f"${COMPILE_CACHE_ENV}, else ROOT/{COMPILE_CACHE_DIR} "
                                            "unless --checkpoint-dir is given; '' turns it off)")
@@ -136,6 +142,18 @@ def scontrol_job_text(job_id: str) -> str | None:
     except Exception as e:  # noqa: BLE001 - without Slurm the flags and the tuner decide
         log.warning("could not read job %s with scontrol (%s)", job_id, e)
         return None
+
+
+def _resolves(host: str) -> bool:
+    """Whether a host name resolves (the lab's node names do not: they are all localhost)."""
+    import socket
+    if not host:
+        return False
+    try:
+        socket.getaddrinfo(host, None)
+        return True
+    except OSError:
+        return False
 
 
 def _gpu_platform_available() -> bool:
@@ -185,6 +203,13 @@ def resolve_config(args: argparse.Namespace, env: dict[str, str], alloc: SlurmAl
         COMPILE_CACHE_ENV, default_cache)
     if args.checkpoint_every < 0 or args.keep < 1:
         raise SpecError("checkpoint_every", args.checkpoint_every, "give K ≥ 0 and --keep ≥ 1")
+    launch = args.launch or env.get(LAUNCH_ENV) or "auto"
+    if launch not in ("auto", "srun", "single"):
+        raise SpecError(LAUNCH_ENV, launch, "give auto, srun or single")
+    if launch == "auto":
+        launch = "srun" if platform == "gpu" and alloc.num_nodes > 1 else "single"
+    if alloc.num_processes > 1 and devices % alloc.num_processes:
+        raise SpecError("devices", devices, f"cannot be split evenly over {alloc.num_processes} processes")
     plan_text = args.plan or env.get(PLAN_ENV) or None
     if plan_text:  # a given plan that cannot fit fails now, before JAX is even imported
         from estimator.plan_string import parse_plan
@@ -195,15 +220,18 @@ def resolve_config(args: argparse.Namespace, env: dict[str, str], alloc: SlurmAl
                      plan_text=plan_text, checkpoint_dir=ckpt,
                      checkpoint_every=args.checkpoint_every, keep=args.keep, seed=args.seed,
                      num_devices=devices, platform=platform, warmup_steps=max(0, args.warmup_steps),
-                     compile_cache_dir=cache or None)
+                     compile_cache_dir=cache or None, launch=launch)
 
 
-def _prepare_jax(cfg: RunConfig, env: dict[str, str]) -> None:
-    """Set XLA's device count before JAX is imported (it reads the flags once)."""
+def _prepare_jax(cfg: RunConfig, env: dict[str, str], num_processes: int = 1) -> None:
+    """Set XLA's device count before JAX is imported (it reads the flags once).
+
+    On the CPU each of ``num_processes`` processes fakes its share of the job's devices.
+    """
     if cfg.platform == "cpu":
         flags = env.get("XLA_FLAGS", "")
         if "xla_force_host_platform_device_count" not in flags:
-            flags += f" --xla_force_host_platform_device_count={cfg.num_devices}"
+            flags += f" --xla_force_host_platform_device_count={cfg.num_devices // num_processes}"
         for f in CPU_FAST_COMPILE_FLAGS:
             if f.split("=")[0] not in flags:
                 flags += " " + f
@@ -238,9 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     except SpecError as e:
         print(f"job_scripts.run: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    if cfg.platform == "gpu" and alloc.num_nodes > 1 and not alloc.in_step:
+    if cfg.launch == "srun" and alloc.num_nodes > 1 and not alloc.in_step:
         _exec_one_task_per_node(alloc)
-    _prepare_jax(cfg, env)
+    _prepare_jax(cfg, env, alloc.num_processes)
     from job_scripts.checkpoint import CheckpointError
     try:
         return run_training(cfg, alloc, stop, job_text)
@@ -377,9 +405,12 @@ def run_training(cfg: RunConfig, alloc: SlurmAllocation, stop: _StopFlag,
         jax.config.update("jax_compilation_cache_dir", cfg.compile_cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     if alloc.num_processes > 1:
-        port = 20000 + int(alloc.job_id or 0) % 20000
-        jax.distributed.initialize(f"{alloc.node_names[0]}:{port}", alloc.num_processes,
-                                   alloc.process_id)
+        address = coordinator_address(alloc, os.environ.get(COORDINATOR_ENV),
+                                      _resolves(alloc.node_names[0] if alloc.node_names else ""))
+        jax.distributed.initialize(address, alloc.num_processes, alloc.process_id)
+        log.info("jax.distributed: process %d of %d (coordinator %s), %d local and %d global devices",
+                 jax.process_index(), jax.process_count(), address, jax.local_device_count(),
+                 jax.device_count())
     from estimator import jax_models as jm
     from estimator.models import load_model
     from job_scripts import checkpoint as ck

@@ -40,6 +40,8 @@ class SlurmAllocation:
         num_processes: SLURM_NTASKS inside a step, else 1.
         in_step: True inside an ``srun`` step, False in the batch script itself.
         submit_dir: SLURM_SUBMIT_DIR, or None.
+        launch_host: SLURM_LAUNCH_NODE_IPADDR inside a step (the address of the node that
+            ran ``srun``: the batch node, which also runs process 0), else None.
     """
 
     job_id: str | None
@@ -52,6 +54,7 @@ class SlurmAllocation:
     num_processes: int = 1
     in_step: bool = False
     submit_dir: str | None = None
+    launch_host: str | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -206,7 +209,52 @@ def allocation_from_env(env: Mapping[str, str]) -> SlurmAllocation:
         num_processes=max(1, _int_var(env, "SLURM_NTASKS", 1)) if in_step else 1,
         in_step=in_step,
         submit_dir=env.get("SLURM_SUBMIT_DIR") or None,
+        launch_host=(env.get("SLURM_LAUNCH_NODE_IPADDR") or None) if in_step else None,
     )
+
+
+COORDINATOR_ENV = "SLURM_EXT_COORDINATOR"
+COORDINATOR_BASE_PORT = 20000
+
+
+def coordinator_port(job_id: str | None) -> int:
+    """The port of process 0's jax.distributed service: derived from the job id, so every
+    process of a job computes the same one and jobs sharing a node rarely collide."""
+    return COORDINATOR_BASE_PORT + int(job_id or 0) % 20000
+
+
+def coordinator_address(alloc: SlurmAllocation, override: str | None,
+                        first_node_resolves: bool) -> str:
+    """``host:port`` where the processes of a multi-node step meet (process 0 listens).
+
+    Process 0 runs on the job's first node. Its name is the host when it resolves (the
+    usual case: node names are host names); otherwise (nodes named apart from their
+    hosts, as in the lab cluster, where every node is localhost) the address of the node
+    that ran ``srun``, which is the batch node, the first node again.
+
+    Args:
+        alloc: the allocation, read inside the step.
+        override: ``SLURM_EXT_COORDINATOR`` (``host:port`` or ``host``), or None.
+        first_node_resolves: whether the first node's name resolves to an address.
+
+    Raises:
+        SpecError: no address can be derived (quoted).
+    """
+    port = coordinator_port(alloc.job_id)
+    if override:
+        host, sep, given = override.strip().rpartition(":")
+        if not sep:
+            return f"{override.strip()}:{port}"
+        if not host or not given.isdigit():
+            raise SpecError(COORDINATOR_ENV, override, "give host:port or host")
+        return override.strip()
+    if alloc.node_names and first_node_resolves:
+        return f"{alloc.node_names[0]}:{port}"
+    if alloc.launch_host:
+        return f"{alloc.launch_host}:{port}"
+    raise SpecError("SLURM_JOB_NODELIST", ",".join(alloc.node_names),
+                    f"the first node does not resolve and SLURM_LAUNCH_NODE_IPADDR is unset; "
+                    f"set {COORDINATOR_ENV}=host:port")
 
 
 def scontrol_show_job_argv(job_id: str) -> list[str]:
