@@ -275,10 +275,13 @@ def never_runnable_reason(estimates: tuple[CellEstimate, ...], dp_only: tuple[Ce
 
 def _fragmentation(all_free: FreeGpus, running: dict[str, _Job]) -> tuple[Fragmentation, ...]:
     # O(nodes + placements): a fresh free map from the running jobs, not a running tally,
-    # so it cannot drift from what the jobs hold.
+    # so it cannot drift from what the jobs hold. Decisions were validated, so no node
+    # can go below zero here.
     free = all_free.copy()
+    counts = free.free
     for job in running.values():
-        free.take(job.assignment.placement)
+        for name, gpus in job.assignment.placement:
+            counts[name] -= gpus
     return free.fragmentation()
 
 
@@ -433,14 +436,19 @@ def simulate(policy: Policy, trace_jobs: tuple[TraceJob, ...], cluster: ClusterS
                 break
         else:
             idle_rounds = 0
-        if (not timeline or now_s - timeline[-1].time_s >= config.timeline_min_step_s or actions
-                or TRIGGER_COMPLETION in triggers):
+        allocation_changed = bool(actions) or TRIGGER_COMPLETION in triggers
+        if not timeline or now_s - timeline[-1].time_s >= config.timeline_min_step_s or allocation_changed:
             in_use: dict[str, int] = {}
             for j in running.values():
                 in_use[j.assignment.cell.gpu_type] = in_use.get(j.assignment.cell.gpu_type, 0) + j.assignment.cell.num_gpus
+            # Every change of allocation is recorded, so an unchanged one is the last point's.
+            if allocation_changed or not timeline:
+                fragmentation = _fragmentation(all_free, running) if running else ()
+            else:
+                fragmentation = timeline[-1].fragmentation
             timeline.append(TimelinePoint(now_s, sum(j.trace.spec.global_batch / j.rate_s for j in running.values()),
                                           len(active) - len(running), len(running), tuple(sorted(in_use.items())),
-                                          _fragmentation(all_free, running) if running else ()))
+                                          fragmentation))
         if progress is not None and len(decision_times) % 50 == 0:
             progress(len(outcomes), total, now_s)
     end_s = clock.now_s()

@@ -154,6 +154,10 @@ def test_fragmentation_over_time_known_by_hand():
     (frag,) = at[a_end].fragmentation
     assert (frag.free_gpus, frag.free_whole_nodes, frag.free_on_partial_nodes) == (6, 1, 2)
     assert result.timeline[-1].fragmentation_frac == 0.0  # nothing runs: every free GPU is on a whole node
+    # the rounds in between (no change of allocation) carry the same values
+    assert all(p.fragmentation_frac == 1.0 for p in result.timeline if p.time_s < a_end)
+    assert all(p.fragmentation_frac == pytest.approx(1 / 3) for p in result.timeline if a_end <= p.time_s < b_end)
+    assert sum(a_end <= p.time_s < b_end for p in result.timeline) > 100
     summary = summarize(result)
     # 1.0 for 380 s, then 1/3 for the rest: time-weighted, not per timeline point.
     expected_avg = (a_end * 1.0 + (b_end - a_end) / 3) / b_end
