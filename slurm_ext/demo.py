@@ -1,29 +1,40 @@
-"""`make demo`: the whole service on a local lab cluster, start to finish.
+"""`make demo`: a real training job rescaled by the daemon because another job arrives.
 
-1. Start the lab (a real slurmctld and one slurmd per fake GPU node: a100, v100, a10, h100).
-2. Submit elastic jobs of different models and sizes (one with a typed ``--gres``, one
-   with a bad spec) and one plain job.
-3. Run the daemon for a few rounds, then end the plain job so its GPUs come free and run
-   one more round (a running elastic job may be rescaled through the requeue protocol).
-4. Print ``slurm-ext squeue``: each elastic job's GPU type, count, stages, plan and why.
-5. Stop the lab, always, even after an error.
+The scenario, on the local lab cluster (a real slurmctld and one slurmd per fake GPU node:
+a100 2×4, v100 2×4, a10 2×2, h100 1×8):
 
-The jobs run a minimal batch script written into the lab directory: it sleeps, and on
-SIGUSR1 exits 86 so Slurm requeues it held for the rescale, as a real trainer does after
-its checkpoint. The built-in models are far too large to train on the lab's CPU-backed
-fake GPUs; ``--script`` submits another script (e.g. one running a small model YAML).
+1. Plain jobs of other users hold every node but one a100 node.
+2. An elastic job submitted with ``job_scripts/elastic.sbatch`` (the tiny GPT of
+   ``tests/fixtures/runner/tiny-gpt.yaml``, global batch 16, asking for 8 GPUs) is planned
+   by the daemon onto the 4 free a100 and trains there: the real JAX runner, on one CPU
+   fake device per granted GPU.
+3. The a10 nodes come free and a second elastic job arrives whose model (6.5 B
+   parameters) fits 4 a100 but no count of a10 the lab has.
+4. One daemon round moves the first job to 4 a10 to make room: SIGUSR1 → the runner
+   finishes its step, checkpoints and exits 86 → Slurm requeues it held → new partition,
+   shape and plan → released. It resumes from its checkpoint at the next step with the
+   same global batch; the arrival starts on the a100.
 
-Usage: ``python -m slurm_ext.demo [--dir D] [--rounds N] [--policy P] [--script FILE]``.
+:func:`run_rescale_scenario` plays it on any lab (the end-to-end test runs it too) and
+returns what happened; :func:`main` starts a lab, narrates the scenario (``slurm-ext
+squeue`` before and after, the job's log around the rescale), cancels the jobs and stops
+the lab. Exit status 0 when the job was rescaled and resumed at the next step, else 1
+with one line saying what did not happen.
+
+Usage: ``python -m slurm_ext.demo [--dir D] [--policy P]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import re
 import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from estimator.cluster import load_cluster
@@ -33,97 +44,276 @@ from slurm_ext.daemon import Daemon
 from slurm_ext.errors import SlurmExtError
 from slurm_ext.lab import LabCluster, find_free_base_port
 from slurm_ext.run import run_command
-from slurm_ext.slurm_client import SubmitRequest
+from slurm_ext.slurm_client import SlurmClient, SlurmJob, SubmitRequest
 from slurm_ext.store import Store
 
 log = logging.getLogger(__name__)
 
-DEMO_SCRIPT = """#!/bin/bash
-#SBATCH --requeue
-#SBATCH --open-mode=append
-#ELASTIC global_batch=64 iterations=1000000
-# A stand-in for the trainer: runs until told to rescale (SIGUSR1), then asks Slurm to
-# requeue it held (exit 86) as a trainer does after writing its checkpoint.
-echo "start restart=${SLURM_RESTART_COUNT:-0} partition=$SLURM_JOB_PARTITION gpus_per_node=${SLURM_GPUS_ON_NODE:-?} nodes=$SLURM_JOB_NUM_NODES"
-trap 'echo "checkpoint, exit 86"; exit 86' USR1
-while true; do sleep 1 & wait $!; done
+REPO = Path(__file__).resolve().parent.parent
+ELASTIC_SBATCH = REPO / "job_scripts" / "elastic.sbatch"
+RUNNER_MODELS = REPO / "tests" / "fixtures" / "runner"
+TRAIN_MODEL = RUNNER_MODELS / "tiny-gpt.yaml"
+ARRIVAL_MODEL = RUNNER_MODELS / "arrival-6b.yaml"
+TRAIN_GLOBAL_BATCH = 16
+TRAIN_GPUS = 8  # asked for; its Cells have 4, 8 or 16 GPUs, and 4 a100 are free
+# Plain jobs of other users: (partition, gres per node, nodes). All of the lab but one
+# a100 node; the a10 one ends when the arrival comes.
+BLOCKERS = (("h100", "gpu:8", 1), ("v100", "gpu:4", 2), ("a10", "gpu:2", 2), ("a100", "gpu:4", 1))
+FREED_PARTITION = "a10"
+# The arrival waits in the queue (it never trains): only its size matters to the policy.
+ARRIVAL_SCRIPT = f"""#!/bin/bash
+#ELASTIC model={ARRIVAL_MODEL} global_batch=64 iterations=100000 gpus=4 gpu_type=a100
+trap 'exit 86' USR1
+while true; do sleep 0.2 & wait $!; done
 """
+STEP_RE = re.compile(r"step (\d+) loss ([0-9.]+)")
+SAVED_RE = re.compile(r"SIGUSR1: checkpointed step (\d+); exiting 86")
+RESUMED_RE = re.compile(r"resumed from step (\d+) \(checkpoint .*\); next step (\d+); now plan (.*) on (\d+) "
+                        r"devices, global batch (\d+)")
 
-# (name, comment, sbatch request). The comment marks a job elastic (the plain job has
-# none) and its settings override the script's #ELASTIC line.
-JOBS = (
-    ("plain", None, {"partition": "v100", "gres": "gpu:v100:2"}),
-    ("gpt-1.3b", "elastic model=gpt-1.3b", {}),
-    ("gpt-6.7b-typed", "elastic model=gpt-6.7b global_batch=32", {"gres": "gpu:a100:4", "nodes": 2}),
-    ("moe-1.3b", "elastic model=moe-1.3b gpus=2", {}),
-    ("wresnet-1b", "elastic model=wide_resnet-1b gpus=4 gpu_type=v100 global_batch=256", {}),
-    ("bad-spec", "elastic model=gpt-13b", {"partition": "a10", "gres": "gpu:1"}),
-)
+
+class ScenarioError(SlurmExtError):
+    """The rescale scenario did not happen as it should (says which part and what was seen)."""
+
+
+@dataclass(frozen=True)
+class ResumeRecord:
+    """The rescale as the training job's log tells it.
+
+    Attributes:
+        saved_step: the step checkpointed on SIGUSR1.
+        resumed_step: the step the restarted runner loaded.
+        next_step: the first step it trains.
+        plan: its plan after the rescale.
+        num_devices: devices it runs on after the rescale.
+        global_batch: its global batch after the rescale.
+        losses: step → loss of every step logged, before and after the rescale.
+    """
+
+    saved_step: int
+    resumed_step: int
+    next_step: int
+    plan: str
+    num_devices: int
+    global_batch: int
+    losses: dict[int, float]
+
+    @property
+    def steps_after_resume(self) -> tuple[int, ...]:
+        return tuple(s for s in sorted(self.losses) if s > self.resumed_step)
+
+
+@dataclass(frozen=True)
+class RescaleOutcome:
+    """What the scenario saw: the jobs, the daemon's actions, the views and the log."""
+
+    train_job_id: int
+    arrival_job_id: int
+    before: SlurmJob
+    after: SlurmJob
+    actions: tuple[tuple[str, int], ...]
+    squeue_before: str
+    squeue_after: str
+    log_path: Path
+    log_text: str
+    resume: ResumeRecord
+
+
+def parse_resume(log_text: str) -> ResumeRecord | None:
+    """The checkpoint on SIGUSR1 and the resume after it, from a job's log; None when the
+    log does not (yet) show a checkpoint, a resume and a step after it."""
+    saved = SAVED_RE.search(log_text)
+    resumed = RESUMED_RE.search(log_text, saved.end()) if saved else None
+    if not resumed or not STEP_RE.search(log_text, resumed.end()):
+        return None
+    losses = {int(s): float(v) for s, v in STEP_RE.findall(log_text)}
+    return ResumeRecord(saved_step=int(saved.group(1)), resumed_step=int(resumed.group(1)),
+                        next_step=int(resumed.group(2)), plan=resumed.group(3),
+                        num_devices=int(resumed.group(4)), global_batch=int(resumed.group(5)),
+                        losses=losses)
+
+
+def log_highlights(log_text: str, steps_around: int = 2) -> list[str]:
+    """The lines of a rescaled job's log worth showing: where each run starts and with which
+    plan, the last steps before the checkpoint, the checkpoint, the resume, the next steps."""
+    lines = log_text.splitlines()
+    saved = next((i for i, line in enumerate(lines) if SAVED_RE.search(line)), len(lines))
+    resumed = next((i for i, line in enumerate(lines) if RESUMED_RE.search(line)), len(lines))
+    step_idx = [i for i, line in enumerate(lines) if STEP_RE.search(line)]
+    keep = set(i for i in step_idx if i < saved)
+    keep = set(sorted(keep)[-steps_around:])
+    keep |= set([i for i in step_idx if i > resumed][:steps_around])
+    for i, line in enumerate(lines):
+        if (re.search(r"starting at step|\((given|from the AdminComment|tuned here)\)|resumed from step", line)
+                or SAVED_RE.search(line) or (i > resumed and "error" in line.lower())):
+            keep.add(i)
+    return [lines[i] for i in sorted(keep)]
+
+
+def training_script(model: Path = TRAIN_MODEL, global_batch: int = TRAIN_GLOBAL_BATCH,
+                    gpus: int = TRAIN_GPUS, iterations: int = 100_000) -> str:
+    """``job_scripts/elastic.sbatch`` with its #ELASTIC lines set to train ``model``."""
+    text = re.sub(r"(?m)^#ELASTIC .*\n", "", ELASTIC_SBATCH.read_text())
+    line = f"#ELASTIC model={model} global_batch={global_batch} iterations={iterations} gpus={gpus}\n"
+    marker = "#SBATCH --gres=gpu:4\n"
+    if marker not in text:
+        raise ScenarioError(f"{ELASTIC_SBATCH} has no {marker.strip()!r} line to put #ELASTIC after")
+    return text.replace(marker, marker + line)
+
+
+def squeue_text(env: dict[str, str]) -> str:
+    """``slurm-ext squeue`` as a user sees it."""
+    return run_command([sys.executable, "-m", "slurm_ext", "squeue"], timeout_s=60, env=env).stdout
+
+
+def _wait(what: str, probe: Callable[[], object], timeout_s: float, detail: Callable[[], str] = str):
+    deadline = time.monotonic() + timeout_s
+    value = None
+    while time.monotonic() < deadline:
+        value = probe()
+        if value:
+            return value
+        time.sleep(0.25)
+    raise ScenarioError(f"timed out after {timeout_s:g} s waiting for {what}; last: {value!r}{detail()}")
+
+
+def _running(client: SlurmClient, job_id: int) -> SlurmJob | None:
+    job = client.job(job_id)
+    return job if job is not None and job.is_running else None
+
+
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def run_rescale_scenario(client: SlurmClient, env: dict[str, str], workdir: Path, *,
+                         policy: str = "crius", compile_cache: Path | None = None,
+                         steps_after_resume: int = 2,
+                         say: Callable[[str], None] = lambda text: None) -> RescaleOutcome:
+    """Play the scenario of the module docstring on an idle lab; leaves its jobs running.
+
+    Args:
+        client: a Slurm client on the lab.
+        env: variables for Slurm commands and the daemon (``LabCluster.env()``).
+        workdir: where the job logs, checkpoints and the daemon's state go.
+        policy: the daemon's policy (Crius's arrival search moves a running job to another
+            GPU type: the rescale this scenario is built for).
+        compile_cache: JAX's persistent compilation cache for the runner (default: in workdir).
+        steps_after_resume: training steps to wait for after the resume.
+        say: narration, one paragraph per call.
+
+    Raises:
+        ScenarioError: a step did not happen (the message says which and what was seen).
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    log_path = workdir / "train.out"
+
+    def log_tail() -> str:
+        text = _read(log_path)
+        return f"\n--- last lines of {log_path} ---\n{text[-2500:]}" if text else ""
+
+    blockers = {}
+    for partition, gres, nodes in BLOCKERS:
+        blockers[partition] = client.submit(SubmitRequest(
+            script="#!/bin/bash\nsleep 3600\n", name="blocker", partition=partition, gres=gres,
+            nodes=nodes, output=str(workdir / "blocker-%j.out"), workdir=str(workdir)))
+    for job_id in blockers.values():
+        _wait("the plain jobs to run", lambda j=job_id: _running(client, j), 30)
+    say("Plain jobs hold every node but one a100 node: "
+        + ", ".join(f"{p} job {j}" for p, j in blockers.items()))
+
+    cache = compile_cache or workdir / "jax-cache"
+    export = (f"--export=ALL,SLURM_EXT_PYTHON={sys.executable},SLURM_EXT_COMPILE_CACHE={cache},"
+              f"SLURM_EXT_CHECKPOINT_ROOT={workdir / 'ckpt'},SLURM_EXT_CHECKPOINT_EVERY=1000")
+    train = client.submit(SubmitRequest(
+        script=training_script(), name="train-tiny-gpt", comment="elastic", output=str(log_path),
+        workdir=str(REPO), extra_args=(export,)))
+    say(f"Submitted elastic job {train}: job_scripts/elastic.sbatch training {TRAIN_MODEL.name} "
+        f"(global batch {TRAIN_GLOBAL_BATCH}, asks for {TRAIN_GPUS} GPUs).")
+
+    config = resolve({"state_db": str(workdir / "state.db"), "rescale_timeout_s": 90.0,
+                      "policy": policy}, {}, {})
+    daemon = Daemon(config, client, Store(config.state_db), out=lambda line: None, env=env)
+    daemon.round()
+    before = _wait(f"job {train} to start", lambda: _running(client, train), 30, log_tail)
+    say(f"The daemon planned job {train} onto {before.granted_gpus} {before.granted_gpu_type}; "
+        "waiting for its first training steps (the first one compiles)...")
+    _wait(f"job {train}'s second training step", lambda: re.search(r"step 2 loss", _read(log_path)),
+          240, log_tail)
+
+    freed = blockers[FREED_PARTITION]
+    client.cancel(freed)
+    _wait(f"the {FREED_PARTITION} job to end", lambda: not (j := client.job(freed)) or not j.is_active, 30)
+    arrival = client.submit(SubmitRequest(
+        script=ARRIVAL_SCRIPT, name="arrival-6b", comment="elastic", output=str(workdir / "arrival.out"),
+        workdir=str(workdir)))
+    say(f"The {FREED_PARTITION} nodes came free and elastic job {arrival} arrived: "
+        f"{ARRIVAL_MODEL.name} (6.5 B parameters) fits 4 a100 but no count of {FREED_PARTITION}.")
+    squeue_before = squeue_text(env)
+
+    report = daemon.round()
+    if not any(job == train for _, job in report.actions):
+        raise ScenarioError(f"the daemon ({policy}) did not rescale job {train} when job {arrival} "
+                            f"arrived; its actions: {list(report.actions) or 'none'}")
+    after = _wait(f"job {train} to run again", lambda: _running(client, train), 60, log_tail)
+    if after.restart_count < 1 or (after.granted_gpu_type, after.granted_gpus) == (
+            before.granted_gpu_type, before.granted_gpus):
+        raise ScenarioError(f"job {train} runs again but was not rescaled: {before.granted_gpus} "
+                            f"{before.granted_gpu_type} → {after.granted_gpus} {after.granted_gpu_type}, "
+                            f"restart count {after.restart_count}")
+    _wait(f"job {arrival} to start", lambda: _running(client, arrival), 60)
+
+    def resumed() -> ResumeRecord | None:
+        record = parse_resume(_read(log_path))
+        return record if record and len(record.steps_after_resume) >= steps_after_resume else None
+
+    record = _wait(f"job {train} to resume and train {steps_after_resume} steps", resumed, 240, log_tail)
+    if record.next_step != record.saved_step + 1 or record.resumed_step != record.saved_step:
+        raise ScenarioError(f"job {train} checkpointed step {record.saved_step} but resumed from "
+                            f"step {record.resumed_step} at step {record.next_step}")
+    if record.global_batch != TRAIN_GLOBAL_BATCH:
+        raise ScenarioError(f"job {train} resumed with global batch {record.global_batch}, "
+                            f"not {TRAIN_GLOBAL_BATCH}")
+    return RescaleOutcome(train_job_id=train, arrival_job_id=arrival, before=before, after=after,
+                          actions=report.actions, squeue_before=squeue_before,
+                          squeue_after=squeue_text(env), log_path=log_path,
+                          log_text=_read(log_path), resume=record)
 
 
 def _banner(text: str) -> None:
     print(f"\n=== {text} ===", flush=True)
 
 
-def _squeue(lab: LabCluster) -> None:
-    out = run_command([sys.executable, "-m", "slurm_ext", "squeue"], timeout_s=60, env=lab.env())
-    print(out.stdout, flush=True)
-
-
-def _wait_started(client: CliSlurmClient, job_ids: list[int], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        jobs = {j.job_id: j for j in client.jobs()}
-        if all(jobs.get(i) is None or jobs[i].state != "PENDING" or jobs[i].is_held for i in job_ids):
-            return
-        time.sleep(0.5)
-
-
-def run_demo(root: Path, rounds: int, policy: str, script_path: Path | None) -> int:
-    """Lab up → submit → daemon rounds → squeue view → lab down. Returns an exit status."""
+def run_demo(root: Path, policy: str) -> int:
+    """Lab up → scenario → what happened → jobs cancelled → lab down. Returns an exit status."""
     lab = LabCluster(root / "lab", base_port=find_free_base_port(load_cluster("lab"), range(17800, 18800, 40)))
     _banner(f"starting the lab cluster in {lab.paths.root}")
     lab.up()
     try:
         print(lab.status_text(), flush=True)
         client = CliSlurmClient(env=lab.env())
-        script = script_path.read_text() if script_path else DEMO_SCRIPT
-        (root / "elastic-demo.sbatch").write_text(script)
-        _banner("submitting jobs")
-        ids = {}
-        for name, comment, extra in JOBS:
-            ids[name] = client.submit(SubmitRequest(
-                script=script, name=name, comment=comment, output=str(root / f"{name}-%j.out"),
-                workdir=str(root), **extra))
-            print(f"job {ids[name]:>3}  {name:<15} comment={comment!r} {extra}", flush=True)
-            if comment is None:  # let Slurm start the plain job first, as on a busy cluster
-                _wait_started(client, [ids[name]])
-        _squeue(lab)
-        config = resolve({"state_db": str(root / "state.db"), "policy": policy,
-                          "rescale_timeout_s": 20.0}, {}, {})
-        daemon = Daemon(config, client, Store(config.state_db), env=lab.env())
-        for i in range(rounds):
-            _banner(f"daemon round {i + 1}")
-            report = daemon.round()
-            print(f"actions: {list(report.actions) or 'none'}; {report.total_s:.2f} s", flush=True)
-            _wait_started(client, list(ids.values()))
-        _banner("the plain job ends; its 2 v100 GPUs come free")
-        client.cancel(ids["plain"])
-        time.sleep(2)
-        report = daemon.round()
-        print(f"actions: {list(report.actions) or 'none'}", flush=True)
-        _wait_started(client, list(ids.values()))
-        time.sleep(1)
-        _banner("slurm-ext squeue")
-        _squeue(lab)
-        for out in sorted(root.glob("*.out")):
-            text = out.read_text(errors="replace")
-            if "checkpoint" in text:  # a job the daemon rescaled: its two runs
-                _banner(f"output of a rescaled job ({out.name})")
-                print(text, flush=True)
+        outcome = run_rescale_scenario(client, lab.env(), root / "jobs", policy=policy,
+                                       say=lambda text: print(f"\n{text}", flush=True))
+        _banner("slurm-ext squeue before the daemon's round (the arrival waits)")
+        print(outcome.squeue_before, flush=True)
+        _banner(f"the daemon's round: {list(outcome.actions)}")
+        _banner("slurm-ext squeue after it")
+        print(outcome.squeue_after, flush=True)
+        b, a, r = outcome.before, outcome.after, outcome.resume
+        _banner(f"job {outcome.train_job_id}: {b.granted_gpus} {b.granted_gpu_type} → "
+                f"{a.granted_gpus} {a.granted_gpu_type} (restart {a.restart_count}); its log "
+                f"({outcome.log_path.name}) around the rescale")
+        print("\n".join(log_highlights(outcome.log_text)), flush=True)
+        print(f"\ncheckpointed step {r.saved_step} on SIGUSR1, resumed at step {r.next_step} on "
+              f"{r.num_devices} {a.granted_gpu_type} devices with global batch {r.global_batch}: "
+              "the rescale worked.", flush=True)
         return 0
+    except ScenarioError as e:
+        print(f"demo failed: {e}", file=sys.stderr)
+        return 1
     finally:
-        _banner("stopping the lab cluster")
+        _banner("cancelling the jobs and stopping the lab cluster")
+        lab.cancel_all_jobs()
         lab.down()
 
 
@@ -131,9 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m slurm_ext.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--dir", type=Path, default=None,
                         help="working directory, kept afterwards (default: a temporary one, removed)")
-    parser.add_argument("--rounds", type=int, default=3, help="daemon rounds before the plain job ends")
-    parser.add_argument("--policy", default="crius", help="scheduling policy")
-    parser.add_argument("--script", type=Path, default=None, help="batch script to submit instead of the stand-in")
+    parser.add_argument("--policy", default="crius", help="scheduling policy of the daemon (default crius)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
@@ -142,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     root.mkdir(parents=True, exist_ok=True)
     root.chmod(0o755)
     try:
-        return run_demo(root.resolve(), args.rounds, args.policy, args.script)
+        return run_demo(root.resolve(), args.policy)
     except SlurmExtError as e:
         print(f"demo failed: {e}", file=sys.stderr)
         return 1
