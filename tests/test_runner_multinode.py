@@ -8,6 +8,9 @@ over all 4 devices (cross-process all-reduce through gloo), then both get SIGUSR
 to stop after the same step and exit 86 with one checkpoint. A single process on 4
 devices is the reference: same steps, same losses. Then one process (the job rescaled to
 one node) resumes from the 2-process checkpoint at the next step, still matching it.
+
+The lab test does it for real: a 2-node job whose batch process execs ``srun``, one
+runner per node, SIGUSR1 through ``scancel --signal=USR1 --batch``, requeued held.
 """
 
 import os
@@ -162,3 +165,53 @@ def test_coordinator_address_first_node_launch_host_or_override():
     assert batch.launch_host is None
     with pytest.raises(SpecError, match="SLURM_EXT_COORDINATOR=host:port"):
         coordinator_address(batch, None, first_node_resolves=False)
+
+
+@pytest.mark.slurm
+def test_two_node_lab_job_runs_one_runner_per_node_through_srun(slurm_lab, slurm_client, tmp_path,
+                                                                tmp_path_factory):
+    """The same on the real lab: a 2-node a10 job (2 GPUs per node) whose batch process
+    execs ``srun`` (``SLURM_EXT_LAUNCH=srun``); srun forwards the daemon's SIGUSR1."""
+    from conftest import wait_for
+
+    from slurm_ext.run import run_command
+    from slurm_ext.slurm_client import SubmitRequest
+
+    cache = tmp_path_factory.getbasetemp() / "runner-jax-cache"
+    script = (ROOT / "job_scripts" / "elastic.sbatch").read_text()
+    script = re.sub(r"(?m)^#SBATCH --(comment|nodes|gres).*\n", "", script)
+    script = re.sub(r"(?m)^#ELASTIC .*\n", "", script).replace(
+        "set -euo pipefail", f"#ELASTIC model={TINY_GPT} global_batch={GLOBAL_BATCH} iterations=10000\n"
+                             "set -euo pipefail")
+    log_path = tmp_path / "job.out"
+    export = (f"--export=ALL,SLURM_EXT_PYTHON={sys.executable},SLURM_EXT_LAUNCH=srun,"
+              f"SLURM_EXT_PLAN={PLAN},SLURM_EXT_COMPILE_CACHE={cache},"
+              f"SLURM_EXT_CHECKPOINT_ROOT={tmp_path / 'ckpt'}")
+    job = slurm_client.submit(SubmitRequest(
+        script=script, name="two-nodes", partition="a10", nodes=2, gres="gpu:2", output=str(log_path),
+        workdir=str(ROOT), extra_args=(export, "--requeue")))
+
+    def both_trained():
+        text = log_path.read_text() if log_path.exists() else ""
+        return text if len(re.findall(r"step 2 loss", text)) == 2 else None
+
+    wait_for("both tasks' second step", both_trained, 120)
+    run_command(["scancel", "--signal=USR1", "--batch", str(job)], timeout_s=10, env=slurm_lab.env())
+    # Exit 86 of srun's tasks is srun's: Slurm requeues the job held, as for a rescale.
+    held = wait_for("the job to be requeued held", lambda: (j := slurm_client.job(job)) and j.is_held and j, 60)
+    assert held.restart_count == 1
+    # Process 0 writes the checkpoint after the last collective; srun may then end
+    # process 1 (--kill-on-bad-exit) before it logs its own line, which is harmless.
+    text = log_path.read_text()
+    for rank in range(2):
+        assert re.search(rf"jax.distributed: process {rank} of 2 \(coordinator [^)]*\), 2 local and "
+                         rf"4 global devices", text), text[-3000:]
+    saved = {int(s) for s in re.findall(r"SIGUSR1: checkpointed step (\d+); exiting 86", text)}
+    assert len(saved) == 1, text[-3000:]  # both stopped after the same step
+    by_step: dict[int, set[float]] = {}
+    for s, v in _STEP.findall(text):
+        by_step.setdefault(int(s), set()).add(float(v))
+    # Each step was logged by both processes with the same loss.
+    assert sorted(by_step) == list(range(1, max(saved) + 1))
+    assert all(len(v) == 1 for v in by_step.values()), by_step
+    assert (tmp_path / "ckpt" / str(job) / f"ckpt-{max(saved):08d}.json").exists()
