@@ -304,9 +304,10 @@ def run_demo(root: Path, policy: str) -> int:
                 f"{a.granted_gpus} {a.granted_gpu_type} (restart {a.restart_count}); its log "
                 f"({outcome.log_path.name}) around the rescale")
         print("\n".join(log_highlights(outcome.log_text)), flush=True)
-        print(f"\ncheckpointed step {r.saved_step} on SIGUSR1, resumed at step {r.next_step} on "
-              f"{r.num_devices} {a.granted_gpu_type} devices with global batch {r.global_batch}: "
-              "the rescale worked.", flush=True)
+        print(f"\nJob {outcome.train_job_id} checkpointed step {r.saved_step} on SIGUSR1 and resumed at "
+              f"step {r.next_step} on its {a.granted_gpus} {a.granted_gpu_type} (CPU fake devices here) "
+              f"with global batch {r.global_batch}; job {outcome.arrival_job_id} runs on the a100.",
+              flush=True)
         return 0
     except ScenarioError as e:
         print(f"demo failed: {e}", file=sys.stderr)
