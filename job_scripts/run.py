@@ -293,7 +293,8 @@ def plan_tokens(admin_comment: str | None) -> str | None:
     return " ".join(words) if {"cell", "plan"} <= keys else None
 
 
-def _plan_from_text(text: str, model_spec, arch, cfg: RunConfig, gpus_per_node: int):
+def _plan_from_text(text: str, model_spec, arch, cfg: RunConfig, gpus_per_node: int,
+                    num_processes: int = 1):
     from estimator.cells import Cell
     from estimator.estimate import partition_stages
     from estimator.plan_string import parse_plan
@@ -302,6 +303,11 @@ def _plan_from_text(text: str, model_spec, arch, cfg: RunConfig, gpus_per_node: 
     ps = parse_plan(text)
     if ps.num_gpus != cfg.num_devices:
         raise SpecError("plan", text, f"is for {ps.num_gpus} GPUs but this job has {cfg.num_devices}")
+    if num_processes > 1 and ps.num_stages > 1:
+        # Stages hand activations over with jax.device_put, which JAX (0.10) refuses between
+        # devices of different processes unless cross-host transfers are configured.
+        raise SpecError("plan", text, f"has {ps.num_stages} pipeline stages; a job of {num_processes} "
+                                      "processes runs one-stage plans (give one, or --launch single)")
     cell = Cell(ps.gpu_type, ps.num_gpus, max(1, gpus_per_node), ps.num_stages)
     try:
         default = partition_stages(model_spec, cell)
@@ -327,7 +333,8 @@ def _tuned_plan(cfg: RunConfig, alloc: SlurmAllocation, model_spec, arch):
     job = JobSpec(cfg.model, cfg.global_batch, cfg.num_devices, gpu)
     ranked = []
     stages = 1
-    while stages <= min(cfg.num_devices, model_spec.num_layers):
+    max_stages = 1 if alloc.num_processes > 1 else min(cfg.num_devices, model_spec.num_layers)
+    while stages <= max_stages:
         result = tune(job, Cell(gpu, cfg.num_devices, per_node, stages), cluster)
         ranked.extend((p.score.iteration_time_s, result.plan_string(p))
                       for p in result.ranked if p.score.feasible)
@@ -336,7 +343,7 @@ def _tuned_plan(cfg: RunConfig, alloc: SlurmAllocation, model_spec, arch):
     # heads and vocabulary, micro-batches the batch): take the best plan that passes them.
     for _, text in sorted(ranked, key=lambda r: r[0]):
         try:
-            return _plan_from_text(text, model_spec, arch, cfg, alloc.gpus_per_node)
+            return _plan_from_text(text, model_spec, arch, cfg, alloc.gpus_per_node, alloc.num_processes)
         except SpecError as e:
             log.info("tuned plan %s skipped: %s", text, e)
     raise SpecError("plan", None, f"the tuner found no feasible plan for {cfg.model} on "
@@ -346,13 +353,15 @@ def _tuned_plan(cfg: RunConfig, alloc: SlurmAllocation, model_spec, arch):
 def resolve_plan(cfg: RunConfig, alloc: SlurmAllocation, model_spec, arch, job_text: str | None):
     """(ParallelPlan, plan string, cell label) from flag/env, AdminComment or the tuner."""
     if cfg.plan_text:
-        plan = _plan_from_text(cfg.plan_text, model_spec, arch, cfg, alloc.gpus_per_node)
+        plan = _plan_from_text(cfg.plan_text, model_spec, arch, cfg, alloc.gpus_per_node,
+                               alloc.num_processes)
         log.info("plan %s (given)", plan[1])
         return plan
     text = plan_tokens(admin_comment_from_scontrol(job_text)) if job_text else None
     if text:
         try:
-            plan = _plan_from_text(text, model_spec, arch, cfg, alloc.gpus_per_node)
+            plan = _plan_from_text(text, model_spec, arch, cfg, alloc.gpus_per_node,
+                                   alloc.num_processes)
             log.info("plan %s (from the AdminComment)", plan[1])
             return plan
         except SpecError as e:

@@ -215,3 +215,26 @@ def test_two_node_lab_job_runs_one_runner_per_node_through_srun(slurm_lab, slurm
     assert sorted(by_step) == list(range(1, max(saved) + 1))
     assert all(len(v) == 1 for v in by_step.values()), by_step
     assert (tmp_path / "ckpt" / str(job) / f"ckpt-{max(saved):08d}.json").exists()
+
+
+def test_multi_process_jobs_refuse_pipeline_plans():
+    """Stages on devices of different processes cannot hand activations over (JAX 0.10
+    refuses cross-host device_put): a multi-process job needs a one-stage plan."""
+    from estimator import jax_models as jm
+    from estimator.errors import SpecError
+    from estimator.models import load_model
+    from job_scripts.run import _parser, _plan_from_text, resolve_config
+    from job_scripts.slurm_env import allocation_from_env
+
+    alloc = allocation_from_env(_task_env(17, 0))
+    args = _parser().parse_args(["--model", str(TINY_GPT), "--global-batch", str(GLOBAL_BATCH),
+                                 "--iterations", "4", "--platform", "cpu", "--checkpoint-dir", "/nonexistent"])
+    cfg = resolve_config(args, {}, alloc)
+    assert cfg.num_devices == 4 and cfg.launch == "single"  # CPU: srun only when asked
+    model = load_model(str(TINY_GPT))
+    arch = jm.arch_from_model(model)
+    pipeline = "cell=a100x4:s2 plan=[dp2tp1|dp2tp1] mb=4 remat=1"
+    with pytest.raises(SpecError, match="2 pipeline stages; a job of 2 processes"):
+        _plan_from_text(pipeline, model, arch, cfg, 2, num_processes=2)
+    assert _plan_from_text(pipeline, model, arch, cfg, 2, num_processes=1)[1].startswith("cell=a100x4:s2")
+    assert _plan_from_text(PLAN, model, arch, cfg, 2, num_processes=2)[1] == PLAN
