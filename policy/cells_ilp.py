@@ -59,7 +59,8 @@ class CellsIlpState:
     """What one decision hands the next: to skip re-solving a round where nothing changed.
 
     Attributes:
-        fingerprint: (job id, Cell) of every job after the last solved decision.
+        fingerprint: (job id, Cell) of every job after the last solved decision, and
+            the GPUs each node lends to jobs outside the policy.
         solved_s: when that decision was made.
     """
 
@@ -159,7 +160,9 @@ class CellsIlpPolicy:
                  type_changes: bool = True, count_changes: bool = True, guarantee: bool = True,
                  deadlines: bool = True, max_share_frac: float | None = None,
                  share_limits: dict[str, float] | None = None, max_pending: int = 32,
-                 max_movable: int = 32, resolve_s: float = 900.0, solvers: tuple[str, ...] = ("highs", "cbc")):
+                 max_movable: int = 32, resolve_s: float = 900.0, solvers: tuple[str, ...] = ("highs", "cbc"),
+                 objective: str = "time-saved"):
+        self.objective = objective
         self.time_limit_s = time_limit_s
         self.aging_s = aging_s
         self.wait_cost_s = wait_cost_s
@@ -220,7 +223,12 @@ class CellsIlpPolicy:
                 alts = ()  # other layouts of the shape may be slower than what was asked for
             t_s = rem_samples / e.samples_per_s  # = T_ref / normalized throughput
             cost_s = t_s + (0.0 if is_cur else restart_s)
-            candidates.append((e, c, alts, t_s, is_cur, per_s * (wait_cost_s - cost_s)))
+            if self.objective == "completion-rate":
+                aging = 1.0 + max(0.0, snapshot.now_s - job.submit_time_s) / self.aging_s
+                value = aging * 3600.0 / max(cost_s, MIN_TIME_S)
+            else:
+                value = per_s * (wait_cost_s - cost_s)
+            candidates.append((e, c, alts, t_s, is_cur, value))
         note = ""
         if self.deadlines and job.deadline_s is not None and candidates:
             meets = [x for x in candidates
@@ -240,7 +248,7 @@ class CellsIlpPolicy:
 
     def decide(self, snapshot: Snapshot) -> Decision:
         """Solve the round's program (or skip an unchanged round) and place the answer."""
-        fp = tuple((j.job_id, j.cell) for j in snapshot.jobs)
+        fp = _fingerprint(snapshot, {})
         state = snapshot.policy_state if isinstance(snapshot.policy_state, CellsIlpState) else None
         if state is not None and state.fingerprint == fp and snapshot.now_s - state.solved_s < self.resolve_s:
             return Decision((), state)
@@ -457,10 +465,19 @@ def _all_free(free: FreeGpus, placement) -> bool:
     return all(free.free[n] >= g for n, g in placement)
 
 
+def _fingerprint(snapshot: Snapshot, decisions: dict[str, JobDecision]) -> tuple:
+    """Every job's Cell (after ``decisions``) and the GPUs held outside the policy.
+
+    The second part matters in the daemon: an ordinary Slurm job that ends frees GPUs
+    without any managed job changing, and that round must be solved again.
+    """
+    cells = tuple((j.job_id, (decisions[j.job_id].assignment.cell if decisions[j.job_id].assignment else None)
+                   if j.job_id in decisions else j.cell) for j in snapshot.jobs)
+    return cells, tuple(n.unmanaged_gpus for n in snapshot.nodes)
+
+
 def _fingerprint_after(snapshot: Snapshot, decisions: tuple[JobDecision, ...]) -> tuple:
-    d = {x.job_id: x for x in decisions}
-    return tuple((j.job_id, (d[j.job_id].assignment.cell if d[j.job_id].assignment else None)
-                  if j.job_id in d else j.cell) for j in snapshot.jobs)
+    return _fingerprint(snapshot, {x.job_id: x for x in decisions})
 
 
 # ---- the integer program ------------------------------------------------------------------

@@ -230,6 +230,19 @@ def test_deterministic_and_skips_an_unchanged_round():
     assert CellsIlpPolicy().decide(again).jobs == ()
 
 
+def test_gpus_freed_outside_the_policy_are_used_at_once():
+    """An ordinary Slurm job ends: no managed job changed, but the round is solved again."""
+    rates = {("a100", 2): 20.0, ("a100", 4): 38.0}
+    blocked = tuple(NodeView(f"a100-{k}", "a100", 4, unmanaged_gpus=4 if k else 2) for k in range(2))
+    r = job("r", rates, gpus=2, running=("a100", 2, (("a100-0", 2),)), iterations=20_000, last_change=0.0)
+    first = snap([r], blocked)
+    d1 = CellsIlpPolicy().decide(first)
+    assert final_assignments(first, d1)["r"].cell.num_gpus == 2  # nothing free to grow into
+    freed = tuple(NodeView(n.name, n.gpu_type, n.total_gpus) for n in blocked)
+    later = snap([r], freed, now=first.now_s + 300.0, state=d1.policy_state)
+    assert final_assignments(later, CellsIlpPolicy().decide(later))["r"].cell.num_gpus == 4
+
+
 def test_job_the_memory_model_rejects_everywhere_runs_as_requested():
     asked = Cell("a100", 4, 4, 1)
     rejected = tuple(CellEstimate(Cell("a100", n, min(n, 4), 1), (), 4, 0.0, 0.0, 99.0, False, "out of memory")
