@@ -175,19 +175,14 @@ class FreeGpus:
         return tuple(sorted(chosen.items()))
 
     def fragmentation(self) -> tuple[Fragmentation, ...]:
-        """Per GPU type, how scattered the free GPUs are (one pass over the nodes)."""
+        """Per GPU type, how scattered the free GPUs are."""
         out = []
-        capacity, free_now = self.capacity, self.free
         for gtype in sorted(self.by_type):
-            free = whole = partial = largest = 0
-            for n in self.by_type[gtype]:
-                f = free_now[n]
-                free += f
-                largest = max(largest, f)
-                if f == capacity[n]:
-                    whole += f > 0
-                elif f > 0:
-                    partial += f
+            names = self.by_type[gtype]
+            free = sum(self.free[n] for n in names)
+            whole = sum(1 for n in names if self.free[n] == self.capacity[n] and self.capacity[n] > 0)
+            partial = sum(self.free[n] for n in names if 0 < self.free[n] < self.capacity[n])
+            largest = max((self.free[n] for n in names), default=0)
             out.append(Fragmentation(gtype, free, whole, partial, largest,
                                      partial / free if free else 0.0))
         return tuple(out)

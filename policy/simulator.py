@@ -15,11 +15,12 @@ never runnable, from the moment they arrive.
 
 The timeline records the cluster after every decision that changed an allocation and
 after every completion (and at least every ``timeline_min_step_s`` otherwise), so between
-two points nothing held by a job changes. Each point carries the **fragmentation** of the
-free GPUs, per GPU type, as ``policy.placement.FreeGpus.fragmentation`` defines it: free
-GPUs on nodes that are partly in use ÷ free GPUs. Those GPUs cannot host a Cell whose
-layout wants whole nodes, whatever the policy does next, short of moving a job. It costs
-one pass over the nodes and the running jobs' placements per recorded point.
+two points nothing held by a job changes. Each point carries, per GPU type, the free GPUs
+and those of them on nodes partly in use; their ratio is the **fragmentation** of
+``policy.placement.FreeGpus.fragmentation``. Such GPUs cannot host a Cell whose layout
+wants whole nodes, whatever the policy does next, short of moving a job. The figures are
+a tally kept as jobs take and release GPUs: O(nodes of a placement) per change, O(GPU
+types) per point.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from policy.interface import (PENDING, RUNNING, TRIGGER_ARRIVAL, TRIGGER_COMPLET
                               Assignment, Decision, DecisionError, JobView, NodeView, Policy, Snapshot,
                               implied_actions, validate_decision)
 from policy.measured import MeasuredTable, cell_layout, mask_unmeasured
-from policy.placement import Fragmentation, FreeGpus, layout_of
+from policy.placement import layout_of
 from policy.trace import TraceJob
 
 log = logging.getLogger(__name__)
@@ -118,8 +119,8 @@ class TimelinePoint:
         queued_jobs: active jobs without an allocation.
         running_jobs: jobs holding GPUs.
         gpus_in_use: (GPU type, GPUs held by jobs) pairs.
-        fragmentation: per GPU type, how scattered the free GPUs are; empty when no GPU
-            is in use (every free GPU is then on a whole free node).
+        free_by_type: (GPU type, free GPUs, of those the ones on nodes partly in use), one
+            triple per type; empty when not recorded.
     """
 
     time_s: float
@@ -127,19 +128,19 @@ class TimelinePoint:
     queued_jobs: int
     running_jobs: int
     gpus_in_use: tuple[tuple[str, int], ...]
-    fragmentation: tuple[Fragmentation, ...] = ()
+    free_by_type: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def fragmentation_frac(self) -> float:
-        """Free GPUs on partly used nodes ÷ free GPUs, all types together (0 when none is free)."""
-        free = sum(f.free_gpus for f in self.fragmentation)
-        return sum(f.free_on_partial_nodes for f in self.fragmentation) / free if free else 0.0
+        """Free GPUs on partly used nodes ÷ free GPUs, all types pooled (0 when none is free)."""
+        free = sum(f for _, f, _ in self.free_by_type)
+        return sum(p for _, _, p in self.free_by_type) / free if free else 0.0
 
     def fragmentation_frac_of(self, gpu_type: str) -> float:
-        """The same share for one GPU type (0 when none of it is free or it is all idle)."""
-        for f in self.fragmentation:
-            if f.gpu_type == gpu_type:
-                return f.fragmentation_frac
+        """The same share for one GPU type (0 when none of it is free)."""
+        for gtype, free, partial in self.free_by_type:
+            if gtype == gpu_type:
+                return partial / free if free else 0.0
         return 0.0
 
 
@@ -273,16 +274,43 @@ def never_runnable_reason(estimates: tuple[CellEstimate, ...], dp_only: tuple[Ce
     return "no runnable Cell: " + ("; ".join(reasons[:3]) if reasons else "no Cell fits this cluster")
 
 
-def _fragmentation(all_free: FreeGpus, running: dict[str, _Job]) -> tuple[Fragmentation, ...]:
-    # O(nodes + placements): a fresh free map from the running jobs, not a running tally,
-    # so it cannot drift from what the jobs hold. Decisions were validated, so no node
-    # can go below zero here.
-    free = all_free.copy()
-    counts = free.free
-    for job in running.values():
-        for name, gpus in job.assignment.placement:
-            counts[name] -= gpus
-    return free.fragmentation()
+class FreeTally:
+    """Per GPU type, the free GPUs and those on nodes partly in use, kept current.
+
+    The figures of ``policy.placement.FreeGpus.fragmentation`` (``free_gpus``,
+    ``free_on_partial_nodes``) without its walk over every node: each ``take`` or
+    ``release`` updates the sums by the difference on the nodes it touches.
+
+    Args:
+        nodes: the cluster's nodes, all GPUs free.
+    """
+
+    def __init__(self, nodes: tuple[NodeView, ...]):
+        self.capacity = {n.name: n.managed_gpus for n in nodes}
+        self.type_of = {n.name: n.gpu_type for n in nodes}
+        self.free = dict(self.capacity)
+        self._sums: dict[str, list[int]] = {}
+        for n in nodes:
+            self._sums.setdefault(n.gpu_type, [0, 0])[0] += self.capacity[n.name]
+
+    def take(self, placement) -> None:
+        self._add(placement, -1)
+
+    def release(self, placement) -> None:
+        self._add(placement, 1)
+
+    def _add(self, placement, sign: int) -> None:
+        for name, gpus in placement:
+            cap, before = self.capacity[name], self.free[name]
+            after = before + sign * gpus
+            self.free[name] = after
+            sums = self._sums[self.type_of[name]]
+            sums[0] += after - before
+            sums[1] += (after if 0 < after < cap else 0) - (before if 0 < before < cap else 0)
+
+    def by_type(self) -> tuple[tuple[str, int, int], ...]:
+        """(GPU type, free GPUs, free GPUs on partly used nodes), by type name."""
+        return tuple((gtype, free, partial) for gtype, (free, partial) in sorted(self._sums.items()))
 
 
 def _stale(entry: tuple[float, int, str, int], active: dict[str, _Job]) -> bool:
@@ -315,7 +343,7 @@ def simulate(policy: Policy, trace_jobs: tuple[TraceJob, ...], cluster: ClusterS
     costs = config.costs
     tuning_s = costs.tuning_s(getattr(policy, "plan_tuning", "full"))
     nodes = tuple(NodeView(n, g.gpu_type, g.gpus_per_node) for g in cluster.node_groups for n in g.node_names())
-    all_free = FreeGpus([(n.name, n.gpu_type, n.managed_gpus) for n in nodes])
+    tally = FreeTally(nodes)
     clock = SimulatedClock(trace_jobs[0].submit_time_s if trace_jobs else 0.0)
     active: dict[str, _Job] = {}
     running: dict[str, _Job] = {}
@@ -357,6 +385,7 @@ def simulate(policy: Policy, trace_jobs: tuple[TraceJob, ...], cluster: ClusterS
             job.done, job.finish_s = float(job.trace.iterations), now_s
             del active[job_id]
             del running[job_id]
+            tally.release(job.assignment.placement)
             finish(job, "finished")
             triggers.add(TRIGGER_COMPLETION)
         while next_arrival < total and trace_jobs[next_arrival].submit_time_s <= now_s:
@@ -378,7 +407,7 @@ def simulate(policy: Policy, trace_jobs: tuple[TraceJob, ...], cluster: ClusterS
                 next_round_s += config.round_s
         if not active:
             if timeline and timeline[-1].running_jobs:
-                timeline.append(TimelinePoint(now_s, 0.0, 0, 0, ()))
+                timeline.append(TimelinePoint(now_s, 0.0, 0, 0, (), tally.by_type()))
             continue
         trigger = (TRIGGER_COMPLETION if TRIGGER_COMPLETION in triggers else
                    TRIGGER_ARRIVAL if TRIGGER_ARRIVAL in triggers else TRIGGER_ROUND)
@@ -401,6 +430,8 @@ def simulate(policy: Policy, trace_jobs: tuple[TraceJob, ...], cluster: ClusterS
             job.version += 1
             job.view = None
             job.last_change_s = now_s
+            if job.assignment is not None:
+                tally.release(job.assignment.placement)
             after = action.after
             rate_s = None
             if after is not None:
@@ -425,6 +456,7 @@ def simulate(policy: Policy, trace_jobs: tuple[TraceJob, ...], cluster: ClusterS
                 overhead_s += tuning_s
                 job.tuned.add(after.cell)
             job.assignment, job.rate_s = after, rate_s
+            tally.take(after.placement)
             running[job.trace.job_id] = job
             job.resume_s = now_s + overhead_s
             seq += 1
@@ -441,14 +473,9 @@ def simulate(policy: Policy, trace_jobs: tuple[TraceJob, ...], cluster: ClusterS
             in_use: dict[str, int] = {}
             for j in running.values():
                 in_use[j.assignment.cell.gpu_type] = in_use.get(j.assignment.cell.gpu_type, 0) + j.assignment.cell.num_gpus
-            # Every change of allocation is recorded, so an unchanged one is the last point's.
-            if allocation_changed or not timeline:
-                fragmentation = _fragmentation(all_free, running) if running else ()
-            else:
-                fragmentation = timeline[-1].fragmentation
             timeline.append(TimelinePoint(now_s, sum(j.trace.spec.global_batch / j.rate_s for j in running.values()),
                                           len(active) - len(running), len(running), tuple(sorted(in_use.items())),
-                                          fragmentation))
+                                          tally.by_type()))
         if progress is not None and len(decision_times) % 50 == 0:
             progress(len(outcomes), total, now_s)
     end_s = clock.now_s()

@@ -12,10 +12,12 @@ from policy.fcfs import FcfsPolicy
 from policy.interface import Assignment, Decision, JobDecision
 from policy.measured import MeasuredPoint, MeasuredTable, load_measured, measured_estimates
 from policy.placement import FreeGpus
-from policy.placement import Fragmentation
+import random
+
+from policy.interface import NodeView
 from policy.report import (CONTRACT_KEYS, TIMING_KEYS, markdown_table, report_json, summarize, time_weighted,
                            write_plots)
-from policy.simulator import EstimateCache, RestartCosts, SimConfig, TimelinePoint, simulate
+from policy.simulator import EstimateCache, FreeTally, RestartCosts, SimConfig, TimelinePoint, simulate
 from policy.trace import TraceJob
 from slurm_ext.cli import main
 
@@ -151,8 +153,7 @@ def test_fragmentation_over_time_known_by_hand():
     at = {p.time_s: p for p in result.timeline}
     assert at[0.0].fragmentation_frac == 1.0
     assert at[a_end].fragmentation_frac == pytest.approx(1 / 3)  # recorded at the completion itself
-    (frag,) = at[a_end].fragmentation
-    assert (frag.free_gpus, frag.free_whole_nodes, frag.free_on_partial_nodes) == (6, 1, 2)
+    assert at[a_end].free_by_type == (("a100", 6, 2),)
     assert result.timeline[-1].fragmentation_frac == 0.0  # nothing runs: every free GPU is on a whole node
     # the rounds in between (no change of allocation) carry the same values
     assert all(p.fragmentation_frac == 1.0 for p in result.timeline if p.time_s < a_end)
@@ -168,10 +169,34 @@ def test_fragmentation_over_time_known_by_hand():
 
 
 def test_cluster_fragmentation_pools_the_free_gpus_of_every_type():
-    point = TimelinePoint(0.0, 0.0, 0, 2, (("a100", 6), ("a40", 2)),
-                          (Fragmentation("a100", 4, 0, 3, 2, 0.75), Fragmentation("a40", 2, 1, 0, 2, 0.0)))
+    point = TimelinePoint(0.0, 0.0, 0, 2, (("a100", 6), ("a40", 2)), (("a100", 4, 3), ("a40", 2, 0)))
     assert point.fragmentation_frac == pytest.approx(3 / 6)  # not the mean of 0.75 and 0
+    assert point.fragmentation_frac_of("a100") == 0.75
     assert point.fragmentation_frac_of("a40") == 0.0 and point.fragmentation_frac_of("v100") == 0.0
+
+
+def test_free_tally_matches_the_placement_modules_fragmentation():
+    nodes = tuple(NodeView(f"a100-{i}", "a100", 4) for i in range(3)) + \
+        tuple(NodeView(f"v100-{i}", "v100", 16) for i in range(2)) + (NodeView("a40-0", "a40", 2, unmanaged_gpus=1),)
+    tally = FreeTally(nodes)
+    reference = FreeGpus([(n.name, n.gpu_type, n.managed_gpus) for n in nodes])
+    rng = random.Random(7)
+    held = []
+    for _ in range(300):
+        if held and rng.random() < 0.45:
+            placement = held.pop(rng.randrange(len(held)))
+            tally.release(placement)
+            reference.release(placement)
+        else:
+            name = rng.choice([n for n in reference.free if reference.free[n] > 0] or [None])
+            if name is None:
+                continue
+            placement = ((name, rng.randint(1, reference.free[name])),)
+            tally.take(placement)
+            reference.take(placement)
+            held.append(placement)
+        assert tally.by_type() == tuple((f.gpu_type, f.free_gpus, f.free_on_partial_nodes)
+                                        for f in reference.fragmentation())
 
 
 def test_time_weighted_average_and_percentile():
