@@ -36,7 +36,7 @@ from estimator.cluster import ClusterSpec
 from estimator.jobs import JobSpec
 from policy.clock import SimulatedClock
 from policy.interface import (PENDING, RUNNING, TRIGGER_ARRIVAL, TRIGGER_COMPLETION, TRIGGER_ROUND,
-                              Assignment, Decision, DecisionError, JobView, NodeView, Policy, Snapshot,
+                              Assignment, Decision, DecisionError, JobView, NodeView, Placement, Policy, Snapshot,
                               implied_actions, validate_decision)
 from policy.measured import MeasuredTable, cell_layout, mask_unmeasured
 from policy.placement import layout_of
@@ -293,13 +293,13 @@ class FreeTally:
         for n in nodes:
             self._sums.setdefault(n.gpu_type, [0, 0])[0] += self.capacity[n.name]
 
-    def take(self, placement) -> None:
+    def take(self, placement: Placement) -> None:
         self._add(placement, -1)
 
-    def release(self, placement) -> None:
+    def release(self, placement: Placement) -> None:
         self._add(placement, 1)
 
-    def _add(self, placement, sign: int) -> None:
+    def _add(self, placement: Placement, sign: int) -> None:
         for name, gpus in placement:
             cap, before = self.capacity[name], self.free[name]
             after = before + sign * gpus
