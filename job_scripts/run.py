@@ -243,9 +243,13 @@ def _exec_one_task_per_node(alloc: SlurmAllocation) -> None:
     """Replace this batch process by ``srun`` starting one runner per node.
 
     srun forwards SIGUSR1 and SIGTERM to its tasks and exits with their highest status,
-    so the rescale protocol works unchanged.
+    so the rescale protocol works unchanged. The tasks stop after the same step and leave
+    jax.distributed together; ``--kill-on-bad-exit=0`` keeps srun from killing the others
+    when the first one exits 86 (a killed task would turn the step's 86 into a failure,
+    and the job would not be requeued). A task that crashes ends the others through
+    jax.distributed's heartbeat timeout.
     """
-    argv = ["srun", f"--nodes={alloc.num_nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+    argv = ["srun", f"--nodes={alloc.num_nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=0",
             sys.executable, "-m", "job_scripts.run", *sys.argv[1:]]
     log.info("starting one task per node: %s", " ".join(argv))
     os.execvp("srun", argv)
@@ -505,12 +509,15 @@ def run_training(cfg: RunConfig, alloc: SlurmAllocation, stop: _StopFlag,
     signalled = agreed_stop()
     if saved_step != step:
         save(step)
+    if writer and not (signalled and step < cfg.iterations):
+        meter.write(cfg.checkpoint_dir / MEASURED_FILE, measured_info)
+    if alloc.num_processes > 1:
+        # A barrier: no process exits before process 0 has written the checkpoint.
+        jax.distributed.shutdown()
     if signalled and step < cfg.iterations:
         code = EXIT_RESCALE if signalled == "SIGUSR1" else EXIT_TERMINATED
         log.info("%s: checkpointed step %d; exiting %d", signalled, step, code)
         return code
-    if writer:
-        meter.write(cfg.checkpoint_dir / MEASURED_FILE, measured_info)
     log.info("finished: %d iterations", step)
     return 0
 
