@@ -195,8 +195,14 @@ class CellsIlpPolicy:
         t_ref_s, per_s = self._scale(snapshot, job)
         return per_s * self.wait_cost_s
 
-    def options(self, snapshot: Snapshot, job: JobView) -> tuple[list[_Option], str]:
-        """The job's candidates (wait included, listed last) and a note (deadline report)."""
+    def options(self, snapshot: Snapshot, job: JobView, idle: bool = False) -> tuple[list[_Option], str]:
+        """The job's candidates (wait included, listed last) and a note (deadline report).
+
+        Args:
+            idle: also offer Cells worth less than waiting for a faster one (for GPUs
+                nobody else was given this round: running slowly beats idling, and the
+                job moves when a faster Cell frees up).
+        """
         shape = _shape_of(job)
         cur = job.cell
         asked_type = job.spec.gpu_type or (cur.gpu_type if cur else None)
@@ -237,11 +243,19 @@ class CellsIlpPolicy:
                 candidates = meets
             else:
                 note = "cannot meet its deadline on any Cell; runs best effort"
+        # Waiting is worth 0 to a pending job. A running job on a Cell worth less than that
+        # (a slow Cell it was given because nothing else used it) is not suspended for
+        # nothing: suspending it is worth a restart less than staying, so it only
+        # happens when another job gains more from its GPUs.
+        wait_value = 0.0
+        if cur is not None:
+            now_value = next((x[5] for x in candidates if x[4]), 0.0)
+            wait_value = min(0.0, now_value - per_s * restart_s)
         out = [_Option(job.job_id, c, value, alts, is_cur) for e, c, alts, t_s, is_cur, value in candidates
-               if value > 0 or is_cur]
+               if value > wait_value or is_cur or idle]
         out = _undominated(out)
         if not (self.guarantee and job.guaranteed and cur is not None and any(o.cell == cur for o in out)):
-            out.append(_Option(job.job_id, WAIT, 0.0))
+            out.append(_Option(job.job_id, WAIT, wait_value))
         return out, note
 
     # ---- the round ----------------------------------------------------------------------
@@ -386,14 +400,15 @@ class CellsIlpPolicy:
                 final[j.job_id] = None
                 reasons[j.job_id] = f"waiting: {o.cell.label()} does not fit on free nodes"
         # Backfill: GPUs the packing left free go to pending jobs by weight, on Cells no
-        # larger than they asked for, so nothing idles while jobs wait.
+        # larger than they asked for — also Cells slower than the job would wait for
+        # (Crius's opportunistic execution) — so nothing idles while jobs wait.
         spare = _free_total(free)
         for j in pending[: 4 * self.max_pending]:
             if spare <= 0:
                 break
             if j.job_id in tried or final.get(j.job_id) is not None:
                 continue
-            opts = options.get(j.job_id) or self.options(snapshot, j)[0]
+            opts = self.options(snapshot, j, idle=True)[0]
             small = [o for o in opts if o.cell is not None and o.cell.num_gpus <= (j.spec.num_gpus or o.cell.num_gpus)]
             got = _place_first(free, [], small, min(spare, left.get(j.user, math.inf)))
             if got is not None:
@@ -402,8 +417,26 @@ class CellsIlpPolicy:
                 if j.user in left:
                     left[j.user] -= got.num_gpus
                 reasons[j.job_id] = f"backfilled on {got.cell.label()}"
+        _name_beneficiaries(snapshot, final, reasons)
         return tuple(JobDecision(j.job_id, final[j.job_id], _with_note(reasons.get(j.job_id, ""), notes.get(j.job_id)))
                      for j in snapshot.jobs if j.job_id in final)
+
+
+def _name_beneficiaries(snapshot: Snapshot, final: dict[str, Assignment | None], reasons: dict[str, str]) -> None:
+    """Append "for job X" to the reason of a running job that was moved or suspended when
+    jobs now placed on the nodes it left got its GPUs (what a user reading squeue asks)."""
+    newcomers: dict[str, list[str]] = {}
+    for j in snapshot.jobs:
+        got = final.get(j.job_id)
+        if got is not None and got != j.assignment:
+            for node, _ in got.placement:
+                newcomers.setdefault(node, []).append(j.job_id)
+    for j in snapshot.jobs:
+        if j.assignment is None or j.job_id not in final or final[j.job_id] == j.assignment:
+            continue
+        takers = sorted({k for node, _ in j.assignment.placement for k in newcomers.get(node, ()) if k != j.job_id})
+        if takers and j.job_id in reasons:
+            reasons[j.job_id] += " for job " + ", ".join(takers[:3]) + (" …" if len(takers) > 3 else "")
 
 
 def _with_note(reason: str, note: str | None) -> str:

@@ -68,7 +68,7 @@ class DaemonConfig:
 
     interval_s: float = 60.0
     poll_s: float = 2.0
-    policy: str = "crius"
+    policy: str = "cells-ilp"
     policy_options: tuple[tuple[str, object], ...] = ()
     partitions: tuple[tuple[str, str], ...] = ()
     cluster: str | None = None
@@ -191,6 +191,12 @@ def _coerce(key: str, raw: object, source: str) -> object:
     if key == "partitions":
         return _partitions(raw, source)
     if key == "policy_options":
+        if isinstance(raw, str):  # environment form: "{min_change_interval_s: 0}" (YAML)
+            try:
+                raw = yaml.safe_load(raw)
+            except yaml.YAMLError:
+                raise ConfigError(key, raw, f"({source}) give a YAML mapping, e.g. "
+                                  "'{min_change_interval_s: 600}'") from None
         if raw is None:
             return ()
         if not isinstance(raw, dict):

@@ -39,7 +39,7 @@ from pathlib import Path
 
 from estimator.cluster import load_cluster
 from slurm_ext.cli_backend import CliSlurmClient
-from slurm_ext.config import resolve
+from slurm_ext.config import DaemonConfig, resolve
 from slurm_ext.daemon import Daemon
 from slurm_ext.errors import SlurmExtError
 from slurm_ext.lab import LabCluster, find_free_base_port
@@ -60,6 +60,10 @@ TRAIN_GPUS = 8  # asked for; its Cells have 4, 8 or 16 GPUs, and 4 a100 are free
 # a100 node; the a10 one ends when the arrival comes.
 BLOCKERS = (("h100", "gpu:8", 1), ("v100", "gpu:4", 2), ("a10", "gpu:2", 2), ("a100", "gpu:4", 1))
 FREED_PARTITION = "a10"
+DEFAULT_POLICY = DaemonConfig().policy
+# The scenario's jobs live seconds, not hours: cells-ilp's minimum time between two
+# changes of one job (30 min by default) would keep the new training job in place.
+SCENARIO_POLICY_OPTIONS = {"cells-ilp": {"min_change_interval_s": 0}}
 # The arrival waits in the queue (it never trains): only its size matters to the policy.
 ARRIVAL_SCRIPT = f"""#!/bin/bash
 #ELASTIC model={ARRIVAL_MODEL} global_batch=64 iterations=100000 gpus=4 gpu_type=a100
@@ -187,7 +191,8 @@ def _read(path: Path) -> str:
 
 
 def run_rescale_scenario(client: SlurmClient, env: dict[str, str], workdir: Path, *,
-                         policy: str = "crius", compile_cache: Path | None = None,
+                         policy: str = DEFAULT_POLICY, policy_options: dict | None = None,
+                         compile_cache: Path | None = None,
                          steps_after_resume: int = 2,
                          say: Callable[[str], None] = lambda text: None) -> RescaleOutcome:
     """Play the scenario of the module docstring on an idle lab; leaves its jobs running.
@@ -196,8 +201,9 @@ def run_rescale_scenario(client: SlurmClient, env: dict[str, str], workdir: Path
         client: a Slurm client on the lab.
         env: variables for Slurm commands and the daemon (``LabCluster.env()``).
         workdir: where the job logs, checkpoints and the daemon's state go.
-        policy: the daemon's policy (Crius's arrival search moves a running job to another
-            GPU type: the rescale this scenario is built for).
+        policy: the daemon's policy (default: the daemon's default, cells-ilp). It must
+            move a running job to another Cell for an arrival, as cells-ilp and Crius do.
+        policy_options: the policy's options; default ``SCENARIO_POLICY_OPTIONS[policy]``.
         compile_cache: JAX's persistent compilation cache for the runner (default: in workdir).
         steps_after_resume: training steps to wait for after the resume.
         say: narration, one paragraph per call.
@@ -231,8 +237,9 @@ def run_rescale_scenario(client: SlurmClient, env: dict[str, str], workdir: Path
     say(f"Submitted elastic job {train}: job_scripts/elastic.sbatch training {TRAIN_MODEL.name} "
         f"(global batch {TRAIN_GLOBAL_BATCH}, asks for {TRAIN_GPUS} GPUs).")
 
+    options = SCENARIO_POLICY_OPTIONS.get(policy, {}) if policy_options is None else policy_options
     config = resolve({"state_db": str(workdir / "state.db"), "rescale_timeout_s": 90.0,
-                      "policy": policy}, {}, {})
+                      "policy": policy, "policy_options": options}, {}, {})
     daemon = Daemon(config, client, Store(config.state_db), out=lambda line: None, env=env)
     daemon.round()
     before = _wait(f"job {train} to start", lambda: _running(client, train), 30, log_tail)
@@ -322,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m slurm_ext.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--dir", type=Path, default=None,
                         help="working directory, kept afterwards (default: a temporary one, removed)")
-    parser.add_argument("--policy", default="crius", help="scheduling policy of the daemon (default crius)")
+    parser.add_argument("--policy", default=DEFAULT_POLICY,
+                        help=f"scheduling policy of the daemon (default {DEFAULT_POLICY})")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")

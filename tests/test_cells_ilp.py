@@ -162,6 +162,7 @@ def test_guaranteed_job_keeps_at_least_its_requested_throughput():
     free_for_all = CellsIlpPolicy().decide(guaranteed_instance(False))
     assert final_assignments(guaranteed_instance(False), free_for_all)["r"] != \
         guaranteed_instance(False).job("r").assignment  # without the guarantee it gives way
+    assert free_for_all.for_job("r").reason.endswith("for job p")  # and says to whom
     s = guaranteed_instance(True)
     d = CellsIlpPolicy().decide(s)
     validate_decision(s, d)
@@ -257,3 +258,21 @@ def test_job_the_memory_model_rejects_everywhere_runs_as_requested():
                           rejected, rejected, frozenset())
     d = CellsIlpPolicy().decide(snap([no_platform], nodes(a100=1, v100=0)))
     assert all(x.assignment is None for x in d.jobs)
+
+
+def test_idle_gpus_run_a_job_slowly_until_its_fast_cell_frees_up():
+    """Opportunistic execution: a slow Cell beats idle GPUs; the job is not suspended for
+    nothing, and it moves once the fast Cell is free."""
+    rates = {("a100", 4): 40.0, ("v100", 4): 4.0}  # v100 ten times slower: worse than waiting
+    a100_busy = (NodeView("a100-0", "a100", 4, unmanaged_gpus=4), NodeView("v100-0", "v100", 8))
+    pending = job("p", rates, gpus=4, iterations=20_000)
+    s = snap([pending], a100_busy)
+    # The program alone would keep it waiting for the a100 (v100 is worth less than waiting).
+    assert all(o.cell is None or o.cell.gpu_type == "a100" for o in CellsIlpPolicy().options(s, pending)[0])
+    started = final_assignments(s, CellsIlpPolicy().decide(s))["p"]
+    assert started is not None and started.cell.gpu_type == "v100"
+    on_v100 = job("p", rates, gpus=4, iterations=20_000, running=("v100", 4, started.placement), last_change=0.0)
+    still_busy = snap([on_v100], a100_busy)
+    assert final_assignments(still_busy, CellsIlpPolicy().decide(still_busy))["p"] == started
+    freed = snap([on_v100], nodes(a100=1, v100=1))
+    assert final_assignments(freed, CellsIlpPolicy().decide(freed))["p"].cell.gpu_type == "a100"

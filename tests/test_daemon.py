@@ -43,6 +43,9 @@ def test_config_precedence_flag_env_file_default():
     assert cfg.rescale_timeout_s == DaemonConfig().rescale_timeout_s  # default
     assert cfg.partition_map() == {"gpu": "a100"}
     assert cfg.dry_run is False
+    assert DaemonConfig().policy == "cells-ilp"
+    opts = resolve({}, {"SLURM_EXT_POLICY_OPTIONS": "{min_change_interval_s: 0, time_limit_s: 0.5}"}, {})
+    assert dict(opts.policy_options) == {"min_change_interval_s": 0, "time_limit_s": 0.5}
 
 
 def test_shipped_yaml_resolves_to_the_defaults():
@@ -59,6 +62,8 @@ def test_shipped_yaml_resolves_to_the_defaults():
     ({"log_level": "LOUD"}, {}, "log_level"),
     ({}, {"SLURM_EXT_DRY_RUN": "perhaps"}, "dry_run"),
     ({}, {"SLURM_EXT_PARTITIONS": "a100"}, "partitions"),
+    ({}, {"SLURM_EXT_POLICY_OPTIONS": "[1, 2]"}, "policy_options"),
+    ({}, {"SLURM_EXT_POLICY_OPTIONS": "{a: "}, "policy_options"),
 ])
 def test_bad_config_names_key_and_source(file_values, env, field):
     with pytest.raises(ConfigError) as info:
@@ -361,11 +366,12 @@ def test_running_job_is_rescaled_through_requeue(slurm_lab, slurm_client, tmp_pa
                 for p, g, n in (("h100", "gpu:8", 1), ("a100", "gpu:4", 2), ("v100", "gpu:4", 2), ("a10", "gpu:2", 1))]
     wait_for("the blockers to run", running(slurm_client, *blockers))
     job = submit(slurm_client, tmp_path, "elastic model=gpt-1.3b gpus=2 iterations=100000000")
-    daemon = make_daemon(slurm_lab, slurm_client, tmp_path)
+    # No minimum time between two changes of one job: the test's job changes seconds after it starts.
+    daemon = make_daemon(slurm_lab, slurm_client, tmp_path, policy_options={"min_change_interval_s": 0})
     daemon.round()
     (first,) = wait_for("the elastic job to run", running(slurm_client, job))
     assert parse_plan_comment(first.admin_comment).cell_parts() == ("a10", 2, 1)
-    slurm_client.cancel(blockers[-1])  # two a10 GPUs come free: Crius scales the job up
+    slurm_client.cancel(blockers[-1])  # two a10 GPUs come free: the policy scales the job up
     wait_for("the a10 blocker to end", lambda: not (j := slurm_client.job(blockers[-1])) or not j.is_active)
     report = daemon.round()
     assert ("resize", job) in report.actions
@@ -389,14 +395,15 @@ def test_daemon_killed_mid_rescale_is_finished_on_restart(slurm_lab, slurm_clien
     wait_for("the blockers to run", running(slurm_client, *blockers))
     job = submit(slurm_client, tmp_path, "elastic model=gpt-1.3b gpus=2", script=SLOW_CHECKPOINT)
     db = tmp_path / "state.db"
-    env = {**os.environ, **slurm_lab.env(), "SLURM_EXT_POLL_S": "0.5"}
+    env = {**os.environ, **slurm_lab.env(), "SLURM_EXT_POLL_S": "0.5",
+           "SLURM_EXT_POLICY_OPTIONS": "{min_change_interval_s: 0}"}
     argv = [sys.executable, "-m", "slurm_ext", "daemon", "--interval-s", "2", "--state-db", str(db)]
     log_path = tmp_path / "daemon.err"
     with open(log_path, "w") as err:
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err)
     try:
         wait_for("the elastic job to run", running(slurm_client, job))
-        slurm_client.cancel(blockers[-1])  # two a10 GPUs come free: Crius scales the job up
+        slurm_client.cancel(blockers[-1])  # two a10 GPUs come free: the policy scales the job up
         wait_for("the rescale to be journaled", lambda: "rescale_signalled" in log_path.read_text(), 30)
     finally:
         proc.kill()  # SIGKILL: no chance to finish the rescale

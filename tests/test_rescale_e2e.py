@@ -44,8 +44,7 @@ def test_daemon_rescales_training_job_which_resumes_at_next_step(slurm_lab, slur
                                                                  tmp_path_factory):
     # JAX's compilation cache is shared with test_runner's runs of the same plan.
     cache = tmp_path_factory.getbasetemp() / "runner-jax-cache"
-    outcome = run_rescale_scenario(slurm_client, slurm_lab.env(), tmp_path, policy="crius",
-                                   compile_cache=cache)
+    outcome = run_rescale_scenario(slurm_client, slurm_lab.env(), tmp_path, compile_cache=cache)
     first, after, resume = outcome.before, outcome.after, outcome.resume
     assert (first.granted_gpu_type, first.granted_gpus, first.restart_count) == ("a100", 4, 0)
     assert any(job == outcome.train_job_id for _, job in outcome.actions), outcome.actions
@@ -65,8 +64,8 @@ def test_daemon_rescales_training_job_which_resumes_at_next_step(slurm_lab, slur
     steps_after = [int(s) for s in re.findall(r"step (\d+) loss", text[resumed.end():])]
     assert steps_after[0] == saved + 1
     # The daemon's reasons, as `slurm-ext squeue` shows them.
-    assert re.search(rf"(?m)^{outcome.train_job_id} .*RUNNING .*a10 .* rescaled to a10x4",
-                     outcome.squeue_after), outcome.squeue_after
+    assert re.search(rf"(?m)^{outcome.train_job_id} .*RUNNING .*a10 .* (rescaled|moved) to a10x4:s1 "
+                     rf"for job {outcome.arrival_job_id}\b", outcome.squeue_after), outcome.squeue_after
 
     losses = resume.losses
     assert sorted(losses) == list(range(1, max(losses) + 1)), sorted(losses)

@@ -45,7 +45,7 @@ def make_client(config: DaemonConfig):
 @click.option("--dry-run", is_flag=True, default=None,
               help="Print the actions a round would take; change nothing in Slurm.")
 @click.option("--interval-s", type=float, default=None, help="Seconds between rounds.")
-@click.option("--policy", default=None, help="Scheduling policy name (default: crius).")
+@click.option("--policy", default=None, help="Scheduling policy name (default: cells-ilp).")
 @click.option("--state-db", default=None, help="SQLite state file.")
 @click.option("--log-level", default=None, help="DEBUG, INFO, WARNING or ERROR.")
 def command(config_path, once, dry_run, interval_s, policy, state_db, log_level):
