@@ -159,10 +159,8 @@ class CellsIlpPolicy:
                  min_change_interval_s: float = 1800.0, restart_penalty: bool = True,
                  type_changes: bool = True, count_changes: bool = True, guarantee: bool = True,
                  deadlines: bool = True, max_share_frac: float | None = None,
-                 share_limits: dict[str, float] | None = None, max_pending: int = 32,
-                 max_movable: int = 32, resolve_s: float = 900.0, solvers: tuple[str, ...] = ("highs", "cbc"),
-                 objective: str = "time-saved"):
-        self.objective = objective
+                 share_limits: dict[str, float] | None = None, max_pending: int = 96,
+                 max_movable: int = 32, resolve_s: float = 900.0, solvers: tuple[str, ...] = ("highs", "cbc")):
         self.time_limit_s = time_limit_s
         self.aging_s = aging_s
         self.wait_cost_s = wait_cost_s
@@ -229,12 +227,7 @@ class CellsIlpPolicy:
                 alts = ()  # other layouts of the shape may be slower than what was asked for
             t_s = rem_samples / e.samples_per_s  # = T_ref / normalized throughput
             cost_s = t_s + (0.0 if is_cur else restart_s)
-            if self.objective == "completion-rate":
-                aging = 1.0 + max(0.0, snapshot.now_s - job.submit_time_s) / self.aging_s
-                value = aging * 3600.0 / max(cost_s, MIN_TIME_S)
-            else:
-                value = per_s * (wait_cost_s - cost_s)
-            candidates.append((e, c, alts, t_s, is_cur, value))
+            candidates.append((e, c, alts, t_s, is_cur, per_s * (wait_cost_s - cost_s)))
         note = ""
         if self.deadlines and job.deadline_s is not None and candidates:
             meets = [x for x in candidates
