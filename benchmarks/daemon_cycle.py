@@ -23,7 +23,7 @@ cycle is ``{"cycle", "total_s", "observe_s", "estimate_s", "decide_s", "act_s", 
   ``steady_parts_s`` the median of each part and ``steady_share`` its share of the sum
   (the machine may be shared: the share says where the time goes even when it is loaded).
 
-Usage: ``python benchmarks/daemon_cycle.py [--jobs 2000] [--cycles 5] [--policy crius]
+Usage: ``python benchmarks/daemon_cycle.py [--jobs 2000] [--cycles 5] [--policy cells-ilp]
 [--out FILE] [--profile FILE]`` (``--profile``: cProfile stats of the steady cycles).
 Needs root and Slurm (the lab); takes a few minutes, most of it submitting the jobs.
 """
@@ -44,7 +44,7 @@ from pathlib import Path
 
 from estimator.cluster import load_cluster
 from slurm_ext.cli_backend import CliSlurmClient
-from slurm_ext.config import resolve
+from slurm_ext.config import DaemonConfig, resolve
 from slurm_ext.daemon import Daemon
 from slurm_ext.lab import LabCluster, find_free_base_port
 from slurm_ext.run import run_command
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2000)
     parser.add_argument("--cycles", type=int, default=5, help="steady cycles measured after warm-up")
     parser.add_argument("--max-warmup", type=int, default=20, help="cold rounds at most, while specs are read")
-    parser.add_argument("--policy", default="crius")
+    parser.add_argument("--policy", default=DaemonConfig().policy, help="the daemon's policy (default: its default)")
     parser.add_argument("--out", help="also write the JSON to this file")
     parser.add_argument("--profile", help="write cProfile stats of the steady cycles to this file")
     args = parser.parse_args(argv)
