@@ -285,15 +285,31 @@ class CellsIlpPolicy:
         return Decision(decision, CellsIlpState(_fingerprint_after(snapshot, decision), snapshot.now_s))
 
     def _split(self, snapshot: Snapshot, weights: dict[str, float]) -> tuple[list[JobView], list[JobView]]:
-        """(running jobs that may change this round, running jobs that keep their Cells)."""
+        """(running jobs that may change this round, running jobs that keep their Cells).
+
+        When more may change than ``max_movable``, half are the jobs a change would gain
+        the most (their best Cell's value over their current one's: a long job on a slow
+        Cell that a faster one would finish hours sooner) and half the jobs of lowest
+        weight (whose GPUs others may use best).
+        """
         running = [j for j in snapshot.jobs if j.assignment is not None]
         eligible = [j for j in running if snapshot.now_s - j.last_change_s >= self.min_change_interval_s]
-        eligible.sort(key=lambda j: (weights[j.job_id], j.job_id))
         if len(eligible) > self.max_movable:
             half = self.max_movable // 2
-            eligible = eligible[:half] + eligible[len(eligible) - (self.max_movable - half):]
+            gains = {j.job_id: self._gain(snapshot, j) for j in eligible}
+            by_gain = sorted((j for j in eligible if gains[j.job_id] > 0),
+                             key=lambda j: (-gains[j.job_id], j.job_id))[:half]
+            ids = {j.job_id for j in by_gain}
+            donors = sorted((j for j in eligible if j.job_id not in ids), key=lambda j: (weights[j.job_id], j.job_id))
+            eligible = by_gain + donors[: self.max_movable - len(by_gain)]
         ids = {j.job_id for j in eligible}
         return eligible, [j for j in running if j.job_id not in ids]
+
+    def _gain(self, snapshot: Snapshot, job: JobView) -> float:
+        """What the running job's best Cell is worth over the one it runs on."""
+        opts, _ = self.options(snapshot, job)
+        now_value = next((o.value for o in opts if o.current), 0.0)
+        return max((o.value for o in opts if o.cell is not None), default=now_value) - now_value
 
     def _share_left(self, snapshot: Snapshot, fixed: list[JobView]) -> dict[str, float]:
         """user → GPUs the user may still get this round (absent: no limit)."""
