@@ -32,7 +32,6 @@ import re
 import shutil
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +41,7 @@ from slurm_ext.cli_backend import CliSlurmClient
 from slurm_ext.config import DaemonConfig, resolve
 from slurm_ext.daemon import Daemon
 from slurm_ext.errors import SlurmExtError
-from slurm_ext.lab import LabCluster, find_free_base_port
+from slurm_ext.lab import LabCluster, find_free_base_port, poll
 from slurm_ext.run import run_command
 from slurm_ext.slurm_client import SlurmClient, SlurmJob, SubmitRequest
 from slurm_ext.store import Store
@@ -171,13 +170,9 @@ def squeue_text(env: dict[str, str]) -> str:
 
 
 def _wait(what: str, probe: Callable[[], object], timeout_s: float, detail: Callable[[], str] = str):
-    deadline = time.monotonic() + timeout_s
-    value = None
-    while time.monotonic() < deadline:
-        value = probe()
-        if value:
-            return value
-        time.sleep(0.25)
+    value = poll(probe, timeout_s)
+    if value:
+        return value
     raise ScenarioError(f"timed out after {timeout_s:g} s waiting for {what}; last: {value!r}{detail()}")
 
 

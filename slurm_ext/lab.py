@@ -247,13 +247,13 @@ def _alive(pid: int, marker: str) -> bool:
     return any(marker in a for a in _cmdline(pid))
 
 
-def _wait_until(check: Callable[[], bool], timeout_s: float, interval_s: float = 0.2) -> bool:
+def poll(probe: Callable[[], object], timeout_s: float, interval_s: float = 0.25):
+    """Call ``probe`` until it returns something truthy or ``timeout_s`` have passed; its last value."""
     deadline = time.monotonic() + timeout_s
     while True:
-        if check():
-            return True
-        if time.monotonic() >= deadline:
-            return False
+        value = probe()
+        if value or time.monotonic() >= deadline:
+            return value
         time.sleep(interval_s)
 
 
@@ -353,13 +353,13 @@ class LabCluster:
             pids["slurmctld"] = start_background(
                 [SLURMCTLD, "-D", "-c", "-i", "-f", str(p.conf)], p.logs / "slurmctld.out")
             self._save_pids(pids)
-            if not _wait_until(self._ctld_answers, 20):
+            if not poll(self._ctld_answers, 20):
                 raise LabError(f"slurmctld did not answer within 20 s; see {p.logs}/slurmctld.log")
             for node in node_names(self.cluster):
                 pids["slurmd"][node] = start_background(
                     [SLURMD, "-D", "-f", str(p.conf), "-N", node], p.logs / f"slurmd-{node}.out")
                 self._save_pids(pids)
-            if not _wait_until(self._all_idle, timeout_s, 0.5):
+            if not poll(self._all_idle, timeout_s, 0.5):
                 raise LabError(f"nodes not idle after {timeout_s:g} s ({self._states_text()}); "
                                f"see {p.logs}/slurmctld.log and {p.logs}/slurmd-*.log")
         except BaseException:
@@ -378,7 +378,7 @@ class LabCluster:
         if not pid or not _alive(pid, marker):
             raise LabError(f"no slurmctld of the lab in {self.paths.root} is running")
         os.kill(pid, signal.SIGTERM)
-        if not _wait_until(lambda: not _alive(pid, marker), timeout_s):
+        if not poll(lambda: not _alive(pid, marker), timeout_s):
             raise LabError(f"slurmctld (PID {pid}) did not stop within {timeout_s:g} s")
 
     def start_slurmctld(self, timeout_s: float = 20.0) -> None:
@@ -396,7 +396,7 @@ class LabCluster:
         pids["slurmctld"] = start_background([SLURMCTLD, "-D", "-i", "-f", str(self.paths.conf)],
                                              self.paths.logs / "slurmctld.out")
         self._save_pids(pids)
-        if not _wait_until(self._ctld_answers, timeout_s):
+        if not poll(self._ctld_answers, timeout_s):
             raise LabError(f"slurmctld did not answer within {timeout_s:g} s; "
                            f"see {self.paths.logs}/slurmctld.log")
 
@@ -441,7 +441,7 @@ class LabCluster:
             [MUNGED, "-F", "--force", f"--socket={p.munge_socket}", f"--key-file={key}",
              f"--pid-file={p.munge}/munged.pid", f"--seed-file={p.munge}/munged.seed",
              f"--log-file={p.logs}/munged.log"], p.logs / "munged.out")
-        if not _wait_until(p.munge_socket.exists, 10, 0.05):
+        if not poll(p.munge_socket.exists, 10, 0.05):
             raise LabError(f"munged did not create {p.munge_socket} within 10 s; "
                            f"see {p.logs}/munged.log and {p.logs}/munged.out")
         return pid
@@ -493,7 +493,7 @@ class LabCluster:
             if ids:
                 run_command(["scancel", *ids], timeout_s=30, env=self.env(), check=False)
             # Job processes can outlive slurmd: let Slurm finish them first.
-            _wait_until(lambda: not run_command(["squeue", "-h", "-o", "%A"], timeout_s=10,
+            poll(lambda: not run_command(["squeue", "-h", "-o", "%A"], timeout_s=10,
                                                 env=self.env()).stdout.strip(),
                         min(timeout_s, KILL_WAIT_S + 10), 0.3)
         except SlurmExtError as e:
@@ -507,12 +507,12 @@ class LabCluster:
             pids = [pid for pid in pids if pid and _alive(pid, marker)]
             for pid in pids:
                 os.kill(pid, signal.SIGTERM)
-            if not _wait_until(lambda: not any(_alive(pid, marker) for pid in pids), timeout_s):
+            if not poll(lambda: not any(_alive(pid, marker) for pid in pids), timeout_s):
                 for pid in pids:
                     if _alive(pid, marker):
                         log.warning("PID %d ignored SIGTERM; sending SIGKILL", pid)
                         os.kill(pid, signal.SIGKILL)
-                _wait_until(lambda: not any(_alive(pid, marker) for pid in pids), 5)
+                poll(lambda: not any(_alive(pid, marker) for pid in pids), 5)
         self.paths.pids.unlink(missing_ok=True)
 
     # ---- reporting -----------------------------------------------------------------------

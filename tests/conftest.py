@@ -16,7 +16,6 @@ run as root (the lab starts slurmd, which needs root).
 import os
 import shutil
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -70,11 +69,9 @@ def slurm_client(slurm_lab):
 def wait_for(what: str, probe: Callable[[], object], timeout_s: float = 20.0):
     """Poll until ``probe`` returns something truthy and return it; else fail the test with
     ``what`` and the last value. Lab tests import it: ``from conftest import wait_for``."""
-    deadline = time.monotonic() + timeout_s
-    value = None
-    while time.monotonic() < deadline:
-        value = probe()
-        if value:
-            return value
-        time.sleep(0.25)
+    from slurm_ext.lab import poll
+
+    value = poll(probe, timeout_s)
+    if value:
+        return value
     pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}; last: {value!r}")
