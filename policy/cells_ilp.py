@@ -260,14 +260,14 @@ class CellsIlpPolicy:
         if state is not None and state.fingerprint == fp and snapshot.now_s - state.solved_s < self.resolve_s:
             return Decision((), state)
         weights = {j.job_id: self.weight(snapshot, j) for j in snapshot.jobs}
-        movable, fixed = self._split(snapshot, weights)
+        movable, fixed, known = self._split(snapshot, weights)
         pending = sorted((j for j in snapshot.jobs if j.assignment is None),
                          key=lambda j: (-weights[j.job_id], j.submit_time_s, j.job_id))
         offered = movable + pending[: self.max_pending]
         options: dict[str, list[_Option]] = {}
         reasons: dict[str, str] = {}
         for j in offered:
-            options[j.job_id], note = self.options(snapshot, j)
+            options[j.job_id], note = known.get(j.job_id) or self.options(snapshot, j)
             if note:
                 reasons[j.job_id] = note
         free = FreeGpus.from_snapshot(snapshot)
@@ -284,8 +284,10 @@ class CellsIlpPolicy:
         decision = self._place(snapshot, offered, pending, chosen, options, weights, reasons, how, share_left)
         return Decision(decision, CellsIlpState(_fingerprint_after(snapshot, decision), snapshot.now_s))
 
-    def _split(self, snapshot: Snapshot, weights: dict[str, float]) -> tuple[list[JobView], list[JobView]]:
-        """(running jobs that may change this round, running jobs that keep their Cells).
+    def _split(self, snapshot: Snapshot, weights: dict[str, float]
+               ) -> tuple[list[JobView], list[JobView], dict[str, tuple[list[_Option], str]]]:
+        """(running jobs that may change this round, running jobs that keep their Cells,
+        the options already computed on the way).
 
         When more may change than ``max_movable``, half are the jobs a change would gain
         the most (their best Cell's value over their current one's: a long job on a slow
@@ -294,22 +296,18 @@ class CellsIlpPolicy:
         """
         running = [j for j in snapshot.jobs if j.assignment is not None]
         eligible = [j for j in running if snapshot.now_s - j.last_change_s >= self.min_change_interval_s]
+        known: dict[str, tuple[list[_Option], str]] = {}
         if len(eligible) > self.max_movable:
             half = self.max_movable // 2
-            gains = {j.job_id: self._gain(snapshot, j) for j in eligible}
+            known = {j.job_id: self.options(snapshot, j) for j in eligible}
+            gains = {job_id: _gain(opts) for job_id, (opts, _) in known.items()}
             by_gain = sorted((j for j in eligible if gains[j.job_id] > 0),
                              key=lambda j: (-gains[j.job_id], j.job_id))[:half]
             ids = {j.job_id for j in by_gain}
             donors = sorted((j for j in eligible if j.job_id not in ids), key=lambda j: (weights[j.job_id], j.job_id))
             eligible = by_gain + donors[: self.max_movable - len(by_gain)]
         ids = {j.job_id for j in eligible}
-        return eligible, [j for j in running if j.job_id not in ids]
-
-    def _gain(self, snapshot: Snapshot, job: JobView) -> float:
-        """What the running job's best Cell is worth over the one it runs on."""
-        opts, _ = self.options(snapshot, job)
-        now_value = next((o.value for o in opts if o.current), 0.0)
-        return max((o.value for o in opts if o.cell is not None), default=now_value) - now_value
+        return eligible, [j for j in running if j.job_id not in ids], known
 
     def _share_left(self, snapshot: Snapshot, fixed: list[JobView]) -> dict[str, float]:
         """user → GPUs the user may still get this round (absent: no limit)."""
@@ -448,6 +446,12 @@ def _name_beneficiaries(snapshot: Snapshot, final: dict[str, Assignment | None],
             reasons[j.job_id] += " for job " + ", ".join(takers[:3]) + (" …" if len(takers) > 3 else "")
 
 
+def _gain(options: list[_Option]) -> float:
+    """What a running job's best Cell is worth over the one it runs on."""
+    now_value = next((o.value for o in options if o.current), 0.0)
+    return max((o.value for o in options if o.cell is not None), default=now_value) - now_value
+
+
 def _with_note(reason: str, note: str | None) -> str:
     return f"{reason}; {note}" if note and reason else (note or reason)
 
@@ -494,13 +498,6 @@ def _undominated(options: list[_Option]) -> list[_Option]:
 
 def _total(chosen: dict[str, _Option]) -> float:
     return sum(o.value for o in chosen.values())
-
-
-def _rate_of(shape: _Shape, cell: Cell) -> float:
-    for e, alts in shape.cells:
-        if e.cell == cell or cell in alts:
-            return e.samples_per_s
-    return 0.0
 
 
 def _all_free(free: FreeGpus, placement) -> bool:
