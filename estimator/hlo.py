@@ -145,16 +145,23 @@ _WHILE_RE = re.compile(r"\swhile\(.*?body=%?([\w.\-]+)")
 _TRIP_RE = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 
 
-def loop_repeats(hlo_text: str) -> dict[str, int]:
-    """Executions per run of every computation that is a while-loop body (nested loops
-    multiply). Loops without a known trip count count once."""
-    parent_of: dict[str, tuple[str, int]] = {}
+def _instructions(hlo_text: str):
+    """(name of the enclosing computation or None, line) for every line that does not open
+    a computation."""
     current = None
     for line in hlo_text.splitlines():
         m = _COMP_RE.match(line)
         if m:
             current = m.group(1)
-            continue
+        else:
+            yield current, line
+
+
+def loop_repeats(hlo_text: str) -> dict[str, int]:
+    """Executions per run of every computation that is a while-loop body (nested loops
+    multiply). Loops without a known trip count count once."""
+    parent_of: dict[str, tuple[str, int]] = {}
+    for current, line in _instructions(hlo_text):
         w = _WHILE_RE.search(line)
         if w and current is not None:
             t = _TRIP_RE.search(line)
@@ -182,12 +189,7 @@ def parse_collectives(hlo_text: str, num_devices: int | None = None) -> tuple[Co
     """
     out = []
     loops = loop_repeats(hlo_text)
-    current = None
-    for line in hlo_text.splitlines():
-        cm = _COMP_RE.match(line)
-        if cm:
-            current = cm.group(1)
-            continue
+    for current, line in _instructions(hlo_text):
         m = _OP_RE.match(line)
         if not m:
             continue
