@@ -14,9 +14,14 @@ over waiting, weighted,
 
 * ``norm_jc`` = samples/s on c over samples/s on what the job asked for, so models with
   many samples per second do not dominate; ``T_j / norm_jc`` is the time c needs.
-* ``T_j`` = the job's remaining time on what it asked for. Dividing by T^β favours jobs
-  close to finishing (β = 1 is shortest-remaining-time-first, what minimizes average JCT
-  under contention; β = 0 is pure time saved, what minimizes it when everyone runs).
+* ``T_j`` = the job's remaining time on what it asked for. Dividing by T^β (β = 1 by
+  default) favours jobs close to finishing: with β = 1, v_jc = a_j·((D − δ)/T_j +
+  1 − 1/norm_jc), so starting a job is worth more the shorter it is (shortest-remaining-
+  time-first, what minimizes average JCT under contention), and a faster Cell is worth
+  its relative speed-up 1/norm_slow − 1/norm_fast whatever the job's length (a faster
+  Cell held for a job's life saves time in proportion to the GPU time it uses, so long
+  jobs should not outbid short ones for fast GPUs); the restart cost then weighs R/T,
+  Rubick's rule. β < 1 lets long jobs outbid by T^(1−β).
 * ``D`` = what waiting costs beyond the job's own time (``wait_cost_s``): the larger it is,
   the more admitting a job outweighs making an admitted job faster.
 * ``a_j`` = 1 + (time since submission) / ``aging_s``: a job that waited long catches up
@@ -155,7 +160,7 @@ class CellsIlpPolicy:
     plan_tuning = "pruned"  # Cells come with estimates, so the plan search is Cell-guided
 
     def __init__(self, time_limit_s: float = 0.3, aging_s: float = 4 * 3600.0, wait_cost_s: float = 3600.0,
-                 size_exponent: float = 0.5,
+                 size_exponent: float = 1.0,
                  min_change_interval_s: float = 1800.0, restart_penalty: bool = True,
                  type_changes: bool = True, count_changes: bool = True, guarantee: bool = True,
                  deadlines: bool = True, max_share_frac: float | None = None,
