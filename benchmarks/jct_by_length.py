@@ -28,10 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from estimator.cluster import load_cluster  # noqa: E402
-from jct_lower_bound import fastest_iter_time_s  # noqa: E402
+from jct_lower_bound import fastest_service_s, first_start_s  # noqa: E402
 from policy.measured import load_measured  # noqa: E402
 from policy.registry import make_policy  # noqa: E402
-from policy.simulator import EstimateCache, RestartCosts, SimConfig, simulate  # noqa: E402
+from policy.simulator import EstimateCache, SimConfig, simulate  # noqa: E402
 from policy.trace import map_trace, read_trace, trace_kind_for  # noqa: E402
 
 GROUPS_H = ((0, 1), (1, 4), (4, 12), (12, 48), (48, float("inf")))
@@ -52,10 +52,8 @@ def main(argv: list[str] | None = None) -> dict:
     cluster = load_cluster(args.cluster)
     jobs = map_trace(read_trace(args.trace), table, seed=args.seed, kind=trace_kind_for(args.trace))
     n = len(jobs)
-    node_sizes = {g.gpu_type: g.gpus_per_node for g in cluster.node_groups}
-    capacity = {t: cluster.total_gpus(t) for t in cluster.gpu_types}
-    costs = RestartCosts()
-    start_s = costs.launch_s + costs.tuning_pruned_s
+    start_s = first_start_s()
+    any_size_s = dict(zip((j.job_id for j in jobs), fastest_service_s(jobs, table, cluster)))
     oracle = EstimateCache(cluster, table, oracle=True)
     groups = [{"asked_h": [lo, hi if hi != float("inf") else None], "jobs": 0, "floor_cells_h": 0.0,
                "floor_any_h": 0.0, "policies": {}} for lo, hi in GROUPS_H]
@@ -66,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
         g["jobs"] += 1
         fastest_cell_s = min(e.iteration_time_s for e in oracle.get(j.spec)[0])
         g["floor_cells_h"] += (start_s + j.iterations * min(fastest_cell_s, j.requested_iter_time_s)) / 3600 / n
-        g["floor_any_h"] += (start_s + j.iterations * fastest_iter_time_s(j, table, node_sizes, capacity)) / 3600 / n
+        g["floor_any_h"] += (start_s + any_size_s[j.job_id]) / 3600 / n
     estimates = EstimateCache(cluster, table)
     for name in args.policy:
         result = simulate(make_policy(name), jobs, cluster, table, SimConfig(), estimates)

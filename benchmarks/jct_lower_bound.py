@@ -50,6 +50,19 @@ def fastest_iter_time_s(job: TraceJob, table: MeasuredTable, node_sizes: dict[st
     return best
 
 
+def fastest_service_s(jobs, table: MeasuredTable, cluster) -> list[float]:
+    """Each job's running time on the fastest measured allocation the cluster allows."""
+    node_sizes = {g.gpu_type: g.gpus_per_node for g in cluster.node_groups}
+    capacity = {t: cluster.total_gpus(t) for t in cluster.gpu_types}
+    return [j.iterations * fastest_iter_time_s(j, table, node_sizes, capacity) for j in jobs]
+
+
+def first_start_s() -> float:
+    """The cheapest first start any policy pays: launch plus the pruned plan search."""
+    costs = RestartCosts()
+    return costs.launch_s + costs.tuning_pruned_s
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", required=True)
@@ -63,12 +76,8 @@ def main(argv: list[str] | None = None) -> dict:
     cluster = load_cluster(args.cluster)
     jobs = map_trace(read_trace(args.trace), table, seed=args.seed, density=args.density,
                      kind=trace_kind_for(args.trace))
-    node_sizes = {g.gpu_type: g.gpus_per_node for g in cluster.node_groups}
-    capacity = {t: cluster.total_gpus(t) for t in cluster.gpu_types}
-    costs = RestartCosts()
-    start_s = costs.launch_s + costs.tuning_pruned_s
-    service_s = [j.iterations * fastest_iter_time_s(j, table, node_sizes, capacity) for j in jobs]
-    floor_s = [start_s + s for s in service_s]
+    service_s = fastest_service_s(jobs, table, cluster)
+    floor_s = [first_start_s() + s for s in service_s]
     asked_s = [j.iterations * j.requested_iter_time_s for j in jobs]
     out = {
         "trace": Path(args.trace).name, "seed": args.seed, "cluster": cluster.name, "jobs": len(jobs),
