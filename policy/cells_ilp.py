@@ -215,7 +215,11 @@ class CellsIlpPolicy:
         delta_s = snapshot.restart_cost_s if self.restart_penalty else 0.0
         restart_s = delta_s * (1 + job.restarts) if cur is not None else delta_s
         # Waiting costs the job its remaining time plus D (and a restart when it runs now).
-        wait_cost_s = t_ref_s + self.wait_cost_s + (restart_s if cur is not None else 0.0)
+        wait_cost_s = t_ref_s + self.wait_cost_s
+        held_s = restart_s if cur is not None else 0.0
+        # A restart also idles the job's GPUs for its length, time a waiting job could have
+        # used: it weighs at least what it would for a job with D left.
+        restart_weight = max(per_s, 1.0 / self.wait_cost_s ** self.size_exponent)
         candidates = []
         for e, alts in shape.cells:
             c = e.cell
@@ -231,8 +235,8 @@ class CellsIlpPolicy:
                     continue
                 alts = ()  # other layouts of the shape may be slower than what was asked for
             t_s = rem_samples / e.samples_per_s  # = T_ref / normalized throughput
-            cost_s = t_s + (0.0 if is_cur else restart_s)
-            candidates.append((e, c, alts, t_s, is_cur, per_s * (wait_cost_s - cost_s)))
+            value = per_s * (wait_cost_s - t_s) + restart_weight * (held_s - (0.0 if is_cur else restart_s))
+            candidates.append((e, c, alts, t_s, is_cur, value))
         note = ""
         if self.deadlines and job.deadline_s is not None and candidates:
             meets = [x for x in candidates
@@ -248,7 +252,7 @@ class CellsIlpPolicy:
         wait_value = 0.0
         if cur is not None:
             now_value = next((x[5] for x in candidates if x[4]), 0.0)
-            wait_value = min(0.0, now_value - per_s * restart_s)
+            wait_value = min(0.0, now_value - restart_weight * restart_s)
         out = [_Option(job.job_id, c, value, alts, is_cur) for e, c, alts, t_s, is_cur, value in candidates
                if value > wait_value or is_cur or idle]
         out = _undominated(out)

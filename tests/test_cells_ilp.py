@@ -207,6 +207,19 @@ def test_restart_penalty_and_min_interval_keep_a_running_job_in_place():
     assert final_assignments(sticky, CellsIlpPolicy(restart_penalty=False).decide(sticky))["r"].cell.num_gpus == 4
 
 
+def test_long_job_is_not_restarted_for_a_small_speed_up():
+    # A restart idles the job's GPUs: it weighs at least what it would for a job with an
+    # hour left, however long the job is. 300,000 iterations: about 270 h left.
+    def grown(rate_on_4):
+        rates = {("a100", 2): 20.0, ("a100", 4): rate_on_4}
+        r = job("r", rates, gpus=2, running=("a100", 2, (("a100-0", 2),)), iterations=300_000, last_change=0.0)
+        s = snap([r], nodes(a100=1, v100=0), restart_cost_s=600.0)
+        return final_assignments(s, CellsIlpPolicy().decide(s))["r"].cell.num_gpus
+
+    assert grown(20.4) == 2  # 2 % faster saves hours, but a restart weighs 600 s of an hour-long job
+    assert grown(40.0) == 4  # twice as fast is worth it
+
+
 def test_ablations_restrict_type_and_count():
     rates = {("a100", 2): 10.0, ("v100", 2): 30.0, ("v100", 4): 60.0}
     p = job("p", rates, gpus=2, gpu_type="a100")
