@@ -10,7 +10,9 @@ the answer on nodes (``policy.placement``), so a decision never over-commits a n
 Objective (maximized), per job j and Cell c: the expected completion time the Cell saves
 over waiting, weighted,
 
-    v_jc = a_j / T_j^β · (T_j + D + R_j − T_j / norm_jc − R_jc)        (wait: v = 0)
+    v_jc = w_j · (T_j + D − T_j / norm_jc) + w_R · (R_j − R_jc)        (wait: v = 0)
+
+with w_j = a_j / T_j^β and w_R = max(w_j, 1 / D^β).
 
 * ``norm_jc`` = samples/s on c over samples/s on what the job asked for, so models with
   many samples per second do not dominate; ``T_j / norm_jc`` is the time c needs.
@@ -21,7 +23,7 @@ over waiting, weighted,
   its relative speed-up 1/norm_slow − 1/norm_fast whatever the job's length (a faster
   Cell held for a job's life saves time in proportion to the GPU time it uses, so long
   jobs should not outbid short ones for fast GPUs); the restart cost then weighs R/T,
-  Rubick's rule. β < 1 lets long jobs outbid by T^(1−β).
+  Rubick's rule, for jobs with less than D left. β < 1 lets long jobs outbid by T^(1−β).
 * ``D`` = what waiting costs beyond the job's own time (``wait_cost_s``): the larger it is,
   the more admitting a job outweighs making an admitted job faster.
 * ``a_j`` = 1 + (time since submission) / ``aging_s``: a job that waited long catches up
@@ -29,8 +31,14 @@ over waiting, weighted,
 * ``R_jc`` = the restart cost of c: 0 for the Cell a job runs on, the snapshot's restart
   cost δ for a start, N·δ for a change of a running job with N = 1 + its restarts so far
   (Rubick's T − N·δ: a job restarted often becomes stickier); ``R_j`` = N·δ for a
-  running job (suspending it means paying a restart later), 0 for a pending one. A running
-  job changed less than ``min_change_interval_s`` ago keeps its Cell.
+  running job (suspending it means paying a restart later), 0 for a pending one.
+* ``w_R``: a restart also idles the job's GPUs for its length, time a waiting job could
+  have used, so it weighs at least what it would for a job with D left. Without this
+  floor 1/T^β made a long job's restarts almost free, and long jobs were moved back and
+  forth for small gains (on philly_2week the floor cut restarts per job from 1.1–1.2 to
+  0.7 at the same average JCT).
+
+A running job changed less than ``min_change_interval_s`` ago keeps its Cell.
 
 Options: ``guarantee`` (a guaranteed job only gets Cells at least as fast as what it asked
 for, and a running one is never suspended), ``deadlines`` (a job with a deadline only
