@@ -36,7 +36,7 @@ with w_j = a_j / T_j^β and w_R = max(w_j, 1 / D^β).
   have used, so it weighs at least what it would for a job with D left. Without this
   floor 1/T^β made a long job's restarts almost free, and long jobs were moved back and
   forth for small gains (on philly_2week the floor cut restarts per job from 1.1–1.2 to
-  0.7 at the same average JCT).
+  0.7, the average JCT within 0.7 %).
 
 A running job changed less than ``min_change_interval_s`` ago keeps its Cell.
 
