@@ -222,7 +222,8 @@ class CellsIlpPolicy:
         t_ref_s, per_s = self._scale(snapshot, job)
         delta_s = snapshot.restart_cost_s if self.restart_penalty else 0.0
         restart_s = delta_s * (1 + job.restarts) if cur is not None else delta_s
-        # Waiting costs the job its remaining time plus D (and a restart when it runs now).
+        # Waiting costs the job its remaining time plus D; a running job also holds a
+        # restart (R_j) that suspending it would make it pay later.
         wait_cost_s = t_ref_s + self.wait_cost_s
         held_s = restart_s if cur is not None else 0.0
         # A restart also idles the job's GPUs for its length, time a waiting job could have

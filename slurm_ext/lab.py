@@ -494,8 +494,8 @@ class LabCluster:
                 run_command(["scancel", *ids], timeout_s=30, env=self.env(), check=False)
             # Job processes can outlive slurmd: let Slurm finish them first.
             poll(lambda: not run_command(["squeue", "-h", "-o", "%A"], timeout_s=10,
-                                                env=self.env()).stdout.strip(),
-                        min(timeout_s, KILL_WAIT_S + 10), 0.3)
+                                         env=self.env()).stdout.strip(),
+                 min(timeout_s, KILL_WAIT_S + 10), 0.3)
         except SlurmExtError as e:
             log.warning("could not cancel the lab's jobs: %s", e)
 
