@@ -40,6 +40,14 @@ with w_j = a_j / T_j^β and w_R = max(w_j, 1 / D^β).
 
 A running job changed less than ``min_change_interval_s`` ago keeps its Cell.
 
+Starvation bound (Slurm backfill's reservation, one job at a time): aging alone cannot
+start a wide job whose GPUs many small jobs outbid it for, nor a job whose Cell needs
+whole nodes that small jobs keep fragmenting. The pending job that has waited longest,
+once it has waited ``reserve_after_s``, is decided before the program: it starts on its
+best Cell that fits now; else on nodes freed by suspending running jobs that may change
+(lowest weight first); else the nodes it needs least to wait for are held, their free
+GPUs given to no one else, until it fits.
+
 Options: ``guarantee`` (a guaranteed job only gets Cells at least as fast as what it asked
 for, and a running one is never suspended), ``deadlines`` (a job with a deadline only
 gets Cells that finish it in time; one that no Cell can finish in time is reported and
@@ -90,6 +98,35 @@ class _Option:
     value: float
     alternatives: tuple[Cell, ...] = ()  # same shape, other layouts, for placement repair
     current: bool = False  # the Cell the job runs on now
+
+
+@dataclass(frozen=True)
+class _Reservation:
+    """The starvation bound's decision for the longest-waiting job, taken before the program.
+
+    Attributes:
+        job_id: the job.
+        waited_s: how long it has waited.
+        start: where it starts now, or None while its nodes drain.
+        evicted: running jobs suspended to make room for it.
+        hold: the free GPUs held for it on the nodes it waits for (nobody else gets them).
+        reason: what the job's line says.
+    """
+
+    job_id: str
+    waited_s: float
+    start: Assignment | None
+    evicted: tuple[str, ...] = ()
+    hold: tuple[tuple[str, int], ...] = ()
+    reason: str = ""
+
+    def apply(self, free: FreeGpus, jobs: dict[str, JobView]) -> None:
+        """Spend ``free`` as the reservation does: evictions freed, the start and the hold taken."""
+        for job_id in self.evicted:
+            free.release(jobs[job_id].assignment.placement)
+        if self.start is not None:
+            free.take(self.start.placement)
+        free.take(self.hold)
 
 
 @dataclass(frozen=True)
@@ -160,6 +197,8 @@ class CellsIlpPolicy:
             weights, half the highest), the rest keep their Cells; bounds the program.
         resolve_s: a round where no job arrived, finished or changed re-solves only
             after this long.
+        reserve_after_s: a pending job that has waited this long (since submission, or
+            since it was suspended) gets the starvation bound's reservation; None: never.
         solvers: the solvers to try in order (``highs``, ``cbc``); none left means the
             greedy rule decides.
     """
@@ -173,7 +212,8 @@ class CellsIlpPolicy:
                  type_changes: bool = True, count_changes: bool = True, guarantee: bool = True,
                  deadlines: bool = True, max_share_frac: float | None = None,
                  share_limits: dict[str, float] | None = None, max_pending: int = 96,
-                 max_movable: int = 32, resolve_s: float = 900.0, solvers: tuple[str, ...] = ("highs", "cbc")):
+                 max_movable: int = 32, resolve_s: float = 900.0, reserve_after_s: float | None = 6 * 3600.0,
+                 solvers: tuple[str, ...] = ("highs", "cbc")):
         self.time_limit_s = time_limit_s
         self.aging_s = aging_s
         self.wait_cost_s = wait_cost_s
@@ -189,6 +229,7 @@ class CellsIlpPolicy:
         self.max_pending = max_pending
         self.max_movable = max_movable
         self.resolve_s = resolve_s
+        self.reserve_after_s = reserve_after_s
         self.solvers = tuple(solvers)
 
     # ---- weights and options ------------------------------------------------------------
@@ -278,8 +319,10 @@ class CellsIlpPolicy:
         if state is not None and state.fingerprint == fp and snapshot.now_s - state.solved_s < self.resolve_s:
             return Decision((), state)
         weights = {j.job_id: self.weight(snapshot, j) for j in snapshot.jobs}
-        movable, fixed, known = self._split(snapshot, weights)
-        pending = sorted((j for j in snapshot.jobs if j.assignment is None),
+        reservation = self._reservation(snapshot, weights)
+        skip = {reservation.job_id, *reservation.evicted} if reservation else set()
+        movable, fixed, known = self._split(snapshot, weights, skip)
+        pending = sorted((j for j in snapshot.jobs if j.assignment is None and j.job_id not in skip),
                          key=lambda j: (-weights[j.job_id], j.submit_time_s, j.job_id))
         offered = movable + pending[: self.max_pending]
         options: dict[str, list[_Option]] = {}
@@ -289,30 +332,74 @@ class CellsIlpPolicy:
             if note:
                 reasons[j.job_id] = note
         free = FreeGpus.from_snapshot(snapshot)
+        if reservation:
+            reservation.apply(free, snapshot.job_index())
         for j in movable:
             free.release(j.assignment.placement)
         users = {j.job_id: j.user for j in snapshot.jobs}
         share_left = self._share_left(snapshot, fixed)
+        if reservation and reservation.start and users[reservation.job_id] in share_left:
+            share_left[users[reservation.job_id]] -= reservation.start.num_gpus
         chosen, how = solve_choice(options, free, users, share_left, self.time_limit_s, self.solvers)
         if chosen is None or how != "ILP":
             # No answer, or one cut short by the time limit: the greedy rule's when better.
             greedy = self._greedy(offered, options, free, users, share_left)
             if chosen is None or _total(greedy) > _total(chosen) + 1e-12:
                 chosen, how = greedy, "greedy"
-        decision = self._place(snapshot, offered, pending, chosen, options, weights, reasons, how, share_left)
+        decision = self._place(snapshot, offered, pending, chosen, options, weights, reasons, how, share_left,
+                               reservation)
         return Decision(decision, CellsIlpState(_fingerprint_after(snapshot, decision), snapshot.now_s))
 
-    def _split(self, snapshot: Snapshot, weights: dict[str, float]
+    def _reservation(self, snapshot: Snapshot, weights: dict[str, float]) -> _Reservation | None:
+        """The starvation bound: the longest-waiting job past ``reserve_after_s`` that has a
+        Cell on this cluster starts now (on free GPUs, else on GPUs of running jobs that may
+        change, lowest weight first), or the nodes it needs are held for it; None when no
+        job has waited that long."""
+        if self.reserve_after_s is None:
+            return None
+        starving = sorted(((snapshot.now_s - j.last_change_s, j) for j in snapshot.jobs
+                           if j.assignment is None and snapshot.now_s - j.last_change_s >= self.reserve_after_s),
+                          key=lambda x: (-x[0], x[1].submit_time_s, x[1].job_id))
+        if not starving:
+            return None
+        free = FreeGpus.from_snapshot(snapshot)
+        on_node: dict[str, list[JobView]] = {}
+        running = [j for j in snapshot.jobs if j.assignment is not None]
+        for j in running:
+            if snapshot.now_s - j.last_change_s >= self.min_change_interval_s and \
+                    not (self.guarantee and j.guaranteed):
+                for node, _ in j.assignment.placement:
+                    on_node.setdefault(node, []).append(j)
+        share_left = self._share_left(snapshot, running)
+        for wait_s, job in starving:
+            gpus_left = share_left.get(job.user, math.inf)
+            opts = sorted((o for o in self.options(snapshot, job, idle=True)[0] if o.cell is not None),
+                          key=lambda o: (-o.value, o.cell.label()))
+            plans = [(plan[0], plan[1], rank, cell, plan) for rank, o in enumerate(opts)
+                     for cell in (o.cell, *o.alternatives) if cell.num_gpus <= gpus_left
+                     for plan in (_reserve_plan(cell, free, on_node, weights),) if plan is not None]
+            if not plans:
+                continue
+            _, _, _, cell, (status, _, placement, evicted, hold) = min(plans, key=lambda x: x[:3])
+            waited = _waited(wait_s)
+            if status == _HOLD:
+                nodes = ",".join(n for n, _ in hold) or "busy nodes"
+                return _Reservation(job.job_id, wait_s, None, (), hold, f"{waited}: {nodes} held for {cell.label()}")
+            return _Reservation(job.job_id, wait_s, Assignment(cell, placement), evicted, (),
+                                f"started on {cell.label()}: {waited}")
+        return None
+
+    def _split(self, snapshot: Snapshot, weights: dict[str, float], skip: set[str]
                ) -> tuple[list[JobView], list[JobView], dict[str, tuple[list[_Option], str]]]:
         """(running jobs that may change this round, running jobs that keep their Cells,
-        the options already computed on the way).
+        the options already computed on the way); jobs in ``skip`` are in neither list.
 
         When more may change than ``max_movable``, half are the jobs a change would gain
         the most (their best Cell's value over their current one's: a long job on a slow
         Cell that a faster one would finish hours sooner) and half the jobs of lowest
         weight (whose GPUs others may use best).
         """
-        running = [j for j in snapshot.jobs if j.assignment is not None]
+        running = [j for j in snapshot.jobs if j.assignment is not None and j.job_id not in skip]
         eligible = [j for j in running if snapshot.now_s - j.last_change_s >= self.min_change_interval_s]
         known: dict[str, tuple[list[_Option], str]] = {}
         if len(eligible) > self.max_movable:
@@ -376,11 +463,17 @@ class CellsIlpPolicy:
                     break
         return out
 
-    def _place(self, snapshot, offered, pending, chosen, options, weights, reasons, how, share_left):
+    def _place(self, snapshot, offered, pending, chosen, options, weights, reasons, how, share_left,
+               reservation: _Reservation | None = None):
         """Put the chosen Cells on nodes; repair what does not fit; backfill leftovers."""
         notes, reasons = dict(reasons), {}
         free = FreeGpus.from_snapshot(snapshot)
         final: dict[str, Assignment | None] = {}
+        if reservation:
+            reservation.apply(free, snapshot.job_index())
+            final[reservation.job_id] = reservation.start
+            reasons[reservation.job_id] = reservation.reason
+            final.update((job_id, None) for job_id in reservation.evicted)
         changed: list[JobView] = []
         left = dict(share_left)
         for j in offered:
@@ -443,6 +536,8 @@ class CellsIlpPolicy:
                     left[j.user] -= got.num_gpus
                 reasons[j.job_id] = f"backfilled on {got.cell.label()}"
         _name_beneficiaries(snapshot, final, reasons)
+        for job_id in reservation.evicted if reservation else ():
+            reasons[job_id] = f"suspended for job {reservation.job_id}, which {_waited(reservation.waited_s)}"
         return tuple(JobDecision(j.job_id, final[j.job_id], _with_note(reasons.get(j.job_id, ""), notes.get(j.job_id)))
                      for j in snapshot.jobs if j.job_id in final)
 
@@ -462,6 +557,50 @@ def _name_beneficiaries(snapshot: Snapshot, final: dict[str, Assignment | None],
         takers = sorted({k for node, _ in j.assignment.placement for k in newcomers.get(node, ()) if k != j.job_id})
         if takers and j.job_id in reasons:
             reasons[j.job_id] += " for job " + ", ".join(takers[:3]) + (" …" if len(takers) > 3 else "")
+
+
+def _waited(wait_s: float) -> str:
+    return f"waited {wait_s / 3600:.1f} h (starvation bound)"
+
+
+_NOW, _EVICT, _HOLD = 0, 1, 2  # how a reserved job gets its Cell: free GPUs, suspensions, draining
+
+
+def _reserve_plan(cell: Cell, free: FreeGpus, on_node: dict[str, list[JobView]], weights: dict[str, float]):
+    """How a reserved job could get ``cell``: (status, cost, placement, evicted job ids, hold),
+    or None when the cluster has too few nodes for its layout.
+
+    ``_NOW`` fits on free GPUs (cost 0). ``_EVICT`` fits once the running jobs in
+    ``on_node`` (those that may change) on its nodes are suspended, lowest weight first
+    (cost: their GPUs). ``_HOLD`` does not fit yet: the free GPUs of the nodes it needs
+    least to wait for are held (cost: the GPUs still to be freed there).
+    """
+    placement = free.place(cell)
+    if placement is not None:
+        return _NOW, 0, placement, (), ()
+    per_node = min(cell.gpus_per_node, cell.num_gpus)
+    if cell.num_gpus % per_node or per_node & (per_node - 1):
+        return None
+    num_nodes = cell.num_gpus // per_node
+    names = [n for n in free.by_type.get(cell.gpu_type, ()) if free.capacity[n] >= per_node]
+    if len(names) < num_nodes:
+        return None
+    evictable = {n: sum(g for j in on_node.get(n, ()) for m, g in j.assignment.placement if m == n) for n in names}
+    short = {n: max(0, per_node - free.free[n] - evictable[n]) for n in names}
+    need = {n: max(0, per_node - free.free[n]) for n in names}
+    chosen = sorted(names, key=lambda n: (short[n], need[n], n))[:num_nodes]
+    if any(short[n] for n in chosen):
+        hold = tuple((n, min(free.free[n], per_node)) for n in chosen if free.free[n] > 0)
+        return _HOLD, sum(short[n] for n in chosen), None, (), hold
+    trial, evicted = free.copy(), {}
+    for n in chosen:
+        for j in sorted(on_node.get(n, ()), key=lambda j: (weights[j.job_id], j.job_id)):
+            if trial.free[n] >= per_node:
+                break
+            if j.job_id not in evicted:
+                trial.release(j.assignment.placement)
+                evicted[j.job_id] = j.assignment.num_gpus
+    return _EVICT, sum(evicted.values()), tuple(sorted((n, per_node) for n in chosen)), tuple(evicted), ()
 
 
 def _gain(options: list[_Option]) -> float:

@@ -14,6 +14,7 @@ rounds. Logs are ``key=value`` lines.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -356,6 +357,7 @@ class Daemon:
             self._submit_s.update(self.store.submit_times(new) if not cfg.dry_run else new)
         submit_s = self._submit_s
         progress = self.store.progress()
+        suspended_s = self.store.suspended_times()
         node_types = {n.name: node_type(n, part_types) for n in nodes}
         managed: list[ManagedJob] = []
         launching: list[SlurmJob] = []
@@ -397,12 +399,13 @@ class Daemon:
                 if measured is not None:  # Rubick's continuous fitting of the running Cell
                     estimates = refine(estimates, measured, spec.global_batch)
             started_s = float(job.start_time_s or job.submit_time_s)
+            waiting_since_s = max(submit_s.get(job.job_id, started_s), suspended_s.get(job.job_id, -math.inf))
             view = JobView(
                 job_id=str(job.job_id), user=job.user, spec=jspec,
                 submit_time_s=submit_s.get(job.job_id, float(job.submit_time_s)), state=state,
                 assignment=assignment, iterations_done=progress.get(job.job_id, 0.0),
                 iterations_total=spec.iterations, restarts=job.restart_count,
-                last_change_s=started_s if state == RUNNING else submit_s.get(job.job_id, started_s),
+                last_change_s=started_s if state == RUNNING else waiting_since_s,
                 deadline_s=spec.deadline_s, guaranteed=spec.guaranteed,
                 estimates=estimates, dp_only_estimates=est["dp-only"])
             m = ManagedJob(job, spec, view)

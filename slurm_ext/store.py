@@ -240,6 +240,11 @@ class Store:
         return tuple(JournalEntry(r[0], r[1], r[2], _update_from_json(r[3]), r[4], r[5], r[6])
                      for r in rows)
 
+    def suspended_times(self) -> dict[int, float]:
+        """Job id → when its last completed suspension finished (what a held job's wait counts from)."""
+        return dict(self._exec("SELECT job_id, MAX(updated_s) FROM journal WHERE kind = ? AND state = ? "
+                               "GROUP BY job_id", (SUSPEND, DONE)).fetchall())
+
     def prune_journal(self, older_than_s: float) -> int:
         """Delete closed entries written before ``older_than_s``; returns how many."""
         cur = self._exec("DELETE FROM journal WHERE state != ? AND created_s < ?",

@@ -289,3 +289,56 @@ def test_idle_gpus_run_a_job_slowly_until_its_fast_cell_frees_up():
     assert final_assignments(still_busy, CellsIlpPolicy().decide(still_busy))["p"] == started
     freed = snap([on_v100], nodes(a100=1, v100=1))
     assert final_assignments(freed, CellsIlpPolicy().decide(freed))["p"].cell.gpu_type == "a100"
+
+
+def small_jobs_filling(node_names, *, last_change):
+    """One-GPU jobs, nearly done, on every GPU of the a100 nodes named."""
+    return [job(f"s{k}-{n}", {("a100", 1): 10.0}, gpus=1, submit=last_change, last_change=last_change,
+                running=("a100", 1, ((n, 1),)), iterations=100) for n in node_names for k in range(4)]
+
+
+def test_a_wide_job_that_waited_past_the_bound_starts_on_gpus_of_small_jobs():
+    """Small jobs always outbid a wide one for its GPUs; once it has waited reserve_after_s,
+    the lowest-weight jobs on the nodes it needs are suspended for it."""
+    wide = job("wide", {("a100", 8): 80.0}, gpus=8, submit=0.0, iterations=100_000)
+    small = small_jobs_filling(["a100-0", "a100-1"], last_change=30_000.0)
+    s = snap([wide, *small], nodes(a100=2, v100=0), now=36_000.0)  # waited 10 h
+    unbounded = CellsIlpPolicy(reserve_after_s=None).decide(s)
+    assert final_assignments(s, unbounded)["wide"] is None
+    d = CellsIlpPolicy(reserve_after_s=6 * 3600.0).decide(s)
+    validate_decision(s, d)
+    final = final_assignments(s, d)
+    assert final["wide"].cell == Cell("a100", 8, 4, 1)
+    assert "starvation bound" in d.for_job("wide").reason
+    assert all(final[j.job_id] is None for j in small)
+    assert all(d.for_job(j.job_id).reason.startswith("suspended for job wide") for j in small)
+    later = snap([wide, *small], nodes(a100=2, v100=0), now=18_000.0)  # waited 5 h: not yet
+    assert final_assignments(later, CellsIlpPolicy(reserve_after_s=6 * 3600.0).decide(later))["wide"] is None
+
+
+def test_nodes_are_held_for_a_starving_job_until_its_cell_fits():
+    """Jobs changed too recently cannot be suspended: the nodes the starving job needs are
+    held (no newcomer gets their free GPUs), and it starts once they are free."""
+    wide = job("wide", {("a100", 8): 80.0}, gpus=8, submit=0.0, iterations=100_000)
+    recent = job("recent", {("a100", 2): 20.0}, gpus=2, submit=35_500.0, last_change=35_500.0,
+                 running=("a100", 2, (("a100-0", 2),)), iterations=100)
+    newcomer = job("new", {("a100", 1): 10.0}, gpus=1, submit=35_900.0, iterations=100)
+    s = snap([wide, recent, newcomer], nodes(a100=2, v100=0), now=36_000.0)
+    assert final_assignments(s, CellsIlpPolicy(reserve_after_s=None).decide(s))["new"] is not None
+    d = CellsIlpPolicy().decide(s)
+    validate_decision(s, d)
+    final = final_assignments(s, d)
+    assert final["wide"] is None and final["new"] is None and final["recent"] is not None
+    assert "held for a100x8" in d.for_job("wide").reason
+    done = snap([wide, newcomer], nodes(a100=2, v100=0), now=36_300.0)
+    assert final_assignments(done, CellsIlpPolicy().decide(done))["wide"].cell == Cell("a100", 8, 4, 1)
+
+
+def test_the_starvation_bound_never_suspends_a_guaranteed_job():
+    wide = job("wide", {("a100", 8): 80.0}, gpus=8, submit=0.0, iterations=100_000)
+    small = [job(j.job_id, {("a100", 1): 10.0}, gpus=1, submit=30_000.0, last_change=30_000.0,
+                 running=("a100", 1, j.assignment.placement), iterations=100, guaranteed=True)
+             for j in small_jobs_filling(["a100-0", "a100-1"], last_change=30_000.0)]
+    s = snap([wide, *small], nodes(a100=2, v100=0), now=36_000.0)
+    final = final_assignments(s, CellsIlpPolicy().decide(s))
+    assert final["wide"] is None and all(final[j.job_id] is not None for j in small)

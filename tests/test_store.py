@@ -6,7 +6,7 @@ import pytest
 
 from slurm_ext.slurm_client import JobUpdate, SlurmJob
 from slurm_ext.store import (
-    ABANDONED, ANNOTATE, CLOSE, DONE, INTENDED, REAPPLY, RELEASE, RELEASE_ONLY, RESCALE,
+    ABANDONED, ANNOTATE, CLOSE, DONE, FAILED, INTENDED, REAPPLY, RELEASE, RELEASE_ONLY, RESCALE,
     START, SUSPEND, Store, plan_recovery,
 )
 
@@ -59,6 +59,17 @@ def test_submit_time_survives_requeue(store):
     assert store.submit_times({5: 1000.0, 6: 1010.0}) == {5: 1000.0, 6: 1010.0}
     # A requeue resets Slurm's submit time; the store keeps the original.
     assert store.submit_times({5: 2000.0, 9: 2001.0}) == {5: 1000.0, 9: 2001.0}
+
+
+def test_suspended_times_are_the_last_completed_suspensions(store):
+    first = store.intend(5, SUSPEND, None, 100.0)
+    store.close_entry(first, DONE, 110.0)
+    again = store.intend(5, SUSPEND, None, 500.0)
+    store.close_entry(again, DONE, 520.0)
+    store.close_entry(store.intend(6, SUSPEND, None, 600.0), FAILED, 610.0, "never came back held")
+    store.intend(7, SUSPEND, None, 700.0)  # still open
+    store.close_entry(store.intend(8, RESCALE, UPDATE, 800.0), DONE, 810.0)
+    assert store.suspended_times() == {5: 520.0}
 
 
 def test_specs_estimates_progress(store):
