@@ -122,6 +122,9 @@ def one_round(policy: CellsIlpPolicy, snap: Snapshot) -> dict:
     validate_decision(snap, decision)  # raises on any over-commit or bad placement
     how: Counter[str] = Counter()
     for d in decision.jobs:
+        if "(starvation bound)" in d.reason:
+            how["starvation bound"] += 1
+            continue
         for path in ("ILP (time limit)", "ILP", "greedy", "backfilled"):
             if d.reason.startswith(path):
                 how[path] += 1
