@@ -375,12 +375,15 @@ class CellsIlpPolicy:
             gpus_left = share_left.get(job.user, math.inf)
             opts = sorted((o for o in self.options(snapshot, job, idle=True)[0] if o.cell is not None),
                           key=lambda o: (-o.value, o.cell.label()))
-            plans = [(plan[0], plan[1], rank, cell, plan) for rank, o in enumerate(opts)
-                     for cell in (o.cell, *o.alternatives) if cell.num_gpus <= gpus_left
-                     for plan in (_reserve_plan(cell, free, on_node, weights),) if plan is not None]
-            if not plans:
+            best = None  # ((status, cost, rank by value), cell, plan): free GPUs first, then fewest suspended
+            for rank, o in enumerate(opts):
+                for cell in (o.cell, *o.alternatives):
+                    plan = _reserve_plan(cell, free, on_node, weights) if cell.num_gpus <= gpus_left else None
+                    if plan is not None and (best is None or (plan[0], plan[1], rank) < best[0]):
+                        best = ((plan[0], plan[1], rank), cell, plan)
+            if best is None:
                 continue
-            _, _, _, cell, (status, _, placement, evicted, hold) = min(plans, key=lambda x: x[:3])
+            _, cell, (status, _, placement, evicted, hold) = best
             waited = _waited(wait_s)
             if status == _HOLD:
                 nodes = ",".join(n for n, _ in hold) or "busy nodes"
