@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> dict:
     jobs = map_trace(read_trace(args.trace), table, seed=args.seed, density=args.density,
                      kind=trace_kind_for(args.trace))
     service_s = fastest_service_s(jobs, table, cluster)
-    floor_s = [first_start_s() + s for s in service_s]
+    start_s = first_start_s()
+    floor_s = [start_s + s for s in service_s]
     asked_s = [j.iterations * j.requested_iter_time_s for j in jobs]
     out = {
         "trace": Path(args.trace).name, "seed": args.seed, "cluster": cluster.name, "jobs": len(jobs),
