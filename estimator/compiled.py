@@ -304,7 +304,8 @@ def build_stage_step(stage, mesh, donate: bool = True, scan: bool = True):
 
     arch, mb = stage.arch, stage.micro_batch
     runs = jm.layer_runs(arch, stage.layers) if scan else tuple((i, 1, 1) for i in stage.layers)
-    opt = jm.optimizer_for(arch)
+    from estimator.jax_optim import optimizer_for
+    opt = optimizer_for(arch.optimizer)
     specs = stage_specs(stage, opt, runs)
     shard = {k: named(v) for k, v in specs.items()}
     batch = NamedSharding(mesh, P("dp"))
@@ -533,7 +534,8 @@ class PlanRunner:
             raise SpecError("devices", len(devices), f"the plan needs {need} devices; run with more")
         self.arch, self.micro_batches = arch, micro_batches
         self.mb_size = global_batch // micro_batches
-        self.optimizer = jm.optimizer_for(arch)
+        from estimator.jax_optim import optimizer_for
+        self.optimizer = optimizer_for(arch.optimizer)
         self.parts = []
         first = 0
         for sp in stages:

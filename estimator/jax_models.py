@@ -2,7 +2,8 @@
 
 Shared by the compiled estimator (``estimator.compiled``, which only lowers and compiles
 them from abstract shapes) and the training runtime (which runs them). Everything here is
-pure JAX over plain pytrees: no Flax, no optax, no global state.
+pure JAX over plain pytrees: no Flax, no optax, no global state. Optimizers are in
+``estimator.jax_optim``.
 
 Layer indexing matches the estimator's ``ModelSpec.layers``: layer 0 is the embedding (the
 stem for wide_resnet), layers 1..L are the blocks, layer L+1 is the head (with the loss).
@@ -21,8 +22,18 @@ Families (architectures as in the measured tables, Alpa's benchmark models):
 Tensor parallelism is Megatron-style: column-sharded first matmul, row-sharded second
 (attention heads and FFN hidden); MoE experts are sharded over the same axis (expert
 parallelism, as GShard); wide_resnet convs shard output then input channels. The sharding
-is given as ``PartitionSpec`` trees over the mesh axes ``("dp", "tp")``; the layer code only
-calls ``ctx.act`` at layer boundaries so that the model stays mesh-agnostic.
+is given as ``PartitionSpec`` trees over the mesh axes ``("dp", "tp")``.
+
+The same layer code runs in two settings. On global arrays (one device, or XLA's
+automatic partitioning, as the compiled estimator uses it) ``ctx.act`` pins activations
+at layer boundaries and XLA inserts the collectives. On the local shards of a
+hand-partitioned program (``shard_map``, as the training runtime runs it) ``ctx.tp`` is a
+:class:`TensorParallel` that names Megatron's collectives explicitly: ``enter`` before a
+column-parallel op (identity forward, all-reduce of the gradient), ``exit`` after a
+row-parallel one (all-reduce forward, identity backward), the vocabulary-parallel
+embedding and cross-entropy, the local slice of the experts or channels, and batch-norm
+statistics over the data-parallel group. Its default does nothing, which is the global
+setting.
 """
 
 import math
@@ -165,15 +176,60 @@ def arch_from_model(spec) -> Arch:
 # --------------------------------------------------------------------------- contexts
 
 
+class TensorParallel:
+    """Tensor-parallel collectives as the layer code calls them; this base class is the
+    global setting, where every array is whole and each method is the plain operation."""
+
+    size = 1
+
+    def enter(self, x):
+        """Before a column-parallel op: identity forward, all-reduce of the gradient."""
+        return x
+
+    def exit(self, x):
+        """After a row-parallel op: all-reduce of the partial sums, identity backward."""
+        return x
+
+    def embed(self, table, ids):
+        """Rows ``ids`` of an embedding table sharded over its rows (the vocabulary)."""
+        return jnp.take(table, ids, axis=0)
+
+    def cross_entropy(self, logits, labels):
+        """Mean softmax cross-entropy in fp32, classes sharded over the last axis."""
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        return -jnp.take_along_axis(logp, labels[..., None], axis=-1).mean()
+
+    def local(self, x, axis: int):
+        """This device's slice of a replicated axis that the weights shard (experts)."""
+        return x
+
+    def slice_channels(self, x):
+        """The last axis cut to this device's channels (backward: all-gather)."""
+        return x
+
+    def gather_channels(self, x):
+        """Channels sharded over the last axis made whole (backward: own slice)."""
+        return x
+
+    def batch_mean(self, x, axes: tuple[int, ...]):
+        """Mean over ``axes``, the batch included: across the data-parallel group too."""
+        return x.mean(axis=axes)
+
+
+GLOBAL_TP = TensorParallel()
+
+
 @dataclass(frozen=True)
 class ShardCtx:
-    """How layer code constrains activations; identity when not sharded.
+    """How layer code constrains activations and names its collectives.
 
     ``act`` pins an activation whose leading axis is the batch to batch sharding over
-    ``dp`` (Megatron keeps block boundaries replicated over tp).
+    ``dp`` (Megatron keeps block boundaries replicated over tp); ``tp`` is the
+    tensor-parallel collectives of a hand-partitioned program (default: none).
     """
 
     act: Callable[[Any], Any] = field(default=lambda x: x)
+    tp: TensorParallel = GLOBAL_TP
 
 
 NO_SHARD = ShardCtx()
@@ -324,20 +380,29 @@ def _layer_norm(x, g, b, eps=1e-12):
     return ((xf - mu) * jax.lax.rsqrt(var + eps) * g + b).astype(x.dtype)
 
 
-def _attention(p, x, arch: Arch):
+def _attention(p, x, arch: Arch, tp: TensorParallel):
     dt = x.dtype
-    qkv = jnp.einsum("bsm,mthd->bsthd", x, p["wqkv"].astype(dt)) + p["bqkv"].astype(dt)
+    qkv = jnp.einsum("bsm,mthd->bsthd", tp.enter(x), p["wqkv"].astype(dt)) + p["bqkv"].astype(dt)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.asarray(math.sqrt(q.shape[-1]), dt)
     probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(dt)
     ctx = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
-    return jnp.einsum("bqhd,hdm->bqm", ctx, p["wo"].astype(dt)) + p["bo"].astype(dt)
+    return tp.exit(jnp.einsum("bqhd,hdm->bqm", ctx, p["wo"].astype(dt))) + p["bo"].astype(dt)
 
 
-def _moe_ffn(p, x, arch: Arch):
-    """GShard top-2 routing with dense one-hot dispatch and combine einsums."""
+def moe_group_size(arch: Arch, tokens: int) -> int:
+    """Tokens per GShard group for ``tokens`` tokens on one device."""
+    return min(arch.expert_group, tokens)
+
+
+def _moe_ffn(p, x, arch: Arch, tp: TensorParallel):
+    """GShard top-2 routing with dense one-hot dispatch and combine einsums.
+
+    Routing is computed whole on every tensor-parallel device; each device then runs
+    its slice of the experts and the partial outputs are summed (``tp.exit``).
+    """
     dt, (B, S, M) = x.dtype, x.shape
-    group = min(arch.expert_group, B * S)
+    group = moe_group_size(arch, B * S)
     if (B * S) % group:
         raise SpecError("tokens", B * S, f"MoE needs a multiple of {group} tokens per micro-batch shard")
     E, C = arch.experts, arch.capacity
@@ -360,17 +425,18 @@ def _moe_ffn(p, x, arch: Arch):
     loc2 = jax.nn.one_hot((pos2 * mask2).sum(-1).astype(jnp.int32), C, dtype=jnp.float32)
     combine = (g1[..., None, None] * mask1[..., None] * loc1[:, :, None, :]
                + g2[..., None, None] * mask2[..., None] * loc2[:, :, None, :]).astype(dt)
+    combine = tp.local(tp.enter(combine), axis=2)
     dispatch = (combine > 0).astype(dt)
-    expert_in = jnp.einsum("gsec,gsm->egcm", dispatch, xg)
+    expert_in = jnp.einsum("gsec,gsm->egcm", dispatch, tp.enter(xg))
     hidden = jax.nn.relu(jnp.einsum("egcm,emh->egch", expert_in, p["wi"].astype(dt)))
     expert_out = jnp.einsum("egch,ehm->egcm", hidden, p["wo2"].astype(dt))
-    return jnp.einsum("gsec,egcm->gsm", combine, expert_out).reshape(B, S, M)
+    return tp.exit(jnp.einsum("gsec,egcm->gsm", combine, expert_out)).reshape(B, S, M)
 
 
-def _dense_ffn(p, x):
+def _dense_ffn(p, x, tp: TensorParallel):
     dt = x.dtype
-    hid = jax.nn.gelu(x @ p["w1"].astype(dt) + p["b1"].astype(dt), approximate=False)
-    return hid @ p["w2"].astype(dt) + p["b2"].astype(dt)
+    hid = jax.nn.gelu(tp.enter(x) @ p["w1"].astype(dt) + p["b1"].astype(dt), approximate=False)
+    return tp.exit(hid @ p["w2"].astype(dt)) + p["b2"].astype(dt)
 
 
 def _conv(x, w, stride=1):
@@ -379,9 +445,9 @@ def _conv(x, w, stride=1):
                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
 
 
-def _batch_norm(x, g, b, m, v, momentum=0.9, eps=1e-5):
-    mean = x.mean(axis=(0, 1, 2))
-    var = ((x - mean) ** 2).mean(axis=(0, 1, 2))
+def _batch_norm(x, g, b, m, v, tp: TensorParallel, momentum=0.9, eps=1e-5):
+    mean = tp.batch_mean(x, (0, 1, 2))
+    var = tp.batch_mean((x - mean) ** 2, (0, 1, 2))
     y = (x - mean) * jax.lax.rsqrt(var + eps) * g + b
     return y, momentum * m + (1 - momentum) * jax.lax.stop_gradient(mean), \
         momentum * v + (1 - momentum) * jax.lax.stop_gradient(var)
@@ -392,46 +458,48 @@ def apply_layer(arch: Arch, index: int, params: dict, state: dict, x, ctx: Shard
 
     The head returns per-example logits; ``loss_fn`` turns them into the loss.
     """
-    kind, dt = layer_kind(arch, index), _cdt(arch)
+    kind, dt, tp = layer_kind(arch, index), _cdt(arch), ctx.tp
     if kind == "embed":
         s = x.shape[1]
         pos = jnp.minimum(jnp.arange(s), arch.pos_rows - 1)
-        y = jnp.take(params["tok"], x, axis=0) + jnp.take(params["pos"], pos, axis=0)[None]
+        y = tp.embed(params["tok"], x) + jnp.take(params["pos"], pos, axis=0)[None]
         return ctx.act(_layer_norm(y, params["ln_g"], params["ln_b"]).astype(dt)), state
     if kind in ("block", "moe_block"):
-        x = _layer_norm(x + _attention(params, x, arch), params["ln1_g"], params["ln1_b"])
-        ffn = _moe_ffn(params, x, arch) if kind == "moe_block" else _dense_ffn(params, x)
+        x = _layer_norm(x + _attention(params, x, arch, tp), params["ln1_g"], params["ln1_b"])
+        ffn = _moe_ffn(params, x, arch, tp) if kind == "moe_block" else _dense_ffn(params, x, tp)
         return ctx.act(_layer_norm(x + ffn, params["ln2_g"], params["ln2_b"])), state
     if kind == "stem":
         y = _conv(x.astype(dt), params["conv"], 2)
-        y, m, v = _batch_norm(y, params["bn_g"], params["bn_b"], state["m"], state["v"])
+        y, m, v = _batch_norm(y, params["bn_g"], params["bn_b"], state["m"], state["v"], tp)
         y = jax.lax.reduce_window(jax.nn.relu(y), -jnp.inf, jax.lax.max, (1, 3, 3, 1),
                                   (1, 2, 2, 1), "SAME")
         return ctx.act(y), {"m": m, "v": v}
     if kind == "bottleneck":
+        # c1 and c3 (and the projection) shard their output channels, c2 its input
+        # channels: y1 and y3 are channel-sharded, y2 is whole after its all-reduce.
         _, _, stride, _, proj = _wrn_block_geometry(arch, index)
         new = {}
 
         def bn(y, tag):
             y, new["m" + tag], new["v" + tag] = _batch_norm(
-                y, params["g" + tag], params["b" + tag], state["m" + tag], state["v" + tag])
+                y, params["g" + tag], params["b" + tag], state["m" + tag], state["v" + tag], tp)
             return y
 
-        y = jax.nn.relu(bn(_conv(x, params["c1"]), "1"))
-        y = jax.nn.relu(bn(_conv(y, params["c2"], stride), "2"))
-        y = bn(_conv(y, params["c3"]), "3")
-        short = bn(_conv(x, params["cp"], stride), "p") if proj else x
-        return ctx.act(jax.nn.relu(y + short)), new
-    if arch.family == "wide_resnet":
-        pooled = x.mean(axis=(1, 2))
+        y = jax.nn.relu(bn(_conv(tp.enter(x), params["c1"]), "1"))
+        y = jax.nn.relu(bn(tp.exit(_conv(y, params["c2"], stride)), "2"))
+        y = bn(_conv(tp.enter(y), params["c3"]), "3")
+        short = bn(_conv(tp.enter(x), params["cp"], stride), "p") if proj else tp.slice_channels(x)
+        return ctx.act(tp.gather_channels(jax.nn.relu(y + short))), new
+    if arch.family == "wide_resnet":  # head
+        pooled = tp.enter(x.mean(axis=(1, 2)))
         return pooled @ params["w"].astype(pooled.dtype) + params["b"].astype(pooled.dtype), state
+    x = tp.enter(x)
     return x @ params["w"].astype(x.dtype) + params["b"].astype(x.dtype), state
 
 
-def loss_fn(logits, labels):
+def loss_fn(logits, labels, tp: TensorParallel = GLOBAL_TP):
     """Mean softmax cross-entropy in fp32."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return -jnp.take_along_axis(logp, labels[..., None], axis=-1).mean()
+    return tp.cross_entropy(logits, labels)
 
 
 # --------------------------------------------------------------------------- stages
@@ -511,7 +579,7 @@ def stage_grad(stage: Stage, params, state, x, target, ctx: ShardCtx = NO_SHARD,
         else:
             out, s = runs_forward(stage, runs, p, state, h, ctx)
         if stage.is_last:
-            return loss_fn(out, target), s
+            return loss_fn(out, target, ctx.tp), s
         return out, s
 
     if stage.is_first:
@@ -634,143 +702,7 @@ def count_params(arch: Arch, layers: range | None = None) -> int:
                for s in jax.tree.leaves(layer_param_shapes(arch, i)))
 
 
-# --------------------------------------------------------------------------- optimizers
-# Small optax-shaped pairs of pure functions over fp32 master weights: state is a plain
-# pytree, so it shards with the same PartitionSpecs as the parameters.
-
-
-@dataclass(frozen=True)
-class Optimizer:
-    """``init(params) -> state``, ``update(grads, state, params) -> (params, state)`` and
-    ``specs(param_specs, param_shapes) -> state specs`` (how the state shards)."""
-
-    name: str
-    init: Callable
-    update: Callable
-    specs: Callable
-
-
-def _padded(spec, ndim: int) -> tuple:
-    t = tuple(spec)
-    return t + (None,) * (ndim - len(t))
-
-
-def _like_params(param_specs, param_shapes):
-    return jax.tree.map(lambda sp, s: P(*_padded(sp, len(s.shape))), param_specs, param_shapes,
-                        is_leaf=lambda x: isinstance(x, P))
-
-
-def adamw(lr: float = 1e-4, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-          weight_decay: float = 0.01) -> Optimizer:
-    """AdamW with fp32 first and second moments (16 bytes a parameter with the master)."""
-    def init(params):
-        def zeros():  # two separate trees: mu and nu must not share buffers (donation)
-            return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        return {"count": jnp.zeros((), jnp.int32), "mu": zeros(), "nu": zeros()}
-
-    def update(grads, state, params):
-        t = state["count"] + 1
-        mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state["mu"], grads)
-        nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, state["nu"], grads)
-        c1, c2 = 1 - b1 ** t.astype(jnp.float32), 1 - b2 ** t.astype(jnp.float32)
-        new = jax.tree.map(
-            lambda p, m, v: p - lr * ((m / c1) / (jnp.sqrt(v / c2) + eps) + weight_decay * p),
-            params, mu, nu)
-        return new, {"count": t, "mu": mu, "nu": nu}
-
-    def specs(param_specs, param_shapes):
-        like = _like_params(param_specs, param_shapes)
-        return {"count": P(), "mu": like, "nu": like}
-
-    return Optimizer("adamw", init, update, specs)
-
-
-def adafactor(lr: float = 1e-3, decay: float = 0.8, eps: float = 1e-30,
-              clip: float = 1.0, min_dim_to_factor: int = 128) -> Optimizer:
-    """Adafactor without momentum: factored second moments for large matrices and up.
-
-    As in optax, only tensors whose last two dimensions are both ≥ ``min_dim_to_factor``
-    are factored; smaller ones keep a full second moment (a factored one of a tiny,
-    partly zero gradient underflows to 0 and turns the update into NaN).
-    """
-    def factored(p):
-        return p.ndim >= 2 and min(p.shape[-2:]) >= min_dim_to_factor
-
-    def init(params):
-        def one(p):
-            if factored(p):
-                return {"r": jnp.zeros(p.shape[:-1], jnp.float32),
-                        "c": jnp.zeros(p.shape[:-2] + p.shape[-1:], jnp.float32)}
-            return {"v": jnp.zeros(p.shape, jnp.float32)}
-        return {"count": jnp.zeros((), jnp.int32),
-                "v": jax.tree.map(one, params)}
-
-    def update(grads, state, params):
-        t = state["count"] + 1
-        beta = 1.0 - t.astype(jnp.float32) ** (-decay)
-
-        def one(p, g, v):
-            g2 = g * g + eps
-            if factored(p):
-                r = beta * v["r"] + (1 - beta) * g2.mean(-1)
-                c = beta * v["c"] + (1 - beta) * g2.mean(-2)
-                vhat = jnp.maximum(
-                    r[..., None] * c[..., None, :] / r.mean(-1, keepdims=True)[..., None], eps)
-                nv = {"r": r, "c": c}
-            else:
-                vhat = beta * v["v"] + (1 - beta) * g2
-                nv = {"v": vhat}
-            u = g * jax.lax.rsqrt(vhat)
-            u = u / jnp.maximum(1.0, jnp.sqrt(jnp.mean(u * u)) / clip)
-            return p - lr * u, nv
-
-        flat_p, tdef = jax.tree.flatten(params)
-        flat_g = tdef.flatten_up_to(grads)
-        flat_v = tdef.flatten_up_to(state["v"])
-        out = [one(p, g, v) for p, g, v in zip(flat_p, flat_g, flat_v)]
-        return (tdef.unflatten([o[0] for o in out]),
-                {"count": t, "v": tdef.unflatten([o[1] for o in out])})
-
-    def specs(param_specs, param_shapes):
-        def one(sp, s):
-            t = _padded(sp, len(s.shape))
-            if factored(s):
-                return {"r": P(*t[:-1]), "c": P(*(t[:-2] + t[-1:]))}
-            return {"v": P(*t)}
-        return {"count": P(), "v": jax.tree.map(one, param_specs, param_shapes,
-                                                 is_leaf=lambda x: isinstance(x, P))}
-
-    return Optimizer("adafactor", init, update, specs)
-
-
-def sgd_nesterov(lr: float = 0.1, momentum: float = 0.9) -> Optimizer:
-    """SGD with Nesterov momentum (one fp32 buffer a parameter)."""
-    def init(params):
-        return {"m": jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)}
-
-    def update(grads, state, params):
-        m = jax.tree.map(lambda b, g: momentum * b + g, state["m"], grads)
-        new = jax.tree.map(lambda p, b, g: p - lr * (g + momentum * b), params, m, grads)
-        return new, {"m": m}
-
-    def specs(param_specs, param_shapes):
-        return {"m": _like_params(param_specs, param_shapes)}
-
-    return Optimizer("sgd_nesterov", init, update, specs)
-
-
-OPTIMIZERS = {"adamw": adamw, "adafactor": adafactor, "sgd_nesterov": sgd_nesterov,
-              "sgd": sgd_nesterov}
-
-
-def optimizer_for(arch: Arch) -> Optimizer:
-    """The family's optimizer with its default hyper-parameters."""
-    if arch.optimizer not in OPTIMIZERS:
-        raise SpecError("optimizer", arch.optimizer, f"use one of {', '.join(OPTIMIZERS)}")
-    return OPTIMIZERS[arch.optimizer]()
-
-
-def stage_train_step(stage: Stage, optimizer: Optimizer, ctx: ShardCtx = NO_SHARD,
+def stage_train_step(stage: Stage, optimizer, ctx: ShardCtx = NO_SHARD,
                      micro_batches: int = 1, runs=None) -> Callable:
     """One iteration of a stage: forward and backward of ``micro_batches`` micro-batches
     (gradients accumulated in fp32), then one optimizer update.

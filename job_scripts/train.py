@@ -130,7 +130,7 @@ class _StageRunner:
     """One pipeline stage on its device group: compiled functions and its state."""
 
     def __init__(self, arch: jm.Arch, plan: StagePlan, micro_batch: int, remat: bool,
-                 devices: Sequence, optimizer: jm.Optimizer):
+                 devices: Sequence, optimizer):
         self.plan = plan
         self.mesh = Mesh(np.asarray(devices).reshape(plan.dp, plan.tp), ("dp", "tp"))
         self.stage = jm.Stage(arch, plan.layer_start, plan.layer_end, micro_batch, remat)
@@ -223,7 +223,7 @@ class Trainer:
     """
 
     def __init__(self, arch: jm.Arch, plan: ParallelPlan, devices: Sequence, global_batch: int,
-                 optimizer: jm.Optimizer):
+                 optimizer):
         check_plan(plan, arch, global_batch, len(devices))
         self.arch, self.plan, self.global_batch = arch, plan, global_batch
         self.micro_batch = global_batch // plan.micro_batches

@@ -150,11 +150,12 @@ def _train(family: str, first: int) -> dict:
     import jax
     import jax.numpy as jnp
     from estimator import jax_models as jm
+    from estimator.jax_optim import optimizer_for
     arch = jm.Arch(**TINY[family])
     # wide_resnet: the last stage only (its last blocks and the head) keeps compiles short.
     stage = jm.Stage(arch, first, arch.num_layers, 4, remat=False)
     params, state = _init(arch, stage.layers)
-    opt = jm.optimizer_for(arch)
+    opt = optimizer_for(arch.optimizer)
     opt_state = opt.init(params)
     step = jax.jit(jm.stage_train_step(stage, opt))
     if first == 0:
@@ -174,22 +175,22 @@ def _train(family: str, first: int) -> dict:
 
 def test_optimizer_updates_follow_their_formulas():
     import jax.numpy as jnp
-    from estimator import jax_models as jm
+    from estimator.jax_optim import adafactor, adamw, sgd_nesterov
     p = {"w": jnp.array([[1.0, -2.0], [0.5, 0.0]]), "b": jnp.array([0.1, 0.2])}
     g = {"w": jnp.array([[0.3, -0.1], [0.0, 2.0]]), "b": jnp.array([1.0, -1.0])}
-    adam = jm.adamw(lr=0.01, weight_decay=0.1)
+    adam = adamw(lr=0.01, weight_decay=0.1)
     new, st = adam.update(g, adam.init(p), p)
     # Step 1: bias-corrected m/sqrt(v) = sign(g) (0 where g = 0), plus decoupled decay.
     want = p["w"] - 0.01 * (jnp.sign(g["w"]) + 0.1 * p["w"])
     assert jnp.allclose(new["w"], want, atol=1e-6)
     assert int(st["count"]) == 1
-    sgd = jm.sgd_nesterov(lr=0.1, momentum=0.9)
+    sgd = sgd_nesterov(lr=0.1, momentum=0.9)
     s = sgd.init(p)
     p1, s = sgd.update(g, s, p)
     p2, s = sgd.update(g, s, p1)
     # Nesterov: buffer b = 0.9 b + g; step g + 0.9 b. Second step: b = 1.9 g, step 2.71 g.
     assert jnp.allclose(p2["b"], p["b"] - 0.1 * 1.9 * g["b"] - 0.1 * 2.71 * g["b"], atol=1e-6)
-    ada = jm.adafactor(lr=0.01, min_dim_to_factor=2)
+    ada = adafactor(lr=0.01, min_dim_to_factor=2)
     st = ada.init(p)
     assert set(st["v"]["w"]) == {"r", "c"} and set(st["v"]["b"]) == {"v"}
     zero_row = {"w": jnp.array([[0.0, 0.0], [1.0, -1.0]]), "b": jnp.zeros(2)}

@@ -1,0 +1,431 @@
+"""One SPMD program per plan: pipeline stages as a mesh axis, micro-batches moved between
+stages by collective permutes, GPipe inside one jitted step.
+
+The mesh has an axis ``pp`` (one entry per stage) and, for the devices of a stage, axes
+``d0, d1, …`` of size 2. A stage with tensor parallelism 2^j uses the last j of them as
+its tensor-parallel axes and the others as its data-parallel axes, so stages of one plan
+may split their devices differently (``[dp2tp2|dp4tp1]``) and tensor-parallel groups
+are always consecutive devices (within a node). The devices are taken in
+``jax.devices()`` order: stage s gets the s-th block, so on several nodes the stages
+are spread over the nodes and the permutes between stages cross them.
+
+Every device runs the same program (``shard_map``); its stage index selects, with
+``lax.switch``, the code of its stage, whose collectives run over that stage's groups.
+Each device keeps its stage's weights, optimizer state and model state in flat buffers
+(``job_scripts.stage_arrays``). One step:
+
+1. forward: for ticks t = 0 … M+S−2, stage s runs micro-batch t−s (if any), keeps the
+   residuals of its backward pass (the vjp's, packed: per-layer inputs under remat,
+   every intermediate without), and sends its output to stage s+1 (``ppermute``);
+2. backward: for ticks t = 0 … M+S−2, stage s takes micro-batch t−(S−1−s) back through
+   its residuals and sends the input gradient to stage s−1, accumulating weight
+   gradients;
+3. the gradients are averaged over each stage's data-parallel group and every stage
+   applies its optimizer.
+
+A stage with nothing to do in a tick (the pipeline bubble) takes an idle branch, so the
+bubble costs time, as on real pipelines, but no work. The loss and the update are those
+of the whole global batch whatever the plan: micro-batches are gradient accumulation.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from estimator import jax_models as jm
+from job_scripts.collectives import StageCollectives, to_receiver, to_sender
+from job_scripts.packing import FlatLayout, flat_layout, joint_lengths, pack, unpack
+from job_scripts.plan import ParallelPlan, check_plan, log2
+from job_scripts.stage_arrays import KINDS, StageArrays
+
+log = logging.getLogger(__name__)
+
+PP = "pp"
+
+
+@dataclass(frozen=True)
+class PlacedStage:
+    """A stage of the plan with its collectives over its mesh axes."""
+
+    index: int
+    layers: range
+    dp: int
+    tp: int
+    coll: StageCollectives
+
+
+def device_axes(devices_per_stage: int) -> tuple[str, ...]:
+    return tuple(f"d{i}" for i in range(log2(devices_per_stage)))
+
+
+def place_stages(plan: ParallelPlan) -> tuple[PlacedStage, ...]:
+    axes = device_axes(plan.stages[0].num_gpus)
+    out = []
+    for s, sp in enumerate(plan.stages):
+        tp_bits = log2(sp.tp)
+        dp_axes, tp_axes = axes[:len(axes) - tp_bits], axes[len(axes) - tp_bits:]
+        out.append(PlacedStage(s, range(sp.layer_start, sp.layer_end), sp.dp, sp.tp,
+                               StageCollectives(tp_axes, dp_axes, dp_size=sp.dp, size=sp.tp)))
+    return tuple(out)
+
+
+@dataclass
+class Residuals:
+    """What one stage's forward keeps for its backward: which vjp leaves are its own
+    weights (taken again from the buffers) and where the others lie in the packed
+    residual buffers. ``treedef`` is filled in when the forward pass is traced."""
+
+    kinds: tuple[int | None, ...]  # per vjp leaf: index among the stage's weights, or None
+    layout: FlatLayout
+    treedef: object = None
+
+
+class Pipeline:
+    """Training steps of one model under one plan, as one SPMD program over ``devices``.
+
+    Args:
+        arch: the model.
+        plan: its stages, micro-batches and rematerialization.
+        devices: the job's devices (all processes'), in ``jax.devices()`` order.
+        global_batch: samples per step, whatever the plan.
+        optimizer: the optimizer (``estimator.jax_optim``), applied per layer.
+    """
+
+    def __init__(self, arch: jm.Arch, plan: ParallelPlan, devices, global_batch: int, optimizer):
+        check_plan(plan, arch, global_batch, len(devices))
+        self.arch, self.plan, self.optimizer = arch, plan, optimizer
+        self.global_batch, self.micro = global_batch, global_batch // plan.micro_batches
+        self.stages = place_stages(plan)
+        n = plan.stages[0].num_gpus
+        self.axes = (PP,) + device_axes(n)
+        grid = np.asarray(devices, dtype=object).reshape((len(self.stages),) + (2,) * (len(self.axes) - 1))
+        self.mesh = Mesh(grid, self.axes)
+        self.arrays = {kind: [StageArrays(arch, st.layers, kind, st.tp, optimizer) for st in self.stages]
+                       for kind in KINDS}
+        # A kind with no arrays (no batch norm) keeps a one-element buffer: trees stay alike.
+        self.lengths = {kind: joint_lengths([a.layout for a in self.arrays[kind]]) or {"float32": 1}
+                        for kind in KINDS}
+        self.container_spec = P(PP, self.axes[1:] or None, None)
+        # Activations sent over each boundary, in the sender's batch slicing.
+        self.act_layouts = [flat_layout([self._output_struct(st)]) for st in self.stages[:-1]]
+        self.act_lengths = joint_lengths(self.act_layouts) or {"float32": 1}
+        self.residuals = self._probe_residuals()
+        self.res_lengths = joint_lengths([r.layout for r in self.residuals]) or {"float32": 1}
+        self._step = self._build_step()
+        self._init = self._build_init()
+
+    # ------------------------------------------------------------------ shapes
+
+    def _local_batch(self, st: PlacedStage) -> int:
+        return self.micro // st.dp
+
+    def _input_struct(self, st: PlacedStage):
+        shape, dtype = jm.activation_shape(self.arch, st.layers.start, self._local_batch(st))
+        return jax.ShapeDtypeStruct(shape, dtype)
+
+    def _output_struct(self, st: PlacedStage):
+        shape, dtype = jm.activation_shape(self.arch, st.layers.stop, self._local_batch(st))
+        return jax.ShapeDtypeStruct(shape, dtype)
+
+    def input_spec(self) -> P:
+        """How the inputs ``[micro-batches, micro-batch, ...]`` lie: over stage 0's dp axes."""
+        return P(None, self.stages[0].coll.dp_axes or None)
+
+    def target_spec(self) -> P:
+        return P(None, self.stages[-1].coll.dp_axes or None)
+
+    # ------------------------------------------------------------------ one stage
+
+    def _stage_fn(self, st: PlacedStage, model_state, target):
+        """f(params, x) -> (output or loss, new model state) of one micro-batch."""
+        stage = jm.Stage(self.arch, st.layers.start, st.layers.stop, self._local_batch(st),
+                         self.plan.remat)
+        ctx = jm.ShardCtx(tp=st.coll)
+        last = st.index == len(self.stages) - 1
+
+        def f(params, x):
+            out, new_state = jm.stage_forward(stage, params, model_state, x, ctx)
+            if last:
+                return jm.loss_fn(out, target, st.coll), new_state
+            return out, new_state
+        return f
+
+    def _stage_vjp(self, st: PlacedStage, params, model_state, x, target):
+        """(output, vjp, new state); the first stage's input (tokens) is not differentiated."""
+        f = self._stage_fn(st, model_state, target)
+        if st.index == 0:
+            return jax.vjp(lambda p: f(p, x), params, has_aux=True)
+        return jax.vjp(f, params, x, has_aux=True)
+
+    def _classify(self, vjp, params) -> tuple[list, list]:
+        """Split the vjp's leaves into references to the stage's weights and the rest."""
+        weights = jax.tree.leaves(params)
+        kinds, rest = [], []
+        for leaf in jax.tree.leaves(vjp):
+            i = next((k for k, w in enumerate(weights) if leaf is w), None)
+            kinds.append(i)
+            if i is None:
+                rest.append(leaf)
+        return kinds, rest
+
+    def _probe_residuals(self) -> list[Residuals]:
+        """Trace each stage's forward once, abstractly, to size the residual buffers."""
+        found: dict[int, Residuals] = {}
+
+        def probe(params, state):
+            params = {dt: b[0, 0] for dt, b in params.items()}
+            state = {dt: b[0, 0] for dt, b in state.items()}
+            for st in self.stages:
+                p = self.arrays["params"][st.index].unpack(params)
+                ms = self.arrays["state"][st.index].unpack(state)
+                x = jnp.zeros(self._input_struct(st).shape, self._input_struct(st).dtype)
+                target = jnp.zeros(jm.label_shape(self.arch, self._local_batch(self.stages[-1])), jnp.int32)
+                _, vjp, _ = self._stage_vjp(st, p, ms, x, target)
+                kinds, rest = self._classify(vjp, p)
+                found[st.index] = Residuals(tuple(kinds), flat_layout(rest))
+            return jnp.zeros(())
+
+        args = [self._abstract_buffers(kind) for kind in ("params", "state")]
+        specs = tuple({k: self.container_spec for k in a} for a in args)
+        jax.eval_shape(jax.shard_map(probe, mesh=self.mesh, in_specs=specs, out_specs=P(),
+                                     check_vma=False), *args)
+        return [found[st.index] for st in self.stages]
+
+    def _abstract_buffers(self, kind: str) -> dict:
+        shape = (len(self.stages), self.plan.stages[0].num_gpus)
+        sharding = NamedSharding(self.mesh, self.container_spec)
+        return {dt: jax.ShapeDtypeStruct(shape + (n,), dt, sharding=sharding)
+                for dt, n in self.lengths[kind].items()}
+
+    # ------------------------------------------------------------------ the step
+
+    def _switch(self, branches, *args):
+        """Run the branch of this device's stage."""
+        return lax.switch(lax.axis_index(PP), branches, *args)
+
+    def _build_step(self):
+        S, M = len(self.stages), self.plan.micro_batches
+        forward_pairs = [(s, s + 1) for s in range(S - 1)]
+        backward_pairs = [(s + 1, s) for s in range(S - 1)]
+        act_zero = {dt: jnp.zeros((n,), dt) for dt, n in self.act_lengths.items()}
+        res_zero = {dt: jnp.zeros((n,), dt) for dt, n in self.res_lengths.items()}
+
+        def local(bufs):  # [1, 1, L] → [L]
+            return {dt: b[0, 0] for dt, b in bufs.items()}
+
+        def forward_branch(st: PlacedStage):
+            arrays = self.arrays
+            res = self.residuals[st.index]
+            last = st.index == S - 1
+
+            def run(params_b, state_b, act_b, xs, ys, t):
+                m = jnp.clip(t - st.index, 0, M - 1)
+                params = arrays["params"][st.index].unpack(params_b)
+                model_state = arrays["state"][st.index].unpack(state_b)
+                if st.index == 0:
+                    x = xs[m]
+                else:
+                    prev = self.stages[st.index - 1]
+                    x = to_receiver(unpack(self.act_layouts[prev.index], act_b)[0], prev.coll, st.coll)
+                out, vjp, new_state = self._stage_vjp(st, params, model_state, x, ys[m])
+                res.treedef = jax.tree.structure(vjp)
+                _, rest = self._classify(vjp, params)
+                packed = pack(res.layout, rest, self.res_lengths)
+                state_out = arrays["state"][st.index].pack(new_state, self.lengths["state"])
+                if last:
+                    return act_zero, packed, state_out, out.astype(jnp.float32) / M
+                return pack(self.act_layouts[st.index], [out], self.act_lengths), packed, state_out, \
+                    jnp.zeros((), jnp.float32)
+            return run
+
+        def forward_idle(params_b, state_b, act_b, xs, ys, t):
+            return act_zero, res_zero, state_b, jnp.zeros((), jnp.float32)
+
+        def backward_branch(st: PlacedStage):
+            arrays = self.arrays
+            res = self.residuals[st.index]
+            last = st.index == S - 1
+
+            def run(params_b, ct_b, res_b):
+                params = arrays["params"][st.index].unpack(params_b)
+                weights = jax.tree.leaves(params)
+                rest = iter(unpack(res.layout, res_b))
+                leaves = [weights[k] if k is not None else next(rest) for k in res.kinds]
+                vjp = jax.tree.unflatten(res.treedef, leaves)
+                if last:
+                    # The objective is the mean over the last stage's dp group of its devices'
+                    # losses: each device seeds its share, and every stage sums its group's
+                    # gradients (the input gradients it passes back are already so scaled).
+                    cot = jnp.ones((), jnp.float32) / (M * st.dp)
+                else:
+                    cot = unpack(self.act_layouts[st.index], ct_b)[0]
+                grads = vjp(cot)
+                g_params = arrays["params"][st.index].pack(grads[0], self.lengths["params"])
+                if st.index == 0:
+                    return act_zero, g_params
+                prev = self.stages[st.index - 1]
+                g_x = to_sender(grads[1], prev.coll, st.coll)
+                return pack(self.act_layouts[prev.index], [g_x], self.act_lengths), g_params
+            return run
+
+        def backward_idle(params_b, ct_b, res_b):
+            return act_zero, {dt: jnp.zeros_like(b) for dt, b in params_b.items()}
+
+        def update_branch(st: PlacedStage):
+            arrays = self.arrays
+
+            def run(params_b, opt_b, grads_b):
+                coll = st.coll
+                grads_b = {dt: lax.psum(g, coll.dp_axes) if coll.dp_axes else g
+                           for dt, g in grads_b.items()}
+                params = arrays["params"][st.index].unpack(params_b)
+                grads = arrays["params"][st.index].unpack(grads_b)
+                opt = arrays["opt"][st.index].unpack(opt_b)
+                specs = arrays["params"][st.index].specs
+                new = [self.optimizer.update(g, o, p, sp, coll)
+                       for p, g, o, sp in zip(params, grads, opt, specs)]
+                return (arrays["params"][st.index].pack([p for p, _ in new], self.lengths["params"]),
+                        arrays["opt"][st.index].pack([o for _, o in new], self.lengths["opt"]))
+            return run
+
+        def loss_branch(st: PlacedStage):
+            def run(loss):
+                if st.index != S - 1:
+                    return jnp.zeros((), jnp.float32)
+                return lax.pmean(loss, st.coll.dp_axes) if st.coll.dp_axes else loss
+            return run
+
+        fwd = [forward_branch(st) for st in self.stages] + [forward_idle]
+        bwd = [backward_branch(st) for st in self.stages] + [backward_idle]
+        upd = [update_branch(st) for st in self.stages]
+        losses = [loss_branch(st) for st in self.stages]
+
+        def body(params, opt, state, xs, ys):
+            params, opt, state = local(params), local(opt), local(state)
+            s = lax.axis_index(PP)
+
+            def forward_tick(carry, t):
+                act, res, state, loss = carry
+                m = t - s
+                busy = (m >= 0) & (m < M)
+                out, packed, state, l_m = lax.switch(jnp.where(busy, s, S), fwd, params, state, act, xs, ys, t)
+                mc = jnp.clip(m, 0, M - 1)
+                res = {dt: lax.dynamic_update_index_in_dim(
+                    r, jnp.where(busy, packed[dt], r[mc]), mc, 0) for dt, r in res.items()}
+                if S > 1:
+                    out = {dt: lax.ppermute(v, PP, forward_pairs) for dt, v in out.items()}
+                return (out, res, state, loss + l_m), None
+
+            res0 = {dt: jnp.zeros((M, n), dt) for dt, n in self.res_lengths.items()}
+            (_, res, state, loss), _ = lax.scan(
+                forward_tick, (act_zero, res0, state, jnp.zeros((), jnp.float32)), jnp.arange(M + S - 1))
+
+            def backward_tick(carry, t):
+                ct, grads = carry
+                m = t - (S - 1 - s)
+                busy = (m >= 0) & (m < M)
+                mc = jnp.clip(m, 0, M - 1)
+                res_m = {dt: r[mc] for dt, r in res.items()}
+                ct_out, g = lax.switch(jnp.where(busy, s, S), bwd, params, ct, res_m)
+                grads = {dt: grads[dt] + g[dt] for dt in grads}
+                if S > 1:
+                    ct_out = {dt: lax.ppermute(v, PP, backward_pairs) for dt, v in ct_out.items()}
+                return (ct_out, grads), None
+
+            g0 = {dt: jnp.zeros_like(b) for dt, b in params.items()}
+            (_, grads), _ = lax.scan(backward_tick, (act_zero, g0), jnp.arange(M + S - 1))
+            params, opt = self._switch(upd, params, opt, grads)
+            loss = lax.psum(self._switch(losses, loss), PP) if S > 1 else self._switch(losses, loss)
+            expand = lambda bufs: {dt: b[None, None] for dt, b in bufs.items()}  # noqa: E731
+            return expand(params), expand(opt), expand(state), loss
+
+        c = {kind: {dt: self.container_spec for dt in self.lengths[kind]} for kind in KINDS}
+        mapped = jax.shard_map(body, mesh=self.mesh,
+                               in_specs=(c["params"], c["opt"], c["state"], self.input_spec(),
+                                         self.target_spec()),
+                               out_specs=(c["params"], c["opt"], c["state"], P()), check_vma=False)
+        return jax.jit(mapped, donate_argnums=(0, 1, 2))
+
+    # ------------------------------------------------------------------ init
+
+    def _build_init(self):
+        def branch(st: PlacedStage):
+            def run(seed):
+                key = jax.random.key(seed)
+                rank = st.coll.tp_index()
+                trees = {
+                    "params": [jm.init_layer_params(self.arch, i, jax.random.fold_in(key, i))
+                               for i in st.layers],
+                    "state": [jm.init_layer_state(self.arch, i) for i in st.layers],
+                }
+                local = {k: self.arrays[k][st.index].local_of_global(v, rank) for k, v in trees.items()}
+                shapes = self.arrays["params"][st.index].global_trees()
+                local["opt"] = [self.optimizer.init(p, s) for p, s in zip(local["params"], shapes)]
+                return tuple(self.arrays[k][st.index].pack(local[k], self.lengths[k]) for k in KINDS)
+            return run
+
+        branches = [branch(st) for st in self.stages]
+
+        def body(seed):
+            out = self._switch(branches, seed)
+            return tuple({dt: b[None, None] for dt, b in bufs.items()} for bufs in out)
+
+        c = tuple({dt: self.container_spec for dt in self.lengths[k]} for k in KINDS)
+        return jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=P(), out_specs=c, check_vma=False))
+
+    # ------------------------------------------------------------------ public
+
+    def init(self, seed: int) -> dict:
+        """Fresh weights (identical for every plan given the seed) and optimizer state."""
+        params, opt, state = self._init(jnp.asarray(seed, jnp.int32))
+        return {"params": params, "opt": opt, "state": state}
+
+    def place_batch(self, inputs: np.ndarray, targets: np.ndarray):
+        """Host arrays of the global batch (every process holds all of it) → device arrays."""
+        M = self.plan.micro_batches
+        xs = inputs.reshape((M, self.micro) + inputs.shape[1:])
+        ys = targets.reshape((M, self.micro) + targets.shape[1:])
+        put = lambda a, spec: jax.make_array_from_callback(  # noqa: E731
+            a.shape, NamedSharding(self.mesh, spec), lambda idx: a[idx])
+        return put(xs, self.input_spec()), put(ys, self.target_spec())
+
+    def step(self, state: dict, inputs: np.ndarray, targets: np.ndarray) -> tuple[dict, jax.Array]:
+        """One training step on one global batch; returns the new state and the mean loss."""
+        xs, ys = self.place_batch(inputs, targets)
+        params, opt, model_state, loss = self._step(state["params"], state["opt"], state["state"], xs, ys)
+        return {"params": params, "opt": opt, "state": model_state}, loss
+
+    def compiled_step_text(self) -> str:
+        """The optimized HLO of the step (to inspect the collectives)."""
+        abstract = [self._abstract_buffers(k) for k in KINDS]
+        x_shape, x_dtype = jm.activation_shape(self.arch, 0, self.micro)
+        y_shape = jm.label_shape(self.arch, self.micro)
+        M = self.plan.micro_batches
+        xs = jax.ShapeDtypeStruct((M,) + x_shape, x_dtype, sharding=NamedSharding(self.mesh, self.input_spec()))
+        ys = jax.ShapeDtypeStruct((M,) + y_shape, jnp.int32, sharding=NamedSharding(self.mesh, self.target_spec()))
+        return self._step.lower(*abstract, xs, ys).compile().as_text()
+
+    def host_arrays(self, state: dict) -> dict[str, np.ndarray]:
+        """Every array of the state, whole, by plan-independent name (all devices must be
+        this process's: for tests and small exports)."""
+        out: dict[str, np.ndarray] = {}
+        for kind in KINDS:
+            shards = {dt: {(s.index[0].start or 0, s.index[1].start or 0): np.asarray(s.data)[0, 0]
+                           for s in arr.addressable_shards} for dt, arr in state[kind].items()}
+            for st in self.stages:
+                arrays = self.arrays[kind][st.index]
+                for leaf, slot in zip(arrays.leaves, arrays.layout.slots):
+                    parts = []
+                    for rank in range(st.tp if leaf.dim is not None else 1):
+                        flat = shards[slot.dtype][(st.index, rank)]  # dp rank 0, tp rank `rank`
+                        parts.append(flat[slot.offset:slot.offset + slot.size].reshape(leaf.local_shape(st.tp)))
+                    out[leaf.name] = parts[0] if leaf.dim is None else np.concatenate(parts, axis=leaf.dim)
+        return out

@@ -1,0 +1,133 @@
+"""The arrays one pipeline stage holds, by plan-independent name, and where each device
+keeps its shard of them.
+
+A stage holds, per layer, three trees: parameters (fp32 masters), optimizer state and
+model state (batch-norm statistics). Every leaf has a name that no plan changes
+(``params/layer_003/wqkv``, ``opt/layer_003/mu/wqkv``), a global shape and a
+PartitionSpec over ``tp``; a device of a stage with tensor parallelism ``tp`` holds the
+slice of each leaf that its tensor-parallel rank owns, concatenated into its stage's flat
+buffers (``job_scripts.packing``). :class:`StageArrays` is that bookkeeping for one kind
+of tree of one stage: it packs and unpacks trees and describes itself in JSON, so a
+checkpoint of one plan can be read into any other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from estimator import jax_models as jm
+from job_scripts.packing import FlatLayout, flat_layout, pack, unpack
+
+KINDS = ("params", "opt", "state")
+
+
+def layer_key(index: int) -> str:
+    return f"layer_{index:03d}"
+
+
+def _path_name(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
+def sharded_dim(spec, ndim: int) -> int | None:
+    """The one dimension a leaf's spec shards over ``tp`` (None: replicated)."""
+    dims = [d for d, axis in enumerate(tuple(spec or P())[:ndim]) if axis is not None]
+    if len(dims) > 1:
+        raise ValueError(f"spec {spec} shards more than one dimension")
+    return dims[0] if dims else None
+
+
+def local_shape(shape: tuple[int, ...], dim: int | None, tp: int) -> tuple[int, ...]:
+    if dim is None:
+        return tuple(shape)
+    return tuple(n // tp if d == dim else n for d, n in enumerate(shape))
+
+
+def local_slice(x, dim: int | None, tp: int, rank):
+    """This rank's part of a whole array (rank may be traced)."""
+    if dim is None or tp == 1:
+        return x
+    part = x.shape[dim] // tp
+    return jax.lax.dynamic_slice_in_dim(x, rank * part, part, dim)
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One array of a stage: its name, global shape and dtype, and sharded dimension."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    dim: int | None
+
+    def local_shape(self, tp: int) -> tuple[int, ...]:
+        return local_shape(self.shape, self.dim, tp)
+
+
+def _layer_trees(arch: jm.Arch, layer: int, kind: str, optimizer):
+    """(global shape tree, spec tree) of one layer's params, opt state or model state."""
+    if kind == "params":
+        return jm.layer_param_shapes(arch, layer), jm.layer_param_specs(arch, layer)
+    if kind == "state":
+        return jm.layer_state_shapes(arch, layer), jm.layer_state_specs(arch, layer)
+    shapes = jm.layer_param_shapes(arch, layer)
+    opt = jax.eval_shape(optimizer.init, shapes)
+    return opt, optimizer.specs(jm.layer_param_specs(arch, layer), shapes)
+
+
+class StageArrays:
+    """One kind of tree (params, opt or state) of one stage, under tensor parallelism tp."""
+
+    def __init__(self, arch: jm.Arch, layers: range, kind: str, tp: int, optimizer):
+        self.kind, self.layers, self.tp = kind, layers, tp
+        self.leaves: list[Leaf] = []
+        self.treedefs, self.specs, self.counts = [], [], []
+        for layer in layers:
+            shapes, specs = _layer_trees(arch, layer, kind, optimizer)
+            flat, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+            spec_leaves = treedef.flatten_up_to(specs)
+            for (path, s), spec in zip(flat, spec_leaves):
+                name = f"{kind}/{layer_key(layer)}" + (f"/{_path_name(path)}" if path else "")
+                self.leaves.append(Leaf(name, tuple(s.shape), jnp.dtype(s.dtype).name,
+                                        sharded_dim(spec, len(s.shape))))
+            self.treedefs.append(treedef)
+            self.specs.append(specs)
+            self.counts.append(len(flat))
+        self.layout: FlatLayout = flat_layout(
+            [jax.ShapeDtypeStruct(leaf.local_shape(tp), leaf.dtype) for leaf in self.leaves])
+
+    def global_trees(self) -> list:
+        """Per layer, the tree of global ShapeDtypeStructs."""
+        return self._trees([jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in self.leaves])
+
+    def _trees(self, flat: Sequence) -> list:
+        out, i = [], 0
+        for treedef, n in zip(self.treedefs, self.counts):
+            out.append(jax.tree.unflatten(treedef, list(flat[i:i + n])))
+            i += n
+        return out
+
+    def unpack(self, buffers: dict) -> list:
+        """Per layer, the tree of this device's local shards."""
+        return self._trees(unpack(self.layout, buffers))
+
+    def pack(self, trees: Sequence, lengths: dict[str, int]) -> dict:
+        flat = [leaf for tree, treedef in zip(trees, self.treedefs)
+                for leaf in treedef.flatten_up_to(tree)]
+        return pack(self.layout, flat, lengths)
+
+    def local_of_global(self, trees: Sequence, rank) -> list:
+        """Whole per-layer trees cut to tensor-parallel ``rank``'s shards."""
+        flat = [leaf for tree, treedef in zip(trees, self.treedefs)
+                for leaf in treedef.flatten_up_to(tree)]
+        return self._trees([local_slice(a, leaf.dim, self.tp, rank)
+                            for a, leaf in zip(flat, self.leaves)])
+
+    def to_json(self) -> list[dict]:
+        return [{"name": leaf.name, "shape": list(leaf.shape), "dtype": leaf.dtype, "dim": leaf.dim,
+                 "offset": slot.offset} for leaf, slot in zip(self.leaves, self.layout.slots)]
