@@ -1,28 +1,25 @@
-"""Checkpoints: full (unsharded) arrays in .npz, written atomically, verified on load.
+"""Checkpoints with Orbax: every process writes its own shards, a killed save leaves the
+previous checkpoint usable, and a checkpoint is read back into any plan.
 
-A checkpoint of step N in directory D is two files:
+A checkpoint of step N in directory D is Orbax's ``D/N/`` with two items:
 
-- ``D/ckpt-0000000N.npz``: every array of the training state under a plan-independent
-  name (``params/layer_003/...``, ``opt/...``), unsharded, so any plan (other dp, tp,
-  stage split or GPU count) can load it;
-- ``D/ckpt-0000000N.json``: the manifest — step, SHA-256 and size of the .npz, and
-  metadata (model, global batch, plan, data position). The manifest is written last: a
-  checkpoint without one, or whose .npz does not match its checksum, does not exist.
+- ``arrays``: a pytree of global ``jax.Array``s. Each process writes the shards its
+  devices hold (OCDBT, one file set per process); Orbax writes them into a temporary
+  directory and renames it only when every process has finished, so a save that is
+  killed half-way leaves no step ``N`` at all and the newest complete one is used.
+- ``meta``: JSON — the step, the data position, the model, global batch, plan, and how
+  the arrays are laid out (what a reader needs to reshard them).
 
-Both are written to a temporary name, fsynced and renamed, then the directory is
-fsynced, so a kill at any instant leaves either the old set or the new one. Loading
-takes the newest checkpoint that verifies and falls back to older ones. Saving keeps
-the newest ``keep`` checkpoints.
+:meth:`Checkpoints.restore` gives Orbax's resharding restore (arrays with logical shapes,
+read into any shardings); :meth:`Checkpoints.reader` reads slices of saved arrays
+straight from the files (for the pipeline's flat buffers, whose layout is its own).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import re
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,8 +27,9 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-_NAME = re.compile(r"ckpt-(\d{8,})\.json")
-FORMAT_VERSION = 1
+ARRAYS = "arrays"
+META = "meta"
+FORMAT_VERSION = 2
 
 
 class CheckpointError(RuntimeError):
@@ -39,41 +37,12 @@ class CheckpointError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class Checkpoint:
-    """A verified checkpoint loaded into host memory.
-
-    Attributes:
-        step: the last completed training step.
-        arrays: plan-independent name → full array.
-        meta: the metadata saved with it (model, plan, data position, ...).
-        path: the .npz file it came from.
-    """
+class Saved:
+    """A complete checkpoint: its step, its metadata and its directory."""
 
     step: int
-    arrays: dict[str, np.ndarray]
     meta: dict
     path: Path
-
-
-def _paths(directory: Path, step: int) -> tuple[Path, Path]:
-    stem = f"ckpt-{step:08d}"
-    return directory / f"{stem}.npz", directory / f"{stem}.json"
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def write_json_atomic(path: Path, obj: object) -> None:
@@ -87,106 +56,117 @@ def write_json_atomic(path: Path, obj: object) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
-def save_checkpoint(directory: Path | str, step: int, arrays: dict[str, np.ndarray],
-                    meta: dict, keep: int = 2) -> Path:
-    """Write the checkpoint of ``step`` atomically and prune older ones.
+class ArrayReader:
+    """Slices of the arrays saved in one checkpoint, read from its files with tensorstore."""
+
+    def __init__(self, arrays_dir: Path):
+        self.dir = Path(arrays_dir)
+        try:
+            meta = json.loads((self.dir / "_METADATA").read_text())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{self.dir}: unreadable array metadata ({e})") from None
+        self.use_zarr3 = bool(meta.get("use_zarr3", False))
+        self.use_ocdbt = bool(meta.get("use_ocdbt", True))
+        self._open: dict[str, object] = {}
+
+    def _store(self, name: str):
+        if name not in self._open:
+            import tensorstore as ts
+            from orbax.checkpoint import type_handlers as th
+            info = th.ParamInfo(name=name, parent_dir=self.dir, use_zarr3=self.use_zarr3)
+            spec = th.get_json_tspec_read(info, use_ocdbt=self.use_ocdbt)
+            try:
+                self._open[name] = ts.open(spec, context=th.get_ts_context(use_ocdbt=self.use_ocdbt)).result()
+            except Exception as e:  # noqa: BLE001 - tensorstore raises ValueError and its own errors
+                raise CheckpointError(f"{self.dir}: no array {name!r} ({str(e).splitlines()[0]})") from None
+        return self._open[name]
+
+    def shape(self, *keys: str) -> tuple[int, ...]:
+        return tuple(self._store(".".join(keys)).shape)
+
+    def read(self, keys: tuple[str, ...], index) -> np.ndarray:
+        """``array[index]`` of the array saved under the pytree path ``keys``."""
+        return np.asarray(self._store(".".join(keys))[index].read().result())
+
+
+class Checkpoints:
+    """The checkpoints of one job: ``save``, ``latest``, ``restore`` and ``reader``.
+
+    Every process of the job makes the same calls (Orbax synchronises them).
 
     Args:
         directory: the job's checkpoint directory (created if missing).
-        step: the last completed step.
-        arrays: plan-independent name → full host array.
-        meta: JSON-serialisable metadata stored in the manifest.
-        keep: how many of the newest checkpoints to keep (at least 1).
-
-    Returns:
-        The path of the .npz written.
+        keep: how many of the newest checkpoints to keep.
     """
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    npz_path, manifest_path = _paths(directory, step)
-    tmp = npz_path.with_name(npz_path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        np.savez(f, **arrays)
-        f.flush()
-        os.fsync(f.fileno())
-    digest, size = _sha256(tmp), tmp.stat().st_size
-    os.replace(tmp, npz_path)
-    _fsync_dir(directory)
-    write_json_atomic(manifest_path, {
-        "format": FORMAT_VERSION, "step": int(step), "file": npz_path.name,
-        "sha256": digest, "bytes": size, "meta": meta,
-    })
-    log.info("checkpoint step %d written to %s (%d bytes)", step, npz_path, size)
-    prune_checkpoints(directory, keep)
-    return npz_path
 
-
-def list_checkpoints(directory: Path | str) -> list[int]:
-    """Steps that have a manifest, newest first (not yet verified)."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
-    steps = [int(m.group(1)) for p in directory.iterdir() if (m := _NAME.fullmatch(p.name))]
-    return sorted(steps, reverse=True)
-
-
-def prune_checkpoints(directory: Path | str, keep: int) -> None:
-    """Delete all but the newest ``keep`` checkpoints, and leftover temporary files."""
-    directory = Path(directory)
-    keep = max(1, keep)
-    for step in list_checkpoints(directory)[keep:]:
-        npz_path, manifest_path = _paths(directory, step)
-        # Manifest first: a half-deleted checkpoint must never look valid.
-        manifest_path.unlink(missing_ok=True)
-        npz_path.unlink(missing_ok=True)
-    for p in directory.glob("*.tmp"):
-        p.unlink(missing_ok=True)
-
-
-def _load_one(directory: Path, step: int) -> Checkpoint:
-    npz_path, manifest_path = _paths(directory, step)
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{manifest_path}: unreadable manifest ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("step") != step:
-        raise CheckpointError(f"{manifest_path}: manifest does not describe step {step}")
-    if not npz_path.exists():
-        raise CheckpointError(f"{npz_path}: missing")
-    digest = _sha256(npz_path)
-    if digest != manifest.get("sha256"):
-        raise CheckpointError(
-            f"{npz_path}: checksum {digest[:12]}… does not match the manifest's "
-            f"{str(manifest.get('sha256'))[:12]}… (corrupt or partial)")
-    try:
-        with np.load(npz_path, allow_pickle=False) as npz:
-            arrays = {name: npz[name] for name in npz.files}
-    except (OSError, ValueError, zipfile.BadZipFile) as e:
-        raise CheckpointError(f"{npz_path}: unreadable ({e})") from None
-    return Checkpoint(step, arrays, dict(manifest.get("meta") or {}), npz_path)
-
-
-def load_latest(directory: Path | str) -> Checkpoint | None:
-    """The newest checkpoint that verifies, or None when the directory has none.
-
-    A checkpoint that fails verification is logged and skipped, so a corrupt newest
-    checkpoint falls back to the previous one.
-
-    Raises:
-        CheckpointError: checkpoints exist but none verifies.
-    """
-    directory = Path(directory)
-    steps = list_checkpoints(directory)
-    problems = []
-    for step in steps:
+    def __init__(self, directory: Path | str, keep: int = 2):
+        import orbax.checkpoint as ocp
+        self._ocp = ocp
+        self.directory = Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(max_to_keep=max(1, keep), create=True,
+                                               cleanup_tmp_directories=True)
         try:
-            return _load_one(directory, step)
-        except CheckpointError as e:
-            log.warning("skipping checkpoint of step %d: %s", step, e)
-            problems.append(str(e))
-    if problems:
-        raise CheckpointError(f"no valid checkpoint in {directory}: " + "; ".join(problems))
-    return None
+            self.manager = ocp.CheckpointManager(self.directory, options=options)
+        except OSError as e:
+            raise CheckpointError(f"{self.directory}: cannot use it for checkpoints ({e.strerror})") from None
+
+    def steps(self) -> list[int]:
+        """Complete checkpoints, newest first."""
+        self.manager.reload()
+        return sorted(self.manager.all_steps(), reverse=True)
+
+    def _meta(self, step: int) -> dict:
+        ocp = self._ocp
+        out = self.manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))
+        meta = out[META]
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
+            raise CheckpointError(f"{self.directory / str(step)}: not a checkpoint of this format")
+        return meta
+
+    def latest(self) -> Saved | None:
+        """The newest complete checkpoint whose metadata reads, or None when there is none.
+
+        Raises:
+            CheckpointError: checkpoints exist but none can be read.
+        """
+        problems = []
+        for step in self.steps():
+            try:
+                return Saved(step, self._meta(step), self.directory / str(step))
+            except Exception as e:  # noqa: BLE001 - a damaged step falls back to the previous one
+                log.warning("skipping checkpoint of step %d: %s", step, e)
+                problems.append(f"step {step}: {e}")
+        if problems:
+            raise CheckpointError(f"no readable checkpoint in {self.directory}: " + "; ".join(problems))
+        return None
+
+    def save(self, step: int, arrays, meta: dict) -> None:
+        """Start writing step ``step`` (asynchronously: :meth:`wait` before exiting)."""
+        ocp = self._ocp
+        meta = {**meta, "format": FORMAT_VERSION, "step": int(step)}
+        self.manager.save(step, args=ocp.args.Composite(**{
+            ARRAYS: ocp.args.StandardSave(arrays), META: ocp.args.JsonSave(meta)}), force=True)
+        log.info("checkpoint step %d: writing to %s", step, self.directory / str(step))
+
+    def wait(self) -> None:
+        """Block until every started save is complete on disk."""
+        self.manager.wait_until_finished()
+
+    def restore(self, step: int, target):
+        """The saved arrays of ``step`` read into ``target``'s shapes and shardings (a pytree
+        of ``jax.ShapeDtypeStruct`` with ``sharding``), whatever the saving plan was."""
+        ocp = self._ocp
+        try:
+            out = self.manager.restore(step, args=ocp.args.Composite(**{ARRAYS: ocp.args.StandardRestore(target)}))
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f"{self.directory / str(step)}: does not match this job's state ({e})") from None
+        return out[ARRAYS]
+
+    def reader(self, step: int) -> ArrayReader:
+        return ArrayReader(self.directory / str(step) / ARRAYS)
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()

@@ -1,0 +1,199 @@
+"""A pipeline's training state in a checkpoint, and read back into any other plan.
+
+Each device keeps its stage's arrays in flat buffers (``job_scripts.stage_arrays``); the
+devices of a stage's data-parallel group hold the same buffer. To write it once, not
+dp times, device ``(stage s, dp rank r)`` saves only chunk r of its buffer: the *save
+view*, a global array ``[stages, devices per stage, chunk]`` that Orbax writes shard by
+shard, each process its own devices', with no data moved between devices.
+
+The checkpoint's metadata keeps the layout (:func:`layout_json`): per stage its layers,
+dp, tp and chunk length, and per array its plan-independent name, global shape, sharded
+dimension and offset. :func:`restore` builds a new plan's buffers from it, reading for
+each of this process's devices just the slices of the old chunks that hold its shards
+(tensorstore reads of the saved files), so any plan reads any plan's checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
+
+from job_scripts.checkpoint import CheckpointError
+from job_scripts.pipeline import PP, Pipeline
+from job_scripts.stage_arrays import KINDS
+
+# read(kind, dtype, stage, device position, lo, hi) -> the saved view's [stage, position, lo:hi]
+ViewReader = Callable[[str, str, int, int, int, int], np.ndarray]
+
+
+def _chunks(pipe: Pipeline, kind: str, dtype: str) -> list[int]:
+    """Per stage, the chunk each dp rank saves of this dtype's buffer (at least 1)."""
+    return [max(1, -(-pipe.arrays[kind][st.index].layout.length(dtype) // st.dp)) for st in pipe.stages]
+
+
+def layout_json(pipe: Pipeline) -> dict:
+    """What a reader of the save views needs, as JSON."""
+    kinds = {}
+    for kind in KINDS:
+        stages = []
+        for st in pipe.stages:
+            stages.append({"layers": [st.layers.start, st.layers.stop], "dp": st.dp, "tp": st.tp,
+                           "chunks": {dt: _chunks(pipe, kind, dt)[st.index] for dt in pipe.lengths[kind]},
+                           "leaves": pipe.arrays[kind][st.index].to_json()})
+        kinds[kind] = {"stages": stages}
+    return {"kinds": kinds, "devices_per_stage": pipe.plan.stages[0].num_gpus}
+
+
+def save_views(pipe: Pipeline, state: dict) -> dict:
+    """The arrays a checkpoint saves: per kind and dtype, ``[stages, devices, chunk]``."""
+    fn = getattr(pipe, "_save_views", None)
+    if fn is None:
+        fn = pipe._save_views = _build_save_views(pipe)
+    return fn(state)
+
+
+def _build_save_views(pipe: Pipeline):
+    chunks = {k: {dt: _chunks(pipe, k, dt) for dt in pipe.lengths[k]} for k in KINDS}
+
+    def branch(st):
+        def run(state):
+            r = lax.axis_index(st.coll.dp_axes) if st.coll.dp_axes else 0
+            out = {}
+            for kind in KINDS:
+                out[kind] = {}
+                for dt, buf in state[kind].items():
+                    c, width = chunks[kind][dt][st.index], max(chunks[kind][dt])
+                    buf = buf[0, 0]
+                    need = st.dp * c
+                    if need > buf.shape[0]:
+                        buf = jnp.pad(buf, (0, need - buf.shape[0]))
+                    part = lax.dynamic_slice_in_dim(buf, r * c, c)
+                    out[kind][dt] = jnp.pad(part, (0, width - c))[None, None]
+            return out
+        return run
+
+    branches = [branch(st) for st in pipe.stages]
+
+    def body(state):
+        return lax.switch(lax.axis_index(PP), branches, state)
+
+    spec = {k: {dt: pipe.container_spec for dt in pipe.lengths[k]} for k in KINDS}
+    return jax.jit(jax.shard_map(body, mesh=pipe.mesh, in_specs=(spec,), out_specs=spec, check_vma=False))
+
+
+class _OldState:
+    """The saved layout, indexed by array name, and the reads of its chunks."""
+
+    def __init__(self, layout: dict, read: ViewReader):
+        self.read_view = read
+        self.by_name: dict[str, tuple[str, dict, dict]] = {}
+        try:
+            for kind, entry in layout["kinds"].items():
+                for s, stage in enumerate(entry["stages"]):
+                    stage = {**stage, "index": s}
+                    for leaf in stage["leaves"]:
+                        self.by_name[leaf["name"]] = (kind, stage, leaf)
+        except (KeyError, TypeError) as e:
+            raise CheckpointError(f"the checkpoint's layout is malformed ({e})") from None
+        self._cache: dict[tuple[str, int], np.ndarray] = {}
+
+    def _flat(self, kind: str, stage: dict, dtype: str, tp_rank: int, lo: int, hi: int) -> np.ndarray:
+        """Elements [lo, hi) of the buffer of tp rank ``tp_rank`` of an old stage."""
+        c = stage["chunks"][dtype]
+        parts = []
+        for r in range(lo // c, (hi - 1) // c + 1):
+            position = r * stage["tp"] + tp_rank
+            a, b = max(lo, r * c) - r * c, min(hi, (r + 1) * c) - r * c
+            parts.append(self.read_view(kind, dtype, stage["index"], position, a, b))
+        return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+    def shard(self, name: str, tp_rank: int) -> np.ndarray:
+        """The old tp rank's local piece of one array, in its old local shape."""
+        kind, stage, leaf = self.by_name[name]
+        dim, tp = leaf["dim"], stage["tp"]
+        shape = [n // tp if d == dim else n for d, n in enumerate(leaf["shape"])]
+        size = math.prod(shape)
+        flat = self._flat(kind, stage, leaf["dtype"], tp_rank if dim is not None else 0,
+                          leaf["offset"], leaf["offset"] + size)
+        return flat.reshape(shape)
+
+    def region(self, name: str, shape: tuple[int, ...], dtype: str, dim: int | None, tp: int,
+               rank: int) -> np.ndarray:
+        """Tensor-parallel rank ``rank`` of ``tp``'s part of array ``name`` (its new shard)."""
+        key = (name, dim, tp, rank)
+        if key in self._cache:
+            return self._cache[key]
+        if name not in self.by_name:
+            raise CheckpointError(f"the checkpoint has no array {name}: was it written for another model?")
+        _, stage, leaf = self.by_name[name]
+        if tuple(leaf["shape"]) != tuple(shape) or leaf["dtype"] != dtype:
+            raise CheckpointError(f"array {name} was saved as {leaf['dtype']}{leaf['shape']}, this model "
+                                  f"has {dtype}{list(shape)}: was it written for another model?")
+        old_dim, old_tp = leaf["dim"], stage["tp"]
+        want = [slice(None)] * len(shape)
+        if dim is not None:
+            part = shape[dim] // tp
+            want[dim] = slice(rank * part, (rank + 1) * part)
+        if old_dim is None or old_tp == 1:
+            out = self.shard(name, 0)[tuple(want)]
+        else:
+            piece = shape[old_dim] // old_tp
+            lo, hi = want[old_dim].indices(shape[old_dim])[:2]
+            ranks = range(lo // piece, (hi - 1) // piece + 1)
+            joined = np.concatenate([self.shard(name, r) for r in ranks], axis=old_dim)
+            local = list(want)
+            local[old_dim] = slice(lo - ranks[0] * piece, hi - ranks[0] * piece)
+            out = joined[tuple(local)]
+        self._cache[key] = out
+        return out
+
+
+def _positions(pipe: Pipeline):
+    """(device, stage, position within the stage) of this process's devices."""
+    me = jax.process_index()
+    for index, device in np.ndenumerate(pipe.mesh.devices):
+        if device.process_index != me:
+            continue
+        position = 0
+        for bit in index[1:]:
+            position = position * 2 + int(bit)
+        yield device, index[0], position
+
+
+def restore(pipe: Pipeline, layout: dict, read: ViewReader) -> dict:
+    """The pipeline's state from a checkpoint of any plan (its ``layout_json`` and reads)."""
+    old = _OldState(layout, read)
+    state = {}
+    for kind in KINDS:
+        lengths = pipe.lengths[kind]
+        shards: dict[str, list] = {dt: [] for dt in lengths}
+        for device, s, position in _positions(pipe):
+            st = pipe.stages[s]
+            arrays = pipe.arrays[kind][s]
+            rank = position % st.tp
+            bufs = {dt: np.zeros((n,), dt) for dt, n in lengths.items()}
+            for leaf, slot in zip(arrays.leaves, arrays.layout.slots):
+                data = old.region(leaf.name, leaf.shape, leaf.dtype, leaf.dim, st.tp, rank)
+                bufs[slot.dtype][slot.offset:slot.offset + slot.size] = data.ravel()
+            for dt, buf in bufs.items():
+                shards[dt].append(jax.device_put(buf[None, None], device))
+        shape = (len(pipe.stages), pipe.plan.stages[0].num_gpus)
+        sharding = NamedSharding(pipe.mesh, pipe.container_spec)
+        state[kind] = {dt: jax.make_array_from_single_device_arrays(shape + (n,), sharding, shards[dt])
+                       for dt, n in lengths.items()}
+    return state
+
+
+def logical_arrays(layout: dict, read: ViewReader) -> dict[str, np.ndarray]:
+    """Every saved array, whole, by name (host memory: for tests and exports)."""
+    old = _OldState(layout, read)
+    out = {}
+    for name, (_, _, leaf) in old.by_name.items():
+        out[name] = old.region(name, tuple(leaf["shape"]), leaf["dtype"], None, 1, 0)
+    return out
