@@ -411,15 +411,19 @@ def _powers_of_two(lo: int, hi: int) -> list[int]:
     return out
 
 
-def stage_counts(num_gpus: int, num_layers: int) -> list[int]:
-    return [s for s in _powers_of_two(1, num_gpus) if s <= num_layers and num_gpus % s == 0]
+def stage_counts(num_gpus: int, num_layers: int, max_stages: int | None = None) -> list[int]:
+    """The pipeline-stage counts a Cell of ``num_gpus`` GPUs may have: 1, 2, 4, … that divide
+    the count, are at most the model's layers and, when given, at most ``max_stages``."""
+    top = num_gpus if max_stages is None else min(num_gpus, max_stages)
+    return [s for s in _powers_of_two(1, top) if s <= num_layers and num_gpus % s == 0]
 
 
 def enumerate_cells(job: JobSpec, cluster: ClusterSpec, options: EstimateOptions = EstimateOptions(),
                     gpu_types: tuple[str, ...] | None = None, gpus_per_node: int | None = None
                     ) -> tuple[Cell, ...]:
     """The Cells of a job (Crius): counts {N/2, N, 2N} when N was asked for, else every power
-    of two up to ``max_gpus``; × every GPU type; × stage counts 1, 2, 4, … ≤ count."""
+    of two up to ``max_gpus``; × every GPU type; × stage counts 1, 2, 4, … ≤ count (and
+    ≤ ``job.max_stages`` when the job's script cannot run more)."""
     model = load_model(job.model)
     types = gpu_types or cluster.gpu_types
     cells = []
@@ -434,7 +438,7 @@ def enumerate_cells(job: JobSpec, cluster: ClusterSpec, options: EstimateOptions
             if n > capacity:
                 continue
             gpn = min(n, gpus_per_node or group.gpus_per_node)
-            spaces = [1] if options.plan_space == "dp-only" else stage_counts(n, model.num_layers)
+            spaces = [1] if options.plan_space == "dp-only" else stage_counts(n, model.num_layers, job.max_stages)
             cells.extend(Cell(t, n, gpn, s) for s in spaces)
     return tuple(cells)
 

@@ -7,6 +7,7 @@ from estimator.gpus import gpu_type as _gpu_type
 
 MAX_GLOBAL_BATCH = 1 << 24
 MAX_GPUS = 1 << 16
+MAX_STAGES = 1 << 10
 
 
 @dataclass(frozen=True)
@@ -18,12 +19,15 @@ class JobSpec:
         global_batch: samples per iteration; fixed whatever the plan.
         num_gpus: the GPU count asked for; None lets the estimator choose ("serverless").
         gpu_type: the GPU type asked for, or None.
+        max_stages: the most pipeline stages the job's training script can run (1 for a
+            script with data and tensor parallelism only); None: any stage count.
     """
 
     model: str
     global_batch: int
     num_gpus: int | None = None
     gpu_type: str | None = None
+    max_stages: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.global_batch, int) or isinstance(self.global_batch, bool) \
@@ -33,5 +37,10 @@ class JobSpec:
                 not isinstance(self.num_gpus, int) or isinstance(self.num_gpus, bool)
                 or not 0 < self.num_gpus <= MAX_GPUS):
             raise SpecError("num_gpus", self.num_gpus, f"give a positive integer ≤ {MAX_GPUS}")
+        if self.max_stages is not None and (
+                not isinstance(self.max_stages, int) or isinstance(self.max_stages, bool)
+                or not 0 < self.max_stages <= MAX_STAGES):
+            raise SpecError("max_stages", self.max_stages, f"give a positive integer ≤ {MAX_STAGES}, "
+                            "or leave it out to allow any stage count")
         if self.gpu_type is not None:
             object.__setattr__(self, "gpu_type", _gpu_type(self.gpu_type).name)

@@ -361,7 +361,8 @@ def final_assignments(snapshot: Snapshot, decision: Decision) -> dict[str, Assig
 
 
 def validate_decision(snapshot: Snapshot, decision: Decision) -> None:
-    """Check a decision is applicable: known jobs, consistent placements, no over-commit.
+    """Check a decision is applicable: known jobs, consistent placements, no over-commit, no
+    Cell with more pipeline stages than a job's ``max_stages``.
 
     Raises:
         DecisionError: naming the first fault found.
@@ -390,6 +391,11 @@ def validate_decision(snapshot: Snapshot, decision: Decision) -> None:
         if a is None:
             continue
         job_id = d.job_id
+        max_stages = jobs[job_id].spec.max_stages
+        if max_stages is not None and a.cell.num_stages > max_stages:
+            # The job's own script cannot run the plan: it would fail on the new Cell.
+            raise DecisionError(f"job {job_id!r}: Cell {a.cell.label()} has {a.cell.num_stages} "
+                                f"stages, the job allows at most max_stages={max_stages}")
         if a.num_gpus != a.cell.num_gpus:
             raise DecisionError(f"job {job_id!r}: placement {a.placement} holds {a.num_gpus} GPUs, "
                                 f"Cell {a.cell.label()} needs {a.cell.num_gpus}")

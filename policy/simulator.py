@@ -183,7 +183,7 @@ class EstimateCache:
 
     def get(self, spec: JobSpec) -> tuple[tuple[CellEstimate, ...], tuple[CellEstimate, ...], frozenset]:
         """(cell estimates, dp-only estimates, runnable Cells) of ``spec``."""
-        key = (spec.model, spec.global_batch, spec.num_gpus, spec.gpu_type)
+        key = (spec.model, spec.global_batch, spec.num_gpus, spec.gpu_type, spec.max_stages)
         hit = self._cache.get(key)
         if hit is None:
             t0 = time.perf_counter()

@@ -5,6 +5,7 @@ settings. The same settings may be written in the batch script on lines of their
 
     #ELASTIC model=gpt-1.3b global_batch=64 iterations=2000
     #ELASTIC gpus=8 gpu_type=a100 deadline=2026-12-01T18:00:00Z guaranteed=yes
+    #ELASTIC max_stages=1   # the training script runs data and tensor parallelism only
 
 When a key is set in both places the Comment wins, as an ``sbatch`` command-line option
 overrides an ``#SBATCH`` line: the Comment is what the user typed last.
@@ -25,11 +26,11 @@ from typing import Callable
 
 from estimator.errors import SpecError
 from estimator.gpus import CATALOG
-from estimator.jobs import MAX_GLOBAL_BATCH, MAX_GPUS
+from estimator.jobs import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_STAGES, JobSpec
 
 COMMENT_TAG = "elastic"
 SCRIPT_TAG = "#ELASTIC"
-KEYS = ("model", "global_batch", "iterations", "gpus", "gpu_type", "deadline", "guaranteed")
+KEYS = ("model", "global_batch", "iterations", "gpus", "gpu_type", "deadline", "guaranteed", "max_stages")
 REQUIRED_KEYS = ("model", "global_batch", "iterations")
 # Limits that keep a hostile or broken submission from costing the daemon time or memory.
 MAX_COMMENT_CHARS = 1024
@@ -70,6 +71,8 @@ class ElasticSpec:
         gpu_type: the GPU type asked for (catalog name); None lets the scheduler choose.
         deadline_s: Unix time the job should finish by, or None.
         guaranteed: the job must get at least the throughput of what it asked for.
+        max_stages: the most pipeline stages the job's training script can run (1 for a
+            script with data and tensor parallelism only); None: any stage count.
     """
 
     model: str
@@ -79,19 +82,24 @@ class ElasticSpec:
     gpu_type: str | None = None
     deadline_s: float | None = None
     guaranteed: bool = False
+    max_stages: int | None = None
+
+    def job_spec(self) -> JobSpec:
+        """The job as the estimator sees it (what its Cells depend on)."""
+        return JobSpec(self.model, self.global_batch, self.num_gpus, self.gpu_type, self.max_stages)
 
     def to_json(self) -> dict:
         return {
             "model": self.model, "global_batch": self.global_batch,
             "iterations": self.iterations, "num_gpus": self.num_gpus,
             "gpu_type": self.gpu_type, "deadline_s": self.deadline_s,
-            "guaranteed": self.guaranteed,
+            "guaranteed": self.guaranteed, "max_stages": self.max_stages,
         }
 
     @classmethod
     def from_json(cls, raw: dict) -> "ElasticSpec":
         return cls(**{k: raw.get(k) for k in (
-            "model", "global_batch", "iterations", "num_gpus", "gpu_type", "deadline_s")},
+            "model", "global_batch", "iterations", "num_gpus", "gpu_type", "deadline_s", "max_stages")},
             guaranteed=bool(raw.get("guaranteed", False)))
 
 
@@ -222,6 +230,7 @@ def spec_from_settings(settings: dict[str, str]) -> ElasticSpec:
         gpu_type=gpu,
         deadline_s=parse_deadline(deadline) if deadline is not None else None,
         guaranteed=guaranteed_raw in _YES,
+        max_stages=_int(settings, "max_stages", 1, MAX_STAGES),
     )
 
 

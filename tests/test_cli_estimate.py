@@ -53,6 +53,39 @@ def test_errors_are_one_line_and_print_nothing(capsys, args, needle):
     assert needle in err and len(err.strip().splitlines()) == 1
 
 
+def test_max_stages_keeps_only_cells_the_script_can_run(capsys):
+    args = ("estimate", "--model", "gpt-1.3b", "--global-batch", "256", "--gpus", "8", "--json")
+    code, out, err = run(capsys, *args)
+    assert code == 0, err
+    assert any(c["num_stages"] > 1 for c in json.loads(out)["cells"])
+    code, out, err = run(capsys, *args, "--max-stages", "1")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["cells"] and all(c["num_stages"] == 1 for c in d["cells"])
+    assert d["best"]["num_stages"] == 1
+
+
+def test_bad_max_stages_is_one_line(capsys):
+    code, out, err = run(capsys, "estimate", "--model", "gpt-1.3b", "--global-batch", "8",
+                         "--max-stages", "0")
+    assert code != 0 and out == ""
+    assert "max_stages=0" in err and len(err.strip().splitlines()) == 1
+
+
+def test_batch_lines_accept_max_stages(capsys, monkeypatch):
+    reqs = [{"model": "gpt-760m", "global_batch": 128, "num_gpus": 4, "max_stages": 1},
+            {"model": "gpt-760m", "global_batch": 128, "num_gpus": 4}]
+    code, out, err = run(capsys, "estimate", "--batch", "-",
+                         stdin="\n".join(json.dumps(r) for r in reqs) + "\n", monkeypatch=monkeypatch)
+    assert code == 0, err
+    limited, free = (json.loads(x) for x in out.splitlines())
+    assert all(c["num_stages"] == 1 for c in limited["cells"])
+    assert any(c["num_stages"] > 1 for c in free["cells"])
+    bad = '{"model": "gpt-760m", "global_batch": 128, "max_stages": "one"}\n'
+    code, out, err = run(capsys, "estimate", "--batch", "-", stdin=bad, monkeypatch=monkeypatch)
+    assert code != 0 and out == "" and "request 1: max_stages='one'" in err
+
+
 def test_malformed_model_yaml(capsys, tmp_path):
     f = tmp_path / "m.yaml"
     f.write_text("hidden: 64\nlayers: [\n")

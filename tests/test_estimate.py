@@ -4,6 +4,7 @@ import pytest
 
 from estimator.cells import Cell, StagePlan
 from estimator.cluster import load_cluster
+from estimator.errors import SpecError
 from estimator.estimate import (EstimateOptions, enumerate_cells, estimate_cell, estimate_job,
                                 pipeline_time_s, score_plan, StageCost)
 from estimator.jobs import JobSpec
@@ -19,6 +20,30 @@ def test_requested_count_gives_half_same_double_times_types_times_stages():
     for c in cells:
         assert c.num_stages in (1, 2, 4, 8, 16) and c.num_stages <= c.num_gpus
     assert len([c for c in cells if c.gpu_type == "a100" and c.num_gpus == 8]) == 4  # s = 1, 2, 4, 8
+
+
+def test_max_stages_limits_the_stage_counts_of_every_cell():
+    unlimited = enumerate_cells(JobSpec("gpt-1.3b", 256, num_gpus=8), CRIUS)
+    assert any(c.num_stages > 1 for c in unlimited)
+    single = enumerate_cells(JobSpec("gpt-1.3b", 256, num_gpus=8, max_stages=1), CRIUS)
+    assert single and all(c.num_stages == 1 for c in single)
+    assert set(single) == {c for c in unlimited if c.num_stages == 1}
+    two = enumerate_cells(JobSpec("gpt-1.3b", 256, num_gpus=8, max_stages=3), CRIUS)
+    assert set(two) == {c for c in unlimited if c.num_stages <= 2}  # stage counts are powers of two
+
+
+def test_max_stages_applies_to_estimates_and_their_best_cell():
+    est = estimate_job(JobSpec("gpt-1.3b", 256, max_stages=1), CRIUS, EstimateOptions(max_gpus=16))
+    assert est.cells and all(c.cell.num_stages == 1 for c in est.cells)
+    assert est.best is not None and est.best.cell.num_stages == 1
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, "1", True, 1 << 11])
+def test_bad_max_stages_is_refused_with_the_value_quoted(bad):
+    with pytest.raises(SpecError) as info:
+        JobSpec("gpt-1.3b", 256, max_stages=bad)
+    assert info.value.field == "max_stages" and f"max_stages={bad!r}" in str(info.value)
+    assert len(str(info.value).splitlines()) == 1
 
 
 def test_serverless_starts_at_the_smallest_count_that_fits():

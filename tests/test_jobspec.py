@@ -5,6 +5,7 @@ from datetime import datetime, timezone
 import pytest
 
 from estimator.errors import SpecError
+from estimator.jobs import JobSpec
 from slurm_ext.jobspec import (
     MAX_COMMENT_CHARS, MAX_SCRIPT_CHARS, ElasticSpec, ElasticSpecError, check_model,
     comment_settings, is_elastic, parse_spec, script_settings,
@@ -69,8 +70,29 @@ def test_deadline_without_zone_is_utc_and_offsets_apply():
 
 
 def test_json_round_trip():
-    spec = parse_spec("elastic gpus=4 guaranteed=yes deadline=2026-05-05", SCRIPT)
+    spec = parse_spec("elastic gpus=4 guaranteed=yes deadline=2026-05-05 max_stages=2", SCRIPT)
     assert ElasticSpec.from_json(spec.to_json()) == spec
+
+
+def test_max_stages_from_comment_or_script_comment_wins():
+    assert parse_spec("elastic", SCRIPT).max_stages is None
+    assert parse_spec("elastic max_stages=1", SCRIPT).max_stages == 1
+    script = SCRIPT + "#ELASTIC max_stages=4\n"
+    assert parse_spec("elastic", script).max_stages == 4
+    assert parse_spec("elastic max_stages=1", script).max_stages == 1
+
+
+def test_json_stored_before_max_stages_existed_reads_as_unlimited():
+    old = {k: v for k, v in parse_spec("elastic", SCRIPT).to_json().items() if k != "max_stages"}
+    assert ElasticSpec.from_json(old).max_stages is None
+
+
+def test_job_spec_carries_every_field_the_estimates_depend_on():
+    spec = parse_spec("elastic gpus=8 gpu_type=a100 max_stages=1", SCRIPT)
+    job = spec.job_spec()
+    assert isinstance(job, JobSpec)
+    assert job == JobSpec("gpt-1.3b", 64, 8, "a100", max_stages=1)
+    assert parse_spec("elastic", SCRIPT).job_spec().max_stages is None
 
 
 BAD = [
@@ -87,6 +109,12 @@ BAD = [
     ("elastic model=gpt-1.3b global_batch=8 iterations=5 gpus=0", None, "gpus", "'0'"),
     ("elastic model=gpt-1.3b global_batch=8 iterations=5 gpus=1000000", None, "gpus", "1000000"),
     ("elastic model=gpt-1.3b global_batch=8 iterations=5 gpu_type=tpu", None, "gpu_type", "'tpu'"),
+    ("elastic model=gpt-1.3b global_batch=8 iterations=5 max_stages=0", None, "max_stages", "'0'"),
+    ("elastic model=gpt-1.3b global_batch=8 iterations=5 max_stages=-1", None, "max_stages", "'-1'"),
+    ("elastic model=gpt-1.3b global_batch=8 iterations=5 max_stages=one", None, "max_stages", "'one'"),
+    ("elastic model=gpt-1.3b global_batch=8 iterations=5 max_stages=1.5", None, "max_stages", "'1.5'"),
+    ("elastic model=gpt-1.3b global_batch=8 iterations=5 max_stages=4096", None, "max_stages", "4096"),
+    ("elastic", SCRIPT + "#ELASTIC max_stages=0\n", "max_stages", "'0'"),
     ("elastic model=gpt-1.3b global_batch=8 iterations=5 guaranteed=maybe", None, "guaranteed", "'maybe'"),
     ("elastic model=gpt-1.3b global_batch=8 iterations=5 deadline=tomorrow", None, "deadline", "'tomorrow'"),
     ("elastic model=gpt-1.3b global_batch=8 iterations=5 deadline=1850-01-01", None, "deadline", "1850"),

@@ -160,3 +160,18 @@ def test_implied_actions_classify_every_change_and_order_releases_first():
         validate_decision(snap, wrong_type)
     assert [a.kind for a in implied_actions(snap, Decision((JobDecision("move", Assignment(
         Cell("a100", 1, 4, 1), (("a-1", 1),))), JobDecision("stop", None))))] == ["suspend", "move"]
+
+
+def test_a_cell_with_more_stages_than_the_job_allows_is_refused():
+    from dataclasses import replace
+
+    from estimator.cells import Cell
+    from policy.interface import Assignment, DecisionError, JobDecision
+    view = _view("dp-tp", None)
+    snap = Snapshot(0.0, (NodeView("a-1", "a100", 4),),
+                    (replace(view, spec=replace(view.spec, max_stages=1)),))
+    ok = Decision((JobDecision("dp-tp", Assignment(Cell("a100", 4, 4, 1), (("a-1", 4),))),))
+    validate_decision(snap, ok)
+    staged = Decision((JobDecision("dp-tp", Assignment(Cell("a100", 4, 4, 2), (("a-1", 4),))),))
+    with pytest.raises(DecisionError, match="max_stages=1"):
+        validate_decision(snap, staged)

@@ -12,16 +12,17 @@ from estimator.estimate import EstimateOptions, JobEstimate, estimate_job
 from estimator.jobs import JobSpec
 
 DEFAULT_CLUSTER = "crius-1280"
-BATCH_KEYS = {"model", "global_batch", "gpu_type", "num_gpus", "gpus_per_node"}
+BATCH_KEYS = {"model", "global_batch", "gpu_type", "num_gpus", "gpus_per_node", "max_stages"}
 MAX_BATCH_LINE_BYTES = 4096
 
 
 def _estimate(model: str, global_batch: int, gpu_type: str | None, gpus: int | None,
-              gpus_per_node: int | None, cluster_name: str, options: EstimateOptions) -> JobEstimate:
+              gpus_per_node: int | None, max_stages: int | None, cluster_name: str,
+              options: EstimateOptions) -> JobEstimate:
     if gpus_per_node is not None and gpus_per_node < 1:
         raise SpecError("gpus_per_node", gpus_per_node, "give a positive integer")
     cluster = load_cluster(cluster_name)
-    job = JobSpec(model, global_batch, gpus, gpu_type)
+    job = JobSpec(model, global_batch, gpus, gpu_type, max_stages)
     types = (job.gpu_type,) if job.gpu_type else None
     return estimate_job(job, cluster, options, types, gpus_per_node)
 
@@ -86,6 +87,9 @@ def _read_batch(source) -> list[dict]:
 @click.option("--gpus", type=int, help="Requested GPU count N: Cells of N/2, N and 2N GPUs. "
               "Without it, every power of two from the smallest that fits.")
 @click.option("--gpus-per-node", type=int, help="GPUs per node (default: the cluster's node size).")
+@click.option("--max-stages", type=int, help="Only Cells of at most this many pipeline stages: "
+              "what the job's training script can run (1 for data and tensor parallelism only). "
+              "Default: any stage count.")
 @click.option("--cluster", default=lambda: os.environ.get("SLURM_EXT_CLUSTER", DEFAULT_CLUSTER),
               show_default=f"$SLURM_EXT_CLUSTER or {DEFAULT_CLUSTER}",
               help="Built-in cluster (crius-1280, lab) or a cluster YAML file.")
@@ -103,12 +107,15 @@ def _read_batch(source) -> list[dict]:
 @click.option("--batch", "batch_file", type=click.File("r"),
               help="One JSON request per line (FILE or - for stdin); prints one JSON result per line.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def command(model, global_batch, gpu_type, gpus, gpus_per_node, cluster, micro_batches,
+def command(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, cluster, micro_batches,
             comm_table, fidelity, compile_cache, gpu_specs_dir, batch_file, as_json):
     """The Cells of one job: for each GPU type × GPU count × stage count, the best per-stage
     plan, seconds per iteration, samples/s and peak memory per GPU, or why it does not fit.
 
     JSON: {"model", "global_batch", "cells": [...], "best": {...} | null}.
+
+    --batch lines: {"model", "global_batch"} and optionally "gpu_type", "num_gpus",
+    "gpus_per_node", "max_stages" (as the flags of the same names).
     """
     options = EstimateOptions(micro_batches=micro_batches, comm_table=comm_table, fidelity=fidelity,
                               compile_cache_dir=compile_cache, gpu_specs_dir=gpu_specs_dir)
@@ -120,12 +127,13 @@ def command(model, global_batch, gpu_type, gpus, gpus_per_node, cluster, micro_b
         for i, req in enumerate(requests, 1):
             try:
                 results.append(_estimate(req["model"], req["global_batch"], req.get("gpu_type"),
-                                         req.get("num_gpus"), req.get("gpus_per_node"), cluster, options))
+                                         req.get("num_gpus"), req.get("gpus_per_node"),
+                                         req.get("max_stages"), cluster, options))
             except SpecError as e:
                 raise SpecError(f"request {i}: {e.field}", e.value, e.hint) from None
         sys.stdout.write("".join(json.dumps(r.to_json()) + "\n" for r in results))
         return
     if not model or global_batch is None:
         raise click.UsageError("give --model and --global-batch (or --batch FILE)")
-    result = _estimate(model, global_batch, gpu_type, gpus, gpus_per_node, cluster, options)
+    result = _estimate(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, cluster, options)
     click.echo(json.dumps(result.to_json(), indent=2) if as_json else _table(result))
