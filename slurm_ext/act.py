@@ -11,7 +11,10 @@
 - an elastic job whose spec is invalid: the error goes to its AdminComment and the job is
   released to run exactly as submitted;
 - pending jobs the policy leaves waiting: held, with why in AdminComment, within a
-  per-round budget; jobs with the same text are updated (and held) with one call.
+  per-round budget; jobs with the same text are updated (and held) with one call;
+- a running job whose runner tuned another plan of its Cell: its AdminComment shows the
+  plan that runs (``ManagedJob.running_comment``), from what is left of that budget; the
+  job itself is left as it is.
 
 Every action is written to the journal before it is taken and closed after, so a restart
 finishes or undoes half-done work (:meth:`Actor.recover`).
@@ -86,6 +89,7 @@ class Acts:
     """Actions of one round, collected while acting."""
 
     taken: list[tuple[str, int]] = field(default_factory=list)
+    plans_shown: list[int] = field(default_factory=list)  # AdminComment only, not an action
 
 
 def group_by(items, key) -> list[list]:
@@ -261,13 +265,39 @@ class Actor:
             update, held = group[0][1], is_held(group[0][0])
             self.take_many(journal.START, [(job.job_id, update.admin_comment) for job, _ in group],
                            update, held, acts)
-        self._annotate_waiting(snapshot, decision, views_by_id, acts)
+        budget = self._annotate_waiting(snapshot, decision, views_by_id, acts)
+        # A job rescaled this round has its new Cell's AdminComment: the old plan must not
+        # overwrite it.
+        rescaled = {int(action.job_id) for action, _ in rescales}
+        self._show_running_plans([m for m in views_by_id.values() if m.running_comment
+                                  and m.slurm.job_id not in rescaled], budget, acts)
 
-    def _annotate_waiting(self, snapshot, decision: Decision, views_by_id: dict, acts: Acts) -> None:
+    def _show_running_plans(self, jobs: list[ManagedJob], budget: int, acts: Acts) -> None:
+        """Write into running jobs' AdminComment the plan their runner tuned and runs.
+
+        Only the text changes: no signal, requeue or release, so it is not journaled (the
+        next round derives the same text again if this one is lost).
+        """
+        for m in sorted(jobs, key=lambda m: m.slurm.job_id)[:max(0, budget)]:
+            job_id, text = m.slurm.job_id, m.running_comment
+            if self.config.dry_run:
+                self.out(f"dry-run: show running plan job={job_id} {text}")
+                continue
+            try:
+                # AdminComment alone may change on a running job; StartTime must not.
+                self.client.update_pending(job_id, JobUpdate(admin_comment=text, start_now=False))
+            except SlurmExtError as e:
+                log.warning(kv("show_plan_failed", job_id=job_id, error=e))
+                continue
+            acts.plans_shown.append(job_id)
+            log.info(kv("running_plan_shown", job_id=job_id, admin_comment=text))
+
+    def _annotate_waiting(self, snapshot, decision: Decision, views_by_id: dict, acts: Acts) -> int:
         """Hold pending elastic jobs the policy leaves waiting and say why, within a budget.
 
         Most waiting jobs share their text (``why=waiting for GPUs``): jobs with the same
         text are updated with one call, and those not yet held are held with one more.
+        Returns what is left of the round's budget of AdminComment-only updates.
         """
         budget = self.config.max_annotations_per_round
         wanted = decision.as_dict()
@@ -293,6 +323,7 @@ class Actor:
         for group in group_by(todo, lambda t: t[1]):
             update = JobUpdate(admin_comment=group[0][1], start_now=False)
             self._annotate([j for j, _, _ in group], update, [j for j, _, held in group if not held])
+        return budget
 
     def _annotate(self, job_ids: list[int], update: JobUpdate, to_hold: list[int]) -> None:
         try:

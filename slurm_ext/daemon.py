@@ -25,7 +25,7 @@ from estimator.cluster import ClusterSpec
 from estimator.estimate import EstimateOptions, estimate_job
 from estimator.errors import SpecError
 from estimator.jobs import JobSpec
-from estimator.refine import MEASURED_FILE, Measurement, refine
+from estimator.refine import MEASURED_FILE, refine
 from policy.clock import Clock, WallClock
 from policy.interface import (
     PENDING, RUNNING, TRIGGER_ARRIVAL, TRIGGER_COMPLETION, TRIGGER_ROUND, Decision,
@@ -44,7 +44,7 @@ from slurm_ext.observe import (  # noqa: F401
     job_states_argv, kv, measurement_from_text, model_loader_for, node_type, parse_job_states,
     parse_pending_listing,
     partition_types, pending_listing_argv, plan_comment, requested_gpus, reserved_cell,
-    running_assignment, type_partitions,
+    running_assignment, running_plan_comment, type_partitions,
 )
 from slurm_ext.run import run_command
 from slurm_ext.slurm_client import SlurmClient, SlurmJob, SlurmNode
@@ -78,6 +78,7 @@ class RoundReport:
     act_s: float = 0.0
     new_specs: int = 0
     unread_specs: int = 0
+    plans_shown: tuple[int, ...] = ()  # running jobs whose AdminComment now shows their tuned plan
 
     @property
     def total_s(self) -> float:
@@ -290,7 +291,8 @@ class Daemon:
         t4 = time.perf_counter()
         report = RoundReport(trigger, len(active), len(elastic), len(snapshot.jobs), len(errors),
                              tuple(acts.taken), t1 - t0, t2 - t1, t3 - t2, t4 - t3,
-                             self._new_specs, len(elastic) - len(specs) - len(errors))
+                             self._new_specs, len(elastic) - len(specs) - len(errors),
+                             tuple(acts.plans_shown))
         self.metrics.jobs({"active": len(active), "elastic": len(elastic), "managed": len(snapshot.jobs)})
         log.info(kv("round_done", trigger=trigger, jobs=report.jobs, elastic=report.elastic,
                     managed=report.managed, spec_errors=report.spec_errors,
@@ -394,10 +396,15 @@ class Daemon:
                 errors.append((job, message))
                 continue
             estimates = est[cfg.plan_space]
-            if state == RUNNING and cfg.checkpoint_root:
-                measured = self._measurement(job, pc.cell)
+            running_comment = None
+            measured_text = self._measured_text(job) if state == RUNNING and cfg.checkpoint_root else None
+            if measured_text is not None:
+                measured = measurement_from_text(measured_text, pc.cell, cfg.use_cpu_measurements)
                 if measured is not None:  # Rubick's continuous fitting of the running Cell
                     estimates = refine(estimates, measured, spec.global_batch)
+                # The runner may have tuned the plan in the allocation: show the one that runs.
+                running_comment = running_plan_comment(job.admin_comment, measured_text,
+                                                       cfg.use_cpu_measurements, job.restart_count)
             started_s = float(job.start_time_s or job.submit_time_s)
             waiting_since_s = max(submit_s.get(job.job_id, started_s), suspended_s.get(job.job_id, -math.inf))
             view = JobView(
@@ -408,27 +415,26 @@ class Daemon:
                 last_change_s=started_s if state == RUNNING else waiting_since_s,
                 deadline_s=spec.deadline_s, guaranteed=spec.guaranteed,
                 estimates=estimates, dp_only_estimates=est["dp-only"])
-            m = ManagedJob(job, spec, view)
+            m = ManagedJob(job, spec, view, running_comment)
             if state == RUNNING:
-                m = ManagedJob(job, spec, replace(view, iterations_done=min(
+                m = replace(m, view=replace(view, iterations_done=min(
                     float(spec.iterations), view.iterations_done + m.run_iterations(now_s))))
             managed.append(m)
         return managed, launching, errors
 
-    def _measurement(self, job: SlurmJob, cell_label: str | None) -> Measurement | None:
-        """What the job's runner measured on its current Cell (``measured.json``), if anything."""
+    def _measured_text(self, job: SlurmJob) -> str | None:
+        """The job's runner's ``measured.json`` (speed and plan that runs), or None."""
         path = Path(self.config.checkpoint_root) / str(job.job_id) / MEASURED_FILE
         try:
-            text = path.read_text()
+            return path.read_text()
         except (OSError, UnicodeDecodeError):
             return None
-        return measurement_from_text(text, cell_label, self.config.use_cpu_measurements)
 
     def _estimate(self, spec: ElasticSpec, cluster: ClusterSpec, now_s: float
                   ) -> tuple[JobSpec, dict | str]:
         """The spec's job and its estimates by plan space, or why it cannot be estimated."""
         cfg = self.config
-        jspec = JobSpec(spec.model, spec.global_batch, spec.num_gpus, spec.gpu_type)
+        jspec = spec.job_spec()
         try:
             est = {}
             for space in (cfg.plan_space, "dp-only"):

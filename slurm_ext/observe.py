@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import pwd
 import stat
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from estimator.cells import Cell, CellEstimate
@@ -22,12 +23,13 @@ from estimator.cluster import ClusterSpec, cluster_from_dict, load_cluster
 from estimator.errors import SpecError
 from estimator.gpus import CATALOG
 from estimator.models import load_model
+from estimator.plan_string import PlanString, parse_plan
 from estimator.refine import Measurement
 from policy.interface import Assignment, JobView, NodeView, Snapshot
 from policy.placement import FreeGpus
 from slurm_ext.jobspec import ElasticSpec, is_elastic
 from slurm_ext.slurm_client import HELD_REASONS, SlurmJob, SlurmNode
-from slurm_ext.squeue_view import PlanComment, parse_plan_comment
+from slurm_ext.squeue_view import PLAN_SOURCES, PlanComment, format_plan_comment, parse_plan_comment
 
 HELD_FOR_RESCALE = frozenset({"SPECIAL_EXIT", "REQUEUE_HOLD"})
 
@@ -203,6 +205,9 @@ class ManagedJob:
     slurm: SlurmJob
     spec: ElasticSpec
     view: JobView
+    # The AdminComment that shows the plan the job's runner runs (running_plan_comment),
+    # when it differs from the job's; written for display only, never a reason to act.
+    running_comment: str | None = None
 
     def run_iterations(self, now_s: float) -> float:
         """Iterations the current run has done, estimated from its run time."""
@@ -234,13 +239,114 @@ def measurement_from_text(text: str, cell_label: str | None, allow_cpu: bool) ->
     return m
 
 
+# measured.json's plan_source: the AdminComment's plan ran as is, or one the AdminComment's
+# ``src`` names (PLAN_SOURCES).
+ADMIN_COMMENT_PLAN = "AdminComment"
+RUNNER_PLAN_SOURCES = (ADMIN_COMMENT_PLAN, *PLAN_SOURCES)
+# A measured speed already shown is rewritten only when it moved by more than this: the
+# runner rewrites measured.json at every checkpoint, an AdminComment is one scontrol call.
+SPS_REFRESH_FRAC = 0.1
+
+
+@dataclass(frozen=True)
+class RunningPlan:
+    """What the runner's ``measured.json`` says runs: the plan, where it came from, its speed."""
+
+    plan: PlanString
+    source: str  # one of RUNNER_PLAN_SOURCES
+    samples_per_s: float | None
+    platform: str | None
+    restart_count: int | None
+
+
+def running_plan_from_text(text: str) -> RunningPlan | None:
+    """The running plan in a ``measured.json`` text, or None when the file does not say.
+
+    None for anything malformed: not JSON, no valid ``plan`` string, a ``plan`` whose Cell
+    is not ``cell``, an unknown ``plan_source`` (a runner that does not report it).
+    """
+    try:
+        raw = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(raw, dict) or not isinstance(raw.get("cell"), str):
+        return None
+    try:
+        plan = parse_plan(raw.get("plan"))
+    except SpecError:
+        return None
+    source, restarts = raw.get("plan_source"), raw.get("restart_count")
+    if plan.cell_label != raw["cell"] or source not in RUNNER_PLAN_SOURCES:
+        return None
+    if restarts is not None and (not isinstance(restarts, int) or isinstance(restarts, bool)):
+        return None
+    sps = raw.get("samples_per_s")
+    good_sps = isinstance(sps, (int, float)) and not isinstance(sps, bool) and math.isfinite(sps) and sps > 0
+    platform = raw.get("platform")
+    return RunningPlan(plan, source, float(sps) if good_sps else None,
+                       platform if isinstance(platform, str) else None, restarts)
+
+
+@functools.lru_cache(maxsize=4096)
+def running_plan_comment(admin_comment: str, measured_text: str, allow_cpu: bool,
+                         restart_count: int | None = None) -> str | None:
+    """The AdminComment that shows the plan a running job really runs, or None: no change.
+
+    The runner may tune the plan inside the allocation (same Cell, other per-stage dp × tp,
+    micro-batches, remat or stage bounds). When its ``measured.json`` is of the Cell the
+    AdminComment names and of the same run (``restart_count``), and its plan differs,
+    the plan tokens become the running plan's, ``src`` says where it came from, and
+    ``sps`` becomes the measured samples/s when the measurement is trusted (GPU, or CPU
+    with ``allow_cpu``); ``requested``, ``cell`` and ``why`` are kept. A measured ``sps``
+    already shown is refreshed when it moved by more than ``SPS_REFRESH_FRAC``. The
+    daemon's own plan running as planned leaves its estimated ``sps``: nothing to write.
+
+    Args:
+        admin_comment: the job's AdminComment now.
+        measured_text: the runner's ``measured.json``.
+        allow_cpu: trust speeds measured on CPU fake devices (lab, tests).
+        restart_count: the job's restart count in Slurm (None: do not check).
+    """
+    pc = parse_plan_comment(admin_comment)
+    run = running_plan_from_text(measured_text)
+    if pc.cell is None or pc.error is not None or run is None or run.plan.cell_label != pc.cell:
+        return None  # not a planned job, or a file of another Cell (before a rescale)
+    if restart_count is not None and run.restart_count is not None and run.restart_count != restart_count:
+        return None  # written by an earlier run of the job
+    p = run.plan
+    layers = ",".join(map(str, p.layer_bounds)) if p.layer_bounds is not None else None
+    label = "[" + "|".join(f"dp{dp}tp{tp}" for dp, tp in p.stages) + "]"
+    tokens = (label, p.micro_batches, p.remat, layers)
+    trusted = run.samples_per_s is not None and (run.platform == "gpu" or allow_cpu)
+    new = pc
+    if tokens != (pc.plan, pc.micro_batches, pc.remat, pc.layers):
+        # A plan read from the AdminComment keeps the source the AdminComment gave it.
+        source = run.source if run.source in PLAN_SOURCES else pc.plan_source
+        new = replace(pc, plan=label, micro_batches=p.micro_batches, remat=p.remat, layers=layers,
+                      plan_source=source)
+        if trusted:
+            new = replace(new, samples_per_s=run.samples_per_s, sps_measured=True)
+    elif trusted and pc.sps_measured and pc.samples_per_s and \
+            abs(run.samples_per_s - pc.samples_per_s) > SPS_REFRESH_FRAC * pc.samples_per_s:
+        new = replace(pc, samples_per_s=run.samples_per_s)
+    if new == pc:
+        return None
+    text = format_plan_comment(new)
+    return text if text != admin_comment else None
+
+
 def estimate_key(spec: ElasticSpec, cluster: ClusterSpec, plan_space: str,
                  micro_batches: int | None, max_gpus: int) -> str:
     """The estimate cache's key: everything the estimates depend on."""
     groups = [(g.gpu_type, g.nodes, g.gpus_per_node, g.network.kind, g.network.bandwidth_gbps)
               for g in cluster.node_groups]
-    return json.dumps([spec.model, spec.global_batch, spec.num_gpus, spec.gpu_type, plan_space,
-                       micro_batches, max_gpus, groups])
+    key = [spec.model, spec.global_batch, spec.num_gpus, spec.gpu_type, plan_space,
+           micro_batches, max_gpus, groups]
+    # Appended only when set, so the keys of jobs without it, and the estimates the store
+    # already holds under them, stay as they were before the setting existed.
+    if spec.max_stages is not None:
+        key.append({"max_stages": spec.max_stages})
+    return json.dumps(key)
 
 
 def running_assignment(job: SlurmJob, pc: PlanComment, node_types: dict[str, str],

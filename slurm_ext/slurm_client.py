@@ -266,7 +266,10 @@ class SlurmClient(Protocol):
         ...
 
     def update_pending(self, job_id: int, update: JobUpdate) -> None:
-        """Change a pending job's partition, GPUs per node, node count, admin comment."""
+        """Change a pending job's partition, GPUs per node, node count, admin comment.
+
+        The admin comment alone (``start_now=False``) may also be changed on a running job.
+        """
         ...
 
     def update_pending_many(self, job_ids: Sequence[int], update: JobUpdate) -> None:

@@ -8,13 +8,19 @@ AdminComment format (written by the daemon, parsed here), space-separated ``key=
 tokens; ``why=`` or ``error=`` comes last and its value runs to the end of the string::
 
     requested=a100 cell=a100x8:s2 plan=[dp2tp2|dp4tp1] mb=16 remat=1 layers=0,13,26 sps=412.5 why=fastest feasible
+    requested=a100 cell=a100x8:s2 plan=[dp4tp1|dp4tp1] mb=8 remat=0 layers=0,13,26 src=tuned sps=431 measured=1 why=fastest feasible
 
 - ``requested``: the GPU type the user asked for (kept from the submit hook; ``any``).
 - ``cell plan mb remat layers``: the plan string of ``estimator.plan_string`` (what the
   runner inside the job reads): ``cell`` is GPU type × GPU count and stage count
   (``<type>x<gpus>:s<stages>``), ``plan`` per stage ``dp<d>tp<t>`` separated by ``|``,
   ``mb`` micro-batches per iteration, ``remat`` 1 or 0, ``layers`` the stage boundaries.
-- ``sps``: estimated samples per second.
+- ``src``: where the plan came from when it is not the daemon's own (absent: the daemon
+  chose it): ``tuned`` in this allocation by the runner, ``cached`` (tuned in an earlier
+  run on this Cell), ``given`` by the user. The daemon writes it, with the plan tokens of
+  the plan that runs, when the runner's ``measured.json`` shows another plan of the Cell.
+- ``sps``: samples per second, estimated, or measured by the runner when ``measured=1``.
+- ``measured``: ``1`` when ``sps`` was measured on the plan that runs (absent: estimated).
 - ``why``: why the job runs on this Cell, waits, or was rescaled.
 - ``error``: the job's elastic spec is invalid; it runs as submitted.
 
@@ -22,8 +28,10 @@ The JSON form (``--json``) is ``{"jobs": [...]}``; each job has ``job_id`` (int)
 ``user``, ``state``, ``partition``, ``gpus`` (int: granted when running, requested
 otherwise), ``gpu_type`` (str or null), ``nodes`` (int), ``elastic`` (bool), ``cell``
 (str or null), ``plan`` (str or null), ``micro_batches`` (int or null),
-``samples_per_s`` (float or null), ``requested`` (str or null), ``why`` (str), and
-``spec_error`` (str or null).
+``samples_per_s`` (float or null: ``sps``, measured or estimated), ``requested`` (str or
+null), ``why`` (str), ``spec_error`` (str or null), ``plan_source`` (``daemon``, ``tuned``,
+``cached``, ``given``, or null when there is no plan) and ``measured_samples_per_s``
+(float, or null unless ``sps`` was measured).
 """
 
 from __future__ import annotations
@@ -36,6 +44,12 @@ from estimator.cells import Cell, StagePlan
 from slurm_ext.slurm_client import SlurmJob
 
 TAIL_KEYS = ("why", "error")
+# Where a plan that runs came from when it is not the daemon's (the ``src`` token).
+PLAN_SOURCES = ("tuned", "cached", "given")
+DAEMON_PLAN = "daemon"  # plan_source in the view when no ``src`` token says otherwise
+_SOURCE_NOTES = {"tuned": "plan tuned in this allocation",
+                 "cached": "plan tuned in an earlier run on this Cell",
+                 "given": "plan given by the user"}
 MAX_WHY_CHARS = 300
 MAX_ADMIN_COMMENT_CHARS = 4000
 _CELL = re.compile(r"(?P<type>[a-z0-9_]+)x(?P<gpus>\d+):s(?P<stages>\d+)")
@@ -54,6 +68,8 @@ class PlanComment:
     samples_per_s: float | None = None
     why: str | None = None
     error: str | None = None
+    plan_source: str | None = None  # one of PLAN_SOURCES; None: the daemon's own plan
+    sps_measured: bool = False  # samples_per_s was measured on the running plan
 
     def cell_parts(self) -> tuple[str, int, int] | None:
         """(gpu_type, num_gpus, num_stages) of ``cell``, or None."""
@@ -88,8 +104,12 @@ def format_plan_comment(pc: PlanComment) -> str:
         parts.append(f"remat={int(pc.remat)}")
     if pc.layers:
         parts.append(f"layers={pc.layers}")
+    if pc.plan_source in PLAN_SOURCES:
+        parts.append(f"src={pc.plan_source}")
     if pc.samples_per_s is not None:
         parts.append(f"sps={pc.samples_per_s:.4g}")
+        if pc.sps_measured:
+            parts.append("measured=1")
     if pc.error is not None:
         parts.append(f"error={_clean(pc.error, MAX_WHY_CHARS)}")
     elif pc.why is not None:
@@ -122,11 +142,14 @@ def parse_plan_comment(text: str | None) -> PlanComment:
         except ValueError:
             return None
 
+    sps = as_float(values.get("sps"))
     return PlanComment(requested=values.get("requested"), cell=values.get("cell"),
                        plan=values.get("plan"), micro_batches=as_int(values.get("mb")),
                        remat={"1": True, "0": False}.get(values.get("remat", "")),
-                       layers=values.get("layers"), samples_per_s=as_float(values.get("sps")), why=values.get("why"),
-                       error=values.get("error"))
+                       layers=values.get("layers"), samples_per_s=sps, why=values.get("why"),
+                       error=values.get("error"),
+                       plan_source=values.get("src") if values.get("src") in PLAN_SOURCES else None,
+                       sps_measured=values.get("measured") == "1" and sps is not None)
 
 
 def cell_of(pc: PlanComment, gpus_per_node: int) -> Cell | None:
@@ -157,6 +180,8 @@ class JobRow:
     requested: str | None
     why: str
     spec_error: str | None
+    plan_source: str | None = None
+    measured_samples_per_s: float | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -185,9 +210,11 @@ def job_row(job: SlurmJob) -> JobRow:
         why = "waiting for the slurm-ext daemon"
     else:
         why = reason
+    source = (pc.plan_source or DAEMON_PLAN) if pc.plan else None
+    measured = pc.samples_per_s if pc.sps_measured else None
     return JobRow(job.job_id, job.user, job.state, job.partition, gpus, gpu_type, nodes,
                   job.is_elastic, pc.cell, pc.plan, pc.micro_batches, pc.samples_per_s,
-                  pc.requested, why, pc.error)
+                  pc.requested, why, pc.error, source, measured)
 
 
 def rows(jobs: Iterable[SlurmJob], include_finished: bool = False) -> list[JobRow]:
@@ -200,11 +227,22 @@ COLUMNS = (("JOBID", 8), ("USER", 9), ("STATE", 10), ("PARTITION", 9), ("GPUS", 
            ("ELASTIC", 7), ("CELL", 13), ("PLAN", 18), ("SAMPLES/S", 9), ("WHY", 0))
 
 
+def _why_cell(r: JobRow) -> str:
+    # The columns stay as they were (scripts read them): where the plan and the speed come
+    # from goes after the reason, in the last column, which is never truncated.
+    notes = [_SOURCE_NOTES[r.plan_source]] if r.plan_source in _SOURCE_NOTES else []
+    if r.measured_samples_per_s is not None:
+        notes.append("samples/s measured")
+    if not notes:
+        return r.why or "-"
+    return f"{r.why} [{'; '.join(notes)}]" if r.why else f"[{'; '.join(notes)}]"
+
+
 def _cells(r: JobRow) -> list[str]:
     gpus = f"{r.gpus}" + (f"x{r.gpu_type}" if r.gpu_type else "") if r.gpus else "-"
     sps = f"{r.samples_per_s:.4g}" if r.samples_per_s is not None else "-"
     return [str(r.job_id), r.user or "-", r.state, r.partition or "-", gpus,
-            "yes" if r.elastic else "no", r.cell or "-", r.plan or "-", sps, r.why or "-"]
+            "yes" if r.elastic else "no", r.cell or "-", r.plan or "-", sps, _why_cell(r)]
 
 
 def format_table(table: Sequence[JobRow]) -> str:

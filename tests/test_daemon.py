@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -96,6 +97,28 @@ def test_cluster_spec_from_nodes():
     spec = cluster_spec(NODES, partition_types(NODES, {}), None, "infiniband")
     groups = {g.gpu_type: (g.nodes, g.gpus_per_node, g.network.kind) for g in spec.node_groups}
     assert groups == {"a100": (2, 4, "infiniband"), "v100": (1, 4, "infiniband"), "h100": (1, 8, "infiniband")}
+
+
+def test_max_stages_reaches_the_estimates_and_their_cache_key(tmp_path):
+    from dataclasses import replace
+    from slurm_ext.jobspec import ElasticSpec
+    from slurm_ext.observe import estimate_key
+    cfg = resolve({"state_db": str(tmp_path / "state.db")}, {}, {})
+    daemon = Daemon(cfg, None, Store(cfg.state_db))  # _estimate makes no Slurm call
+    cluster = cluster_spec(NODES, partition_types(NODES, {}), None, "infiniband")
+    free = ElasticSpec("gpt-1.3b", 64, 10, num_gpus=4, gpu_type="a100")
+    single = replace(free, max_stages=1)
+    _, free_est = daemon._estimate(free, cluster, 0.0)
+    job, single_est = daemon._estimate(single, cluster, 0.0)
+    assert job.max_stages == 1
+    assert any(e.cell.num_stages > 1 for e in free_est[cfg.plan_space])
+    assert single_est[cfg.plan_space] and all(e.cell.num_stages == 1 for e in single_est[cfg.plan_space])
+
+    def key(spec):
+        return estimate_key(spec, cluster, cfg.plan_space, cfg.micro_batches, cfg.max_gpus)
+
+    assert len({key(free), key(single), key(replace(free, max_stages=2))}) == 3
+    assert len(json.loads(key(free))) == 8  # as before the key existed: stored estimates stay valid
 
 
 def test_requested_gpus():
@@ -380,6 +403,39 @@ def test_running_job_is_rescaled_through_requeue(slurm_lab, slurm_client, tmp_pa
     assert_runs_as_planned(after)
 
 
+@pytest.mark.slurm
+def test_running_job_shows_the_plan_its_runner_tuned(slurm_lab, slurm_client, tmp_path):
+    job = submit(slurm_client, tmp_path, "elastic model=gpt-760m gpus=1")
+    root = tmp_path / "checkpoints"
+    daemon = make_daemon(slurm_lab, slurm_client, tmp_path, checkpoint_root=str(root),
+                         use_cpu_measurements=True)
+    daemon.round()
+    (first,) = wait_for("the elastic job to run", running(slurm_client, job))
+    pc = parse_plan_comment(first.admin_comment)
+    # Another plan of the same Cell, as the runner reports it after tuning in the allocation.
+    tuned = f"cell={pc.cell} plan={pc.plan} mb={pc.micro_batches * 2} remat={int(not pc.remat)}"
+    (root / str(job)).mkdir(parents=True)
+    (root / str(job) / "measured.json").write_text(json.dumps({
+        "job_id": str(job), "cell": pc.cell, "plan": tuned, "plan_source": "tuned",
+        "iteration_time_s": 5.12, "samples_per_s": 12.5, "steps_measured": 4, "platform": "cpu",
+        "global_batch": 64, "num_devices": 1, "restart_count": first.restart_count,
+        "updated_at_s": time.time(), "tuning_s": 3.0, "candidates_measured": 3}))
+    report = daemon.round()
+    assert report.plans_shown == (job,) and all(j != job for _, j in report.actions)
+    after = slurm_client.job(job)
+    assert after.is_running and (after.restart_count, after.start_time_s, after.nodes) == \
+           (first.restart_count, first.start_time_s, first.nodes)
+    shown = parse_plan_comment(after.admin_comment)
+    assert (shown.cell, shown.plan, shown.micro_batches, shown.remat) == \
+           (pc.cell, pc.plan, pc.micro_batches * 2, not pc.remat)
+    assert (shown.plan_source, shown.samples_per_s, shown.sps_measured) == ("tuned", 12.5, True)
+    assert (shown.requested, shown.why) == (pc.requested, pc.why)
+    (row,) = [r for r in rows(slurm_client.jobs()) if r.job_id == job]
+    assert (row.plan_source, row.measured_samples_per_s) == ("tuned", 12.5)
+    again = daemon.round()
+    assert again.plans_shown == () and all(j != job for _, j in again.actions)
+
+
 SLOW_CHECKPOINT = """#!/bin/bash
 #ELASTIC global_batch=64 iterations=100000000
 trap 'sleep 6; exit 86' USR1
@@ -466,3 +522,187 @@ def test_measurement_feedback_only_for_the_current_cell():
     assert measurement_from_text(cpu, "a100x4:s1", allow_cpu=False) is None
     assert measurement_from_text(cpu, "a100x4:s1", allow_cpu=True) is not None
     assert measurement_from_text("{not json", "a100x4:s1", allow_cpu=True) is None
+
+
+# ------------------------------------------- the plan that runs, tuned by the runner
+
+from slurm_ext.observe import running_plan_comment  # noqa: E402
+from slurm_ext.squeue_view import PlanComment, format_plan_comment  # noqa: E402
+
+# What the daemon wrote when it started the job on a100x4:s2.
+DAEMON_COMMENT = format_plan_comment(PlanComment(
+    requested="any", cell="a100x4:s2", plan="[dp2tp1|dp2tp1]", micro_batches=16, remat=True,
+    layers="0,12,24", samples_per_s=80.0, why="started on a100x4:s2 (best)"))
+
+
+def measured_json(plan="cell=a100x4:s2 plan=[dp2tp1|dp1tp2] mb=8 remat=0 layers=0,10,24",
+                  source="tuned", **fields):
+    """measured.json as the runner writes it (constructed)."""
+    cell = plan.split()[0].partition("=")[2] if plan else "a100x4:s2"
+    raw = {"job_id": "41", "cell": cell, "plan": plan,
+           "plan_source": source, "iteration_time_s": 0.67, "samples_per_s": 95.5,
+           "steps_measured": 8, "platform": "gpu", "global_batch": 64, "num_devices": 4,
+           "restart_count": 0, "updated_at_s": 1700000000.0, "tuning_s": 41.2,
+           "candidates_measured": 5}
+    raw.update(fields)
+    return json.dumps(raw)
+
+
+def test_tuned_plan_that_differs_is_written_back_with_its_measured_speed():
+    text = running_plan_comment(DAEMON_COMMENT, measured_json(), False, 0)
+    assert text == ("requested=any cell=a100x4:s2 plan=[dp2tp1|dp1tp2] mb=8 remat=0 layers=0,10,24 "
+                    "src=tuned sps=95.5 measured=1 why=started on a100x4:s2 (best)")
+    # Once written, the same file changes nothing: no rewrite every round.
+    assert running_plan_comment(text, measured_json(), False, 0) is None
+    # A cached or user-given plan says so; the runner reads the plan string out of it as before.
+    cached = running_plan_comment(DAEMON_COMMENT, measured_json(source="cached"), False, 0)
+    assert "src=cached" in cached
+    assert "src=given" in running_plan_comment(DAEMON_COMMENT, measured_json(source="given"), False, 0)
+    words = [w for w in cached.split() if w.partition("=")[0] in ("cell", "plan", "mb", "remat", "layers")]
+    assert parse_plan(" ".join(words)).format() == json.loads(measured_json())["plan"]
+
+
+def test_same_plan_changes_nothing():
+    same = "cell=a100x4:s2 plan=[dp2tp1|dp2tp1] mb=16 remat=1 layers=0,12,24"
+    assert running_plan_comment(DAEMON_COMMENT, measured_json(same, source="AdminComment"), False, 0) is None
+    assert running_plan_comment(DAEMON_COMMENT, measured_json(same, source="AdminComment"), True, 0) is None
+
+
+def test_measurement_of_another_cell_or_run_changes_nothing():
+    before_rescale = measured_json("cell=a10x2:s1 plan=[dp2tp1] mb=4 remat=1")
+    assert running_plan_comment(DAEMON_COMMENT, before_rescale, True, 0) is None
+    # Same Cell label, but written by the run before a requeue.
+    assert running_plan_comment(DAEMON_COMMENT, measured_json(restart_count=0), True, 1) is None
+    assert running_plan_comment(DAEMON_COMMENT, measured_json(restart_count=1), True, 1) is not None
+
+
+@pytest.mark.parametrize("text", [
+    "{not json", "[]", "",
+    measured_json(plan="cell=a100x4:s2 plan=[dp3tp1|dp1tp1] mb=8 remat=0"),   # invalid plan
+    measured_json(plan="cell=a100x4:s2 plan=[dp2tp1|dp1tp2] mb=8 remat=0", cell="a10x4:s2"),
+    measured_json(source="alpa"),          # a plan_source this contract does not know
+    measured_json(source=None),            # a runner that does not report it
+    measured_json(plan=None),
+    measured_json(restart_count="0"),
+])
+def test_malformed_measurement_changes_nothing(text):
+    assert running_plan_comment(DAEMON_COMMENT, text, True, 0) is None
+
+
+def test_cpu_measurement_updates_the_plan_but_not_the_speed_unless_allowed():
+    cpu = measured_json(platform="cpu")
+    text = running_plan_comment(DAEMON_COMMENT, cpu, False, 0)
+    pc = parse_plan_comment(text)
+    assert (pc.plan, pc.micro_batches, pc.remat, pc.layers, pc.plan_source) == \
+           ("[dp2tp1|dp1tp2]", 8, False, "0,10,24", "tuned")
+    assert pc.samples_per_s == 80.0 and not pc.sps_measured  # still the estimate
+    assert running_plan_comment(text, cpu, False, 0) is None
+    allowed = parse_plan_comment(running_plan_comment(DAEMON_COMMENT, cpu, True, 0))
+    assert allowed.samples_per_s == 95.5 and allowed.sps_measured
+
+
+def test_measured_speed_is_refreshed_only_when_it_moved():
+    shown = running_plan_comment(DAEMON_COMMENT, measured_json(), False, 0)
+    assert running_plan_comment(shown, measured_json(samples_per_s=99.0), False, 0) is None
+    moved = running_plan_comment(shown, measured_json(samples_per_s=120.0), False, 0)
+    assert moved == shown.replace("sps=95.5", "sps=120")
+    # The daemon's own plan running as planned keeps its estimate.
+    same = "cell=a100x4:s2 plan=[dp2tp1|dp2tp1] mb=16 remat=1 layers=0,12,24"
+    assert running_plan_comment(DAEMON_COMMENT, measured_json(same, source="AdminComment",
+                                                              samples_per_s=10.0), False, 0) is None
+
+
+def test_plan_without_layers_and_comments_without_a_plan():
+    text = running_plan_comment(DAEMON_COMMENT, measured_json("cell=a100x4:s2 plan=[dp2tp1|dp2tp1] mb=16 remat=1"),
+                                False, 0)
+    assert "layers=" not in text and "src=tuned" in text  # the runner's default stage split
+    for comment in ("requested=any why=waiting for GPUs", "requested=any error=model: unknown", ""):
+        assert running_plan_comment(comment, measured_json(), True, 0) is None
+    # A plan the runner read from the AdminComment keeps the source the AdminComment gave it.
+    tuned = DAEMON_COMMENT.replace(" sps=", " src=tuned sps=")
+    shown = running_plan_comment(tuned, measured_json(source="AdminComment"), False, 0)
+    assert "plan=[dp2tp1|dp1tp2]" in shown and "src=tuned" in shown
+
+
+class FakeSlurm:
+    """A SlurmClient over fixed jobs and nodes that records every change asked of it."""
+
+    def __init__(self, jobs, nodes, script):
+        self._jobs, self._nodes, self._script = {j.job_id: j for j in jobs}, tuple(nodes), script
+        self.calls = []
+
+    def jobs(self):
+        return tuple(self._jobs.values())
+
+    def nodes(self):
+        return self._nodes
+
+    def batch_script(self, job_id):
+        return self._script
+
+    def update_pending(self, job_id, update):
+        self.calls.append(("update", job_id, update))
+        if update.admin_comment is not None:  # as Slurm would show it next round
+            self._jobs[job_id] = replace(self._jobs[job_id], admin_comment=update.admin_comment)
+
+    def __getattr__(self, name):  # hold, release, signal, requeue, ...: recorded, never applied
+        return lambda *args, **kw: self.calls.append((name, *args))
+
+
+def test_daemon_shows_the_tuned_plan_of_a_running_job_and_does_nothing_else(tmp_path):
+    comment = format_plan_comment(PlanComment(
+        requested="any", cell="a100x4:s1", plan="[dp4tp1]", micro_batches=4, remat=True,
+        layers="0,24", samples_per_s=80.0, why="started on a100x4:s1 (best)"))
+    job = SlurmJob(41, "alice", "train", "RUNNING", partition="a100", comment="elastic model=gpt-760m",
+                   admin_comment=comment, gpus_per_node=4, granted_gpus_per_node=(4,),
+                   granted_gpu_type="a100", nodes=("a100-1",), node_count=1,
+                   submit_time_s=1000, start_time_s=1000, priority=1)
+    client = FakeSlurm([job], [node("a100-1", "a100", 4, used=4)], TRAINER)
+    (tmp_path / "41").mkdir()
+    (tmp_path / "41" / "measured.json").write_text(measured_json(
+        "cell=a100x4:s1 plan=[dp2tp2] mb=8 remat=0 layers=0,24", platform="cpu"))
+    cfg = resolve({"state_db": str(tmp_path / "state.db"), "checkpoint_root": str(tmp_path),
+                   "use_cpu_measurements": True}, {}, {})
+    daemon = Daemon(cfg, client, Store(cfg.state_db), out=lambda line: None)
+
+    report = daemon.round()
+    assert report.actions == () and report.plans_shown == (41,)
+    ((kind, job_id, update),) = client.calls  # one AdminComment update, no signal, requeue, hold
+    assert (kind, job_id, update.start_now) == ("update", 41, False)
+    assert (update.partition, update.gpus_per_node, update.num_nodes) == (None, None, None)
+    assert update.admin_comment == ("requested=any cell=a100x4:s1 plan=[dp2tp2] mb=8 remat=0 layers=0,24 "
+                                    "src=tuned sps=95.5 measured=1 why=started on a100x4:s1 (best)")
+    assert daemon.store.entries() == ()  # display only: nothing to recover
+    # The next round sees its own text: nothing to write, the job is still the policy's
+    # running job on the same Cell.
+    client.calls.clear()
+    report = daemon.round()
+    assert report.actions == () and report.plans_shown == () and client.calls == []
+    assert report.managed == 1
+
+
+def test_a_job_rescaled_this_round_keeps_its_new_admin_comment(tmp_path):
+    from estimator.jobs import JobSpec
+    from policy.clock import SimulatedClock
+    from policy.interface import Assignment, Decision, JobDecision, JobView, NodeView, Snapshot
+    from slurm_ext.act import Actor, Acts
+    from slurm_ext.metrics import Metrics
+    from slurm_ext.observe import ManagedJob
+
+    cfg = resolve({"state_db": str(tmp_path / "state.db"), "dry_run": True}, {}, {})
+    assignment = Assignment(Cell("a100", 4, 4, 1), (("a100-1", 4),))
+    managed = {}
+    for job_id in ("41", "42"):
+        job = SlurmJob(int(job_id), "u", "t", "RUNNING", comment="elastic", admin_comment="cell=a100x4:s1")
+        view = JobView(job_id, "u", JobSpec("gpt-760m", 64), 0.0, "running", assignment, 0.0, 10, 0, 0.0)
+        managed[job_id] = ManagedJob(job, None, view, running_comment=f"cell=a100x4:s1 plan=[dp2tp2] src=tuned job={job_id}")
+    snapshot = Snapshot(100.0, (NodeView("a100-1", "a100", 8, 0),), tuple(m.view for m in managed.values()))
+    printed = []
+    actor = Actor(FakeSlurm([], [], ""), Store(cfg.state_db), SimulatedClock(), Metrics(None), printed.append,
+                  lambda: cfg, lambda: False)
+    # The policy suspends job 41 (its AdminComment will say why) and leaves 42 as it runs.
+    actor.act(snapshot, Decision((JobDecision("41", None, "preempted"),)), managed, {"a100": "a100"},
+              "test", Acts())
+    assert any(line.startswith("dry-run: suspend job=41") for line in printed)
+    assert [line for line in printed if "show running plan" in line] == \
+           ["dry-run: show running plan job=42 cell=a100x4:s1 plan=[dp2tp2] src=tuned job=42"]

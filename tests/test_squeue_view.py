@@ -102,5 +102,59 @@ def test_table_and_json():
     assert set(doc) == {"jobs"}
     assert set(doc["jobs"][0]) == {"job_id", "user", "state", "partition", "gpus", "gpu_type",
                                    "nodes", "elastic", "cell", "plan", "micro_batches",
-                                   "samples_per_s", "requested", "why", "spec_error"}
+                                   "samples_per_s", "requested", "why", "spec_error",
+                                   "plan_source", "measured_samples_per_s"}
     assert doc["jobs"][0]["job_id"] == 12 and doc["jobs"][0]["elastic"] is True
+    assert doc["jobs"][0]["plan_source"] == "daemon" and doc["jobs"][0]["measured_samples_per_s"] is None
+
+
+# A plan the runner tuned in the allocation, written back by the daemon with its measured speed.
+TUNED = PlanComment(requested="a100", cell="a100x8:s2", plan="[dp4tp1|dp4tp1]", micro_batches=8,
+                    remat=False, layers="0,13,26", samples_per_s=431.0, why="fastest feasible",
+                    plan_source="tuned", sps_measured=True)
+
+
+def test_plan_source_and_measured_speed_round_trip():
+    text = format_plan_comment(TUNED)
+    assert text == ("requested=a100 cell=a100x8:s2 plan=[dp4tp1|dp4tp1] mb=8 remat=0 layers=0,13,26 "
+                    "src=tuned sps=431 measured=1 why=fastest feasible")
+    assert parse_plan_comment(text) == TUNED
+    for source in ("cached", "given"):
+        pc = PlanComment(cell="a10x2:s1", plan="[dp2tp1]", plan_source=source)
+        assert parse_plan_comment(format_plan_comment(pc)) == pc
+    # The daemon's own plan has neither token: the AdminComments written so far read as before.
+    assert "src=" not in format_plan_comment(FULL) and "measured=" not in format_plan_comment(FULL)
+    assert parse_plan_comment(format_plan_comment(FULL)).plan_source is None
+    # The runner still reads exactly the plan string out of it.
+    words = [w for w in text.split() if w.partition("=")[0] in ("cell", "plan", "mb", "remat", "layers")]
+    assert parse_plan(" ".join(words)).stages == ((4, 1), (4, 1))
+
+
+def test_unknown_plan_source_and_measured_without_speed_are_ignored():
+    assert parse_plan_comment("cell=a10x2:s1 src=magic measured=1") == PlanComment(cell="a10x2:s1")
+    assert format_plan_comment(PlanComment(cell="a10x2:s1", plan_source="magic", sps_measured=True)) == "cell=a10x2:s1"
+    assert parse_plan_comment("sps=3 measured=yes").sps_measured is False
+    assert parse_plan_comment("sps=fast measured=1") == PlanComment()
+
+
+def test_view_shows_the_tuned_plan_and_its_measured_speed():
+    job = SlurmJob(12, "alice", "train", "RUNNING", partition="a100", comment="elastic model=gpt-1.3b",
+                   admin_comment=format_plan_comment(TUNED), granted_gpus_per_node=(4, 4),
+                   granted_gpu_type="a100", nodes=("a100-1", "a100-2"), node_count=2)
+    row = job_row(job)
+    assert (row.plan, row.micro_batches, row.plan_source) == ("[dp4tp1|dp4tp1]", 8, "tuned")
+    assert row.samples_per_s == row.measured_samples_per_s == 431.0
+    assert row.why == "fastest feasible"  # the JSON "why" is the daemon's reason, unchanged
+    line = format_table([row]).splitlines()[1]
+    assert line.split()[7:9] == ["[dp4tp1|dp4tp1]", "431"]
+    assert line.endswith("fastest feasible [plan tuned in this allocation; samples/s measured]")
+    doc = to_json([row])["jobs"][0]
+    assert (doc["plan_source"], doc["measured_samples_per_s"], doc["samples_per_s"]) == ("tuned", 431.0, 431.0)
+    # Tuned, but measured on CPU fake devices (not trusted): sps stays the estimate.
+    cpu = job_row(SlurmJob(13, "bob", "t", "RUNNING", comment="elastic", admin_comment=format_plan_comment(
+        PlanComment(cell="a10x2:s1", plan="[dp2tp1]", samples_per_s=9.5, why="x", plan_source="cached"))))
+    assert (cpu.plan_source, cpu.samples_per_s, cpu.measured_samples_per_s) == ("cached", 9.5, None)
+    assert format_table([cpu]).endswith("x [plan tuned in an earlier run on this Cell]")
+    # No plan at all: no source either.
+    waiting = job_row(SlurmJob(14, "c", "t", "PENDING", comment="elastic", admin_comment="why=waiting"))
+    assert waiting.plan_source is None and waiting.measured_samples_per_s is None
