@@ -92,3 +92,10 @@ def data_position(stream: TokenStream | ImageStream, next_step: int) -> dict:
     """What a checkpoint records to resume the stream: its seed and the next step."""
     return {"kind": type(stream).__name__, "seed": stream.seed,
             "global_batch": stream.global_batch, "next_step": int(next_step)}
+
+
+def stream_for(arch, seed: int, global_batch: int) -> TokenStream | ImageStream:
+    """The synthetic stream of a built-in model family (``estimator.jax_models.Arch``)."""
+    if arch.family == "wide_resnet":
+        return ImageStream(seed, global_batch, arch.image_size, 3, arch.num_classes)
+    return TokenStream(seed, global_batch, arch.seq_len, arch.vocab)

@@ -403,15 +403,26 @@ class Pipeline:
         params, opt, model_state, loss = self._step(state["params"], state["opt"], state["state"], xs, ys)
         return {"params": params, "opt": opt, "state": model_state}, loss
 
-    def compiled_step_text(self) -> str:
-        """The optimized HLO of the step (to inspect the collectives)."""
+    def compile(self):
+        """The step compiled for abstract arguments (``.as_text()``, ``.memory_analysis()``)."""
         abstract = [self._abstract_buffers(k) for k in KINDS]
         x_shape, x_dtype = jm.activation_shape(self.arch, 0, self.micro)
-        y_shape = jm.label_shape(self.arch, self.micro)
         M = self.plan.micro_batches
         xs = jax.ShapeDtypeStruct((M,) + x_shape, x_dtype, sharding=NamedSharding(self.mesh, self.input_spec()))
-        ys = jax.ShapeDtypeStruct((M,) + y_shape, jnp.int32, sharding=NamedSharding(self.mesh, self.target_spec()))
-        return self._step.lower(*abstract, xs, ys).compile().as_text()
+        ys = jax.ShapeDtypeStruct((M,) + jm.label_shape(self.arch, self.micro), jnp.int32,
+                                  sharding=NamedSharding(self.mesh, self.target_spec()))
+        return self._step.lower(*abstract, xs, ys).compile()
+
+    def fits_memory(self) -> bool:
+        """Whether the compiled step's peak memory fits the devices' (True when unknown)."""
+        try:
+            limit = self.mesh.devices.flat[0].memory_stats()["bytes_limit"]
+            mem = self.compile().memory_analysis()
+            peak = getattr(mem, "peak_memory_in_bytes", 0) or (
+                mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes)
+        except (AttributeError, KeyError, TypeError, NotImplementedError):
+            return True
+        return peak <= limit
 
     def host_arrays(self, state: dict) -> dict[str, np.ndarray]:
         """Every array of the state, whole, by plan-independent name (all devices must be

@@ -1,27 +1,19 @@
-"""Pipelined, sharded training of a JAX model under one parallel plan.
+"""The per-stage (MPMD) pipeline the runtime ran before its SPMD program: the oracle.
 
-The model's layers and their single-stage forward/backward come from
-``estimator.jax_models``; this module places them on devices and runs them:
+Each stage is its own jitted program on its own ``("dp", "tp")`` mesh, XLA partitions it
+automatically, and activations move between stages with ``jax.device_put`` (so it runs
+in one process only). GPipe order: every micro-batch forward, then backward in reverse;
+gradients accumulate and the optimizer applies once. Nothing of it is shared with the
+SPMD program (``job_scripts.pipeline``) but the layer code, so the tests compare their
+losses and states, and ``benchmarks/spmd_pipeline.py`` compares their step times.
 
-- the devices are cut into one contiguous group per pipeline stage (stage s gets
-  dp_s × tp_s devices, a ``Mesh`` with axes ``("dp", "tp")``);
-- a layer's parameters are sharded over ``tp`` as the model's PartitionSpecs say and
-  replicated over ``dp``; activations are sharded over ``dp`` along the batch;
-- a step splits the global batch into ``micro_batches`` equal micro-batches, runs every
-  micro-batch forward through the stages (GPipe order, activations moved between device
-  groups with ``jax.device_put``), then backward in reverse, accumulates the gradients
-  and applies the optimizer once, so the result is the same update whatever the plan.
-
-State (parameters, non-trained state such as batch-norm statistics, optimizer state) is
-kept per layer and named by the global layer index (``params/layer_003/wqkv``), so
-:meth:`Trainer.state_arrays` gives plan-independent full arrays for a checkpoint and
-:meth:`Trainer.load_arrays` reshards them onto any other plan.
+State is kept per layer and named by the global layer index (``params/layer_003/wqkv``),
+as the SPMD program's checkpoints name it.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import jax
@@ -31,70 +23,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from estimator import jax_models as jm
-from estimator.cells import StagePlan
 from estimator.errors import SpecError
+from job_scripts.plan import ParallelPlan, check_plan
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ParallelPlan:
-    """How one job runs: its stages (layers, dp, tp), micro-batch count and remat."""
-
-    stages: tuple[StagePlan, ...]
-    micro_batches: int
-    remat: bool = True
-
-    @property
-    def num_gpus(self) -> int:
-        return sum(s.num_gpus for s in self.stages)
-
-    def label(self) -> str:
-        body = "|".join(f"dp{s.dp}tp{s.tp}" for s in self.stages)
-        return f"[{body}] mb={self.micro_batches} remat={int(self.remat)}"
-
-
-def even_layer_split(num_layers: int, num_stages: int) -> tuple[tuple[int, int], ...]:
-    """Contiguous layer ranges of near-equal length (the first stages get the extra)."""
-    if not 1 <= num_stages <= num_layers:
-        raise SpecError("num_stages", num_stages, f"give 1..{num_layers} stages for {num_layers} layers")
-    base, extra = divmod(num_layers, num_stages)
-    bounds, start = [], 0
-    for s in range(num_stages):
-        end = start + base + (1 if s < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return tuple(bounds)
-
-
-def check_plan(plan: ParallelPlan, arch: jm.Arch, global_batch: int, num_devices: int) -> None:
-    """Raise SpecError unless the plan covers the model, the devices and the batch."""
-    if plan.num_gpus != num_devices:
-        raise SpecError("plan", plan.label(), f"uses {plan.num_gpus} devices but {num_devices} are present")
-    expected = 0
-    for i, s in enumerate(plan.stages):
-        if s.layer_start != expected or s.layer_end <= s.layer_start:
-            raise SpecError(f"stages[{i}].layers", (s.layer_start, s.layer_end),
-                            f"stages must cover layers 0..{arch.num_layers} contiguously")
-        expected = s.layer_end
-    if expected != arch.num_layers:
-        raise SpecError("stages", plan.label(), f"cover {expected} of {arch.num_layers} layers")
-    if plan.micro_batches < 1 or global_batch % plan.micro_batches:
-        raise SpecError("micro_batches", plan.micro_batches,
-                        f"must divide the global batch {global_batch}")
-    micro = global_batch // plan.micro_batches
-    for i, s in enumerate(plan.stages):
-        if micro % s.dp:
-            raise SpecError(f"stages[{i}].dp", s.dp,
-                            f"must divide the micro-batch of {micro} samples")
-        for layer in range(s.layer_start, s.layer_end):
-            shapes = jm.layer_param_shapes(arch, layer)
-            for name, spec in jm.layer_param_specs(arch, layer).items():
-                for dim, axis in enumerate(spec):
-                    if axis == "tp" and shapes[name].shape[dim] % s.tp:
-                        raise SpecError(f"stages[{i}].tp", s.tp,
-                                        f"must divide dimension {dim} ({shapes[name].shape[dim]}) "
-                                        f"of layer {layer}'s {name}")
 
 
 def layer_key(index: int) -> str:

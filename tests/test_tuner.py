@@ -114,13 +114,17 @@ def test_tune_cli_errors_are_one_line_with_exit_2():
 
 
 def _tune_and_run(model_path: str) -> dict:
-    """In a spawn child with 4 CPU devices: tune a tiny model, run its plan and references."""
+    """In a spawn child with 4 CPU devices: tune a tiny model, run its plan and references
+    as the runtime runs them (one SPMD program per plan)."""
     import jax
 
-    from estimator.compiled import PlanRunner, dummy_batch
     from estimator.estimate import partition_stages
     from estimator.jax_models import arch_from_model
+    from estimator.jax_optim import optimizer_for
     from estimator.models import load_model
+    from job_scripts.data import stream_for
+    from job_scripts.pipeline import Pipeline
+    from job_scripts.plan import ParallelPlan
     spec = load_model(model_path)
     arch = arch_from_model(spec)
     batch = 16
@@ -128,7 +132,7 @@ def _tune_and_run(model_path: str) -> dict:
     result = tune(JobSpec(model_path, batch), cell, load_cluster("crius-1280"), TuneOptions())
     plan = parse_plan(result.plan_string())
     stages = plan.stage_plans(partition_stages(spec, cell))
-    x, y = dummy_batch(arch, batch)
+    data = stream_for(arch, 0, batch).batch(1)
     devices = jax.devices()
     n = arch.num_layers
     # A second plan mixing tp and dp, on the same micro-batches when they split over dp=2,
@@ -142,11 +146,11 @@ def _tune_and_run(model_path: str) -> dict:
         runs.append(("hybrid_ref", (StagePlan(0, n, 1, 1),), mb, False, devices[:1]))
     losses = {}
     for name, st, b, remat, devs in runs:
-        runner = PlanRunner(arch, st, batch, b, remat, devs)
-        state = runner.init(seed=3)
-        state, first = runner.step(state, x, y)
-        _, second = runner.step(state, x, y)
-        losses[name] = (first, second)
+        pipe = Pipeline(arch, ParallelPlan(st, b, remat), devs, batch, optimizer_for(arch.optimizer))
+        state = pipe.init(3)
+        state, first = pipe.step(state, data.inputs, data.targets)
+        _, second = pipe.step(state, data.inputs, data.targets)
+        losses[name] = (float(first), float(second))
     losses.setdefault("hybrid_ref", losses["tuned_ref"])
     return {"losses": losses, "plan": result.plan_string(),
             "evaluated": result.candidates_evaluated}

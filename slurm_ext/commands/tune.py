@@ -2,7 +2,8 @@
 
 Without ``--stages`` every stage count of the Cell's GPU count is tuned and the best Cell
 wins. ``--measure`` times the best few plans on the devices present (real GPUs, else as
-many CPU devices as the Cell has GPUs) and picks by measurement.
+many CPU devices as the Cell has GPUs), compiled as the runtime runs them, and picks by
+measurement.
 """
 
 import json
@@ -33,14 +34,15 @@ def _cells(job: JobSpec, cluster_name: str, gpus_per_node: int | None, stages: i
         raise SpecError("gpus_per_node", gpus_per_node, "give a positive integer")
     gpn = min(job.num_gpus, gpus_per_node or group.gpus_per_node)
     model = load_model(job.model)
-    counts = [stages] if stages else stage_counts(job.num_gpus, model.num_layers)
+    counts = [stages] if stages else stage_counts(job.num_gpus, model.num_layers, job.max_stages)
     if not counts:
         raise SpecError("gpus", job.num_gpus, "no stage count fits; give a power-of-two GPU count")
     return [Cell(job.gpu_type, job.num_gpus, gpn, s) for s in counts]
 
 
-def _measure(job: JobSpec, result: TuneResult) -> TuneResult:
-    """Time the top feasible plans on this machine's devices and re-rank by measurement."""
+def _measure(job: JobSpec, result: TuneResult, gpus_per_node: int) -> TuneResult:
+    """Time the top feasible plans on this machine's devices, as the runtime runs them
+    (one SPMD program per plan), and re-rank by measurement."""
     # Only reached from the command line: the host device count must be set before JAX
     # starts, so that a machine without GPUs can still run an N-device plan.
     flag = f"--xla_force_host_platform_device_count={job.num_gpus}"
@@ -48,26 +50,30 @@ def _measure(job: JobSpec, result: TuneResult) -> TuneResult:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
     import jax
 
-    from estimator.compiled import time_plan
     from estimator.jax_models import arch_from_model
+    from job_scripts.tuning import TuneRequest, measure_plan
 
     devices = jax.devices()
     if len(devices) < job.num_gpus:
         raise SpecError("gpus", job.num_gpus, f"--measure needs {job.num_gpus} devices, this machine "
                         f"has {len(devices)} {devices[0].platform} device(s); run where the Cell is")
-    arch = arch_from_model(load_model(job.model))
+    spec = load_model(job.model)
     top = [p for p in result.ranked if p.score.feasible][:MEASURE_TOP]
     if not top:
         return result
+    req = TuneRequest(job.model, spec, arch_from_model(spec), job.global_batch, job.gpu_type, gpus_per_node,
+                      devices[:job.num_gpus], result.cell.num_stages, None, 0, devices[0].platform)
     timed = []
     for p in top:
-        c = p.candidate
-        seconds = time_plan(arch, c.stages, job.global_batch, c.micro_batches, c.remat, devices)
-        log.info("measured %s: %.4f s/iteration", result.plan_string(p), seconds)
-        timed.append(replace(p, measured_s=seconds))
+        m = measure_plan(req, result.plan_string(p), lambda x: x)
+        if m.iteration_time_s is None:
+            log.warning("could not measure %s: %s", m.plan, m.error)
+            continue
+        log.info("measured %s: %.4f s/iteration", m.plan, m.iteration_time_s)
+        timed.append(replace(p, measured_s=m.iteration_time_s))
     timed.sort(key=lambda p: p.measured_s)
-    rest = [p for p in result.ranked if p not in top]
-    return replace(result, ranked=tuple(timed + rest), measured=True)
+    rest = [p for p in result.ranked if p not in timed]
+    return replace(result, ranked=tuple(timed + rest), measured=bool(timed))
 
 
 def _text(result: TuneResult, top: int = 5) -> str:
@@ -114,5 +120,5 @@ def command(model, global_batch, gpu_type, gpus, gpus_per_node, stages, prune, m
     best = min(results, key=lambda r: r.best.rank_key() if r.best else (True, float("inf")))
     best = replace(best, candidates_evaluated=evaluated)
     if measure:
-        best = _measure(job, best)
+        best = _measure(job, best, min(gpus, gpus_per_node or best.cell.gpus_per_node))
     click.echo(json.dumps(best.to_json()) if as_json else _text(best))

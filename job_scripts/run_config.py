@@ -1,0 +1,168 @@
+"""What a training process was told, resolved once: flag > environment > the job's
+Comment > its ``#ELASTIC`` lines > defaults.
+
+Shared by the built-in runner (``python -m job_scripts.run``) and researchers' own
+scripts (``job_scripts.runtime.start``). Pure: the environment, the allocation, the
+Comment and the batch script's text are passed in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from estimator.errors import SpecError
+from job_scripts.slurm_env import SlurmAllocation
+
+PLAN_ENV = "SLURM_EXT_PLAN"
+CHECKPOINT_ROOT_ENV = "SLURM_EXT_CHECKPOINT_ROOT"
+COMPILE_CACHE_ENV = "SLURM_EXT_COMPILE_CACHE"
+LAUNCH_ENV = "SLURM_EXT_LAUNCH"
+SCRIPT_ENV = "SLURM_EXT_ELASTIC_SCRIPT"
+TUNE_ENV = "SLURM_EXT_TUNE"
+TUNE_BUDGET_ENV = "SLURM_EXT_TUNE_BUDGET_S"
+TUNE_FRAC_ENV = "SLURM_EXT_TUNE_BUDGET_FRAC"
+COMPILE_CACHE_DIR = "jax-cache"  # beside the jobs' checkpoint directories
+TUNED_CACHE_DIR = "tuned-plans"  # likewise: tuned plans per (model, global batch, Cell)
+DEFAULT_TUNE_BUDGET_S = 600.0
+DEFAULT_TUNE_FRAC = 0.05
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    """How long the runner may spend choosing its plan inside the allocation.
+
+    Attributes:
+        enabled: tune at all (else the plan given or in the AdminComment runs as is).
+        budget_s: at most this many seconds of measuring.
+        budget_frac: and at most this fraction of the job's expected remaining run time.
+        cache_dir: where tuned plans are kept per (model, global batch, Cell), or None.
+    """
+
+    enabled: bool = True
+    budget_s: float = DEFAULT_TUNE_BUDGET_S
+    budget_frac: float = DEFAULT_TUNE_FRAC
+    cache_dir: Path | None = None
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a training process was told.
+
+    ``model`` and ``iterations`` may be None for a researcher's script that knows its own
+    model and stops when it likes; the built-in runner requires both.
+    """
+
+    model: str | None
+    global_batch: int
+    iterations: int | None
+    plan_text: str | None
+    checkpoint_dir: Path
+    checkpoint_every: int
+    keep: int
+    seed: int
+    num_devices: int
+    platform: str  # cpu | gpu
+    warmup_steps: int
+    compile_cache_dir: str | None
+    launch: str  # single | srun (one process per node, joined by jax.distributed)
+    tune: TuneConfig = TuneConfig()
+
+
+def _number(settings: dict[str, str], key: str) -> int | None:
+    raw = settings.get(key)
+    if raw is not None and not raw.isdigit():
+        raise SpecError(key, raw, "give a whole number")
+    return None if raw is None else int(raw)
+
+
+def _float_env(env: dict[str, str], name: str, default: float) -> float:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SpecError(name, raw, "give a number") from None
+    if value < 0:
+        raise SpecError(name, raw, "give a non-negative number")
+    return value
+
+
+def resolve_config(given: dict, env: dict[str, str], alloc: SlurmAllocation,
+                   settings: dict[str, str], gpu_available: bool,
+                   require: tuple[str, ...] = ()) -> RunConfig:
+    """Resolve the configuration.
+
+    Args:
+        given: explicit values (command-line flags or keyword arguments); None = not given.
+            Keys: model, global_batch, iterations, plan, checkpoint_root, checkpoint_dir,
+            checkpoint_every, keep, seed, devices, platform, warmup_steps, launch,
+            compile_cache, tune, tune_budget_s, tune_budget_frac.
+        env: the environment.
+        alloc: the allocation Slurm granted.
+        settings: the job's ``#ELASTIC`` settings overridden by its Comment's.
+        gpu_available: whether JAX can use GPUs here.
+        require: keys that must be known (``model``, ``iterations``).
+
+    Raises:
+        SpecError: a missing or malformed value, named, with how to give it.
+    """
+    def pick(key):
+        return given.get(key) if given.get(key) is not None else None
+
+    model = pick("model") or settings.get("model")
+    batch = pick("global_batch") or _number(settings, "global_batch")
+    iterations = pick("iterations") if pick("iterations") is not None else _number(settings, "iterations")
+    for name, value in (("global_batch", batch), *((k, {"model": model, "iterations": iterations}[k])
+                                                      for k in require)):
+        if value is None:
+            raise SpecError(name, None, f"give --{name.replace('_', '-')} or an #ELASTIC {name}=... line")
+    if batch <= 0 or (iterations is not None and iterations < 0):
+        raise SpecError("global_batch" if batch <= 0 else "iterations", batch if batch <= 0 else iterations,
+                        "give a positive batch and a non-negative iteration count")
+    default_cache, tuned_dir = "", None
+    root = pick("checkpoint_root") or env.get(CHECKPOINT_ROOT_ENV) or (
+        str(Path(alloc.submit_dir) / "checkpoints") if alloc.submit_dir else "checkpoints")
+    if pick("checkpoint_dir"):
+        ckpt = Path(given["checkpoint_dir"])
+    else:
+        ckpt = Path(root) / (alloc.job_id or "local")
+        default_cache = str(Path(root) / COMPILE_CACHE_DIR)
+        tuned_dir = Path(root) / TUNED_CACHE_DIR
+    platform = pick("platform") or "auto"
+    if platform == "auto":
+        platform = "gpu" if gpu_available else "cpu"
+    if platform not in ("cpu", "gpu"):
+        raise SpecError("platform", platform, "give auto, cpu or gpu")
+    devices = pick("devices") or alloc.num_gpus or 1
+    # Shared by the jobs under one root: a job restarted on a plan seen before (its own
+    # or another job's) skips most of XLA's compile.
+    cache = given.get("compile_cache")
+    cache = env.get(COMPILE_CACHE_ENV, default_cache) if cache is None else cache
+    checkpoint_every, keep = given.get("checkpoint_every") or 0, given.get("keep") or 2
+    if checkpoint_every < 0 or keep < 1:
+        raise SpecError("checkpoint_every", checkpoint_every, "give K ≥ 0 and --keep ≥ 1")
+    launch = pick("launch") or env.get(LAUNCH_ENV) or "auto"
+    if launch not in ("auto", "srun", "single"):
+        raise SpecError(LAUNCH_ENV, launch, "give auto, srun or single")
+    if launch == "auto":
+        launch = "srun" if platform == "gpu" and alloc.num_nodes > 1 else "single"
+    if alloc.num_processes > 1 and devices % alloc.num_processes:
+        raise SpecError("devices", devices, f"cannot be split evenly over {alloc.num_processes} processes")
+    tune_flag = given.get("tune")
+    if tune_flag is None:
+        tune_flag = env.get(TUNE_ENV, "1").strip().lower() not in ("0", "no", "off", "false")
+    tune = TuneConfig(
+        enabled=bool(tune_flag),
+        budget_s=given.get("tune_budget_s") if given.get("tune_budget_s") is not None
+        else _float_env(env, TUNE_BUDGET_ENV, DEFAULT_TUNE_BUDGET_S),
+        budget_frac=given.get("tune_budget_frac") if given.get("tune_budget_frac") is not None
+        else _float_env(env, TUNE_FRAC_ENV, DEFAULT_TUNE_FRAC),
+        cache_dir=tuned_dir)
+    return RunConfig(model=model, global_batch=batch, iterations=iterations,
+                     plan_text=pick("plan") or env.get(PLAN_ENV) or None, checkpoint_dir=ckpt,
+                     checkpoint_every=checkpoint_every, keep=keep, seed=given.get("seed") or 0,
+                     num_devices=devices, platform=platform,
+                     warmup_steps=max(0, given.get("warmup_steps") if given.get("warmup_steps") is not None else 2),
+                     compile_cache_dir=cache or None, launch=launch, tune=tune)

@@ -1,0 +1,474 @@
+"""The runtime API: what a JAX training script calls inside a slurm-ext allocation.
+
+The built-in runner (``python -m job_scripts.run``) is one user of it; a researcher's own
+script is another::
+
+    from job_scripts import runtime
+
+    job = runtime.start()                  # first, before any JAX computation
+    mesh = job.mesh()                      # the granted plan: devices as ("dp", "tp")
+    state, step = job.resume(abstract_state_with_shardings)   # None, 1 on a fresh start
+    for step in range(step, job.iterations + 1):
+        if job.stop_requested():           # the daemon asked to rescale (SIGUSR1)
+            break
+        batch = job.put_batch(loader.batch_at(job.sample_of(step)))
+        ...                                # your step; job.micro_batches for accumulation
+        job.record_step(step, loss, seconds)
+        if job.checkpoint_due(step):
+            job.save(step, state)
+    sys.exit(job.finish(step, state))      # checkpoint, then 86 (rescale), 143 or 0
+
+:func:`start` reads what Slurm granted (nodes, GPUs, the partition's GPU type, the restart
+count), the job's settings (``#ELASTIC`` lines and Comment: global batch, iterations),
+its plan (``SLURM_EXT_PLAN`` or the AdminComment the daemon wrote), starts one process per
+node through ``srun`` when asked (``SLURM_EXT_LAUNCH=srun``) and joins them with
+``jax.distributed``; without GPUs it makes one CPU device per granted GPU. The job then
+gives the plan's mesh and shardings, the step and exact sample to resume from, Orbax
+checkpoints of any pytree restored into any shardings, the SIGUSR1 → checkpoint → exit
+86 protocol, and measured step times (``measured.json``, read by the daemon).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from estimator.errors import SpecError
+from estimator.refine import MEASURED_FILE
+from job_scripts.checkpoint import Checkpoints, CheckpointError, Saved, write_json_atomic
+from job_scripts.run_config import SCRIPT_ENV, RunConfig, resolve_config
+from job_scripts.slurm_env import (COORDINATOR_ENV, SlurmAllocation, admin_comment_from_scontrol,
+                                   allocation_from_env, comment_from_scontrol, coordinator_address)
+
+log = logging.getLogger(__name__)
+
+EXIT_DONE = 0
+EXIT_BAD_INPUT = 2
+EXIT_RESCALE = 86
+EXIT_TERMINATED = 143
+PLAN_KEYS = ("cell", "plan", "mb", "remat", "layers")
+# Flags that make XLA compile fast on the CPU; fake-device runs test the protocol, and
+# the small models they use spend most of their time compiling, not computing.
+CPU_FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0",
+                          "--xla_llvm_disable_expensive_passes=true")
+
+
+class StopSignal:
+    """Records SIGUSR1 (rescale) and SIGTERM; the training loop acts between steps."""
+
+    def __init__(self):
+        self.name: str | None = None
+
+    def install(self) -> "StopSignal":
+        signal.signal(signal.SIGUSR1, self._handler)
+        signal.signal(signal.SIGTERM, self._handler)
+        return self
+
+    def _handler(self, signum, frame):
+        self.name = signal.Signals(signum).name
+
+
+def plan_tokens(admin_comment: str | None) -> str | None:
+    """The plan part of an AdminComment (the daemon may add ``why=...`` and other words)."""
+    if not admin_comment:
+        return None
+    words = [w for w in admin_comment.split() if w.partition("=")[0] in PLAN_KEYS and "=" in w]
+    keys = {w.partition("=")[0] for w in words}
+    return " ".join(words) if {"cell", "plan"} <= keys else None
+
+
+def scontrol_job_text(job_id: str) -> str | None:
+    """``scontrol show job`` of this job (Comment, AdminComment), or None without Slurm."""
+    from job_scripts.slurm_env import scontrol_show_job_argv
+    try:
+        from slurm_ext.run import run_command
+        return run_command(scontrol_show_job_argv(job_id), timeout_s=30).stdout
+    except Exception as e:  # noqa: BLE001 - without Slurm the flags decide
+        log.warning("could not read job %s with scontrol (%s)", job_id, e)
+        return None
+
+
+def _elastic_settings(path: str | None, comment: str | None) -> dict[str, str]:
+    """The job's ``#ELASTIC`` settings, overridden by its Comment's (as the daemon reads them)."""
+    from slurm_ext.jobspec import comment_settings, merge_settings, script_settings
+    text = ""
+    if path:
+        try:
+            text = Path(path).read_text(errors="replace")
+        except OSError as e:
+            raise SpecError("elastic_script", path, f"cannot read it: {e.strerror}") from None
+    return merge_settings(script_settings(text), comment_settings(comment))
+
+
+def _gpu_available() -> bool:
+    # Only the top-level name: find_spec of a dotted name imports its parent package.
+    return importlib.util.find_spec("jax_cuda12_plugin") is not None and Path("/dev/nvidiactl").exists()
+
+
+def _resolves(host: str) -> bool:
+    if not host:
+        return False
+    try:
+        socket.getaddrinfo(host, None)
+        return True
+    except OSError:
+        return False
+
+
+def _relaunch_under_srun(alloc: SlurmAllocation, argv: list[str]) -> None:
+    """Replace this batch process by ``srun`` starting the same command once per node.
+
+    srun forwards SIGUSR1 and SIGTERM to its tasks and exits with their highest status,
+    so the rescale protocol works unchanged. ``--kill-on-bad-exit=0`` keeps srun from
+    killing the others when the first one exits 86 (a killed task would turn the step's
+    86 into a failure, and the job would not be requeued); a task that crashes ends the
+    others through jax.distributed's heartbeat timeout.
+    """
+    full = ["srun", f"--nodes={alloc.num_nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=0", *argv]
+    log.info("starting one task per node: %s", " ".join(full))
+    os.execvp("srun", full)
+
+
+def _configure_jax(cfg: RunConfig, alloc: SlurmAllocation) -> None:
+    """Platform, CPU device count and compilation cache, before JAX starts its backends."""
+    import jax
+    if cfg.platform == "cpu":
+        flags = os.environ.get("XLA_FLAGS", "")
+        for f in CPU_FAST_COMPILE_FLAGS:
+            if f.split("=")[0] not in flags:
+                flags += " " + f
+        os.environ["XLA_FLAGS"] = flags.strip()
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        try:
+            jax.config.update("jax_platforms", "cpu")
+            if "xla_force_host_platform_device_count" not in flags:
+                jax.config.update("jax_num_cpu_devices", cfg.num_devices // alloc.num_processes)
+            if alloc.num_processes > 1:
+                jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        except RuntimeError:  # JAX refuses once its backends have started
+            raise SpecError("devices", cfg.num_devices, "JAX started before runtime.start(): call it "
+                                                        "before any JAX computation") from None
+    if cfg.compile_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", cfg.compile_cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+def start(*, stop: StopSignal | None = None, identity: dict | None = None,
+          require: tuple[str, ...] = (), relaunch_argv: list[str] | None = None,
+          env: dict[str, str] | None = None, **given) -> "Job":
+    """Start the job's side of the protocol; call it before any JAX computation.
+
+    Args:
+        stop: a signal recorder installed earlier (else one is installed now).
+        identity: more of what a checkpoint must match to be resumed (e.g. a model
+            version); the global batch, the seed and the model (when known) always are.
+        require: settings that must be known (``model``, ``iterations``).
+        relaunch_argv: the command ``srun`` starts on each node (default: this one).
+        env: the environment (default ``os.environ``).
+        **given: explicit settings, which win over the environment and the job's spec:
+            ``model, global_batch, iterations, plan, checkpoint_root, checkpoint_dir,
+            checkpoint_every, keep, seed, devices, platform, warmup_steps, launch,
+            compile_cache, elastic_script, tune, tune_budget_s, tune_budget_frac``.
+
+    Raises:
+        SpecError: a setting that is missing or malformed (one line: what and how to fix).
+    """
+    stop = stop or StopSignal().install()
+    env = dict(os.environ if env is None else env)
+    alloc = allocation_from_env(env)
+    job_text = scontrol_job_text(alloc.job_id) if alloc.job_id else None
+    comment = comment_from_scontrol(job_text) if job_text else None
+    script = given.pop("elastic_script", None) or env.get(SCRIPT_ENV)
+    settings = _elastic_settings(script, comment)
+    cfg = resolve_config(given, env, alloc, settings, _gpu_available(), require)
+    if cfg.launch == "srun" and alloc.num_nodes > 1 and not alloc.in_step:
+        _relaunch_under_srun(alloc, relaunch_argv or [sys.executable, *sys.orig_argv[1:]])
+    _configure_jax(cfg, alloc)
+    import jax
+    if alloc.num_processes > 1:
+        address = coordinator_address(alloc, env.get(COORDINATOR_ENV),
+                                      _resolves(alloc.node_names[0] if alloc.node_names else ""))
+        jax.distributed.initialize(address, alloc.num_processes, alloc.process_id)
+        log.info("jax.distributed: process %d of %d (coordinator %s), %d local and %d global devices",
+                 jax.process_index(), jax.process_count(), address, jax.local_device_count(),
+                 jax.device_count())
+    devices = jax.devices()
+    if len(devices) != cfg.num_devices:
+        raise SpecError("devices", len(devices), f"JAX sees {len(devices)} devices, the job has "
+                                                 f"{cfg.num_devices}; check CUDA_VISIBLE_DEVICES, or call "
+                                                 "runtime.start() before any JAX computation")
+    plan_text, source = cfg.plan_text, "given" if cfg.plan_text else None
+    if plan_text is None and job_text:
+        plan_text = plan_tokens(admin_comment_from_scontrol(job_text))
+        source = "AdminComment" if plan_text else None
+    known = {"model": cfg.model} if cfg.model else {}
+    return Job(cfg, alloc, devices, stop, plan_text, source,
+               {"global_batch": cfg.global_batch, "seed": cfg.seed, **known, **(identity or {})})
+
+
+@dataclass
+class _Meter:
+    """Seconds per step after warm-up."""
+
+    warmup_steps: int
+    seen: int = 0
+    total_s: float = 0.0
+    timed: int = 0
+
+    def add(self, seconds: float) -> bool:
+        """Record one step; True when the count of timed steps reached a power of two."""
+        self.seen += 1
+        if self.seen <= self.warmup_steps:
+            return False
+        self.total_s += seconds
+        self.timed += 1
+        return self.timed & (self.timed - 1) == 0
+
+    @property
+    def mean_s(self) -> float | None:
+        return self.total_s / self.timed if self.timed else None
+
+
+class Job:
+    """One training process's view of its job; made by :func:`start`."""
+
+    def __init__(self, cfg: RunConfig, alloc: SlurmAllocation, devices: list, stop: StopSignal,
+                 plan_text: str | None, plan_source: str | None, identity: dict):
+        import jax
+        self.config, self.alloc, self.devices, self._stop = cfg, alloc, devices, stop
+        self.plan_text, self.plan_source, self.identity = plan_text, plan_source, identity
+        self.process_index, self.process_count = jax.process_index(), jax.process_count()
+        self.writer = self.process_index == 0
+        self.checkpoints = Checkpoints(cfg.checkpoint_dir, cfg.keep)
+        self.next_step = 1
+        self._saved_step: int | None = None
+        self._meter = _Meter(cfg.warmup_steps)
+        self._running = {"cell": None, "plan": plan_text, "plan_source": plan_source,
+                         "tuning_s": 0.0, "candidates_measured": 0}
+        if plan_text:
+            log.info("plan %s (%s)", plan_text, "from the AdminComment" if plan_source == "AdminComment" else "given")
+
+    # ------------------------------------------------------------------ settings
+
+    @property
+    def global_batch(self) -> int:
+        return self.config.global_batch
+
+    @property
+    def iterations(self) -> int | None:
+        return self.config.iterations
+
+    def plan(self):
+        """The starting plan as parsed (``estimator.plan_string.PlanString``), or None."""
+        from estimator.plan_string import parse_plan
+        return parse_plan(self.plan_text) if self.plan_text else None
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per step (gradient accumulation): the global batch stays fixed."""
+        plan = self.plan()
+        return plan.micro_batches if plan else 1
+
+    # ------------------------------------------------------------------ mesh and shardings
+
+    def mesh(self):
+        """The plan's devices as a ``("dp", "tp")`` mesh (all devices data-parallel without one).
+
+        Raises:
+            SpecError: the plan has pipeline stages (a script's own model runs
+                single-stage plans: submit it with ``max_stages=1``) or does not fit.
+        """
+        import numpy as np
+        from jax.sharding import Mesh
+        plan = self.plan()
+        n = len(self.devices)
+        if plan is None:
+            dp, tp = n, 1
+        elif plan.num_stages > 1:
+            raise SpecError("plan", self.plan_text, f"has {plan.num_stages} pipeline stages; a script "
+                            "with its own model runs single-stage plans: submit it with max_stages=1")
+        else:
+            dp, tp = plan.stages[0]
+        if dp * tp != n or self.global_batch % (dp * self.micro_batches):
+            raise SpecError("plan", self.plan_text, f"needs {dp * tp} devices (the job has {n}) and a global "
+                            f"batch divisible by dp × micro-batches = {dp * self.micro_batches}")
+        return Mesh(np.asarray(self.devices, dtype=object).reshape(dp, tp), ("dp", "tp"))
+
+    def batch_sharding(self):
+        """Batches split over ``dp`` along their first axis."""
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        return NamedSharding(self.mesh(), P("dp"))
+
+    def put_batch(self, host_array):
+        """A host array of the whole global batch (every process holds it) → a global array."""
+        import jax
+        import numpy as np
+        host = np.asarray(host_array)
+        return jax.make_array_from_callback(host.shape, self.batch_sharding(), lambda idx: host[idx])
+
+    def param_shardings(self, abstract, rule=None):
+        """NamedShardings for a pytree of parameter shapes.
+
+        Args:
+            abstract: a pytree of arrays or ``jax.ShapeDtypeStruct``.
+            rule: ``rule(path, shape) -> PartitionSpec`` over ``("dp", "tp")``; the default
+                shards each matrix's last dimension that ``tp`` divides over ``tp``
+                (Megatron's column split; XLA inserts the collectives) and replicates the rest.
+        """
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        mesh = self.mesh()
+        tp = mesh.shape["tp"]
+
+        def default(path, shape):
+            if tp > 1 and len(shape) >= 2:
+                for d in range(len(shape) - 1, -1, -1):
+                    if shape[d] % tp == 0:
+                        return P(*(("tp" if i == d else None) for i in range(len(shape))))
+            return P()
+
+        rule = rule or default
+        return jax.tree_util.tree_map_with_path(lambda p, x: NamedSharding(mesh, rule(p, tuple(x.shape))),
+                                                abstract)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def sample_of(self, step: int) -> int:
+        """Index of the first sample of ``step`` (steps count from 1): the data position."""
+        return (step - 1) * self.global_batch
+
+    @property
+    def next_sample(self) -> int:
+        return self.sample_of(self.next_step)
+
+    def latest(self) -> Saved | None:
+        """The newest complete checkpoint, checked against this job's identity.
+
+        Raises:
+            SpecError: the checkpoint was written by another model, batch or seed.
+        """
+        saved = self.checkpoints.latest()
+        if saved is not None:
+            for key, value in self.identity.items():
+                if saved.meta.get(key) != value:
+                    raise SpecError(key, value, f"the checkpoint {saved.path} was written with "
+                                                f"{key}={saved.meta.get(key)!r}; use a new checkpoint directory")
+        return saved
+
+    def mark_resumed(self, saved: Saved | None, plan_text: str | None) -> None:
+        """Log where training continues and set :attr:`next_step`."""
+        if saved is None:
+            self.next_step = 1
+            if self.alloc.restart_count:
+                log.warning("restart %d of job %s found no checkpoint in %s: training from step 1 "
+                            "(is the checkpoint root shared and the same as before?)",
+                            self.alloc.restart_count, self.alloc.job_id, self.config.checkpoint_dir)
+            log.info("starting at step 1 (no checkpoint in %s); plan %s on %d devices, global batch %d",
+                     self.config.checkpoint_dir, plan_text, len(self.devices), self.global_batch)
+            return
+        self.next_step = saved.step + 1
+        self._saved_step = saved.step
+        log.info("resumed from step %d (checkpoint %s, plan %s); next step %d; now plan %s on %d devices, "
+                 "global batch %d", saved.step, saved.path, saved.meta.get("plan"), saved.step + 1,
+                 plan_text, len(self.devices), self.global_batch)
+
+    def resume(self, target):
+        """(state, next step): the newest checkpoint read into ``target``'s shardings
+        (a pytree of ``jax.ShapeDtypeStruct`` with ``sharding``), or (None, 1)."""
+        saved = self.latest()
+        state = None
+        if saved is not None:
+            state = self.checkpoints.restore(saved.step, target)
+        self.mark_resumed(saved, self.plan_text)
+        return state, self.next_step
+
+    def save(self, step: int, arrays, meta: dict | None = None) -> None:
+        """Checkpoint ``arrays`` (any pytree of global arrays) as the state after ``step``."""
+        data = {"next_step": step + 1, "next_sample": self.sample_of(step + 1)}
+        self.checkpoints.save(step, arrays, {**self.identity, **(meta or {}), "data": data,
+                                             "plan": self._running["plan"], "cell": self._running["cell"],
+                                             "job_id": self.alloc.job_id,
+                                             "restart_count": self.alloc.restart_count})
+        self._saved_step = step
+        self._write_measured()
+
+    def checkpoint_due(self, step: int) -> bool:
+        every = self.config.checkpoint_every
+        return bool(every) and step % every == 0 and (self.iterations is None or step < self.iterations)
+
+    # ------------------------------------------------------------------ signals and progress
+
+    def agree_max(self, value: float) -> float:
+        """The largest of every process's ``value`` (the same answer on every process)."""
+        if self.process_count == 1:
+            return value
+        import numpy as np
+        from jax.experimental import multihost_utils
+        return float(np.max(multihost_utils.process_allgather(np.array([value], np.float64))))
+
+    def stop_requested(self) -> str | None:
+        """``SIGUSR1`` or ``SIGTERM`` when any process got one (all processes agree), else None."""
+        codes = {None: 0, "SIGUSR1": 1, "SIGTERM": 2}
+        top = int(self.agree_max(codes.get(self._stop.name, 2)))
+        return {0: None, 1: "SIGUSR1", 2: "SIGTERM"}[top]
+
+    def set_running(self, plan_text: str | None, cell: str | None, source: str | None,
+                    tuning_s: float = 0.0, candidates_measured: int = 0) -> None:
+        """Say which plan trains (reported in checkpoints and ``measured.json``)."""
+        self._running = {"cell": cell, "plan": plan_text, "plan_source": source,
+                         "tuning_s": round(tuning_s, 3), "candidates_measured": candidates_measured}
+
+    def record_step(self, step: int, loss: float, seconds: float) -> None:
+        """Log ``step N loss X time Ts`` and time the step for the daemon."""
+        log.info("step %d loss %.6f time %.3fs", step, loss, seconds)
+        # Early and then ever rarer updates (1, 2, 4, 8, ... timed steps): the daemon
+        # learns the real speed of a new plan within a few steps, at little cost.
+        if self._meter.add(seconds):
+            self._write_measured()
+
+    @property
+    def mean_step_s(self) -> float | None:
+        """Mean seconds per step after warm-up in this run, or None before any."""
+        return self._meter.mean_s
+
+    def _write_measured(self) -> None:
+        mean = self._meter.mean_s
+        if not self.writer or mean is None:
+            return
+        write_json_atomic(self.config.checkpoint_dir / MEASURED_FILE, {
+            **self._running, "job_id": self.alloc.job_id, "global_batch": self.global_batch,
+            "num_devices": len(self.devices), "platform": self.config.platform,
+            "restart_count": self.alloc.restart_count, "iteration_time_s": mean,
+            "steps_measured": self._meter.timed, "samples_per_s": self.global_batch / mean,
+            "updated_at_s": time.time()})
+
+    def finish(self, step: int, arrays, meta: dict | None = None) -> int:
+        """Checkpoint the state after ``step`` (unless already), leave jax.distributed
+        together, and return the exit status: 86 after SIGUSR1, 143 after SIGTERM, else 0."""
+        signalled = self.stop_requested()
+        if self._saved_step != step:
+            self.save(step, arrays, meta)
+        self.checkpoints.close()
+        self._write_measured()
+        if self.process_count > 1:
+            import jax
+            # A barrier: no process exits before every process has written its shards.
+            jax.distributed.shutdown()
+        done = self.iterations is not None and step >= self.iterations
+        if signalled and not done:
+            code = EXIT_RESCALE if signalled == "SIGUSR1" else EXIT_TERMINATED
+            log.info("%s: checkpointed step %d; exiting %d", signalled, step, code)
+            return code
+        log.info("finished: %d iterations", step)
+        return EXIT_DONE
+
+
+__all__ = ["CheckpointError", "EXIT_BAD_INPUT", "EXIT_DONE", "EXIT_RESCALE", "EXIT_TERMINATED",
+           "Job", "StopSignal", "plan_tokens", "start"]

@@ -1,0 +1,208 @@
+"""The SPMD pipeline against an independent oracle, the per-stage pipeline.
+
+Every plan runs as one ``shard_map`` program (``job_scripts.pipeline``); the oracle
+(``tests/reference_pipeline.py``) runs each stage as its own automatically partitioned
+program and moves activations with ``device_put``. They share only the layer code. For
+each plan both train the same steps from the same seed, and their losses and whole
+training states (weights, optimizer moments, batch-norm statistics) must agree to
+float32 rounding: a wrong collective, a gradient scaled by dp or tp, a stage boundary
+resharded wrongly or a residual unpacked from the wrong place shows up as a mismatch.
+
+JAX runs in a spawn child with 8 CPU devices (pytest's own process may have started JAX
+with one).
+"""
+
+import multiprocessing
+
+import pytest
+
+from estimator.compiled import _worker_init, child_xla_flags
+
+TINY_GPT = "tests/fixtures/runner/tiny-gpt.yaml"
+TINY = {
+    "moe": dict(family="moe", hidden=32, num_blocks=2, heads=4, vocab=64, seq_len=16, experts=4,
+                expert_group=32, ffn_mult=2, compute_dtype="fp32", optimizer="adafactor"),
+    "wide_resnet": dict(family="wide_resnet", base_channels=4, width=2, image_size=32,
+                        num_classes=8, compute_dtype="fp32", optimizer="sgd_nesterov"),
+}
+
+
+@pytest.fixture(scope="module")
+def child():
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1, initializer=_worker_init, initargs=(child_xla_flags(8),)) as pool:
+        yield pool
+
+
+def _compare(arch_kw: dict | None, plan_text: str | None, stages: list | None, micro_batches: int,
+             remat: bool, steps: int, lr: float | None = None) -> dict:
+    """Train ``steps`` steps with both pipelines; return their losses and the worst state
+    difference, relative to each array's largest magnitude."""
+    import os
+    import sys
+
+    import jax
+    import numpy as np
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from reference_pipeline import Trainer
+
+    from estimator import jax_models as jm
+    from estimator.cells import StagePlan
+    from estimator.jax_optim import optimizer_for, sgd_nesterov
+    from estimator.models import load_model
+    from estimator.plan_string import parse_plan
+    from job_scripts.data import stream_for
+    from job_scripts.pipeline import Pipeline
+    from job_scripts.plan import ParallelPlan, plan_from_string
+
+    batch_size = 16
+    if arch_kw is None:
+        spec = load_model(TINY_GPT)
+        arch = jm.arch_from_model(spec)
+        plan = plan_from_string(plan_text, spec, arch, batch_size, parse_plan(plan_text).num_gpus)[0]
+    else:
+        arch = jm.Arch(**arch_kw)
+        bounds = np.linspace(0, arch.num_layers, len(stages) + 1).astype(int)
+        plan = ParallelPlan(tuple(StagePlan(int(bounds[i]), int(bounds[i + 1]), dp, tp)
+                                  for i, (dp, tp) in enumerate(stages)), micro_batches, remat)
+    # wide_resnet on random images has gradients of ~50: a small step keeps it stable.
+    opt = sgd_nesterov(lr=lr) if lr else optimizer_for(arch.optimizer)
+    devices = jax.devices()[:plan.num_gpus]
+    stream = stream_for(arch, 0, batch_size)
+    pipe = Pipeline(arch, plan, devices, batch_size, opt)
+    state = pipe.init(0)
+    oracle = Trainer(arch, plan, devices, batch_size, opt)
+    oracle.init(0)
+    spmd, ref = [], []
+    for step in range(1, steps + 1):
+        b = stream.batch(step)
+        state, loss = pipe.step(state, b.inputs, b.targets)
+        spmd.append(float(loss))
+        ref.append(oracle.step(b.inputs, b.targets))
+    mine, theirs = pipe.host_arrays(state), oracle.state_arrays()
+    worst = max((float(np.max(np.abs(mine[k] - theirs[k])) / max(1e-3, float(np.max(np.abs(theirs[k]))))), k)
+                for k in theirs)
+    return {"spmd": spmd, "ref": ref, "worst": worst, "names": sorted(mine) == sorted(theirs),
+            "label": plan.label()}
+
+
+GPT_PLANS = [
+    "cell=a100x4:s1 plan=[dp4tp1] mb=4 remat=1",
+    "cell=a100x2:s1 plan=[dp1tp2] mb=1 remat=0",
+    "cell=a100x4:s2 plan=[dp2tp1|dp1tp2] mb=2 remat=1 layers=0,2,4",  # dp → tp across the boundary
+    "cell=a100x4:s2 plan=[dp1tp2|dp2tp1] mb=4 remat=0",  # tp → dp, every intermediate kept
+    "cell=a100x8:s2 plan=[dp2tp2|dp4tp1] mb=4 remat=1",
+    "cell=a100x8:s4 plan=[dp2tp1|dp1tp2|dp2tp1|dp1tp2] mb=8 remat=1",
+]
+
+
+@pytest.mark.parametrize("plan", GPT_PLANS)
+def test_every_gpt_plan_trains_exactly_as_the_per_stage_pipeline(child, plan):
+    out = child.apply(_compare, (None, plan, None, 0, True, 3))
+    assert out["names"]
+    assert out["spmd"] == pytest.approx(out["ref"], rel=1e-5)
+    assert out["worst"][0] < 1e-4, out["worst"]  # weights and AdamW moments, float32 rounding
+    assert out["spmd"][2] < out["spmd"][0]  # and it learns
+
+
+@pytest.mark.parametrize("stages,mb,remat", [([(2, 2)], 2, True), ([(2, 1), (1, 2)], 2, True),
+                                             ([(1, 2), (2, 1), (1, 2), (2, 1)], 4, False)])
+def test_moe_experts_sharded_over_tp_train_as_the_per_stage_pipeline(child, stages, mb, remat):
+    out = child.apply(_compare, (TINY["moe"], None, stages, mb, remat, 3))
+    assert out["spmd"] == pytest.approx(out["ref"], rel=1e-5)
+    # Adafactor divides by tiny second moments of zero-initialised biases: looser.
+    assert out["worst"][0] < 1e-2, out["worst"]
+
+
+@pytest.mark.parametrize("stages,mb", [([(1, 4)], 1), ([(2, 1), (1, 2)], 2), ([(4, 1)], 1)])
+def test_wide_resnet_channels_and_synced_batch_norm_match_the_per_stage_pipeline(child, stages, mb):
+    # One step: this tiny network's batch norm amplifies rounding (gradients of ~50), so
+    # any two programs drift apart after the first update; the first must agree.
+    out = child.apply(_compare, (TINY["wide_resnet"], None, stages, mb, True, 1, 1e-3))
+    assert out["spmd"] == pytest.approx(out["ref"], rel=1e-5)
+    assert out["worst"][0] < 1e-4, out["worst"]
+
+
+def _hlo_and_refusal() -> dict:
+    import jax
+
+    from estimator import jax_models as jm
+    from estimator.errors import SpecError
+    from estimator.jax_optim import optimizer_for
+    from estimator.models import load_model
+    from job_scripts.pipeline import Pipeline
+    from job_scripts.plan import plan_from_string
+
+    spec = load_model(TINY_GPT)
+    arch = jm.arch_from_model(spec)
+    plan = plan_from_string("cell=a100x4:s2 plan=[dp2tp1|dp1tp2] mb=4 remat=1", spec, arch, 16, 4)[0]
+    text = Pipeline(arch, plan, jax.devices()[:4], 16, optimizer_for(arch.optimizer)).compile().as_text()
+    errors = []
+    for bad in ("cell=a100x8:s1 plan=[dp1tp8] mb=1 remat=1",  # 4 heads cannot split 8 ways
+                "cell=a100x4:s1 plan=[dp4tp1] mb=8 remat=1"):  # micro-batches of 2 over dp 4
+        try:
+            plan_from_string(bad, spec, arch, 16, 4 if "x4" in bad else 8)
+        except SpecError as e:
+            errors.append(str(e))
+    return {"permutes": text.count("collective-permute"), "errors": errors}
+
+
+def test_stages_exchange_micro_batches_by_collective_permutes_and_bad_plans_say_why(child):
+    out = child.apply(_hlo_and_refusal)
+    assert out["permutes"] >= 2  # forward activations one way, gradients the other
+    assert len(out["errors"]) == 2
+    for message in out["errors"]:
+        assert "\n" not in message and "plan [dp" in message
+    assert "must divide dimension" in out["errors"][0]
+    assert "must divide the micro-batch of 2 samples" in out["errors"][1]
+
+
+def _every_tuner_plan(num_gpus: int) -> dict:
+    """Every feasible plan the exhaustive tuner scores for the tiny GPT's Cells (a superset
+    of what ``estimate`` and ``tune`` emit), checked; a few run."""
+    import random
+
+    import jax
+
+    from estimator import jax_models as jm
+    from estimator.cells import Cell
+    from estimator.cluster import load_cluster
+    from estimator.errors import SpecError
+    from estimator.estimate import stage_counts
+    from estimator.jax_optim import optimizer_for
+    from estimator.jobs import JobSpec
+    from estimator.models import load_model
+    from estimator.tuner import TuneOptions, tune
+    from job_scripts.data import stream_for
+    from job_scripts.pipeline import Pipeline
+    from job_scripts.plan import plan_from_string
+
+    spec = load_model(TINY_GPT)
+    arch = jm.arch_from_model(spec)
+    plans, refused = [], []
+    for stages in stage_counts(num_gpus, spec.num_layers):
+        result = tune(JobSpec(TINY_GPT, 16), Cell("a100", num_gpus, num_gpus, stages), load_cluster("crius-1280"),
+                      TuneOptions(prune="none"))
+        for p in result.ranked:
+            if not p.score.feasible:  # scored, never emitted
+                continue
+            text = result.plan_string(p)
+            try:
+                plans.append(plan_from_string(text, spec, arch, 16, num_gpus)[0])
+            except SpecError as e:
+                refused.append(f"{text}: {e}")
+    losses = []
+    batch = stream_for(arch, 0, 16).batch(1)
+    for plan in random.Random(7).sample(plans, 4):
+        pipe = Pipeline(arch, plan, jax.devices()[:num_gpus], 16, optimizer_for(arch.optimizer))
+        losses.append(float(pipe.step(pipe.init(0), batch.inputs, batch.targets)[1]))
+    return {"plans": len(plans), "refused": refused, "losses": losses}
+
+
+def test_every_plan_the_tuner_can_emit_for_a_cell_runs(child):
+    out = child.apply(_every_tuner_plan, (4,))
+    assert out["plans"] > 50
+    assert out["refused"] == []
+    # Four of them, picked at random, take a step from the same weights: the same loss.
+    assert out["losses"] == pytest.approx([out["losses"][0]] * 4, rel=1e-5)
