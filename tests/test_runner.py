@@ -4,13 +4,13 @@ Each run trains the tiny GPT of fixtures/runner/tiny-gpt.yaml (2 blocks, hidden 
 sequence 32, vocabulary 128, fp32) with a global batch of 16 for 8 steps. The reference
 is an uninterrupted run under a two-stage plan on 2 devices; interrupted runs use a
 data-parallel plan on 4 devices and resume under a pipeline + data + tensor parallel plan,
-a plan tuned for 2 devices, or the same plan; they must continue at exactly the
-step after their checkpoint and reproduce the reference's losses within LOSS_RTOL
-(float32 sums taken in another order under another plan; measured differences are
-below 1e-6).
+a plan tuned for 2 devices, or the same plan; they must continue at exactly the step
+after their checkpoint and reproduce the reference's losses within LOSS_RTOL (float32
+sums taken in another order under another plan; measured differences are below 1e-6).
 
-Runs share a JAX compilation cache, so each plan is compiled once; the reference runs
-alongside the first interrupted runs.
+Checkpoints are Orbax's: ``<dir>/<step>/`` complete, ``<dir>/<step>.orbax-checkpoint-tmp-*``
+while being written. Runs share a JAX compilation cache, so each plan is compiled once;
+the reference runs alongside the first interrupted runs.
 """
 
 import json
@@ -47,12 +47,12 @@ class Runner:
     """One runner process writing its log to a file."""
 
     def __init__(self, tmp: Path, name: str, ckpt: Path, plan: str | None, devices: int, cache: Path,
-                 extra: tuple[str, ...] = (), restart_count: int = 0):
+                 extra: tuple[str, ...] = (), restart_count: int = 0, iterations: int = ITERATIONS):
         self.log_path = tmp / f"{name}.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "XLA_", "JAX_"))}
         env["SLURM_RESTART_COUNT"] = str(restart_count)
         argv = [sys.executable, "-m", "job_scripts.run", "--model", str(TINY_GPT),
-                "--global-batch", str(GLOBAL_BATCH), "--iterations", str(ITERATIONS),
+                "--global-batch", str(GLOBAL_BATCH), "--iterations", str(iterations),
                 *(("--plan", plan) if plan else ()), "--devices", str(devices), "--platform", "cpu",
                 "--checkpoint-dir", str(ckpt), "--compile-cache", str(cache),
                 "--warmup-steps", "1", *extra]
@@ -116,6 +116,15 @@ def reference(tmp_path_factory, cache):
         ref.run.proc.kill()
 
 
+def _meta(ckpt: Path, step: int) -> dict:
+    """The metadata Orbax saved with checkpoint ``step`` (JSON item ``meta``)."""
+    return json.loads((ckpt / str(step) / "meta" / "metadata").read_text())
+
+
+def _complete_steps(ckpt: Path) -> list[int]:
+    return sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
+
+
 def _assert_matches(losses: dict[int, float], reference: Reference) -> None:
     reference = reference.losses()
     for step, loss in losses.items():
@@ -132,9 +141,9 @@ def test_usr1_checkpoints_exits_86_and_resumes_under_another_plan(tmp_path, cach
     assert 2 <= saved < ITERATIONS
     # It finished the step it was in and stopped: no step after the checkpointed one ran.
     assert max(first.losses()) == saved
-    manifest = json.loads((ckpt / f"ckpt-{saved:08d}.json").read_text())
-    assert manifest["meta"]["data"]["next_step"] == saved + 1
-    assert manifest["meta"]["global_batch"] == GLOBAL_BATCH
+    meta = _meta(ckpt, saved)
+    assert meta["data"] == {"next_step": saved + 1, "next_sample": saved * GLOBAL_BATCH}
+    assert meta["global_batch"] == GLOBAL_BATCH and meta["plan"] == DP4
 
     # The daemon moved it to another GPU type with a two-stage dp/tp plan.
     second = Runner(tmp_path, "second", ckpt, MIXED, 4, cache, restart_count=1)
@@ -151,25 +160,35 @@ def test_usr1_checkpoints_exits_86_and_resumes_under_another_plan(tmp_path, cach
     assert measured["iteration_time_s"] > 0 and measured["steps_measured"] >= 1
 
 
-def test_sigkill_resumes_from_last_periodic_checkpoint(tmp_path, cache, reference):
+def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, cache, reference):
     ckpt = tmp_path / "ckpt"
-    first = Runner(tmp_path, "killed", ckpt, DP4, 4, cache, extra=("--checkpoint-every", "2"))
-    first.wait_for(r"checkpoint step 4 written")
+    # A checkpoint every step, written while training goes on: a save is nearly always
+    # under way, and the runner is killed while one is.
+    first = Runner(tmp_path, "killed", ckpt, DP4, 4, cache, extra=("--checkpoint-every", "1"),
+                   iterations=10_000)
+    first.wait_for(r"step 4 loss")
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline and not any("orbax-checkpoint-tmp" in p.name for p in ckpt.iterdir()):
+        time.sleep(0.001)
     first.proc.send_signal(signal.SIGKILL)
     assert first.finish() == -signal.SIGKILL
-    on_disk = sorted(int(p.stem[5:]) for p in ckpt.glob("ckpt-*.json"))
-    assert on_disk and all(s % 2 == 0 for s in on_disk) and len(on_disk) <= 2
-    last = on_disk[-1]
-    assert last >= 4
+    complete = _complete_steps(ckpt)
+    partial = [int(p.name.split(".")[0]) for p in ckpt.iterdir() if "orbax-checkpoint-tmp" in p.name]
+    assert complete and partial and max(partial) > max(complete), (complete, partial)
+    last = complete[-1]
 
     # Restarted on 2 GPUs without a plan: the runner tunes one for its 2 devices.
-    second = Runner(tmp_path, "after-kill", ckpt, None, 2, cache, restart_count=1)
+    second = Runner(tmp_path, "after-kill", ckpt, None, 2, cache, restart_count=1,
+                    iterations=last + 3)
     assert second.finish() == 0, second.text()[-3000:]
-    assert "(tuned here)" in second.text()
+    assert re.search(r"plan .* \(tuned here: [0-9.]+ s/iteration measured", second.text())
     assert f"resumed from step {last} (checkpoint" in second.text()
     resumed = second.losses()
-    assert sorted(resumed) == list(range(last + 1, ITERATIONS + 1))
-    _assert_matches(resumed, reference)
+    assert sorted(resumed) == list(range(last + 1, last + 4))
+    _assert_matches({k: v for k, v in resumed.items() if k <= ITERATIONS}, reference)
+    # The half-written checkpoint was cleared away; the newest complete ones are kept.
+    assert not any("orbax-checkpoint-tmp" in p.name for p in ckpt.iterdir())
+    assert _complete_steps(ckpt)[-1] == last + 3
 
 
 def test_bad_plan_is_one_line_and_exit_2(tmp_path):
@@ -198,8 +217,17 @@ def test_usr1_before_the_first_step_checkpoints_step_0(tmp_path, cache, referenc
     _assert_matches(resumed, reference)
 
 
+def _config(given: dict, env: dict, alloc, script=None, comment=None):
+    from job_scripts.run_config import resolve_config
+    from job_scripts.runtime import _elastic_settings
+    keys = ("model", "global_batch", "iterations", "plan", "checkpoint_root", "checkpoint_dir",
+            "checkpoint_every", "keep", "seed", "devices", "platform", "warmup_steps", "launch",
+            "compile_cache", "tune", "tune_budget_s", "tune_budget_frac")
+    return resolve_config({k: given.get(k) for k in keys}, env, alloc, _elastic_settings(script, comment),
+                          gpu_available=False, require=("model", "iterations"))
+
+
 def test_config_precedence_flag_env_comment_script(tmp_path):
-    from job_scripts.run import _parser, resolve_config
     from job_scripts.slurm_env import SlurmAllocation
 
     script = tmp_path / "job.sbatch"
@@ -207,16 +235,22 @@ def test_config_precedence_flag_env_comment_script(tmp_path):
     alloc = SlurmAllocation(job_id="17", node_names=("a100-1", "a100-2"), gpus_per_node=4,
                             partition="a100", gpu_type="a100", restart_count=1,
                             submit_dir=str(tmp_path / "home"))
-    base = ["--elastic-script", str(script), "--platform", "cpu"]
-    cfg = resolve_config(_parser().parse_args(base), {}, alloc, comment="elastic global_batch=64")
+    cfg = _config({}, {}, alloc, str(script), comment="elastic global_batch=64")
     assert (cfg.model, cfg.global_batch, cfg.iterations) == ("gpt-760m", 64, 1000)  # comment wins
-    assert cfg.num_devices == 8 and cfg.plan_text is None
+    assert cfg.num_devices == 8 and cfg.plan_text is None and cfg.platform == "cpu"
     assert cfg.checkpoint_dir == tmp_path / "home" / "checkpoints" / "17"
     assert cfg.compile_cache_dir == str(tmp_path / "home" / "checkpoints" / "jax-cache")
-    env = {"SLURM_EXT_CHECKPOINT_ROOT": str(tmp_path / "shared"), "SLURM_EXT_PLAN": "cell=a100x8:s1 plan=[dp8tp1] mb=1 remat=0"}
-    cfg = resolve_config(_parser().parse_args([*base, "--global-batch", "32"]), env, alloc,
-                         comment="elastic global_batch=64")
+    assert cfg.tune.enabled and cfg.tune.budget_s == 600 and cfg.tune.budget_frac == 0.05
+    assert cfg.tune.cache_dir == tmp_path / "home" / "checkpoints" / "tuned-plans"
+    env = {"SLURM_EXT_CHECKPOINT_ROOT": str(tmp_path / "shared"),
+           "SLURM_EXT_PLAN": "cell=a100x8:s1 plan=[dp8tp1] mb=1 remat=0",
+           "SLURM_EXT_TUNE_BUDGET_S": "90", "SLURM_EXT_TUNE": "0"}
+    cfg = _config({"global_batch": 32}, env, alloc, str(script), comment="elastic global_batch=64")
     assert cfg.global_batch == 32 and cfg.plan_text == env["SLURM_EXT_PLAN"]
     assert cfg.checkpoint_dir == tmp_path / "shared" / "17"
+    assert not cfg.tune.enabled and cfg.tune.budget_s == 90
+    assert _config({"tune": True, "tune_budget_frac": 0.2}, env, alloc, str(script)).tune.budget_frac == 0.2
     with pytest.raises(SpecError, match="iterations"):
-        resolve_config(_parser().parse_args(["--model", "gpt-760m", "--global-batch", "8"]), {}, alloc)
+        _config({"model": "gpt-760m", "global_batch": 8}, {}, alloc)
+    with pytest.raises(SpecError, match="SLURM_EXT_TUNE_BUDGET_S"):
+        _config({}, {"SLURM_EXT_TUNE_BUDGET_S": "ten"}, alloc, str(script))

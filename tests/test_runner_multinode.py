@@ -3,14 +3,18 @@
 Two runner processes start with the variables ``srun --nodes=2 --ntasks-per-node=1`` sets
 in each task of a job on ``a100-[1-2]`` with 2 GPUs per node (the lab's node names, which
 do not resolve, so the coordinator is SLURM_LAUNCH_NODE_IPADDR, here 127.0.0.1). Each
-fakes its node's 2 devices; together they train the tiny GPT under a data-parallel plan
-over all 4 devices (cross-process all-reduce through gloo), then both get SIGUSR1, agree
-to stop after the same step and exit 86 with one checkpoint. A single process on 4
-devices is the reference: same steps, same losses. Then one process (the job rescaled to
-one node) resumes from the 2-process checkpoint at the next step, still matching it.
+fakes its node's 2 devices; together they train a two-stage plan whose stages sit one
+on each process, so micro-batches cross between the processes (collective permutes over
+gloo), then both get SIGUSR1, agree to stop after the same step and exit 86, each
+having written its own stage's shards. A single process on 4 devices is the reference:
+same steps, same losses. Then one process (the job rescaled to one node) resumes under a
+tensor-parallel plan at the next step, still matching.
 
-The lab test does it for real: a 2-node job whose batch process execs ``srun``, one
-runner per node, SIGUSR1 through ``scancel --signal=USR1 --batch``, requeued held.
+The lab test does it for real, as the daemon would: a 2-node job trains the 2-stage plan
+of its AdminComment across the nodes (its batch process execs ``srun``, one runner per
+node), gets SIGUSR1 through ``scancel --signal=USR1 --batch``, is requeued held, updated to
+one node and another plan, released, and resumes at the next step with the losses of an
+uninterrupted run of the new plan.
 """
 
 import os
@@ -29,7 +33,8 @@ TINY_GPT = ROOT / "tests" / "fixtures" / "runner" / "tiny-gpt.yaml"
 GLOBAL_BATCH = 16
 ITERATIONS = 4  # steps both processes take at least before SIGUSR1
 REFERENCE_ITERATIONS = 10
-PLAN = "cell=a100x4:s1 plan=[dp4tp1] mb=4 remat=1"
+PLAN = "cell=a100x4:s2 plan=[dp2tp1|dp1tp2] mb=4 remat=1"  # stage 0 on process 0, stage 1 on 1
+RESUME_PLAN = "cell=a100x4:s1 plan=[dp1tp4] mb=2 remat=0"
 LOSS_RTOL = 1e-4
 WAIT_S = 120
 _STEP = re.compile(r"step (\d+) loss ([0-9.]+)")
@@ -65,9 +70,9 @@ def _task_env(job_id: int, rank: int) -> dict[str, str]:
     return env
 
 
-def _runner_argv(ckpt: Path, cache: Path, devices: int | None, iterations: int) -> list[str]:
+def _runner_argv(ckpt: Path, cache: Path, devices: int | None, iterations: int, plan: str = PLAN) -> list[str]:
     return [sys.executable, "-m", "job_scripts.run", "--model", str(TINY_GPT),
-            "--global-batch", str(GLOBAL_BATCH), "--iterations", str(iterations), "--plan", PLAN,
+            "--global-batch", str(GLOBAL_BATCH), "--iterations", str(iterations), "--plan", plan,
             *(("--devices", str(devices)) if devices else ()), "--platform", "cpu",
             "--checkpoint-dir", str(ckpt), "--compile-cache", str(cache), "--warmup-steps", "1"]
 
@@ -124,9 +129,10 @@ def test_two_processes_join_jax_distributed_and_train_like_one(tmp_path, tmp_pat
     assert steps[0] == steps[1] and len(steps[0]) >= ITERATIONS
     saved = [int(re.search(r"SIGUSR1: checkpointed step (\d+); exiting 86", t).group(1)) for t in texts]
     assert saved[0] == saved[1] == max(steps[0])
-    # Process 0 alone writes the checkpoint, which holds the full (unsharded) state.
-    assert (tmp_path / "ckpt" / f"ckpt-{saved[0]:08d}.json").exists()
-    assert "checkpoint step" not in texts[1]
+    # One checkpoint, to which each process wrote its own stage's shards.
+    arrays = tmp_path / "ckpt" / str(saved[0]) / "arrays"
+    assert sorted(p.name for p in arrays.iterdir() if p.name.startswith("ocdbt.process_")) == \
+        ["ocdbt.process_0", "ocdbt.process_1"]
 
     assert _wait_all([reference], [ref_log]) == [0], ref_log.read_text()[-3000:]
     single = _losses(ref_log.read_text())
@@ -134,10 +140,11 @@ def test_two_processes_join_jax_distributed_and_train_like_one(tmp_path, tmp_pat
     for step, loss in steps[0].items():
         assert loss == pytest.approx(single[step], rel=LOSS_RTOL), (step, loss, single[step])
 
-    # Rescaled to one node: one process on 4 devices resumes from the 2-process checkpoint.
+    # Rescaled to one node: one process on 4 devices, tensor parallel, resumes from the
+    # checkpoint the two processes wrote.
     resume_log = tmp_path / "resumed.log"
     with open(resume_log, "w") as out:
-        resumed = subprocess.Popen(_runner_argv(tmp_path / "ckpt", cache, 4, saved[0] + 2),
+        resumed = subprocess.Popen(_runner_argv(tmp_path / "ckpt", cache, 4, saved[0] + 2, RESUME_PLAN),
                                    cwd=ROOT, env={**env, "SLURM_RESTART_COUNT": "1"}, stdout=out,
                                    stderr=subprocess.STDOUT)
     assert _wait_all([resumed], [resume_log]) == [0], resume_log.read_text()[-3000:]
@@ -167,15 +174,20 @@ def test_coordinator_address_first_node_launch_host_or_override():
         coordinator_address(batch, None, first_node_resolves=False)
 
 
+
+LAB_PLAN = "cell=a10x4:s2 plan=[dp2tp1|dp1tp2] mb=4 remat=1"  # one stage on each a10 node
+LAB_NEW_PLAN = "cell=a10x2:s1 plan=[dp1tp2] mb=2 remat=0"
+LAB_RTOL = 1e-3
+
+
 @pytest.mark.slurm
-def test_two_node_lab_job_runs_one_runner_per_node_through_srun(slurm_lab, slurm_client, tmp_path,
-                                                                tmp_path_factory):
-    """The same on the real lab: a 2-node a10 job (2 GPUs per node) whose batch process
-    execs ``srun`` (``SLURM_EXT_LAUNCH=srun``); srun forwards the daemon's SIGUSR1."""
+def test_two_node_lab_job_trains_its_pipeline_across_nodes_and_is_rescaled_to_one(
+        slurm_lab, slurm_client, tmp_path, tmp_path_factory):
+    """As the daemon does it: the AdminComment's 2-stage plan across 2 a10 nodes, then
+    USR1 → exit 86 → requeued held → one node and another plan → released → resumed."""
     from conftest import wait_for
 
-    from slurm_ext.run import run_command
-    from slurm_ext.slurm_client import SubmitRequest
+    from slurm_ext.slurm_client import JobUpdate, SubmitRequest
 
     cache = tmp_path_factory.getbasetemp() / "runner-jax-cache"
     script = (ROOT / "job_scripts" / "elastic.sbatch").read_text()
@@ -184,57 +196,56 @@ def test_two_node_lab_job_runs_one_runner_per_node_through_srun(slurm_lab, slurm
         "set -euo pipefail", f"#ELASTIC model={TINY_GPT} global_batch={GLOBAL_BATCH} iterations=10000\n"
                              "set -euo pipefail")
     log_path = tmp_path / "job.out"
-    export = (f"--export=ALL,SLURM_EXT_PYTHON={sys.executable},SLURM_EXT_LAUNCH=srun,"
-              f"SLURM_EXT_PLAN={PLAN},SLURM_EXT_COMPILE_CACHE={cache},"
-              f"SLURM_EXT_CHECKPOINT_ROOT={tmp_path / 'ckpt'}")
+    # SLURM_EXT_TUNE=0: the plans must be exactly the AdminComment's (tuning has its own tests).
+    export = (f"--export=ALL,SLURM_EXT_PYTHON={sys.executable},SLURM_EXT_LAUNCH=srun,SLURM_EXT_TUNE=0,"
+              f"SLURM_EXT_COMPILE_CACHE={cache},SLURM_EXT_CHECKPOINT_ROOT={tmp_path / 'ckpt'}")
     job = slurm_client.submit(SubmitRequest(
         script=script, name="two-nodes", partition="a10", nodes=2, gres="gpu:2", output=str(log_path),
-        workdir=str(ROOT), extra_args=(export, "--requeue")))
+        workdir=str(ROOT), hold=True, extra_args=(export, "--requeue")))
+    slurm_client.update_pending(job, JobUpdate(admin_comment=f"{LAB_PLAN} why=test"))
+    slurm_client.release(job)
 
-    def both_trained():
+    def trained(n):
         text = log_path.read_text() if log_path.exists() else ""
-        return text if len(re.findall(r"step 2 loss", text)) == 2 else None
+        return text if len(re.findall(rf"step {n} loss", text)) == 2 else None
 
-    wait_for("both tasks' second step", both_trained, 120)
-    run_command(["scancel", "--signal=USR1", "--batch", str(job)], timeout_s=10, env=slurm_lab.env())
-    # Exit 86 of srun's tasks is srun's: Slurm requeues the job held, as for a rescale.
-    held = wait_for("the job to be requeued held", lambda: (j := slurm_client.job(job)) and j.is_held and j, 60)
+    wait_for("both tasks' second step", lambda: trained(2), 180)
+    slurm_client.signal_batch(job, "USR1")
+    held = wait_for("the job to be requeued held", lambda: (j := slurm_client.job(job)) and j.is_held and j, 90)
     assert held.restart_count == 1
-    # Process 0 writes the checkpoint after the last collective; srun may then end
-    # process 1 (--kill-on-bad-exit) before it logs its own line, which is harmless.
     text = log_path.read_text()
     for rank in range(2):
         assert re.search(rf"jax.distributed: process {rank} of 2 \(coordinator [^)]*\), 2 local and "
                          rf"4 global devices", text), text[-3000:]
+    assert f"plan {LAB_PLAN} (from the AdminComment)" in text
     saved = {int(s) for s in re.findall(r"SIGUSR1: checkpointed step (\d+); exiting 86", text)}
     assert len(saved) == 1, text[-3000:]  # both stopped after the same step
-    by_step: dict[int, set[float]] = {}
-    for s, v in _STEP.findall(text):
-        by_step.setdefault(int(s), set()).add(float(v))
-    # Each step was logged by both processes with the same loss.
-    assert sorted(by_step) == list(range(1, max(saved) + 1))
-    assert all(len(v) == 1 for v in by_step.values()), by_step
-    assert (tmp_path / "ckpt" / str(job) / f"ckpt-{max(saved):08d}.json").exists()
+    saved_step = saved.pop()
+    before = {}
+    for s, v in _STEP.findall(text):  # each step logged by both processes, with one loss
+        assert before.setdefault(int(s), float(v)) == float(v)
+    assert sorted(before) == list(range(1, saved_step + 1))
 
+    # The daemon's update: one node, a tensor-parallel plan of 2 GPUs.
+    slurm_client.update_pending(job, JobUpdate(num_nodes=1, gpus_per_node=2,
+                                               admin_comment=f"{LAB_NEW_PLAN} why=test"))
+    slurm_client.release(job)
+    done = wait_for("3 steps after the resume", lambda: (t := log_path.read_text()) and
+                    re.search(rf"step {saved_step + 3} loss", t) and t, 180)
+    slurm_client.cancel(job)
+    after_text = done[done.index(f"plan {LAB_NEW_PLAN} (from the AdminComment)"):]
+    assert re.search(rf"resumed from step {saved_step} \(checkpoint .*\); next step {saved_step + 1}; "
+                     rf"now plan {re.escape(LAB_NEW_PLAN)} on 2 devices", after_text), after_text[-3000:]
+    after = {int(s): float(v) for s, v in _STEP.findall(after_text)}
+    assert min(after) == saved_step + 1
 
-def test_multi_process_jobs_refuse_pipeline_plans():
-    """Stages on devices of different processes cannot hand activations over (JAX 0.10
-    refuses cross-host device_put): a multi-process job needs a one-stage plan."""
-    from estimator import jax_models as jm
-    from estimator.errors import SpecError
-    from estimator.models import load_model
-    from job_scripts.run import _parser, _plan_from_text, resolve_config
-    from job_scripts.slurm_env import allocation_from_env
-
-    alloc = allocation_from_env(_task_env(17, 0))
-    args = _parser().parse_args(["--model", str(TINY_GPT), "--global-batch", str(GLOBAL_BATCH),
-                                 "--iterations", "4", "--platform", "cpu", "--checkpoint-dir", "/nonexistent"])
-    cfg = resolve_config(args, {}, alloc)
-    assert cfg.num_devices == 4 and cfg.launch == "single"  # CPU: srun only when asked
-    model = load_model(str(TINY_GPT))
-    arch = jm.arch_from_model(model)
-    pipeline = "cell=a100x4:s2 plan=[dp2tp1|dp2tp1] mb=4 remat=1"
-    with pytest.raises(SpecError, match="2 pipeline stages; a job of 2 processes"):
-        _plan_from_text(pipeline, model, arch, cfg, 2, num_processes=2)
-    assert _plan_from_text(pipeline, model, arch, cfg, 2, num_processes=1)[1].startswith("cell=a100x4:s2")
-    assert _plan_from_text(PLAN, model, arch, cfg, 2, num_processes=2)[1] == PLAN
+    # An uninterrupted run of the new plan, from step 1.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "XLA_", "JAX_"))}
+    ref = subprocess.run(_runner_argv(tmp_path / "reference", cache, 2, saved_step + 3, LAB_NEW_PLAN),
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=WAIT_S)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    reference = _losses(ref.stderr)
+    for step in range(saved_step + 1, saved_step + 4):
+        assert after[step] == pytest.approx(reference[step], rel=LAB_RTOL), (step, after[step], reference[step])
+    for step, loss in before.items():  # and before the rescale, the 2-stage plan trained the same model
+        assert loss == pytest.approx(reference[step], rel=LAB_RTOL), (step, loss, reference[step])

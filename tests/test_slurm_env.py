@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from estimator.errors import SpecError
-from job_scripts.run import plan_tokens
+from job_scripts.runtime import plan_tokens
 from job_scripts.slurm_env import (admin_comment_from_scontrol, allocation_from_env,
                                    expand_nodelist, gpus_per_node_from_env,
                                    scontrol_show_job_argv)
