@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-root", help="checkpoints go to ROOT/<job id> (else $SLURM_EXT_CHECKPOINT_ROOT, "
                                              "$SLURM_SUBMIT_DIR/checkpoints, ./checkpoints)")
     p.add_argument("--checkpoint-dir", help="exact checkpoint directory (overrides the root)")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every K steps (0: never)")
+    p.add_argument("--checkpoint-every", type=int, help="also checkpoint every K steps (else $SLURM_EXT_CHECKPOINT_EVERY; 0: never)")
     p.add_argument("--keep", type=int, default=2, help="checkpoints kept (default 2)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data stream")
     p.add_argument("--devices", type=int, help="device count (default: the GPUs Slurm granted)")
@@ -172,11 +172,17 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser().parse_args(argv)
         job = runtime.start(stop=_STOP.install(), require=("model", "iterations"),
                             relaunch_argv=[sys.executable, "-m", "job_scripts.run", *argv], **_given(args))
-        # Starting over would silently throw away the job's progress: stop and say why.
-        return train(job)
     except (SpecError, CheckpointError) as e:
         print(f"job_scripts.run: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    try:
+        return train(job)
+    except (SpecError, CheckpointError) as e:
+        # Starting over would silently throw away the job's progress: stop and say why.
+        print(f"job_scripts.run: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    finally:
+        job.close()
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ CHECKPOINT_ROOT_ENV = "SLURM_EXT_CHECKPOINT_ROOT"
 COMPILE_CACHE_ENV = "SLURM_EXT_COMPILE_CACHE"
 LAUNCH_ENV = "SLURM_EXT_LAUNCH"
 SCRIPT_ENV = "SLURM_EXT_ELASTIC_SCRIPT"
+CHECKPOINT_EVERY_ENV = "SLURM_EXT_CHECKPOINT_EVERY"
 TUNE_ENV = "SLURM_EXT_TUNE"
 TUNE_BUDGET_ENV = "SLURM_EXT_TUNE_BUDGET_S"
 TUNE_FRAC_ENV = "SLURM_EXT_TUNE_BUDGET_FRAC"
@@ -140,7 +141,10 @@ def resolve_config(given: dict, env: dict[str, str], alloc: SlurmAllocation,
     # or another job's) skips most of XLA's compile.
     cache = given.get("compile_cache")
     cache = env.get(COMPILE_CACHE_ENV, default_cache) if cache is None else cache
-    checkpoint_every, keep = given.get("checkpoint_every") or 0, given.get("keep") or 2
+    checkpoint_every = given.get("checkpoint_every")
+    if checkpoint_every is None:
+        checkpoint_every = int(_float_env(env, CHECKPOINT_EVERY_ENV, 0))
+    keep = given.get("keep") or 2
     if checkpoint_every < 0 or keep < 1:
         raise SpecError("checkpoint_every", checkpoint_every, "give K ≥ 0 and --keep ≥ 1")
     launch = pick("launch") or env.get(LAUNCH_ENV) or "auto"

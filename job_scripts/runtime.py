@@ -246,7 +246,7 @@ class Job:
         self.plan_text, self.plan_source, self.identity = plan_text, plan_source, identity
         self.process_index, self.process_count = jax.process_index(), jax.process_count()
         self.writer = self.process_index == 0
-        self.checkpoints = Checkpoints(cfg.checkpoint_dir, cfg.keep)
+        self._checkpoints: Checkpoints | None = None
         self.next_step = 1
         self._saved_step: int | None = None
         self._meter = _Meter(cfg.warmup_steps)
@@ -340,6 +340,19 @@ class Job:
 
     # ------------------------------------------------------------------ checkpoints
 
+    @property
+    def checkpoints(self) -> Checkpoints:
+        """The job's checkpoints (Orbax's manager starts on first use)."""
+        if self._checkpoints is None:
+            self._checkpoints = Checkpoints(self.config.checkpoint_dir, self.config.keep)
+        return self._checkpoints
+
+    def close(self) -> None:
+        """Wait for the checkpoint writes under way and stop the manager (idempotent)."""
+        if self._checkpoints is not None:
+            self._checkpoints.close()
+            self._checkpoints = None
+
     def sample_of(self, step: int) -> int:
         """Index of the first sample of ``step`` (steps count from 1): the data position."""
         return (step - 1) * self.global_batch
@@ -376,8 +389,8 @@ class Job:
         self.next_step = saved.step + 1
         self._saved_step = saved.step
         log.info("resumed from step %d (checkpoint %s, plan %s); next step %d; now plan %s on %d devices, "
-                 "global batch %d", saved.step, saved.path, saved.meta.get("plan"), saved.step + 1,
-                 plan_text, len(self.devices), self.global_batch)
+                 "global batch %d, next sample %d", saved.step, saved.path, saved.meta.get("plan"),
+                 saved.step + 1, plan_text, len(self.devices), self.global_batch, self.next_sample)
 
     def resume(self, target):
         """(state, next step): the newest checkpoint read into ``target``'s shardings
@@ -455,7 +468,7 @@ class Job:
         signalled = self.stop_requested()
         if self._saved_step != step:
             self.save(step, arrays, meta)
-        self.checkpoints.close()
+        self.close()
         self._write_measured()
         if self.process_count > 1:
             import jax
@@ -470,5 +483,5 @@ class Job:
         return EXIT_DONE
 
 
-__all__ = ["CheckpointError", "EXIT_BAD_INPUT", "EXIT_DONE", "EXIT_RESCALE", "EXIT_TERMINATED",
+__all__ = ["CheckpointError", "SpecError", "EXIT_BAD_INPUT", "EXIT_DONE", "EXIT_RESCALE", "EXIT_TERMINATED",
            "Job", "StopSignal", "plan_tokens", "start"]

@@ -55,6 +55,8 @@ TRAIN_MODEL = RUNNER_MODELS / "tiny-gpt.yaml"
 ARRIVAL_MODEL = RUNNER_MODELS / "arrival-6b.yaml"
 TRAIN_GLOBAL_BATCH = 16
 TRAIN_GPUS = 8  # asked for; its Cells have 4, 8 or 16 GPUs, and 4 a100 are free
+EXAMPLE_DIR = REPO / "examples" / "charlm"
+EXAMPLE_GLOBAL_BATCH = 16
 # Plain jobs of other users: (partition, gres per node, nodes). All of the lab but one
 # a100 node; the a10 one ends when the arrival comes.
 BLOCKERS = (("h100", "gpu:8", 1), ("v100", "gpu:4", 2), ("a10", "gpu:2", 2), ("a100", "gpu:4", 1))
@@ -153,15 +155,45 @@ def log_highlights(log_text: str, steps_around: int = 2) -> list[str]:
     return [lines[i] for i in sorted(keep)]
 
 
+@dataclass(frozen=True)
+class TrainingJob:
+    """The elastic job the scenario rescales: its batch script, name and global batch."""
+
+    name: str
+    script: str
+    global_batch: int
+    description: str
+
+
+def _with_elastic_line(path: Path, line: str) -> str:
+    """The batch script at ``path`` with its #ELASTIC lines replaced by ``line``."""
+    text = re.sub(r"(?m)^#ELASTIC .*\n", "", path.read_text())
+    marker = "#SBATCH --gres=gpu:4\n"
+    if marker not in text:
+        raise ScenarioError(f"{path} has no {marker.strip()!r} line to put #ELASTIC after")
+    return text.replace(marker, marker + line + "\n")
+
+
 def training_script(model: Path = TRAIN_MODEL, global_batch: int = TRAIN_GLOBAL_BATCH,
                     gpus: int = TRAIN_GPUS, iterations: int = 100_000) -> str:
     """``job_scripts/elastic.sbatch`` with its #ELASTIC lines set to train ``model``."""
-    text = re.sub(r"(?m)^#ELASTIC .*\n", "", ELASTIC_SBATCH.read_text())
-    line = f"#ELASTIC model={model} global_batch={global_batch} iterations={iterations} gpus={gpus}\n"
-    marker = "#SBATCH --gres=gpu:4\n"
-    if marker not in text:
-        raise ScenarioError(f"{ELASTIC_SBATCH} has no {marker.strip()!r} line to put #ELASTIC after")
-    return text.replace(marker, marker + line)
+    return _with_elastic_line(ELASTIC_SBATCH, f"#ELASTIC model={model} global_batch={global_batch} "
+                                              f"iterations={iterations} gpus={gpus}")
+
+
+def builtin_training_job() -> TrainingJob:
+    """The built-in runner (job_scripts/elastic.sbatch) training the tiny GPT."""
+    return TrainingJob("train-tiny-gpt", training_script(), TRAIN_GLOBAL_BATCH,
+                       f"job_scripts/elastic.sbatch training {TRAIN_MODEL.name}")
+
+
+def example_training_job(global_batch: int = EXAMPLE_GLOBAL_BATCH) -> TrainingJob:
+    """A researcher's own script (examples/charlm: flax and optax on a text file), through
+    the runtime API; it runs single-stage plans (``max_stages=1``)."""
+    line = (f"#ELASTIC model={EXAMPLE_DIR / 'model.yaml'} global_batch={global_batch} "
+            f"iterations=100000 gpus={TRAIN_GPUS} max_stages=1")
+    return TrainingJob("charlm", _with_elastic_line(EXAMPLE_DIR / "train.sbatch", line), global_batch,
+                       "examples/charlm/train.sbatch (a byte-level transformer in flax, optax, its own text)")
 
 
 def squeue_text(env: dict[str, str]) -> str:
@@ -186,6 +218,7 @@ def _read(path: Path) -> str:
 
 
 def run_rescale_scenario(client: SlurmClient, env: dict[str, str], workdir: Path, *,
+                         training: TrainingJob | None = None,
                          policy: str = DEFAULT_POLICY, policy_options: dict | None = None,
                          compile_cache: Path | None = None,
                          steps_after_resume: int = 2,
@@ -196,6 +229,7 @@ def run_rescale_scenario(client: SlurmClient, env: dict[str, str], workdir: Path
         client: a Slurm client on the lab.
         env: variables for Slurm commands and the daemon (``LabCluster.env()``).
         workdir: where the job logs, checkpoints and the daemon's state go.
+        training: the elastic job to rescale (default: the built-in runner's tiny GPT).
         policy: the daemon's policy (default: the daemon's default, cells-ilp). It must
             move a running job to another Cell for an arrival, as cells-ilp and Crius do.
         policy_options: the policy's options; default ``SCENARIO_POLICY_OPTIONS[policy]``.
@@ -208,6 +242,7 @@ def run_rescale_scenario(client: SlurmClient, env: dict[str, str], workdir: Path
     """
     workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / "train.out"
+    training = training or builtin_training_job()
 
     def log_tail() -> str:
         text = _read(log_path)
@@ -227,10 +262,10 @@ def run_rescale_scenario(client: SlurmClient, env: dict[str, str], workdir: Path
     export = (f"--export=ALL,SLURM_EXT_PYTHON={sys.executable},SLURM_EXT_COMPILE_CACHE={cache},"
               f"SLURM_EXT_CHECKPOINT_ROOT={workdir / 'ckpt'},SLURM_EXT_CHECKPOINT_EVERY=1000")
     train = client.submit(SubmitRequest(
-        script=training_script(), name="train-tiny-gpt", comment="elastic", output=str(log_path),
+        script=training.script, name=training.name, comment="elastic", output=str(log_path),
         workdir=str(REPO), extra_args=(export,)))
-    say(f"Submitted elastic job {train}: job_scripts/elastic.sbatch training {TRAIN_MODEL.name} "
-        f"(global batch {TRAIN_GLOBAL_BATCH}, asks for {TRAIN_GPUS} GPUs).")
+    say(f"Submitted elastic job {train}: {training.description} "
+        f"(global batch {training.global_batch}, asks for {TRAIN_GPUS} GPUs).")
 
     options = SCENARIO_POLICY_OPTIONS.get(policy, {}) if policy_options is None else policy_options
     config = resolve({"state_db": str(workdir / "state.db"), "rescale_timeout_s": 90.0,
@@ -273,9 +308,9 @@ def run_rescale_scenario(client: SlurmClient, env: dict[str, str], workdir: Path
     if record.next_step != record.saved_step + 1 or record.resumed_step != record.saved_step:
         raise ScenarioError(f"job {train} checkpointed step {record.saved_step} but resumed from "
                             f"step {record.resumed_step} at step {record.next_step}")
-    if record.global_batch != TRAIN_GLOBAL_BATCH:
+    if record.global_batch != training.global_batch:
         raise ScenarioError(f"job {train} resumed with global batch {record.global_batch}, "
-                            f"not {TRAIN_GLOBAL_BATCH}")
+                            f"not {training.global_batch}")
     return RescaleOutcome(train_job_id=train, arrival_job_id=arrival, before=before, after=after,
                           actions=report.actions, squeue_before=squeue_before,
                           squeue_after=squeue_text(env), log_path=log_path,

@@ -1,0 +1,84 @@
+"""A researcher's own model (examples/charlm) through the runtime API.
+
+Off the lab: the script resumes a checkpoint written under one plan in another plan at the
+exact sample, so its losses equal an uninterrupted run's.
+
+On the lab (the demo's scenario with the example as the training job): submitted with
+``--comment=elastic``, planned by the daemon onto 4 a100, moved by the daemon to 4 a10
+when a larger job arrives (SIGUSR1 → checkpoint → exit 86 → requeued held → new
+partition, shape and plan → released), and resumed at the next step and the exact sample:
+every step's loss, before and after, equals an uninterrupted run's.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = ROOT / "examples" / "charlm" / "train.py"
+RTOL = 1e-3  # float32 sums in another order under another plan (measured < 1e-6)
+_STEP = re.compile(r"step (\d+) loss ([0-9.]+)")
+
+
+def _run(ckpt: Path, iterations: int, plan: str | None = None) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "XLA_", "JAX_"))}
+    if plan:
+        env["SLURM_EXT_PLAN"] = plan
+    proc = subprocess.run([sys.executable, str(TRAIN), "--iterations", str(iterations), "--global-batch", "16",
+                           "--devices", "4", "--checkpoint-dir", str(ckpt)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stderr
+
+
+def _losses(text: str) -> dict[int, float]:
+    return {int(s): float(v) for s, v in _STEP.findall(text)}
+
+
+def test_own_model_resumes_in_another_plan_at_the_exact_sample(tmp_path):
+    first = _run(tmp_path / "ckpt", 6, "cell=a100x4:s1 plan=[dp4tp1] mb=1 remat=1")
+    second = _run(tmp_path / "ckpt", 10, "cell=a100x4:s1 plan=[dp2tp2] mb=2 remat=1")
+    assert "resumed from step 6 (checkpoint" in second and "next sample 96" in second
+    reference = _losses(_run(tmp_path / "reference", 10))
+    got = {**_losses(first), **_losses(second)}
+    assert sorted(got) == list(range(1, 11))
+    for step, loss in got.items():
+        assert loss == pytest.approx(reference[step], rel=RTOL), (step, loss, reference[step])
+    assert reference[10] < reference[1]  # it learns its text
+
+
+def test_a_pipeline_plan_is_refused_in_one_line(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "XLA_", "JAX_"))}
+    env["SLURM_EXT_PLAN"] = "cell=a100x4:s2 plan=[dp2tp1|dp2tp1] mb=2 remat=1"
+    proc = subprocess.run([sys.executable, str(TRAIN), "--iterations", "2", "--global-batch", "16",
+                           "--devices", "4", "--checkpoint-dir", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("train.py: error: plan=")
+    assert "2 pipeline stages" in proc.stderr and "max_stages=1" in proc.stderr
+
+
+@pytest.mark.slurm
+def test_daemon_rescales_the_own_model_which_resumes_at_the_exact_sample(slurm_lab, slurm_client, tmp_path,
+                                                                       tmp_path_factory):
+    from slurm_ext.demo import example_training_job, run_rescale_scenario
+
+    cache = tmp_path_factory.getbasetemp() / "runner-jax-cache"
+    outcome = run_rescale_scenario(slurm_client, slurm_lab.env(), tmp_path, training=example_training_job(),
+                                   compile_cache=cache)
+    first, after, resume = outcome.before, outcome.after, outcome.resume
+    assert (first.granted_gpu_type, first.granted_gpus) == ("a100", 4)
+    assert after.restart_count == 1 and after.granted_gpu_type != "a100"
+    assert resume.next_step == resume.saved_step + 1 and resume.global_batch == 16
+    text = outcome.log_text
+    assert re.search(rf"next sample {resume.saved_step * 16}\b", text), text[-3000:]
+    assert "(from the AdminComment)" in text and ":s1 " in resume.plan  # single-stage plans only
+    losses = resume.losses
+    assert sorted(losses) == list(range(1, max(losses) + 1))
+    reference = _losses(_run(tmp_path / "reference", max(losses)))
+    for step, loss in losses.items():
+        assert loss == pytest.approx(reference[step], rel=RTOL), (step, loss, reference[step])
