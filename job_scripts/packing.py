@@ -94,3 +94,10 @@ def pack_host(layout: FlatLayout, arrays: Sequence[np.ndarray], lengths: dict[st
     for slot, a in zip(layout.slots, arrays, strict=True):
         out[slot.dtype][slot.offset:slot.offset + slot.size] = np.asarray(a, slot.dtype).ravel()
     return out
+
+
+def read_row(layout: FlatLayout, rows: dict, row) -> list:
+    """The arrays of the layout read straight from row ``row`` of ``rows`` (per dtype
+    ``[n, L]``), without copying the row first."""
+    return [jax.lax.dynamic_slice(rows[s.dtype], (row, s.offset), (1, s.size)).reshape(s.shape)
+            for s in layout.slots]

@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 from estimator import jax_models as jm
 from job_scripts.collectives import StageCollectives, to_receiver, to_sender
-from job_scripts.packing import FlatLayout, flat_layout, joint_lengths, pack, unpack
+from job_scripts.packing import FlatLayout, flat_layout, joint_lengths, pack, read_row, unpack
 from job_scripts.plan import ParallelPlan, check_plan, log2
 from job_scripts.stage_arrays import KINDS, StageArrays
 
@@ -117,7 +117,8 @@ class Pipeline:
         # Activations sent over each boundary, in the sender's batch slicing.
         self.act_layouts = [flat_layout([self._output_struct(st)]) for st in self.stages[:-1]]
         self.act_lengths = joint_lengths(self.act_layouts) or {"float32": 1}
-        self.residuals = self._probe_residuals()
+        # What each stage keeps from its forward pass for its backward (pipelines only).
+        self.residuals = self._probe_residuals() if len(self.stages) > 1 else []
         self.res_lengths = joint_lengths([r.layout for r in self.residuals]) or {"float32": 1}
         self._step = self._build_step()
         self._init = self._build_init()
@@ -254,10 +255,10 @@ class Pipeline:
             res = self.residuals[st.index]
             last = st.index == S - 1
 
-            def run(params_b, ct_b, res_b):
+            def run(params_b, ct_b, stash, m):
                 params = arrays["params"][st.index].unpack(params_b)
                 weights = jax.tree.leaves(params)
-                rest = iter(unpack(res.layout, res_b))
+                rest = iter(read_row(res.layout, stash, m))
                 leaves = [weights[k] if k is not None else next(rest) for k in res.kinds]
                 vjp = jax.tree.unflatten(res.treedef, leaves)
                 if last:
@@ -276,7 +277,7 @@ class Pipeline:
                 return pack(self.act_layouts[prev.index], [g_x], self.act_lengths), g_params
             return run
 
-        def backward_idle(params_b, ct_b, res_b):
+        def backward_idle(params_b, ct_b, stash, m):
             return act_zero, {dt: jnp.zeros_like(b) for dt, b in params_b.items()}
 
         def update_branch(st: PlacedStage):
@@ -303,8 +304,19 @@ class Pipeline:
                 return lax.pmean(loss, st.coll.dp_axes) if st.coll.dp_axes else loss
             return run
 
-        fwd = [forward_branch(st) for st in self.stages] + [forward_idle]
-        bwd = [backward_branch(st) for st in self.stages] + [backward_idle]
+        def accumulate(params_b, state_b, xs, ys, m):
+            """Forward and backward of micro-batch m on the only stage: (grads, state, loss)."""
+            st = self.stages[0]
+            params = self.arrays["params"][0].unpack(params_b)
+            model_state = self.arrays["state"][0].unpack(state_b)
+            loss, vjp, new_state = self._stage_vjp(st, params, model_state, xs[m], ys[m])
+            (g_params,) = vjp(jnp.ones((), jnp.float32) / (M * st.dp))
+            return (self.arrays["params"][0].pack(g_params, self.lengths["params"]),
+                    self.arrays["state"][0].pack(new_state, self.lengths["state"]), loss.astype(jnp.float32) / M)
+
+        pipelined = S > 1
+        fwd = [forward_branch(st) for st in self.stages] + [forward_idle] if pipelined else []
+        bwd = [backward_branch(st) for st in self.stages] + [backward_idle] if pipelined else []
         upd = [update_branch(st) for st in self.stages]
         losses = [loss_branch(st) for st in self.stages]
 
@@ -312,19 +324,33 @@ class Pipeline:
             params, opt, state = local(params), local(opt), local(state)
             s = lax.axis_index(PP)
 
+            if S == 1:
+                # No pipeline: each micro-batch goes forward and straight back, and nothing
+                # is kept between them (gradient accumulation).
+                def micro_batch(carry, m):
+                    grads, state, loss = carry
+                    g, state, l_m = accumulate(params, state, xs, ys, m)
+                    return ({dt: grads[dt] + g[dt] for dt in grads}, state, loss + l_m), None
+
+                g0 = {dt: jnp.zeros_like(b) for dt, b in params.items()}
+                (grads, state, loss), _ = lax.scan(
+                    micro_batch, (g0, state, jnp.zeros((), jnp.float32)), jnp.arange(M))
+                return finish(params, opt, state, grads, loss)
+
             def forward_tick(carry, t):
                 act, res, state, loss = carry
                 m = t - s
                 busy = (m >= 0) & (m < M)
                 out, packed, state, l_m = lax.switch(jnp.where(busy, s, S), fwd, params, state, act, xs, ys, t)
-                mc = jnp.clip(m, 0, M - 1)
-                res = {dt: lax.dynamic_update_index_in_dim(
-                    r, jnp.where(busy, packed[dt], r[mc]), mc, 0) for dt, r in res.items()}
-                if S > 1:
-                    out = {dt: lax.ppermute(v, PP, forward_pairs) for dt, v in out.items()}
+                # An idle tick writes its (zero) residuals to the spare last row.
+                row = jnp.where(busy, m, M)
+                res = {dt: lax.dynamic_update_index_in_dim(r, packed[dt], row, 0) for dt, r in res.items()}
+                out = {dt: lax.ppermute(v, PP, forward_pairs) for dt, v in out.items()}
                 return (out, res, state, loss + l_m), None
 
-            res0 = {dt: jnp.zeros((M, n), dt) for dt, n in self.res_lengths.items()}
+            # Every micro-batch's residuals, one row each (and a spare): GPipe keeps them all
+            # until the backward passes start.
+            res0 = {dt: jnp.zeros((M + 1, n), dt) for dt, n in self.res_lengths.items()}
             (_, res, state, loss), _ = lax.scan(
                 forward_tick, (act_zero, res0, state, jnp.zeros((), jnp.float32)), jnp.arange(M + S - 1))
 
@@ -332,16 +358,16 @@ class Pipeline:
                 ct, grads = carry
                 m = t - (S - 1 - s)
                 busy = (m >= 0) & (m < M)
-                mc = jnp.clip(m, 0, M - 1)
-                res_m = {dt: r[mc] for dt, r in res.items()}
-                ct_out, g = lax.switch(jnp.where(busy, s, S), bwd, params, ct, res_m)
+                ct_out, g = lax.switch(jnp.where(busy, s, S), bwd, params, ct, res, jnp.clip(m, 0, M - 1))
                 grads = {dt: grads[dt] + g[dt] for dt in grads}
-                if S > 1:
-                    ct_out = {dt: lax.ppermute(v, PP, backward_pairs) for dt, v in ct_out.items()}
+                ct_out = {dt: lax.ppermute(v, PP, backward_pairs) for dt, v in ct_out.items()}
                 return (ct_out, grads), None
 
             g0 = {dt: jnp.zeros_like(b) for dt, b in params.items()}
             (_, grads), _ = lax.scan(backward_tick, (act_zero, g0), jnp.arange(M + S - 1))
+            return finish(params, opt, state, grads, loss)
+
+        def finish(params, opt, state, grads, loss):
             params, opt = self._switch(upd, params, opt, grads)
             loss = lax.psum(self._switch(losses, loss), PP) if S > 1 else self._switch(losses, loss)
             expand = lambda bufs: {dt: b[None, None] for dt, b in bufs.items()}  # noqa: E731

@@ -116,17 +116,17 @@ class StageArrays:
         """Per layer, the tree of this device's local shards."""
         return self._trees(unpack(self.layout, buffers))
 
+    def flat(self, trees: Sequence) -> list:
+        """The leaves of per-layer trees, in the layout's order."""
+        return [leaf for tree, treedef in zip(trees, self.treedefs) for leaf in treedef.flatten_up_to(tree)]
+
     def pack(self, trees: Sequence, lengths: dict[str, int]) -> dict:
-        flat = [leaf for tree, treedef in zip(trees, self.treedefs)
-                for leaf in treedef.flatten_up_to(tree)]
-        return pack(self.layout, flat, lengths)
+        return pack(self.layout, self.flat(trees), lengths)
 
     def local_of_global(self, trees: Sequence, rank) -> list:
         """Whole per-layer trees cut to tensor-parallel ``rank``'s shards."""
-        flat = [leaf for tree, treedef in zip(trees, self.treedefs)
-                for leaf in treedef.flatten_up_to(tree)]
         return self._trees([local_slice(a, leaf.dim, self.tp, rank)
-                            for a, leaf in zip(flat, self.leaves)])
+                            for a, leaf in zip(self.flat(trees), self.leaves)])
 
     def to_json(self) -> list[dict]:
         return [{"name": leaf.name, "shape": list(leaf.shape), "dtype": leaf.dtype, "dim": leaf.dim,

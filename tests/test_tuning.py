@@ -1,0 +1,83 @@
+"""Tuning inside the allocation: measured candidates, the budget, the cache, a stop request.
+
+Runs in a spawn child with 4 CPU devices; the tiny GPT's plans compile in seconds. The
+decision is checked against the measurements themselves (the fastest measured plan is
+chosen), never against the analytic model.
+"""
+
+import multiprocessing
+from pathlib import Path
+
+import pytest
+
+from estimator.compiled import _worker_init, child_xla_flags
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY_GPT = str(ROOT / "tests" / "fixtures" / "runner" / "tiny-gpt.yaml")
+START = "cell=a100x4:s2 plan=[dp2tp1|dp2tp1] mb=2 remat=1"
+
+
+def _tune(cache_dir: str) -> dict:
+    import jax
+
+    from estimator import jax_models as jm
+    from estimator.models import load_model
+    from estimator.plan_string import parse_plan
+    from job_scripts.run_config import TuneConfig
+    from job_scripts.tuning import TuneRequest, candidate_plans, tune_plan
+
+    spec = load_model(TINY_GPT)
+    arch = jm.arch_from_model(spec)
+
+    def request(remaining: int, batch: int = 16, start: str | None = START):
+        return TuneRequest(TINY_GPT, spec, arch, batch, "a100", 4, jax.devices()[:4], 2, start, remaining, "cpu")
+
+    out = {}
+    req = request(10**6)
+    candidates = candidate_plans(req)
+    out["candidates"] = candidates
+    out["cells"] = sorted({parse_plan(c).cell_label for c in candidates})
+    roomy = TuneConfig(True, budget_s=600, budget_frac=1.0, cache_dir=Path(cache_dir))
+    first = tune_plan(req, roomy, agree=lambda x: x, stop=lambda: False, writer=True)
+    out["first"] = {"plan": first.plan, "source": first.source, "seconds": first.iteration_time_s,
+                    "measured": [(m.plan, m.iteration_time_s) for m in first.measured]}
+    again = tune_plan(req, roomy, agree=lambda x: x, stop=lambda: False, writer=True)
+    out["again"] = {"plan": again.plan, "source": again.source, "measured": len(again.measured)}
+    other_batch = tune_plan(request(10**6, batch=32), TuneConfig(True, 600, 1.0, Path(cache_dir)),
+                            agree=lambda x: x, stop=lambda: True, writer=False)
+    out["other_batch"] = {"source": other_batch.source, "measured": len(other_batch.measured)}
+    # Two steps left: 5 % of their run time is far less than measuring one more candidate.
+    short = tune_plan(request(2), TuneConfig(True, 600, 0.05, None), agree=lambda x: x,
+                      stop=lambda: False, writer=False)
+    out["short"] = {"plan": short.plan, "source": short.source, "measured": len(short.measured)}
+    return out
+
+
+def test_tuning_measures_from_the_daemons_plan_keeps_the_fastest_and_caches_it(tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1, initializer=_worker_init, initargs=(child_xla_flags(4),)) as pool:
+        out = pool.apply(_tune, (str(tmp_path),))
+    candidates = out["candidates"]
+    assert candidates[0] == START and len(candidates) == len(set(candidates)) >= 3
+    assert out["cells"] == ["a100x4:s2"]  # the Cell stays; only the plan inside it is tuned
+    first = out["first"]
+    measured = dict(first["measured"])
+    assert [p for p, _ in first["measured"]] == candidates  # every candidate, in order
+    assert first["plan"] == min(measured, key=measured.get) and first["seconds"] == measured[first["plan"]]
+    assert first["source"] == "tuned"
+    # The same model, batch and Cell again: the cached plan, nothing measured.
+    assert out["again"] == {"plan": first["plan"], "source": "cached", "measured": 0}
+    assert len(list(tmp_path.glob("*.json"))) == 1
+    # Another global batch is another key; a stop request ends tuning after the first.
+    assert out["other_batch"] == {"source": "AdminComment", "measured": 1}
+    assert out["short"] == {"plan": START, "source": "AdminComment", "measured": 1}
+
+
+def test_a_tuning_budget_below_zero_is_refused():
+    from estimator.errors import SpecError
+    from job_scripts.run_config import resolve_config
+    from job_scripts.slurm_env import SlurmAllocation
+
+    alloc = SlurmAllocation(None, (), 0, None, None, 0)
+    with pytest.raises(SpecError, match="SLURM_EXT_TUNE_BUDGET_FRAC"):
+        resolve_config({"global_batch": 8}, {"SLURM_EXT_TUNE_BUDGET_FRAC": "-1"}, alloc, {}, False)
