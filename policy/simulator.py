@@ -59,17 +59,24 @@ class RestartCosts:
         tuning_full_s: a plan search over the whole Cell (Alpa-style), paid whenever a job
             starts on a Cell it has not run on before.
         tuning_pruned_s: the same search pruned by the Cell's estimate (Crius keeps half of
-            each stage's dp↔tp range).
+            each stage's dp↔tp range), measured inside the allocation.
+        tuning_budget_frac: the runtime stops measuring candidates once tuning has taken
+            this fraction of the job's remaining run time on the new Cell
+            (``SLURM_EXT_TUNE_BUDGET_FRAC``, default 0.05): a pruned search costs at most that.
     """
 
     launch_s: float = 30.0
     checkpoint_resume_s: float = 60.0
     tuning_full_s: float = 600.0
     tuning_pruned_s: float = 150.0
+    tuning_budget_frac: float = 0.05
 
-    def tuning_s(self, mode: str) -> float:
-        """Tuning time for a policy's ``plan_tuning`` mode (full, pruned, none)."""
-        return {"full": self.tuning_full_s, "pruned": self.tuning_pruned_s, "none": 0.0}.get(mode, self.tuning_full_s)
+    def tuning_s(self, mode: str, remaining_run_s: float = float("inf")) -> float:
+        """Tuning time for a policy's ``plan_tuning`` mode (full, pruned, none) on a Cell
+        where the job has ``remaining_run_s`` of work left."""
+        if mode == "pruned":
+            return min(self.tuning_pruned_s, self.tuning_budget_frac * remaining_run_s)
+        return {"full": self.tuning_full_s, "none": 0.0}.get(mode, self.tuning_full_s)
 
 
 @dataclass(frozen=True)
@@ -341,7 +348,8 @@ def simulate(policy: Policy, trace_jobs: tuple[TraceJob, ...], cluster: ClusterS
     name = getattr(policy, "name", type(policy).__name__)
     estimates = estimates or EstimateCache(cluster, table, config.oracle)
     costs = config.costs
-    tuning_s = costs.tuning_s(getattr(policy, "plan_tuning", "full"))
+    tuning_mode = getattr(policy, "plan_tuning", "full")
+    tuning_s = costs.tuning_s(tuning_mode)  # the most a restart's tuning costs, for the snapshot
     nodes = tuple(NodeView(n, g.gpu_type, g.gpus_per_node) for g in cluster.node_groups for n in g.node_names())
     tally = FreeTally(nodes)
     clock = SimulatedClock(trace_jobs[0].submit_time_s if trace_jobs else 0.0)
@@ -453,7 +461,7 @@ def simulate(policy: Policy, trace_jobs: tuple[TraceJob, ...], cluster: ClusterS
                 overhead_s = costs.checkpoint_resume_s
                 job.restarts += 1
             if after.cell not in job.tuned:
-                overhead_s += tuning_s
+                overhead_s += costs.tuning_s(tuning_mode, (job.trace.iterations - job.done) * rate_s)
                 job.tuned.add(after.cell)
             job.assignment, job.rate_s = after, rate_s
             tally.take(after.placement)

@@ -75,3 +75,17 @@ def wait_for(what: str, probe: Callable[[], object], timeout_s: float = 20.0):
     if value:
         return value
     pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}; last: {value!r}")
+
+
+def in_jax_child(num_devices: int, fn: Callable, *args):
+    """``fn(*args)`` in a spawned process whose JAX has ``num_devices`` CPU devices (JAX in
+    this process may already have started with one). ``fn`` must be importable (a module's
+    top-level function) and return plain data. Tests import it: ``from conftest import
+    in_jax_child``."""
+    import multiprocessing
+
+    from estimator.compiled import _worker_init, child_xla_flags
+
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1, initializer=_worker_init, initargs=(child_xla_flags(num_devices),)) as pool:
+        return pool.apply(fn, args)

@@ -5,7 +5,6 @@ its backends, and pytest may already have started JAX in this process.
 """
 
 import json
-import multiprocessing
 import os
 import socket
 import subprocess
@@ -15,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from estimator.compiled import _worker_init, child_xla_flags
+from conftest import in_jax_child
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "checkpoint_worker.py"
@@ -131,9 +130,7 @@ def _save_and_reshard(directory: str) -> dict:
 
 
 def test_any_plan_reads_any_plans_checkpoint_and_trains_on(tmp_path):
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(1, initializer=_worker_init, initargs=(child_xla_flags(8),)) as pool:
-        out = pool.apply(_save_and_reshard, (str(tmp_path),))
+    out = in_jax_child(8, _save_and_reshard, str(tmp_path))
     assert all(out["exact"].values()), out["exact"]
     for loss in out["third"].values():
         assert loss == pytest.approx(out["uninterrupted"], rel=1e-5)
@@ -176,9 +173,7 @@ def _orbax_basics(directory: str) -> dict:
 
 
 def test_checkpoints_keep_the_newest_reshard_logical_arrays_and_fall_back(tmp_path):
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(1, initializer=_worker_init, initargs=(child_xla_flags(4),)) as pool:
-        out = pool.apply(_orbax_basics, (str(tmp_path),))
+    out = in_jax_child(4, _orbax_basics, str(tmp_path))
     assert out["steps"] == [3, 2] and out["latest"] == 3
     assert out["meta"]["note"] == 3 and out["meta"]["step"] == 3 and out["meta"]["format"] == 2
     assert out["restored_ok"] and "tp" in out["restored_spec"]

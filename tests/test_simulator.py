@@ -114,14 +114,20 @@ class _Resizer:
         return Decision(tuple(out))
 
 
-def test_a_resize_costs_checkpoint_resume_plus_tuning_and_keeps_progress():
-    result = _run(_Resizer(), [_job("a", 0.0, 4, iterations=1000)])
+def _pruned_tuning_s(remaining_run_s: float) -> float:
+    """The runtime measures candidates for at most 5 % of the remaining run (and the search)."""
+    return min(COSTS.tuning_pruned_s, COSTS.tuning_budget_frac * remaining_run_s)
+
+
+@pytest.mark.parametrize("iterations", [2000, 600])  # the cap binds; 5 % of the run binds
+def test_a_resize_costs_checkpoint_resume_plus_tuning_and_keeps_progress(iterations):
+    result = _run(_Resizer(), [_job("a", 0.0, 4, iterations=iterations)])
     (o,) = result.jobs
-    start_overhead_s = COSTS.launch_s + COSTS.tuning_pruned_s
+    start_overhead_s = COSTS.launch_s + _pruned_tuning_s(iterations * T4)
     done_at_round = (CONFIG.round_s - start_overhead_s) / T4
-    resume_s = CONFIG.round_s + COSTS.checkpoint_resume_s + COSTS.tuning_pruned_s
+    resume_s = CONFIG.round_s + COSTS.checkpoint_resume_s + _pruned_tuning_s((iterations - done_at_round) * T2)
     assert o.restarts == 1
-    assert o.finish_s == pytest.approx(resume_s + (1000 - done_at_round) * T2)
+    assert o.finish_s == pytest.approx(resume_s + (iterations - done_at_round) * T2)
 
 
 class _Spreader:

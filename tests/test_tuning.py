@@ -5,12 +5,11 @@ decision is checked against the measurements themselves (the fastest measured pl
 chosen), never against the analytic model.
 """
 
-import multiprocessing
 from pathlib import Path
 
 import pytest
 
-from estimator.compiled import _worker_init, child_xla_flags
+from conftest import in_jax_child
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_GPT = str(ROOT / "tests" / "fixtures" / "runner" / "tiny-gpt.yaml")
@@ -54,9 +53,7 @@ def _tune(cache_dir: str) -> dict:
 
 
 def test_tuning_measures_from_the_daemons_plan_keeps_the_fastest_and_caches_it(tmp_path):
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(1, initializer=_worker_init, initargs=(child_xla_flags(4),)) as pool:
-        out = pool.apply(_tune, (str(tmp_path),))
+    out = in_jax_child(4, _tune, str(tmp_path))
     candidates = out["candidates"]
     assert candidates[0] == START and len(candidates) == len(set(candidates)) >= 3
     assert out["cells"] == ["a100x4:s2"]  # the Cell stays; only the plan inside it is tuned
