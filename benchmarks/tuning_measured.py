@@ -6,8 +6,10 @@ For each Cell (CPU fake devices; the model only orders candidates, it never deci
 - **exhaustive**: every plan the tuner's whole space holds (``--prune none``: stage
   bounds near the balanced ones × every dp × tp per stage × micro-batch counts × remat)
   that the analytic model finds feasible and the runtime can run, each measured;
-- **pruned**: the plans the runner measures (``job_scripts.tuning.candidate_plans``: the
-  daemon's plan first, then Crius's Cell-guided pruned search, best estimated first);
+- **pruned**: the plans the runner measures (``job_scripts.tuning.search_plans``: the
+  daemon's plan, then the structures Crius's Cell-guided pruning keeps at its micro-batch
+  count, then a measured walk over micro-batch counts and remat), taken from the same
+  measurements (a plan outside the exhaustive set is measured when the search asks);
 - **daemon**: the Cell estimate's plan as the daemon writes it (remat on).
 
 Each plan: one warm-up step (compiles), then the median of ``--steps`` timed steps. At the
@@ -120,7 +122,7 @@ def daemon_plan(model: str, global_batch: int, cell) -> str:
 
 def run(steps: int, confirm: int) -> dict:
     from estimator.cells import Cell
-    from job_scripts.tuning import TuneRequest, candidate_plans
+    from job_scripts.tuning import Measured, TuneRequest, search_plans
 
     rows = []
     for model, batch, n, stages in CELLS:
@@ -128,10 +130,16 @@ def run(steps: int, confirm: int) -> dict:
         timer = Timer(model, batch, n, steps)
         daemon = daemon_plan(model, batch, cell)
         req = TuneRequest(model, timer.spec, timer.arch, batch, "a100", n, timer.devices, stages, daemon, 10**6, "cpu")
-        pruned = candidate_plans(req)
         exhaustive = exhaustive_plans(timer, model, cell)
         t0 = time.perf_counter()
-        measured = {text: timer.measure(text) for text in dict.fromkeys([daemon, *pruned, *exhaustive])}
+        measured = {text: timer.measure(text) for text in dict.fromkeys([daemon, *exhaustive])}
+
+        def lookup(text: str) -> Measured:
+            if text not in measured:
+                measured[text] = timer.measure(text)
+            return Measured(text, measured[text], 0.0)
+
+        pruned = [m.plan for m in search_plans(req, lookup, lambda: True)]
         best_exh = min(exhaustive, key=measured.get)
         best_pruned = min(pruned, key=measured.get)
         again = timer.confirm([best_exh, best_pruned, daemon], confirm)

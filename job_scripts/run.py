@@ -85,7 +85,7 @@ def choose_plan(job: runtime.Job, model_spec, arch, remaining: int):
     """The plan to train with (``job_scripts.tuning.Tuned``): given, else tuned here from
     the AdminComment's, else the AdminComment's as is when tuning is off."""
     from estimator.plan_string import parse_plan
-    from job_scripts.tuning import TuneRequest, Tuned, candidate_plans, tune_plan
+    from job_scripts.tuning import TuneRequest, Tuned, best_estimated, tune_plan
 
     cfg = job.config
     start = job.plan_text
@@ -106,7 +106,7 @@ def choose_plan(job: runtime.Job, model_spec, arch, remaining: int):
                       job.alloc.gpus_per_node or len(job.devices), job.devices, stages, start,
                       remaining, cfg.platform)
     if not cfg.tune.enabled:
-        return Tuned(start, None, "AdminComment") if start else Tuned(candidate_plans(req, 1)[0], None, "tuned")
+        return Tuned(start, None, "AdminComment") if start else Tuned(best_estimated(req), None, "tuned")
     return tune_plan(req, cfg.tune, job.agree_max, lambda: job.stop_requested() is not None, job.writer)
 
 

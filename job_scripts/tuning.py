@@ -1,10 +1,11 @@
 """Choosing the plan inside the allocation: the Cell-guided pruned search, measured.
 
-The daemon's plan (the AdminComment's) is the starting point. The candidates are the
-plans of the same Cell that Crius's Cell-guided pruning keeps (``estimator.tuner``), in
-the order the analytic model ranks them; each is compiled and timed for a few steps on
-the granted devices, as the real SPMD program, and the fastest *measured* plan trains.
-The model only orders the candidates; it never decides.
+The daemon's plan (the AdminComment's) is the starting point. The structures searched
+(stage bounds, each stage's dp × tp) are those of the same Cell that Crius's Cell-guided
+pruning keeps (``estimator.tuner``), best estimated first; the micro-batch count and
+rematerialization are searched by measurement (:func:`search_plans`). Each candidate is
+compiled and timed for a few steps on the granted devices, as the real SPMD program, and
+the fastest *measured* plan trains: the model prunes and orders, it never decides.
 
 Measuring stops when the budget is spent: at most ``budget_s`` seconds and at most
 ``budget_frac`` of the job's expected remaining run time (remaining iterations × the
@@ -32,7 +33,6 @@ log = logging.getLogger(__name__)
 
 MEASURE_WARMUP_STEPS = 1  # the first step compiles
 MEASURE_STEPS = 3
-MAX_CANDIDATES = 16
 
 
 @dataclass(frozen=True)
@@ -94,43 +94,143 @@ def _runnable(req: TuneRequest, text: str):
                             req.gpus_per_node)[0]
 
 
-def candidate_plans(req: TuneRequest, limit: int = MAX_CANDIDATES) -> list[str]:
-    """The starting plan, then the pruned search's plans best-estimated first, each one
-    that can run, without repeats."""
-    from estimator.cells import Cell
-    from estimator.cluster import cluster_from_dict
-    from estimator.estimate import stage_counts
-    from estimator.jobs import JobSpec
-    from estimator.tuner import TuneOptions, tune
+class PlanSpace:
+    """The plans of the allocation's Cell(s) the search may measure.
 
-    n = len(req.devices)
-    per_node = max(1, min(req.gpus_per_node or n, n))
-    cluster = cluster_from_dict({"name": "allocation", "node_groups": [
-        {"gpu_type": req.gpu_type, "nodes": max(1, n // per_node), "gpus_per_node": per_node}]})
-    job = JobSpec(req.model, req.global_batch, n, req.gpu_type)
-    counts = [req.num_stages] if req.num_stages else stage_counts(n, req.model_spec.num_layers)
-    ranked = []
-    for stages in counts:
+    The *structures* (stage bounds and each stage's dp × tp) are those Crius's Cell-guided
+    pruning and Arena's partition filter keep (``estimator.tuner``, prune ``cell``), best
+    estimated first; the micro-batch count and remat of a structure are left to
+    measurement. A plan is offered only if the runtime can run it and the analytic memory
+    model says it fits.
+    """
+
+    def __init__(self, req: TuneRequest):
+        from estimator.cells import Cell
+        from estimator.cluster import cluster_from_dict
+        from estimator.estimate import partition_stages, stage_counts
+        from estimator.jobs import JobSpec
+        from estimator.tuner import TuneOptions, micro_batch_choices, tune
+
+        self.req = req
+        n = len(req.devices)
+        per_node = max(1, min(req.gpus_per_node or n, n))
+        self.cluster = cluster_from_dict({"name": "allocation", "node_groups": [
+            {"gpu_type": req.gpu_type, "nodes": max(1, n // per_node), "gpus_per_node": per_node}]})
+        self.job = JobSpec(req.model, req.global_batch, n, req.gpu_type)
+        counts = [req.num_stages] if req.num_stages else stage_counts(n, req.model_spec.num_layers)
+        ranked, self.cells, self.defaults, self.mbs = [], {}, {}, {}
+        for stages in counts:
+            cell = Cell(req.gpu_type, n, per_node, stages)
+            try:
+                result = tune(self.job, cell, self.cluster, TuneOptions(prune="cell"))
+            except SpecError as e:
+                log.info("no candidates with %d stages: %s", stages, e)
+                continue
+            self.cells[stages] = cell
+            self.defaults[stages] = partition_stages(req.model_spec, cell)
+            self.mbs[stages] = micro_batch_choices(cell, req.global_batch, TuneOptions().micro_batch_factors)
+            ranked.extend((p.score.iteration_time_s, p.candidate) for p in result.ranked if p.score.feasible)
+        # Each structure once, with the micro-batches and remat of its best estimate.
+        self.structures: list[tuple] = []
+        self.best_of: dict[tuple, tuple[int, bool]] = {}
+        for _, c in sorted(ranked, key=lambda r: r[0]):
+            if c.stages not in self.best_of:
+                self.best_of[c.stages] = (c.micro_batches, c.remat)
+                self.structures.append(c.stages)
+
+    def text(self, stages: tuple, micro_batches: int, remat: bool) -> str:
+        from estimator.plan_string import format_plan
+        s = len(stages)
+        return format_plan(self.cells[s], stages, micro_batches, remat, self.defaults[s])
+
+    def runnable(self, stages: tuple, micro_batches: int, remat: bool) -> bool:
+        from estimator.estimate import score_plan
+        if len(stages) not in self.cells or micro_batches not in self.mbs[len(stages)]:
+            return False
         try:
-            result = tune(job, Cell(req.gpu_type, n, per_node, stages), cluster, TuneOptions(prune="cell"))
-        except SpecError as e:
-            log.info("no candidates with %d stages: %s", stages, e)
-            continue
-        ranked.extend((p.score.iteration_time_s, result.plan_string(p)) for p in result.ranked
-                      if p.score.feasible)
-    out = [req.start] if req.start else []
-    for _, text in sorted(ranked, key=lambda r: r[0]):
-        if len(out) >= limit:
-            break
-        if text in out:
-            continue
-        try:
-            _runnable(req, text)
-        except SpecError as e:  # the model does not know every sharding constraint
-            log.info("candidate %s skipped: %s", text, e)
-            continue
-        out.append(text)
-    return out
+            _runnable(self.req, self.text(stages, micro_batches, remat))
+        except SpecError:
+            return False
+        return score_plan(self.job, self.cells[len(stages)], self.cluster, stages, micro_batches, remat).feasible
+
+    def neighbours(self, stages: tuple, micro_batches: int) -> tuple[list[int], list[int]]:
+        """Micro-batch counts above and below ``micro_batches`` (nearest first)."""
+        mbs = self.mbs[len(stages)]
+        return [m for m in mbs if m > micro_batches], [m for m in reversed(mbs) if m < micro_batches]
+
+
+def best_estimated(req: TuneRequest) -> str:
+    """The plan the analytic model ranks first (when nothing may be measured)."""
+    space = PlanSpace(req)
+    if not space.structures:
+        raise SpecError("plan", None, f"no runnable plan of {len(req.devices)} devices for this model "
+                                      f"and global batch {req.global_batch}")
+    return space.text(space.structures[0], *space.best_of[space.structures[0]])
+
+
+STRUCTURES = 6  # structures measured at the starting micro-batch count
+CLIMBERS = 2  # the best of them, whose micro-batch count is then searched by measurement
+
+
+def search_plans(req: TuneRequest, measure: Callable[[str], Measured], more: Callable[[], bool]) -> list[Measured]:
+    """Measure plans of the Cell, adaptively, while ``more()`` allows.
+
+    1. the starting plan (the daemon's), then the best-estimated pruned structures at its
+       micro-batch count and remat (each structure's own best estimate without a start);
+    2. for the best measured structures, the micro-batch count walks ×2 and ÷2 while the
+       *measured* step time improves;
+    3. the fastest plan is measured with the other remat setting.
+
+    Returns every measurement, in the order taken.
+    """
+    from estimator.plan_string import parse_plan
+
+    space = PlanSpace(req)
+    seen: dict[str, Measured] = {}
+    key_of: dict[str, tuple] = {}
+
+    def trial(stages: tuple, mb: int, remat: bool) -> Measured | None:
+        text = space.text(stages, mb, remat)
+        if text in seen:
+            return seen[text]
+        if not space.runnable(stages, mb, remat) or not more():
+            return None
+        seen[text] = measure(text)
+        key_of[text] = (stages, mb, remat)
+        return seen[text]
+
+    def seconds(m: Measured | None) -> float:
+        return m.iteration_time_s if m is not None and m.iteration_time_s is not None else float("inf")
+
+    start = None
+    if req.start:
+        ps = parse_plan(req.start)
+        if ps.num_stages in space.cells:
+            start = (tuple(ps.stage_plans(space.defaults[ps.num_stages])), ps.micro_batches, ps.remat)
+            if more():
+                seen[req.start] = measure(req.start)
+                key_of[req.start] = start
+    for stages in space.structures[:STRUCTURES]:
+        mb, remat = space.best_of[stages]
+        if start is not None and len(stages) == len(start[0]):
+            mb, remat = start[1], start[2]
+        trial(stages, mb, remat) or trial(stages, *space.best_of[stages])
+    by_structure: dict[tuple, str] = {}
+    for text in sorted(seen, key=lambda t: seconds(seen[t])):
+        by_structure.setdefault(key_of[text][0], text)
+    for text in list(by_structure.values())[:CLIMBERS]:
+        stages, mb, remat = key_of[text]
+        for direction in space.neighbours(stages, mb):
+            best = seconds(seen[text])
+            for other in direction:
+                got = seconds(trial(stages, other, remat))
+                if got >= best:
+                    break
+                best = got
+    fastest = min(seen, key=lambda t: seconds(seen[t]))
+    stages, mb, remat = key_of[fastest]
+    trial(stages, mb, not remat)
+    return list(seen.values())
 
 
 def measure_plan(req: TuneRequest, text: str, agree: Callable[[float], float]) -> Measured:
@@ -208,28 +308,34 @@ def tune_plan(req: TuneRequest, cfg: TuneConfig, agree: Callable[[float], float]
         log.info("plan %s (tuned before on this Cell: %.4f s/iteration measured)", cached.plan,
                  cached.iteration_time_s)
         return cached
-    candidates = candidate_plans(req)
-    if not candidates:
-        raise SpecError("plan", None, f"no runnable plan of {len(req.devices)} devices for this model and "
-                                      f"global batch {req.global_batch}")
     t_begin = time.perf_counter()
-    measured: list[Measured] = []
-    budget_s = cfg.budget_s
-    for text in candidates:
-        spent = agree(time.perf_counter() - t_begin)
-        if measured:
-            costs = [m.cost_s for m in measured]
-            if stop() or spent + sum(costs) / len(costs) > budget_s:
-                break
+    budget_s, costs = cfg.budget_s, []
+
+    def measure(text: str) -> Measured:
+        nonlocal budget_s
         m = measure_plan(req, text, agree)
-        measured.append(m)
+        costs.append(m.cost_s)
         log.info("measured %s: %s (%.1f s to measure)", text,
                  f"{m.iteration_time_s:.4f} s/iteration" if m.iteration_time_s else f"failed: {m.error}", m.cost_s)
-        if len(measured) == 1 and m.iteration_time_s:
+        if len(costs) == 1 and m.iteration_time_s:
+            # Tuning may take this much of what is left of the job at the first plan's speed.
             budget_s = min(cfg.budget_s, cfg.budget_frac * req.remaining_iterations * m.iteration_time_s)
+        return m
+
+    def more() -> bool:
+        """Another measurement fits the budget (every process gets the same answer)."""
+        if not costs:
+            return True
+        spent = agree(time.perf_counter() - t_begin)
+        return not stop() and spent + sum(costs) / len(costs) <= budget_s
+
+    measured = search_plans(req, measure, more)
+    if not measured:
+        raise SpecError("plan", req.start, f"no runnable plan of {len(req.devices)} devices for this model "
+                                           f"and global batch {req.global_batch}")
     ok = [m for m in measured if m.iteration_time_s is not None]
     if not ok:
-        raise SpecError("plan", candidates[0], "no candidate plan ran: " + "; ".join(
+        raise SpecError("plan", measured[0].plan, "no candidate plan ran: " + "; ".join(
             f"{m.plan}: {m.error}" for m in measured))
     best = min(ok, key=lambda m: m.iteration_time_s)
     tuning_s = time.perf_counter() - t_begin
