@@ -132,10 +132,8 @@ def train(job: runtime.Job) -> int:
     remaining = max(0, cfg.iterations - (saved.step if saved else 0))
     tuned = choose_plan(job, model_spec, arch, remaining)
     plan, text, cell = _check(job, model_spec, arch, tuned.plan)
-    if tuned.source in ("tuned", "cached") and tuned.measured:
-        start = next((m for m in tuned.measured if m.plan == job.plan_text), None)
-        versus = (f"; the AdminComment's plan {start.iteration_time_s:.4f} s" if start and start.iteration_time_s
-                  else "")
+    if tuned.source == "tuned" and tuned.measured:
+        versus = f"; the AdminComment's plan {tuned.start_s:.4f} s" if tuned.start_s else ""
         log.info("plan %s (tuned here: %.4f s/iteration measured, %d candidates in %.1f s%s)", text,
                  tuned.iteration_time_s, len(tuned.measured), tuned.tuning_s, versus)
     job.set_running(text, cell, tuned.source, tuned.tuning_s, len(tuned.measured))

@@ -55,6 +55,7 @@ class Tuned:
     source: str  # tuned | cached | AdminComment | given
     tuning_s: float = 0.0
     measured: tuple[Measured, ...] = field(default_factory=tuple)
+    start_s: float | None = None  # the starting (daemon's) plan's measured step time
 
 
 @dataclass(frozen=True)
@@ -186,50 +187,49 @@ def search_plans(req: TuneRequest, measure: Callable[[str], Measured], more: Cal
     from estimator.plan_string import parse_plan
 
     space = PlanSpace(req)
-    seen: dict[str, Measured] = {}
-    key_of: dict[str, tuple] = {}
+    # Keyed by what a plan is, (stages, micro-batches, remat), not by how it is written.
+    seen: dict[tuple, Measured] = {}
 
-    def trial(stages: tuple, mb: int, remat: bool) -> Measured | None:
-        text = space.text(stages, mb, remat)
-        if text in seen:
-            return seen[text]
-        if not space.runnable(stages, mb, remat) or not more():
+    def trial(stages: tuple, mb: int, remat: bool, text: str | None = None) -> Measured | None:
+        key = (stages, mb, remat)
+        if key in seen:
+            return seen[key]
+        if text is None and not space.runnable(stages, mb, remat):
             return None
-        seen[text] = measure(text)
-        key_of[text] = (stages, mb, remat)
-        return seen[text]
+        if not more():
+            return None
+        seen[key] = measure(text or space.text(stages, mb, remat))
+        return seen[key]
 
-    def seconds(m: Measured | None) -> float:
-        return m.iteration_time_s if m is not None and m.iteration_time_s is not None else float("inf")
+    def seconds(key: tuple) -> float:
+        t = seen[key].iteration_time_s if key in seen else None
+        return float("inf") if t is None else t
 
     start = None
     if req.start:
         ps = parse_plan(req.start)
         if ps.num_stages in space.cells:
             start = (tuple(ps.stage_plans(space.defaults[ps.num_stages])), ps.micro_batches, ps.remat)
-            if more():
-                seen[req.start] = measure(req.start)
-                key_of[req.start] = start
+            trial(*start, text=req.start)  # the daemon's plan, as it wrote it
     for stages in space.structures[:STRUCTURES]:
         mb, remat = space.best_of[stages]
         if start is not None and len(stages) == len(start[0]):
             mb, remat = start[1], start[2]
         trial(stages, mb, remat) or trial(stages, *space.best_of[stages])
-    by_structure: dict[tuple, str] = {}
-    for text in sorted(seen, key=lambda t: seconds(seen[t])):
-        by_structure.setdefault(key_of[text][0], text)
-    for text in list(by_structure.values())[:CLIMBERS]:
-        stages, mb, remat = key_of[text]
+    climbers: dict[tuple, tuple] = {}
+    for key in sorted(seen, key=seconds):
+        climbers.setdefault(key[0], key)
+    for stages, mb, remat in list(climbers.values())[:CLIMBERS]:
         for direction in space.neighbours(stages, mb):
-            best = seconds(seen[text])
+            best = seconds((stages, mb, remat))
             for other in direction:
-                got = seconds(trial(stages, other, remat))
-                if got >= best:
+                trial(stages, other, remat)
+                if seconds((stages, other, remat)) >= best:
                     break
-                best = got
-    fastest = min(seen, key=lambda t: seconds(seen[t]))
-    stages, mb, remat = key_of[fastest]
-    trial(stages, mb, not remat)
+                best = seconds((stages, other, remat))
+    if seen:
+        stages, mb, remat = min(seen, key=seconds)
+        trial(stages, mb, not remat)
     return list(seen.values())
 
 
@@ -339,10 +339,11 @@ def tune_plan(req: TuneRequest, cfg: TuneConfig, agree: Callable[[float], float]
             f"{m.plan}: {m.error}" for m in measured))
     best = min(ok, key=lambda m: m.iteration_time_s)
     tuning_s = time.perf_counter() - t_begin
-    source = "tuned" if len(measured) > 1 else ("AdminComment" if best.plan == req.start else "tuned")
+    start_s = measured[0].iteration_time_s if req.start and measured[0].plan == req.start else None
+    source = "AdminComment" if best.plan == req.start and len(measured) == 1 else "tuned"
     if writer and cfg.cache_dir is not None and len(measured) > 1:
         key = cache_key(req)
         write_json_atomic(_cache_path(cfg.cache_dir, key), {
             "key": key, "plan": best.plan, "iteration_time_s": best.iteration_time_s,
             "tuned_at_s": time.time(), "measured": [m.__dict__ for m in measured]})
-    return Tuned(best.plan, best.iteration_time_s, source, tuning_s, tuple(measured))
+    return Tuned(best.plan, best.iteration_time_s, source, tuning_s, tuple(measured), start_s)
