@@ -12,7 +12,8 @@ For each Cell (CPU fake devices; the model only orders candidates, it never deci
   measurements (a plan outside the exhaustive set is measured when the search asks);
 - **daemon**: the Cell estimate's plan as the daemon writes it (remat on).
 
-Each plan: one warm-up step (compiles), then the median of ``--steps`` timed steps. At the
+Each plan: one warm-up step (compiles), then the median of ``--steps`` timed steps or
+more, until half a second of steps has run (fast steps are noisy). At the
 end the best exhaustive, the best pruned and the daemon's plan are timed again,
 alternately (``--confirm`` rounds), so drift of the shared machine between their first
 measurements does not bias the ratios. Printed: per Cell the candidate counts, quality =
@@ -72,9 +73,10 @@ class Timer:
         return time.perf_counter() - t0, state
 
     def measure(self, text: str) -> float:
+        """Median of at least ``steps`` steps, more until 0.5 s have run (at most 25)."""
         pipe, state = self.pipeline(text)
         times = []
-        for _ in range(self.steps):
+        while len(times) < self.steps or (sum(times) < 0.5 and len(times) < 25):
             t, state = self.step_s(pipe, state)
             times.append(t)
         return statistics.median(times)

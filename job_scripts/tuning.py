@@ -32,7 +32,8 @@ from job_scripts.run_config import TuneConfig
 log = logging.getLogger(__name__)
 
 MEASURE_WARMUP_STEPS = 1  # the first step compiles
-MEASURE_STEPS = 3
+# Timed steps: at least MIN, more until MIN_TIMED_S have run (fast steps are noisy), at most MAX.
+MEASURE_MIN_STEPS, MEASURE_MAX_STEPS, MIN_TIMED_S = 3, 20, 0.5
 
 
 @dataclass(frozen=True)
@@ -178,9 +179,8 @@ def search_plans(req: TuneRequest, measure: Callable[[str], Measured], more: Cal
 
     1. the starting plan (the daemon's), then the best-estimated pruned structures at its
        micro-batch count and remat (each structure's own best estimate without a start);
-    2. for the best measured structures, the micro-batch count walks ×2 and ÷2 while the
-       *measured* step time improves;
-    3. the fastest plan is measured with the other remat setting.
+    2. for the best measured structures, the other remat setting, then the micro-batch
+       count walking ×2 and ÷2 while the *measured* step time improves.
 
     Returns every measurement, in the order taken.
     """
@@ -220,6 +220,9 @@ def search_plans(req: TuneRequest, measure: Callable[[str], Measured], more: Cal
     for key in sorted(seen, key=seconds):
         climbers.setdefault(key[0], key)
     for stages, mb, remat in list(climbers.values())[:CLIMBERS]:
+        trial(stages, mb, not remat)
+        if seconds((stages, mb, not remat)) < seconds((stages, mb, remat)):
+            remat = not remat
         for direction in space.neighbours(stages, mb):
             best = seconds((stages, mb, remat))
             for other in direction:
@@ -227,9 +230,6 @@ def search_plans(req: TuneRequest, measure: Callable[[str], Measured], more: Cal
                 if seconds((stages, other, remat)) >= best:
                     break
                 best = seconds((stages, other, remat))
-    if seen:
-        stages, mb, remat = min(seen, key=seconds)
-        trial(stages, mb, not remat)
     return list(seen.values())
 
 
@@ -253,11 +253,14 @@ def measure_plan(req: TuneRequest, text: str, agree: Callable[[float], float]) -
         for _ in range(MEASURE_WARMUP_STEPS):
             state, loss = pipe.step(state, batch.inputs, batch.targets)
         jax.block_until_ready(loss)
-        t1 = time.perf_counter()
-        for _ in range(MEASURE_STEPS):
+        times: list[float] = []
+        while len(times) < MEASURE_MIN_STEPS or (sum(times) < MIN_TIMED_S and len(times) < MEASURE_MAX_STEPS):
+            t1 = time.perf_counter()
             state, loss = pipe.step(state, batch.inputs, batch.targets)
-        jax.block_until_ready(loss)
-        seconds = agree((time.perf_counter() - t1) / MEASURE_STEPS)
+            jax.block_until_ready(loss)
+            # Agreed, so that every process takes as many (collective) steps.
+            times.append(agree(time.perf_counter() - t1))
+        seconds = float(np.median(times))
         if not np.isfinite(float(loss)):
             return Measured(text, None, agree(time.perf_counter() - t0), "loss is not finite")
         del state, pipe
