@@ -8,7 +8,7 @@ warm-up steps (compiles), their steps are timed alternately, so the machine's no
 on both. Printed per plan: median, mean and worst seconds per step of each, and the ratio
 SPMD / per-stage of the medians and of the means (target: ≤ 1.3).
 
-Usage: ``python benchmarks/spmd_pipeline.py [--steps 7] [--out FILE]``
+Usage: ``python benchmarks/spmd_pipeline.py [--steps 7] > benchmarks/results_spmd_pipeline.json``
 (8 CPU fake devices; set before JAX starts).
 """
 
@@ -103,13 +103,9 @@ def run(steps: int) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=7)
-    p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args()
     result = run(args.steps)
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    print(json.dumps(result, indent=1))
     return 0
 
 

@@ -20,7 +20,8 @@ measurements does not bias the ratios. Printed: per Cell the candidate counts, q
 best exhaustive / best pruned (target ≥ 0.97), the reduction in measured candidates
 (target ≥ 5×), the speed-up of the tuned plan over the daemon's, and the totals.
 
-Usage: ``python benchmarks/tuning_measured.py [--out FILE]`` (8 CPU fake devices).
+Usage: ``python benchmarks/tuning_measured.py > benchmarks/results_tuning_measured.json``
+(8 CPU fake devices; progress on stderr).
 """
 
 import argparse
@@ -180,13 +181,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--confirm", type=int, default=9)
-    p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args()
     result = run(args.steps, args.confirm)
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    print(json.dumps(result, indent=1))
     return 0
 
 

@@ -50,15 +50,9 @@ def layout_json(pipe: Pipeline) -> dict:
     return {"kinds": kinds, "devices_per_stage": pipe.plan.stages[0].num_gpus}
 
 
-def save_views(pipe: Pipeline, state: dict) -> dict:
-    """The arrays a checkpoint saves: per kind and dtype, ``[stages, devices, chunk]``."""
-    fn = getattr(pipe, "_save_views", None)
-    if fn is None:
-        fn = pipe._save_views = _build_save_views(pipe)
-    return fn(state)
-
-
-def _build_save_views(pipe: Pipeline):
+def saver(pipe: Pipeline) -> Callable[[dict], dict]:
+    """The compiled function from a pipeline's state to the arrays a checkpoint saves: per
+    kind and dtype, ``[stages, devices, chunk]`` (build it once, call it at every save)."""
     chunks = {k: {dt: _chunks(pipe, k, dt) for dt in pipe.lengths[k]} for k in KINDS}
 
     def branch(st):

@@ -138,7 +138,7 @@ def train(job: runtime.Job) -> int:
                  tuned.iteration_time_s, len(tuned.measured), tuned.tuning_s, versus)
     job.set_running(text, cell, tuned.source, tuned.tuning_s, len(tuned.measured))
     pipe = Pipeline(arch, plan, job.devices, cfg.global_batch, optimizer_for(arch.optimizer))
-    layout = {"layout": reshard.layout_json(pipe)}
+    layout, views = {"layout": reshard.layout_json(pipe)}, reshard.saver(pipe)
     if saved is not None:
         reader = job.checkpoints.reader(saved.step)
         state = reshard.restore(pipe, saved.meta.get("layout") or {}, lambda kind, dt, s, j, lo, hi: reader.read(
@@ -158,8 +158,8 @@ def train(job: runtime.Job) -> int:
         loss = float(loss)
         job.record_step(step, loss, time.perf_counter() - t0)
         if job.checkpoint_due(step):
-            job.save(step, reshard.save_views(pipe, state), layout)
-    return job.finish(step, reshard.save_views(pipe, state), layout)
+            job.save(step, views(state), layout)
+    return job.finish(step, views(state), layout)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,7 +59,7 @@ def main(role: str, directory: str, plan_text: str, steps: int, process: int = 0
         if role == "reference":
             np.savez(out / "reference.npz", **pipe.host_arrays(state))
             return
-        checkpoints.save(steps, reshard.save_views(pipe, state), {"layout": reshard.layout_json(pipe)})
+        checkpoints.save(steps, reshard.saver(pipe)(state), {"layout": reshard.layout_json(pipe)})
         checkpoints.close()
         if count > 1:
             jax.distributed.shutdown()

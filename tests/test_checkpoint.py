@@ -68,6 +68,16 @@ def test_saved_by_two_processes_as_dp2_pp2_restored_by_one_as_tp4_identically(tm
         np.testing.assert_allclose(saved[name], expected[name], rtol=1e-6, atol=1e-7, err_msg=name)
 
 
+def _refusal(call) -> str | None:
+    """The message of the CheckpointError ``call()`` raises, or None when it raises none."""
+    from job_scripts.checkpoint import CheckpointError
+    try:
+        call()
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
 def _save_and_reshard(directory: str) -> dict:
     """In a spawn child with 8 CPU devices: train under one plan, restore into others."""
     import jax
@@ -77,7 +87,7 @@ def _save_and_reshard(directory: str) -> dict:
     from estimator.models import load_model
     from estimator.plan_string import parse_plan
     from job_scripts import reshard
-    from job_scripts.checkpoint import CheckpointError, Checkpoints
+    from job_scripts.checkpoint import Checkpoints
     from job_scripts.data import stream_for
     from job_scripts.pipeline import Pipeline
     from job_scripts.plan import plan_from_string
@@ -97,7 +107,7 @@ def _save_and_reshard(directory: str) -> dict:
         state, _ = first.step(state, stream.batch(step).inputs, stream.batch(step).targets)
     before = first.host_arrays(state)
     ckpt = Checkpoints(Path(directory) / "ckpt")
-    ckpt.save(2, reshard.save_views(first, state), {"layout": reshard.layout_json(first)})
+    ckpt.save(2, reshard.saver(first)(state), {"layout": reshard.layout_json(first)})
     ckpt.wait()
     saved = ckpt.latest()
     reader = ckpt.reader(saved.step)
@@ -115,17 +125,13 @@ def _save_and_reshard(directory: str) -> dict:
         out["exact"][text] = all(np.array_equal(after[k], before[k]) for k in before)
         out["third"][text] = float(pipe.step(restored, stream.batch(3).inputs, stream.batch(3).targets)[1])
     # Written once: a dp-replicated buffer saves 1/dp of itself per device.
-    view = reshard.save_views(first, state)["params"]["float32"]
+    view = reshard.saver(first)(state)["params"]["float32"]
     out["view_vs_buffer"] = view.shape[-1] / state["params"]["float32"].shape[-1]
     # (the step donates the state's buffers: nothing reads them after it)
     out["uninterrupted"] = float(first.step(state, stream.batch(3).inputs, stream.batch(3).targets)[1])
     bigger = make("cell=a100x4:s1 plan=[dp4tp1] mb=1 remat=1",
                   jm.Arch(**{**arch.__dict__, "hidden": 128, "heads": 4}))
-    try:
-        reshard.restore(bigger, saved.meta["layout"], read)
-        out["other_model"] = None
-    except CheckpointError as e:
-        out["other_model"] = str(e)
+    out["other_model"] = _refusal(lambda: reshard.restore(bigger, saved.meta["layout"], read))
     return out
 
 
@@ -144,7 +150,7 @@ def _orbax_basics(directory: str) -> dict:
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from job_scripts.checkpoint import CheckpointError, Checkpoints
+    from job_scripts.checkpoint import Checkpoints
 
     root = Path(directory)
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "tp"))
@@ -164,11 +170,7 @@ def _orbax_basics(directory: str) -> dict:
     (root / "ckpt" / "3" / "meta" / "metadata").write_text("{not json")
     out["fallback"] = Checkpoints(root / "ckpt").latest().step
     (root / "ckpt" / "2" / "meta" / "metadata").write_text("[]")
-    try:
-        Checkpoints(root / "ckpt").latest()
-        out["none"] = None
-    except CheckpointError as e:
-        out["none"] = str(e)
+    out["none"] = _refusal(lambda: Checkpoints(root / "ckpt").latest())
     return out
 
 
