@@ -140,7 +140,8 @@ def parse_resume(log_text: str) -> ResumeRecord | None:
 
 def log_highlights(log_text: str, steps_around: int = 2) -> list[str]:
     """The lines of a rescaled job's log worth showing: where each run starts and with which
-    plan, the last steps before the checkpoint, the checkpoint, the resume, the next steps."""
+    plan (the AdminComment's, then the one tuned in the allocation), the last steps before
+    the checkpoint, the checkpoint, the resume, the next steps."""
     lines = log_text.splitlines()
     saved = next((i for i, line in enumerate(lines) if SAVED_RE.search(line)), len(lines))
     resumed = next((i for i, line in enumerate(lines) if RESUMED_RE.search(line)), len(lines))
@@ -149,7 +150,7 @@ def log_highlights(log_text: str, steps_around: int = 2) -> list[str]:
     keep = set(sorted(keep)[-steps_around:])
     keep |= set([i for i in step_idx if i > resumed][:steps_around])
     for i, line in enumerate(lines):
-        if (re.search(r"starting at step|\((given|from the AdminComment|tuned here)\)|resumed from step", line)
+        if (re.search(r"starting at step|\((given|from the AdminComment|tuned here[^)]*)\)|resumed from step", line)
                 or SAVED_RE.search(line) or (i > resumed and "error" in line.lower())):
             keep.add(i)
     return [lines[i] for i in sorted(keep)]
