@@ -181,6 +181,10 @@ def start(*, stop: StopSignal | None = None, identity: dict | None = None,
         SpecError: a setting that is missing or malformed (one line: what and how to fix).
     """
     stop = stop or StopSignal().install()
+    # Orbax reports each save in dozens of INFO lines (through absl's logger): the job's log
+    # keeps its warnings, unless the script set that logger's level itself.
+    if logging.getLogger("absl").level == logging.NOTSET:
+        logging.getLogger("absl").setLevel(logging.WARNING)
     env = dict(os.environ if env is None else env)
     alloc = allocation_from_env(env)
     job_text = scontrol_job_text(alloc.job_id) if alloc.job_id else None

@@ -41,7 +41,7 @@ from slurm_ext.observe import (
     same_shape, type_partitions,
 )
 from slurm_ext.run import run_command
-from slurm_ext.slurm_client import ACTIVE_STATES, JobUpdate, SlurmClient, SlurmJob
+from slurm_ext.slurm_client import ACTIVE_STATES, REQUEUE_SETTLE_S, JobUpdate, SlurmClient, SlurmJob
 from slurm_ext.squeue_view import PlanComment, format_plan_comment, plan_label
 from slurm_ext.store import Store, plan_recovery
 
@@ -136,6 +136,8 @@ class Actor:
         if not entries:
             return 0
         jobs = {j.job_id: j for j in self.client.jobs()}
+        # A job may have been requeued just now: releasing it in that second would fail it.
+        self.clock.sleep_until(self.clock.now_s() + REQUEUE_SETTLE_S)
         for step in plan_recovery(entries, jobs):
             e = step.entry
             log.warning(kv("recover", job_id=e.job_id, kind=e.kind, step=step.step, why=step.why))
@@ -369,7 +371,7 @@ class Actor:
         self._signal(sorted(entries))
         for job_id, (_, action, _) in sorted(entries.items()):
             log.info(kv("rescale_signalled", job_id=job_id, kind=action.kind, why=action.reason))
-        waiting = self._wait_held(set(entries), self.config.rescale_timeout_s)
+        waiting, held_seen_s = self._wait_held(set(entries), self.config.rescale_timeout_s)
         if self._stopped():  # leave the entries open: the next start finishes them (recover)
             log.warning(kv("rescale_interrupted", job_ids=",".join(map(str, sorted(entries)))))
             return
@@ -380,10 +382,12 @@ class Actor:
             except SlurmExtError as e:
                 log.error(kv("requeue_hold_failed", job_id=job_id, error=e))
         if waiting:
-            still = self._wait_held(waiting, REQUEUE_HOLD_WAIT_S)
+            still, held_seen_s = self._wait_held(waiting, REQUEUE_HOLD_WAIT_S)
             for job_id in still:
                 entry, _, _ = entries.pop(job_id)
                 self.store.close_entry(entry, journal.FAILED, self.clock.now_s(), "never came back held")
+        # A run released in the second its predecessor ended fails on its nodes.
+        self.clock.sleep_until(held_seen_s + REQUEUE_SETTLE_S)
         states = self._job_states(set(entries)) if entries else {}
         for job_id, (entry, action, update) in sorted(entries.items()):
             if states.get(job_id, ("GONE", False))[0] not in ACTIVE_STATES:
@@ -430,10 +434,12 @@ class Actor:
             raise SlurmCommandError(out.argv, out.returncode, out.stderr)
         return parse_job_states(out.stdout)
 
-    def _wait_held(self, job_ids: set[int], timeout_s: float) -> set[int]:
-        """Wait until each job is held or gone; returns the ones still running at the deadline."""
+    def _wait_held(self, job_ids: set[int], timeout_s: float) -> tuple[set[int], float]:
+        """Wait until each job is held or gone; returns the ones still running at the
+        deadline and when the last of the others was seen held or gone."""
         deadline_s = self.clock.now_s() + timeout_s
         waiting = set(job_ids)
+        held_seen_s = self.clock.now_s()
         while waiting and not self._stopped():
             try:
                 states = self._job_states(waiting)
@@ -444,7 +450,8 @@ class Actor:
                 state, held = states.get(job_id, ("GONE", False))
                 if state not in ACTIVE_STATES or (held and state != "RUNNING"):
                     waiting.discard(job_id)
+                    held_seen_s = self.clock.now_s()
             if not waiting or self.clock.now_s() >= deadline_s:
                 break
             time.sleep(RESCALE_POLL_S)
-        return waiting
+        return waiting, held_seen_s

@@ -23,6 +23,13 @@ FAILED = "FAILED"
 TIMEOUT = "TIMEOUT"
 NODE_FAIL = "NODE_FAIL"
 PREEMPTED = "PREEMPTED"
+
+# Release a requeued job only this long after it was first seen requeued. When a run ends,
+# each of its nodes revokes the job's credentials as of that second, and refuses any
+# credential issued in the same second: a run started then fails at once ("Job credential
+# revoked", state FAILED, not requeued). Slurm's own 121 s BeginTime after a requeue exists
+# for this; with ``StartTime=now`` the caller must wait past the second itself.
+REQUEUE_SETTLE_S = 1.1
 OUT_OF_MEMORY = "OUT_OF_MEMORY"
 BOOT_FAIL = "BOOT_FAIL"
 DEADLINE = "DEADLINE"
@@ -204,7 +211,8 @@ class JobUpdate:
         num_nodes: exact node count (written as ``NumNodes=N-N``).
         admin_comment: the new admin comment (the plan).
         start_now: set ``StartTime=now`` so a requeued job does not wait the 121 s
-            Slurm adds after a requeue.
+            Slurm adds after a requeue (release it no sooner than ``REQUEUE_SETTLE_S``
+            after it was seen requeued).
     """
 
     partition: str | None = None

@@ -144,6 +144,7 @@ def test_usr1_checkpoints_exits_86_and_resumes_under_another_plan(tmp_path, cach
     meta = _meta(ckpt, saved)
     assert meta["data"] == {"next_step": saved + 1, "next_sample": saved * GLOBAL_BATCH}
     assert meta["global_batch"] == GLOBAL_BATCH and meta["plan"] == DP4
+    assert " absl: " not in first.text()  # Orbax's INFO chatter stays out of the job's log
 
     # The daemon moved it to another GPU type with a two-stage dp/tp plan.
     second = Runner(tmp_path, "second", ckpt, MIXED, 4, cache, restart_count=1)

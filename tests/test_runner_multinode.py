@@ -187,7 +187,8 @@ def test_two_node_lab_job_trains_its_pipeline_across_nodes_and_is_rescaled_to_on
     USR1 → exit 86 → requeued held → one node and another plan → released → resumed."""
     from conftest import wait_for
 
-    from slurm_ext.slurm_client import JobUpdate, SubmitRequest
+    from slurm_ext.lab import poll
+    from slurm_ext.slurm_client import REQUEUE_SETTLE_S, JobUpdate, SubmitRequest
 
     cache = tmp_path_factory.getbasetemp() / "runner-jax-cache"
     script = (ROOT / "job_scripts" / "elastic.sbatch").read_text()
@@ -212,6 +213,7 @@ def test_two_node_lab_job_trains_its_pipeline_across_nodes_and_is_rescaled_to_on
     wait_for("both tasks' second step", lambda: trained(2), 180)
     slurm_client.signal_batch(job, "USR1")
     held = wait_for("the job to be requeued held", lambda: (j := slurm_client.job(job)) and j.is_held and j, 90)
+    held_seen_s = time.time()
     assert held.restart_count == 1
     text = log_path.read_text()
     for rank in range(2):
@@ -226,10 +228,14 @@ def test_two_node_lab_job_trains_its_pipeline_across_nodes_and_is_rescaled_to_on
         assert before.setdefault(int(s), float(v)) == float(v)
     assert sorted(before) == list(range(1, saved_step + 1))
 
-    # The daemon's update: one node, a tensor-parallel plan of 2 GPUs.
+    # The daemon's update: one node, a tensor-parallel plan of 2 GPUs, released (as the
+    # daemon does) no sooner than REQUEUE_SETTLE_S after the requeue: a10-1 ran the job.
+    time.sleep(max(0.0, held_seen_s + REQUEUE_SETTLE_S - time.time()))
     slurm_client.update_pending(job, JobUpdate(num_nodes=1, gpus_per_node=2,
                                                admin_comment=f"{LAB_NEW_PLAN} why=test"))
     slurm_client.release(job)
+    running = poll(lambda: (j := slurm_client.job(job)) and (j.is_running or not j.is_active) and j, 180)
+    assert running and running.is_running, f"job {job} did not run again: {running or slurm_client.job(job)}"
     done = wait_for("3 steps after the resume", lambda: (t := log_path.read_text()) and
                     re.search(rf"step {saved_step + 3} loss", t) and t, 180)
     slurm_client.cancel(job)
