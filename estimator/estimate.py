@@ -44,7 +44,7 @@ class EstimateOptions:
         plan_space: ``cell`` — per stage dp-only or tp-only, every stage count;
             ``dp-only`` — one stage, data parallelism only (what static baselines see).
         micro_batches: pipeline micro-batches; None means 4 × stages (the measured tables
-            used 16).
+            used 16), or the largest count below it that divides the global batch.
         remat: layer-level rematerialization.
         memory: reserve, usable fraction, ZeRO level.
         comm_table: path of a measured collectives CSV; None for the shipped one.
@@ -268,10 +268,23 @@ def _context(job: JobSpec, cell: Cell, cluster: ClusterSpec, options: EstimateOp
     model = load_model(job.model)
     group = cluster.group(cell.gpu_type)
     gpu = _gpu_type(cell.gpu_type)
-    B = micro_batches or options.micro_batches or 4 * cell.num_stages
+    B = micro_batches or options.micro_batches or micro_batch_count(job.global_batch, 4 * cell.num_stages)
     return _Context(model, job.global_batch, cell, group, load_comm_table(options.comm_table),
                     efficiency(gpu, options.efficiency), B, options.remat if remat is None else remat,
                     options)
+
+
+def micro_batch_count(global_batch: int, target: int) -> int:
+    """The largest micro-batch count of at most ``target`` that divides the global batch:
+    the target itself for a global batch of 64 and 4 × stages, 3 for 6 samples and one
+    stage, 1 for one sample."""
+    return max(d for d in range(1, min(target, global_batch) + 1) if global_batch % d == 0)
+
+
+def more_micro_batches(global_batch: int, micro_batches: int) -> int | None:
+    """The smallest count of at least twice as many micro-batches that divides the global
+    batch (None: there is none)."""
+    return next((d for d in range(2 * micro_batches, global_batch + 1) if global_batch % d == 0), None)
 
 
 def partition_stages(model: ModelSpec, cell: Cell, options: EstimateOptions = EstimateOptions()
@@ -310,17 +323,18 @@ def estimate_cell(job: JobSpec, cell: Cell, cluster: ClusterSpec,
                   options: EstimateOptions = EstimateOptions()) -> CellEstimate:
     """The best assembled plan of one Cell (per stage dp-only or tp-only).
 
-    With the default micro-batch count (4 × stages), a Cell that runs out of memory is
-    tried again with 2×, 4× and 8× as many (smaller) micro-batches — gradient
-    accumulation trades speed for activation memory — and the first that fits is kept.
+    The default micro-batch count is 4 × stages, or the largest count below it that
+    divides the global batch. A Cell that runs out of memory with it is tried again with
+    at least 2×, 4× and 8× as many (smaller) micro-batches — gradient accumulation trades
+    speed for activation memory — and the first that fits is kept.
     """
     est = _estimate_cell(job, cell, cluster, options, None)
     doublings = 0
     while (not est.feasible and options.micro_batches is None and est.stages
            and "GB per GPU" in est.reason and doublings < MAX_ACCUMULATION_DOUBLINGS
-           and 2 * est.micro_batches <= job.global_batch):
+           and (more := more_micro_batches(job.global_batch, est.micro_batches))):
         doublings += 1
-        retry = _estimate_cell(job, cell, cluster, options, 2 * est.micro_batches)
+        retry = _estimate_cell(job, cell, cluster, options, more)
         if retry.feasible or "GB per GPU" not in retry.reason:
             return retry if retry.feasible else est
         est = retry

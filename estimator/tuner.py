@@ -32,7 +32,9 @@ from itertools import product
 from estimator.cells import Cell, StagePlan
 from estimator.cluster import ClusterSpec
 from estimator.errors import SpecError
-from estimator.estimate import EstimateOptions, PlanScore, estimate_cell, partition_stages, score_plan
+from estimator.estimate import (
+    EstimateOptions, PlanScore, estimate_cell, micro_batch_count, partition_stages, score_plan,
+)
 from estimator.jobs import JobSpec
 from estimator.models import ModelSpec, load_model
 from estimator.partition import stage_gpu_counts
@@ -148,7 +150,9 @@ def pruned_splits(num_gpus: int, favoured: str) -> tuple[tuple[int, int], ...]:
 
 
 def micro_batch_choices(cell: Cell, global_batch: int, factors: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(sorted({cell.num_stages * f for f in factors if cell.num_stages * f <= global_batch}))
+    """Stages × each factor, or the largest count below it that divides the global batch."""
+    return tuple(sorted({micro_batch_count(global_batch, cell.num_stages * f) for f in factors
+                         if cell.num_stages * f <= global_batch}))
 
 
 def candidate_partitions(base: tuple[tuple[int, int], ...], num_layers: int,

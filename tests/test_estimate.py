@@ -148,3 +148,33 @@ def test_out_of_memory_cell_retries_with_more_micro_batches():
     default = estimate_cell(job, cell, CRIUS)  # 4 × stages, doubled while it does not fit
     assert default.feasible and default.micro_batches > 4
     assert default.peak_memory_gb < fixed.peak_memory_gb
+
+
+def test_micro_batch_count_is_the_largest_divisor_of_the_global_batch_up_to_the_target():
+    from estimator.estimate import micro_batch_count, more_micro_batches
+
+    assert [micro_batch_count(g, 4) for g in (64, 6, 10, 2, 1, 250)] == [4, 3, 2, 2, 1, 2]
+    assert micro_batch_count(250, 8) == 5 and micro_batch_count(256, 16) == 16
+    assert [more_micro_batches(g, b) for g, b in ((64, 4), (250, 2), (250, 5), (6, 3), (7, 1))] == \
+           [8, 5, 10, 6, 7]
+    assert more_micro_batches(6, 6) is None
+
+
+@pytest.mark.parametrize("global_batch", [2, 6, 10, 250])
+def test_small_and_odd_global_batches_get_cells_whose_micro_batches_divide_them(global_batch):
+    est = estimate_job(JobSpec("gpt-1.3b", global_batch, num_gpus=4), CRIUS)
+    assert est.best is not None and est.best.feasible
+    for c in est.cells:
+        assert global_batch % c.micro_batches == 0
+        if c.feasible:
+            micro = global_batch // c.micro_batches
+            assert all(micro % s.dp == 0 for s in c.stages)
+    # One stage on one A100: 6 samples as 3 micro-batches of 2 (the largest count ≤ 4).
+    if global_batch == 6:
+        one = estimate_cell(JobSpec("gpt-1.3b", 6), Cell("a100", 2, 4, 1), CRIUS)
+        assert one.feasible and one.micro_batches == 3
+
+
+def test_global_batches_divisible_by_four_per_stage_keep_that_count():
+    for cell in (Cell("a100", 8, 4, 1), Cell("a100", 8, 4, 2), Cell("a100", 8, 4, 8)):
+        assert estimate_cell(JobSpec("gpt-1.3b", 256), cell, CRIUS).micro_batches == 4 * cell.num_stages

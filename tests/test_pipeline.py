@@ -35,7 +35,7 @@ def child():
 
 
 def _compare(arch_kw: dict | None, plan_text: str | None, stages: list | None, micro_batches: int,
-             remat: bool, steps: int, lr: float | None = None) -> dict:
+             remat: bool, steps: int, lr: float | None = None, batch_size: int = 16) -> dict:
     """Train ``steps`` steps with both pipelines; return their losses and the worst state
     difference, relative to each array's largest magnitude."""
     import os
@@ -56,7 +56,6 @@ def _compare(arch_kw: dict | None, plan_text: str | None, stages: list | None, m
     from job_scripts.pipeline import Pipeline
     from job_scripts.plan import ParallelPlan, plan_from_string
 
-    batch_size = 16
     if arch_kw is None:
         spec = load_model(TINY_GPT)
         arch = jm.arch_from_model(spec)
@@ -104,6 +103,14 @@ def test_every_gpt_plan_trains_exactly_as_the_per_stage_pipeline(child, plan):
     assert out["spmd"] == pytest.approx(out["ref"], rel=1e-5)
     assert out["worst"][0] < 1e-4, out["worst"]  # weights and AdamW moments, float32 rounding
     assert out["spmd"][2] < out["spmd"][0]  # and it learns
+
+
+@pytest.mark.parametrize("plan", ["cell=a100x2:s2 plan=[dp1tp1|dp1tp1] mb=3 remat=1",
+                                  "cell=a100x2:s1 plan=[dp2tp1] mb=3 remat=0"])
+def test_odd_global_batch_of_6_in_3_micro_batches_trains_as_the_per_stage_pipeline(child, plan):
+    out = child.apply(_compare, (None, plan, None, 0, True, 3, None, 6))
+    assert out["spmd"] == pytest.approx(out["ref"], rel=1e-5)
+    assert out["worst"][0] < 1e-4, out["worst"]
 
 
 @pytest.mark.parametrize("stages,mb,remat", [([(2, 2)], 2, True), ([(2, 1), (1, 2)], 2, True),

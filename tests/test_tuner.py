@@ -180,3 +180,16 @@ def test_tuned_plan_trains_like_the_unsharded_model_and_measure_picks_by_time(tm
     assert doc["measured"] is True
     assert doc["best"]["measured_iteration_time_s"] > 0
     assert parse_plan(doc["best"]["plan"]).num_gpus == 2
+
+
+def test_micro_batch_choices_divide_odd_global_batches():
+    from estimator.tuner import micro_batch_choices
+
+    factors = TuneOptions().micro_batch_factors
+    assert micro_batch_choices(Cell("a100", 4, 4, 2), 64, factors) == (2, 4, 8, 16, 32)
+    assert micro_batch_choices(Cell("a100", 4, 4, 1), 6, factors) == (1, 2, 3)
+    assert micro_batch_choices(Cell("a100", 4, 4, 2), 10, factors) == (2, 5)
+    result = tune(JobSpec("gpt-1.3b", 10), Cell("a100", 4, 4, 2), load_cluster("crius-1280"),
+                  TuneOptions(prune="none"))
+    assert result.ranked and result.ranked[0].score.feasible
+    assert {r.candidate.micro_batches for r in result.ranked} == {2, 5}
