@@ -147,8 +147,7 @@ def render_slurm_conf(cluster: ClusterSpec, paths: LabPaths, base_port: int,
         # Nodes declare more CPUs, memory and GPUs than this machine has.
         "SlurmdParameters=config_overrides",
         "ReturnToService=2",
-        # The rescale protocol: exit 85 requeues, 86 requeues held.
-        "RequeueExit=85",
+        # The rescale protocol: a trainer that exits 86 is requeued held.
         "RequeueExitHold=86",
         "JobSubmitPlugins=lua",
         f"KillWait={KILL_WAIT_S}",
