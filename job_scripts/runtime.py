@@ -54,6 +54,7 @@ EXIT_BAD_INPUT = 2
 EXIT_RESCALE = 86
 EXIT_TERMINATED = 143
 PLAN_KEYS = ("cell", "plan", "mb", "remat", "layers")
+PROGRESS_EVERY_S = 30.0  # the daemon's view of the current step is at most this old
 # Flags that make XLA compile fast on the CPU; fake-device runs test the protocol, and
 # the small models they use spend most of their time compiling, not computing.
 CPU_FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0",
@@ -254,6 +255,9 @@ class Job:
         self.next_step = 1
         self._saved_step: int | None = None
         self._meter = _Meter(cfg.warmup_steps)
+        self._step: int | None = None  # the last step done, and when
+        self._step_at_s: float | None = None
+        self._written_at_s = 0.0
         self._running = {"cell": None, "plan": plan_text, "plan_source": plan_source,
                          "tuning_s": 0.0, "candidates_measured": 0}
         if plan_text:
@@ -443,11 +447,13 @@ class Job:
                          "tuning_s": round(tuning_s, 3), "candidates_measured": candidates_measured}
 
     def record_step(self, step: int, loss: float, seconds: float) -> None:
-        """Log ``step N loss X time Ts`` and time the step for the daemon."""
+        """Log ``step N loss X time Ts``; time the step and report it to the daemon."""
         log.info("step %d loss %.6f time %.3fs", step, loss, seconds)
-        # Early and then ever rarer updates (1, 2, 4, 8, ... timed steps): the daemon
-        # learns the real speed of a new plan within a few steps, at little cost.
-        if self._meter.add(seconds):
+        self._step, self._step_at_s = step, time.time()
+        # Early and then ever rarer speed updates (1, 2, 4, 8, ... timed steps): the daemon
+        # learns the real speed of a new plan within a few steps, at little cost; the
+        # current step at least every PROGRESS_EVERY_S.
+        if self._meter.add(seconds) or self._step_at_s - self._written_at_s >= PROGRESS_EVERY_S:
             self._write_measured()
 
     @property
@@ -459,12 +465,13 @@ class Job:
         mean = self._meter.mean_s
         if not self.writer or mean is None:
             return
+        self._written_at_s = time.time()
         write_json_atomic(self.config.checkpoint_dir / MEASURED_FILE, {
             **self._running, "job_id": self.alloc.job_id, "global_batch": self.global_batch,
             "num_devices": len(self.devices), "platform": self.config.platform,
             "restart_count": self.alloc.restart_count, "iteration_time_s": mean,
             "steps_measured": self._meter.timed, "samples_per_s": self.global_batch / mean,
-            "updated_at_s": time.time()})
+            "step": self._step, "step_at_s": self._step_at_s, "updated_at_s": self._written_at_s})
 
     def finish(self, step: int, arrays, meta: dict | None = None) -> int:
         """Checkpoint the state after ``step`` (unless already), leave jax.distributed
@@ -473,6 +480,8 @@ class Job:
         if self._saved_step != step:
             self.save(step, arrays, meta)
         self.close()
+        if self._step != step:
+            self._step, self._step_at_s = step, time.time()
         self._write_measured()
         if self.process_count > 1:
             import jax

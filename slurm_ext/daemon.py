@@ -44,7 +44,7 @@ from slurm_ext.observe import (  # noqa: F401
     job_states_argv, kv, measurement_from_text, model_loader_for, node_type, parse_job_states,
     parse_pending_listing,
     partition_types, pending_listing_argv, plan_comment, requested_gpus, reserved_cell,
-    running_assignment, running_plan_comment, type_partitions,
+    running_assignment, running_plan_comment, runner_progress, type_partitions,
 )
 from slurm_ext.run import run_command
 from slurm_ext.slurm_client import SlurmClient, SlurmJob, SlurmNode
@@ -415,7 +415,8 @@ class Daemon:
                 last_change_s=started_s if state == RUNNING else waiting_since_s,
                 deadline_s=spec.deadline_s, guaranteed=spec.guaranteed,
                 estimates=estimates, dp_only_estimates=est["dp-only"])
-            m = ManagedJob(job, spec, view, running_comment)
+            runner = runner_progress(measured_text, job) if measured_text is not None else None
+            m = ManagedJob(job, spec, view, running_comment, view.iterations_done, runner)
             if state == RUNNING:
                 m = replace(m, view=replace(view, iterations_done=min(
                     float(spec.iterations), view.iterations_done + m.run_iterations(now_s))))

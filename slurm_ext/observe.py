@@ -198,6 +198,43 @@ def best_estimate_for(view: JobView, cell: Cell) -> CellEstimate | None:
     return next((e for e in view.feasible_estimates() if same_shape(e.cell, cell)), None)
 
 
+# How far past its last report a runner's step is extrapolated at its measured speed.
+PROGRESS_EXTRAPOLATE_S = 120.0
+
+
+@dataclass(frozen=True)
+class RunnerProgress:
+    """The step a job's runner last reported (``measured.json``), when, and its speed."""
+
+    step: int
+    at_s: float
+    iteration_time_s: float
+
+    def steps_at(self, now_s: float) -> float:
+        """The step now: the reported one plus what the measured speed did since (for a
+        bounded time: a runner that stopped reporting is not assumed to go on)."""
+        since_s = min(max(0.0, now_s - self.at_s), PROGRESS_EXTRAPOLATE_S)
+        return self.step + since_s / self.iteration_time_s
+
+
+def runner_progress(measured_text: str, job: SlurmJob) -> RunnerProgress | None:
+    """The current run's progress from its runner's ``measured.json``; None when the file
+    is another job's or an earlier run's, or has no step."""
+    try:
+        raw = json.loads(measured_text)
+    except ValueError:
+        return None
+    if not isinstance(raw, dict) or str(raw.get("job_id")) != str(job.job_id) \
+            or raw.get("restart_count") != job.restart_count:
+        return None
+    step, at_s, t = raw.get("step"), raw.get("step_at_s"), raw.get("iteration_time_s")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return None
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in (at_s, t)):
+        return None
+    return RunnerProgress(step, float(at_s), float(t))
+
+
 @dataclass(frozen=True)
 class ManagedJob:
     """An elastic job with a valid spec, as Slurm shows it and as the policy sees it."""
@@ -208,9 +245,17 @@ class ManagedJob:
     # The AdminComment that shows the plan the job's runner runs (running_plan_comment),
     # when it differs from the job's; written for display only, never a reason to act.
     running_comment: str | None = None
+    # Iterations counted before the current run (the journal's), and the step the
+    # current run's runner reported, when it did.
+    progress_before: float = 0.0
+    runner: RunnerProgress | None = None
 
     def run_iterations(self, now_s: float) -> float:
-        """Iterations the current run has done, estimated from its run time."""
+        """Iterations the current run has done: from the step its runner reports, else
+        estimated from its run time. With a reported step this is relative to the
+        journal's count and so corrects it (negative when that count ran ahead)."""
+        if self.runner is not None:
+            return self.runner.steps_at(now_s) - self.progress_before
         a = self.view.assignment
         if a is None or not self.slurm.start_time_s:
             return 0.0

@@ -681,6 +681,48 @@ def test_daemon_shows_the_tuned_plan_of_a_running_job_and_does_nothing_else(tmp_
     assert report.managed == 1
 
 
+@pytest.mark.parametrize("restart_count,reported", [(0, True), (1, False)])
+def test_a_running_job_progresses_by_the_step_its_runner_reports(tmp_path, restart_count, reported):
+    """The policy sees the runner's real step (``measured.json``), not one derived from the
+    estimated speed; a file of an earlier run of the job is not the current run's step."""
+    job = SlurmJob(41, "alice", "train", "RUNNING", partition="a100", comment="elastic model=gpt-760m",
+                   admin_comment="requested=any cell=a100x4:s1 plan=[dp4tp1] mb=4 remat=1 why=started",
+                   gpus_per_node=4, granted_gpus_per_node=(4,), granted_gpu_type="a100", nodes=("a100-1",),
+                   node_count=1, submit_time_s=int(time.time()) - 3600, start_time_s=int(time.time()) - 3600,
+                   priority=1, restart_count=restart_count)
+    client = FakeSlurm([job], [node("a100-1", "a100", 4, used=4)], TRAINER)
+    (tmp_path / "41").mkdir()
+    (tmp_path / "41" / "measured.json").write_text(measured_json(
+        "cell=a100x4:s1 plan=[dp4tp1] mb=4 remat=1", source="AdminComment", step=500,
+        step_at_s=time.time(), iteration_time_s=2.0, restart_count=0))
+    cfg = resolve({"state_db": str(tmp_path / "state.db"), "checkpoint_root": str(tmp_path)}, {}, {})
+    daemon = Daemon(cfg, client, Store(cfg.state_db), out=lambda line: None)
+    seen = []
+    decide = daemon.policy.decide
+    daemon.policy.decide = lambda snapshot: seen.append(snapshot) or decide(snapshot)
+    daemon.round()
+    (view,) = seen[0].jobs
+    if reported:
+        assert 500 <= view.iterations_done < 501  # 500 steps, plus what 2 s steps did since
+    else:  # the run's hour at the Cell's speed (refined by the file to 2 s an iteration)
+        assert view.iterations_done == pytest.approx(1800, rel=0.01)
+
+
+def test_runner_progress_is_the_current_runs_and_extrapolated_for_a_bounded_time():
+    from slurm_ext.observe import PROGRESS_EXTRAPOLATE_S, RunnerProgress, runner_progress
+
+    job = SlurmJob(41, "alice", "train", "RUNNING", restart_count=2)
+    text = measured_json(step=70, step_at_s=1000.0, iteration_time_s=4.0, restart_count=2)
+    assert runner_progress(text, job) == RunnerProgress(70, 1000.0, 4.0)
+    assert runner_progress(text, replace(job, restart_count=1)) is None
+    assert runner_progress(text, replace(job, job_id=42)) is None
+    assert runner_progress(measured_json(restart_count=2), job) is None  # no step (an older runner)
+    assert runner_progress("{not json", job) is None
+    p = RunnerProgress(70, 1000.0, 4.0)
+    assert p.steps_at(1000.0) == 70 and p.steps_at(1040.0) == 80 and p.steps_at(990.0) == 70
+    assert p.steps_at(1e6) == 70 + PROGRESS_EXTRAPOLATE_S / 4.0
+
+
 def test_a_job_rescaled_this_round_keeps_its_new_admin_comment(tmp_path):
     from estimator.jobs import JobSpec
     from policy.clock import SimulatedClock

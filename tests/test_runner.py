@@ -145,6 +145,7 @@ def test_usr1_checkpoints_exits_86_and_resumes_under_another_plan(tmp_path, cach
     assert meta["data"] == {"next_step": saved + 1, "next_sample": saved * GLOBAL_BATCH}
     assert meta["global_batch"] == GLOBAL_BATCH and meta["plan"] == DP4
     assert " absl: " not in first.text()  # Orbax's INFO chatter stays out of the job's log
+    assert json.loads((ckpt / "measured.json").read_text())["step"] == saved  # where the daemon reads it
 
     # The daemon moved it to another GPU type with a two-stage dp/tp plan.
     second = Runner(tmp_path, "second", ckpt, MIXED, 4, cache, restart_count=1)
@@ -159,6 +160,7 @@ def test_usr1_checkpoints_exits_86_and_resumes_under_another_plan(tmp_path, cach
     measured = json.loads((ckpt / "measured.json").read_text())  # the last run's figures
     assert measured["cell"] == "h100x4:s2" and measured["plan"] == MIXED
     assert measured["iteration_time_s"] > 0 and measured["steps_measured"] >= 1
+    assert measured["step"] == ITERATIONS and measured["restart_count"] == 1
 
 
 def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, cache, reference):
