@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         # round and follows up within seconds): the warm-up is then one long cold round.
         config = resolve({"state_db": str(root / "state.db"), "policy": args.policy,
                           "max_new_specs_per_round": args.jobs}, {}, {})
-        daemon = Daemon(config, client, Store(config.state_db), out=lambda line: None, env=lab.env())
+        daemon = Daemon(config, client, Store(config.state_db), out=lambda line: None)
         warmup, cycles = [], []
         # Warm-up: the daemon reads new specs (one batch script each) at a bounded rate per
         # round; these cold rounds are reported apart from the steady ones measured after.

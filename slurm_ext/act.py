@@ -34,13 +34,11 @@ from policy.interface import (
 )
 from slurm_ext import store as journal
 from slurm_ext.config import DaemonConfig
-from slurm_ext.errors import SlurmCommandError, SlurmExtError
+from slurm_ext.errors import SlurmExtError
 from slurm_ext.metrics import Metrics
 from slurm_ext.observe import (
-    ManagedJob, best_estimate_for, is_held, job_states_argv, kv, parse_job_states, plan_comment,
-    same_shape, type_partitions,
+    ManagedJob, best_estimate_for, is_held, kv, plan_comment, same_shape, type_partitions,
 )
-from slurm_ext.run import run_command
 from slurm_ext.slurm_client import ACTIVE_STATES, REQUEUE_SETTLE_S, JobUpdate, SlurmClient, SlurmJob
 from slurm_ext.squeue_view import PlanComment, format_plan_comment, plan_label
 from slurm_ext.store import Store, plan_recovery
@@ -111,12 +109,11 @@ class Actor:
         out: where ``--dry-run`` prints the actions it would take.
         config: returns the current configuration (it changes on reload).
         stopped: True once the service was asked to stop (a rescale then stops waiting).
-        env: variables for the cheap state polls during a rescale.
     """
 
     def __init__(self, client: SlurmClient, store: Store, clock: Clock, metrics: Metrics,
                  out: Callable[[str], None], config: Callable[[], DaemonConfig],
-                 stopped: Callable[[], bool], env: dict[str, str] | None = None):
+                 stopped: Callable[[], bool]):
         self.client = client
         self.store = store
         self.clock = clock
@@ -124,7 +121,6 @@ class Actor:
         self.out = out
         self._config = config
         self._stopped = stopped
-        self._env = env
 
     @property
     def config(self) -> DaemonConfig:
@@ -428,11 +424,7 @@ class Actor:
 
     def _job_states(self, job_ids: set[int]) -> dict[int, tuple[str, bool]]:
         """Job id → (state, held) of the given jobs, from the cheap listing (gone: absent)."""
-        out = run_command(job_states_argv(job_ids), self.config.slurm_timeout_s, env=self._env,
-                          check=False)
-        if out.returncode != 0 and "Invalid job id" not in out.stderr:
-            raise SlurmCommandError(out.argv, out.returncode, out.stderr)
-        return parse_job_states(out.stdout)
+        return self.client.job_states(job_ids)
 
     def _wait_held(self, job_ids: set[int], timeout_s: float) -> tuple[set[int], float]:
         """Wait until each job is held or gone; returns the ones still running at the

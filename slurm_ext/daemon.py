@@ -40,13 +40,10 @@ from slurm_ext.jobspec import ElasticSpec, ElasticSpecError, check_model, parse_
 from slurm_ext.metrics import Metrics
 # The observe helpers are re-exported: callers and tests know them from here.
 from slurm_ext.observe import (  # noqa: F401
-    HELD_FOR_RESCALE, ManagedJob, build_snapshot, cluster_spec, estimate_key, is_held,
-    job_states_argv, kv, measurement_from_text, model_loader_for, node_type, parse_job_states,
-    parse_pending_listing,
-    partition_types, pending_listing_argv, plan_comment, requested_gpus, reserved_cell,
+    ManagedJob, build_snapshot, cluster_spec, estimate_key, is_held, kv, measurement_from_text,
+    model_loader_for, node_type, partition_types, plan_comment, requested_gpus, reserved_cell,
     running_assignment, running_plan_comment, runner_progress, type_partitions,
 )
-from slurm_ext.run import run_command
 from slurm_ext.slurm_client import SlurmClient, SlurmJob, SlurmNode
 from slurm_ext.store import EstimateCache, Store
 
@@ -97,15 +94,12 @@ class Daemon:
         metrics: Prometheus metrics (no-op when disabled).
         out: where ``--dry-run`` prints the actions it would take.
         reload: returns a fresh config on SIGHUP (None: reload is not possible).
-        env: variables for the daemon's own Slurm commands (the arrival poll), e.g.
-            ``{"SLURM_CONF": ...}``; None inherits the environment, as the client should.
     """
 
     def __init__(self, config: DaemonConfig, client: SlurmClient, store: Store,
                  clock: Clock | None = None, metrics: Metrics | None = None,
                  out: Callable[[str], None] = print,
-                 reload: Callable[[], DaemonConfig] | None = None,
-                 env: dict[str, str] | None = None):
+                 reload: Callable[[], DaemonConfig] | None = None):
         self.client = client
         self.store = store
         self._wake = threading.Event()
@@ -113,7 +107,6 @@ class Daemon:
         self.metrics = metrics or Metrics(None)
         self.out = out
         self._reload = reload
-        self._env = env
         self._stop = False
         self._reload_requested = False
         self._policy_state: object = None
@@ -126,7 +119,7 @@ class Daemon:
         self.config = config
         self.policy: Policy = make_policy(config.policy, **dict(config.policy_options))
         self.actor = Actor(client, store, self.clock, self.metrics, out, lambda: self.config,
-                           lambda: self._stop, env)
+                           lambda: self._stop)
 
     # -- control ------------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -217,11 +210,11 @@ class Daemon:
 
     def _new_elastic_job(self) -> bool:
         try:
-            text = run_command(pending_listing_argv(), self.config.slurm_timeout_s, env=self._env).stdout
+            pending = self.client.pending_elastic_job_ids()
         except SlurmExtError as e:
             log.debug(kv("poll_failed", error=e))
             return False
-        new = [j for j in parse_pending_listing(text) if j not in self._known_ids]
+        new = [j for j in pending if j not in self._known_ids]
         if new:
             log.info(kv("elastic_job_arrived", job_ids=",".join(map(str, new[:10]))))
         return bool(new)

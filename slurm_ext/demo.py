@@ -271,7 +271,7 @@ def run_rescale_scenario(client: SlurmClient, env: dict[str, str], workdir: Path
     options = SCENARIO_POLICY_OPTIONS.get(policy, {}) if policy_options is None else policy_options
     config = resolve({"state_db": str(workdir / "state.db"), "rescale_timeout_s": 90.0,
                       "policy": policy, "policy_options": options}, {}, {})
-    daemon = Daemon(config, client, Store(config.state_db), out=lambda line: None, env=env)
+    daemon = Daemon(config, client, Store(config.state_db), out=lambda line: None)
     daemon.round()
     before = _wait(f"job {train} to start", lambda: _running(client, train), 30, log_tail)
     say(f"The daemon planned job {train} onto {before.granted_gpus} {before.granted_gpu_type}; "

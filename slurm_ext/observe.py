@@ -27,12 +27,9 @@ from estimator.plan_string import PlanString, parse_plan
 from estimator.refine import Measurement
 from policy.interface import Assignment, JobView, NodeView, Snapshot
 from policy.placement import FreeGpus
-from slurm_ext.jobspec import ElasticSpec, is_elastic
-from slurm_ext.slurm_client import HELD_REASONS, SlurmJob, SlurmNode
+from slurm_ext.jobspec import ElasticSpec
+from slurm_ext.slurm_client import HELD_FOR_RESCALE, SlurmJob, SlurmNode
 from slurm_ext.squeue_view import PLAN_SOURCES, PlanComment, format_plan_comment, parse_plan_comment
-
-HELD_FOR_RESCALE = frozenset({"SPECIAL_EXIT", "REQUEUE_HOLD"})
-
 
 @functools.lru_cache(maxsize=8192)
 def plan_comment(text: str) -> PlanComment:
@@ -57,50 +54,6 @@ def is_held(job: SlurmJob) -> bool:
 
 
 # -- observing: pure functions from Slurm's jobs and nodes to the policy's Snapshot ---
-
-def pending_listing_argv() -> list[str]:
-    """A cheap listing of pending jobs and their comments (0.02 s for 2,000 jobs)."""
-    return ["squeue", "-h", "-t", "PENDING", "-O", "JobID:|,Comment:|"]
-
-
-def parse_pending_listing(text: str) -> list[int]:
-    """Job ids of the elastic jobs in :func:`pending_listing_argv`'s output."""
-    out = []
-    for line in text.splitlines():
-        job_id, _, comment = line.partition("|")
-        job_id = job_id.strip()
-        if job_id.isdigit() and is_elastic(comment.rstrip("|")):
-            out.append(int(job_id))
-    return out
-
-
-def job_states_argv(job_ids: set[int]) -> list[str]:
-    """A cheap listing of some jobs' state, reason and priority (finished ones included)."""
-    return ["squeue", "-h", "--states=all", "-j", ",".join(str(j) for j in sorted(job_ids)),
-            "-O", "JobID:|,State:|,Reason:|,Priority:|"]
-
-
-def parse_job_states(text: str) -> dict[int, tuple[str, bool]]:
-    """Job id → (state, held) from :func:`job_states_argv`'s output.
-
-    Held: requeued held after a rescale signal (``SPECIAL_EXIT``, ``REQUEUE_HOLD``), or
-    pending with a hold reason or zero priority.
-    """
-    out: dict[int, tuple[str, bool]] = {}
-    for line in text.splitlines():
-        fields = line.split("|")
-        if len(fields) < 4 or not fields[0].strip().isdigit():
-            continue
-        state, reason = fields[1].strip(), fields[2].strip()
-        try:
-            zero_priority = float(fields[3]) == 0.0
-        except ValueError:
-            zero_priority = False
-        held = state in HELD_FOR_RESCALE or (state == "PENDING" and (
-            reason in HELD_REASONS or reason == "job requeued in held state" or zero_priority))
-        out[int(fields[0])] = (state, held)
-    return out
-
 
 MAX_MODEL_FILE_BYTES = 1 << 20
 

@@ -8,7 +8,7 @@ Slurm 22.05 cannot change a pending job's GPU *type*, so elastic jobs carry an u
 GPU count and the type is chosen by partition (one partition per GPU type).
 """
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -43,6 +43,8 @@ ACTIVE_STATES = frozenset({PENDING, RUNNING, SUSPENDED, COMPLETING, "CONFIGURING
 # REQUEUE_HOLD, until Slurm moves it back to PENDING.
 HELD_STATES = frozenset({PENDING, "SPECIAL_EXIT", "REQUEUE_HOLD"})
 HELD_REASONS = frozenset({"JobHeldUser", "JobHeldAdmin"})
+# States of a job requeued held after a rescale signal (exit 86).
+HELD_FOR_RESCALE = frozenset({"SPECIAL_EXIT", "REQUEUE_HOLD"})
 
 
 @dataclass(frozen=True)
@@ -321,6 +323,17 @@ class SlurmClient(Protocol):
 
     def cancel(self, job_id: int) -> None:
         """Cancel a job."""
+        ...
+
+    def job_states(self, job_ids: Iterable[int]) -> dict[int, tuple[str, bool]]:
+        """Job id → (state, held) of some jobs from a cheap listing (a rescale's polls):
+        finished jobs included, jobs Slurm no longer knows absent. Held: requeued held
+        after a rescale signal, or pending with a hold reason or zero priority."""
+        ...
+
+    def pending_elastic_job_ids(self) -> list[int]:
+        """Ids of the pending jobs whose comment asks for elastic scheduling, from a cheap
+        listing (polled between rounds to notice arrivals)."""
         ...
 
     def submit(self, request: SubmitRequest) -> int:

@@ -20,11 +20,12 @@ from estimator.cells import Cell
 from estimator.plan_string import parse_plan
 from conftest import wait_for as _wait
 from slurm_ext.config import ConfigError, DaemonConfig, load_config, resolve
+from slurm_ext.cli_backend import job_states_argv
 from slurm_ext.daemon import (
-    Daemon, build_snapshot, cluster_spec, job_states_argv, model_loader_for, parse_job_states,
-    parse_pending_listing, partition_types,
-    requested_gpus, reserved_cell, running_assignment, type_partitions,
+    Daemon, build_snapshot, cluster_spec, model_loader_for, partition_types, requested_gpus,
+    reserved_cell, running_assignment, type_partitions,
 )
+from slurm_ext.slurm_parse import parse_job_states, parse_pending_listing
 from slurm_ext.slurm_client import Gres, JobUpdate, SlurmJob, SlurmNode, SubmitRequest
 from slurm_ext.squeue_view import parse_plan_comment, rows
 from slurm_ext.store import DONE, RESCALE, START, Store
@@ -240,7 +241,7 @@ def running(client, *job_ids):
 def make_daemon(lab, client, tmp_path, out=None, **config):
     cfg = resolve({"state_db": str(tmp_path / "state.db"), "rescale_timeout_s": 15.0, **config}, {}, {})
     store = Store(cfg.state_db)
-    return Daemon(cfg, client, store, out=out or (lambda line: None), env=lab.env())
+    return Daemon(cfg, client, store, out=out or (lambda line: None))
 
 
 def assert_runs_as_planned(job: SlurmJob):
