@@ -29,8 +29,9 @@ from estimator.refine import MEASURED_FILE, refine
 from policy.clock import Clock, WallClock
 from policy.interface import (
     PENDING, RUNNING, TRIGGER_ARRIVAL, TRIGGER_COMPLETION, TRIGGER_ROUND, Decision,
-    DecisionError, JobView, Policy, validate_decision,
+    DecisionError, JobView, Policy, Snapshot, validate_decision,
 )
+from policy.placement import FreeGpus
 from policy.registry import make_policy
 from slurm_ext import store as journal
 from slurm_ext.act import Actor, Acts
@@ -57,6 +58,16 @@ LAUNCH_TIMEOUT_ROUNDS = 3
 LAUNCH_TIMEOUT_MIN_S = 60.0
 STUCK_REASONS = frozenset({"BadConstraints", "PartitionNodeLimit", "PartitionConfig",
                            "InvalidQOS", "PartitionDown", "PartitionInactive"})
+
+
+def job_fitting_idle_gpus(snapshot: Snapshot) -> str | None:
+    """A waiting job one of whose feasible Cells fits the GPUs free now, or None."""
+    free = FreeGpus.from_snapshot(snapshot)
+    for job in snapshot.jobs:
+        if job.assignment is None and any(job.can_run(e.cell) and free.place(e.cell) is not None
+                                          for e in job.feasible_estimates()):
+            return job.job_id
+    return None
 
 
 @dataclass(frozen=True)
@@ -261,6 +272,11 @@ class Daemon:
         reserved = [c for c in (reserved_cell(j, part_types) for j in about_to_start) if c is not None]
         snapshot = build_snapshot(now_s, nodes, managed, reserved, part_types, trigger,
                                   cfg.interval_s, cfg.restart_cost_s, self._policy_state)
+        if snapshot.policy_state is not None and (waiting := job_fitting_idle_gpus(snapshot)):
+            # Work-conserving: a policy may skip a round it believes unchanged, but not
+            # while a waiting job could run on GPUs that sit idle.
+            log.info(kv("resolve", why="idle GPUs fit a waiting job", job_id=waiting))
+            snapshot = replace(snapshot, policy_state=None)
         t2 = time.perf_counter()
         decision = self.policy.decide(snapshot)
         self.metrics.decision()

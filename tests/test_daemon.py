@@ -709,6 +709,34 @@ def test_a_running_job_progresses_by_the_step_its_runner_reports(tmp_path, resta
         assert view.iterations_done == pytest.approx(1800, rel=0.01)
 
 
+@pytest.mark.parametrize("gpus_free", [True, False])
+def test_a_round_believed_unchanged_is_solved_while_a_waiting_job_fits_idle_gpus(tmp_path, gpus_free):
+    """cells-ilp skips a round whose jobs and outside GPUs are as its last decision left
+    them; the daemon makes it solve anyway while a waiting job fits GPUs that sit idle."""
+    from policy.cells_ilp import CellsIlpState, _fingerprint
+
+    job = SlurmJob(41, "alice", "train", "PENDING", partition="a100", comment="elastic model=gpt-760m",
+                   reason="JobHeldAdmin", gpus_per_node=4, submit_time_s=int(time.time()) - 60,
+                   priority=0)
+    a100 = node("a100-1", "a100", 4, used=0 if gpus_free else 4)
+    client = FakeSlurm([job], [a100], TRAINER)
+    cfg = resolve({"state_db": str(tmp_path / "state.db")}, {}, {})
+    daemon = Daemon(cfg, client, Store(cfg.state_db), out=lambda line: None)
+    seen = []
+    decide = daemon.policy.decide
+    daemon.policy.decide = lambda snapshot: seen.append(snapshot) or decide(snapshot)
+    daemon.round()
+    (first,) = seen
+    # As if the last solve had left exactly this state, a moment ago.
+    daemon._policy_state = CellsIlpState(_fingerprint(first, {}), time.time())
+    client.calls.clear()
+    daemon.round()
+    assert (seen[1].policy_state is None) == gpus_free
+    started = [c for c in client.calls if c[:2] == ("update", 41) and c[2].num_nodes is not None]
+    assert bool(started) == gpus_free  # without the rule the round is skipped: no start
+    assert (("release", 41) in client.calls) == gpus_free
+
+
 def test_runner_progress_is_the_current_runs_and_extrapolated_for_a_bounded_time():
     from slurm_ext.observe import PROGRESS_EXTRAPOLATE_S, RunnerProgress, runner_progress
 
