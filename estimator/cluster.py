@@ -3,7 +3,7 @@
 A spec loads from YAML::
 
     name: my-cluster
-    network: {kind: infiniband, bandwidth_gbps: 25}   # between nodes, per node, one direction
+    network: {kind: infiniband, bandwidth_gbytes_s: 25}   # between nodes, per node, one direction
     node_groups:
       - {gpu_type: a100, nodes: 80, gpus_per_node: 4}
       - {gpu_type: a40, nodes: 160, gpus_per_node: 2, partition: a40, network: {kind: default}}
@@ -21,13 +21,13 @@ from estimator.gpus import gpu_type
 
 # Network kinds and their default per-node bandwidth, GB/s one direction. `default` is the
 # Ethernet of the measured clusters (10 GbE class); `infiniband` HDR 200 Gb/s.
-NETWORK_DEFAULT_GBPS = {"default": 1.25, "ethernet": 1.25, "infiniband": 25.0, "roce": 12.5}
+NETWORK_DEFAULT_GBYTES_S = {"default": 1.25, "ethernet": 1.25, "infiniband": 25.0, "roce": 12.5}
 
 
 @dataclass(frozen=True)
 class Network:
     kind: str = "default"
-    bandwidth_gbps: float = NETWORK_DEFAULT_GBPS["default"]
+    bandwidth_gbytes_s: float = NETWORK_DEFAULT_GBYTES_S["default"]
 
 
 @dataclass(frozen=True)
@@ -79,13 +79,15 @@ def _network(raw: object, where: str) -> Network:
     if raw is None:
         return Network()
     if not isinstance(raw, dict):
-        raise SpecError(where, raw, "give a mapping {kind: ..., bandwidth_gbps: ...}")
+        raise SpecError(where, raw, "give a mapping {kind: ..., bandwidth_gbytes_s: ...}")
     kind = str(raw.get("kind", "default")).lower()
-    if kind not in NETWORK_DEFAULT_GBPS:
-        raise SpecError(f"{where}.kind", kind, f"use one of {', '.join(NETWORK_DEFAULT_GBPS)}")
-    bw = raw.get("bandwidth_gbps", NETWORK_DEFAULT_GBPS[kind])
+    if kind not in NETWORK_DEFAULT_GBYTES_S:
+        raise SpecError(f"{where}.kind", kind, f"use one of {', '.join(NETWORK_DEFAULT_GBYTES_S)}")
+    # bandwidth_gbps: the key's earlier name (it always held GB/s, not Gbit/s).
+    key = "bandwidth_gbps" if "bandwidth_gbps" in raw and "bandwidth_gbytes_s" not in raw else "bandwidth_gbytes_s"
+    bw = raw.get(key, NETWORK_DEFAULT_GBYTES_S[kind])
     if not isinstance(bw, (int, float)) or isinstance(bw, bool) or bw <= 0:
-        raise SpecError(f"{where}.bandwidth_gbps", bw, "give a positive number of GB/s")
+        raise SpecError(f"{where}.{key}", bw, "give a positive number of GB/s (gigabytes per second)")
     return Network(kind, float(bw))
 
 

@@ -143,7 +143,7 @@ def _algorithm_factor(op: str, n: int) -> float:
 
 
 def model_time(op: str, group_size: int, nodes_spanned: int, nbytes: float, gpu_type_name: str,
-               inter_node_gbps: float) -> float:
+               inter_node_gbytes_s: float) -> float:
     """Latency-bandwidth estimate: ring algorithms over the slowest link a group crosses."""
     if group_size <= 1 or nbytes <= 0:
         return 0.0
@@ -151,17 +151,17 @@ def model_time(op: str, group_size: int, nodes_spanned: int, nbytes: float, gpu_
     if nodes_spanned > 1:
         # A node's NIC is shared by the node's members of the group.
         per_node = max(1, group_size // nodes_spanned)
-        bw = min(gpu.intra_node_link_gbps, inter_node_gbps / (per_node if op != "send" else 1))
+        bw = min(gpu.intra_node_link_gbytes_s, inter_node_gbytes_s / (per_node if op != "send" else 1))
         latency = LATENCY_INTER_S
     else:
-        bw, latency = gpu.intra_node_link_gbps, LATENCY_INTRA_S
+        bw, latency = gpu.intra_node_link_gbytes_s, LATENCY_INTRA_S
     steps = 2 * (group_size - 1) if op == "all-reduce" else (group_size - 1 if op != "send" else 1)
     return latency * steps + _algorithm_factor(op, group_size) * nbytes / (bw * 1e9)
 
 
 def collective_time(table: CommTable | None, op: str, group_size: int, nodes_spanned: int,
                     nbytes: float, gpu_type_name: str, network: str,
-                    inter_node_gbps: float) -> CommTime:
+                    inter_node_gbytes_s: float) -> CommTime:
     """Seconds for one collective over ``nbytes`` (the full buffer) among ``group_size`` GPUs.
 
     Reads the measured curve for this GPU type, op, group size and span when the table has
@@ -184,7 +184,7 @@ def collective_time(table: CommTable | None, op: str, group_size: int, nodes_spa
                     g, curve = near
                     scale = _algorithm_factor(op, group_size) / _algorithm_factor(op, g)
                     return CommTime(_interpolate(*curve, nbytes) * scale, "table")
-    return CommTime(model_time(op, group_size, nodes_spanned, nbytes, gpu_type_name, inter_node_gbps), "model")
+    return CommTime(model_time(op, group_size, nodes_spanned, nbytes, gpu_type_name, inter_node_gbytes_s), "model")
 
 
 def _nearest_group(table: CommTable, gpu: str, net: str, op: str, group_size: int, span: int):

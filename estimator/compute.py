@@ -69,5 +69,5 @@ def layer_time_s(layer: LayerSpec, gpu: GpuType, eff: Efficiency, dtype: str, sa
     flops_s = work_flop / (rate * occupancy)
     shared = layer.activation_bytes_tp_shared / max(layer.activation_bytes, 1.0)
     moved = layer.elementwise_bytes * samples * (shared + (1.0 - shared) / tp)
-    memory_s = moved / (gpu.memory_bandwidth_gbps * 1e9 * eff.memory_frac)
+    memory_s = moved / (gpu.memory_bandwidth_gbytes_s * 1e9 * eff.memory_frac)
     return passes * (flops_s + memory_s + eff.layer_overhead_s)

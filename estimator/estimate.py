@@ -141,7 +141,7 @@ def _span(first_device: int, count: int, stride: int, gpus_per_node: int) -> int
 
 def _comm(ctx: _Context, op: str, group: int, span: int, nbytes: float) -> tuple[float, str]:
     t = collective_time(ctx.table, op, group, span, nbytes, ctx.cell.gpu_type,
-                        ctx.group.network.kind, ctx.group.network.bandwidth_gbps)
+                        ctx.group.network.kind, ctx.group.network.bandwidth_gbytes_s)
     if span > 1:
         return t.seconds / ctx.eff.inter_node_frac, t.source
     return t.seconds, t.source
@@ -235,7 +235,7 @@ def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan, co
     update_params = params / (dp if zero >= 1 else 1)
     # The update reads weights, grads, master and states, and writes weights, master, states.
     update_bytes = update_params * (2 * w_b + g_b + 2 * o_b)
-    update_s = update_bytes / (gpu.memory_bandwidth_gbps * 1e9 * ctx.eff.memory_frac)
+    update_s = update_bytes / (gpu.memory_bandwidth_gbytes_s * 1e9 * ctx.eff.memory_frac)
     # GPipe keeps every micro-batch's activations until the backward passes start; a single
     # stage is plain gradient accumulation, one micro-batch at a time.
     in_flight = B if ctx.cell.num_stages > 1 else 1

@@ -34,8 +34,8 @@ class GpuType:
     fp16_tflops: float  # dense fp16/bf16 tensor-core rate
     tf32_tflops: float  # rate XLA uses for fp32 matmuls/convs by default (TF32 where present)
     fp32_tflops: float  # plain fp32 (CUDA cores)
-    memory_bandwidth_gbps: float  # GB/s of device memory
-    intra_node_link_gbps: float  # GB/s per GPU, one direction, to its node peers
+    memory_bandwidth_gbytes_s: float  # GB/s of device memory
+    intra_node_link_gbytes_s: float  # GB/s per GPU, one direction, to its node peers
     gpus_per_node: int
     pcie_only: bool  # no NVLink/NVSwitch between all GPUs of a node
 

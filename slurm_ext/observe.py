@@ -336,7 +336,7 @@ def running_plan_comment(admin_comment: str, measured_text: str, allow_cpu: bool
 def estimate_key(spec: ElasticSpec, cluster: ClusterSpec, plan_space: str,
                  micro_batches: int | None, max_gpus: int) -> str:
     """The estimate cache's key: everything the estimates depend on."""
-    groups = [(g.gpu_type, g.nodes, g.gpus_per_node, g.network.kind, g.network.bandwidth_gbps)
+    groups = [(g.gpu_type, g.nodes, g.gpus_per_node, g.network.kind, g.network.bandwidth_gbytes_s)
               for g in cluster.node_groups]
     key = [spec.model, spec.global_batch, spec.num_gpus, spec.gpu_type, plan_space,
            micro_batches, max_gpus, groups]

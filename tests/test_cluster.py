@@ -45,3 +45,17 @@ def test_load_from_yaml_file(tmp_path):
     assert c.name == "mine" and c.total_gpus("h100") == 16
     with pytest.raises(SpecError):
         load_cluster(str(tmp_path / "missing.yaml"))
+
+
+def test_network_bandwidth_is_in_gigabytes_per_second_under_either_key_name():
+    group = {"gpu_type": "a100", "nodes": 1, "gpus_per_node": 4}
+    new = cluster_from_dict({"name": "x", "network": {"kind": "infiniband", "bandwidth_gbytes_s": 12.5},
+                             "node_groups": [group]})
+    old = cluster_from_dict({"name": "x", "network": {"kind": "infiniband", "bandwidth_gbps": 12.5},
+                             "node_groups": [group]})
+    assert new.group("a100").network.bandwidth_gbytes_s == old.group("a100").network.bandwidth_gbytes_s == 12.5
+    default = cluster_from_dict({"name": "x", "network": {"kind": "infiniband"}, "node_groups": [group]})
+    assert default.group("a100").network.bandwidth_gbytes_s == 25.0
+    with pytest.raises(SpecError) as e:
+        cluster_from_dict({"name": "x", "network": {"bandwidth_gbytes_s": -1}, "node_groups": [group]})
+    assert e.value.field == "network.bandwidth_gbytes_s"
