@@ -132,9 +132,11 @@ class Actor:
         if not entries:
             return 0
         jobs = {j.job_id: j for j in self.client.jobs()}
-        # A job may have been requeued just now: releasing it in that second would fail it.
-        self.clock.sleep_until(self.clock.now_s() + REQUEUE_SETTLE_S)
-        for step in plan_recovery(entries, jobs):
+        steps = plan_recovery(entries, jobs)
+        if any(s.step in (journal.REAPPLY, journal.RELEASE_ONLY) for s in steps):
+            # A job may have been requeued just now: releasing it in that second would fail it.
+            self.clock.sleep_until(self.clock.now_s() + REQUEUE_SETTLE_S)
+        for step in steps:
             e = step.entry
             log.warning(kv("recover", job_id=e.job_id, kind=e.kind, step=step.step, why=step.why))
             if self.config.dry_run:
@@ -384,7 +386,7 @@ class Actor:
                 self.store.close_entry(entry, journal.FAILED, self.clock.now_s(), "never came back held")
         # A run released in the second its predecessor ended fails on its nodes.
         self.clock.sleep_until(held_seen_s + REQUEUE_SETTLE_S)
-        states = self._job_states(set(entries)) if entries else {}
+        states = self.client.job_states(entries)
         for job_id, (entry, action, update) in sorted(entries.items()):
             if states.get(job_id, ("GONE", False))[0] not in ACTIVE_STATES:
                 self.store.close_entry(entry, journal.ABANDONED, self.clock.now_s(), "job ended")
@@ -422,10 +424,6 @@ class Actor:
         except SlurmExtError as e:
             log.warning(kv("signal_failed", job_ids=",".join(map(str, job_ids)), error=e))
 
-    def _job_states(self, job_ids: set[int]) -> dict[int, tuple[str, bool]]:
-        """Job id → (state, held) of the given jobs, from the cheap listing (gone: absent)."""
-        return self.client.job_states(job_ids)
-
     def _wait_held(self, job_ids: set[int], timeout_s: float) -> tuple[set[int], float]:
         """Wait until each job is held or gone; returns the ones still running at the
         deadline and when the last of the others was seen held or gone."""
@@ -434,7 +432,7 @@ class Actor:
         held_seen_s = self.clock.now_s()
         while waiting and not self._stopped():
             try:
-                states = self._job_states(waiting)
+                states = self.client.job_states(waiting)
             except SlurmExtError as e:
                 log.warning(kv("poll_failed", error=e))
                 states = {j: ("UNKNOWN", False) for j in waiting}

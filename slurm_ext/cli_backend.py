@@ -324,7 +324,7 @@ class CliSlurmClient:
         return self._run(batch_script_argv(job_id))
 
     def job_states(self, job_ids: Iterable[int]) -> dict[int, tuple[str, bool]]:
-        ids = sorted(set(job_ids))
+        ids = set(job_ids)
         if not ids:
             return {}
         argv = job_states_argv(ids)

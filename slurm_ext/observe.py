@@ -31,6 +31,7 @@ from slurm_ext.jobspec import ElasticSpec
 from slurm_ext.slurm_client import HELD_FOR_RESCALE, SlurmJob, SlurmNode
 from slurm_ext.squeue_view import PLAN_SOURCES, PlanComment, format_plan_comment, parse_plan_comment
 
+
 @functools.lru_cache(maxsize=8192)
 def plan_comment(text: str) -> PlanComment:
     """`parse_plan_comment`, memoized: thousands of waiting jobs share a few AdminComments."""

@@ -23,13 +23,6 @@ FAILED = "FAILED"
 TIMEOUT = "TIMEOUT"
 NODE_FAIL = "NODE_FAIL"
 PREEMPTED = "PREEMPTED"
-
-# Release a requeued job only this long after it was first seen requeued. When a run ends,
-# each of its nodes revokes the job's credentials as of that second, and refuses any
-# credential issued in the same second: a run started then fails at once ("Job credential
-# revoked", state FAILED, not requeued). Slurm's own 121 s BeginTime after a requeue exists
-# for this; with ``StartTime=now`` the caller must wait past the second itself.
-REQUEUE_SETTLE_S = 1.1
 OUT_OF_MEMORY = "OUT_OF_MEMORY"
 BOOT_FAIL = "BOOT_FAIL"
 DEADLINE = "DEADLINE"
@@ -45,6 +38,13 @@ HELD_STATES = frozenset({PENDING, "SPECIAL_EXIT", "REQUEUE_HOLD"})
 HELD_REASONS = frozenset({"JobHeldUser", "JobHeldAdmin"})
 # States of a job requeued held after a rescale signal (exit 86).
 HELD_FOR_RESCALE = frozenset({"SPECIAL_EXIT", "REQUEUE_HOLD"})
+
+# Release a requeued job only this long after it was first seen requeued. When a run ends,
+# each of its nodes revokes the job's credentials as of that second, and refuses any
+# credential issued in the same second: a run started then fails at once ("Job credential
+# revoked", state FAILED, not requeued). Slurm's own 121 s BeginTime after a requeue exists
+# for this; with ``StartTime=now`` the caller must wait past the second itself.
+REQUEUE_SETTLE_S = 1.1
 
 
 @dataclass(frozen=True)
