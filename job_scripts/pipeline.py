@@ -16,7 +16,9 @@ Each device keeps its stage's weights, optimizer state and model state in flat b
 
 1. forward: for ticks t = 0 … M+S−2, stage s runs micro-batch t−s (if any), keeps the
    residuals of its backward pass (the vjp's, packed: per-layer inputs under remat,
-   every intermediate without), and sends its output to stage s+1 (``ppermute``);
+   every intermediate without) in its row of a residual buffer that the pipeline keeps
+   from step to step (every row is written before it is read), and sends its output to
+   stage s+1 (``ppermute``);
 2. backward: for ticks t = 0 … M+S−2, stage s takes micro-batch t−(S−1−s) back through
    its residuals and sends the input gradient to stage s−1, accumulating weight
    gradients;
@@ -120,6 +122,8 @@ class Pipeline:
         # What each stage keeps from its forward pass for its backward (pipelines only).
         self.residuals = self._probe_residuals() if len(self.stages) > 1 else []
         self.res_lengths = joint_lengths([r.layout for r in self.residuals]) or {"float32": 1}
+        self.stash_spec = P(PP, self.axes[1:] or None, None, None)
+        self._stash: dict | None = None  # the residual rows, kept from step to step
         self._step = self._build_step()
         self._init = self._build_init()
 
@@ -199,6 +203,18 @@ class Pipeline:
         jax.eval_shape(jax.shard_map(probe, mesh=self.mesh, in_specs=specs, out_specs=P(),
                                      check_vma=False), *args)
         return [found[st.index] for st in self.stages]
+
+    def _abstract_stash(self) -> dict:
+        """The residual rows of every device: one per micro-batch and a spare (the tiny
+        ``[..., 1]`` of a one-stage plan, which keeps none)."""
+        shape = (len(self.stages), self.plan.stages[0].num_gpus, self.plan.micro_batches + 1)
+        sharding = NamedSharding(self.mesh, self.stash_spec)
+        return {dt: jax.ShapeDtypeStruct(shape + (n,), dt, sharding=sharding)
+                for dt, n in self.res_lengths.items()}
+
+    def _zero_stash(self) -> dict:
+        return {dt: jax.jit(lambda a=a: jnp.zeros(a.shape, a.dtype), out_shardings=a.sharding)()
+                for dt, a in self._abstract_stash().items()}
 
     def _abstract_buffers(self, kind: str) -> dict:
         shape = (len(self.stages), self.plan.stages[0].num_gpus)
@@ -320,7 +336,7 @@ class Pipeline:
         upd = [update_branch(st) for st in self.stages]
         losses = [loss_branch(st) for st in self.stages]
 
-        def body(params, opt, state, xs, ys):
+        def body(params, opt, state, stash, xs, ys):
             params, opt, state = local(params), local(opt), local(state)
             s = lax.axis_index(PP)
 
@@ -335,7 +351,7 @@ class Pipeline:
                 g0 = {dt: jnp.zeros_like(b) for dt, b in params.items()}
                 (grads, state, loss), _ = lax.scan(
                     micro_batch, (g0, state, jnp.zeros((), jnp.float32)), jnp.arange(M))
-                return finish(params, opt, state, grads, loss)
+                return finish(params, opt, state, grads, loss, local(stash))
 
             def forward_tick(carry, t):
                 act, res, state, loss = carry
@@ -349,36 +365,38 @@ class Pipeline:
                 return (out, res, state, loss + l_m), None
 
             # Every micro-batch's residuals, one row each (and a spare): GPipe keeps them all
-            # until the backward passes start.
-            res0 = {dt: jnp.zeros((M + 1, n), dt) for dt, n in self.res_lengths.items()}
-            (_, res, state, loss), _ = lax.scan(
-                forward_tick, (act_zero, res0, state, jnp.zeros((), jnp.float32)), jnp.arange(M + S - 1))
+            # until the backward passes start. The rows are the last step's, overwritten
+            # before they are read: zeroing them afresh every step took a fifth of it on CPU.
+            (_, stash, state, loss), _ = lax.scan(
+                forward_tick, (act_zero, local(stash), state, jnp.zeros((), jnp.float32)),
+                jnp.arange(M + S - 1))
 
             def backward_tick(carry, t):
                 ct, grads = carry
                 m = t - (S - 1 - s)
                 busy = (m >= 0) & (m < M)
-                ct_out, g = lax.switch(jnp.where(busy, s, S), bwd, params, ct, res, jnp.clip(m, 0, M - 1))
+                ct_out, g = lax.switch(jnp.where(busy, s, S), bwd, params, ct, stash, jnp.clip(m, 0, M - 1))
                 grads = {dt: grads[dt] + g[dt] for dt in grads}
                 ct_out = {dt: lax.ppermute(v, PP, backward_pairs) for dt, v in ct_out.items()}
                 return (ct_out, grads), None
 
             g0 = {dt: jnp.zeros_like(b) for dt, b in params.items()}
             (_, grads), _ = lax.scan(backward_tick, (act_zero, g0), jnp.arange(M + S - 1))
-            return finish(params, opt, state, grads, loss)
+            return finish(params, opt, state, grads, loss, stash)
 
-        def finish(params, opt, state, grads, loss):
+        def finish(params, opt, state, grads, loss, stash):
             params, opt = self._switch(upd, params, opt, grads)
             loss = lax.psum(self._switch(losses, loss), PP) if S > 1 else self._switch(losses, loss)
             expand = lambda bufs: {dt: b[None, None] for dt, b in bufs.items()}  # noqa: E731
-            return expand(params), expand(opt), expand(state), loss
+            return expand(params), expand(opt), expand(state), expand(stash), loss
 
         c = {kind: {dt: self.container_spec for dt in self.lengths[kind]} for kind in KINDS}
+        c_stash = {dt: self.stash_spec for dt in self.res_lengths}
         mapped = jax.shard_map(body, mesh=self.mesh,
-                               in_specs=(c["params"], c["opt"], c["state"], self.input_spec(),
+                               in_specs=(c["params"], c["opt"], c["state"], c_stash, self.input_spec(),
                                          self.target_spec()),
-                               out_specs=(c["params"], c["opt"], c["state"], P()), check_vma=False)
-        return jax.jit(mapped, donate_argnums=(0, 1, 2))
+                               out_specs=(c["params"], c["opt"], c["state"], c_stash, P()), check_vma=False)
+        return jax.jit(mapped, donate_argnums=(0, 1, 2, 3))
 
     # ------------------------------------------------------------------ init
 
@@ -426,7 +444,10 @@ class Pipeline:
     def step(self, state: dict, inputs: np.ndarray, targets: np.ndarray) -> tuple[dict, jax.Array]:
         """One training step on one global batch; returns the new state and the mean loss."""
         xs, ys = self.place_batch(inputs, targets)
-        params, opt, model_state, loss = self._step(state["params"], state["opt"], state["state"], xs, ys)
+        if self._stash is None:
+            self._stash = self._zero_stash()
+        params, opt, model_state, self._stash, loss = self._step(
+            state["params"], state["opt"], state["state"], self._stash, xs, ys)
         return {"params": params, "opt": opt, "state": model_state}, loss
 
     def compile(self):
@@ -437,7 +458,7 @@ class Pipeline:
         xs = jax.ShapeDtypeStruct((M,) + x_shape, x_dtype, sharding=NamedSharding(self.mesh, self.input_spec()))
         ys = jax.ShapeDtypeStruct((M,) + jm.label_shape(self.arch, self.micro), jnp.int32,
                                   sharding=NamedSharding(self.mesh, self.target_spec()))
-        return self._step.lower(*abstract, xs, ys).compile()
+        return self._step.lower(*abstract, self._abstract_stash(), xs, ys).compile()
 
     def fits_memory(self) -> bool:
         """Whether the compiled step's peak memory fits the devices' (True when unknown)."""
