@@ -13,8 +13,6 @@ from dataclasses import dataclass, replace
 from estimator.cells import CellEstimate
 from estimator.errors import SpecError
 
-# The runner writes it beside the job's checkpoints; the daemon reads it.
-MEASURED_FILE = "measured.json"
 MEASURED = "measured"
 REFINED = "analytic+measured"
 

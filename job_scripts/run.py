@@ -27,7 +27,8 @@ import logging
 import sys
 import time
 
-from job_scripts.runtime import EXIT_BAD_INPUT, StopSignal
+from estimator.contract import ADMIN_COMMENT_PLAN, EXIT_BAD_INPUT
+from job_scripts.runtime import StopSignal
 
 # Installed before anything else is imported: a rescale request that arrives while the
 # runner starts up is recorded, not fatal (SIGUSR1's default action ends the process).
@@ -106,7 +107,7 @@ def choose_plan(job: runtime.Job, model_spec, arch, remaining: int):
                       job.alloc.gpus_per_node or len(job.devices), job.devices, stages, start,
                       remaining, cfg.platform)
     if not cfg.tune.enabled:
-        return Tuned(start, None, "AdminComment") if start else Tuned(best_estimated(req), None, "tuned")
+        return Tuned(start, None, ADMIN_COMMENT_PLAN) if start else Tuned(best_estimated(req), None, "tuned")
     return tune_plan(req, cfg.tune, job.agree_max, lambda: job.stop_requested() is not None, job.writer)
 
 

@@ -35,13 +35,16 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from estimator.contract import (ADMIN_COMMENT_PLAN, EXIT_BAD_INPUT, EXIT_DONE, EXIT_RESCALE, EXIT_TERMINATED,
+                                MEASURED_FILE, RunnerReport, comment_settings, merge_settings, plan_tokens,
+                                script_settings)
 from estimator.errors import SpecError
-from estimator.refine import MEASURED_FILE
 from job_scripts.checkpoint import Checkpoints, CheckpointError, Saved, write_json_atomic
 from job_scripts.run_config import SCRIPT_ENV, RunConfig, resolve_config
 from job_scripts.slurm_env import (COORDINATOR_ENV, SlurmAllocation, admin_comment_from_scontrol,
@@ -49,11 +52,6 @@ from job_scripts.slurm_env import (COORDINATOR_ENV, SlurmAllocation, admin_comme
 
 log = logging.getLogger(__name__)
 
-EXIT_DONE = 0
-EXIT_BAD_INPUT = 2
-EXIT_RESCALE = 86
-EXIT_TERMINATED = 143
-PLAN_KEYS = ("cell", "plan", "mb", "remat", "layers")
 PROGRESS_EVERY_S = 30.0  # the daemon's view of the current step is at most this old
 # Flags that make XLA compile fast on the CPU; fake-device runs test the protocol, and
 # the small models they use spend most of their time compiling, not computing.
@@ -76,29 +74,18 @@ class StopSignal:
         self.name = signal.Signals(signum).name
 
 
-def plan_tokens(admin_comment: str | None) -> str | None:
-    """The plan part of an AdminComment (the daemon may add ``why=...`` and other words)."""
-    if not admin_comment:
-        return None
-    words = [w for w in admin_comment.split() if w.partition("=")[0] in PLAN_KEYS and "=" in w]
-    keys = {w.partition("=")[0] for w in words}
-    return " ".join(words) if {"cell", "plan"} <= keys else None
-
-
 def scontrol_job_text(job_id: str) -> str | None:
     """``scontrol show job`` of this job (Comment, AdminComment), or None without Slurm."""
-    from job_scripts.slurm_env import scontrol_show_job_argv
+    from job_scripts.slurm_env import read_job_record
     try:
-        from slurm_ext.run import run_command
-        return run_command(scontrol_show_job_argv(job_id), timeout_s=30).stdout
-    except Exception as e:  # noqa: BLE001 - without Slurm the flags decide
+        return read_job_record(job_id)
+    except (OSError, subprocess.SubprocessError) as e:  # without Slurm the flags decide
         log.warning("could not read job %s with scontrol (%s)", job_id, e)
         return None
 
 
 def _elastic_settings(path: str | None, comment: str | None) -> dict[str, str]:
     """The job's ``#ELASTIC`` settings, overridden by its Comment's (as the daemon reads them)."""
-    from slurm_ext.jobspec import comment_settings, merge_settings, script_settings
     text = ""
     if path:
         try:
@@ -212,7 +199,7 @@ def start(*, stop: StopSignal | None = None, identity: dict | None = None,
     plan_text, source = cfg.plan_text, "given" if cfg.plan_text else None
     if plan_text is None and job_text:
         plan_text = plan_tokens(admin_comment_from_scontrol(job_text))
-        source = "AdminComment" if plan_text else None
+        source = ADMIN_COMMENT_PLAN if plan_text else None
     known = {"model": cfg.model} if cfg.model else {}
     return Job(cfg, alloc, devices, stop, plan_text, source,
                {"global_batch": cfg.global_batch, "seed": cfg.seed, **known, **(identity or {})})
@@ -261,7 +248,7 @@ class Job:
         self._running = {"cell": None, "plan": plan_text, "plan_source": plan_source,
                          "tuning_s": 0.0, "candidates_measured": 0}
         if plan_text:
-            log.info("plan %s (%s)", plan_text, "from the AdminComment" if plan_source == "AdminComment" else "given")
+            log.info("plan %s (%s)", plan_text, "from the AdminComment" if plan_source == ADMIN_COMMENT_PLAN else "given")
 
     # ------------------------------------------------------------------ settings
 
@@ -466,12 +453,13 @@ class Job:
         if not self.writer or mean is None:
             return
         self._written_at_s = time.time()
-        write_json_atomic(self.config.checkpoint_dir / MEASURED_FILE, {
-            **self._running, "job_id": self.alloc.job_id, "global_batch": self.global_batch,
-            "num_devices": len(self.devices), "platform": self.config.platform,
-            "restart_count": self.alloc.restart_count, "iteration_time_s": mean,
-            "steps_measured": self._meter.timed, "samples_per_s": self.global_batch / mean,
-            "step": self._step, "step_at_s": self._step_at_s, "updated_at_s": self._written_at_s})
+        report = RunnerReport(
+            **self._running, job_id=self.alloc.job_id, global_batch=self.global_batch,
+            num_devices=len(self.devices), platform=self.config.platform,
+            restart_count=self.alloc.restart_count, iteration_time_s=mean,
+            steps_measured=self._meter.timed, samples_per_s=self.global_batch / mean,
+            step=self._step, step_at_s=self._step_at_s, updated_at_s=self._written_at_s)
+        write_json_atomic(self.config.checkpoint_dir / MEASURED_FILE, report.to_json())
 
     def finish(self, step: int, arrays, meta: dict | None = None) -> int:
         """Checkpoint the state after ``step`` (unless already), leave jax.distributed

@@ -1,4 +1,5 @@
-"""What Slurm granted this job, read from its environment (pure functions).
+"""What Slurm granted this job, read from its environment (pure functions), and the
+runner's one read of Slurm: its own job record (:func:`read_job_record`).
 
 Inside an allocation Slurm describes the job through environment variables; these
 functions turn a mapping of them (``os.environ`` at the entry point, a recorded sample in
@@ -15,6 +16,7 @@ that names a catalog GPU type (slurm-ext keeps one partition per type).
 from __future__ import annotations
 
 import re
+import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -262,6 +264,18 @@ def scontrol_show_job_argv(job_id: str) -> list[str]:
     if not str(job_id).replace("_", "").isdigit():
         raise SpecError("job_id", job_id, "expected a numeric Slurm job id")
     return ["scontrol", "show", "job", str(job_id)]
+
+
+def read_job_record(job_id: str, timeout_s: float = 30.0) -> str:
+    """``scontrol show job`` of this job: the runner's one read of Slurm (its own record,
+    for the AdminComment and Comment). The daemon reaches Slurm only through its client;
+    the runner, inside the allocation, has just this.
+
+    Raises:
+        OSError, subprocess.SubprocessError: scontrol is missing, fails or times out.
+    """
+    return subprocess.run(scontrol_show_job_argv(job_id), capture_output=True, text=True,
+                          timeout=timeout_s, check=True).stdout
 
 
 def line_field_from_scontrol(text: str, name: str) -> str | None:

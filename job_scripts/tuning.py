@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from estimator.contract import ADMIN_COMMENT_PLAN
 from estimator.errors import SpecError
 from job_scripts.checkpoint import write_json_atomic
 from job_scripts.run_config import TuneConfig
@@ -343,7 +344,7 @@ def tune_plan(req: TuneRequest, cfg: TuneConfig, agree: Callable[[float], float]
     best = min(ok, key=lambda m: m.iteration_time_s)
     tuning_s = time.perf_counter() - t_begin
     start_s = measured[0].iteration_time_s if req.start and measured[0].plan == req.start else None
-    source = "AdminComment" if best.plan == req.start and len(measured) == 1 else "tuned"
+    source = ADMIN_COMMENT_PLAN if best.plan == req.start and len(measured) == 1 else "tuned"
     if writer and cfg.cache_dir is not None and len(measured) > 1:
         key = cache_key(req)
         write_json_atomic(_cache_path(cfg.cache_dir, key), {

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from estimator.contract import PlanComment, format_plan_comment
 from policy.clock import Clock
 from policy.interface import (
     CHANGE_TYPE, MOVE, RESIZE, START, SUSPEND, Action, Assignment, Decision, Snapshot,
@@ -40,7 +41,7 @@ from slurm_ext.observe import (
     ManagedJob, best_estimate_for, is_held, kv, plan_comment, same_shape, type_partitions,
 )
 from slurm_ext.slurm_client import ACTIVE_STATES, REQUEUE_SETTLE_S, JobUpdate, SlurmClient, SlurmJob
-from slurm_ext.squeue_view import PlanComment, format_plan_comment, plan_label
+from slurm_ext.squeue_view import plan_label
 from slurm_ext.store import Store, plan_recovery
 
 log = logging.getLogger(__name__)

@@ -7,11 +7,10 @@ Values are converted to Slurm's formats here and nowhere else.
 
 import logging
 import re
-from collections.abc import Mapping
-
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
+from estimator.contract import MAX_ADMIN_COMMENT_CHARS
 from slurm_ext.errors import SlurmArgumentError, SlurmCommandError, SlurmParseError
 from slurm_ext.run import run_command, run_commands
 from slurm_ext.slurm_client import JobUpdate, SlurmJob, SlurmNode, SubmitRequest
@@ -23,7 +22,6 @@ from slurm_ext.slurm_parse import (
 
 log = logging.getLogger(__name__)
 
-MAX_ADMIN_COMMENT_CHARS = 5000
 # More running GPU jobs than this without a known grant: one `scontrol show job` for all.
 DETAIL_ONE_BY_ONE_MAX = 8
 # Times in the listing as epoch seconds, whatever the site's SLURM_TIME_FORMAT.

@@ -22,10 +22,11 @@ from pathlib import Path
 from dataclasses import dataclass, replace
 
 from estimator.cluster import ClusterSpec
+from estimator.contract import MEASURED_FILE, ElasticSpecError
 from estimator.estimate import EstimateOptions, estimate_job
 from estimator.errors import SpecError
 from estimator.jobs import JobSpec
-from estimator.refine import MEASURED_FILE, refine
+from estimator.refine import refine
 from policy.clock import Clock, WallClock
 from policy.interface import (
     PENDING, RUNNING, TRIGGER_ARRIVAL, TRIGGER_COMPLETION, TRIGGER_ROUND, Decision,
@@ -37,7 +38,7 @@ from slurm_ext import store as journal
 from slurm_ext.act import Actor, Acts
 from slurm_ext.config import DaemonConfig
 from slurm_ext.errors import SlurmExtError
-from slurm_ext.jobspec import ElasticSpec, ElasticSpecError, check_model, parse_spec
+from slurm_ext.jobspec import ElasticSpec, check_model, parse_spec
 from slurm_ext.metrics import Metrics
 # The observe helpers are re-exported: callers and tests know them from here.
 from slurm_ext.observe import (  # noqa: F401

@@ -10,7 +10,8 @@ settings. The same settings may be written in the batch script on lines of their
 When a key is set in both places the Comment wins, as an ``sbatch`` command-line option
 overrides an ``#SBATCH`` line: the Comment is what the user typed last.
 
-Everything here is pure: reading the batch script and loading a model file are done by
+The settings are read by ``estimator.contract`` (the runner reads them the same way);
+this module validates them. Everything here is pure: reading the batch script and loading a model file are done by
 the caller (the daemon), which passes their text or a loader function in. Every bad input
 raises :class:`ElasticSpecError` (a :class:`~estimator.errors.SpecError`) that quotes the
 offending text and says what to write instead; its message is short enough to be stored
@@ -19,44 +20,20 @@ in the job's AdminComment.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Callable
 
+from estimator.contract import (COMMENT_TAG, SCRIPT_TAG, ElasticSpecError, comment_settings, is_elastic,
+                                merge_settings, script_settings)
 from estimator.errors import SpecError
 from estimator.gpus import CATALOG
 from estimator.jobs import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_STAGES, JobSpec
 
-COMMENT_TAG = "elastic"
-SCRIPT_TAG = "#ELASTIC"
-KEYS = ("model", "global_batch", "iterations", "gpus", "gpu_type", "deadline", "guaranteed", "max_stages")
 REQUIRED_KEYS = ("model", "global_batch", "iterations")
-# Limits that keep a hostile or broken submission from costing the daemon time or memory.
-MAX_COMMENT_CHARS = 1024
-MAX_SCRIPT_CHARS = 4 << 20
-MAX_SCRIPT_SPEC_LINES = 32
-MAX_VALUE_CHARS = 256
 MAX_ITERATIONS = 10**9
-MAX_QUOTED_CHARS = 60
-# Values are names, numbers, dates and paths: nothing a shell or Slurm would interpret.
-_SAFE_VALUE = re.compile(r"[A-Za-z0-9._/:+\-]+")
-_KEY = re.compile(r"[a-z_]+")
 _YES = {"yes", "true", "1", "on"}
 _NO = {"no", "false", "0", "off"}
-
-
-class ElasticSpecError(SpecError):
-    """An elastic job's spec is invalid; the job runs as submitted and this is shown.
-
-    The message is one line, quotes (a bounded prefix of) the bad input and says what to
-    write instead.
-    """
-
-    def __init__(self, field: str, value: object, hint: str):
-        if isinstance(value, str) and len(value) > MAX_QUOTED_CHARS:
-            value = value[:MAX_QUOTED_CHARS] + "..."
-        super().__init__(field, value, hint)
 
 
 @dataclass(frozen=True)
@@ -101,81 +78,6 @@ class ElasticSpec:
         return cls(**{k: raw.get(k) for k in (
             "model", "global_batch", "iterations", "num_gpus", "gpu_type", "deadline_s", "max_stages")},
             guaranteed=bool(raw.get("guaranteed", False)))
-
-
-def is_elastic(comment: str | None) -> bool:
-    """True when a job's Comment marks it elastic (first word ``elastic``, any case)."""
-    if not comment:
-        return False
-    words = comment.strip().split(None, 1)
-    return bool(words) and words[0].lower() == COMMENT_TAG
-
-
-def _pairs(text: str, source: str) -> dict[str, str]:
-    """``key=value`` words of one source; duplicates and unknown keys are errors."""
-    out: dict[str, str] = {}
-    for word in text.split():
-        key, sep, value = word.partition("=")
-        if not sep:
-            raise ElasticSpecError(source, word, "write settings as key=value, e.g. model=gpt-1.3b")
-        key = key.strip().lower()
-        if not _KEY.fullmatch(key) or key not in KEYS:
-            raise ElasticSpecError(source, word, f"unknown key; use {', '.join(KEYS)}")
-        if key in out:
-            raise ElasticSpecError(key, value, f"set twice in the {source}; keep one")
-        if not value:
-            raise ElasticSpecError(key, value, "empty value")
-        if len(value) > MAX_VALUE_CHARS:
-            raise ElasticSpecError(key, value, f"longer than {MAX_VALUE_CHARS} characters")
-        if not _SAFE_VALUE.fullmatch(value):
-            raise ElasticSpecError(key, value,
-                                   "only letters, digits and . _ / : + - are allowed (no quotes, spaces or shell characters)")
-        out[key] = value
-    return out
-
-
-def comment_settings(comment: str | None) -> dict[str, str]:
-    """The ``key=value`` settings after ``elastic`` in a Comment (empty if none)."""
-    if comment is None:
-        return {}
-    if len(comment) > MAX_COMMENT_CHARS:
-        raise ElasticSpecError("comment", comment, f"longer than {MAX_COMMENT_CHARS} characters")
-    if not is_elastic(comment):
-        return {}
-    rest = comment.strip()[len(COMMENT_TAG):]
-    # Slurm shows a comment with commas or semicolons unchanged; accept them as separators
-    # so `--comment="elastic model=x,global_batch=8"` works too.
-    rest = re.sub(r"[,;]", " ", rest)
-    return _pairs(rest, "comment")
-
-
-def script_settings(script: str | None) -> dict[str, str]:
-    """The settings of the ``#ELASTIC`` lines of a batch script (empty if none).
-
-    Lines count only when ``#ELASTIC`` starts the line, as ``#SBATCH`` does.
-    """
-    if not script:
-        return {}
-    if len(script) > MAX_SCRIPT_CHARS:
-        raise ElasticSpecError("script", f"{len(script)} characters",
-                               f"batch scripts above {MAX_SCRIPT_CHARS} characters are not read")
-    lines = [line for line in script.splitlines() if line.startswith(SCRIPT_TAG)]
-    if len(lines) > MAX_SCRIPT_SPEC_LINES:
-        raise ElasticSpecError("script", f"{len(lines)} #ELASTIC lines",
-                               f"use at most {MAX_SCRIPT_SPEC_LINES}")
-    words: list[str] = []
-    for line in lines:
-        rest = line[len(SCRIPT_TAG):]
-        if rest and not rest[0].isspace():
-            raise ElasticSpecError("script", line, f"put a space after {SCRIPT_TAG}")
-        # A trailing shell comment on the line is allowed and ignored.
-        words.append(rest.split("#", 1)[0])
-    return _pairs(" ".join(words), "batch script")
-
-
-def merge_settings(from_script: dict[str, str], from_comment: dict[str, str]) -> dict[str, str]:
-    """Script settings overridden by comment settings."""
-    return {**from_script, **from_comment}
 
 
 def _int(settings: dict[str, str], key: str, low: int, high: int) -> int | None:

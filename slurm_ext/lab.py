@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from estimator.cluster import ClusterSpec, load_cluster
+from estimator.contract import EXIT_RESCALE
 from slurm_ext.errors import LabError, SlurmExtError
 from slurm_ext.run import reap, run_command, start_background
 
@@ -148,7 +149,7 @@ def render_slurm_conf(cluster: ClusterSpec, paths: LabPaths, base_port: int,
         "SlurmdParameters=config_overrides",
         "ReturnToService=2",
         # The rescale protocol: a trainer that exits 86 is requeued held.
-        "RequeueExitHold=86",
+        f"RequeueExitHold={EXIT_RESCALE}",
         "JobSubmitPlugins=lua",
         f"KillWait={KILL_WAIT_S}",
         f"MaxJobCount={MAX_JOB_COUNT}",

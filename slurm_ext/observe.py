@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import pwd
 import stat
 from collections import Counter
@@ -20,6 +19,8 @@ from pathlib import Path
 
 from estimator.cells import Cell, CellEstimate
 from estimator.cluster import ClusterSpec, cluster_from_dict, load_cluster
+from estimator.contract import (PLAN_SOURCES, RUNNER_PLAN_SOURCES, PlanComment, RunnerReport,
+                                format_plan_comment, parse_plan_comment)
 from estimator.errors import SpecError
 from estimator.gpus import CATALOG
 from estimator.models import load_model
@@ -29,7 +30,6 @@ from policy.interface import Assignment, JobView, NodeView, Snapshot
 from policy.placement import FreeGpus
 from slurm_ext.jobspec import ElasticSpec
 from slurm_ext.slurm_client import HELD_FOR_RESCALE, SlurmJob, SlurmNode
-from slurm_ext.squeue_view import PLAN_SOURCES, PlanComment, format_plan_comment, parse_plan_comment
 
 
 @functools.lru_cache(maxsize=8192)
@@ -174,19 +174,12 @@ class RunnerProgress:
 def runner_progress(measured_text: str, job: SlurmJob) -> RunnerProgress | None:
     """The current run's progress from its runner's ``measured.json``; None when the file
     is another job's or an earlier run's, or has no step."""
-    try:
-        raw = json.loads(measured_text)
-    except ValueError:
+    r = RunnerReport.from_text(measured_text)
+    if r is None or r.job_id != str(job.job_id) or r.restart_count != job.restart_count:
         return None
-    if not isinstance(raw, dict) or str(raw.get("job_id")) != str(job.job_id) \
-            or raw.get("restart_count") != job.restart_count:
+    if r.step is None or r.step < 0 or not (r.step_at_s or 0) > 0 or not (r.iteration_time_s or 0) > 0:
         return None
-    step, at_s, t = raw.get("step"), raw.get("step_at_s"), raw.get("iteration_time_s")
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        return None
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in (at_s, t)):
-        return None
-    return RunnerProgress(step, float(at_s), float(t))
+    return RunnerProgress(r.step, r.step_at_s, r.iteration_time_s)
 
 
 @dataclass(frozen=True)
@@ -226,22 +219,16 @@ def measurement_from_text(text: str, cell_label: str | None, allow_cpu: bool) ->
     A file of another Cell (written before a rescale), from CPU fake devices (unless
     allowed: lab and tests), or that does not parse, says nothing about the current Cell.
     """
-    try:
-        raw = json.loads(text)
-        m = Measurement.from_json(raw)
-    except (ValueError, SpecError):
+    r = RunnerReport.from_text(text)
+    if r is None or cell_label is None or r.cell != cell_label:
         return None
-    if cell_label is None or m.cell_label != cell_label:
+    if not (r.iteration_time_s or 0) > 0 or not (r.steps_measured or 0) >= 1:
         return None
-    if raw.get("platform") != "gpu" and not allow_cpu:
+    if r.platform != "gpu" and not allow_cpu:
         return None
-    return m
+    return Measurement(r.cell, r.iteration_time_s, r.steps_measured)
 
 
-# measured.json's plan_source: the AdminComment's plan ran as is, or one the AdminComment's
-# ``src`` names (PLAN_SOURCES).
-ADMIN_COMMENT_PLAN = "AdminComment"
-RUNNER_PLAN_SOURCES = (ADMIN_COMMENT_PLAN, *PLAN_SOURCES)
 # A measured speed already shown is rewritten only when it moved by more than this: the
 # runner rewrites measured.json at every checkpoint, an AdminComment is one scontrol call.
 SPS_REFRESH_FRAC = 0.1
@@ -264,26 +251,17 @@ def running_plan_from_text(text: str) -> RunningPlan | None:
     None for anything malformed: not JSON, no valid ``plan`` string, a ``plan`` whose Cell
     is not ``cell``, an unknown ``plan_source`` (a runner that does not report it).
     """
-    try:
-        raw = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(raw, dict) or not isinstance(raw.get("cell"), str):
+    r = RunnerReport.from_text(text)
+    if r is None or r.cell is None or r.plan is None:
         return None
     try:
-        plan = parse_plan(raw.get("plan"))
+        plan = parse_plan(r.plan)
     except SpecError:
         return None
-    source, restarts = raw.get("plan_source"), raw.get("restart_count")
-    if plan.cell_label != raw["cell"] or source not in RUNNER_PLAN_SOURCES:
+    if plan.cell_label != r.cell or r.plan_source not in RUNNER_PLAN_SOURCES:
         return None
-    if restarts is not None and (not isinstance(restarts, int) or isinstance(restarts, bool)):
-        return None
-    sps = raw.get("samples_per_s")
-    good_sps = isinstance(sps, (int, float)) and not isinstance(sps, bool) and math.isfinite(sps) and sps > 0
-    platform = raw.get("platform")
-    return RunningPlan(plan, source, float(sps) if good_sps else None,
-                       platform if isinstance(platform, str) else None, restarts)
+    sps = r.samples_per_s if r.samples_per_s is not None and r.samples_per_s > 0 else None
+    return RunningPlan(plan, r.plan_source, sps, r.platform, r.restart_count)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -310,7 +288,7 @@ def running_plan_comment(admin_comment: str, measured_text: str, allow_cpu: bool
     run = running_plan_from_text(measured_text)
     if pc.cell is None or pc.error is not None or run is None or run.plan.cell_label != pc.cell:
         return None  # not a planned job, or a file of another Cell (before a rescale)
-    if restart_count is not None and run.restart_count is not None and run.restart_count != restart_count:
+    if restart_count is not None and run.restart_count != restart_count:
         return None  # written by an earlier run of the job
     p = run.plan
     layers = ",".join(map(str, p.layer_bounds)) if p.layer_bounds is not None else None

@@ -19,7 +19,7 @@ import re
 from collections.abc import Iterable, Mapping
 
 from slurm_ext.errors import SlurmParseError
-from slurm_ext.jobspec import is_elastic
+from estimator.contract import is_elastic
 from slurm_ext.slurm_client import HELD_FOR_RESCALE, HELD_REASONS, Gres, SlurmJob, SlurmNode
 
 log = logging.getLogger(__name__)

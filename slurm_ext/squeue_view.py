@@ -4,8 +4,9 @@ Everything shown is read from Slurm (the daemon writes its plan into each elasti
 AdminComment, which every user may read), so the view works for any user and needs no
 access to the daemon's state file.
 
-AdminComment format (written by the daemon, parsed here), space-separated ``key=value``
-tokens; ``why=`` or ``error=`` comes last and its value runs to the end of the string::
+AdminComment format (``estimator.contract``: the daemon writes it, the runner and this view
+read it), space-separated ``key=value`` tokens; ``why=`` or ``error=`` comes last and its
+value runs to the end of the string::
 
     requested=a100 cell=a100x8:s2 plan=[dp2tp2|dp4tp1] mb=16 remat=1 layers=0,13,26 sps=412.5 why=fastest feasible
     requested=a100 cell=a100x8:s2 plan=[dp4tp1|dp4tp1] mb=8 remat=0 layers=0,13,26 src=tuned sps=431 measured=1 why=fastest feasible
@@ -36,120 +37,22 @@ null), ``why`` (str), ``spec_error`` (str or null), ``plan_source`` (``daemon``,
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 from estimator.cells import Cell, StagePlan
+from estimator.contract import PlanComment, parse_plan_comment
 from slurm_ext.slurm_client import SlurmJob
 
-TAIL_KEYS = ("why", "error")
-# Where a plan that runs came from when it is not the daemon's (the ``src`` token).
-PLAN_SOURCES = ("tuned", "cached", "given")
 DAEMON_PLAN = "daemon"  # plan_source in the view when no ``src`` token says otherwise
 _SOURCE_NOTES = {"tuned": "plan tuned in this allocation",
                  "cached": "plan tuned in an earlier run on this Cell",
                  "given": "plan given by the user"}
-MAX_WHY_CHARS = 300
-MAX_ADMIN_COMMENT_CHARS = 4000
-_CELL = re.compile(r"(?P<type>[a-z0-9_]+)x(?P<gpus>\d+):s(?P<stages>\d+)")
-
-
-@dataclass(frozen=True)
-class PlanComment:
-    """The parsed AdminComment of an elastic job (every field optional)."""
-
-    requested: str | None = None
-    cell: str | None = None
-    plan: str | None = None
-    micro_batches: int | None = None
-    remat: bool | None = None
-    layers: str | None = None
-    samples_per_s: float | None = None
-    why: str | None = None
-    error: str | None = None
-    plan_source: str | None = None  # one of PLAN_SOURCES; None: the daemon's own plan
-    sps_measured: bool = False  # samples_per_s was measured on the running plan
-
-    def cell_parts(self) -> tuple[str, int, int] | None:
-        """(gpu_type, num_gpus, num_stages) of ``cell``, or None."""
-        m = _CELL.fullmatch(self.cell or "")
-        return (m["type"], int(m["gpus"]), int(m["stages"])) if m else None
 
 
 def plan_label(stages: Sequence[StagePlan]) -> str:
     """``[dp2tp2|dp4tp1]``: the per-stage data- and tensor-parallel degrees."""
     return "[" + "|".join(f"dp{s.dp}tp{s.tp}" for s in stages) + "]"
-
-
-def _clean(text: str, limit: int) -> str:
-    # One printable ASCII line: AdminComment is shown by squeue and scontrol verbatim.
-    text = text.replace("→", "->").replace("×", "x")
-    text = "".join(c if 32 <= ord(c) < 127 else "?" for c in " ".join(text.split()))
-    return text[:limit]
-
-
-def format_plan_comment(pc: PlanComment) -> str:
-    """The AdminComment text of ``pc`` (parse_plan_comment reads it back)."""
-    parts = []
-    if pc.requested:
-        parts.append(f"requested={_clean(pc.requested, 32).replace(' ', '')}")
-    if pc.cell:
-        parts.append(f"cell={pc.cell}")
-    if pc.plan:
-        parts.append(f"plan={pc.plan}")
-    if pc.micro_batches is not None:
-        parts.append(f"mb={pc.micro_batches}")
-    if pc.remat is not None:
-        parts.append(f"remat={int(pc.remat)}")
-    if pc.layers:
-        parts.append(f"layers={pc.layers}")
-    if pc.plan_source in PLAN_SOURCES:
-        parts.append(f"src={pc.plan_source}")
-    if pc.samples_per_s is not None:
-        parts.append(f"sps={pc.samples_per_s:.4g}")
-        if pc.sps_measured:
-            parts.append("measured=1")
-    if pc.error is not None:
-        parts.append(f"error={_clean(pc.error, MAX_WHY_CHARS)}")
-    elif pc.why is not None:
-        parts.append(f"why={_clean(pc.why, MAX_WHY_CHARS)}")
-    return " ".join(parts)[:MAX_ADMIN_COMMENT_CHARS]
-
-
-def parse_plan_comment(text: str | None) -> PlanComment:
-    """Read an AdminComment written by the daemon; unknown or malformed tokens are ignored."""
-    if not text:
-        return PlanComment()
-    values: dict[str, str] = {}
-    rest = text.strip()
-    while rest:
-        word, _, after = rest.partition(" ")
-        key, sep, value = word.partition("=")
-        if sep and key in TAIL_KEYS:
-            values[key] = (value + (" " + after if after else "")).strip()
-            break
-        if sep:
-            values[key] = value
-        rest = after.strip()
-
-    def as_int(v):
-        return int(v) if v is not None and v.isdigit() else None
-
-    def as_float(v):
-        try:
-            return float(v) if v is not None else None
-        except ValueError:
-            return None
-
-    sps = as_float(values.get("sps"))
-    return PlanComment(requested=values.get("requested"), cell=values.get("cell"),
-                       plan=values.get("plan"), micro_batches=as_int(values.get("mb")),
-                       remat={"1": True, "0": False}.get(values.get("remat", "")),
-                       layers=values.get("layers"), samples_per_s=sps, why=values.get("why"),
-                       error=values.get("error"),
-                       plan_source=values.get("src") if values.get("src") in PLAN_SOURCES else None,
-                       sps_measured=values.get("measured") == "1" and sps is not None)
 
 
 def cell_of(pc: PlanComment, gpus_per_node: int) -> Cell | None:

@@ -27,7 +27,8 @@ from slurm_ext.daemon import (
 )
 from slurm_ext.slurm_parse import parse_job_states, parse_pending_listing
 from slurm_ext.slurm_client import Gres, JobUpdate, SlurmJob, SlurmNode, SubmitRequest
-from slurm_ext.squeue_view import parse_plan_comment, rows
+from estimator.contract import ADMIN_COMMENT_PLAN, MEASURED_FILE, PLAN_KEYS, RunnerReport, parse_plan_comment
+from slurm_ext.squeue_view import rows
 from slurm_ext.store import DONE, RESCALE, START, Store
 
 REPO = Path(__file__).resolve().parents[1]
@@ -416,11 +417,11 @@ def test_running_job_shows_the_plan_its_runner_tuned(slurm_lab, slurm_client, tm
     # Another plan of the same Cell, as the runner reports it after tuning in the allocation.
     tuned = f"cell={pc.cell} plan={pc.plan} mb={pc.micro_batches * 2} remat={int(not pc.remat)}"
     (root / str(job)).mkdir(parents=True)
-    (root / str(job) / "measured.json").write_text(json.dumps({
-        "job_id": str(job), "cell": pc.cell, "plan": tuned, "plan_source": "tuned",
-        "iteration_time_s": 5.12, "samples_per_s": 12.5, "steps_measured": 4, "platform": "cpu",
-        "global_batch": 64, "num_devices": 1, "restart_count": first.restart_count,
-        "updated_at_s": time.time(), "tuning_s": 3.0, "candidates_measured": 3}))
+    (root / str(job) / MEASURED_FILE).write_text(json.dumps(RunnerReport(
+        job_id=str(job), cell=pc.cell, plan=tuned, plan_source="tuned", iteration_time_s=5.12,
+        samples_per_s=12.5, steps_measured=4, platform="cpu", global_batch=64, num_devices=1,
+        restart_count=first.restart_count, step=None, step_at_s=None, updated_at_s=time.time(),
+        tuning_s=3.0, candidates_measured=3).to_json()))
     report = daemon.round()
     assert report.plans_shown == (job,) and all(j != job for _, j in report.actions)
     after = slurm_client.job(job)
@@ -528,7 +529,7 @@ def test_measurement_feedback_only_for_the_current_cell():
 # ------------------------------------------- the plan that runs, tuned by the runner
 
 from slurm_ext.observe import running_plan_comment  # noqa: E402
-from slurm_ext.squeue_view import PlanComment, format_plan_comment  # noqa: E402
+from estimator.contract import PlanComment, format_plan_comment  # noqa: E402
 
 # What the daemon wrote when it started the job on a100x4:s2.
 DAEMON_COMMENT = format_plan_comment(PlanComment(
@@ -540,11 +541,10 @@ def measured_json(plan="cell=a100x4:s2 plan=[dp2tp1|dp1tp2] mb=8 remat=0 layers=
                   source="tuned", **fields):
     """measured.json as the runner writes it (constructed)."""
     cell = plan.split()[0].partition("=")[2] if plan else "a100x4:s2"
-    raw = {"job_id": "41", "cell": cell, "plan": plan,
-           "plan_source": source, "iteration_time_s": 0.67, "samples_per_s": 95.5,
-           "steps_measured": 8, "platform": "gpu", "global_batch": 64, "num_devices": 4,
-           "restart_count": 0, "updated_at_s": 1700000000.0, "tuning_s": 41.2,
-           "candidates_measured": 5}
+    raw = RunnerReport(job_id="41", cell=cell, plan=plan, plan_source=source, iteration_time_s=0.67,
+                       samples_per_s=95.5, steps_measured=8, platform="gpu", global_batch=64,
+                       num_devices=4, restart_count=0, step=None, step_at_s=None,
+                       updated_at_s=1700000000.0, tuning_s=41.2, candidates_measured=5).to_json()
     raw.update(fields)
     return json.dumps(raw)
 
@@ -559,14 +559,14 @@ def test_tuned_plan_that_differs_is_written_back_with_its_measured_speed():
     cached = running_plan_comment(DAEMON_COMMENT, measured_json(source="cached"), False, 0)
     assert "src=cached" in cached
     assert "src=given" in running_plan_comment(DAEMON_COMMENT, measured_json(source="given"), False, 0)
-    words = [w for w in cached.split() if w.partition("=")[0] in ("cell", "plan", "mb", "remat", "layers")]
+    words = [w for w in cached.split() if w.partition("=")[0] in PLAN_KEYS]
     assert parse_plan(" ".join(words)).format() == json.loads(measured_json())["plan"]
 
 
 def test_same_plan_changes_nothing():
     same = "cell=a100x4:s2 plan=[dp2tp1|dp2tp1] mb=16 remat=1 layers=0,12,24"
-    assert running_plan_comment(DAEMON_COMMENT, measured_json(same, source="AdminComment"), False, 0) is None
-    assert running_plan_comment(DAEMON_COMMENT, measured_json(same, source="AdminComment"), True, 0) is None
+    assert running_plan_comment(DAEMON_COMMENT, measured_json(same, source=ADMIN_COMMENT_PLAN), False, 0) is None
+    assert running_plan_comment(DAEMON_COMMENT, measured_json(same, source=ADMIN_COMMENT_PLAN), True, 0) is None
 
 
 def test_measurement_of_another_cell_or_run_changes_nothing():
@@ -609,7 +609,7 @@ def test_measured_speed_is_refreshed_only_when_it_moved():
     assert moved == shown.replace("sps=95.5", "sps=120")
     # The daemon's own plan running as planned keeps its estimate.
     same = "cell=a100x4:s2 plan=[dp2tp1|dp2tp1] mb=16 remat=1 layers=0,12,24"
-    assert running_plan_comment(DAEMON_COMMENT, measured_json(same, source="AdminComment",
+    assert running_plan_comment(DAEMON_COMMENT, measured_json(same, source=ADMIN_COMMENT_PLAN,
                                                               samples_per_s=10.0), False, 0) is None
 
 
@@ -621,7 +621,7 @@ def test_plan_without_layers_and_comments_without_a_plan():
         assert running_plan_comment(comment, measured_json(), True, 0) is None
     # A plan the runner read from the AdminComment keeps the source the AdminComment gave it.
     tuned = DAEMON_COMMENT.replace(" sps=", " src=tuned sps=")
-    shown = running_plan_comment(tuned, measured_json(source="AdminComment"), False, 0)
+    shown = running_plan_comment(tuned, measured_json(source=ADMIN_COMMENT_PLAN), False, 0)
     assert "plan=[dp2tp1|dp1tp2]" in shown and "src=tuned" in shown
 
 
@@ -660,7 +660,7 @@ def test_daemon_shows_the_tuned_plan_of_a_running_job_and_does_nothing_else(tmp_
                    submit_time_s=1000, start_time_s=1000, priority=1)
     client = FakeSlurm([job], [node("a100-1", "a100", 4, used=4)], TRAINER)
     (tmp_path / "41").mkdir()
-    (tmp_path / "41" / "measured.json").write_text(measured_json(
+    (tmp_path / "41" / MEASURED_FILE).write_text(measured_json(
         "cell=a100x4:s1 plan=[dp2tp2] mb=8 remat=0 layers=0,24", platform="cpu"))
     cfg = resolve({"state_db": str(tmp_path / "state.db"), "checkpoint_root": str(tmp_path),
                    "use_cpu_measurements": True}, {}, {})
@@ -693,8 +693,8 @@ def test_a_running_job_progresses_by_the_step_its_runner_reports(tmp_path, resta
                    priority=1, restart_count=restart_count)
     client = FakeSlurm([job], [node("a100-1", "a100", 4, used=4)], TRAINER)
     (tmp_path / "41").mkdir()
-    (tmp_path / "41" / "measured.json").write_text(measured_json(
-        "cell=a100x4:s1 plan=[dp4tp1] mb=4 remat=1", source="AdminComment", step=500,
+    (tmp_path / "41" / MEASURED_FILE).write_text(measured_json(
+        "cell=a100x4:s1 plan=[dp4tp1] mb=4 remat=1", source=ADMIN_COMMENT_PLAN, step=500,
         step_at_s=time.time(), iteration_time_s=2.0, restart_count=0))
     cfg = resolve({"state_db": str(tmp_path / "state.db"), "checkpoint_root": str(tmp_path)}, {}, {})
     daemon = Daemon(cfg, client, Store(cfg.state_db), out=lambda line: None)

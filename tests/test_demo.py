@@ -1,7 +1,7 @@
 """The demo's pure parts: reading a rescaled job's log and building its batch script."""
 
 from slurm_ext.demo import TRAIN_MODEL, log_highlights, parse_resume, training_script
-from slurm_ext.jobspec import script_settings
+from estimator.contract import script_settings
 
 # A rescaled runner's log as the lab wrote it in `make demo` (both runs appended to one
 # file; paths shortened): each run reads the AdminComment's plan, tunes one, and trains.

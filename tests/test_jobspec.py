@@ -6,10 +6,10 @@ import pytest
 
 from estimator.errors import SpecError
 from estimator.jobs import JobSpec
-from slurm_ext.jobspec import (
-    MAX_COMMENT_CHARS, MAX_SCRIPT_CHARS, ElasticSpec, ElasticSpecError, check_model,
-    comment_settings, is_elastic, parse_spec, script_settings,
+from estimator.contract import (
+    MAX_COMMENT_CHARS, MAX_SCRIPT_CHARS, ElasticSpecError, comment_settings, is_elastic, script_settings,
 )
+from slurm_ext.jobspec import ElasticSpec, check_model, parse_spec
 
 SCRIPT = """#!/bin/bash
 #SBATCH --comment=elastic

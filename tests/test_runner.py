@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from estimator.contract import EXIT_RESCALE, MEASURED_FILE, RunnerReport
 from estimator.errors import SpecError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -137,7 +138,7 @@ def test_usr1_checkpoints_exits_86_and_resumes_under_another_plan(tmp_path, cach
     first.wait_for(r"step 2 loss")
     first.proc.send_signal(signal.SIGUSR1)
     assert first.finish() == 86, first.text()[-3000:]
-    saved = int(re.search(r"SIGUSR1: checkpointed step (\d+); exiting 86", first.text()).group(1))
+    saved = int(re.search(rf"SIGUSR1: checkpointed step (\d+); exiting {EXIT_RESCALE}", first.text()).group(1))
     assert 2 <= saved < ITERATIONS
     # It finished the step it was in and stopped: no step after the checkpointed one ran.
     assert max(first.losses()) == saved
@@ -145,7 +146,7 @@ def test_usr1_checkpoints_exits_86_and_resumes_under_another_plan(tmp_path, cach
     assert meta["data"] == {"next_step": saved + 1, "next_sample": saved * GLOBAL_BATCH}
     assert meta["global_batch"] == GLOBAL_BATCH and meta["plan"] == DP4
     assert " absl: " not in first.text()  # Orbax's INFO chatter stays out of the job's log
-    assert json.loads((ckpt / "measured.json").read_text())["step"] == saved  # where the daemon reads it
+    assert RunnerReport.from_text((ckpt / MEASURED_FILE).read_text()).step == saved  # where the daemon reads it
 
     # The daemon moved it to another GPU type with a two-stage dp/tp plan.
     second = Runner(tmp_path, "second", ckpt, MIXED, 4, cache, restart_count=1)
@@ -157,10 +158,10 @@ def test_usr1_checkpoints_exits_86_and_resumes_under_another_plan(tmp_path, cach
     assert sorted(resumed) == list(range(saved + 1, ITERATIONS + 1))
     _assert_matches({**first.losses(), **resumed}, reference)
 
-    measured = json.loads((ckpt / "measured.json").read_text())  # the last run's figures
-    assert measured["cell"] == "h100x4:s2" and measured["plan"] == MIXED
-    assert measured["iteration_time_s"] > 0 and measured["steps_measured"] >= 1
-    assert measured["step"] == ITERATIONS and measured["restart_count"] == 1
+    measured = RunnerReport.from_text((ckpt / MEASURED_FILE).read_text())  # the last run's figures
+    assert measured.cell == "h100x4:s2" and measured.plan == MIXED
+    assert measured.iteration_time_s > 0 and measured.steps_measured >= 1
+    assert measured.step == ITERATIONS and measured.restart_count == 1
 
 
 def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, cache, reference):

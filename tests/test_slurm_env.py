@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from estimator.errors import SpecError
-from job_scripts.runtime import plan_tokens
+from estimator.contract import plan_tokens
 from job_scripts.slurm_env import (admin_comment_from_scontrol, allocation_from_env,
                                    expand_nodelist, gpus_per_node_from_env,
                                    scontrol_show_job_argv)
@@ -117,7 +117,7 @@ def test_scontrol_argv_refuses_non_numeric_ids():
 
 
 def test_comment_from_scontrol_and_its_elastic_settings():
-    from slurm_ext.jobspec import comment_settings
+    from estimator.contract import comment_settings
 
     from job_scripts.slurm_env import comment_from_scontrol
 

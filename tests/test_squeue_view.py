@@ -5,10 +5,8 @@ import json
 from estimator.cells import StagePlan
 from estimator.plan_string import parse_plan
 from slurm_ext.slurm_client import SlurmJob
-from slurm_ext.squeue_view import (
-    PlanComment, cell_of, format_plan_comment, format_table, job_row, parse_plan_comment,
-    plan_label, rows, to_json,
-)
+from estimator.contract import PlanComment, format_plan_comment, parse_plan_comment
+from slurm_ext.squeue_view import cell_of, format_table, job_row, plan_label, rows, to_json
 
 FULL = PlanComment(requested="a100", cell="a100x8:s2", plan="[dp2tp2|dp4tp1]",
                    micro_batches=16, remat=True, layers="0,13,26", samples_per_s=412.5,

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import in_jax_child
+from estimator.contract import ADMIN_COMMENT_PLAN
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_GPT = str(ROOT / "tests" / "fixtures" / "runner" / "tiny-gpt.yaml")
@@ -64,8 +65,8 @@ def test_tuning_measures_from_the_daemons_plan_keeps_the_fastest_and_caches_it(t
     assert out["again"] == {"plan": first["plan"], "source": "cached", "measured": 0}
     assert len(list(tmp_path.glob("*.json"))) == 1
     # Another global batch is another key; a stop request ends tuning after the first.
-    assert out["other_batch"] == {"source": "AdminComment", "measured": 1}
-    assert out["short"] == {"plan": START, "source": "AdminComment", "measured": 1}
+    assert out["other_batch"] == {"source": ADMIN_COMMENT_PLAN, "measured": 1}
+    assert out["short"] == {"plan": START, "source": ADMIN_COMMENT_PLAN, "measured": 1}
 
 
 def test_a_tuning_budget_below_zero_is_refused():

@@ -1,0 +1,79 @@
+"""The daemon ↔ runner contract (``estimator.contract``): one grammar, one limit, one
+schema, used by both sides."""
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+
+from estimator.contract import (
+    ADMIN_COMMENT_PLAN, MAX_ADMIN_COMMENT_CHARS, MEASURED_FILE, PlanComment, RunnerReport,
+    format_plan_comment, parse_plan_comment, plan_tokens,
+)
+from estimator.plan_string import parse_plan
+from slurm_ext.cli_backend import update_pending_argv
+from slurm_ext.errors import SlurmArgumentError
+from slurm_ext.slurm_client import JobUpdate
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _imported_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+    return out
+
+
+@pytest.mark.parametrize("folder", ["job_scripts", "examples"])
+def test_the_runner_side_depends_on_the_estimator_and_the_contract_only(folder):
+    """What runs in an allocation never imports the daemon's package (nor the policies)."""
+    offenders = {str(p.relative_to(ROOT)): sorted(m for m in _imported_modules(p)
+                                                  if m.split(".")[0] in ("slurm_ext", "policy"))
+                 for p in (ROOT / folder).rglob("*.py")}
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_the_longest_admin_comment_the_daemon_writes_is_one_the_client_accepts():
+    pc = PlanComment(requested="a100", cell="a100x8:s2", plan="[dp2tp2|dp4tp1]", micro_batches=16,
+                     remat=True, layers=",".join(map(str, range(0, 2000, 7))), samples_per_s=1.5,
+                     why="x" * 10_000)
+    text = format_plan_comment(pc)
+    assert len(text) <= MAX_ADMIN_COMMENT_CHARS
+    assert f"AdminComment={text}" in update_pending_argv(7, JobUpdate(admin_comment=text))
+    with pytest.raises(SlurmArgumentError, match=str(MAX_ADMIN_COMMENT_CHARS)):
+        update_pending_argv(7, JobUpdate(admin_comment="y" * (MAX_ADMIN_COMMENT_CHARS + 1)))
+
+
+def test_what_the_daemon_writes_the_runner_reads_as_the_same_plan():
+    plan = parse_plan("cell=a100x4:s2 plan=[dp2tp1|dp1tp2] mb=8 remat=0 layers=0,10,24")
+    written = format_plan_comment(PlanComment(
+        requested="any", cell=plan.cell_label, plan="[dp2tp1|dp1tp2]", micro_batches=8, remat=False,
+        layers="0,10,24", samples_per_s=95.5, why="started on a100x4:s2 (best); mb=3 is only why's"))
+    assert parse_plan(plan_tokens(written)) == plan  # the runner's read
+    back = parse_plan_comment(written)  # the daemon's and squeue's read
+    assert (back.cell, back.micro_batches, back.remat, back.why) == \
+           ("a100x4:s2", 8, False, "started on a100x4:s2 (best); mb=3 is only why's")
+    assert plan_tokens("requested=a100 why=waiting for GPUs") is None  # no plan yet
+
+
+def test_runner_report_round_trips_and_reads_bad_fields_as_unknown():
+    report = RunnerReport(job_id="41", restart_count=2, cell="a100x4:s1",
+                          plan="cell=a100x4:s1 plan=[dp4tp1] mb=4 remat=1", plan_source=ADMIN_COMMENT_PLAN,
+                          global_batch=64, num_devices=4, platform="gpu", iteration_time_s=0.5,
+                          steps_measured=8, samples_per_s=128.0, step=120, step_at_s=1.7e9,
+                          updated_at_s=1.7e9, tuning_s=12.5, candidates_measured=3)
+    assert RunnerReport.from_text(json.dumps(report.to_json())) == report
+    bad = {**report.to_json(), "job_id": 41, "step": "120", "iteration_time_s": True,
+           "samples_per_s": float("inf"), "tuning_s": None}
+    read = RunnerReport.from_text(json.dumps(bad))
+    assert (read.job_id, read.step, read.iteration_time_s, read.samples_per_s, read.tuning_s) == \
+           ("41", None, None, None, 0.0)
+    assert read.cell == report.cell and read.restart_count == 2
+    assert RunnerReport.from_text("[1, 2]") is None and RunnerReport.from_text("{not json") is None
+    assert MEASURED_FILE == "measured.json"  # operators and docs name it
