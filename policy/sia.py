@@ -85,7 +85,7 @@ class SiaPolicy:
         state = snapshot.policy_state if isinstance(snapshot.policy_state, SiaState) else SiaState()
         if snapshot.trigger != TRIGGER_ROUND:
             return self._admit_between_rounds(snapshot, state)
-        fp = tuple((j.job_id, j.cell) for j in snapshot.jobs)
+        fp = _fingerprint(snapshot, {})
         if state.fingerprint == fp:
             return Decision((), state)
         running = [j for j in snapshot.jobs if j.assignment is not None]
@@ -240,8 +240,15 @@ def _improvable(configs: list[_Config], cell: Cell) -> float:
     return cur - min(c.value for c in configs)
 
 
+def _fingerprint(snapshot: Snapshot, d: dict) -> tuple:
+    """Every job's Cell (after the decisions ``d``) and the GPUs held outside the policy: a
+    plain Slurm job that ends frees GPUs without any managed job changing, and that round
+    must be solved again."""
+    cells = tuple((j.job_id, (d[j.job_id].assignment.cell if d[j.job_id].assignment else None)
+                   if j.job_id in d else j.cell) for j in snapshot.jobs)
+    return cells, tuple(n.unmanaged_gpus for n in snapshot.nodes)
+
+
 def _fingerprint_after(snapshot: Snapshot, decision: Decision) -> tuple:
     """The fingerprint the next snapshot has when this decision is applied and nothing else happens."""
-    d = decision.as_dict()
-    return tuple((j.job_id, (d[j.job_id].assignment.cell if d[j.job_id].assignment else None)
-                  if j.job_id in d else j.cell) for j in snapshot.jobs)
+    return _fingerprint(snapshot, decision.as_dict())

@@ -5,9 +5,10 @@
   ``StartTime=now``, then release. Starts with identical updates are released with one
   call (the update itself goes job by job: scontrol changes the node count of one job at
   a time), each journaled on its own;
-- a running elastic job the policy rescales: USR1 to the batch step, wait (up to
-  ``rescale_timeout_s``) for the job to requeue itself held (exit 86), else
-  ``requeuehold``; then the same update and release (or, to suspend, stay held);
+- a running elastic job the policy rescales: USR1 to the batch step, and the round goes
+  on. Later rounds see the job requeue itself held (exit 86), or force ``requeuehold``
+  after ``rescale_timeout_s``; then comes the same update and release (or, to suspend,
+  it stays held). Each step is journaled (:meth:`Actor.advance_rescales`);
 - an elastic job whose spec is invalid: the error goes to its AdminComment and the job is
   released to run exactly as submitted;
 - pending jobs the policy leaves waiting: held, with why in AdminComment, within a
@@ -23,7 +24,6 @@ finishes or undoes half-done work (:meth:`Actor.recover`).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -40,13 +40,13 @@ from slurm_ext.metrics import Metrics
 from slurm_ext.observe import (
     ManagedJob, best_estimate_for, is_held, kv, plan_comment, same_shape, type_partitions,
 )
-from slurm_ext.slurm_client import ACTIVE_STATES, REQUEUE_SETTLE_S, JobUpdate, SlurmClient, SlurmJob
+from slurm_ext.slurm_client import REQUEUE_SETTLE_S, JobUpdate, SlurmClient, SlurmJob
 from slurm_ext.squeue_view import plan_label
 from slurm_ext.store import Store, plan_recovery
 
 log = logging.getLogger(__name__)
 
-RESCALE_POLL_S = 0.3  # a state poll is one cheap squeue of the jobs being rescaled
+# After a forced requeue, how long a job may take to come back held before the rescale fails.
 REQUEUE_HOLD_WAIT_S = 45.0
 
 
@@ -89,6 +89,8 @@ class Acts:
 
     taken: list[tuple[str, int]] = field(default_factory=list)
     plans_shown: list[int] = field(default_factory=list)  # AdminComment only, not an action
+    signalled: list[int] = field(default_factory=list)  # rescales started (USR1 sent)
+    rescaled: list[int] = field(default_factory=list)  # rescales finished: released on the new Cell
 
 
 def group_by(items, key) -> list[list]:
@@ -109,19 +111,16 @@ class Actor:
         metrics: Prometheus metrics.
         out: where ``--dry-run`` prints the actions it would take.
         config: returns the current configuration (it changes on reload).
-        stopped: True once the service was asked to stop (a rescale then stops waiting).
     """
 
     def __init__(self, client: SlurmClient, store: Store, clock: Clock, metrics: Metrics,
-                 out: Callable[[str], None], config: Callable[[], DaemonConfig],
-                 stopped: Callable[[], bool]):
+                 out: Callable[[str], None], config: Callable[[], DaemonConfig]):
         self.client = client
         self.store = store
         self.clock = clock
         self.metrics = metrics
         self.out = out
         self._config = config
-        self._stopped = stopped
 
     @property
     def config(self) -> DaemonConfig:
@@ -143,6 +142,8 @@ class Actor:
             if self.config.dry_run:
                 self.out(f"dry-run: recover job={e.job_id} kind={e.kind} step={step.step} ({step.why})")
                 continue
+            if step.step == journal.KEEP:
+                continue  # a rescale under way: advance_rescales goes on with it
             try:
                 if step.step == journal.REAPPLY:
                     self.client.update_pending(e.job_id, e.update)
@@ -260,7 +261,7 @@ class Actor:
             elif action.kind in (RESIZE, CHANGE_TYPE, SUSPEND):
                 rescales.append((action, update))
         if rescales:  # first, so that the GPUs they give back are free for the starts
-            self._rescale(rescales, views_by_id, acts)
+            self.start_rescales(rescales, views_by_id, acts)
         # Jobs of the same spec chosen for the same Cell get the same update: one call.
         for group in group_by(starts, lambda ju: (ju[1], is_held(ju[0]))):
             update, held = group[0][1], is_held(group[0][0])
@@ -350,65 +351,103 @@ class Actor:
             except SlurmExtError as e:
                 log.warning(kv("annotate_failed", job_id=job_id, error=e))
 
-    def _rescale(self, items: list[tuple[Action, JobUpdate | None]], views_by_id: dict, acts: Acts) -> None:
-        """USR1 → wait for requeue-held (or force it) → update → release, for all at once."""
+    def start_rescales(self, items: list[tuple[Action, JobUpdate | None]], views_by_id: dict, acts: Acts) -> None:
+        """Start rescales: journal each, count its run's progress, and send USR1 to all with
+        one call. Nothing waits for the checkpoints: the next rounds see each job requeued
+        held, then update and release it (:meth:`advance_rescales`)."""
         if self.config.dry_run:
             for action, update in items:
                 self.out(f"dry-run: {action.kind} job={action.job_id} signal USR1, requeue held, "
                          f"then {update.admin_comment if update else 'stay held'}")
                 acts.taken.append((action.kind, int(action.job_id)))
             return
-        entries: dict[int, tuple[int, Action, JobUpdate | None]] = {}
+        entries: dict[int, tuple[int, Action]] = {}
         for action, update in items:
             job_id = int(action.job_id)
-            kind = journal.SUSPEND if update is None else journal.RESCALE
             now_s = self.clock.now_s()
-            entry = self.store.intend(job_id, kind, update, now_s)
             view = views_by_id[action.job_id]
+            if update is None:  # a suspension: the job stays held, and its AdminComment says why
+                pc = plan_comment(view.slurm.admin_comment)
+                update = JobUpdate(admin_comment=format_plan_comment(
+                    PlanComment(requested=pc.requested, why=action.reason or "suspended")), start_now=False)
+                kind = journal.SUSPEND
+            else:
+                kind = journal.RESCALE
+            entries[job_id] = (self.store.intend(job_id, kind, update, now_s), action)
             self.store.add_progress(job_id, view.run_iterations(now_s), now_s)
-            entries[job_id] = (entry, action, update)
         self._signal(sorted(entries))
-        for job_id, (_, action, _) in sorted(entries.items()):
-            log.info(kv("rescale_signalled", job_id=job_id, kind=action.kind, why=action.reason))
-        waiting, held_seen_s = self._wait_held(set(entries), self.config.rescale_timeout_s)
-        if self._stopped():  # leave the entries open: the next start finishes them (recover)
-            log.warning(kv("rescale_interrupted", job_ids=",".join(map(str, sorted(entries)))))
-            return
-        for job_id in sorted(waiting):
-            log.warning(kv("rescale_forced", job_id=job_id, why="no requeue after USR1"))
-            try:
-                self.client.requeue_hold(job_id)
-            except SlurmExtError as e:
-                log.error(kv("requeue_hold_failed", job_id=job_id, error=e))
-        if waiting:
-            still, held_seen_s = self._wait_held(waiting, REQUEUE_HOLD_WAIT_S)
-            for job_id in still:
-                entry, _, _ = entries.pop(job_id)
-                self.store.close_entry(entry, journal.FAILED, self.clock.now_s(), "never came back held")
-        # A run released in the second its predecessor ended fails on its nodes.
-        self.clock.sleep_until(held_seen_s + REQUEUE_SETTLE_S)
-        states = self.client.job_states(entries)
-        for job_id, (entry, action, update) in sorted(entries.items()):
-            if states.get(job_id, ("GONE", False))[0] not in ACTIVE_STATES:
-                self.store.close_entry(entry, journal.ABANDONED, self.clock.now_s(), "job ended")
-                continue
-            try:
-                if update is not None:
-                    self.client.update_pending(job_id, update)
-                    self.client.release(job_id)
-                else:
-                    pc = plan_comment(views_by_id[action.job_id].slurm.admin_comment)
-                    self.client.update_pending(job_id, JobUpdate(
-                        admin_comment=format_plan_comment(PlanComment(requested=pc.requested, why=action.reason or "suspended")),
-                        start_now=False))
-            except SlurmExtError as e:
-                self.store.close_entry(entry, journal.FAILED, self.clock.now_s(), str(e))
-                log.error(kv("rescale_failed", job_id=job_id, error=e))
-                continue
-            self.store.close_entry(entry, journal.DONE, self.clock.now_s())
-            self.metrics.action(action.kind)
+        now_s = self.clock.now_s()
+        for job_id, (entry, action) in sorted(entries.items()):
+            self.store.mark_entry(entry, journal.SIGNALLED, now_s)
             acts.taken.append((action.kind, job_id))
-            log.info(kv("action", kind=action.kind, job_id=job_id, why=action.reason))
+            acts.signalled.append(job_id)
+            log.info(kv("rescale_signalled", job_id=job_id, kind=action.kind, why=action.reason))
+
+    def advance_rescales(self, jobs: dict[int, SlurmJob], acts: Acts) -> dict[int, JobUpdate]:
+        """Move every open rescale (and suspension) one step on, from the jobs as this
+        round read them; never waits. Each step is journaled, so a restarted daemon goes on
+        where this one stopped:
+
+        - the job ended: the entry is abandoned;
+        - it came back requeued held: first noted, then, from ``REQUEUE_SETTLE_S`` later
+          (a run released in the second its predecessor ended fails on its nodes), updated
+          to its new Cell and released (a suspension: its AdminComment says why, it stays
+          held);
+        - it still runs ``rescale_timeout_s`` after the signal: its requeue is forced, and
+          ``REQUEUE_HOLD_WAIT_S`` after that without coming back, the rescale failed.
+
+        Returns, per job whose rescale is under way or was released just now, the update
+        it has or will have: the round leaves these jobs to their rescale, and counts the
+        GPUs of their new Cell as taken.
+        """
+        if self.config.dry_run:
+            return {}
+        out: dict[int, JobUpdate] = {}
+        for e in self.store.open_entries():
+            if e.kind not in (journal.RESCALE, journal.SUSPEND):
+                continue
+            job, now_s = jobs.get(e.job_id), self.clock.now_s()
+            if job is None or not job.is_active:
+                self.store.close_entry(e.entry_id, journal.ABANDONED, now_s, "job ended")
+                continue
+            out[e.job_id] = e.update
+            if is_held(job) and not job.is_running:
+                if e.note != journal.CAME_BACK:
+                    self.store.mark_entry(e.entry_id, journal.CAME_BACK, now_s)
+                elif now_s >= e.updated_s + REQUEUE_SETTLE_S:
+                    self._finish_rescale(e, acts)
+                continue
+            signalled_s = e.updated_s if e.note == journal.SIGNALLED else e.created_s
+            if e.note == journal.FORCED:
+                if now_s >= e.updated_s + REQUEUE_HOLD_WAIT_S:
+                    self.store.close_entry(e.entry_id, journal.FAILED, now_s, "never came back held")
+                    log.error(kv("rescale_failed", job_id=e.job_id, error="never came back held"))
+                    del out[e.job_id]
+            elif now_s >= signalled_s + self.config.rescale_timeout_s:
+                log.warning(kv("rescale_forced", job_id=e.job_id, why="no requeue after USR1"))
+                try:
+                    self.client.requeue_hold(e.job_id)
+                except SlurmExtError as err:
+                    log.error(kv("requeue_hold_failed", job_id=e.job_id, error=err))
+                self.store.mark_entry(e.entry_id, journal.FORCED, now_s)
+        return out
+
+    def _finish_rescale(self, e, acts: Acts) -> None:
+        """A rescaled job came back held: its new Cell, and release (a suspended one: why,
+        and it stays held)."""
+        try:
+            self.client.update_pending(e.job_id, e.update)
+            if e.kind == journal.RESCALE:
+                self.client.release(e.job_id)
+        except SlurmExtError as err:
+            self.store.close_entry(e.entry_id, journal.FAILED, self.clock.now_s(), str(err))
+            self.metrics.error("action")
+            log.error(kv("rescale_failed", job_id=e.job_id, error=err))
+            return
+        self.store.close_entry(e.entry_id, journal.DONE, self.clock.now_s())
+        self.metrics.action(e.kind)
+        acts.rescaled.append(e.job_id)
+        log.info(kv("action", kind=e.kind, job_id=e.job_id, detail=e.update.admin_comment))
 
     def _signal(self, job_ids: list[int]) -> None:
         """USR1 to the batch scripts, with one call for all.
@@ -424,25 +463,3 @@ class Actor:
                 self.client.signal_batch(job_ids[0], "USR1")
         except SlurmExtError as e:
             log.warning(kv("signal_failed", job_ids=",".join(map(str, job_ids)), error=e))
-
-    def _wait_held(self, job_ids: set[int], timeout_s: float) -> tuple[set[int], float]:
-        """Wait until each job is held or gone; returns the ones still running at the
-        deadline and when the last of the others was seen held or gone."""
-        deadline_s = self.clock.now_s() + timeout_s
-        waiting = set(job_ids)
-        held_seen_s = self.clock.now_s()
-        while waiting and not self._stopped():
-            try:
-                states = self.client.job_states(waiting)
-            except SlurmExtError as e:
-                log.warning(kv("poll_failed", error=e))
-                states = {j: ("UNKNOWN", False) for j in waiting}
-            for job_id in sorted(waiting):
-                state, held = states.get(job_id, ("GONE", False))
-                if state not in ACTIVE_STATES or (held and state != "RUNNING"):
-                    waiting.discard(job_id)
-                    held_seen_s = self.clock.now_s()
-            if not waiting or self.clock.now_s() >= deadline_s:
-                break
-            time.sleep(RESCALE_POLL_S)
-        return waiting, held_seen_s

@@ -44,7 +44,7 @@ from slurm_ext.metrics import Metrics
 from slurm_ext.observe import (  # noqa: F401
     ManagedJob, build_snapshot, cluster_spec, estimate_key, is_held, kv, measurement_from_text,
     model_loader_for, node_type, partition_types, plan_comment, requested_gpus, reserved_cell,
-    running_assignment, running_plan_comment, runner_progress, type_partitions,
+    running_assignment, running_plan_comment, runner_progress, type_partitions, update_cell,
 )
 from slurm_ext.slurm_client import SlurmClient, SlurmJob, SlurmNode
 from slurm_ext.store import EstimateCache, Store
@@ -88,6 +88,8 @@ class RoundReport:
     new_specs: int = 0
     unread_specs: int = 0
     plans_shown: tuple[int, ...] = ()  # running jobs whose AdminComment now shows their tuned plan
+    rescaled: tuple[int, ...] = ()  # rescales finished this round: released on their new Cell
+    rescaling: tuple[int, ...] = ()  # rescales still under way (a checkpoint, a forced requeue)
 
     @property
     def total_s(self) -> float:
@@ -130,8 +132,7 @@ class Daemon:
         self._pruned_s = 0.0
         self.config = config
         self.policy: Policy = make_policy(config.policy, **dict(config.policy_options))
-        self.actor = Actor(client, store, self.clock, self.metrics, out, lambda: self.config,
-                           lambda: self._stop)
+        self.actor = Actor(client, store, self.clock, self.metrics, out, lambda: self.config)
 
     # -- control ------------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -184,7 +185,8 @@ class Daemon:
                 report = self.round(trigger)
                 self.metrics.round_done(self.clock.now_s() - started_s, "ok")
                 backoff_s = 0.0
-                if report.unread_specs:  # a backlog of new jobs: take the next batch soon
+                if report.unread_specs or report.rescaling:
+                    # A backlog of new jobs, or rescales to finish: the next round soon.
                     backoff_s = min(self.config.interval_s, max(self.config.poll_s, 1.0))
             except SlurmExtError as e:
                 ok = False
@@ -262,15 +264,20 @@ class Daemon:
                 spec is not None and job_id not in active_ids
                 for job_id, (spec, _) in self._spec_cache.items()):
             trigger = TRIGGER_COMPLETION  # a managed job ended since the last round
-        specs, errors = self._specs(elastic, now_s)
-        managed, launching, more_errors = self._managed(elastic, specs, nodes, part_types, cluster, now_s)
-        errors += more_errors
         acts = Acts()
+        # Rescales go on first, a step each, without waiting; the jobs in one are left to it
+        # this round (their GPUs are busy, or about to be, on their new Cell).
+        in_rescale = self.actor.advance_rescales({j.job_id: j for j in active}, acts)
+        specs, errors = self._specs(elastic, now_s)
+        managed, launching, more_errors = self._managed(
+            [j for j in elastic if j.job_id not in in_rescale], specs, nodes, part_types, cluster, now_s)
+        errors += more_errors
         for job, message in errors:
             self.actor.handle_spec_error(job, message, acts)
         # Jobs Slurm is about to start hold their GPUs already, as far as the policy goes.
         about_to_start = launching + [j for j, _ in errors if j.state == "PENDING"]
         reserved = [c for c in (reserved_cell(j, part_types) for j in about_to_start) if c is not None]
+        reserved += [c for c in (update_cell(u) for u in in_rescale.values()) if c is not None]
         snapshot = build_snapshot(now_s, nodes, managed, reserved, part_types, trigger,
                                   cfg.interval_s, cfg.restart_cost_s, self._policy_state)
         if snapshot.policy_state is not None and (waiting := job_fitting_idle_gpus(snapshot)):
@@ -302,7 +309,8 @@ class Daemon:
         report = RoundReport(trigger, len(active), len(elastic), len(snapshot.jobs), len(errors),
                              tuple(acts.taken), t1 - t0, t2 - t1, t3 - t2, t4 - t3,
                              self._new_specs, len(elastic) - len(specs) - len(errors),
-                             tuple(acts.plans_shown))
+                             tuple(acts.plans_shown), tuple(acts.rescaled),
+                             tuple(sorted(set(in_rescale) - set(acts.rescaled) | set(acts.signalled))))
         self.metrics.jobs({"active": len(active), "elastic": len(elastic), "managed": len(snapshot.jobs)})
         log.info(kv("round_done", trigger=trigger, jobs=report.jobs, elastic=report.elastic,
                     managed=report.managed, spec_errors=report.spec_errors,

@@ -293,7 +293,9 @@ def run_rescale_scenario(client: SlurmClient, env: dict[str, str], workdir: Path
     if not any(job == train for _, job in report.actions):
         raise ScenarioError(f"the daemon ({policy}) did not rescale job {train} when job {arrival} "
                             f"arrived; its actions: {list(report.actions) or 'none'}")
-    after = _wait(f"job {train} to run again", lambda: _running(client, train), 60, log_tail)
+    # The round signalled the job and went on; the next rounds see it requeued held, then
+    # update and release it.
+    after = _wait(f"job {train} to run again", lambda: daemon.round() and _running(client, train), 60, log_tail)
     if after.restart_count < 1 or (after.granted_gpu_type, after.granted_gpus) == (
             before.granted_gpu_type, before.granted_gpus):
         raise ScenarioError(f"job {train} runs again but was not rescaled: {before.granted_gpus} "

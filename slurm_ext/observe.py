@@ -29,7 +29,7 @@ from estimator.refine import Measurement
 from policy.interface import Assignment, JobView, NodeView, Snapshot
 from policy.placement import FreeGpus
 from slurm_ext.jobspec import ElasticSpec
-from slurm_ext.slurm_client import HELD_FOR_RESCALE, SlurmJob, SlurmNode
+from slurm_ext.slurm_client import HELD_FOR_RESCALE, JobUpdate, SlurmJob, SlurmNode
 
 
 @functools.lru_cache(maxsize=8192)
@@ -355,6 +355,17 @@ def reserved_cell(job: SlurmJob, part_types: dict[str, str]) -> Cell | None:
     if gtype is None or not gpus:
         return None
     return Cell(gtype, gpus, max(1, job.gpus_per_node or gpus), 1)
+
+
+def update_cell(update: JobUpdate | None) -> Cell | None:
+    """The Cell a pending-job update gives its job (its AdminComment's), or None (a
+    suspension's update names none)."""
+    if update is None or update.admin_comment is None:
+        return None
+    parts = plan_comment(update.admin_comment).cell_parts()
+    if parts is None:
+        return None
+    return Cell(parts[0], parts[1], max(1, update.gpus_per_node or parts[1]), parts[2])
 
 
 def build_snapshot(now_s: float, nodes: tuple[SlurmNode, ...], managed: list[ManagedJob],

@@ -38,10 +38,15 @@ KINDS = (START, RESCALE, SUSPEND, RELEASE, ANNOTATE)
 
 INTENDED, DONE, FAILED, ABANDONED = "intended", "done", "failed", "abandoned"
 
+# Where an open rescale or suspension stands (its note), so that a restarted daemon
+# goes on from there: USR1 sent; requeue forced after the timeout; seen requeued held.
+SIGNALLED, FORCED, CAME_BACK = "signalled", "requeue forced", "requeued held"
+
 # Recovery steps.
 REAPPLY = "reapply"      # write the entry's update again, then release
 RELEASE_ONLY = "release"
 CLOSE = "close"
+KEEP = "keep"            # a rescale still under way: the rounds finish it
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS specs (
@@ -70,8 +75,10 @@ class JournalEntry:
         kind: one of ``KINDS``.
         update: the pending-job update the action applies (None for release-only kinds).
         state: ``intended``, ``done``, ``failed`` or ``abandoned``.
-        note: why it was closed, or the failure's message.
+        note: why it was closed, or the failure's message; while a rescale is open, where
+            it stands (``SIGNALLED``, ``FORCED``, ``CAME_BACK``).
         created_s: when it was written (Unix seconds).
+        updated_s: when it was last marked or closed (Unix seconds).
     """
 
     entry_id: int
@@ -81,6 +88,7 @@ class JournalEntry:
     state: str
     note: str
     created_s: float
+    updated_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -224,6 +232,11 @@ class Store:
         self._exec("UPDATE journal SET state = ?, note = ?, updated_s = ? WHERE id = ?",
                    (state, note[:500], now_s, entry_id))
 
+    def mark_entry(self, entry_id: int, note: str, now_s: float) -> None:
+        """Say where an open entry stands (a rescale's phase), as of ``now_s``."""
+        self._exec("UPDATE journal SET note = ?, updated_s = ? WHERE id = ? AND state = ?",
+                   (note, now_s, entry_id, INTENDED))
+
     def open_entries(self) -> tuple[JournalEntry, ...]:
         """Entries written but not closed, oldest first."""
         return self._entries("WHERE state = ? ORDER BY id", (INTENDED,))
@@ -235,9 +248,9 @@ class Store:
         return self._entries("WHERE job_id = ? ORDER BY id", (job_id,))
 
     def _entries(self, where: str, args: tuple) -> tuple[JournalEntry, ...]:
-        rows = self._exec("SELECT id, job_id, kind, payload_json, state, note, created_s "
+        rows = self._exec("SELECT id, job_id, kind, payload_json, state, note, created_s, updated_s "
                           f"FROM journal {where}", args).fetchall()
-        return tuple(JournalEntry(r[0], r[1], r[2], _update_from_json(r[3]), r[4], r[5], r[6])
+        return tuple(JournalEntry(r[0], r[1], r[2], _update_from_json(r[3]), r[4], r[5], r[6], r[7])
                      for r in rows)
 
     def suspended_times(self) -> dict[int, float]:
@@ -265,9 +278,9 @@ def plan_recovery(entries: Iterable[JournalEntry],
     - ``release`` / ``annotate`` and the job is held: release it (annotate entries only
       write AdminComment, so a held job was held for another reason: leave it and close);
     - ``suspend`` and the job is held: that is the intended end state; close;
-    - the job is pending and not held, or running: the action completed (or, for a
-      rescale whose signal went out, the job will come back held and the next round
-      handles it like any pending job); close.
+    - ``rescale`` / ``suspend`` and the job still runs: the rescale is under way (its
+      checkpoint, or the forced requeue after the timeout); keep it open for the rounds;
+    - the job is pending and not held, or running: the action completed; close.
     """
     open_entries = sorted(entries, key=lambda e: e.entry_id)
     latest: dict[int, int] = {}
@@ -280,6 +293,8 @@ def plan_recovery(entries: Iterable[JournalEntry],
             steps.append(RecoveryStep(e, CLOSE, "superseded by a later entry"))
         elif job is None or not job.is_active:
             steps.append(RecoveryStep(e, CLOSE, "job no longer active"))
+        elif e.kind in (RESCALE, SUSPEND) and job.is_running:
+            steps.append(RecoveryStep(e, KEEP, "signalled and still running: the rounds finish it"))
         elif not job.is_held:
             steps.append(RecoveryStep(e, CLOSE, f"job is {job.state.lower()} and not held"))
         elif e.kind in (START, RESCALE) and e.update is not None:

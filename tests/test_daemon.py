@@ -239,6 +239,14 @@ def running(client, *job_ids):
     return probe
 
 
+def rounds_until(daemon, probe):
+    """A probe that runs a daemon round first (a rescale finishes over rounds)."""
+    def run_then_probe():
+        daemon.round()
+        return probe()
+    return run_then_probe
+
+
 def make_daemon(lab, client, tmp_path, out=None, **config):
     cfg = resolve({"state_db": str(tmp_path / "state.db"), "rescale_timeout_s": 15.0, **config}, {}, {})
     store = Store(cfg.state_db)
@@ -399,10 +407,12 @@ def test_running_job_is_rescaled_through_requeue(slurm_lab, slurm_client, tmp_pa
     slurm_client.cancel(blockers[-1])  # two a10 GPUs come free: the policy scales the job up
     wait_for("the a10 blocker to end", lambda: not (j := slurm_client.job(blockers[-1])) or not j.is_active)
     report = daemon.round()
-    assert ("resize", job) in report.actions
-    (after,) = wait_for("the rescaled job to run", running(slurm_client, job))
+    assert ("resize", job) in report.actions and report.rescaling == (job,)
+    # The round signalled the job and returned; the next rounds finish the rescale.
+    (after,) = wait_for("the rescaled job to run", rounds_until(daemon, running(slurm_client, job)))
     assert after.restart_count == 1 and after.granted_gpus == 4
     assert_runs_as_planned(after)
+    assert daemon.store.open_entries() == ()
 
 
 @pytest.mark.slurm
@@ -481,6 +491,47 @@ def test_daemon_killed_mid_rescale_is_finished_on_restart(slurm_lab, slurm_clien
     assert after.partition == entry.update.partition
     assert_runs_as_planned(after)
     assert not any(j.is_held for j in slurm_client.jobs() if j.is_active)
+
+
+CHECKPOINT_40_S = SLOW_CHECKPOINT.replace("sleep 6;", "sleep 40;")
+
+
+@pytest.mark.slurm
+def test_a_new_job_starts_while_another_checkpoints_for_its_rescale(slurm_lab, slurm_client, tmp_path):
+    """A rescale never holds up a round: while one job takes 40 s to checkpoint, a new
+    elastic job that fits on free GPUs starts within 12 s of its submission."""
+    blockers = {p: [submit(slurm_client, tmp_path, partition=p, gres=g, nodes=1, name="blocker")
+                    for _ in range(n)]
+                for p, g, n in (("h100", "gpu:8", 1), ("a100", "gpu:4", 2), ("v100", "gpu:4", 2), ("a10", "gpu:2", 1))}
+    wait_for("the blockers to run", running(slurm_client, *[b for bs in blockers.values() for b in bs]))
+    slow = submit(slurm_client, tmp_path, "elastic model=gpt-1.3b gpus=2", script=CHECKPOINT_40_S)
+    env = {**os.environ, **slurm_lab.env(), "SLURM_EXT_POLL_S": "0.5",
+           "SLURM_EXT_POLICY_OPTIONS": "{min_change_interval_s: 0}"}
+    log_path = tmp_path / "daemon.err"
+    argv = [sys.executable, "-m", "slurm_ext", "daemon", "--interval-s", "2", "--state-db",
+            str(tmp_path / "state.db")]
+    with open(log_path, "w") as err:
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        (first,) = wait_for("the slow job to run", running(slurm_client, slow))
+        slurm_client.cancel(blockers["a10"][0])  # two a10 GPUs come free: the slow job scales up
+        wait_for("its rescale to be signalled", lambda: "rescale_signalled" in log_path.read_text(), 30)
+        slurm_client.cancel(blockers["v100"][0])  # a v100 node comes free
+        wait_for("the v100 node to be free", lambda: not (j := slurm_client.job(blockers["v100"][0]))
+                 or not j.is_active)
+        submitted_s = time.monotonic()
+        new = submit(slurm_client, tmp_path, "elastic model=gpt-760m gpus=4")
+        (started,) = wait_for("the new job to start", running(slurm_client, new), 12)
+        assert time.monotonic() - submitted_s <= 12
+        assert started.partition == "v100"
+        still = slurm_client.job(slow)
+        assert still.is_running and still.restart_count == first.restart_count  # still checkpointing
+        after = wait_for("the slow job to run on its new Cell", lambda: (j := slurm_client.job(slow))
+                         and j.is_running and j.restart_count > first.restart_count and j, 90)
+        assert after.restart_count == first.restart_count + 1 and (after.partition, after.granted_gpus) == ("a10", 4)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 @pytest.mark.slurm
@@ -770,7 +821,7 @@ def test_a_job_rescaled_this_round_keeps_its_new_admin_comment(tmp_path):
     snapshot = Snapshot(100.0, (NodeView("a100-1", "a100", 8, 0),), tuple(m.view for m in managed.values()))
     printed = []
     actor = Actor(FakeSlurm([], [], ""), Store(cfg.state_db), SimulatedClock(), Metrics(None), printed.append,
-                  lambda: cfg, lambda: False)
+                  lambda: cfg)
     # The policy suspends job 41 (its AdminComment will say why) and leaves 42 as it runs.
     actor.act(snapshot, Decision((JobDecision("41", None, "preempted"),)), managed, {"a100": "a100"},
               "test", Acts())

@@ -2,6 +2,7 @@
 
 import copy
 import itertools
+from dataclasses import replace
 
 import pytest
 
@@ -290,7 +291,12 @@ def test_sia_decision_places_what_the_ilp_chose_and_skips_an_unchanged_round():
                 running=(cell_of(d, j.job_id)[0], cell_of(d, j.job_id)[1], d.for_job(j.job_id).assignment.placement))
             for j in s.jobs]
     s2 = snap(s.nodes, jobs, now=4300.0, state=d.policy_state, trigger="round")
-    assert run(SiaPolicy(), s2).jobs == ()
+    skipped = run(SiaPolicy(), s2)
+    assert skipped.jobs == () and skipped.policy_state == d.policy_state
+    # GPUs taken or freed outside the policy (a plain Slurm job) make the round solve again.
+    nodes = (replace(s.nodes[0], unmanaged_gpus=s.nodes[0].unmanaged_gpus + 1),) + tuple(s.nodes[1:])
+    solved = run(SiaPolicy(), snap(nodes, jobs, now=4300.0, state=d.policy_state, trigger="round"))
+    assert solved.policy_state != d.policy_state
 
 
 def test_sia_admits_arrivals_onto_free_gpus_between_rounds_without_moving_running_jobs():

@@ -6,8 +6,8 @@ import pytest
 
 from slurm_ext.slurm_client import JobUpdate, SlurmJob
 from slurm_ext.store import (
-    ABANDONED, ANNOTATE, CLOSE, DONE, FAILED, INTENDED, REAPPLY, RELEASE, RELEASE_ONLY, RESCALE,
-    START, SUSPEND, Store, plan_recovery,
+    ABANDONED, ANNOTATE, CLOSE, DONE, FAILED, FORCED, INTENDED, KEEP, REAPPLY, RELEASE, RELEASE_ONLY,
+    RESCALE, SIGNALLED, START, SUSPEND, Store, plan_recovery,
 )
 
 UPDATE = JobUpdate(partition="a100", gpus_per_node=4, num_nodes=2,
@@ -117,9 +117,22 @@ def steps_by_job(steps):
 
 
 def test_recovery_reapplies_held_starts_and_rescales(store):
-    es = entries(store, (1, START), (2, RESCALE), (3, START), (4, RESCALE))
-    jobs = {1: held(1), 2: held(2, "SPECIAL_EXIT"), 3: job(3, "RUNNING"), 4: job(4, "RUNNING")}
-    assert steps_by_job(plan_recovery(es, jobs)) == {1: REAPPLY, 2: REAPPLY, 3: CLOSE, 4: CLOSE}
+    es = entries(store, (1, START), (2, RESCALE), (3, START), (4, RESCALE), (5, SUSPEND))
+    jobs = {1: held(1), 2: held(2, "SPECIAL_EXIT"), 3: job(3, "RUNNING"), 4: job(4, "RUNNING"),
+            5: job(5, "RUNNING")}
+    # A rescale or suspension whose job still runs is under way: the rounds go on with it.
+    assert steps_by_job(plan_recovery(es, jobs)) == {1: REAPPLY, 2: REAPPLY, 3: CLOSE, 4: KEEP, 5: KEEP}
+
+
+def test_a_rescale_marks_where_it_stands(store):
+    entry = store.intend(7, RESCALE, UPDATE, 10.0)
+    store.mark_entry(entry, SIGNALLED, 11.0)
+    (e,) = store.open_entries()
+    assert (e.note, e.created_s, e.updated_s, e.state) == (SIGNALLED, 10.0, 11.0, INTENDED)
+    store.close_entry(entry, DONE, 20.0)
+    store.mark_entry(entry, FORCED, 30.0)  # a closed entry stays as it was closed
+    (e,) = store.entries()
+    assert (e.state, e.updated_s) == (DONE, 20.0)
 
 
 def test_recovery_releases_and_closes(store):
