@@ -6,7 +6,8 @@ row and prints one JSON object:
 
 ``{"command", "jobs_queued", "policy", "submit_s", "warmup": [cycle...], "cycles":
 [cycle...], "first_cycle_s", "steady_cycle_s", "steady_max_s", "steady_parts_s",
-"steady_share", "target_s", "meets_target", "cpus", "load_avg_1m", "slurm"}`` where each
+"steady_share", "acting": [cycle...], "acting_cycle_s", "acting_mean_s", "acting_max_s",
+"target_s", "meets_target", "cpus", "load_avg_1m", "slurm"}`` where each
 cycle is ``{"cycle", "total_s", "observe_s", "estimate_s", "decide_s", "act_s", "jobs",
 "managed", "new_specs", "actions"}``.
 
@@ -22,9 +23,13 @@ cycle is ``{"cycle", "total_s", "observe_s", "estimate_s", "decide_s", "act_s", 
   a running daemon pays per round with 2,000 jobs queued, ``steady_max_s`` the slowest;
   ``steady_parts_s`` the median of each part and ``steady_share`` its share of the sum
   (the machine may be shared: the share says where the time goes even when it is loaded).
+- ``acting``: rounds that act. Before each, two running elastic jobs are cancelled, and the
+  round starts waiting jobs on the GPUs they freed (and rescales what the policy moves:
+  a rescale's round signals and goes on, later rounds finish it). ``acting_cycle_s`` is
+  their median, ``acting_mean_s`` their mean, ``acting_max_s`` the slowest.
 
-Usage: ``python benchmarks/daemon_cycle.py [--jobs 2000] [--cycles 5] [--policy cells-ilp]
-[--out FILE] [--profile FILE]`` (``--profile``: cProfile stats of the steady cycles).
+Usage: ``python benchmarks/daemon_cycle.py [--jobs 2000] [--cycles 5] [--acting-cycles 5]
+[--policy cells-ilp] [--out FILE] [--profile FILE]`` (``--profile``: cProfile stats of the steady cycles).
 Needs root and Slurm (the lab); takes a few minutes, most of it submitting the jobs.
 """
 
@@ -46,7 +51,7 @@ from estimator.cluster import load_cluster
 from slurm_ext.cli_backend import CliSlurmClient
 from slurm_ext.config import DaemonConfig, resolve
 from slurm_ext.daemon import Daemon
-from slurm_ext.lab import LabCluster, find_free_base_port
+from slurm_ext.lab import LabCluster, find_free_base_port, poll
 from slurm_ext.run import run_command
 from slurm_ext.slurm_client import SubmitRequest
 from slurm_ext.store import Store
@@ -88,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=2000)
     parser.add_argument("--cycles", type=int, default=5, help="steady cycles measured after warm-up")
+    parser.add_argument("--acting-cycles", type=int, default=5,
+                        help="rounds measured after two running jobs were cancelled each")
     parser.add_argument("--max-warmup", type=int, default=20, help="cold rounds at most, while specs are read")
     parser.add_argument("--policy", default=DaemonConfig().policy, help="the daemon's policy (default: its default)")
     parser.add_argument("--out", help="also write the JSON to this file")
@@ -123,6 +130,13 @@ def main(argv: list[str] | None = None) -> int:
             cycles.append(_row(i + 1, r))
         if profiler:
             profiler.dump_stats(args.profile)
+        acting = []
+        for i in range(args.acting_cycles):
+            victims = [j.job_id for j in client.jobs() if j.is_running and j.is_elastic][:2]
+            for job_id in victims:
+                client.cancel(job_id)
+            poll(lambda: not any((j := client.job(v)) and j.is_active for v in victims), 30)
+            acting.append(_row(i + 1, daemon.round()))
         version = run_command(["sinfo", "--version"], timeout_s=10, env=lab.env()).stdout.strip()
         steady = statistics.median(c["total_s"] for c in cycles)
         parts = {k: round(statistics.median(c[k] for c in cycles), 3) for k in PARTS}
@@ -133,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
             "steady_cycle_s": round(steady, 3),
             "steady_max_s": max(c["total_s"] for c in cycles), "steady_parts_s": parts,
             "steady_share": {k: round(v / max(sum(parts.values()), 1e-9), 3) for k, v in parts.items()},
+            "acting": acting,
+            "acting_cycle_s": round(statistics.median(c["total_s"] for c in acting), 3) if acting else None,
+            "acting_mean_s": round(statistics.fmean(c["total_s"] for c in acting), 3) if acting else None,
+            "acting_max_s": max((c["total_s"] for c in acting), default=None),
             "target_s": TARGET_S, "meets_target": steady <= TARGET_S, "cpus": os.cpu_count(),
             "load_avg_1m": round(os.getloadavg()[0], 1), "slurm": version}, indent=1)
         print(result)

@@ -11,6 +11,7 @@ A spec loads from YAML::
 Errors name the bad field (``node_groups[1].nodes``).
 """
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,8 @@ import yaml
 
 from estimator.errors import SpecError
 from estimator.gpus import gpu_type
+
+log = logging.getLogger(__name__)
 
 # Network kinds and their default per-node bandwidth, GB/s one direction. `default` is the
 # Ethernet of the measured clusters (10 GbE class); `infiniband` HDR 200 Gb/s.
@@ -85,6 +88,8 @@ def _network(raw: object, where: str) -> Network:
         raise SpecError(f"{where}.kind", kind, f"use one of {', '.join(NETWORK_DEFAULT_GBYTES_S)}")
     # bandwidth_gbps: the key's earlier name (it always held GB/s, not Gbit/s).
     key = "bandwidth_gbps" if "bandwidth_gbps" in raw and "bandwidth_gbytes_s" not in raw else "bandwidth_gbytes_s"
+    if key == "bandwidth_gbps":
+        log.warning("%s.bandwidth_gbps is deprecated: it is read as GB/s; rename it bandwidth_gbytes_s", where)
     bw = raw.get(key, NETWORK_DEFAULT_GBYTES_S[kind])
     if not isinstance(bw, (int, float)) or isinstance(bw, bool) or bw <= 0:
         raise SpecError(f"{where}.{key}", bw, "give a positive number of GB/s (gigabytes per second)")

@@ -180,16 +180,9 @@ class Actor:
         ids = [j for j, _ in jobs]
         errors: dict[int, SlurmExtError] = {}
         if update is not None:
-            # scontrol takes a list of jobs for most fields, but a node count only for one
-            # job ("Invalid job ID 4,10"): such updates go one by one, the release together.
-            many = None
-            if update.num_nodes is None:
-                def many(js: list[int]) -> None:
-                    self.client.update_pending_many(js, update)
-            errors.update(self._each(ids, lambda j: self.client.update_pending(j, update), many, kind))
+            errors.update(self._each(ids, lambda js: self.client.update_pending(js, update), kind))
         if release:
-            errors.update(self._each([j for j in ids if j not in errors], self.client.release,
-                                     self.client.release_many, kind))
+            errors.update(self._each([j for j in ids if j not in errors], self.client.release, kind))
         done = []
         for job_id, describe in jobs:
             if job_id in errors:
@@ -205,23 +198,22 @@ class Actor:
         return done
 
     @staticmethod
-    def _each(job_ids: list[int], one: Callable[[int], None],
-              many: Callable[[list[int]], None] | None, kind: str) -> dict[int, SlurmExtError]:
-        """Apply ``many`` to all jobs at once (else ``one`` to each); the jobs it failed for.
+    def _each(job_ids: list[int], call: Callable[[int | list[int]], None], kind: str) -> dict[int, SlurmExtError]:
+        """Apply ``call`` to all jobs at once; the jobs it failed for.
 
         When the call for all fails, each job is tried on its own so that one bad job (gone,
         no longer pending) costs only itself.
         """
-        if many is not None and len(job_ids) > 1:
+        if len(job_ids) > 1:
             try:
-                many(job_ids)
+                call(job_ids)
                 return {}
             except SlurmExtError as e:
                 log.warning(kv("batch_failed", kind=kind, jobs=len(job_ids), error=e))
         errors: dict[int, SlurmExtError] = {}
         for job_id in job_ids:
             try:
-                one(job_id)
+                call(job_id)
             except SlurmExtError as e:
                 errors[job_id] = e
         return errors
@@ -329,14 +321,9 @@ class Actor:
 
     def _annotate(self, job_ids: list[int], update: JobUpdate, to_hold: list[int]) -> None:
         try:
-            if len(job_ids) > 1:
-                self.client.update_pending_many(job_ids, update)
-            else:
-                self.client.update_pending(job_ids[0], update)
-            if len(to_hold) > 1:
-                self.client.hold_many(to_hold)
-            elif to_hold:
-                self.client.hold(to_hold[0])
+            self.client.update_pending(job_ids, update)
+            if to_hold:
+                self.client.hold(to_hold)
             return
         except SlurmExtError as e:
             if len(job_ids) == 1:
@@ -394,7 +381,8 @@ class Actor:
           to its new Cell and released (a suspension: its AdminComment says why, it stays
           held);
         - it still runs ``rescale_timeout_s`` after the signal: its requeue is forced, and
-          ``REQUEUE_HOLD_WAIT_S`` after that without coming back, the rescale failed.
+          ``REQUEUE_HOLD_WAIT_S`` after that without coming back, the rescale failed;
+        - it was journaled but never signalled (the daemon stopped in between): USR1 now.
 
         Returns, per job whose rescale is under way or was released just now, the update
         it has or will have: the round leaves these jobs to their rescale, and counts the
@@ -417,13 +405,18 @@ class Actor:
                 elif now_s >= e.updated_s + REQUEUE_SETTLE_S:
                     self._finish_rescale(e, acts)
                 continue
-            signalled_s = e.updated_s if e.note == journal.SIGNALLED else e.created_s
-            if e.note == journal.FORCED:
+            if e.note == journal.CAME_BACK:  # requeued held, then released by someone else
+                self.store.close_entry(e.entry_id, journal.ABANDONED, now_s, "released by another hand")
+                del out[e.job_id]
+            elif not e.note:  # journaled, but the daemon stopped before it sent USR1
+                self._signal([e.job_id])
+                self.store.mark_entry(e.entry_id, journal.SIGNALLED, now_s)
+            elif e.note == journal.FORCED:
                 if now_s >= e.updated_s + REQUEUE_HOLD_WAIT_S:
                     self.store.close_entry(e.entry_id, journal.FAILED, now_s, "never came back held")
                     log.error(kv("rescale_failed", job_id=e.job_id, error="never came back held"))
                     del out[e.job_id]
-            elif now_s >= signalled_s + self.config.rescale_timeout_s:
+            elif now_s >= e.updated_s + self.config.rescale_timeout_s:
                 log.warning(kv("rescale_forced", job_id=e.job_id, why="no requeue after USR1"))
                 try:
                     self.client.requeue_hold(e.job_id)
@@ -457,9 +450,6 @@ class Actor:
         the forced requeue after the timeout.
         """
         try:
-            if len(job_ids) > 1:
-                self.client.signal_batch_many(job_ids, "USR1")
-            else:
-                self.client.signal_batch(job_ids[0], "USR1")
+            self.client.signal_batch(job_ids, "USR1")
         except SlurmExtError as e:
             log.warning(kv("signal_failed", job_ids=",".join(map(str, job_ids)), error=e))

@@ -7,7 +7,7 @@ Values are converted to Slurm's formats here and nowhere else.
 
 import logging
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from estimator.contract import MAX_ADMIN_COMMENT_CHARS
@@ -68,6 +68,10 @@ def _admin_comment(value: object) -> str:
     if "\n" in value or "\r" in value:
         raise SlurmArgumentError("admin_comment", value, "keep it on one line")
     return value
+
+
+def _id_list(job_ids: int | Sequence[int]) -> list[int]:
+    return [job_ids] if isinstance(job_ids, int) else list(job_ids)
 
 
 # ---- command builders (pure) --------------------------------------------------------------
@@ -291,29 +295,23 @@ class CliSlurmClient:
     def nodes(self) -> tuple[SlurmNode, ...]:
         return parse_nodes(self._run(sinfo_json_argv()))
 
-    def update_pending(self, job_id: int, update: JobUpdate) -> None:
-        self._run(update_pending_argv(job_id, update))
+    def update_pending(self, job_ids: int | Sequence[int], update: JobUpdate) -> None:
+        ids = _id_list(job_ids)
+        if update.num_nodes is not None and len(ids) > 1:
+            # scontrol changes a node count one job at a time ("Invalid job ID 4,10").
+            for job_id in ids:
+                self._run(update_pending_argv(job_id, update))
+            return
+        self._run(update_pending_argv(ids, update))
 
-    def update_pending_many(self, job_ids: Iterable[int], update: JobUpdate) -> None:
-        self._run(update_pending_argv(list(job_ids), update))
+    def hold(self, job_ids: int | Sequence[int]) -> None:
+        self._run(hold_argv(_id_list(job_ids)))
 
-    def hold(self, job_id: int) -> None:
-        self._run(hold_argv(job_id))
+    def release(self, job_ids: int | Sequence[int]) -> None:
+        self._run(release_argv(_id_list(job_ids)))
 
-    def hold_many(self, job_ids: Iterable[int]) -> None:
-        self._run(hold_argv(list(job_ids)))
-
-    def release(self, job_id: int) -> None:
-        self._run(release_argv(job_id))
-
-    def release_many(self, job_ids: Iterable[int]) -> None:
-        self._run(release_argv(list(job_ids)))
-
-    def signal_batch(self, job_id: int, signal: str = "USR1") -> None:
-        self._run(signal_batch_argv(job_id, signal))
-
-    def signal_batch_many(self, job_ids: Iterable[int], signal: str = "USR1") -> None:
-        self._run(signal_batch_argv(list(job_ids), signal))
+    def signal_batch(self, job_ids: int | Sequence[int], signal: str = "USR1") -> None:
+        self._run(signal_batch_argv(_id_list(job_ids), signal))
 
     def requeue_hold(self, job_id: int) -> None:
         self._run(requeue_hold_argv(job_id))

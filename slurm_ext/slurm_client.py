@@ -275,42 +275,27 @@ class SlurmClient(Protocol):
         """All nodes."""
         ...
 
-    def update_pending(self, job_id: int, update: JobUpdate) -> None:
-        """Change a pending job's partition, GPUs per node, node count, admin comment.
+    def update_pending(self, job_ids: int | Sequence[int], update: JobUpdate) -> None:
+        """Change pending jobs' partition, GPUs per node, node count, admin comment: one
+        job or several, with one call to Slurm where it takes one (a node count it changes
+        one job at a time).
 
         The admin comment alone (``start_now=False``) may also be changed on a running job.
-        """
-        ...
-
-    def update_pending_many(self, job_ids: Sequence[int], update: JobUpdate) -> None:
-        """The same change to several pending jobs with one call to Slurm.
-
         Raises when Slurm refused any of them; the others may have changed.
         """
         ...
 
-    def hold(self, job_id: int) -> None:
-        """Hold a pending job (admin hold: the owner cannot release it)."""
+    def hold(self, job_ids: int | Sequence[int]) -> None:
+        """Hold pending jobs (admin hold: the owner cannot release it); raises if any was refused."""
         ...
 
-    def hold_many(self, job_ids: Sequence[int]) -> None:
-        """Hold several pending jobs with one call (raises if any was refused)."""
+    def release(self, job_ids: int | Sequence[int]) -> None:
+        """Release held jobs; raises if any was refused."""
         ...
 
-    def release(self, job_id: int) -> None:
-        """Release a held job."""
-        ...
-
-    def release_many(self, job_ids: Sequence[int]) -> None:
-        """Release several held jobs with one call (raises if any was refused)."""
-        ...
-
-    def signal_batch(self, job_id: int, signal: str = "USR1") -> None:
-        """Send a signal to the batch script's process only (the trainer checkpoints)."""
-        ...
-
-    def signal_batch_many(self, job_ids: Sequence[int], signal: str = "USR1") -> None:
-        """Signal the batch scripts of several jobs with one call (raises if any was refused)."""
+    def signal_batch(self, job_ids: int | Sequence[int], signal: str = "USR1") -> None:
+        """Send a signal to the batch scripts' processes only (the trainers checkpoint);
+        raises if any was refused."""
         ...
 
     def requeue_hold(self, job_id: int) -> None:

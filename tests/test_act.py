@@ -39,11 +39,8 @@ class FakeSlurm:
     def jobs(self):
         return tuple(self.state.values())
 
-    def signal_batch(self, job_id, signal="USR1"):
-        self.calls.append(("signal", job_id))
-
-    def signal_batch_many(self, job_ids, signal="USR1"):
-        self.calls.append(("signal", *job_ids))
+    def signal_batch(self, job_ids, signal="USR1"):
+        self.calls.append(("signal", *([job_ids] if isinstance(job_ids, int) else job_ids)))
 
     def update_pending(self, job_id, update):
         self.calls.append(("update", job_id, update))
@@ -157,6 +154,20 @@ def test_a_restarted_daemon_goes_on_where_the_last_one_stopped(world):
     assert slurm.calls.count(("requeue_hold", 41)) == 1  # not forced again after the restart
 
 
+def test_a_job_released_by_someone_else_after_its_requeue_is_left_to_them(world):
+    clock, slurm, store, actor = world
+    a = actor()
+    start(a, slurm, (41, CHANGE_TYPE, NEW_CELL))
+    slurm.requeued_held(41)
+    advance(a, slurm)
+    slurm.state[41] = replace(slurm.state[41], state="RUNNING", reason="", priority=1)  # an admin released it
+    clock.advance_to(1000.0 + TIMEOUT_S)
+    assert advance(a, slurm)[0] == {}
+    assert ("requeue_hold", 41) not in slurm.calls
+    (e,) = store.entries()
+    assert (e.state, e.note) == (journal.ABANDONED, "released by another hand")
+
+
 def test_a_job_that_ended_meanwhile_is_abandoned(world):
     clock, slurm, store, actor = world
     a = actor()
@@ -166,3 +177,15 @@ def test_a_job_that_ended_meanwhile_is_abandoned(world):
     (e,) = store.entries()
     assert (e.state, e.note) == (journal.ABANDONED, "job ended")
     assert slurm.calls == [("signal", 41)]
+
+
+def test_a_rescale_journaled_but_never_signalled_is_signalled_by_the_next_round(world):
+    clock, slurm, store, actor = world
+    store.intend(41, journal.RESCALE, NEW_CELL, 990.0)  # the daemon died before USR1 went out
+    a = actor()
+    assert a.recover() == 1 and len(store.open_entries()) == 1
+    assert advance(a, slurm)[0] == {41: NEW_CELL}
+    assert slurm.calls == [("signal", 41)] and store.open_entries()[0].note == journal.SIGNALLED
+    clock.advance_to(1000.0 + TIMEOUT_S - 1)  # the timeout counts from this signal
+    advance(a, slurm)
+    assert ("requeue_hold", 41) not in slurm.calls

@@ -47,12 +47,14 @@ def test_load_from_yaml_file(tmp_path):
         load_cluster(str(tmp_path / "missing.yaml"))
 
 
-def test_network_bandwidth_is_in_gigabytes_per_second_under_either_key_name():
+def test_network_bandwidth_is_in_gigabytes_per_second_under_either_key_name(caplog):
     group = {"gpu_type": "a100", "nodes": 1, "gpus_per_node": 4}
     new = cluster_from_dict({"name": "x", "network": {"kind": "infiniband", "bandwidth_gbytes_s": 12.5},
                              "node_groups": [group]})
-    old = cluster_from_dict({"name": "x", "network": {"kind": "infiniband", "bandwidth_gbps": 12.5},
-                             "node_groups": [group]})
+    with caplog.at_level("WARNING", logger="estimator.cluster"):
+        old = cluster_from_dict({"name": "x", "network": {"kind": "infiniband", "bandwidth_gbps": 12.5},
+                                 "node_groups": [group]})
+    assert "network.bandwidth_gbps is deprecated" in caplog.text and "bandwidth_gbytes_s" in caplog.text
     assert new.group("a100").network.bandwidth_gbytes_s == old.group("a100").network.bandwidth_gbytes_s == 12.5
     default = cluster_from_dict({"name": "x", "network": {"kind": "infiniband"}, "node_groups": [group]})
     assert default.group("a100").network.bandwidth_gbytes_s == 25.0

@@ -692,10 +692,11 @@ class FakeSlurm:
     def batch_script(self, job_id):
         return self._script
 
-    def update_pending(self, job_id, update):
-        self.calls.append(("update", job_id, update))
-        if update.admin_comment is not None:  # as Slurm would show it next round
-            self._jobs[job_id] = replace(self._jobs[job_id], admin_comment=update.admin_comment)
+    def update_pending(self, job_ids, update):
+        for job_id in [job_ids] if isinstance(job_ids, int) else job_ids:
+            self.calls.append(("update", job_id, update))
+            if update.admin_comment is not None:  # as Slurm would show it next round
+                self._jobs[job_id] = replace(self._jobs[job_id], admin_comment=update.admin_comment)
 
     def __getattr__(self, name):  # hold, release, signal, requeue, ...: recorded, never applied
         return lambda *args, **kw: self.calls.append((name, *args))

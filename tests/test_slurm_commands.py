@@ -213,7 +213,7 @@ def test_background_process_runs_until_stopped_by_pid(tmp_path):
 
 
 @pytest.mark.slurm
-def test_batched_update_hold_release_on_the_lab(slurm_client, tmp_path):
+def test_batched_update_hold_release_on_the_lab(slurm_lab, slurm_client, tmp_path):
     script = "#!/bin/bash\nsleep 300\n"
 
     def submit(**kw):
@@ -222,21 +222,25 @@ def test_batched_update_hold_release_on_the_lab(slurm_client, tmp_path):
 
     # Held, and not eligible for an hour: released, they stay pending.
     ids = [submit(hold=True, extra_args=("--begin=now+3600",)) for _ in range(3)]
-    slurm_client.update_pending_many(ids, JobUpdate(admin_comment="why=batched", start_now=False))
+    slurm_client.update_pending(ids, JobUpdate(admin_comment="why=batched", start_now=False))
     jobs = {j.job_id: j for j in slurm_client.jobs()}
     assert [jobs[i].admin_comment for i in ids] == ["why=batched"] * 3
-    # A node count is changed one job at a time only (22.05: "Invalid job ID a,b").
+    # scontrol changes a node count one job at a time only (22.05: "Invalid job ID a,b")...
     with pytest.raises(SlurmCommandError, match="Invalid job ID"):
-        slurm_client.update_pending_many(ids, JobUpdate(num_nodes=1, admin_comment="why=n"))
-    slurm_client.release_many(ids)
+        run_command(update_pending_argv(ids, JobUpdate(num_nodes=1)), timeout_s=30, env=slurm_lab.env())
+    # ...so the client does it job by job.
+    slurm_client.update_pending(ids, JobUpdate(num_nodes=1, admin_comment="why=n"))
+    jobs = {j.job_id: j for j in slurm_client.jobs()}
+    assert [jobs[i].admin_comment for i in ids] == ["why=n"] * 3
+    slurm_client.release(ids)
     assert not any(j.is_held for j in slurm_client.jobs() if j.job_id in ids)
-    slurm_client.hold_many(ids[:2])
+    slurm_client.hold(ids[:2])
     jobs = {j.job_id: j for j in slurm_client.jobs()}
     assert [jobs[i].is_held for i in ids] == [True, True, False]
     # One job Slurm refuses (gone) fails the call: the caller then goes job by job.
     slurm_client.cancel(ids[0])
     with pytest.raises(SlurmCommandError):
-        slurm_client.update_pending_many([ids[0], ids[2]], JobUpdate(admin_comment="why=again", start_now=False))
+        slurm_client.update_pending([ids[0], ids[2]], JobUpdate(admin_comment="why=again", start_now=False))
     # A running GPU job's grant per node, from the detail of that job alone.
     runs = submit()
     deadline = time.monotonic() + 20
