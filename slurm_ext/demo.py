@@ -295,7 +295,12 @@ def run_rescale_scenario(client: SlurmClient, env: dict[str, str], workdir: Path
                             f"arrived; its actions: {list(report.actions) or 'none'}")
     # The round signalled the job and went on; the next rounds see it requeued held, then
     # update and release it.
-    after = _wait(f"job {train} to run again", lambda: daemon.round() and _running(client, train), 60, log_tail)
+    def rescaled() -> SlurmJob | None:
+        daemon.round()
+        job = _running(client, train)
+        return job if job is not None and job.restart_count > before.restart_count else None
+
+    after = _wait(f"job {train} to run again", rescaled, 90, log_tail)
     if after.restart_count < 1 or (after.granted_gpu_type, after.granted_gpus) == (
             before.granted_gpu_type, before.granted_gpus):
         raise ScenarioError(f"job {train} runs again but was not rescaled: {before.granted_gpus} "
