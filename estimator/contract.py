@@ -13,7 +13,9 @@ for the other, and what operators and tests rely on.
   ``cell plan mb remat layers`` are the plan string the runner reads
   (``estimator.plan_string``); ``requested`` the GPU type asked for; ``src`` where a
   running plan came from when not the daemon (``tuned``, ``cached``, ``given``); ``sps``
-  samples per second, measured when ``measured=1``; ``why`` or ``error`` the reason.
+  samples per second, measured when ``measured=1``; ``progress`` the share of iterations
+  done; ``start`` and ``end`` the forecast (UTC, ``2026-11-25T12:03:40Z``; the expected
+  start of a waiting job, the expected end of any); ``why`` or ``error`` the reason.
   One parser (:func:`parse_plan_comment`), one formatter (:func:`format_plan_comment`),
   one length limit (``MAX_ADMIN_COMMENT_CHARS``).
 - **The job's elastic settings**: ``elastic key=value ...`` in its Comment and
@@ -30,6 +32,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from datetime import datetime, timezone
 from dataclasses import MISSING, asdict, dataclass, fields
 
 from estimator.errors import SpecError
@@ -71,6 +74,9 @@ class PlanComment:
     error: str | None = None
     plan_source: str | None = None  # one of PLAN_SOURCES; None: the daemon's own plan
     sps_measured: bool = False  # samples_per_s was measured on the running plan
+    expected_start_s: float | None = None  # the forecast (Unix seconds), ``start=``
+    expected_end_s: float | None = None  # ``end=``
+    progress_frac: float | None = None  # iterations done / all, ``progress=``
 
     def cell_parts(self) -> tuple[str, int, int] | None:
         """(gpu_type, num_gpus, num_stages) of ``cell``, or None."""
@@ -106,6 +112,12 @@ def format_plan_comment(pc: PlanComment) -> str:
         parts.append(f"sps={pc.samples_per_s:.4g}")
         if pc.sps_measured:
             parts.append("measured=1")
+    if pc.progress_frac is not None:
+        parts.append(f"progress={min(1.0, max(0.0, pc.progress_frac)):.3f}")
+    if pc.expected_start_s is not None:
+        parts.append(f"start={format_utc(pc.expected_start_s)}")
+    if pc.expected_end_s is not None:
+        parts.append(f"end={format_utc(pc.expected_end_s)}")
     if pc.error is not None:
         parts.append(f"error={_clean(pc.error, MAX_WHY_CHARS)}")
     elif pc.why is not None:
@@ -139,13 +151,31 @@ def parse_plan_comment(text: str | None) -> PlanComment:
             return None
 
     sps = as_float(values.get("sps"))
+    progress = as_float(values.get("progress"))
     return PlanComment(requested=values.get("requested"), cell=values.get("cell"),
                        plan=values.get("plan"), micro_batches=as_int(values.get("mb")),
                        remat={"1": True, "0": False}.get(values.get("remat", "")),
                        layers=values.get("layers"), samples_per_s=sps, why=values.get("why"),
                        error=values.get("error"),
                        plan_source=values.get("src") if values.get("src") in PLAN_SOURCES else None,
-                       sps_measured=values.get("measured") == "1" and sps is not None)
+                       sps_measured=values.get("measured") == "1" and sps is not None,
+                       expected_start_s=parse_utc(values.get("start")), expected_end_s=parse_utc(values.get("end")),
+                       progress_frac=progress if progress is not None and 0.0 <= progress <= 1.0 else None)
+
+
+def format_utc(t_s: float) -> str:
+    """``2026-11-25T12:03:40Z``: a time in a form every user reads (UTC, whole seconds)."""
+    return datetime.fromtimestamp(round(t_s), tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_utc(text: str | None) -> float | None:
+    """The Unix time of a :func:`format_utc` text, or None when it is not one."""
+    if not text:
+        return None
+    try:
+        return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc).timestamp()
+    except ValueError:
+        return None
 
 
 def plan_tokens(admin_comment: str | None) -> str | None:

@@ -24,11 +24,13 @@ finishes or undoes half-done work (:meth:`Actor.recover`).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from estimator.contract import PlanComment, format_plan_comment
 from policy.clock import Clock
+from policy.forecast import JobForecast
 from policy.interface import (
     CHANGE_TYPE, MOVE, RESIZE, START, SUSPEND, Action, Assignment, Decision, Snapshot,
     implied_actions,
@@ -48,6 +50,17 @@ log = logging.getLogger(__name__)
 
 # After a forced requeue, how long a job may take to come back held before the rescale fails.
 REQUEUE_HOLD_WAIT_S = 45.0
+# A forecast shown is rewritten when it moved by more than this (or appeared, or went).
+FORECAST_SHIFT_S = 60.0
+
+
+def _shift(shown_s: float | None, new_s: float | None, now_s: float) -> float:
+    """How far a forecast moved; infinite when it appeared or went."""
+    if shown_s is None and new_s is None:
+        return 0.0
+    if shown_s is None or new_s is None:
+        return math.inf
+    return abs(shown_s - new_s)
 
 
 def start_update(assignment: Assignment, m: ManagedJob, type_parts: dict[str, str],
@@ -91,6 +104,8 @@ class Acts:
     plans_shown: list[int] = field(default_factory=list)  # AdminComment only, not an action
     signalled: list[int] = field(default_factory=list)  # rescales started (USR1 sent)
     rescaled: list[int] = field(default_factory=list)  # rescales finished: released on the new Cell
+    annotated: list[int] = field(default_factory=list)  # waiting jobs whose why was written
+    forecasts_shown: list[int] = field(default_factory=list)  # AdminComments given a new forecast
 
 
 def group_by(items, key) -> list[list]:
@@ -232,8 +247,11 @@ class Actor:
             self.take(journal.ANNOTATE, job.job_id, update, False, acts, f"spec error: {message}")
 
     def act(self, snapshot: Snapshot, decision: Decision, views_by_id: dict[str, ManagedJob],
-            part_types: dict[str, str], policy_name: str, acts: Acts) -> None:
-        """Apply the decision's implied actions: rescales first, then starts, then holds."""
+            part_types: dict[str, str], policy_name: str, acts: Acts,
+            forecasts: dict[str, JobForecast] | None = None) -> None:
+        """Apply the decision's implied actions: rescales first, then starts, then holds;
+        then, within what is left of the AdminComment budget, the running plans tuned in
+        allocations and the ``forecasts`` (None: none this round)."""
         type_parts = type_partitions(part_types)
         rescales: list[tuple[Action, JobUpdate | None]] = []
         starts: list[tuple[SlurmJob, JobUpdate]] = []
@@ -263,16 +281,23 @@ class Actor:
         # A job rescaled this round has its new Cell's AdminComment: the old plan must not
         # overwrite it.
         rescaled = {int(action.job_id) for action, _ in rescales}
-        self._show_running_plans([m for m in views_by_id.values() if m.running_comment
-                                  and m.slurm.job_id not in rescaled], budget, acts)
+        budget = self._show_running_plans([m for m in views_by_id.values() if m.running_comment
+                                           and m.slurm.job_id not in rescaled], budget, acts)
+        if forecasts:
+            # A job whose AdminComment this round rewrote is shown its forecast next time.
+            touched = {j for _, j in acts.taken} | set(acts.plans_shown) | set(acts.annotated)
+            self._show_forecasts([m for m in views_by_id.values() if m.slurm.job_id not in touched],
+                                 forecasts, snapshot.now_s, budget, acts)
 
-    def _show_running_plans(self, jobs: list[ManagedJob], budget: int, acts: Acts) -> None:
+    def _show_running_plans(self, jobs: list[ManagedJob], budget: int, acts: Acts) -> int:
         """Write into running jobs' AdminComment the plan their runner tuned and runs.
 
         Only the text changes: no signal, requeue or release, so it is not journaled (the
-        next round derives the same text again if this one is lost).
+        next round derives the same text again if this one is lost). Returns what is left
+        of the budget.
         """
-        for m in sorted(jobs, key=lambda m: m.slurm.job_id)[:max(0, budget)]:
+        jobs = sorted(jobs, key=lambda m: m.slurm.job_id)[:max(0, budget)]
+        for m in jobs:
             job_id, text = m.slurm.job_id, m.running_comment
             if self.config.dry_run:
                 self.out(f"dry-run: show running plan job={job_id} {text}")
@@ -285,6 +310,38 @@ class Actor:
                 continue
             acts.plans_shown.append(job_id)
             log.info(kv("running_plan_shown", job_id=job_id, admin_comment=text))
+        return budget - len(jobs)
+
+    def _show_forecasts(self, jobs: list[ManagedJob], forecasts: dict[str, JobForecast], now_s: float,
+                        budget: int, acts: Acts) -> None:
+        """Write each job's forecast (``start=``, ``end=``) and progress into its
+        AdminComment when they moved (by more than ``FORECAST_SHIFT_S``, or a percent of
+        progress), within the budget, those that moved most first. A waiting job's start
+        is the forecast's; a running one's is Slurm's own StartTime."""
+        todo = []
+        for m in jobs:
+            pc = plan_comment(m.slurm.admin_comment)
+            f = forecasts.get(m.view.job_id)
+            if pc.error is not None or f is None:
+                continue
+            start = f.start_s if m.view.assignment is None else None
+            progress = round(m.view.progress_frac, 3)
+            shift = max(_shift(pc.expected_start_s, start, now_s), _shift(pc.expected_end_s, f.end_s, now_s))
+            if shift <= FORECAST_SHIFT_S and pc.progress_frac is not None and abs(pc.progress_frac - progress) < 0.01:
+                continue
+            new = replace(pc, expected_start_s=start, expected_end_s=f.end_s, progress_frac=progress)
+            todo.append((-shift, m.slurm.job_id, format_plan_comment(new)))
+        for _, job_id, text in sorted(todo)[:max(0, budget)]:
+            if self.config.dry_run:
+                self.out(f"dry-run: show forecast job={job_id} {text}")
+                continue
+            try:
+                self.client.update_pending(job_id, JobUpdate(admin_comment=text, start_now=False))
+            except SlurmExtError as e:
+                log.warning(kv("show_forecast_failed", job_id=job_id, error=e))
+                continue
+            acts.forecasts_shown.append(job_id)
+            log.info(kv("forecast_shown", job_id=job_id, admin_comment=text))
 
     def _annotate_waiting(self, snapshot, decision: Decision, views_by_id: dict, acts: Acts) -> int:
         """Hold pending elastic jobs the policy leaves waiting and say why, within a budget.
@@ -303,7 +360,10 @@ class Actor:
             job: SlurmJob = views_by_id[jv.job_id].slurm
             pc = plan_comment(job.admin_comment)
             why = (d.reason if d and d.reason else "waiting for GPUs")
-            text = format_plan_comment(PlanComment(requested=pc.requested, why=why))
+            # The forecast shown stays (it is rewritten when it moves).
+            text = format_plan_comment(PlanComment(requested=pc.requested, why=why, progress_frac=pc.progress_frac,
+                                                   expected_start_s=pc.expected_start_s,
+                                                   expected_end_s=pc.expected_end_s))
             held = is_held(job)
             if held and text == job.admin_comment:
                 continue
@@ -314,6 +374,7 @@ class Actor:
                 self.out(f"dry-run: annotate job={job.job_id} {text}")
                 continue
             todo.append((job.job_id, text, held))
+            acts.annotated.append(job.job_id)
         for group in group_by(todo, lambda t: t[1]):
             update = JobUpdate(admin_comment=group[0][1], start_now=False)
             self._annotate([j for j, _, _ in group], update, [j for j, _, held in group if not held])

@@ -64,6 +64,10 @@ class DaemonConfig:
             iteration (``ROOT/<job id>/measured.json``) then refine its Cells' estimates.
             None: no feedback.
         use_cpu_measurements: also trust speeds measured on CPU fake devices (lab, tests).
+        forecast_every_s: how often the daemon runs its policy forward to forecast each
+            elastic job's start and end (``policy.forecast``), written into its AdminComment
+            within the round's AdminComment budget; 0 turns forecasts off.
+        forecast_max_decisions: decisions one forecast may take at most (its cost).
     """
 
     interval_s: float = 60.0
@@ -88,14 +92,17 @@ class DaemonConfig:
     max_new_specs_per_round: int = 50
     checkpoint_root: str | None = None
     use_cpu_measurements: bool = False
+    forecast_every_s: float = 60.0
+    forecast_max_decisions: int = 60
 
     def partition_map(self) -> dict[str, str]:
         return dict(self.partitions)
 
 
 KEYS = tuple(f.name for f in fields(DaemonConfig))
-_FLOATS = {"interval_s", "poll_s", "rescale_timeout_s", "restart_cost_s", "slurm_timeout_s", "backoff_max_s"}
-_INTS = {"max_gpus", "max_annotations_per_round", "max_new_specs_per_round"}
+_FLOATS = {"interval_s", "poll_s", "rescale_timeout_s", "restart_cost_s", "slurm_timeout_s", "backoff_max_s",
+           "forecast_every_s"}
+_INTS = {"max_gpus", "max_annotations_per_round", "max_new_specs_per_round", "forecast_max_decisions"}
 _OPTIONAL_INTS = {"metrics_port", "micro_batches"}
 
 

@@ -28,6 +28,7 @@ from estimator.errors import SpecError
 from estimator.jobs import JobSpec
 from estimator.refine import refine
 from policy.clock import Clock, WallClock
+from policy.forecast import forecast
 from policy.interface import (
     PENDING, RUNNING, TRIGGER_ARRIVAL, TRIGGER_COMPLETION, TRIGGER_ROUND, Decision,
     DecisionError, JobView, Policy, Snapshot, validate_decision,
@@ -44,7 +45,7 @@ from slurm_ext.metrics import Metrics
 from slurm_ext.observe import (  # noqa: F401
     ManagedJob, build_snapshot, cluster_spec, estimate_key, is_held, kv, measurement_from_text,
     model_loader_for, node_type, partition_types, plan_comment, requested_gpus, reserved_cell,
-    running_assignment, running_plan_comment, runner_progress, type_partitions, update_cell,
+    gpu_releases, running_assignment, running_plan_comment, runner_progress, type_partitions, update_cell,
 )
 from slurm_ext.slurm_client import SlurmClient, SlurmJob, SlurmNode
 from slurm_ext.store import EstimateCache, Store
@@ -90,6 +91,7 @@ class RoundReport:
     plans_shown: tuple[int, ...] = ()  # running jobs whose AdminComment now shows their tuned plan
     rescaled: tuple[int, ...] = ()  # rescales finished this round: released on their new Cell
     rescaling: tuple[int, ...] = ()  # rescales still under way (a checkpoint, a forced requeue)
+    forecasts_shown: tuple[int, ...] = ()  # jobs whose AdminComment got a new forecast
 
     @property
     def total_s(self) -> float:
@@ -130,6 +132,7 @@ class Daemon:
         self._submit_s: dict[int, float] = {}
         self._new_specs = 0
         self._pruned_s = 0.0
+        self._forecast_s = -math.inf
         self.config = config
         self.policy: Policy = make_policy(config.policy, **dict(config.policy_options))
         self.actor = Actor(client, store, self.clock, self.metrics, out, lambda: self.config)
@@ -295,9 +298,18 @@ class Daemon:
             log.error(kv("decision_rejected", policy=self.policy.name, error=e))
             decision = Decision(())
         self._policy_state = decision.policy_state
+        forecasts = None
+        if cfg.forecast_every_s > 0 and now_s - self._forecast_s >= cfg.forecast_every_s and snapshot.jobs:
+            # The same policy run forward from this snapshot (its state before this round's
+            # decision, so its first step is this round's decision).
+            managed_ids = {m.slurm.job_id for m in managed}
+            forecasts = forecast(snapshot, self.policy,
+                                 gpu_releases([j for j in active if j.job_id not in managed_ids], now_s),
+                                 cfg.forecast_max_decisions)
+            self._forecast_s = now_s
         t3 = time.perf_counter()
         self.actor.act(snapshot, decision, {m.view.job_id: m for m in managed}, part_types,
-                       self.policy.name, acts)
+                       self.policy.name, acts, forecasts)
         if not cfg.dry_run:
             self.store.forget_jobs_except(active_ids)
             if now_s - self._pruned_s > PRUNE_EVERY_S:
@@ -310,7 +322,8 @@ class Daemon:
                              tuple(acts.taken), t1 - t0, t2 - t1, t3 - t2, t4 - t3,
                              self._new_specs, len(elastic) - len(specs) - len(errors),
                              tuple(acts.plans_shown), tuple(acts.rescaled),
-                             tuple(sorted(set(in_rescale) - set(acts.rescaled) | set(acts.signalled))))
+                             tuple(sorted(set(in_rescale) - set(acts.rescaled) | set(acts.signalled))),
+                             tuple(acts.forecasts_shown))
         self.metrics.jobs({"active": len(active), "elastic": len(elastic), "managed": len(snapshot.jobs)})
         log.info(kv("round_done", trigger=trigger, jobs=report.jobs, elastic=report.elastic,
                     managed=report.managed, spec_errors=report.spec_errors,

@@ -26,6 +26,7 @@ from estimator.gpus import CATALOG
 from estimator.models import load_model
 from estimator.plan_string import PlanString, parse_plan
 from estimator.refine import Measurement
+from policy.forecast import GpuRelease
 from policy.interface import Assignment, JobView, NodeView, Snapshot
 from policy.placement import FreeGpus
 from slurm_ext.jobspec import ElasticSpec
@@ -355,6 +356,18 @@ def reserved_cell(job: SlurmJob, part_types: dict[str, str]) -> Cell | None:
     if gtype is None or not gpus:
         return None
     return Cell(gtype, gpus, max(1, job.gpus_per_node or gpus), 1)
+
+
+def gpu_releases(jobs: list[SlurmJob], now_s: float) -> tuple[GpuRelease, ...]:
+    """When the GPUs of running jobs the policy does not manage come free: at each job's
+    end time in Slurm (start plus time limit), per node. Jobs without one are left out."""
+    out = []
+    for job in jobs:
+        if not job.is_running or not job.end_time_s or job.end_time_s <= now_s:
+            continue
+        per_node = job.granted_gpus_per_node or (job.gpus_per_node,) * len(job.nodes)
+        out += [GpuRelease(float(job.end_time_s), node, gpus) for node, gpus in zip(job.nodes, per_node) if gpus]
+    return tuple(out)
 
 
 def update_cell(update: JobUpdate | None) -> Cell | None:

@@ -31,8 +31,12 @@ otherwise), ``gpu_type`` (str or null), ``nodes`` (int), ``elastic`` (bool), ``c
 (str or null), ``plan`` (str or null), ``micro_batches`` (int or null),
 ``samples_per_s`` (float or null: ``sps``, measured or estimated), ``requested`` (str or
 null), ``why`` (str), ``spec_error`` (str or null), ``plan_source`` (``daemon``, ``tuned``,
-``cached``, ``given``, or null when there is no plan) and ``measured_samples_per_s``
-(float, or null unless ``sps`` was measured).
+``cached``, ``given``, or null when there is no plan), ``measured_samples_per_s``
+(float, or null unless ``sps`` was measured), ``expected_start`` and ``expected_end``
+(ISO 8601 UTC or null: a running job's start is Slurm's, a waiting elastic job's the
+daemon's forecast, ``start=``; the end is the forecast, ``end=``) and ``progress_frac``
+(float or null: the share of its iterations done, ``progress=``). The table shows them
+as START and END (``MM-DDTHH:MM``, UTC).
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 from estimator.cells import Cell, StagePlan
-from estimator.contract import PlanComment, parse_plan_comment
+from estimator.contract import PlanComment, format_utc, parse_plan_comment
 from slurm_ext.slurm_client import SlurmJob
 
 DAEMON_PLAN = "daemon"  # plan_source in the view when no ``src`` token says otherwise
@@ -85,6 +89,9 @@ class JobRow:
     spec_error: str | None
     plan_source: str | None = None
     measured_samples_per_s: float | None = None
+    expected_start: str | None = None  # ISO 8601 UTC: a running job's start, a waiting one's forecast
+    expected_end: str | None = None
+    progress_frac: float | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -115,9 +122,12 @@ def job_row(job: SlurmJob) -> JobRow:
         why = reason
     source = (pc.plan_source or DAEMON_PLAN) if pc.plan else None
     measured = pc.samples_per_s if pc.sps_measured else None
+    start_s = job.start_time_s if running and job.start_time_s else pc.expected_start_s
     return JobRow(job.job_id, job.user, job.state, job.partition, gpus, gpu_type, nodes,
                   job.is_elastic, pc.cell, pc.plan, pc.micro_batches, pc.samples_per_s,
-                  pc.requested, why, pc.error, source, measured)
+                  pc.requested, why, pc.error, source, measured,
+                  format_utc(start_s) if start_s else None,
+                  format_utc(pc.expected_end_s) if pc.expected_end_s else None, pc.progress_frac)
 
 
 def rows(jobs: Iterable[SlurmJob], include_finished: bool = False) -> list[JobRow]:
@@ -127,7 +137,8 @@ def rows(jobs: Iterable[SlurmJob], include_finished: bool = False) -> list[JobRo
 
 
 COLUMNS = (("JOBID", 8), ("USER", 9), ("STATE", 10), ("PARTITION", 9), ("GPUS", 10),
-           ("ELASTIC", 7), ("CELL", 13), ("PLAN", 18), ("SAMPLES/S", 9), ("WHY", 0))
+           ("ELASTIC", 7), ("CELL", 13), ("PLAN", 18), ("SAMPLES/S", 9), ("START", 11), ("END", 11),
+           ("WHY", 0))
 
 
 def _why_cell(r: JobRow) -> str:
@@ -145,7 +156,13 @@ def _cells(r: JobRow) -> list[str]:
     gpus = f"{r.gpus}" + (f"x{r.gpu_type}" if r.gpu_type else "") if r.gpus else "-"
     sps = f"{r.samples_per_s:.4g}" if r.samples_per_s is not None else "-"
     return [str(r.job_id), r.user or "-", r.state, r.partition or "-", gpus,
-            "yes" if r.elastic else "no", r.cell or "-", r.plan or "-", sps, _why_cell(r)]
+            "yes" if r.elastic else "no", r.cell or "-", r.plan or "-", sps, _short_time(r.expected_start),
+            _short_time(r.expected_end), _why_cell(r)]
+
+
+def _short_time(iso: str | None) -> str:
+    """``11-25T12:03`` (UTC) of an ISO time, for the table."""
+    return iso[5:16] if iso else "-"
 
 
 def format_table(table: Sequence[JobRow]) -> str:

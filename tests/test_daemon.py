@@ -734,6 +734,38 @@ def test_daemon_shows_the_tuned_plan_of_a_running_job_and_does_nothing_else(tmp_
     assert report.managed == 1
 
 
+def test_a_waiting_job_is_forecast_to_start_when_the_plain_job_ends(tmp_path):
+    """Every GPU is held by a plain job that Slurm ends in 10 minutes: the waiting elastic
+    job's AdminComment says it starts then, and ends when its iterations are done."""
+    now = int(time.time())
+    plain = SlurmJob(40, "bob", "plain", "RUNNING", partition="a100", gpus_per_node=4,
+                     granted_gpus_per_node=(4,), granted_gpu_type="a100", nodes=("a100-1",), node_count=1,
+                     submit_time_s=now - 60, start_time_s=now - 60, end_time_s=now + 600, priority=1)
+    waiting = SlurmJob(41, "alice", "train", "PENDING", reason="JobHeldAdmin", partition="a100",
+                       comment="elastic model=gpt-760m gpus=4 global_batch=64 iterations=1000",
+                       admin_comment="requested=any", gpus_per_node=4, node_count=1, submit_time_s=now - 30)
+    client = FakeSlurm([plain, waiting], [node("a100-1", "a100", 4, used=4)], "#!/bin/bash\n")
+    cfg = resolve({"state_db": str(tmp_path / "state.db")}, {}, {})
+    daemon = Daemon(cfg, client, Store(cfg.state_db), out=lambda line: None)
+    seen = []
+    decide = daemon.policy.decide
+    daemon.policy.decide = lambda snapshot: seen.append(snapshot) or decide(snapshot)
+    report = daemon.round()
+    assert report.actions == () and report.forecasts_shown == ()  # first the why, then the forecast
+    report = daemon.round()
+    assert report.forecasts_shown == ()  # forecasts every forecast_every_s (60 s)
+    daemon._forecast_s -= cfg.forecast_every_s
+    report = daemon.round()
+    assert report.forecasts_shown == (41,)
+    pc = parse_plan_comment(client.jobs()[1].admin_comment)
+    assert pc.expected_start_s == now + 600 and pc.why and pc.progress_frac == 0.0
+    # It ends after a start's cost and its 1,000 iterations on one of its a100 Cells.
+    (view,) = seen[0].jobs
+    ends = [now + 600 + cfg.restart_cost_s + 1000 * e.iteration_time_s for e in view.feasible_estimates()
+            if e.cell.gpu_type == "a100" and e.cell.num_gpus <= 4]
+    assert min(abs(pc.expected_end_s - end) for end in ends) <= 1.0
+
+
 @pytest.mark.parametrize("restart_count,reported", [(0, True), (1, False)])
 def test_a_running_job_progresses_by_the_step_its_runner_reports(tmp_path, restart_count, reported):
     """The policy sees the runner's real step (``measured.json``), not one derived from the
@@ -772,7 +804,8 @@ def test_a_round_believed_unchanged_is_solved_while_a_waiting_job_fits_idle_gpus
                    priority=0)
     a100 = node("a100-1", "a100", 4, used=0 if gpus_free else 4)
     client = FakeSlurm([job], [a100], TRAINER)
-    cfg = resolve({"state_db": str(tmp_path / "state.db")}, {}, {})
+    # No forecast: each round's one call of decide is the round's own.
+    cfg = resolve({"state_db": str(tmp_path / "state.db"), "forecast_every_s": 0}, {}, {})
     daemon = Daemon(cfg, client, Store(cfg.state_db), out=lambda line: None)
     seen = []
     decide = daemon.policy.decide

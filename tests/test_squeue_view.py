@@ -1,6 +1,7 @@
 """The squeue view: AdminComment round trip, rows, table and JSON."""
 
 import json
+from dataclasses import replace
 
 from estimator.cells import StagePlan
 from estimator.plan_string import parse_plan
@@ -92,16 +93,17 @@ def test_table_and_json():
     text = format_table(table)
     header, line = text.splitlines()
     assert header.split() == ["JOBID", "USER", "STATE", "PARTITION", "GPUS", "ELASTIC", "CELL",
-                              "PLAN", "SAMPLES/S", "WHY"]
-    assert line.split()[:9] == ["12", "alice", "RUNNING", "a100", "8xa100", "yes", "a100x8:s2",
-                                "[dp2tp2|dp4tp1]", "412.5"]
+                              "PLAN", "SAMPLES/S", "START", "END", "WHY"]
+    assert line.split()[:11] == ["12", "alice", "RUNNING", "a100", "8xa100", "yes", "a100x8:s2",
+                                 "[dp2tp2|dp4tp1]", "412.5", "-", "-"]
     assert line.endswith("fastest feasible, 8 a100 free")
     doc = json.loads(json.dumps(to_json(table)))
     assert set(doc) == {"jobs"}
     assert set(doc["jobs"][0]) == {"job_id", "user", "state", "partition", "gpus", "gpu_type",
                                    "nodes", "elastic", "cell", "plan", "micro_batches",
                                    "samples_per_s", "requested", "why", "spec_error",
-                                   "plan_source", "measured_samples_per_s"}
+                                   "plan_source", "measured_samples_per_s", "expected_start",
+                                   "expected_end", "progress_frac"}
     assert doc["jobs"][0]["job_id"] == 12 and doc["jobs"][0]["elastic"] is True
     assert doc["jobs"][0]["plan_source"] == "daemon" and doc["jobs"][0]["measured_samples_per_s"] is None
 
@@ -156,3 +158,24 @@ def test_view_shows_the_tuned_plan_and_its_measured_speed():
     # No plan at all: no source either.
     waiting = job_row(SlurmJob(14, "c", "t", "PENDING", comment="elastic", admin_comment="why=waiting"))
     assert waiting.plan_source is None and waiting.measured_samples_per_s is None
+
+
+def test_forecast_tokens_show_as_start_end_and_progress():
+    # 2026-11-25T12:00:00Z and two hours later.
+    waiting = SlurmJob(20, "erin", "t", "PENDING", reason="JobHeldAdmin", priority=0, comment="elastic",
+                       admin_comment=format_plan_comment(PlanComment(
+                           requested="any", why="waiting for GPUs", expected_start_s=1795608000.0,
+                           expected_end_s=1795615200.0, progress_frac=0.0)),
+                       gpus_per_node=4, node_count=1)
+    assert "start=2026-11-25T12:00:00Z end=2026-11-25T14:00:00Z why=waiting for GPUs" in waiting.admin_comment
+    running = replace(running_elastic(), start_time_s=1795600000, admin_comment=format_plan_comment(
+        replace(FULL, expected_end_s=1795615200.0, progress_frac=0.25)))
+    by_id = {r.job_id: r for r in rows([waiting, running])}
+    assert (by_id[20].expected_start, by_id[20].expected_end, by_id[20].progress_frac) == \
+           ("2026-11-25T12:00:00Z", "2026-11-25T14:00:00Z", 0.0)
+    # A running job's start is Slurm's own; its end and progress are the daemon's.
+    assert (by_id[12].expected_start, by_id[12].expected_end, by_id[12].progress_frac) == \
+           ("2026-11-25T09:46:40Z", "2026-11-25T14:00:00Z", 0.25)
+    lines = format_table(rows([waiting])).splitlines()
+    assert lines[1].split()[9:11] == ["11-25T12:00", "11-25T14:00"]
+    assert parse_plan_comment("start=yesterday end=2026-13-01T00:00:00Z progress=2") == PlanComment()

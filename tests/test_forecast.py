@@ -1,0 +1,72 @@
+"""Forecasts (policy.forecast) on hand-computed scenarios: the policy run forward from a
+snapshot, with plain jobs ending at their time limits."""
+
+import pytest
+
+from estimator.cells import Cell, CellEstimate
+from estimator.jobs import JobSpec
+from policy.cells_ilp import CellsIlpPolicy
+from policy.fcfs import FcfsPolicy
+from policy.forecast import GpuRelease, forecast
+from policy.interface import PENDING, RUNNING, TRIGGER_ROUND, Assignment, JobView, NodeView, Snapshot
+
+BATCH = 8
+
+
+def est(n, iteration_time_s, gpu_type="a100"):
+    return CellEstimate(Cell(gpu_type, n, n, 1), (), 4, iteration_time_s, BATCH / iteration_time_s, 1.0, True, "")
+
+
+def job(job_id, gpus, estimates, *, iterations, done=0.0, running_on=None, started_s=0.0):
+    assignment = None
+    if running_on is not None:
+        assignment = Assignment(Cell("a100", gpus, gpus, 1), (running_on,))
+    return JobView(job_id, "u", JobSpec("gpt-1.3b", BATCH, gpus, "a100"), 0.0,
+                   RUNNING if assignment else PENDING, assignment, done, iterations, 0,
+                   started_s if assignment else 0.0, estimates=estimates, dp_only_estimates=estimates)
+
+
+def scenario(restart_cost_s=0.0):
+    """One node of 4 a100: job A runs on 2 (1 s per iteration, 50 left: ends at t=50), a
+    plain job holds the other 2 until t=100, and job B waits for all 4 (0.5 s per
+    iteration, 100 iterations)."""
+    a = job("A", 2, (est(2, 1.0),), iterations=150, done=100.0, running_on=("a100-1", 2), started_s=-40.0)
+    b = job("B", 4, (est(4, 0.5),), iterations=100)
+    snap = Snapshot(0.0, (NodeView("a100-1", "a100", 4, 2),), (a, b), TRIGGER_ROUND, 60.0, restart_cost_s)
+    return snap, (GpuRelease(100.0, "a100-1", 2),)
+
+
+def test_a_waiting_job_starts_when_the_plain_job_ends_and_runs_at_its_estimate():
+    snap, releases = scenario()
+    got = forecast(snap, FcfsPolicy(), releases)
+    assert (got["A"].start_s, got["A"].end_s, got["A"].cells) == (-40.0, 50.0, ("a100x2:s1",))
+    assert (got["B"].start_s, got["B"].end_s, got["B"].cells) == (100.0, 150.0, ("a100x4:s1",))
+
+
+def test_a_restart_costs_time_without_progress():
+    snap, releases = scenario(restart_cost_s=30.0)
+    got = forecast(snap, FcfsPolicy(), releases)
+    assert got["A"].end_s == 50.0  # running already: no restart
+    assert (got["B"].start_s, got["B"].end_s) == (100.0, 180.0)
+
+
+def test_without_the_release_the_waiting_job_has_no_forecast():
+    snap, _ = scenario()
+    got = forecast(snap, FcfsPolicy())
+    assert got["A"].end_s == 50.0 and (got["B"].start_s, got["B"].end_s) == (None, None)
+
+
+def test_the_daemons_policy_forecasts_the_same_and_keeps_its_own_state():
+    snap, releases = scenario()
+    policy = CellsIlpPolicy(min_change_interval_s=0.0)
+    got = forecast(snap, policy, releases)
+    assert (got["B"].start_s, got["B"].end_s) == (100.0, 150.0)
+    assert snap.policy_state is None  # the snapshot is not changed
+
+
+@pytest.mark.parametrize("max_decisions", [1, 2])
+def test_the_run_stops_after_its_decision_budget(max_decisions):
+    snap, releases = scenario()
+    got = forecast(snap, FcfsPolicy(), releases, max_decisions=max_decisions)
+    assert got["A"].end_s == 50.0
+    assert got["B"].start_s is None  # B starts at the third decision (t=0, 50, 100)
