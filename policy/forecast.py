@@ -11,8 +11,10 @@ moves forward in time with no new arrivals:
   the snapshot's ``restart_cost_s`` without progress, as the simulator charges it.
 
 The forward run goes from event to event (a job finishing, GPUs released), deciding at
-each, and stops when every job has finished, when nothing can change any more, or after
-``max_decisions`` decisions (what is then still unknown stays None). A policy's
+each, but the further ahead, the sparser (``step_frac``): a forecast a day ahead is good
+to an hour or two, one ten minutes ahead to a round. It stops when every job has
+finished, when nothing can change any more, or after ``max_decisions`` decisions (what is
+then still unknown stays None). A policy's
 ``decide`` is pure, so the daemon's own policy state is not touched: the run starts from
 the snapshot's ``policy_state`` and keeps its own.
 """
@@ -23,12 +25,13 @@ import math
 from dataclasses import dataclass, replace
 
 from policy.interface import (
-    PENDING, RUNNING, SUSPEND, TRIGGER_COMPLETION, TRIGGER_ROUND, Assignment, DecisionError, JobView,
+    PENDING, RUNNING, SUSPEND, TRIGGER_ROUND, Assignment, Decision, DecisionError, JobView,
     Policy, Snapshot, implied_actions, validate_decision,
 )
 
 DEFAULT_MAX_DECISIONS = 60
 DEFAULT_HORIZON_S = 90 * 86400.0
+DEFAULT_STEP_FRAC = 0.1
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,8 @@ def rate_of(view: JobView, assignment: Assignment | None) -> float:
 
 def forecast(snapshot: Snapshot, policy: Policy, releases: tuple[GpuRelease, ...] = (),
              max_decisions: int = DEFAULT_MAX_DECISIONS,
-             horizon_s: float = DEFAULT_HORIZON_S) -> dict[str, JobForecast]:
+             horizon_s: float = DEFAULT_HORIZON_S, first: Decision | None = None,
+             step_frac: float = DEFAULT_STEP_FRAC) -> dict[str, JobForecast]:
     """Every managed job's forecast (see the module docstring).
 
     Args:
@@ -86,6 +90,11 @@ def forecast(snapshot: Snapshot, policy: Policy, releases: tuple[GpuRelease, ...
         releases: GPUs held outside the policy that come free later, and when.
         max_decisions: decisions the forward run may take at most.
         horizon_s: how far ahead it looks at most.
+        first: the policy's decision on ``snapshot`` when the caller has it already (the
+            daemon's round): the run starts from it instead of deciding again.
+        step_frac: decisions further ahead are sparser: after deciding at ``t`` the next
+            decision comes at the next event, but no sooner than ``max(round_s,
+            step_frac × (t − now))``; events in between still happen at their time.
     """
     now_s = snapshot.now_s
     jobs = {j.job_id: _Job(j, j.last_change_s if j.assignment is not None else None,
@@ -101,7 +110,7 @@ def forecast(snapshot: Snapshot, policy: Policy, releases: tuple[GpuRelease, ...
             break
         snap = replace(snapshot, now_s=now_s, nodes=tuple(nodes.values()), jobs=active, trigger=trigger,
                        policy_state=state)
-        decision = policy.decide(snap)
+        decision = first if first is not None and now_s == snapshot.now_s else policy.decide(snap)
         try:
             validate_decision(snap, decision)
         except DecisionError:
@@ -131,6 +140,7 @@ def forecast(snapshot: Snapshot, policy: Policy, releases: tuple[GpuRelease, ...
         next_s = min(min(finish.values(), default=math.inf), next_release)
         if not math.isfinite(next_s) or next_s - snapshot.now_s > horizon_s:
             break  # nothing will change any more (or not within the horizon)
+        next_s = max(next_s, now_s + max(snapshot.round_s, step_frac * (now_s - snapshot.now_s)))
         for j in jobs.values():  # progress until then
             rate = rate_of(j.view, j.view.assignment) if j.end_s is None else 0.0
             worked_s = max(0.0, next_s - max(now_s, j.busy_until_s))
@@ -146,7 +156,7 @@ def forecast(snapshot: Snapshot, policy: Policy, releases: tuple[GpuRelease, ...
             if n is not None:
                 nodes[r.node] = replace(n, unmanaged_gpus=max(0, n.unmanaged_gpus - r.gpus))
         now_s = next_s
-        trigger = TRIGGER_COMPLETION if any(j.end_s == next_s for j in jobs.values()) else TRIGGER_ROUND
+        trigger = TRIGGER_ROUND
     return {job_id: JobForecast(job_id, j.start_s, j.end_s, tuple(j.cells or ()))
             for job_id, j in jobs.items()}
 

@@ -99,6 +99,47 @@ class RoundReport:
 
 
 
+class BackgroundForecast:
+    """One forecast at a time, computed in a thread; a round takes the last one finished.
+
+    A forecast over thousands of queued jobs takes seconds (``benchmarks/forecast_speed.py``):
+    it must not hold up a round. The policy's ``decide`` is pure, so the thread may call it
+    while rounds go on.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._result: dict | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, compute: Callable[[], dict]) -> None:
+        def run():
+            try:
+                result = compute()
+            except Exception as e:  # a forecast that fails must not stop the service
+                log.exception(kv("forecast_failed", error=repr(e)))
+                return
+            with self._lock:
+                self._result = result
+        self._thread = threading.Thread(target=run, name="forecast", daemon=True)
+        self._thread.start()
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Until the forecast under way is done (tests; a stopping daemon does not wait)."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def take(self) -> dict | None:
+        """The last forecast finished and not taken yet, or None."""
+        with self._lock:
+            result, self._result = self._result, None
+        return result
+
+
 class Daemon:
     """The scheduling service.
 
@@ -133,6 +174,7 @@ class Daemon:
         self._new_specs = 0
         self._pruned_s = 0.0
         self._forecast_s = -math.inf
+        self.forecasts = BackgroundForecast()
         self.config = config
         self.policy: Policy = make_policy(config.policy, **dict(config.policy_options))
         self.actor = Actor(client, store, self.clock, self.metrics, out, lambda: self.config)
@@ -298,14 +340,15 @@ class Daemon:
             log.error(kv("decision_rejected", policy=self.policy.name, error=e))
             decision = Decision(())
         self._policy_state = decision.policy_state
-        forecasts = None
-        if cfg.forecast_every_s > 0 and now_s - self._forecast_s >= cfg.forecast_every_s and snapshot.jobs:
-            # The same policy run forward from this snapshot (its state before this round's
-            # decision, so its first step is this round's decision).
+        forecasts = self.forecasts.take()  # one finished since the last round, if any
+        if cfg.forecast_every_s > 0 and now_s - self._forecast_s >= cfg.forecast_every_s and snapshot.jobs \
+                and not self.forecasts.running:
+            # The same policy run forward from this snapshot, starting from this round's
+            # decision; in the background, for a round never waits for it.
             managed_ids = {m.slurm.job_id for m in managed}
-            forecasts = forecast(snapshot, self.policy,
-                                 gpu_releases([j for j in active if j.job_id not in managed_ids], now_s),
-                                 cfg.forecast_max_decisions)
+            releases = gpu_releases([j for j in active if j.job_id not in managed_ids], now_s)
+            self.forecasts.start(lambda: forecast(snapshot, self.policy, releases, cfg.forecast_max_decisions,
+                                                  first=decision))
             self._forecast_s = now_s
         t3 = time.perf_counter()
         self.actor.act(snapshot, decision, {m.view.job_id: m for m in managed}, part_types,

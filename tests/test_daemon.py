@@ -750,11 +750,14 @@ def test_a_waiting_job_is_forecast_to_start_when_the_plain_job_ends(tmp_path):
     seen = []
     decide = daemon.policy.decide
     daemon.policy.decide = lambda snapshot: seen.append(snapshot) or decide(snapshot)
-    report = daemon.round()
-    assert report.actions == () and report.forecasts_shown == ()  # first the why, then the forecast
-    report = daemon.round()
-    assert report.forecasts_shown == ()  # forecasts every forecast_every_s (60 s)
+    report = daemon.round()  # its why; a forecast starts in the background
+    assert report.actions == () and report.forecasts_shown == ()
+    daemon.forecasts.wait(30)
+    report = daemon.round()  # a job whose AdminComment this round rewrote waits for the next
+    assert report.forecasts_shown == () and not daemon.forecasts.running  # every forecast_every_s (60 s)
     daemon._forecast_s -= cfg.forecast_every_s
+    daemon.round()
+    daemon.forecasts.wait(30)
     report = daemon.round()
     assert report.forecasts_shown == (41,)
     pc = parse_plan_comment(client.jobs()[1].admin_comment)

@@ -32,7 +32,7 @@ def scenario(restart_cost_s=0.0):
     iteration, 100 iterations)."""
     a = job("A", 2, (est(2, 1.0),), iterations=150, done=100.0, running_on=("a100-1", 2), started_s=-40.0)
     b = job("B", 4, (est(4, 0.5),), iterations=100)
-    snap = Snapshot(0.0, (NodeView("a100-1", "a100", 4, 2),), (a, b), TRIGGER_ROUND, 60.0, restart_cost_s)
+    snap = Snapshot(0.0, (NodeView("a100-1", "a100", 4, 2),), (a, b), TRIGGER_ROUND, 10.0, restart_cost_s)
     return snap, (GpuRelease(100.0, "a100-1", 2),)
 
 
