@@ -12,7 +12,7 @@ policy's decisions of the forward run (the round's included), ``forecast_start``
 ``forecast_end`` the jobs that got one, ``horizon_h`` how far ahead the latest reaches.
 
 Usage: ``python benchmarks/forecast_speed.py [--gpus 2560] [--jobs 2000] [--repeats 3]
-[--max-decisions 60 15]``.
+[--max-decisions 60 25] [--out FILE]``.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-decisions", type=int, nargs="+", default=[60, 15])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="also write the JSON to this file")
     args = p.parse_args(argv)
     snap = snapshot(args.gpus, args.jobs, args.seed)
     runs = []
@@ -67,8 +68,11 @@ def main(argv: list[str] | None = None) -> int:
                      "horizon_h": round(max([f.end_s or 0 for f in got.values()] + [f.start_s or 0 for f in got.values()])
                                         / 3600 - snap.now_s / 3600, 1)})
         print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
-    print(json.dumps({"command": "python benchmarks/forecast_speed.py " + " ".join(argv or sys.argv[1:]),
-                      "runs": runs, "target_s": TARGET_S}, indent=1))
+    result = json.dumps({"command": "python benchmarks/forecast_speed.py " + " ".join(argv or sys.argv[1:]),
+                         "runs": runs, "target_s": TARGET_S}, indent=1)
+    print(result)
+    if args.out:  # HiGHS prints its banner on stdout: the file holds the JSON alone
+        Path(args.out).write_text(result + "\n")
     return 0
 
 

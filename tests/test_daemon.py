@@ -715,7 +715,7 @@ def test_daemon_shows_the_tuned_plan_of_a_running_job_and_does_nothing_else(tmp_
     (tmp_path / "41" / MEASURED_FILE).write_text(measured_json(
         "cell=a100x4:s1 plan=[dp2tp2] mb=8 remat=0 layers=0,24", platform="cpu"))
     cfg = resolve({"state_db": str(tmp_path / "state.db"), "checkpoint_root": str(tmp_path),
-                   "use_cpu_measurements": True}, {}, {})
+                   "use_cpu_measurements": True, "forecast_every_s": 0}, {}, {})  # the plan alone
     daemon = Daemon(cfg, client, Store(cfg.state_db), out=lambda line: None)
 
     report = daemon.round()
