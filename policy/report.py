@@ -92,7 +92,9 @@ def summarize(result: SimResult, offered_load: float | None = None) -> dict:
     never = [o for o in jobs if o.status == "never_runnable"]
     left = [o for o in jobs if o.status == "unfinished"]
     makespan_s = result.end_s - result.start_s if done else None
-    with_deadline = [o for o in done if o.deadline_s is not None]
+    # Every job with a deadline counts: one left unfinished, dropped or never runnable
+    # missed it (counting finished jobs alone would make a policy that drops jobs look perfect).
+    with_deadline = [o for o in jobs if o.deadline_s is not None]
     times = list(result.decision_times_s)
     out = {
         "jobs": len(jobs),
@@ -121,8 +123,10 @@ def summarize(result: SimResult, offered_load: float | None = None) -> dict:
         **_fragmentation_summary(result),
     }
     if with_deadline:
-        out["deadlines_met_frac"] = _round(sum(o.finish_s <= o.deadline_s for o in with_deadline)
-                                           / len(with_deadline), 4)
+        met = sum(o.status == "finished" and o.finish_s <= o.deadline_s for o in with_deadline)
+        out["deadline_jobs"] = len(with_deadline)
+        out["deadlines_met_frac"] = _round(met / len(with_deadline), 4)
+        out["deadlines_missed_unfinished"] = sum(o.status != "finished" for o in with_deadline)
     return out
 
 

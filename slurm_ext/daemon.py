@@ -28,6 +28,7 @@ from estimator.errors import SpecError
 from estimator.jobs import JobSpec
 from estimator.refine import refine
 from policy.clock import Clock, WallClock
+from policy.crius import DROPPED_PREFIX
 from policy.forecast import forecast
 from policy.interface import (
     PENDING, RUNNING, TRIGGER_ARRIVAL, TRIGGER_COMPLETION, TRIGGER_ROUND, Decision,
@@ -340,6 +341,20 @@ class Daemon:
             log.error(kv("decision_rejected", policy=self.policy.name, error=e))
             decision = Decision(())
         self._policy_state = decision.policy_state
+        dropped = {d.job_id for d in decision.jobs if d.assignment is None and d.reason.startswith(DROPPED_PREFIX)}
+        if dropped:
+            # A job the policy will never start (crius-ddl: no Cell meets its deadline) is
+            # not left held: it runs as submitted, and its AdminComment says why.
+            for m in managed:
+                if m.view.job_id in dropped and m.view.assignment is None:
+                    message = f"{decision.for_job(m.view.job_id).reason}; runs as submitted"
+                    self.actor.handle_spec_error(m.slurm, message, acts)
+                    if not cfg.dry_run:
+                        self.store.put_spec(m.slurm.job_id, None, message, now_s)
+                    self._spec_cache[m.slurm.job_id] = (None, message)
+            decision = Decision(tuple(d for d in decision.jobs if d.job_id not in dropped), decision.policy_state)
+            snapshot = replace(snapshot, jobs=tuple(j for j in snapshot.jobs if j.job_id not in dropped))
+            managed = [m for m in managed if m.view.job_id not in dropped]
         forecasts = self.forecasts.take()  # one finished since the last round, if any
         if cfg.forecast_every_s > 0 and now_s - self._forecast_s >= cfg.forecast_every_s and snapshot.jobs \
                 and not self.forecasts.running:

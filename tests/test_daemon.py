@@ -769,6 +769,28 @@ def test_a_waiting_job_is_forecast_to_start_when_the_plain_job_ends(tmp_path):
     assert min(abs(pc.expected_end_s - end) for end in ends) <= 1.0
 
 
+def test_a_job_crius_ddl_drops_runs_as_submitted_and_says_why(tmp_path):
+    """No Cell finishes it by its deadline: it is released as submitted, not held forever."""
+    now = int(time.time())
+    deadline = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now + 3600))
+    waiting = SlurmJob(41, "alice", "train", "PENDING", reason="JobHeldAdmin", partition="a100", priority=0,
+                       comment=f"elastic model=gpt-760m gpus=4 global_batch=64 iterations=100000000 deadline={deadline}",
+                       admin_comment="requested=any", gpus_per_node=4, node_count=1, submit_time_s=now - 30)
+    client = FakeSlurm([waiting], [node("a100-1", "a100", 4)], "#!/bin/bash\n")
+    cfg = resolve({"state_db": str(tmp_path / "state.db"), "policy": "crius-ddl", "forecast_every_s": 0}, {}, {})
+    daemon = Daemon(cfg, client, Store(cfg.state_db), out=lambda line: None)
+    report = daemon.round()
+    assert ("release", 41) in report.actions
+    (update,) = [c[2] for c in client.calls if c[0] == "update"]
+    assert parse_plan_comment(update.admin_comment).error == \
+        "dropped: no Cell finishes it by its deadline; runs as submitted"
+    assert ("release", [41]) in client.calls or ("release", 41) in client.calls
+    assert not any(c[0] == "hold" for c in client.calls)
+    client.calls.clear()
+    report = daemon.round()  # no longer the daemon's: never held again
+    assert report.managed == 0 and not any(c[0] in ("hold", "update") for c in client.calls)
+
+
 @pytest.mark.parametrize("restart_count,reported", [(0, True), (1, False)])
 def test_a_running_job_progresses_by_the_step_its_runner_reports(tmp_path, restart_count, reported):
     """The policy sees the runner's real step (``measured.json``), not one derived from the

@@ -322,3 +322,17 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert main(["simulate", "--trace", str(TRACE), "--cluster", "lab", "--policy", "nope"]) == 2
     err = capsys.readouterr().err.strip()
     assert "nope" in err and "fcfs" in err and len(err.splitlines()) == 1
+
+
+def test_deadline_figures_count_every_job_with_a_deadline():
+    """A job left unfinished (or dropped) missed its deadline: it is not left out."""
+    from policy.simulator import JobOutcome, SimResult
+
+    spec = JobSpec("gpt-1.3b", 64, 4, "a100")
+    jobs = (JobOutcome("met", spec, 0.0, 10, "finished", 0.0, 50.0, 0, 10.0, deadline_s=100.0),
+            JobOutcome("late", spec, 0.0, 10, "finished", 0.0, 150.0, 0, 10.0, deadline_s=100.0),
+            JobOutcome("dropped", spec, 0.0, 10, "unfinished", None, None, 0, 0.0, deadline_s=100.0),
+            JobOutcome("none", spec, 0.0, 10, "finished", 0.0, 80.0, 0, 10.0))
+    summary = summarize(SimResult("p", jobs, (), (1.0,), 100.0, 0.0, 150.0))
+    assert summary["deadline_jobs"] == 3 and summary["deadlines_missed_unfinished"] == 1
+    assert summary["deadlines_met_frac"] == pytest.approx(1 / 3, abs=1e-4)
