@@ -18,7 +18,8 @@ SUBCOMMANDS = {
     "tune": "the best parallel plan inside one Cell",
     "simulate": "replay a job trace on a cluster under one or more policies",
     "daemon": "observe Slurm, decide, act (the scheduler service)",
-    "squeue": "squeue plus each elastic job's Cell, plan and why",
+    "squeue": "squeue plus each elastic job's Cell, plan, forecast and why",
+    "explain": "a job's Cells, the one it got and why, its history, forecast and why it waits",
     "lab": "a local heterogeneous Slurm cluster for demos and tests",
 }
 

@@ -49,11 +49,31 @@ def test_a_waiting_job_starts_within_90_s_of_its_forecast(slurm_lab, slurm_clien
                        60)
         assert row["state"] == "PENDING" and row["expected_end"] is not None
         expected_s = parse_utc(row["expected_start"])
+        # `slurm-ext explain` says why it waits, what to do, its Cells and its forecast.
+        out = subprocess.run([sys.executable, "-m", "slurm_ext", "explain", str(job), "--json",
+                              "--state-db", str(tmp_path / "state.db")], env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        doc = json.loads(out.stdout)
+        assert doc["waiting"]["category"] == "waiting for GPUs" and "expected start" in doc["waiting"]["detail"]
+        assert doc["waiting"]["what_to_do"] and doc["forecast"]["expected_start"] == row["expected_start"]
+        assert any(c["feasible"] for c in doc["cells"]) and doc["spec"]["global_batch"] == 64
+        assert doc["chosen"] is None and doc["restarts"] == 0
+        text = subprocess.run([sys.executable, "-m", "slurm_ext", "explain", str(job)], env=env,
+                              capture_output=True, text=True, timeout=120).stdout
+        assert "what you can do:" in text and "Cells (fastest first" in text
         ends = sorted(slurm_client.job(i).end_time_s for i in plain)
         assert ends[0] - 5 <= expected_s <= ends[-1] + 5  # when some of the plain jobs' GPUs come free
         started = wait_for("the elastic job to start",
                            lambda: (j := slurm_client.job(job)) and j.is_running and j, 300)
         assert abs(started.start_time_s - expected_s) <= 90, (started.start_time_s, expected_s)
+        # Running now: its Cell, why, and the history the daemon's journal holds.
+        doc = json.loads(subprocess.run([sys.executable, "-m", "slurm_ext", "explain", str(job), "--json",
+                                         "--state-db", str(tmp_path / "state.db")], env=env,
+                                        capture_output=True, text=True, timeout=120).stdout)
+        assert doc["waiting"] is None and doc["chosen"]["cell"] == f"{started.partition}x{started.granted_gpus}:s" \
+            + doc["chosen"]["cell"].rpartition(":s")[2]
+        assert doc["why_chosen"] and any(h["kind"] == "start" for h in doc["history"])
     finally:
         proc.terminate()
         proc.wait(timeout=30)

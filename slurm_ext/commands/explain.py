@@ -1,0 +1,88 @@
+"""`slurm-ext explain JOB [--json]`: a job's Cells, the chosen one and why, its history,
+its forecast, and why it waits (``slurm_ext.explain`` documents the JSON keys).
+
+Works for any user: it reads the job's Slurm record, its batch script (its owner and
+root may) and the nodes. The rescale history comes from the daemon's journal when the
+state file is readable (``--state-db``, else the configuration's ``state_db``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import click
+
+
+@click.command("explain")
+@click.argument("job_id", type=int)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (keys in slurm_ext.explain).")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False),
+              help="The daemon's configuration (partitions, cluster, plan space); default: $SLURM_EXT_CONFIG.")
+@click.option("--state-db", help="The daemon's state file, for the job's history (read only).")
+@click.option("--timeout-s", type=float, default=30.0, show_default=True, help="Time limit of each Slurm call.")
+def command(job_id, as_json, config_path, state_db, timeout_s):
+    """Why a job got its Cell, or why it waits, and when it is expected to start and end."""
+    from estimator.contract import ElasticSpecError, parse_plan_comment
+    from estimator.errors import SpecError
+    from estimator.estimate import EstimateOptions, estimate_job
+    from slurm_ext import explain
+    from slurm_ext.cli_backend import CliSlurmClient
+    from slurm_ext.config import load_config
+    from slurm_ext.errors import SlurmExtError
+    from slurm_ext.jobspec import check_model, parse_spec
+    from slurm_ext.observe import cluster_spec, is_held, model_loader_for, partition_types, requested_gpus
+    from slurm_ext.store import Store
+
+    cfg = load_config(config_path, {}, dict(os.environ))
+    client = CliSlurmClient(timeout_s=timeout_s)
+    try:
+        job = client.job(job_id)
+        if job is None:
+            raise click.ClickException(f"job {job_id} is not known to Slurm (finished long ago, or a typo)")
+        nodes = client.nodes() if job.is_elastic else ()
+        script = None
+        if job.is_elastic:
+            try:
+                script = client.batch_script(job_id)
+            except SlurmExtError:
+                script = None  # not the owner: the Comment's settings alone
+    except SlurmExtError as e:
+        raise click.ClickException(str(e)) from None
+    pc = parse_plan_comment(job.admin_comment) if job.is_elastic else parse_plan_comment("")
+    spec = spec_error = None
+    estimates = None
+    if job.is_elastic:
+        try:
+            spec = parse_spec(job.comment, script, requested_gpus(job), pc.requested)
+            check_model(spec, model_loader_for(job.user))
+            part_types = partition_types(nodes, cfg.partition_map())
+            cluster = cluster_spec(nodes, part_types, cfg.cluster, cfg.network)
+            options = EstimateOptions(plan_space=cfg.plan_space, micro_batches=cfg.micro_batches, max_gpus=cfg.max_gpus)
+            estimates = estimate_job(spec.job_spec(), cluster, options).cells
+        except (ElasticSpecError, SpecError) as e:
+            spec_error = str(e)
+    history = []
+    path = state_db or cfg.state_db
+    if path and Path(path).is_file() and os.access(path, os.R_OK):
+        store = Store(path)
+        try:
+            history = explain.history(store.entries(job_id))
+        finally:
+            store.close()
+    chosen = explain.chosen_estimate(pc, estimates or ())
+    doc = {
+        "job_id": job.job_id, "state": job.state, "elastic": job.is_elastic,
+        "spec": spec.to_json() if spec else None, "spec_error": spec_error,
+        "cells": [e.to_json() for e in sorted(estimates or (), key=lambda e: (not e.feasible, e.iteration_time_s))],
+        "chosen": ({"cell": pc.cell, "plan": pc.plan, "samples_per_s": pc.samples_per_s,
+                    "peak_memory_gb": round(chosen.peak_memory_gb, 3) if chosen else None,
+                    "estimate": chosen.to_json() if chosen else None} if pc.cell else None),
+        "why_chosen": explain.why_chosen(pc, chosen, estimates or ()),
+        "history": history, "restarts": job.restart_count,
+        "forecast": explain.forecast_json(pc, job),
+    }
+    w = explain.waiting(job, pc, estimates, spec_error, is_held(job))
+    doc["waiting"] = w.to_json() if w else None
+    click.echo(json.dumps(doc, indent=1) if as_json else explain.format_text(doc))

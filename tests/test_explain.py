@@ -1,0 +1,67 @@
+"""`slurm-ext explain`'s pure parts: why a job waits, why its Cell won, the text form."""
+
+from estimator.cells import Cell, CellEstimate
+from estimator.contract import PlanComment, format_plan_comment, parse_plan_comment
+from slurm_ext import explain
+from slurm_ext.slurm_client import SlurmJob
+from slurm_ext.store import RESCALE, JournalEntry
+
+
+def est(gpu_type, n, iteration_s, feasible=True, reason=""):
+    return CellEstimate(Cell(gpu_type, n, n, 1), (), 4, iteration_s, 64 / iteration_s, 20.0, feasible, reason)
+
+
+ESTIMATES = (est("a100", 4, 1.0), est("h100", 4, 0.5), est("a10", 2, 9.0, False, "out of memory: 30 GB > 24 GB"))
+
+
+def pending(admin_comment="requested=any", comment="elastic model=gpt-760m", reason="JobHeldAdmin"):
+    return SlurmJob(7, "alice", "t", "PENDING", reason=reason, comment=comment, admin_comment=admin_comment,
+                    priority=0)
+
+
+def test_each_kind_of_wait_and_what_to_do():
+    def cat(job, estimates=ESTIMATES, error=None, held=True):
+        w = explain.waiting(job, parse_plan_comment(job.admin_comment), estimates, error, held)
+        return w and (w.category, w.to_json()["what_to_do"] != "")
+
+    assert cat(pending(comment="")) == (explain.NOT_ELASTIC, True)
+    assert cat(pending(), error="model='x': unknown") == (explain.SPEC_ERROR, True)
+    none_fit = (est("a10", 2, 9.0, False, "out of memory"),)
+    assert cat(pending(), none_fit) == (explain.NO_CELL_FITS, True)
+    assert cat(pending()) == (explain.NOT_PLANNED, True)
+    waits = format_plan_comment(PlanComment(requested="any", why="waiting for GPUs", expected_start_s=1795608000.0))
+    w = explain.waiting(pending(waits), parse_plan_comment(waits), ESTIMATES, None, True)
+    assert (w.category, w.detail) == (explain.WAITING_FOR_GPUS, "waiting for GPUs; expected start 2026-11-25T12:00:00Z")
+    released = "requested=any cell=a100x4:s1 plan=[dp4tp1] mb=4 remat=1 why=started"
+    assert cat(pending(released, reason="Resources"), held=False) == (explain.STARTING, True)
+    running = SlurmJob(7, "alice", "t", "RUNNING", comment="elastic", admin_comment=released)
+    assert explain.waiting(running, parse_plan_comment(released), ESTIMATES, None, False) is None
+
+
+def test_why_the_cell_won():
+    fastest = parse_plan_comment("cell=h100x4:s1 plan=[dp4tp1] why=started")
+    assert explain.why_chosen(fastest, explain.chosen_estimate(fastest, ESTIMATES), ESTIMATES) == \
+        "h100x4:s1 is the fastest Cell that fits (128 samples/s)"
+    slower = parse_plan_comment("cell=a100x4:s1 plan=[dp4tp1] why=h100 busy until 14:00")
+    text = explain.why_chosen(slower, explain.chosen_estimate(slower, ESTIMATES), ESTIMATES)
+    assert text == ("1 Cell(s) would be faster, the best h100x4:s1 at 128 samples/s against 64; "
+                    "the daemon said: h100 busy until 14:00")
+    assert explain.why_chosen(PlanComment(), None, ESTIMATES) is None
+
+
+def test_text_form_has_every_part():
+    job = pending(format_plan_comment(PlanComment(requested="any", why="waiting for GPUs",
+                                                  expected_start_s=1795608000.0, expected_end_s=1795615200.0,
+                                                  progress_frac=0.0)))
+    pc = parse_plan_comment(job.admin_comment)
+    entry = JournalEntry(1, 7, RESCALE, None, "done", "", 1795600000.0)
+    doc = {"job_id": 7, "state": "PENDING", "elastic": True, "spec_error": None, "chosen": None, "why_chosen": None,
+           "forecast": explain.forecast_json(pc, job), "restarts": 1, "history": explain.history((entry,)),
+           "waiting": explain.waiting(job, pc, ESTIMATES, None, True).to_json(),
+           "cells": [e.to_json() for e in ESTIMATES]}
+    text = explain.format_text(doc)
+    assert "forecast: start 2026-11-25T12:00:00Z, end 2026-11-25T14:00:00Z, 0.0 % done" in text
+    assert "waiting: waiting for GPUs: waiting for GPUs; expected start 2026-11-25T12:00:00Z" in text
+    assert "what you can do: nothing: it starts when the GPUs come free" in text
+    assert "  2026-11-25T09:46:40Z rescale (done): " in text
+    assert "* a10x2:s1       out of memory: 30 GB > 24 GB" in text
