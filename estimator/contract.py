@@ -15,7 +15,8 @@ for the other, and what operators and tests rely on.
   running plan came from when not the daemon (``tuned``, ``cached``, ``given``); ``sps``
   samples per second, measured when ``measured=1``; ``progress`` the share of iterations
   done; ``start`` and ``end`` the forecast (UTC, ``2026-11-25T12:03:40Z``; the expected
-  start of a waiting job, the expected end of any); ``why`` or ``error`` the reason.
+  start of a waiting job, the expected end of any) and ``via`` the Cells it is expected to
+  pass through (``a10x4:s1,a100x8:s2``); ``why`` or ``error`` the reason.
   One parser (:func:`parse_plan_comment`), one formatter (:func:`format_plan_comment`),
   one length limit (``MAX_ADMIN_COMMENT_CHARS``).
 - **The job's elastic settings**: ``elastic key=value ...`` in its Comment and
@@ -55,6 +56,7 @@ PLAN_SOURCES = ("tuned", "cached", "given")
 ADMIN_COMMENT_PLAN = "AdminComment"
 RUNNER_PLAN_SOURCES = (ADMIN_COMMENT_PLAN, *PLAN_SOURCES)
 MAX_WHY_CHARS = 300
+MAX_FORECAST_CELLS = 8
 MAX_ADMIN_COMMENT_CHARS = 4000  # what the daemon writes and what the Slurm client accepts
 _CELL = re.compile(r"(?P<type>[a-z0-9_]+)x(?P<gpus>\d+):s(?P<stages>\d+)")
 
@@ -77,6 +79,7 @@ class PlanComment:
     expected_start_s: float | None = None  # the forecast (Unix seconds), ``start=``
     expected_end_s: float | None = None  # ``end=``
     progress_frac: float | None = None  # iterations done / all, ``progress=``
+    expected_cells: tuple[str, ...] = ()  # the Cells the forecast passes through, ``via=``
 
     def cell_parts(self) -> tuple[str, int, int] | None:
         """(gpu_type, num_gpus, num_stages) of ``cell``, or None."""
@@ -118,6 +121,9 @@ def format_plan_comment(pc: PlanComment) -> str:
         parts.append(f"start={format_utc(pc.expected_start_s)}")
     if pc.expected_end_s is not None:
         parts.append(f"end={format_utc(pc.expected_end_s)}")
+    cells = [c for c in pc.expected_cells if _CELL.fullmatch(c)][:MAX_FORECAST_CELLS]
+    if cells:
+        parts.append(f"via={','.join(cells)}")
     if pc.error is not None:
         parts.append(f"error={_clean(pc.error, MAX_WHY_CHARS)}")
     elif pc.why is not None:
@@ -160,7 +166,8 @@ def parse_plan_comment(text: str | None) -> PlanComment:
                        plan_source=values.get("src") if values.get("src") in PLAN_SOURCES else None,
                        sps_measured=values.get("measured") == "1" and sps is not None,
                        expected_start_s=parse_utc(values.get("start")), expected_end_s=parse_utc(values.get("end")),
-                       progress_frac=progress if progress is not None and 0.0 <= progress <= 1.0 else None)
+                       progress_frac=progress if progress is not None and 0.0 <= progress <= 1.0 else None,
+                       expected_cells=tuple(c for c in values.get("via", "").split(",") if _CELL.fullmatch(c)))
 
 
 def format_utc(t_s: float) -> str:

@@ -93,11 +93,14 @@ def forecast(snapshot: Snapshot, policy: Policy, releases: tuple[GpuRelease, ...
         first: the policy's decision on ``snapshot`` when the caller has it already (the
             daemon's round): the run starts from it instead of deciding again.
         step_frac: decisions further ahead are sparser: after deciding at ``t`` the next
-            decision comes at the next event, but no sooner than ``max(round_s,
-            step_frac × (t − now))``; events in between still happen at their time.
+            decision comes at the next event, but no sooner than ``step_frac × (t − now)``
+            later; events in between still happen at their time.
     """
     now_s = snapshot.now_s
+    # A job that (re)started less than a restart's cost ago is still starting: it makes
+    # progress from then on.
     jobs = {j.job_id: _Job(j, j.last_change_s if j.assignment is not None else None,
+                           busy_until_s=j.last_change_s + snapshot.restart_cost_s if j.assignment is not None else 0.0,
                            cells=[j.cell.label()] if j.cell is not None else [])
             for j in snapshot.jobs}
     nodes = {n.name: n for n in snapshot.nodes}
@@ -140,7 +143,7 @@ def forecast(snapshot: Snapshot, policy: Policy, releases: tuple[GpuRelease, ...
         next_s = min(min(finish.values(), default=math.inf), next_release)
         if not math.isfinite(next_s) or next_s - snapshot.now_s > horizon_s:
             break  # nothing will change any more (or not within the horizon)
-        next_s = max(next_s, now_s + max(snapshot.round_s, step_frac * (now_s - snapshot.now_s)))
+        next_s = max(next_s, now_s + step_frac * (now_s - snapshot.now_s))
         for j in jobs.values():  # progress until then
             rate = rate_of(j.view, j.view.assignment) if j.end_s is None else 0.0
             worked_s = max(0.0, next_s - max(now_s, j.busy_until_s))

@@ -122,12 +122,33 @@ def summarize(result: SimResult, offered_load: float | None = None) -> dict:
         "samples_processed": _round(result.samples_done, 1),
         **_fragmentation_summary(result),
     }
+    out.update(forecast_accuracy(jobs))
     if with_deadline:
         met = sum(o.status == "finished" and o.finish_s <= o.deadline_s for o in with_deadline)
         out["deadline_jobs"] = len(with_deadline)
         out["deadlines_met_frac"] = _round(met / len(with_deadline), 4)
         out["deadlines_missed_unfinished"] = sum(o.status != "finished" for o in with_deadline)
     return out
+
+
+def forecast_accuracy(jobs) -> dict:
+    """How far the forecasts made at arrival were from what happened (jobs that finished
+    and had one): absolute errors of start and end in seconds, and relative to the job's
+    wait (at least one minute) and JCT; median and p90 of each. Empty without forecasts."""
+    rows = [o for o in jobs if o.status == "finished" and o.forecast_start_s is not None]
+    if not rows:
+        return {}
+    start_err = [abs(o.forecast_start_s - o.first_start_s) for o in rows]
+    start_rel = [e / max(60.0, o.first_start_s - o.submit_time_s) for e, o in zip(start_err, rows)]
+    ends = [o for o in rows if o.forecast_end_s is not None]
+    end_err = [abs(o.forecast_end_s - o.finish_s) for o in ends]
+    end_rel = [e / o.jct_s for e, o in zip(end_err, ends)]
+
+    def p50_p90(xs, digits=1):
+        return {"p50": _round(_pct(xs, 50), digits), "p90": _round(_pct(xs, 90), digits)} if xs else None
+    return {"forecast_jobs": len(rows), "forecast_with_end": len(ends),
+            "forecast_start_abs_err_s": p50_p90(start_err), "forecast_end_abs_err_s": p50_p90(end_err),
+            "forecast_start_err_per_wait": p50_p90(start_rel, 3), "forecast_end_err_per_jct": p50_p90(end_rel, 3)}
 
 
 def report_json(trace: str, cluster: str, seed: int, per_policy: dict[str, dict], **extra) -> dict:

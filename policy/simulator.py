@@ -38,6 +38,7 @@ from policy.clock import SimulatedClock
 from policy.interface import (PENDING, RUNNING, TRIGGER_ARRIVAL, TRIGGER_COMPLETION, TRIGGER_ROUND,
                               Assignment, Decision, DecisionError, JobView, NodeView, Placement, Policy, Snapshot,
                               implied_actions, validate_decision)
+from policy.forecast import JobForecast, forecast
 from policy.measured import MeasuredTable, cell_layout, mask_unmeasured
 from policy.placement import layout_of
 from policy.trace import TraceJob
@@ -89,6 +90,11 @@ class SimConfig:
     stall_rounds: int = 3
     max_time_s: float = 365 * 86400.0
     timeline_min_step_s: float = 60.0
+    # Forecast accuracy: at the arrival of every n-th job (0: never), the policy is run
+    # forward from that round (``policy.forecast``, on estimates, as the daemon does) and
+    # the job's forecast start and end are kept beside what happened.
+    forecast_every_jobs: int = 0
+    forecast_max_decisions: int = 60
 
 
 @dataclass(frozen=True)
@@ -106,6 +112,8 @@ class JobOutcome:
     iterations_done: float
     reason: str = ""
     deadline_s: float | None = None
+    forecast_start_s: float | None = None  # forecast at its arrival (SimConfig.forecast_every_jobs)
+    forecast_end_s: float | None = None
 
     @property
     def jct_s(self) -> float | None:
@@ -365,14 +373,16 @@ def simulate(policy: Policy, trace_jobs: tuple[TraceJob, ...], cluster: ClusterS
     idle_rounds = 0
     policy_state = None
     total = len(trace_jobs)
+    forecasts: dict[str, JobForecast] = {}
 
     def finish(job: _Job, status: str, reason: str = "") -> None:
         nonlocal samples_done
         samples_done += job.done * job.trace.spec.global_batch
         t = job.trace
+        f = forecasts.get(t.job_id)
         outcomes[t.job_id] = JobOutcome(t.job_id, t.spec, t.submit_time_s, t.iterations, status,
                                         job.first_start_s, job.finish_s, job.restarts, job.done, reason,
-                                        t.deadline_s)
+                                        t.deadline_s, f.start_s if f else None, f.end_s if f else None)
 
     while True:
         while completions and _stale(completions[0], active):
@@ -385,6 +395,7 @@ def simulate(policy: Policy, trace_jobs: tuple[TraceJob, ...], cluster: ClusterS
             break
         clock.advance_to(now_s)
         triggers = set()
+        arrived: list[str] = []  # jobs whose forecast at arrival is kept
         while completions and completions[0][0] <= now_s:
             _, _, job_id, version = heapq.heappop(completions)
             job = active.get(job_id)
@@ -409,6 +420,8 @@ def simulate(policy: Policy, trace_jobs: tuple[TraceJob, ...], cluster: ClusterS
                 next_round_s = now_s + config.round_s
             active[tj.job_id] = job
             triggers.add(TRIGGER_ARRIVAL)
+            if config.forecast_every_jobs and (next_arrival - 1) % config.forecast_every_jobs == 0:
+                arrived.append(tj.job_id)
         if next_round_s <= now_s:
             triggers.add(TRIGGER_ROUND)
             while next_round_s <= now_s:
@@ -431,6 +444,9 @@ def simulate(policy: Policy, trace_jobs: tuple[TraceJob, ...], cluster: ClusterS
             raise SimulationError(f"policy {name} at t={now_s:.0f}s: {e}") from None
         for d in decision.jobs:
             active[d.job_id].reason = d.reason
+        if arrived:
+            got = forecast(snapshot, policy, (), config.forecast_max_decisions, first=decision)
+            forecasts.update((job_id, got[job_id]) for job_id in arrived if job_id in got)
         actions = implied_actions(snapshot, decision)
         for action in actions:
             job = active[action.job_id]

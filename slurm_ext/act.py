@@ -28,7 +28,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from estimator.contract import PlanComment, format_plan_comment
+from estimator.contract import MAX_FORECAST_CELLS, PlanComment, format_plan_comment
 from policy.clock import Clock
 from policy.forecast import JobForecast
 from policy.interface import (
@@ -327,9 +327,11 @@ class Actor:
             start = f.start_s if m.view.assignment is None else None
             progress = round(m.view.progress_frac, 3)
             shift = max(_shift(pc.expected_start_s, start, now_s), _shift(pc.expected_end_s, f.end_s, now_s))
-            if shift <= FORECAST_SHIFT_S and pc.progress_frac is not None and abs(pc.progress_frac - progress) < 0.01:
+            if shift <= FORECAST_SHIFT_S and pc.progress_frac is not None and abs(pc.progress_frac - progress) < 0.01 \
+                    and pc.expected_cells == f.cells[:MAX_FORECAST_CELLS]:
                 continue
-            new = replace(pc, expected_start_s=start, expected_end_s=f.end_s, progress_frac=progress)
+            new = replace(pc, expected_start_s=start, expected_end_s=f.end_s, progress_frac=progress,
+                          expected_cells=f.cells)
             todo.append((-shift, m.slurm.job_id, format_plan_comment(new)))
         for _, job_id, text in sorted(todo)[:max(0, budget)]:
             if self.config.dry_run:
@@ -363,7 +365,8 @@ class Actor:
             # The forecast shown stays (it is rewritten when it moves).
             text = format_plan_comment(PlanComment(requested=pc.requested, why=why, progress_frac=pc.progress_frac,
                                                    expected_start_s=pc.expected_start_s,
-                                                   expected_end_s=pc.expected_end_s))
+                                                   expected_end_s=pc.expected_end_s,
+                                                   expected_cells=pc.expected_cells))
             held = is_held(job)
             if held and text == job.admin_comment:
                 continue

@@ -35,8 +35,9 @@ null), ``why`` (str), ``spec_error`` (str or null), ``plan_source`` (``daemon``,
 (float, or null unless ``sps`` was measured), ``expected_start`` and ``expected_end``
 (ISO 8601 UTC or null: a running job's start is Slurm's, a waiting elastic job's the
 daemon's forecast, ``start=``; the end is the forecast, ``end=``) and ``progress_frac``
-(float or null: the share of its iterations done, ``progress=``). The table shows them
-as START and END (``MM-DDTHH:MM``, UTC).
+(float or null: the share of its iterations done, ``progress=``) and ``expected_cells``
+(the Cells the forecast passes through, ``via=``; a list, maybe empty). The table shows the
+times as START and END (``MM-DDTHH:MM``, UTC).
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ class JobRow:
     expected_start: str | None = None  # ISO 8601 UTC: a running job's start, a waiting one's forecast
     expected_end: str | None = None
     progress_frac: float | None = None
+    expected_cells: tuple[str, ...] = ()  # the Cells the forecast passes through
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -127,7 +129,8 @@ def job_row(job: SlurmJob) -> JobRow:
                   job.is_elastic, pc.cell, pc.plan, pc.micro_batches, pc.samples_per_s,
                   pc.requested, why, pc.error, source, measured,
                   format_utc(start_s) if start_s else None,
-                  format_utc(pc.expected_end_s) if pc.expected_end_s else None, pc.progress_frac)
+                  format_utc(pc.expected_end_s) if pc.expected_end_s else None, pc.progress_frac,
+                  pc.expected_cells)
 
 
 def rows(jobs: Iterable[SlurmJob], include_finished: bool = False) -> list[JobRow]:

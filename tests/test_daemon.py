@@ -762,6 +762,7 @@ def test_a_waiting_job_is_forecast_to_start_when_the_plain_job_ends(tmp_path):
     assert report.forecasts_shown == (41,)
     pc = parse_plan_comment(client.jobs()[1].admin_comment)
     assert pc.expected_start_s == now + 600 and pc.why and pc.progress_frac == 0.0
+    assert len(pc.expected_cells) == 1 and pc.expected_cells[0].startswith("a100x")
     # It ends after a start's cost and its 1,000 iterations on one of its a100 Cells.
     (view,) = seen[0].jobs
     ends = [now + 600 + cfg.restart_cost_s + 1000 * e.iteration_time_s for e in view.feasible_estimates()

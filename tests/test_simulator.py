@@ -336,3 +336,20 @@ def test_deadline_figures_count_every_job_with_a_deadline():
     summary = summarize(SimResult("p", jobs, (), (1.0,), 100.0, 0.0, 150.0))
     assert summary["deadline_jobs"] == 3 and summary["deadlines_missed_unfinished"] == 1
     assert summary["deadlines_met_frac"] == pytest.approx(1 / 3, abs=1e-4)
+
+
+def test_forecasts_at_arrival_match_what_happens_when_estimates_are_the_measurements():
+    """FCFS on estimates equal to the measurements and a start costing the same first time
+    or later: each job's forecast at its arrival is what then happens."""
+    costs = RestartCosts(launch_s=60.0, checkpoint_resume_s=60.0, tuning_full_s=600.0)
+    config = SimConfig(round_s=300.0, costs=costs, forecast_every_jobs=1)
+    jobs = [_job("a", 0.0, 4), _job("b", 10.0, 4), _job("c", 20.0, 2)]
+    result = _run(FcfsPolicy(), jobs, config=config)
+    for o in result.jobs:
+        assert o.forecast_start_s == pytest.approx(o.first_start_s) and o.forecast_end_s == pytest.approx(o.finish_s)
+    summary = summarize(result)
+    assert summary["forecast_jobs"] == 3 and summary["forecast_end_abs_err_s"] == {"p50": 0.0, "p90": 0.0}
+    # Every other job: only a and c are forecast.
+    every_other = _run(FcfsPolicy(), jobs, config=SimConfig(round_s=300.0, costs=costs, forecast_every_jobs=2))
+    assert [o.job_id for o in every_other.jobs if o.forecast_start_s is not None] == ["a", "c"]
+    assert "forecast_jobs" not in summarize(_run(FcfsPolicy(), jobs, config=CONFIG))

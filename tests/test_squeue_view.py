@@ -103,7 +103,7 @@ def test_table_and_json():
                                    "nodes", "elastic", "cell", "plan", "micro_batches",
                                    "samples_per_s", "requested", "why", "spec_error",
                                    "plan_source", "measured_samples_per_s", "expected_start",
-                                   "expected_end", "progress_frac"}
+                                   "expected_end", "progress_frac", "expected_cells"}
     assert doc["jobs"][0]["job_id"] == 12 and doc["jobs"][0]["elastic"] is True
     assert doc["jobs"][0]["plan_source"] == "daemon" and doc["jobs"][0]["measured_samples_per_s"] is None
 
@@ -165,14 +165,16 @@ def test_forecast_tokens_show_as_start_end_and_progress():
     waiting = SlurmJob(20, "erin", "t", "PENDING", reason="JobHeldAdmin", priority=0, comment="elastic",
                        admin_comment=format_plan_comment(PlanComment(
                            requested="any", why="waiting for GPUs", expected_start_s=1795608000.0,
-                           expected_end_s=1795615200.0, progress_frac=0.0)),
+                           expected_end_s=1795615200.0, progress_frac=0.0, expected_cells=("a10x4:s1", "a100x8:s2"))),
                        gpus_per_node=4, node_count=1)
-    assert "start=2026-11-25T12:00:00Z end=2026-11-25T14:00:00Z why=waiting for GPUs" in waiting.admin_comment
+    assert "start=2026-11-25T12:00:00Z end=2026-11-25T14:00:00Z via=a10x4:s1,a100x8:s2 why=waiting for GPUs" \
+        in waiting.admin_comment
     running = replace(running_elastic(), start_time_s=1795600000, admin_comment=format_plan_comment(
         replace(FULL, expected_end_s=1795615200.0, progress_frac=0.25)))
     by_id = {r.job_id: r for r in rows([waiting, running])}
     assert (by_id[20].expected_start, by_id[20].expected_end, by_id[20].progress_frac) == \
            ("2026-11-25T12:00:00Z", "2026-11-25T14:00:00Z", 0.0)
+    assert by_id[20].to_json()["expected_cells"] == ("a10x4:s1", "a100x8:s2")
     # A running job's start is Slurm's own; its end and progress are the daemon's.
     assert (by_id[12].expected_start, by_id[12].expected_end, by_id[12].progress_frac) == \
            ("2026-11-25T09:46:40Z", "2026-11-25T14:00:00Z", 0.25)

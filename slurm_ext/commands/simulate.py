@@ -70,8 +70,11 @@ def _write(path: str, text: str) -> None:
 @click.option("--markdown", "markdown_out", default=None, help="Also write the Markdown table here.")
 @click.option("--plots", "plots_dir", default=None, help="Write PNG plots into this directory.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option("--forecast-every", "forecast_every", default=0, show_default=True, type=int,
+              help="Forecast the start and end of every N-th job at its arrival (the policy run forward, "
+                   "as the daemon does) and report the forecasts' error; 0: none.")
 def command(trace_path, cluster_name, policies, seed, density, oracle, round_s, measured_path,
-            json_out, markdown_out, plots_dir, quiet):
+            json_out, markdown_out, plots_dir, quiet, forecast_every):
     """Replay a job trace on a cluster under one or more policies."""
     from policy.measured import load_measured
     from policy.registry import make_policy, policy_class
@@ -81,6 +84,8 @@ def command(trace_path, cluster_name, policies, seed, density, oracle, round_s, 
 
     if round_s <= 0:
         raise SpecError("round_s", round_s, "give a positive number of seconds")
+    if forecast_every < 0:
+        raise SpecError("forecast_every", forecast_every, "give 0 (no forecasts) or a positive job count")
     names = list(dict.fromkeys(p.strip().lower() for p in policies))
     for name in names:
         policy_class(name)  # unknown names fail before any work, listing the valid ones
@@ -91,7 +96,7 @@ def command(trace_path, cluster_name, policies, seed, density, oracle, round_s, 
         raise SpecError("trace", trace_path, "no job left after the submit filter and density; "
                         "raise --density or use another trace")
     load = offered_load(jobs, cluster.total_gpus())
-    config = SimConfig(round_s=round_s, oracle=oracle)
+    config = SimConfig(round_s=round_s, oracle=oracle, forecast_every_jobs=forecast_every)
     cache = EstimateCache(cluster, table, oracle)
     results, per_policy = [], {}
     for name in names:
