@@ -119,20 +119,7 @@ def forecast(snapshot: Snapshot, policy: Policy, releases: tuple[GpuRelease, ...
         except DecisionError:
             break  # a policy that errs here erred in the daemon too: forecast nothing more
         state = decision.policy_state
-        for action in implied_actions(snap, decision):
-            j = jobs[action.job_id]
-            view = j.view
-            if action.kind == SUSPEND or action.after is None:
-                j.view = replace(view, state=PENDING, assignment=None, last_change_s=now_s)
-                continue
-            j.view = replace(view, state=RUNNING, assignment=action.after, last_change_s=now_s,
-                             restarts=view.restarts + (view.assignment is not None or view.iterations_done > 0))
-            j.busy_until_s = now_s + snapshot.restart_cost_s
-            if view.assignment is None and j.start_s is None:
-                j.start_s = now_s
-            label = action.after.cell.label()
-            if not j.cells or j.cells[-1] != label:
-                j.cells.append(label)
+        _apply(jobs, implied_actions(snap, decision), now_s, snapshot.restart_cost_s)
         # The next event: a running job finishes, or GPUs come free outside the policy.
         finish = {}
         for j in jobs.values():
@@ -144,15 +131,7 @@ def forecast(snapshot: Snapshot, policy: Policy, releases: tuple[GpuRelease, ...
         if not math.isfinite(next_s) or next_s - snapshot.now_s > horizon_s:
             break  # nothing will change any more (or not within the horizon)
         next_s = max(next_s, now_s + step_frac * (now_s - snapshot.now_s))
-        for j in jobs.values():  # progress until then
-            rate = rate_of(j.view, j.view.assignment) if j.end_s is None else 0.0
-            worked_s = max(0.0, next_s - max(now_s, j.busy_until_s))
-            if rate > 0 and worked_s > 0:
-                done = min(float(j.view.iterations_total), j.view.iterations_done + rate * worked_s)
-                j.view = replace(j.view, iterations_done=done)
-            if j.view.job_id in finish and finish[j.view.job_id] <= next_s:
-                j.end_s = finish[j.view.job_id]
-                j.view = replace(j.view, iterations_done=float(j.view.iterations_total))
+        _progress(jobs, finish, now_s, next_s)
         while pending_releases and pending_releases[0].at_s <= next_s:
             r = pending_releases.pop(0)
             n = nodes.get(r.node)
@@ -162,6 +141,38 @@ def forecast(snapshot: Snapshot, policy: Policy, releases: tuple[GpuRelease, ...
         trigger = TRIGGER_ROUND
     return {job_id: JobForecast(job_id, j.start_s, j.end_s, tuple(j.cells or ()))
             for job_id, j in jobs.items()}
+
+
+def _apply(jobs: dict[str, _Job], actions, now_s: float, restart_cost_s: float) -> None:
+    """The decision's actions on the forward run's jobs: starts pay ``restart_cost_s``."""
+    for action in actions:
+        j = jobs[action.job_id]
+        view = j.view
+        if action.kind == SUSPEND or action.after is None:
+            j.view = replace(view, state=PENDING, assignment=None, last_change_s=now_s)
+            continue
+        j.view = replace(view, state=RUNNING, assignment=action.after, last_change_s=now_s,
+                         restarts=view.restarts + (view.assignment is not None or view.iterations_done > 0))
+        j.busy_until_s = now_s + restart_cost_s
+        if view.assignment is None and j.start_s is None:
+            j.start_s = now_s
+        label = action.after.cell.label()
+        if not j.cells or j.cells[-1] != label:
+            j.cells.append(label)
+
+
+def _progress(jobs: dict[str, _Job], finish: dict[str, float], now_s: float, next_s: float) -> None:
+    """Every running job's iterations from ``now_s`` to ``next_s``; those that finish by
+    then end at their finish time."""
+    for j in jobs.values():
+        rate = rate_of(j.view, j.view.assignment) if j.end_s is None else 0.0
+        worked_s = max(0.0, next_s - max(now_s, j.busy_until_s))
+        if rate > 0 and worked_s > 0:
+            done = min(float(j.view.iterations_total), j.view.iterations_done + rate * worked_s)
+            j.view = replace(j.view, iterations_done=done)
+        if j.view.job_id in finish and finish[j.view.job_id] <= next_s:
+            j.end_s = finish[j.view.job_id]
+            j.view = replace(j.view, iterations_done=float(j.view.iterations_total))
 
 
 __all__ = ["GpuRelease", "JobForecast", "forecast", "rate_of"]

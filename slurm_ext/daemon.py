@@ -341,30 +341,9 @@ class Daemon:
             log.error(kv("decision_rejected", policy=self.policy.name, error=e))
             decision = Decision(())
         self._policy_state = decision.policy_state
-        dropped = {d.job_id for d in decision.jobs if d.assignment is None and d.reason.startswith(DROPPED_PREFIX)}
-        if dropped:
-            # A job the policy will never start (crius-ddl: no Cell meets its deadline) is
-            # not left held: it runs as submitted, and its AdminComment says why.
-            for m in managed:
-                if m.view.job_id in dropped and m.view.assignment is None:
-                    message = f"{decision.for_job(m.view.job_id).reason}; runs as submitted"
-                    self.actor.handle_spec_error(m.slurm, message, acts)
-                    if not cfg.dry_run:
-                        self.store.put_spec(m.slurm.job_id, None, message, now_s)
-                    self._spec_cache[m.slurm.job_id] = (None, message)
-            decision = Decision(tuple(d for d in decision.jobs if d.job_id not in dropped), decision.policy_state)
-            snapshot = replace(snapshot, jobs=tuple(j for j in snapshot.jobs if j.job_id not in dropped))
-            managed = [m for m in managed if m.view.job_id not in dropped]
+        decision, snapshot, managed = self._release_dropped(decision, snapshot, managed, acts, now_s)
         forecasts = self.forecasts.take()  # one finished since the last round, if any
-        if cfg.forecast_every_s > 0 and now_s - self._forecast_s >= cfg.forecast_every_s and snapshot.jobs \
-                and not self.forecasts.running:
-            # The same policy run forward from this snapshot, starting from this round's
-            # decision; in the background, for a round never waits for it.
-            managed_ids = {m.slurm.job_id for m in managed}
-            releases = gpu_releases([j for j in active if j.job_id not in managed_ids], now_s)
-            self.forecasts.start(lambda: forecast(snapshot, self.policy, releases, cfg.forecast_max_decisions,
-                                                  first=decision))
-            self._forecast_s = now_s
+        self._start_forecast(snapshot, decision, managed, active, now_s)
         t3 = time.perf_counter()
         self.actor.act(snapshot, decision, {m.view.job_id: m for m in managed}, part_types,
                        self.policy.name, acts, forecasts)
@@ -387,6 +366,39 @@ class Daemon:
                     managed=report.managed, spec_errors=report.spec_errors,
                     actions=len(report.actions), seconds=report.total_s))
         return report
+
+    def _release_dropped(self, decision: Decision, snapshot, managed: list[ManagedJob], acts: Acts,
+                         now_s: float) -> tuple[Decision, object, list[ManagedJob]]:
+        """A job the policy will never start (crius-ddl: no Cell meets its deadline) is not
+        left held: it runs as submitted, and its AdminComment says why. Returns the
+        decision, snapshot and managed jobs without it."""
+        dropped = {d.job_id for d in decision.jobs if d.assignment is None and d.reason.startswith(DROPPED_PREFIX)}
+        if not dropped:
+            return decision, snapshot, managed
+        for m in managed:
+            if m.view.job_id in dropped and m.view.assignment is None:
+                message = f"{decision.for_job(m.view.job_id).reason}; runs as submitted"
+                self.actor.handle_spec_error(m.slurm, message, acts)
+                if not self.config.dry_run:
+                    self.store.put_spec(m.slurm.job_id, None, message, now_s)
+                self._spec_cache[m.slurm.job_id] = (None, message)
+        return (Decision(tuple(d for d in decision.jobs if d.job_id not in dropped), decision.policy_state),
+                replace(snapshot, jobs=tuple(j for j in snapshot.jobs if j.job_id not in dropped)),
+                [m for m in managed if m.view.job_id not in dropped])
+
+    def _start_forecast(self, snapshot, decision: Decision, managed: list[ManagedJob], active: list[SlurmJob],
+                        now_s: float) -> None:
+        """When one is due and none runs: the same policy run forward from this snapshot,
+        starting from this round's decision, in the background (a round never waits)."""
+        cfg = self.config
+        if cfg.forecast_every_s <= 0 or now_s - self._forecast_s < cfg.forecast_every_s or not snapshot.jobs \
+                or self.forecasts.running:
+            return
+        managed_ids = {m.slurm.job_id for m in managed}
+        releases = gpu_releases([j for j in active if j.job_id not in managed_ids], now_s)
+        self.forecasts.start(lambda: forecast(snapshot, self.policy, releases, cfg.forecast_max_decisions,
+                                              first=decision))
+        self._forecast_s = now_s
 
     def _specs(self, elastic: list[SlurmJob], now_s: float
                ) -> tuple[dict[int, ElasticSpec], list[tuple[SlurmJob, str]]]:
