@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 from estimator.cells import Cell, CellEstimate
 from policy.interface import (
-    Assignment, Decision, DecisionError, JobDecision, JobView, Snapshot, validate_decision,
+    Assignment, Decision, DecisionError, DerivedCache, JobDecision, JobView, Snapshot, validate_decision,
 )
 from policy.placement import FreeGpus
 
@@ -45,22 +45,17 @@ class RateTable:
     fastest: tuple[CellEstimate, ...] = ()
 
     @classmethod
-    def of(cls, job: JobView, dp_only: bool) -> "RateTable":
-        """The table of ``job`` (memoized; see ``_build``)."""
+    def of(cls, job: JobView, dp_only: bool, cache: DerivedCache) -> "RateTable":
+        """The table of ``job``, from ``cache`` (the snapshot's ``derived_cache()``).
+
+        Estimates are immutable tuples: the same objects mean the same table. Callers (the
+        simulator's estimate cache, the daemon's store) hand out one object per job spec,
+        the same from one snapshot to the next, so a table is built once per spec and
+        shared by its jobs (which lets policies skip repeats of a spec in a queue).
+        """
         source = job.dp_only_estimates if dp_only else job.estimates
-        key = (id(source), id(job.estimates), job.spec, dp_only)
-        hit = _TABLES.get(key)
-        # Estimates are immutable tuples: the same objects mean the same table. Callers
-        # (the simulator's estimate cache, the daemon's store) hand out one object per job
-        # spec, the same from one snapshot to the next, so a table is built once per spec
-        # and shared by its jobs (which lets policies skip repeats of a spec in a queue).
-        if hit is not None and hit[0] is source and hit[1] is job.estimates:
-            return hit[2]
-        table = cls._build(job, dp_only)
-        if len(_TABLES) >= _TABLE_CACHE_SIZE:
-            _TABLES.clear()
-        _TABLES[key] = (source, job.estimates, table)  # holding them keeps their ids valid
-        return table
+        return cache.get("rate_table", (source, job.estimates), (job.spec, dp_only),
+                         lambda: cls._build(job, dp_only))
 
     @classmethod
     def _build(cls, job: JobView, dp_only: bool) -> "RateTable":
@@ -115,9 +110,6 @@ class RateTable:
         return self.rate(cell.gpu_type, cell.num_gpus)
 
 
-# A pure memo of RateTable.of, bounded; cleared wholesale when full (a cheap, rare rebuild).
-_TABLE_CACHE_SIZE = 20000
-_TABLES: dict[tuple, tuple[object, object, RateTable]] = {}
 
 
 def capacity_by_type(snapshot: Snapshot) -> dict[str, int]:

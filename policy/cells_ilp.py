@@ -65,7 +65,7 @@ from dataclasses import dataclass, replace
 from estimator.cells import Cell, CellEstimate
 from policy._solver import RateTable, requested_count
 from policy.fcfs import requested_estimate
-from policy.interface import Assignment, Decision, JobDecision, JobView, Snapshot
+from policy.interface import Assignment, Decision, DerivedCache, JobDecision, JobView, Snapshot
 from policy.choice_program import solve_choice
 from policy.placement import FreeGpus
 
@@ -137,17 +137,15 @@ class _Shape:
     cells: tuple[tuple[CellEstimate, tuple[Cell, ...]], ...]  # fastest per shape + alternatives
 
 
-_SHAPES: dict[tuple, tuple[object, object, _Shape]] = {}
+def _shape_of(job: JobView, cache: DerivedCache) -> _Shape:
+    """The job's reference rate and its Cells by shape; jobs of one spec share their
+    estimates tuple, so this is derived once per spec (in the snapshot's cache)."""
+    return cache.get("cells_ilp_shape", (job.estimates, job.runnable_cells), (job.spec,),
+                     lambda: _build_shape(job, cache))
 
 
-def _shape_of(job: JobView) -> _Shape:
-    # Jobs of one spec share their estimates tuple; memoize on it (the tuple is kept
-    # alive with the entry, so its id cannot be reused while cached).
-    key = (id(job.estimates), job.spec, id(job.runnable_cells))
-    hit = _SHAPES.get(key)
-    if hit is not None and hit[0] is job.estimates and hit[1] is job.runnable_cells:
-        return hit[2]
-    table = RateTable.of(job, dp_only=False)
+def _build_shape(job: JobView, cache: DerivedCache) -> _Shape:
+    table = RateTable.of(job, False, cache)
     n = requested_count(job, table)
     ref = 0.0
     if job.spec.gpu_type and n:
@@ -168,11 +166,7 @@ def _shape_of(job: JobView) -> _Shape:
             it_s = asked.iteration_time_s if 0 < asked.iteration_time_s < math.inf else 1.0
             ref = job.spec.global_batch / it_s
             cells = ((replace(asked, samples_per_s=ref, iteration_time_s=it_s), ()),)
-    shape = _Shape(ref, cells)
-    if len(_SHAPES) > 4096:
-        _SHAPES.clear()
-    _SHAPES[key] = (job.estimates, job.runnable_cells, shape)
-    return shape
+    return _Shape(ref, cells)
 
 
 class CellsIlpPolicy:
@@ -237,7 +231,7 @@ class CellsIlpPolicy:
     def _scale(self, snapshot: Snapshot, job: JobView) -> tuple[float, float]:
         """(T_ref, the job's weight per second saved): its remaining time on what it asked
         for, and aging / T_ref^β."""
-        shape = _shape_of(job)
+        shape = _shape_of(job, snapshot.derived_cache())
         t_ref_s = max(job.remaining_iterations, 1e-9) * job.spec.global_batch / shape.ref_rate
         aging = 1.0 + max(0.0, snapshot.now_s - job.submit_time_s) / self.aging_s
         return t_ref_s, aging / max(t_ref_s, MIN_TIME_S) ** self.size_exponent
@@ -255,7 +249,7 @@ class CellsIlpPolicy:
                 nobody else was given this round: running slowly beats idling, and the
                 job moves when a faster Cell frees up).
         """
-        shape = _shape_of(job)
+        shape = _shape_of(job, snapshot.derived_cache())
         cur = job.cell
         asked_type = job.spec.gpu_type or (cur.gpu_type if cur else None)
         asked_n = job.spec.num_gpus

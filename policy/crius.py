@@ -136,7 +136,8 @@ class _Round:
         self.jobs = {j.job_id: j for j in snapshot.jobs}
         self.order = [j.job_id for j in snapshot.jobs]
         self.rank = {i: k for k, i in enumerate(self.order)}
-        self.tables = {j.job_id: RateTable.of(j, dp_only=False) for j in snapshot.jobs}
+        cache = snapshot.derived_cache()
+        self.tables = {j.job_id: RateTable.of(j, False, cache) for j in snapshot.jobs}
         # Jobs of one spec share their estimates object (the daemon's and the simulator's
         # caches hand out one per spec): their reference rate and candidates are computed once.
         self._by_spec: dict[tuple, tuple] = {}

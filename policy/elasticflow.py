@@ -47,7 +47,8 @@ class ElasticFlowPolicy:
     def decide(self, snapshot: Snapshot) -> Decision:
         """Admit by minimum share per GPU type, then double the best marginal gains."""
         capacity = capacity_by_type(snapshot)
-        tables = {j.job_id: RateTable.of(j, dp_only=True) for j in snapshot.jobs}
+        cache = snapshot.derived_cache()
+        tables = {j.job_id: RateTable.of(j, True, cache) for j in snapshot.jobs}
         wanted: dict[str, Cell | None] = {}
         reasons: dict[str, str] = {}
         by_type: dict[str, list[JobView]] = {}

@@ -19,7 +19,7 @@ import logging
 
 from estimator.cells import CellEstimate
 from policy._solver import FitIndex, RateTable, checked_decision, fits, rate_in, requested_count
-from policy.interface import Assignment, Decision, Snapshot
+from policy.interface import Assignment, Decision, DerivedCache, Snapshot
 from policy.placement import FreeGpus
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,8 @@ class GavelPolicy:
         free = FreeGpus.from_snapshot(snapshot)
         assign = {j.job_id: j.assignment for j in snapshot.jobs}
         rank = {j.job_id: k for k, j in enumerate(snapshot.jobs)}
-        options = {j.job_id: _per_type(RateTable.of(j, dp_only=True), j) for j in snapshot.jobs}
+        cache = snapshot.derived_cache()
+        options = {j.job_id: _per_type(RateTable.of(j, True, cache), j, cache) for j in snapshot.jobs}
         reasons: dict[str, str] = {}
         moves_left = self.max_moves
         searches_left = MAX_ROOM_SEARCHES
@@ -156,24 +157,16 @@ class GavelPolicy:
         return True
 
 
-def _per_type(table: RateTable, job) -> list[CellEstimate]:
+def _per_type(table: RateTable, job, cache: DerivedCache) -> list[CellEstimate]:
     """The job's fastest data-parallel Cell of each type at its requested count, fastest first.
 
-    Memoized per table (one per job spec), so jobs of one spec share one list.
+    Memoized per table (one per job spec) in the snapshot's cache, so jobs of one spec
+    share one list.
     """
     n = requested_count(job, table)
-    hit = _PER_TYPE.get(id(table))
-    if hit is not None and hit[0] is table and hit[1] == n:
-        return hit[2]
-    out = sorted((table.options[(t, c)][0] for (t, c) in table.options if c == n),
-                 key=lambda e: (-e.samples_per_s, e.cell.label()))
-    if len(_PER_TYPE) > 20000:
-        _PER_TYPE.clear()
-    _PER_TYPE[id(table)] = (table, n, out)
-    return out
-
-
-_PER_TYPE: dict[int, tuple] = {}
+    return cache.get("gavel_per_type", (table,), (n,), lambda: sorted(
+        (table.options[(t, c)][0] for (t, c) in table.options if c == n),
+        key=lambda e: (-e.samples_per_s, e.cell.label())))
 
 
 def _first_fitting(free: FreeGpus, index: FitIndex, opts: list[CellEstimate]):

@@ -15,7 +15,8 @@ the simulator act on exactly the same difference.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from estimator.cells import Cell, CellEstimate
@@ -176,6 +177,34 @@ class JobView:
         return None
 
 
+class DerivedCache:
+    """What policies derive from a job's estimates (rate tables, shapes), kept from one
+    snapshot to the next by whoever builds the snapshots (the daemon, the simulator).
+
+    Jobs of one spec share their estimates tuple, and a caller hands out the same tuple
+    round after round, so what is derived from it is computed once. An entry is found by
+    the identity of the objects it was derived from and keeps them alive, so an id is
+    never reused while its entry lives. Bounded: cleared wholesale when full (a rebuild is
+    cheap and rare). Without one, a snapshot keeps its own (:func:`derived`).
+    """
+
+    def __init__(self, max_entries: int = 20000):
+        self.max_entries = max_entries
+        self._memo: dict[tuple, tuple[tuple, object]] = {}
+
+    def get(self, kind: str, sources: tuple, key: tuple, compute: Callable[[], object]):
+        """``compute()``, once per (kind, the objects ``sources``, ``key``)."""
+        k = (kind, tuple(id(o) for o in sources), key)
+        hit = self._memo.get(k)
+        if hit is not None and all(a is b for a, b in zip(hit[0], sources)):
+            return hit[1]
+        value = compute()
+        if len(self._memo) >= self.max_entries:
+            self._memo.clear()
+        self._memo[k] = (sources, value)
+        return value
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """Everything a policy may look at, at one instant.
@@ -189,6 +218,8 @@ class Snapshot:
         restart_cost_s: what one restart of a job costs in lost time (checkpoint,
             resume, plan tuning), as the caller models it; lets a policy weigh a resize.
         policy_state: the ``policy_state`` of the policy's previous Decision (None at first).
+        derived: the caller's cache of what policies derive per job spec (None: each
+            snapshot derives afresh). Not part of the snapshot's value.
     """
 
     now_s: float
@@ -198,6 +229,7 @@ class Snapshot:
     round_s: float = DEFAULT_ROUND_S
     restart_cost_s: float = 0.0
     policy_state: object = None
+    derived: DerivedCache | None = field(default=None, compare=False, repr=False)
 
     def node(self, name: str) -> NodeView:
         for n in self.nodes:
@@ -207,6 +239,16 @@ class Snapshot:
 
     def job(self, job_id: str) -> JobView:
         return self.job_index()[job_id]
+
+    def derived_cache(self) -> DerivedCache:
+        """The caller's cache, else one of this snapshot's own."""
+        if self.derived is not None:
+            return self.derived
+        own = self.__dict__.get("_own_derived")
+        if own is None:
+            own = DerivedCache()
+            object.__setattr__(self, "_own_derived", own)
+        return own
 
     def job_index(self) -> dict[str, JobView]:
         """Job id → view (memoised per snapshot; do not modify the returned dict)."""

@@ -134,7 +134,7 @@ class SiaPolicy:
                 continue
             # A pending job's configurations depend on its spec only: once none of a spec's
             # fits, later jobs of that spec need no check until the free GPUs change.
-            table = RateTable.of(j, dp_only=True)
+            table = RateTable.of(j, True, snapshot.derived_cache())
             key = (id(table), j.spec.num_gpus, index.version)
             if key in no_fit:
                 continue
@@ -156,7 +156,7 @@ class SiaPolicy:
 
     def _configs(self, snapshot: Snapshot, job: JobView) -> list[_Config]:
         """The job's configurations with their Sia goodput and objective value."""
-        table = RateTable.of(job, dp_only=True)
+        table = RateTable.of(job, True, snapshot.derived_cache())
         rates: dict[tuple[str, int], float] = {}
         for gtype in sorted({t for t, _ in table.options}):
             counts = table.counts(gtype)

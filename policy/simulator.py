@@ -36,7 +36,7 @@ from estimator.cluster import ClusterSpec
 from estimator.jobs import JobSpec
 from policy.clock import SimulatedClock
 from policy.interface import (PENDING, RUNNING, TRIGGER_ARRIVAL, TRIGGER_COMPLETION, TRIGGER_ROUND,
-                              Assignment, Decision, DecisionError, JobView, NodeView, Placement, Policy, Snapshot,
+                              Assignment, Decision, DecisionError, DerivedCache, JobView, NodeView, Placement, Policy, Snapshot,
                               implied_actions, validate_decision)
 from policy.forecast import JobForecast, forecast
 from policy.measured import MeasuredTable, cell_layout, mask_unmeasured
@@ -374,6 +374,7 @@ def simulate(policy: Policy, trace_jobs: tuple[TraceJob, ...], cluster: ClusterS
     policy_state = None
     total = len(trace_jobs)
     forecasts: dict[str, JobForecast] = {}
+    derived = DerivedCache()  # what the policy derives per job spec, kept across rounds
 
     def finish(job: _Job, status: str, reason: str = "") -> None:
         nonlocal samples_done
@@ -433,7 +434,7 @@ def simulate(policy: Policy, trace_jobs: tuple[TraceJob, ...], cluster: ClusterS
         trigger = (TRIGGER_COMPLETION if TRIGGER_COMPLETION in triggers else
                    TRIGGER_ARRIVAL if TRIGGER_ARRIVAL in triggers else TRIGGER_ROUND)
         snapshot = Snapshot(now_s, nodes, tuple(_job_view(j, now_s) for j in active.values()), trigger,
-                            config.round_s, costs.checkpoint_resume_s + tuning_s, policy_state)
+                            config.round_s, costs.checkpoint_resume_s + tuning_s, policy_state, derived)
         t0 = time.perf_counter()
         decision: Decision = policy.decide(snapshot)
         decision_times.append(time.perf_counter() - t0)

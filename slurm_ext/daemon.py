@@ -32,7 +32,7 @@ from policy.crius import DROPPED_PREFIX
 from policy.forecast import forecast
 from policy.interface import (
     PENDING, RUNNING, TRIGGER_ARRIVAL, TRIGGER_COMPLETION, TRIGGER_ROUND, Decision,
-    DecisionError, JobView, Policy, Snapshot, validate_decision,
+    DecisionError, DerivedCache, JobView, Policy, Snapshot, validate_decision,
 )
 from policy.placement import FreeGpus
 from policy.registry import make_policy
@@ -176,6 +176,7 @@ class Daemon:
         self._pruned_s = 0.0
         self._forecast_s = -math.inf
         self.forecasts = BackgroundForecast()
+        self._derived = DerivedCache()  # what the policy derives per job spec, kept across rounds
         self.config = config
         self.policy: Policy = make_policy(config.policy, **dict(config.policy_options))
         self.actor = Actor(client, store, self.clock, self.metrics, out, lambda: self.config)
@@ -325,7 +326,7 @@ class Daemon:
         reserved = [c for c in (reserved_cell(j, part_types) for j in about_to_start) if c is not None]
         reserved += [c for c in (update_cell(u) for u in in_rescale.values()) if c is not None]
         snapshot = build_snapshot(now_s, nodes, managed, reserved, part_types, trigger,
-                                  cfg.interval_s, cfg.restart_cost_s, self._policy_state)
+                                  cfg.interval_s, cfg.restart_cost_s, self._policy_state, self._derived)
         if snapshot.policy_state is not None and (waiting := job_fitting_idle_gpus(snapshot)):
             # Work-conserving: a policy may skip a round it believes unchanged, but not
             # while a waiting job could run on GPUs that sit idle.

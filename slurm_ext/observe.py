@@ -27,7 +27,7 @@ from estimator.models import load_model
 from estimator.plan_string import PlanString, parse_plan
 from estimator.refine import Measurement
 from policy.forecast import GpuRelease
-from policy.interface import Assignment, JobView, NodeView, Snapshot
+from policy.interface import Assignment, DerivedCache, JobView, NodeView, Snapshot
 from policy.placement import FreeGpus
 from slurm_ext.jobspec import ElasticSpec
 from slurm_ext.slurm_client import HELD_FOR_RESCALE, JobUpdate, SlurmJob, SlurmNode
@@ -383,7 +383,8 @@ def update_cell(update: JobUpdate | None) -> Cell | None:
 
 def build_snapshot(now_s: float, nodes: tuple[SlurmNode, ...], managed: list[ManagedJob],
                    reserved: list[Cell], part_types: dict[str, str], trigger: str,
-                   round_s: float, restart_cost_s: float, policy_state: object) -> Snapshot:
+                   round_s: float, restart_cost_s: float, policy_state: object,
+                   derived: DerivedCache | None = None) -> Snapshot:
     """The policy's input: typed nodes with what unmanaged jobs hold, and the managed jobs.
 
     GPUs in use that no managed running job accounts for (plain jobs, elastic jobs with a
@@ -412,4 +413,4 @@ def build_snapshot(now_s: float, nodes: tuple[SlurmNode, ...], managed: list[Man
                 unmanaged[name] += gpus
     views = tuple(NodeView(n.name, t, n.gpus, unmanaged[n.name]) for n, t in typed)
     jobs = tuple(sorted((m.view for m in managed), key=lambda v: (v.submit_time_s, int(v.job_id))))
-    return Snapshot(now_s, views, jobs, trigger, round_s, restart_cost_s, policy_state)
+    return Snapshot(now_s, views, jobs, trigger, round_s, restart_cost_s, policy_state, derived)
