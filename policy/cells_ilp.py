@@ -169,10 +169,11 @@ def _build_shape(job: JobView, cache: DerivedCache) -> _Shape:
     return _Shape(ref, cells)
 
 
-class CellsIlpPolicy:
-    """The Cell ILP policy (see the module docstring for the formulation).
+@dataclass(frozen=True)
+class CellsIlpConfig:
+    """cells-ilp's options (the daemon's ``policy_options``).
 
-    Args:
+    Attributes:
         time_limit_s: seconds the solver may take per round.
         aging_s: waiting time that doubles a job's weight.
         wait_cost_s: D, what waiting costs a job beyond its own remaining time.
@@ -185,7 +186,7 @@ class CellsIlpPolicy:
         guarantee: honour ``JobView.guaranteed`` (never below the requested throughput).
         deadlines: honour ``JobView.deadline_s`` as a constraint on the Cells offered.
         max_share_frac: at most this share of all GPUs per user (None: no limit).
-        share_limits: user → share of all GPUs, overriding ``max_share_frac`` per user.
+        share_limits: (user, share of all GPUs) pairs, overriding ``max_share_frac`` per user.
         max_pending: pending jobs (highest weight first) offered to one program.
         max_movable: running jobs that may change in one round (half the lowest
             weights, half the highest), the rest keep their Cells; bounds the program.
@@ -197,34 +198,43 @@ class CellsIlpPolicy:
             greedy rule decides.
     """
 
+    time_limit_s: float = 0.3
+    aging_s: float = 4 * 3600.0
+    wait_cost_s: float = 3600.0
+    size_exponent: float = 1.0
+    min_change_interval_s: float = 1800.0
+    restart_penalty: bool = True
+    type_changes: bool = True
+    count_changes: bool = True
+    guarantee: bool = True
+    deadlines: bool = True
+    max_share_frac: float | None = None
+    share_limits: tuple[tuple[str, float], ...] = ()
+    max_pending: int = 96
+    max_movable: int = 32
+    resolve_s: float = 900.0
+    reserve_after_s: float | None = 6 * 3600.0
+    solvers: tuple[str, ...] = ("highs", "cbc")
+
+
+class CellsIlpPolicy:
+    """The Cell ILP policy (see the module docstring for the formulation); its options are
+    a :class:`CellsIlpConfig`.
+    """
+
     name = "cells-ilp"
     plan_tuning = "pruned"  # Cells come with estimates, so the plan search is Cell-guided
 
-    def __init__(self, time_limit_s: float = 0.3, aging_s: float = 4 * 3600.0, wait_cost_s: float = 3600.0,
-                 size_exponent: float = 1.0,
-                 min_change_interval_s: float = 1800.0, restart_penalty: bool = True,
-                 type_changes: bool = True, count_changes: bool = True, guarantee: bool = True,
-                 deadlines: bool = True, max_share_frac: float | None = None,
-                 share_limits: dict[str, float] | None = None, max_pending: int = 96,
-                 max_movable: int = 32, resolve_s: float = 900.0, reserve_after_s: float | None = 6 * 3600.0,
-                 solvers: tuple[str, ...] = ("highs", "cbc")):
-        self.time_limit_s = time_limit_s
-        self.aging_s = aging_s
-        self.wait_cost_s = wait_cost_s
-        self.size_exponent = size_exponent
-        self.min_change_interval_s = min_change_interval_s
-        self.restart_penalty = restart_penalty
-        self.type_changes = type_changes
-        self.count_changes = count_changes
-        self.guarantee = guarantee
-        self.deadlines = deadlines
-        self.max_share_frac = max_share_frac
-        self.share_limits = dict(share_limits or {})
-        self.max_pending = max_pending
-        self.max_movable = max_movable
-        self.resolve_s = resolve_s
-        self.reserve_after_s = reserve_after_s
-        self.solvers = tuple(solvers)
+    def __init__(self, config: CellsIlpConfig | None = None, **options):
+        """``config``, with any of its fields overridden by ``options`` (the daemon's
+        ``policy_options``); an unknown option raises TypeError naming it."""
+        base = config or CellsIlpConfig()
+        if "share_limits" in options:
+            options["share_limits"] = tuple(sorted(dict(options["share_limits"] or {}).items()))
+        if "solvers" in options:
+            options["solvers"] = tuple(options["solvers"])
+        self.config = replace(base, **options)
+        self._share_limits = dict(self.config.share_limits)
 
     # ---- weights and options ------------------------------------------------------------
 
@@ -233,13 +243,13 @@ class CellsIlpPolicy:
         for, and aging / T_ref^β."""
         shape = _shape_of(job, snapshot.derived_cache())
         t_ref_s = max(job.remaining_iterations, 1e-9) * job.spec.global_batch / shape.ref_rate
-        aging = 1.0 + max(0.0, snapshot.now_s - job.submit_time_s) / self.aging_s
-        return t_ref_s, aging / max(t_ref_s, MIN_TIME_S) ** self.size_exponent
+        aging = 1.0 + max(0.0, snapshot.now_s - job.submit_time_s) / self.config.aging_s
+        return t_ref_s, aging / max(t_ref_s, MIN_TIME_S) ** self.config.size_exponent
 
     def weight(self, snapshot: Snapshot, job: JobView) -> float:
         """The job's priority: what running it as asked is worth (its value over waiting)."""
         t_ref_s, per_s = self._scale(snapshot, job)
-        return per_s * self.wait_cost_s
+        return per_s * self.config.wait_cost_s
 
     def options(self, snapshot: Snapshot, job: JobView, idle: bool = False) -> tuple[list[_Option], str]:
         """The job's candidates (wait included, listed last) and a note (deadline report).
@@ -255,26 +265,26 @@ class CellsIlpPolicy:
         asked_n = job.spec.num_gpus
         rem_samples = max(job.remaining_iterations, 1e-9) * job.spec.global_batch
         t_ref_s, per_s = self._scale(snapshot, job)
-        delta_s = snapshot.restart_cost_s if self.restart_penalty else 0.0
+        delta_s = snapshot.restart_cost_s if self.config.restart_penalty else 0.0
         restart_s = delta_s * (1 + job.restarts) if cur is not None else delta_s
         # Waiting costs the job its remaining time plus D; a running job also holds a
         # restart (R_j) that suspending it would make it pay later.
-        wait_cost_s = t_ref_s + self.wait_cost_s
+        wait_cost_s = t_ref_s + self.config.wait_cost_s
         held_s = restart_s if cur is not None else 0.0
         # A restart also idles the job's GPUs for its length, time a waiting job could have
         # used: it weighs at least what it would for a job with D left.
-        restart_weight = max(per_s, 1.0 / self.wait_cost_s ** self.size_exponent)
+        restart_weight = max(per_s, 1.0 / self.config.wait_cost_s ** self.config.size_exponent)
         candidates = []
         for e, alts in shape.cells:
             c = e.cell
             is_cur = cur is not None and (c == cur or cur in alts)
             if is_cur:
                 c, alts = cur, tuple(a for a in (e.cell,) + alts if a != cur)
-            elif not self.type_changes and asked_type and c.gpu_type != (cur.gpu_type if cur else asked_type):
+            elif not self.config.type_changes and asked_type and c.gpu_type != (cur.gpu_type if cur else asked_type):
                 continue
-            elif not self.count_changes and c.num_gpus != (cur.num_gpus if cur else (asked_n or c.num_gpus)):
+            elif not self.config.count_changes and c.num_gpus != (cur.num_gpus if cur else (asked_n or c.num_gpus)):
                 continue
-            if self.guarantee and job.guaranteed:
+            if self.config.guarantee and job.guaranteed:
                 if e.samples_per_s < shape.ref_rate * (1 - 1e-9):
                     continue
                 alts = ()  # other layouts of the shape may be slower than what was asked for
@@ -282,7 +292,7 @@ class CellsIlpPolicy:
             value = per_s * (wait_cost_s - t_s) + restart_weight * (held_s - (0.0 if is_cur else restart_s))
             candidates.append((e, c, alts, t_s, is_cur, value))
         note = ""
-        if self.deadlines and job.deadline_s is not None and candidates:
+        if self.config.deadlines and job.deadline_s is not None and candidates:
             meets = [x for x in candidates
                      if snapshot.now_s + (0.0 if x[4] else snapshot.restart_cost_s) + x[3] <= job.deadline_s]
             if meets:
@@ -300,7 +310,7 @@ class CellsIlpPolicy:
         out = [_Option(job.job_id, c, value, alts, is_cur) for e, c, alts, t_s, is_cur, value in candidates
                if value > wait_value or is_cur or idle]
         out = _undominated(out)
-        if not (self.guarantee and job.guaranteed and cur is not None and any(o.cell == cur for o in out)):
+        if not (self.config.guarantee and job.guaranteed and cur is not None and any(o.cell == cur for o in out)):
             out.append(_Option(job.job_id, WAIT, wait_value))
         return out, note
 
@@ -310,7 +320,7 @@ class CellsIlpPolicy:
         """Solve the round's program (or skip an unchanged round) and place the answer."""
         fp = _fingerprint(snapshot, {})
         state = snapshot.policy_state if isinstance(snapshot.policy_state, CellsIlpState) else None
-        if state is not None and state.fingerprint == fp and snapshot.now_s - state.solved_s < self.resolve_s:
+        if state is not None and state.fingerprint == fp and snapshot.now_s - state.solved_s < self.config.resolve_s:
             return Decision((), state)
         weights = {j.job_id: self.weight(snapshot, j) for j in snapshot.jobs}
         reservation = self._reservation(snapshot, weights)
@@ -318,7 +328,7 @@ class CellsIlpPolicy:
         movable, fixed, known = self._split(snapshot, weights, skip)
         pending = sorted((j for j in snapshot.jobs if j.assignment is None and j.job_id not in skip),
                          key=lambda j: (-weights[j.job_id], j.submit_time_s, j.job_id))
-        offered = movable + pending[: self.max_pending]
+        offered = movable + pending[: self.config.max_pending]
         options: dict[str, list[_Option]] = {}
         reasons: dict[str, str] = {}
         for j in offered:
@@ -334,7 +344,7 @@ class CellsIlpPolicy:
         share_left = self._share_left(snapshot, fixed)
         if reservation and reservation.start and users[reservation.job_id] in share_left:
             share_left[users[reservation.job_id]] -= reservation.start.num_gpus
-        chosen, how = solve_choice(options, free, users, share_left, self.time_limit_s, self.solvers)
+        chosen, how = solve_choice(options, free, users, share_left, self.config.time_limit_s, self.config.solvers)
         if chosen is None or how != "ILP":
             # No answer, or one cut short by the time limit: the greedy rule's when better.
             greedy = self._greedy(offered, options, free, users, share_left)
@@ -349,10 +359,10 @@ class CellsIlpPolicy:
         Cell on this cluster starts now (on free GPUs, else on GPUs of running jobs that may
         change, lowest weight first), or the nodes it needs are held for it; None when no
         job has waited that long."""
-        if self.reserve_after_s is None:
+        if self.config.reserve_after_s is None:
             return None
         starving = sorted(((snapshot.now_s - j.last_change_s, j) for j in snapshot.jobs
-                           if j.assignment is None and snapshot.now_s - j.last_change_s >= self.reserve_after_s),
+                           if j.assignment is None and snapshot.now_s - j.last_change_s >= self.config.reserve_after_s),
                           key=lambda x: (-x[0], x[1].submit_time_s, x[1].job_id))
         if not starving:
             return None
@@ -360,8 +370,8 @@ class CellsIlpPolicy:
         on_node: dict[str, list[JobView]] = {}
         running = [j for j in snapshot.jobs if j.assignment is not None]
         for j in running:
-            if snapshot.now_s - j.last_change_s >= self.min_change_interval_s and \
-                    not (self.guarantee and j.guaranteed):
+            if snapshot.now_s - j.last_change_s >= self.config.min_change_interval_s and \
+                    not (self.config.guarantee and j.guaranteed):
                 for node, _ in j.assignment.placement:
                     on_node.setdefault(node, []).append(j)
         share_left = self._share_left(snapshot, running)
@@ -397,29 +407,29 @@ class CellsIlpPolicy:
         weight (whose GPUs others may use best).
         """
         running = [j for j in snapshot.jobs if j.assignment is not None and j.job_id not in skip]
-        eligible = [j for j in running if snapshot.now_s - j.last_change_s >= self.min_change_interval_s]
+        eligible = [j for j in running if snapshot.now_s - j.last_change_s >= self.config.min_change_interval_s]
         known: dict[str, tuple[list[_Option], str]] = {}
-        if len(eligible) > self.max_movable:
-            half = self.max_movable // 2
+        if len(eligible) > self.config.max_movable:
+            half = self.config.max_movable // 2
             known = {j.job_id: self.options(snapshot, j) for j in eligible}
             gains = {job_id: _gain(opts) for job_id, (opts, _) in known.items()}
             by_gain = sorted((j for j in eligible if gains[j.job_id] > 0),
                              key=lambda j: (-gains[j.job_id], j.job_id))[:half]
             ids = {j.job_id for j in by_gain}
             donors = sorted((j for j in eligible if j.job_id not in ids), key=lambda j: (weights[j.job_id], j.job_id))
-            eligible = by_gain + donors[: self.max_movable - len(by_gain)]
+            eligible = by_gain + donors[: self.config.max_movable - len(by_gain)]
         ids = {j.job_id for j in eligible}
         return eligible, [j for j in running if j.job_id not in ids], known
 
     def _share_left(self, snapshot: Snapshot, fixed: list[JobView]) -> dict[str, float]:
         """user → GPUs the user may still get this round (absent: no limit)."""
-        if self.max_share_frac is None and not self.share_limits:
+        if self.config.max_share_frac is None and not self._share_limits:
             return {}
         users = {j.user for j in snapshot.jobs}
         total = sum(snapshot.gpus_by_type().values())
         out = {}
         for u in sorted(users):
-            frac = self.share_limits.get(u, self.max_share_frac)
+            frac = self._share_limits.get(u, self.config.max_share_frac)
             if frac is None:
                 continue
             held = sum(j.assignment.num_gpus for j in fixed if j.user == u)
@@ -518,7 +528,7 @@ class CellsIlpPolicy:
         # larger than they asked for — also Cells slower than the job would wait for
         # (Crius's opportunistic execution) — so nothing idles while jobs wait.
         spare = _free_total(free)
-        for j in pending[: 4 * self.max_pending]:
+        for j in pending[: 4 * self.config.max_pending]:
             if spare <= 0:
                 break
             if j.job_id in tried or final.get(j.job_id) is not None:
