@@ -32,6 +32,7 @@ from policy.forecast import forecast  # noqa: E402
 from policy_scale import snapshot  # noqa: E402
 
 TARGET_S = 2.0
+DAEMON_ROUND_S = 60.0  # the daemon's default interval_s: it decides once a round
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             decide = policy.decide
             policy.decide = lambda s, decide=decide, calls=calls: calls.append(1) or decide(s)
             t0 = time.perf_counter()
-            got = forecast(snap, policy, (), max_decisions, first=first)
+            got = forecast(snap, policy, (), max_decisions, first=first, min_step_s=DAEMON_ROUND_S)
             seconds.append(round(time.perf_counter() - t0, 3))
             decisions = len(calls) + 1
         runs.append({"gpus": args.gpus, "jobs": args.jobs,

@@ -81,7 +81,7 @@ def rate_of(view: JobView, assignment: Assignment | None) -> float:
 def forecast(snapshot: Snapshot, policy: Policy, releases: tuple[GpuRelease, ...] = (),
              max_decisions: int = DEFAULT_MAX_DECISIONS,
              horizon_s: float = DEFAULT_HORIZON_S, first: Decision | None = None,
-             step_frac: float = DEFAULT_STEP_FRAC) -> dict[str, JobForecast]:
+             step_frac: float = DEFAULT_STEP_FRAC, min_step_s: float = 0.0) -> dict[str, JobForecast]:
     """Every managed job's forecast (see the module docstring).
 
     Args:
@@ -95,8 +95,12 @@ def forecast(snapshot: Snapshot, policy: Policy, releases: tuple[GpuRelease, ...
         step_frac: decisions further ahead are sparser: after deciding at ``t`` the next
             decision comes at the next event, but no sooner than ``step_frac × (t − now)``
             later; events in between still happen at their time.
+        min_step_s: nor sooner than this (the daemon decides once a round: its round).
     """
     now_s = snapshot.now_s
+    # One cache of what the policy derives per job spec for the whole run (the caller's,
+    # when it has one): the run's snapshots share their jobs' estimates.
+    snapshot = replace(snapshot, derived=snapshot.derived_cache())
     # A job that (re)started less than a restart's cost ago is still starting: it makes
     # progress from then on.
     jobs = {j.job_id: _Job(j, j.last_change_s if j.assignment is not None else None,
@@ -130,7 +134,7 @@ def forecast(snapshot: Snapshot, policy: Policy, releases: tuple[GpuRelease, ...
         next_s = min(min(finish.values(), default=math.inf), next_release)
         if not math.isfinite(next_s) or next_s - snapshot.now_s > horizon_s:
             break  # nothing will change any more (or not within the horizon)
-        next_s = max(next_s, now_s + step_frac * (now_s - snapshot.now_s))
+        next_s = max(next_s, now_s + max(min_step_s, step_frac * (now_s - snapshot.now_s)))
         _progress(jobs, finish, now_s, next_s)
         while pending_releases and pending_releases[0].at_s <= next_s:
             r = pending_releases.pop(0)
