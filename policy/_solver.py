@@ -113,18 +113,14 @@ class RateTable:
 
 
 def capacity_by_type(snapshot: Snapshot) -> dict[str, int]:
-    """GPU type → GPUs the policy may hand out (``Snapshot.gpus_by_type``, memoized per nodes)."""
-    hit = _CAPACITY.get("last")
-    if hit is not None and hit[0] is snapshot.nodes:
-        return dict(hit[1])
-    out: dict[str, int] = {}
-    for n in snapshot.nodes:
-        out[n.gpu_type] = out.get(n.gpu_type, 0) + max(0, n.total_gpus - n.unmanaged_gpus)
-    _CAPACITY["last"] = (snapshot.nodes, out)
-    return dict(out)
-
-
-_CAPACITY: dict[str, tuple] = {}
+    """GPU type → GPUs the policy may hand out (``Snapshot.gpus_by_type``, memoized per
+    nodes tuple in the snapshot's cache)."""
+    def compute() -> dict[str, int]:
+        out: dict[str, int] = {}
+        for n in snapshot.nodes:
+            out[n.gpu_type] = out.get(n.gpu_type, 0) + max(0, n.total_gpus - n.unmanaged_gpus)
+        return out
+    return dict(snapshot.derived_cache().get("capacity_by_type", (snapshot.nodes,), (), compute))
 
 
 def _speed_key(e: CellEstimate) -> tuple:

@@ -34,14 +34,12 @@ from dataclasses import dataclass, field
 
 from estimator.cells import CellEstimate
 from policy._solver import FitIndex, RateTable, checked_decision, fits, requested_count
-from policy.interface import TRIGGER_ARRIVAL, TRIGGER_COMPLETION, Assignment, Decision, JobView, Snapshot
+from policy.interface import (DROPPED_PREFIX, TRIGGER_ARRIVAL, TRIGGER_COMPLETION, Assignment, Decision, JobView,
+                              Snapshot)
 from policy.placement import FreeGpus
 
 log = logging.getLogger(__name__)
 
-DROPPED_PREFIX = "dropped"
-# job id → (its rate table, its reference rate): a pure memo across decisions.
-_REFERENCE: dict[str, tuple[RateTable, float]] = {}
 
 
 @dataclass(frozen=True)
@@ -136,8 +134,8 @@ class _Round:
         self.jobs = {j.job_id: j for j in snapshot.jobs}
         self.order = [j.job_id for j in snapshot.jobs]
         self.rank = {i: k for k, i in enumerate(self.order)}
-        cache = snapshot.derived_cache()
-        self.tables = {j.job_id: RateTable.of(j, False, cache) for j in snapshot.jobs}
+        self.cache = snapshot.derived_cache()
+        self.tables = {j.job_id: RateTable.of(j, False, self.cache) for j in snapshot.jobs}
         # Jobs of one spec share their estimates object (the daemon's and the simulator's
         # caches hand out one per spec): their reference rate and candidates are computed once.
         self._by_spec: dict[tuple, tuple] = {}
@@ -153,15 +151,8 @@ class _Round:
     # ---- throughput bookkeeping -------------------------------------------------------
 
     def _reference_rate(self, job: JobView) -> float:
-        t = self.tables[job.job_id]
-        hit = _REFERENCE.get(job.job_id)
-        if hit is not None and hit[0] is t:  # tables are memoized: same table, same answer
-            return hit[1]
-        ref = self._reference_rate_of(job, t)
-        if len(_REFERENCE) > 20000:
-            _REFERENCE.clear()
-        _REFERENCE[job.job_id] = (t, ref)
-        return ref
+        t = self.tables[job.job_id]  # tables are memoized: same table and spec, same answer
+        return self.cache.get("crius_reference", (t,), (job.spec,), lambda: self._reference_rate_of(job, t))
 
     @staticmethod
     def _reference_rate_of(job: JobView, t: RateTable) -> float:

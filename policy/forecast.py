@@ -22,7 +22,7 @@ the snapshot's ``policy_state`` and keeps its own.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from policy.interface import (
     PENDING, RUNNING, SUSPEND, TRIGGER_ROUND, Assignment, Decision, DecisionError, JobView,
@@ -60,7 +60,7 @@ class _Job:
     start_s: float | None
     end_s: float | None = None
     busy_until_s: float = 0.0  # a (re)start's cost: GPUs held, no progress
-    cells: list[str] | None = None
+    cells: list[str] = field(default_factory=list)
 
 
 def rate_of(view: JobView, assignment: Assignment | None) -> float:
@@ -70,9 +70,7 @@ def rate_of(view: JobView, assignment: Assignment | None) -> float:
         return 0.0
     est = view.estimate_for(assignment.cell)
     if est is None or not est.feasible:
-        c = assignment.cell
-        est = next((e for e in view.feasible_estimates() if (e.cell.gpu_type, e.cell.num_gpus, e.cell.num_stages)
-                    == (c.gpu_type, c.num_gpus, c.num_stages)), None)
+        est = view.feasible_like(assignment.cell)
     if est is None or not est.feasible or est.iteration_time_s <= 0:
         return 0.0
     return 1.0 / est.iteration_time_s
@@ -143,7 +141,7 @@ def forecast(snapshot: Snapshot, policy: Policy, releases: tuple[GpuRelease, ...
                 nodes[r.node] = replace(n, unmanaged_gpus=max(0, n.unmanaged_gpus - r.gpus))
         now_s = next_s
         trigger = TRIGGER_ROUND
-    return {job_id: JobForecast(job_id, j.start_s, j.end_s, tuple(j.cells or ()))
+    return {job_id: JobForecast(job_id, j.start_s, j.end_s, tuple(j.cells))
             for job_id, j in jobs.items()}
 
 

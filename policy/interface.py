@@ -169,12 +169,25 @@ class JobView:
         return tuple(sorted((e for e in pool if e.feasible),
                             key=lambda e: (e.iteration_time_s, e.cell.num_gpus, e.cell.label())))
 
+    def feasible_like(self, cell: Cell) -> CellEstimate | None:
+        """The fastest feasible estimate of a Cell of ``cell``'s shape (GPU type, count
+        and stages, whatever the layout), or None."""
+        shape = (cell.gpu_type, cell.num_gpus, cell.num_stages)
+        return next((e for e in self.feasible_estimates()
+                     if (e.cell.gpu_type, e.cell.num_gpus, e.cell.num_stages) == shape), None)
+
     def estimate_for(self, cell: Cell, dp_only: bool = False) -> CellEstimate | None:
         """The estimate of exactly ``cell``, or None when it was not enumerated."""
         for e in (self.dp_only_estimates if dp_only else self.estimates):
             if e.cell == cell:
                 return e
         return None
+
+
+# A JobDecision whose reason starts with this leaves the job pending for good: the policy
+# will never start it (crius-ddl: no Cell meets its deadline). The daemon then lets it run
+# as submitted.
+DROPPED_PREFIX = "dropped"
 
 
 class DerivedCache:

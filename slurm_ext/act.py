@@ -54,7 +54,7 @@ REQUEUE_HOLD_WAIT_S = 45.0
 FORECAST_SHIFT_S = 60.0
 
 
-def _shift(shown_s: float | None, new_s: float | None, now_s: float) -> float:
+def _shift(shown_s: float | None, new_s: float | None) -> float:
     """How far a forecast moved; infinite when it appeared or went."""
     if shown_s is None and new_s is None:
         return 0.0
@@ -287,7 +287,7 @@ class Actor:
             # A job whose AdminComment this round rewrote is shown its forecast next time.
             touched = {j for _, j in acts.taken} | set(acts.plans_shown) | set(acts.annotated)
             self._show_forecasts([m for m in views_by_id.values() if m.slurm.job_id not in touched],
-                                 forecasts, snapshot.now_s, budget, acts)
+                                 forecasts, budget, acts)
 
     def _show_running_plans(self, jobs: list[ManagedJob], budget: int, acts: Acts) -> int:
         """Write into running jobs' AdminComment the plan their runner tuned and runs.
@@ -298,22 +298,26 @@ class Actor:
         """
         jobs = sorted(jobs, key=lambda m: m.slurm.job_id)[:max(0, budget)]
         for m in jobs:
-            job_id, text = m.slurm.job_id, m.running_comment
-            if self.config.dry_run:
-                self.out(f"dry-run: show running plan job={job_id} {text}")
-                continue
-            try:
-                # AdminComment alone may change on a running job; StartTime must not.
-                self.client.update_pending(job_id, JobUpdate(admin_comment=text, start_now=False))
-            except SlurmExtError as e:
-                log.warning(kv("show_plan_failed", job_id=job_id, error=e))
-                continue
-            acts.plans_shown.append(job_id)
-            log.info(kv("running_plan_shown", job_id=job_id, admin_comment=text))
+            if self._show(m.slurm.job_id, m.running_comment, "running plan", "show_plan_failed", "running_plan_shown"):
+                acts.plans_shown.append(m.slurm.job_id)
         return budget - len(jobs)
 
-    def _show_forecasts(self, jobs: list[ManagedJob], forecasts: dict[str, JobForecast], now_s: float,
-                        budget: int, acts: Acts) -> None:
+    def _show(self, job_id: int, text: str, what: str, failed_event: str, shown_event: str) -> bool:
+        """Write ``text`` as the job's AdminComment and nothing else (the job may run:
+        StartTime must not change); True when written."""
+        if self.config.dry_run:
+            self.out(f"dry-run: show {what} job={job_id} {text}")
+            return False
+        try:
+            self.client.update_pending(job_id, JobUpdate(admin_comment=text, start_now=False))
+        except SlurmExtError as e:
+            log.warning(kv(failed_event, job_id=job_id, error=e))
+            return False
+        log.info(kv(shown_event, job_id=job_id, admin_comment=text))
+        return True
+
+    def _show_forecasts(self, jobs: list[ManagedJob], forecasts: dict[str, JobForecast], budget: int,
+                        acts: Acts) -> None:
         """Write each job's forecast (``start=``, ``end=``) and progress into its
         AdminComment when they moved (by more than ``FORECAST_SHIFT_S``, or a percent of
         progress), within the budget, those that moved most first. A waiting job's start
@@ -326,7 +330,7 @@ class Actor:
                 continue
             start = f.start_s if m.view.assignment is None else None
             progress = round(m.view.progress_frac, 3)
-            shift = max(_shift(pc.expected_start_s, start, now_s), _shift(pc.expected_end_s, f.end_s, now_s))
+            shift = max(_shift(pc.expected_start_s, start), _shift(pc.expected_end_s, f.end_s))
             if shift <= FORECAST_SHIFT_S and pc.progress_frac is not None and abs(pc.progress_frac - progress) < 0.01 \
                     and pc.expected_cells == f.cells[:MAX_FORECAST_CELLS]:
                 continue
@@ -334,16 +338,8 @@ class Actor:
                           expected_cells=f.cells)
             todo.append((-shift, m.slurm.job_id, format_plan_comment(new)))
         for _, job_id, text in sorted(todo)[:max(0, budget)]:
-            if self.config.dry_run:
-                self.out(f"dry-run: show forecast job={job_id} {text}")
-                continue
-            try:
-                self.client.update_pending(job_id, JobUpdate(admin_comment=text, start_now=False))
-            except SlurmExtError as e:
-                log.warning(kv("show_forecast_failed", job_id=job_id, error=e))
-                continue
-            acts.forecasts_shown.append(job_id)
-            log.info(kv("forecast_shown", job_id=job_id, admin_comment=text))
+            if self._show(job_id, text, "forecast", "show_forecast_failed", "forecast_shown"):
+                acts.forecasts_shown.append(job_id)
 
     def _annotate_waiting(self, snapshot, decision: Decision, views_by_id: dict, acts: Acts) -> int:
         """Hold pending elastic jobs the policy leaves waiting and say why, within a budget.

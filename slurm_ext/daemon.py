@@ -28,10 +28,9 @@ from estimator.errors import SpecError
 from estimator.jobs import JobSpec
 from estimator.refine import refine
 from policy.clock import Clock, WallClock
-from policy.crius import DROPPED_PREFIX
 from policy.forecast import forecast
 from policy.interface import (
-    PENDING, RUNNING, TRIGGER_ARRIVAL, TRIGGER_COMPLETION, TRIGGER_ROUND, Decision,
+    DROPPED_PREFIX, PENDING, RUNNING, TRIGGER_ARRIVAL, TRIGGER_COMPLETION, TRIGGER_ROUND, Decision,
     DecisionError, DerivedCache, JobView, Policy, Snapshot, validate_decision,
 )
 from policy.placement import FreeGpus

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from estimator.cells import CellEstimate
 from estimator.contract import PlanComment, format_utc
 from slurm_ext.slurm_client import SlurmJob
+from slurm_ext.squeue_view import job_row
 from slurm_ext.store import JournalEntry
 
 # Why a job waits, each with what its user can do about it.
@@ -100,11 +101,11 @@ def history(entries: tuple[JournalEntry, ...]) -> list[dict]:
             for e in entries]
 
 
-def forecast_json(pc: PlanComment, job: SlurmJob) -> dict:
-    start_s = job.start_time_s if job.state == "RUNNING" and job.start_time_s else pc.expected_start_s
-    return {"expected_start": format_utc(start_s) if start_s else None,
-            "expected_end": format_utc(pc.expected_end_s) if pc.expected_end_s else None,
-            "progress_frac": pc.progress_frac}
+def forecast_json(job: SlurmJob) -> dict:
+    """The forecast as ``slurm-ext squeue --json`` shows it for the job."""
+    row = job_row(job)
+    return {"expected_start": row.expected_start, "expected_end": row.expected_end,
+            "progress_frac": row.progress_frac}
 
 
 def format_text(doc: dict) -> str:

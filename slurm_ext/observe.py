@@ -148,9 +148,7 @@ def same_shape(a: Cell, b: Cell) -> bool:
 def best_estimate_for(view: JobView, cell: Cell) -> CellEstimate | None:
     """The estimate of ``cell``, or of a feasible Cell of the same shape."""
     exact = view.estimate_for(cell)
-    if exact is not None:
-        return exact
-    return next((e for e in view.feasible_estimates() if same_shape(e.cell, cell)), None)
+    return exact if exact is not None else view.feasible_like(cell)
 
 
 # How far past its last report a runner's step is extrapolated at its measured speed.

@@ -56,7 +56,7 @@ def test_text_form_has_every_part():
     pc = parse_plan_comment(job.admin_comment)
     entry = JournalEntry(1, 7, RESCALE, None, "done", "", 1795600000.0)
     doc = {"job_id": 7, "state": "PENDING", "elastic": True, "spec_error": None, "chosen": None, "why_chosen": None,
-           "forecast": explain.forecast_json(pc, job), "restarts": 1, "history": explain.history((entry,)),
+           "forecast": explain.forecast_json(job), "restarts": 1, "history": explain.history((entry,)),
            "waiting": explain.waiting(job, pc, ESTIMATES, None, True).to_json(),
            "cells": [e.to_json() for e in ESTIMATES]}
     text = explain.format_text(doc)

@@ -81,7 +81,7 @@ def command(job_id, as_json, config_path, state_db, timeout_s):
                     "estimate": chosen.to_json() if chosen else None} if pc.cell else None),
         "why_chosen": explain.why_chosen(pc, chosen, estimates or ()),
         "history": history, "restarts": job.restart_count,
-        "forecast": explain.forecast_json(pc, job),
+        "forecast": explain.forecast_json(job),
     }
     w = explain.waiting(job, pc, estimates, spec_error, is_held(job))
     doc["waiting"] = w.to_json() if w else None
