@@ -15,8 +15,8 @@ from slurm_ext.errors import SlurmArgumentError, SlurmCommandError, SlurmParseEr
 from slurm_ext.run import run_command, run_commands
 from slurm_ext.slurm_client import JobUpdate, SlurmJob, SlurmNode, SubmitRequest
 from slurm_ext.slurm_parse import (
-    ADMIN_COMMENT_FIELDS, JOB_STATES_FIELDS, LISTING_FIELDS, NAME_FIELDS, PENDING_LISTING_FIELDS,
-    parse_job_detail, parse_job_listing, parse_job_states, parse_jobs, parse_nodes,
+    ADMIN_COMMENT_FIELDS, LISTING_FIELDS, NAME_FIELDS, PENDING_LISTING_FIELDS,
+    parse_job_detail, parse_job_listing, parse_jobs, parse_nodes,
     parse_pending_listing, parse_sbatch_parsable,
 )
 
@@ -96,11 +96,6 @@ def job_listing_argv(fields: Iterable[str], job_ids: Iterable[int] | None = None
 def pending_listing_argv() -> list[str]:
     """A cheap listing of pending jobs and their comments (0.02 s for 2,000 jobs)."""
     return ["squeue", "-h", "-t", "PENDING", "-O", PENDING_LISTING_FIELDS]
-
-
-def job_states_argv(job_ids: Iterable[int]) -> list[str]:
-    """A cheap listing of some jobs' state, reason and priority (finished ones included)."""
-    return ["squeue", "-h", "--states=all", "-j", _job_ids(sorted(set(job_ids))), "-O", JOB_STATES_FIELDS]
 
 
 def job_detail_argv(job_id: int | None = None) -> list[str]:
@@ -318,18 +313,6 @@ class CliSlurmClient:
 
     def batch_script(self, job_id: int) -> str:
         return self._run(batch_script_argv(job_id))
-
-    def job_states(self, job_ids: Iterable[int]) -> dict[int, tuple[str, bool]]:
-        ids = set(job_ids)
-        if not ids:
-            return {}
-        argv = job_states_argv(ids)
-        out = run_command(argv, self.timeout_s, env=self.env, check=False)
-        # A job Slurm has forgotten fails the listing ("Invalid job id"): what it listed
-        # still counts, and the forgotten jobs are absent.
-        if out.returncode != 0 and "Invalid job id" not in out.stderr:
-            raise SlurmCommandError(argv, out.returncode, out.stderr)
-        return parse_job_states(out.stdout)
 
     def pending_elastic_job_ids(self) -> list[int]:
         return parse_pending_listing(self._run(pending_listing_argv()))

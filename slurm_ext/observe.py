@@ -1,9 +1,8 @@
 """Observing Slurm: pure functions from Slurm's jobs and nodes to the policy's Snapshot.
 
-The cheap listings the daemon polls between rounds (new elastic jobs; the state of jobs
-being rescaled), the cluster's GPU types by partition, the estimator's view of the
-cluster, the Cells running and reserved jobs hold, and the Snapshot itself. Nothing here
-talks to Slurm: the daemon runs the commands and hands their output in.
+The cluster's GPU types by partition, the estimator's view of the cluster, the Cells
+running and reserved jobs hold, when plain jobs free their GPUs, and the Snapshot itself.
+Nothing here talks to Slurm: the daemon reads it through its client and hands it in.
 """
 
 from __future__ import annotations

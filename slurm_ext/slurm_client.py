@@ -8,7 +8,7 @@ Slurm 22.05 cannot change a pending job's GPU *type*, so elastic jobs carry an u
 GPU count and the type is chosen by partition (one partition per GPU type).
 """
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -308,12 +308,6 @@ class SlurmClient(Protocol):
 
     def cancel(self, job_id: int) -> None:
         """Cancel a job."""
-        ...
-
-    def job_states(self, job_ids: Iterable[int]) -> dict[int, tuple[str, bool]]:
-        """Job id → (state, held) of some jobs from a cheap listing (a rescale's polls):
-        finished jobs included, jobs Slurm no longer knows absent. Held: requeued held
-        after a rescale signal, or pending with a hold reason or zero priority."""
         ...
 
     def pending_elastic_job_ids(self) -> list[int]:

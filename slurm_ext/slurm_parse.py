@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 
 from slurm_ext.errors import SlurmParseError
 from estimator.contract import is_elastic
-from slurm_ext.slurm_client import HELD_FOR_RESCALE, HELD_REASONS, Gres, SlurmJob, SlurmNode
+from slurm_ext.slurm_client import Gres, SlurmJob, SlurmNode
 
 log = logging.getLogger(__name__)
 
@@ -550,9 +550,8 @@ def parse_job_detail(text_: str, names: Mapping[int, str]
     return {j: v for j, v in out.items() if j not in twice}
 
 
-# Columns of the cheap listings (``squeue -O``; the builders are in cli_backend).
+# Columns of the cheap pending-jobs listing (``squeue -O``; the builder is in cli_backend).
 PENDING_LISTING_FIELDS = "JobID:|,Comment:|"
-JOB_STATES_FIELDS = "JobID:|,State:|,Reason:|,Priority:|"
 
 
 def parse_pending_listing(text: str) -> list[int]:
@@ -563,26 +562,4 @@ def parse_pending_listing(text: str) -> list[int]:
         job_id = job_id.strip()
         if job_id.isdigit() and is_elastic(comment.rstrip("|")):
             out.append(int(job_id))
-    return out
-
-
-def parse_job_states(text: str) -> dict[int, tuple[str, bool]]:
-    """Job id → (state, held) from a listing of ``JOB_STATES_FIELDS``.
-
-    Held: requeued held after a rescale signal (``SPECIAL_EXIT``, ``REQUEUE_HOLD``), or
-    pending with a hold reason or zero priority.
-    """
-    out: dict[int, tuple[str, bool]] = {}
-    for line in text.splitlines():
-        fields = line.split("|")
-        if len(fields) < 4 or not fields[0].strip().isdigit():
-            continue
-        state, reason = fields[1].strip(), fields[2].strip()
-        try:
-            zero_priority = float(fields[3]) == 0.0
-        except ValueError:
-            zero_priority = False
-        held = state in HELD_FOR_RESCALE or (state == "PENDING" and (
-            reason in HELD_REASONS or reason == "job requeued in held state" or zero_priority))
-        out[int(fields[0])] = (state, held)
     return out

@@ -20,12 +20,11 @@ from estimator.cells import Cell
 from estimator.plan_string import parse_plan
 from conftest import wait_for as _wait
 from slurm_ext.config import ConfigError, DaemonConfig, load_config, resolve
-from slurm_ext.cli_backend import job_states_argv
 from slurm_ext.daemon import (
     Daemon, build_snapshot, cluster_spec, model_loader_for, partition_types, requested_gpus,
     reserved_cell, running_assignment, type_partitions,
 )
-from slurm_ext.slurm_parse import parse_job_states, parse_pending_listing
+from slurm_ext.slurm_parse import parse_pending_listing
 from slurm_ext.slurm_client import Gres, JobUpdate, SlurmJob, SlurmNode, SubmitRequest
 from estimator.contract import ADMIN_COMMENT_PLAN, MEASURED_FILE, PLAN_KEYS, RunnerReport, parse_plan_comment
 from slurm_ext.squeue_view import rows
@@ -127,21 +126,6 @@ def test_requested_gpus():
     assert requested_gpus(SlurmJob(1, "u", "n", "PENDING", gpus_per_node=4, node_count=2)) == 8
     assert requested_gpus(SlurmJob(1, "u", "n", "PENDING", gpus_per_job=6)) == 6
     assert requested_gpus(SlurmJob(1, "u", "n", "PENDING")) is None
-
-
-def test_job_states_listing():
-    # Lines as Slurm 22.05 prints them (the SPECIAL_EXIT one after exit 86, constructed).
-    text = ("1|PENDING|None|0.99998474121093|\n"
-            "2|RUNNING|None|0.99998474121093|\n"
-            "3|PENDING|job requeued in held state|0.00000000000000|\n"
-            "4|SPECIAL_EXIT|JobHeldUser|0.00000000000000|\n"
-            "5|PENDING|JobHeldAdmin|0.00000000000000|\n"
-            "6|COMPLETED|None|0.99998474121093|\n"
-            "garbage\n")
-    assert parse_job_states(text) == {
-        1: ("PENDING", False), 2: ("RUNNING", False), 3: ("PENDING", True),
-        4: ("SPECIAL_EXIT", True), 5: ("PENDING", True), 6: ("COMPLETED", False)}
-    assert job_states_argv({12, 3})[4] == "3,12"
 
 
 def test_model_files_must_be_readable_by_the_job_owner(tmp_path):

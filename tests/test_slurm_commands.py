@@ -248,10 +248,7 @@ def test_batched_update_hold_release_on_the_lab(slurm_lab, slurm_client, tmp_pat
         time.sleep(0.3)
     assert job.granted_gpus_per_node == (1,) and job.granted_gpu_type == "a10"
     assert slurm_client.job(10**8) is None
-    # The cheap listings a rescale and the arrival poll use.
-    states = slurm_client.job_states([*ids, runs, 10**8])
-    assert states[ids[0]] == ("CANCELLED", False) and states[runs] == ("RUNNING", False)
-    assert [states[i][1] for i in ids[1:]] == [True, False] and 10**8 not in states
+    # The cheap listing the arrival poll uses.
     assert slurm_client.pending_elastic_job_ids() == []  # none of them says "elastic"
     elastic = submit(hold=True, comment="elastic model=gpt-760m")
     assert slurm_client.pending_elastic_job_ids() == [elastic]
