@@ -314,6 +314,21 @@ class CellsIlpPolicy:
             out.append(_Option(job.job_id, WAIT, wait_value))
         return out, note
 
+    def queue_order(self, snapshot: Snapshot) -> tuple[tuple[str, tuple[Cell, ...]], ...]:
+        """Waiting jobs by weight, each with its Cells best value first: the greedy rule's
+        inputs (:meth:`_greedy`), which the forecast plays out beyond its decisions
+        (``policy.forecast``); jobs with no Cell are left out."""
+        waiting = sorted(((-self.weight(snapshot, j), j.submit_time_s, j.job_id, j)
+                          for j in snapshot.jobs if j.assignment is None), key=lambda x: x[:3])
+        out = []
+        for *_, job in waiting:
+            offered = [o for o in self.options(snapshot, job)[0] if o.cell is not None] or \
+                [o for o in self.options(snapshot, job, idle=True)[0] if o.cell is not None]
+            if offered:
+                offered.sort(key=lambda o: (-o.value, o.cell.label()))
+                out.append((job.job_id, tuple(o.cell for o in offered)))
+        return tuple(out)
+
     # ---- the round ----------------------------------------------------------------------
 
     def decide(self, snapshot: Snapshot) -> Decision:

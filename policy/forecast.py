@@ -13,25 +13,41 @@ moves forward in time with no new arrivals:
 The forward run goes from event to event (a job finishing, GPUs released), deciding at
 each, but the further ahead, the sparser (``step_frac``): a forecast a day ahead is good
 to an hour or two, one ten minutes ahead to a round. It stops when every job has
-finished, when nothing can change any more, or after ``max_decisions`` decisions (what is
-then still unknown stays None). A policy's
-``decide`` is pure, so the daemon's own policy state is not touched: the run starts from
-the snapshot's ``policy_state`` and keeps its own.
+finished or when nothing can change any more. A policy's ``decide`` is pure, so the
+daemon's own policy state is not touched: the run starts from the snapshot's
+``policy_state`` and keeps its own.
+
+A decision over a long queue costs a quarter of a second or more, and a queue of
+thousands needs dozens of them to reach its last job. So after ``max_decisions``
+decisions (or ``time_budget_s`` of wall time) the run goes on as a list schedule
+(:func:`_extrapolate`): running jobs keep their Cells, and as GPUs come free, waiting
+jobs take them in the order the policy's ``queue_order`` gives, each on the first of its
+Cells (in the policy's preference) whose GPUs are free: for cells-ilp, the greedy rule it
+falls back on when no solver answers. A policy without ``queue_order`` is played out in
+submission order, each job on what it asked for. The near future, where a forecast is
+checked soonest, is the policy's own decisions; the far tail is its ranking played out
+without its packing and rescaling.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
+import time
 from dataclasses import dataclass, field, replace
 
+from estimator.cells import Cell
+from policy.fcfs import requested_estimate
 from policy.interface import (
     PENDING, RUNNING, SUSPEND, TRIGGER_ROUND, Assignment, Decision, DecisionError, JobView,
-    Policy, Snapshot, implied_actions, validate_decision,
+    NodeView, Policy, Snapshot, implied_actions, validate_decision,
 )
 
 DEFAULT_MAX_DECISIONS = 60
 DEFAULT_HORIZON_S = 90 * 86400.0
 DEFAULT_STEP_FRAC = 0.1
+QUEUE_WINDOW = 96  # waiting jobs the list schedule looks at, in order, at each event
 
 
 @dataclass(frozen=True)
@@ -52,6 +68,7 @@ class JobForecast:
     start_s: float | None
     end_s: float | None
     cells: tuple[str, ...] = ()
+    extrapolated: bool = False  # its start or end came from the list schedule
 
 
 @dataclass
@@ -61,6 +78,7 @@ class _Job:
     end_s: float | None = None
     busy_until_s: float = 0.0  # a (re)start's cost: GPUs held, no progress
     cells: list[str] = field(default_factory=list)
+    extrapolated: bool = False
 
 
 def rate_of(view: JobView, assignment: Assignment | None) -> float:
@@ -79,14 +97,16 @@ def rate_of(view: JobView, assignment: Assignment | None) -> float:
 def forecast(snapshot: Snapshot, policy: Policy, releases: tuple[GpuRelease, ...] = (),
              max_decisions: int = DEFAULT_MAX_DECISIONS,
              horizon_s: float = DEFAULT_HORIZON_S, first: Decision | None = None,
-             step_frac: float = DEFAULT_STEP_FRAC, min_step_s: float = 0.0) -> dict[str, JobForecast]:
+             step_frac: float = DEFAULT_STEP_FRAC, min_step_s: float = 0.0,
+             time_budget_s: float | None = None) -> dict[str, JobForecast]:
     """Every managed job's forecast (see the module docstring).
 
     Args:
         snapshot: the cluster and jobs now, as the daemon gave them to the policy.
         policy: the policy object the daemon uses (only ``decide`` is called).
         releases: GPUs held outside the policy that come free later, and when.
-        max_decisions: decisions the forward run may take at most.
+        max_decisions: policy decisions the forward run takes at most (``first`` is not
+            one); the list schedule goes on from there.
         horizon_s: how far ahead it looks at most.
         first: the policy's decision on ``snapshot`` when the caller has it already (the
             daemon's round): the run starts from it instead of deciding again.
@@ -94,7 +114,11 @@ def forecast(snapshot: Snapshot, policy: Policy, releases: tuple[GpuRelease, ...
             decision comes at the next event, but no sooner than ``step_frac × (t − now)``
             later; events in between still happen at their time.
         min_step_s: nor sooner than this (the daemon decides once a round: its round).
+        time_budget_s: wall time by which decisions stop: none starts that would, at the
+            last one's pace, end past it (the list schedule goes on from there); None:
+            decisions are bounded by count alone, and the forecast is deterministic.
     """
+    began = time.perf_counter()
     now_s = snapshot.now_s
     # One cache of what the policy derives per job spec for the whole run (the caller's,
     # when it has one): the run's snapshots share their jobs' estimates.
@@ -109,13 +133,23 @@ def forecast(snapshot: Snapshot, policy: Policy, releases: tuple[GpuRelease, ...
     pending_releases = sorted(releases, key=lambda r: (r.at_s, r.node))
     state = snapshot.policy_state
     trigger = snapshot.trigger
-    for _ in range(max_decisions):
+    decided, last_s = 0, 0.0
+    while True:
         active = tuple(j.view for j in jobs.values() if j.end_s is None)
         if not active:
             break
         snap = replace(snapshot, now_s=now_s, nodes=tuple(nodes.values()), jobs=active, trigger=trigger,
                        policy_state=state)
-        decision = first if first is not None and now_s == snapshot.now_s else policy.decide(snap)
+        given = first is not None and now_s == snapshot.now_s
+        # No decision that would likely end past the budget: one takes about as long as the last.
+        if not given and (decided >= max_decisions or (time_budget_s is not None and
+                                                       time.perf_counter() - began + last_s > time_budget_s)):
+            _extrapolate(jobs, nodes, pending_releases, snap, policy, snapshot.now_s + horizon_s)
+            break
+        decided += not given
+        t0 = time.perf_counter()
+        decision = first if given else policy.decide(snap)
+        last_s = time.perf_counter() - t0 if not given else last_s
         try:
             validate_decision(snap, decision)
         except DecisionError:
@@ -141,8 +175,88 @@ def forecast(snapshot: Snapshot, policy: Policy, releases: tuple[GpuRelease, ...
                 nodes[r.node] = replace(n, unmanaged_gpus=max(0, n.unmanaged_gpus - r.gpus))
         now_s = next_s
         trigger = TRIGGER_ROUND
-    return {job_id: JobForecast(job_id, j.start_s, j.end_s, tuple(j.cells))
+    return {job_id: JobForecast(job_id, j.start_s, j.end_s, tuple(j.cells), j.extrapolated)
             for job_id, j in jobs.items()}
+
+
+def default_queue_order(snapshot: Snapshot) -> tuple[tuple[str, tuple[Cell, ...]], ...]:
+    """Waiting jobs by submission, each on what it asked for (FCFS's Cell); jobs with no
+    such Cell are left out."""
+    waiting = sorted((j for j in snapshot.jobs if j.assignment is None), key=lambda j: (j.submit_time_s, j.job_id))
+    out = []
+    for j in waiting:
+        est = requested_estimate(j)
+        if est is not None:
+            out.append((j.job_id, (est.cell,)))
+    return tuple(out)
+
+
+def _extrapolate(jobs: dict[str, _Job], nodes: dict[str, NodeView], releases: list[GpuRelease],
+                 snap: Snapshot, policy: Policy, horizon_end_s: float) -> None:
+    """The forward run's tail as a list schedule from ``snap``: running jobs keep their
+    Cells to the end; at each event (a job ends, GPUs are released) the first
+    ``QUEUE_WINDOW`` waiting jobs in the policy's order start, in order, each on the first
+    of its Cells whose count of GPUs of its type is free (node packing is not modelled)."""
+    now_s = snap.now_s
+    restart_cost_s = snap.restart_cost_s
+    type_of = {n.name: n.gpu_type for n in nodes.values()}
+    free: dict[str, int] = {}
+    for n in nodes.values():
+        free[n.gpu_type] = free.get(n.gpu_type, 0) + max(0, n.total_gpus - n.unmanaged_gpus)
+    events: list[tuple[float, int, str, str, int]] = []  # (at, seq, job id or "", GPU type, GPUs)
+    for j in jobs.values():
+        a = j.view.assignment
+        if j.end_s is not None or a is None:
+            continue
+        free[a.cell.gpu_type] = free.get(a.cell.gpu_type, 0) - a.num_gpus
+        rate = rate_of(j.view, a)
+        if rate > 0:
+            end_s = max(now_s, j.busy_until_s) + j.view.remaining_iterations / rate
+            events.append((end_s, len(events), j.view.job_id, a.cell.gpu_type, a.num_gpus))
+    for r in releases:
+        if r.node in type_of:
+            events.append((max(r.at_s, now_s), len(events), "", type_of[r.node], r.gpus))
+    heapq.heapify(events)
+    order_of = getattr(policy, "queue_order", None)
+    queue = iter([(job_id, cells, min(c.num_gpus for c in cells))
+                  for job_id, cells in (order_of(snap) if order_of else default_queue_order(snap))
+                  if cells and job_id in jobs and jobs[job_id].end_s is None and jobs[job_id].view.assignment is None])
+    window: list[tuple[str, tuple[Cell, ...], int]] = []  # the first waiting jobs, in order
+    seq = len(events)
+    while True:
+        window.extend(itertools.islice(queue, QUEUE_WINDOW - len(window)))
+        free_total = sum(free.values())
+        kept = []
+        for job_id, cells, min_gpus in window:
+            cell = None
+            if free_total >= min_gpus:
+                cell = next((c for c in cells if free.get(c.gpu_type, 0) >= c.num_gpus), None)
+            if cell is None:
+                kept.append((job_id, cells, min_gpus))
+                continue
+            j = jobs[job_id]
+            free[cell.gpu_type] -= cell.num_gpus
+            free_total -= cell.num_gpus
+            j.extrapolated = True
+            if j.start_s is None:
+                j.start_s = now_s
+            if not j.cells or j.cells[-1] != cell.label():
+                j.cells.append(cell.label())
+            rate = rate_of(j.view, Assignment(cell, ()))
+            if rate > 0:
+                end_s = now_s + restart_cost_s + j.view.remaining_iterations / rate
+                heapq.heappush(events, (end_s, seq, job_id, cell.gpu_type, cell.num_gpus))
+                seq += 1
+        window = kept
+        if not events or events[0][0] > horizon_end_s:
+            return
+        now_s = events[0][0]
+        while events and events[0][0] <= now_s:
+            at_s, _, job_id, gpu_type, gpus = heapq.heappop(events)
+            free[gpu_type] = free.get(gpu_type, 0) + gpus
+            if job_id:
+                jobs[job_id].end_s = at_s
+                jobs[job_id].extrapolated = True
 
 
 def _apply(jobs: dict[str, _Job], actions, now_s: float, restart_cost_s: float) -> None:
@@ -177,4 +291,4 @@ def _progress(jobs: dict[str, _Job], finish: dict[str, float], now_s: float, nex
             j.view = replace(j.view, iterations_done=float(j.view.iterations_total))
 
 
-__all__ = ["GpuRelease", "JobForecast", "forecast", "rate_of"]
+__all__ = ["GpuRelease", "JobForecast", "default_queue_order", "forecast", "rate_of"]

@@ -134,7 +134,8 @@ def summarize(result: SimResult, offered_load: float | None = None) -> dict:
 def forecast_accuracy(jobs) -> dict:
     """How far the forecasts made at arrival were from what happened (jobs that finished
     and had one): absolute errors of start and end in seconds, and relative to the job's
-    wait (at least one minute) and JCT; median and p90 of each. Empty without forecasts."""
+    wait (at least one minute) and JCT; median and p90 of each, and how many forecasts came
+    from the list schedule beyond the forward run's decisions. Empty without forecasts."""
     rows = [o for o in jobs if o.status == "finished" and o.forecast_start_s is not None]
     if not rows:
         return {}
@@ -147,6 +148,7 @@ def forecast_accuracy(jobs) -> dict:
     def p50_p90(xs, digits=1):
         return {"p50": _round(_pct(xs, 50), digits), "p90": _round(_pct(xs, 90), digits)} if xs else None
     return {"forecast_jobs": len(rows), "forecast_with_end": len(ends),
+            "forecast_extrapolated": sum(o.forecast_extrapolated for o in rows),
             "forecast_start_abs_err_s": p50_p90(start_err), "forecast_end_abs_err_s": p50_p90(end_err),
             "forecast_start_err_per_wait": p50_p90(start_rel, 3), "forecast_end_err_per_jct": p50_p90(end_rel, 3)}
 

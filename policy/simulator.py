@@ -114,6 +114,7 @@ class JobOutcome:
     deadline_s: float | None = None
     forecast_start_s: float | None = None  # forecast at its arrival (SimConfig.forecast_every_jobs)
     forecast_end_s: float | None = None
+    forecast_extrapolated: bool = False  # that forecast came from its list-schedule tail
 
     @property
     def jct_s(self) -> float | None:
@@ -383,7 +384,8 @@ def simulate(policy: Policy, trace_jobs: tuple[TraceJob, ...], cluster: ClusterS
         f = forecasts.get(t.job_id)
         outcomes[t.job_id] = JobOutcome(t.job_id, t.spec, t.submit_time_s, t.iterations, status,
                                         job.first_start_s, job.finish_s, job.restarts, job.done, reason,
-                                        t.deadline_s, f.start_s if f else None, f.end_s if f else None)
+                                        t.deadline_s, f.start_s if f else None, f.end_s if f else None,
+                                        bool(f and f.extrapolated))
 
     while True:
         while completions and _stale(completions[0], active):

@@ -67,7 +67,10 @@ class DaemonConfig:
         forecast_every_s: how often the daemon runs its policy forward to forecast each
             elastic job's start and end (``policy.forecast``), written into its AdminComment
             within the round's AdminComment budget; 0 turns forecasts off.
-        forecast_max_decisions: decisions one forecast may take at most (its cost).
+        forecast_max_decisions: policy decisions one forecast takes at most; beyond them
+            the rest is a list schedule in the policy's order (``policy.forecast``).
+        forecast_budget_s: wall time after which one forecast takes no further decision
+            (the list schedule finishes it): what bounds its cost on a long queue.
     """
 
     interval_s: float = 60.0
@@ -94,6 +97,7 @@ class DaemonConfig:
     use_cpu_measurements: bool = False
     forecast_every_s: float = 60.0
     forecast_max_decisions: int = 60
+    forecast_budget_s: float = 1.5
 
     def partition_map(self) -> dict[str, str]:
         return dict(self.partitions)
@@ -101,7 +105,7 @@ class DaemonConfig:
 
 KEYS = tuple(f.name for f in fields(DaemonConfig))
 _FLOATS = {"interval_s", "poll_s", "rescale_timeout_s", "restart_cost_s", "slurm_timeout_s", "backoff_max_s",
-           "forecast_every_s"}
+           "forecast_every_s", "forecast_budget_s"}
 _INTS = {"max_gpus", "max_annotations_per_round", "max_new_specs_per_round", "forecast_max_decisions"}
 _OPTIONAL_INTS = {"metrics_port", "micro_batches"}
 

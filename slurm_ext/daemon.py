@@ -397,7 +397,8 @@ class Daemon:
         managed_ids = {m.slurm.job_id for m in managed}
         releases = gpu_releases([j for j in active if j.job_id not in managed_ids], now_s)
         self.forecasts.start(lambda: forecast(snapshot, self.policy, releases, cfg.forecast_max_decisions,
-                                              first=decision, min_step_s=cfg.interval_s))
+                                              first=decision, min_step_s=cfg.interval_s,
+                                              time_budget_s=cfg.forecast_budget_s))
         self._forecast_s = now_s
 
     def _specs(self, elastic: list[SlurmJob], now_s: float

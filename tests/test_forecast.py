@@ -65,8 +65,47 @@ def test_the_daemons_policy_forecasts_the_same_and_keeps_its_own_state():
 
 
 @pytest.mark.parametrize("max_decisions", [1, 2])
-def test_the_run_stops_after_its_decision_budget(max_decisions):
+def test_after_its_decisions_the_run_goes_on_as_a_list_schedule(max_decisions):
     snap, releases = scenario()
     got = forecast(snap, FcfsPolicy(), releases, max_decisions=max_decisions)
-    assert got["A"].end_s == 50.0
-    assert got["B"].start_s is None  # B starts at the third decision (t=0, 50, 100)
+    assert got["A"].end_s == 50.0 and not got["A"].extrapolated  # decided: ends before the tail
+    # B would start at the third decision (t=0, 50, 100); the tail starts it when the
+    # release frees its 4 GPUs, on what it asked for.
+    assert (got["B"].start_s, got["B"].end_s, got["B"].cells) == (100.0, 150.0, ("a100x4:s1",))
+    assert got["B"].extrapolated
+    exact = forecast(snap, FcfsPolicy(), releases, max_decisions=3)
+    assert (exact["B"].start_s, exact["B"].end_s, exact["B"].extrapolated) == (100.0, 150.0, False)
+
+
+def two_by_two(restart_cost_s=0.0):
+    """One node of 4 a100, all free; three pending jobs of 2 GPUs each, 1 s per iteration:
+    L (100 iterations, submitted first), S (10) and M (40)."""
+    jobs = tuple(JobView(job_id, "u", JobSpec("gpt-1.3b", BATCH, 2, "a100"), submit_s, PENDING, None, 0.0,
+                         iterations, 0, submit_s, estimates=(est(2, 1.0),), dp_only_estimates=(est(2, 1.0),))
+                 for job_id, submit_s, iterations in (("L", -30.0, 100), ("S", -20.0, 10), ("M", -10.0, 40)))
+    return Snapshot(0.0, (NodeView("a100-1", "a100", 4, 0),), jobs, TRIGGER_ROUND, 10.0, restart_cost_s)
+
+
+def test_the_list_schedule_follows_the_policys_order_and_never_overcommits_a_type():
+    snap = two_by_two(restart_cost_s=5.0)
+    # FCFS has no queue_order: submission order, what each asked for. L and S fit now; M
+    # takes S's GPUs when S ends (t = 5 + 10), and pays its own restart cost.
+    got = forecast(snap, FcfsPolicy(), max_decisions=0)
+    assert {k: (f.start_s, f.end_s) for k, f in got.items()} == \
+        {"L": (0.0, 105.0), "S": (0.0, 15.0), "M": (15.0, 60.0)}
+    assert all(f.extrapolated for f in got.values())
+    # cells-ilp ranks the short jobs first (its weight): S and M start, L waits for S.
+    got = forecast(snap, CellsIlpPolicy(), max_decisions=0)
+    assert {k: (f.start_s, f.end_s) for k, f in got.items()} == \
+        {"S": (0.0, 15.0), "M": (0.0, 45.0), "L": (15.0, 120.0)}
+
+
+def test_a_zero_time_budget_decides_nothing_beyond_the_rounds_decision():
+    snap, releases = scenario()
+    policy = FcfsPolicy()
+    calls = []
+    decide = policy.decide
+    policy.decide = lambda s: calls.append(s.now_s) or decide(s)
+    got = forecast(snap, policy, releases, first=decide(snap), time_budget_s=0.0)
+    assert calls == []  # only the round's own decision, which was given
+    assert (got["B"].start_s, got["B"].end_s, got["B"].extrapolated) == (100.0, 150.0, True)
