@@ -96,7 +96,8 @@ def run(steps: int) -> dict:
     return {"model": MODEL.name, "global_batch": GLOBAL_BATCH, "devices": "8 CPU fake devices",
             "steps_timed": steps, "plans": rows,
             "ratio_median": {"median": round(statistics.median(ratios), 3),
-                             "mean": round(statistics.fmean(ratios), 3), "worst": max(ratios)},
+                             "mean": round(statistics.fmean(ratios), 3),
+                             "geomean": round(statistics.geometric_mean(ratios), 3), "worst": max(ratios)},
             "command": "python benchmarks/spmd_pipeline.py"}
 
 

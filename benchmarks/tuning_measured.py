@@ -168,11 +168,11 @@ def run(steps: int, confirm: int) -> dict:
         "devices": "CPU fake devices (2 cores shared by all)", "steps_timed": steps, "confirm_rounds": confirm,
         "cells": rows,
         "quality": {"median": round(statistics.median(q), 4), "mean": round(statistics.fmean(q), 4),
-                    "worst": min(q)},
+                    "geomean": round(statistics.geometric_mean(q), 4), "worst": min(q)},
         "reduction_overall": round(sum(r["measured_exhaustive"] for r in rows)
                                    / sum(r["measured_pruned"] for r in rows), 2),
         "tuned_speedup_vs_daemon": {"median": round(statistics.median(s), 4), "mean": round(statistics.fmean(s), 4),
-                                    "worst": min(s)},
+                                    "geomean": round(statistics.geometric_mean(s), 4), "worst": min(s)},
         "command": "python benchmarks/tuning_measured.py",
     }
 

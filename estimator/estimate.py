@@ -24,7 +24,7 @@ from estimator.errors import SpecError
 from estimator.gpus import gpu_type as _gpu_type
 from estimator.jobs import JobSpec
 from estimator.memory import MemoryOptions, StageMemory, stage_memory, state_bytes_per_param
-from estimator.models import DTYPE_BYTES, ModelSpec, load_model
+from estimator.models import ModelSpec, load_model
 from estimator.partition import balanced_partition, stage_gpu_counts
 
 log = logging.getLogger(__name__)
@@ -167,7 +167,6 @@ def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan, co
     """
     model, gpu = ctx.model, _gpu_type(ctx.cell.gpu_type)
     layers = model.layers[plan.layer_start:plan.layer_end]
-    gpn = min(ctx.cell.gpus_per_node, ctx.cell.num_gpus)
     dp, tp, B = plan.dp, plan.tp, ctx.micro_batches
     sources: set[str] = set()
     reason = ""
@@ -186,6 +185,42 @@ def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan, co
         flops_scale = compiled.flops_per_device / formula if formula > 0 else 1.0
     compute_s = sum(layer_time_s(layer, gpu, ctx.eff, model.dtype, micro, tp, passes, flops_scale)
                     for layer in layers)
+    comm_s = _stage_collectives_s(ctx, layers, plan, first_device, micro, comm_passes, compiled, sources)
+    send_s = _send_s(ctx, index, layers, plan, first_device, micro, sources)
+    params = sum(layer.params for layer in layers) / tp
+    w_b, g_b, o_b = state_bytes_per_param(model)
+    sync_s = _gradient_sync_s(ctx, plan, first_device, params * g_b, compiled, sources)
+    zero = ctx.options.memory.zero_level
+    update_params = params / (dp if zero >= 1 else 1)
+    # The update reads weights, grads, master and states, and writes weights, master, states.
+    update_bytes = update_params * (2 * w_b + g_b + 2 * o_b)
+    update_s = update_bytes / (gpu.memory_bandwidth_gbytes_s * 1e9 * ctx.eff.memory_frac)
+    # GPipe keeps every micro-batch's activations until the backward passes start; a single
+    # stage is plain gradient accumulation, one micro-batch at a time.
+    in_flight = B if ctx.cell.num_stages > 1 else 1
+    mem = stage_memory(model, layers, dp, tp, max(1, math.ceil(micro)), in_flight, ctx.remat,
+                       ctx.options.memory)
+    compiled_peak_gb = None
+    if compiled is not None and compiled.memory_bytes:
+        # The compiled step holds one micro-batch; GPipe keeps the others' stage inputs too.
+        kept = sum(layer.output_bytes for layer in layers) if ctx.remat else \
+            sum(layer.activation_bytes for layer in layers)
+        compiled_peak_gb = (compiled.memory_bytes + (in_flight - 1) * micro * kept) / 1e9 \
+            + ctx.options.memory.reserve_gb
+    peak_gb = mem.peak_gb if compiled_peak_gb is None else compiled_peak_gb
+    usable = gpu.memory_gb * ctx.options.memory.usable_frac
+    if not reason and peak_gb > usable:
+        reason = f"stage {index} needs {peak_gb:.1f} GB per GPU, {gpu.name} has {usable:.1f} GB usable"
+    return StageCost(plan, compute_s + comm_s + send_s, sync_s, update_s, mem, not reason, reason,
+                     "model" if "model" in sources else "table", compiled_peak_gb)
+
+
+def _stage_collectives_s(ctx: _Context, layers, plan: StagePlan, first_device: int, micro: float,
+                         comm_passes: float, compiled, sources: set[str]) -> float:
+    """Seconds of a stage's collectives inside its passes: tensor-parallel all-reduces and
+    all-to-alls, and BatchNorm's data-parallel sums; their figures' sources go to ``sources``."""
+    gpn = min(ctx.cell.gpus_per_node, ctx.cell.num_gpus)
+    dp, tp = plan.dp, plan.tp
     comm_s = 0.0
     if tp > 1 and compiled is not None:
         comm_s, srcs = _compiled_comm_s(ctx, compiled, "tp", tp, _span(first_device, tp, 1, gpn))
@@ -210,50 +245,40 @@ def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan, co
                 t, src = _comm(ctx, "all-reduce", dp, dp_span, layer.batch_stat_bytes)
                 comm_s += comm_passes * layer.batch_stat_syncs * t
                 sources.add(src)
-    send_s = 0.0
-    if index < ctx.cell.num_stages - 1:
-        # Activations forward and their gradients back, each replica to its counterpart.
-        nbytes = layers[-1].output_bytes * micro
-        n = plan.num_gpus
-        crosses = (first_device + n - 1) // gpn != (first_device + n) // gpn
-        t, src = _comm(ctx, "send", 2, 2 if crosses else 1, nbytes)
-        sharing = min(dp, gpn) if crosses else 1  # replicas of a node share its NIC
-        send_s = 2.0 * t * sharing
-        sources.add(src)
-    params = sum(layer.params for layer in layers) / tp
-    w_b, g_b, o_b = state_bytes_per_param(model)
-    sync_s = 0.0
-    if dp > 1 and compiled is not None:
-        sync_s, srcs = _compiled_comm_s(ctx, compiled, "dp", dp, _span(first_device, dp, tp, gpn))
+    return comm_s
+
+
+def _send_s(ctx: _Context, index: int, layers, plan: StagePlan, first_device: int, micro: float,
+            sources: set[str]) -> float:
+    """Seconds a stage spends sending one micro-batch's activations to the next stage and
+    receiving their gradients back (0 for the last stage)."""
+    if index >= ctx.cell.num_stages - 1:
+        return 0.0
+    gpn = min(ctx.cell.gpus_per_node, ctx.cell.num_gpus)
+    # Activations forward and their gradients back, each replica to its counterpart.
+    nbytes = layers[-1].output_bytes * micro
+    n = plan.num_gpus
+    crosses = (first_device + n - 1) // gpn != (first_device + n) // gpn
+    t, src = _comm(ctx, "send", 2, 2 if crosses else 1, nbytes)
+    sharing = min(plan.dp, gpn) if crosses else 1  # replicas of a node share its NIC
+    sources.add(src)
+    return 2.0 * t * sharing
+
+
+def _gradient_sync_s(ctx: _Context, plan: StagePlan, first_device: int, grad_bytes: float, compiled,
+                     sources: set[str]) -> float:
+    """Seconds of a stage's data-parallel gradient all-reduce, once per iteration."""
+    if plan.dp <= 1:
+        return 0.0
+    gpn = min(ctx.cell.gpus_per_node, ctx.cell.num_gpus)
+    dp_span = _span(first_device, plan.dp, plan.tp, gpn)
+    if compiled is not None:
+        sync_s, srcs = _compiled_comm_s(ctx, compiled, "dp", plan.dp, dp_span)
         sources |= srcs
-    elif dp > 1:
-        dp_span = _span(first_device, dp, tp, gpn)
-        t, src = _comm(ctx, "all-reduce", dp, dp_span, params * g_b)
-        sync_s = t
-        sources.add(src)
-    zero = ctx.options.memory.zero_level
-    update_params = params / (dp if zero >= 1 else 1)
-    # The update reads weights, grads, master and states, and writes weights, master, states.
-    update_bytes = update_params * (2 * w_b + g_b + 2 * o_b)
-    update_s = update_bytes / (gpu.memory_bandwidth_gbytes_s * 1e9 * ctx.eff.memory_frac)
-    # GPipe keeps every micro-batch's activations until the backward passes start; a single
-    # stage is plain gradient accumulation, one micro-batch at a time.
-    in_flight = B if ctx.cell.num_stages > 1 else 1
-    mem = stage_memory(model, layers, dp, tp, max(1, math.ceil(micro)), in_flight, ctx.remat,
-                       ctx.options.memory)
-    compiled_peak_gb = None
-    if compiled is not None and compiled.memory_bytes:
-        # The compiled step holds one micro-batch; GPipe keeps the others' stage inputs too.
-        kept = sum(layer.output_bytes for layer in layers) if ctx.remat else \
-            sum(layer.activation_bytes for layer in layers)
-        compiled_peak_gb = (compiled.memory_bytes + (in_flight - 1) * micro * kept) / 1e9 \
-            + ctx.options.memory.reserve_gb
-    peak_gb = mem.peak_gb if compiled_peak_gb is None else compiled_peak_gb
-    usable = gpu.memory_gb * ctx.options.memory.usable_frac
-    if not reason and peak_gb > usable:
-        reason = f"stage {index} needs {peak_gb:.1f} GB per GPU, {gpu.name} has {usable:.1f} GB usable"
-    return StageCost(plan, compute_s + comm_s + send_s, sync_s, update_s, mem, not reason, reason,
-                     "model" if "model" in sources else "table", compiled_peak_gb)
+        return sync_s
+    t, src = _comm(ctx, "all-reduce", plan.dp, dp_span, grad_bytes)
+    sources.add(src)
+    return t
 
 
 def pipeline_time_s(costs: tuple[StageCost, ...], micro_batches: int) -> float:

@@ -238,103 +238,17 @@ class Pipeline:
         def local(bufs):  # [1, 1, L] → [L]
             return {dt: b[0, 0] for dt, b in bufs.items()}
 
-        def forward_branch(st: PlacedStage):
-            arrays = self.arrays
-            res = self.residuals[st.index]
-            last = st.index == S - 1
-
-            def run(params_b, state_b, act_b, xs, ys, t):
-                m = jnp.clip(t - st.index, 0, M - 1)
-                params = arrays["params"][st.index].unpack(params_b)
-                model_state = arrays["state"][st.index].unpack(state_b)
-                if st.index == 0:
-                    x = xs[m]
-                else:
-                    prev = self.stages[st.index - 1]
-                    x = to_receiver(unpack(self.act_layouts[prev.index], act_b)[0], prev.coll, st.coll)
-                out, vjp, new_state = self._stage_vjp(st, params, model_state, x, ys[m])
-                res.treedef = jax.tree.structure(vjp)
-                _, rest = self._classify(vjp, params)
-                packed = pack(res.layout, rest, self.res_lengths)
-                state_out = arrays["state"][st.index].pack(new_state, self.lengths["state"])
-                if last:
-                    return act_zero, packed, state_out, out.astype(jnp.float32) / M
-                return pack(self.act_layouts[st.index], [out], self.act_lengths), packed, state_out, \
-                    jnp.zeros((), jnp.float32)
-            return run
-
         def forward_idle(params_b, state_b, act_b, xs, ys, t):
             return act_zero, res_zero, state_b, jnp.zeros((), jnp.float32)
-
-        def backward_branch(st: PlacedStage):
-            arrays = self.arrays
-            res = self.residuals[st.index]
-            last = st.index == S - 1
-
-            def run(params_b, ct_b, stash, m):
-                params = arrays["params"][st.index].unpack(params_b)
-                weights = jax.tree.leaves(params)
-                rest = iter(read_row(res.layout, stash, m))
-                leaves = [weights[k] if k is not None else next(rest) for k in res.kinds]
-                vjp = jax.tree.unflatten(res.treedef, leaves)
-                if last:
-                    # The objective is the mean over the last stage's dp group of its devices'
-                    # losses: each device seeds its share, and every stage sums its group's
-                    # gradients (the input gradients it passes back are already so scaled).
-                    cot = jnp.ones((), jnp.float32) / (M * st.dp)
-                else:
-                    cot = unpack(self.act_layouts[st.index], ct_b)[0]
-                grads = vjp(cot)
-                g_params = arrays["params"][st.index].pack(grads[0], self.lengths["params"])
-                if st.index == 0:
-                    return act_zero, g_params
-                prev = self.stages[st.index - 1]
-                g_x = to_sender(grads[1], prev.coll, st.coll)
-                return pack(self.act_layouts[prev.index], [g_x], self.act_lengths), g_params
-            return run
 
         def backward_idle(params_b, ct_b, stash, m):
             return act_zero, {dt: jnp.zeros_like(b) for dt, b in params_b.items()}
 
-        def update_branch(st: PlacedStage):
-            arrays = self.arrays
-
-            def run(params_b, opt_b, grads_b):
-                coll = st.coll
-                grads_b = {dt: lax.psum(g, coll.dp_axes) if coll.dp_axes else g
-                           for dt, g in grads_b.items()}
-                params = arrays["params"][st.index].unpack(params_b)
-                grads = arrays["params"][st.index].unpack(grads_b)
-                opt = arrays["opt"][st.index].unpack(opt_b)
-                specs = arrays["params"][st.index].specs
-                new = [self.optimizer.update(g, o, p, sp, coll)
-                       for p, g, o, sp in zip(params, grads, opt, specs)]
-                return (arrays["params"][st.index].pack([p for p, _ in new], self.lengths["params"]),
-                        arrays["opt"][st.index].pack([o for _, o in new], self.lengths["opt"]))
-            return run
-
-        def loss_branch(st: PlacedStage):
-            def run(loss):
-                if st.index != S - 1:
-                    return jnp.zeros((), jnp.float32)
-                return lax.pmean(loss, st.coll.dp_axes) if st.coll.dp_axes else loss
-            return run
-
-        def accumulate(params_b, state_b, xs, ys, m):
-            """Forward and backward of micro-batch m on the only stage: (grads, state, loss)."""
-            st = self.stages[0]
-            params = self.arrays["params"][0].unpack(params_b)
-            model_state = self.arrays["state"][0].unpack(state_b)
-            loss, vjp, new_state = self._stage_vjp(st, params, model_state, xs[m], ys[m])
-            (g_params,) = vjp(jnp.ones((), jnp.float32) / (M * st.dp))
-            return (self.arrays["params"][0].pack(g_params, self.lengths["params"]),
-                    self.arrays["state"][0].pack(new_state, self.lengths["state"]), loss.astype(jnp.float32) / M)
-
         pipelined = S > 1
-        fwd = [forward_branch(st) for st in self.stages] + [forward_idle] if pipelined else []
-        bwd = [backward_branch(st) for st in self.stages] + [backward_idle] if pipelined else []
-        upd = [update_branch(st) for st in self.stages]
-        losses = [loss_branch(st) for st in self.stages]
+        fwd = [self._forward_branch(st, act_zero) for st in self.stages] + [forward_idle] if pipelined else []
+        bwd = [self._backward_branch(st, act_zero) for st in self.stages] + [backward_idle] if pipelined else []
+        upd = [self._update_branch(st) for st in self.stages]
+        losses = [self._loss_branch(st) for st in self.stages]
 
         def body(params, opt, state, stash, xs, ys):
             params, opt, state = local(params), local(opt), local(state)
@@ -345,7 +259,7 @@ class Pipeline:
                 # is kept between them (gradient accumulation).
                 def micro_batch(carry, m):
                     grads, state, loss = carry
-                    g, state, l_m = accumulate(params, state, xs, ys, m)
+                    g, state, l_m = self._accumulate(params, state, xs, ys, m)
                     return ({dt: grads[dt] + g[dt] for dt in grads}, state, loss + l_m), None
 
                 g0 = {dt: jnp.zeros_like(b) for dt, b in params.items()}
@@ -397,6 +311,102 @@ class Pipeline:
                                          self.target_spec()),
                                out_specs=(c["params"], c["opt"], c["state"], c_stash, P()), check_vma=False)
         return jax.jit(mapped, donate_argnums=(0, 1, 2, 3))
+
+    def _forward_branch(self, st: PlacedStage, act_zero):
+        """Stage ``st``'s forward tick: the micro-batch it holds through the stage,
+        its residuals packed into a row and its output (or the loss, on the last stage)."""
+        S, M = len(self.stages), self.plan.micro_batches
+        arrays = self.arrays
+        res = self.residuals[st.index]
+        last = st.index == S - 1
+
+        def run(params_b, state_b, act_b, xs, ys, t):
+            m = jnp.clip(t - st.index, 0, M - 1)
+            params = arrays["params"][st.index].unpack(params_b)
+            model_state = arrays["state"][st.index].unpack(state_b)
+            if st.index == 0:
+                x = xs[m]
+            else:
+                prev = self.stages[st.index - 1]
+                x = to_receiver(unpack(self.act_layouts[prev.index], act_b)[0], prev.coll, st.coll)
+            out, vjp, new_state = self._stage_vjp(st, params, model_state, x, ys[m])
+            res.treedef = jax.tree.structure(vjp)
+            _, rest = self._classify(vjp, params)
+            packed = pack(res.layout, rest, self.res_lengths)
+            state_out = arrays["state"][st.index].pack(new_state, self.lengths["state"])
+            if last:
+                return act_zero, packed, state_out, out.astype(jnp.float32) / M
+            return pack(self.act_layouts[st.index], [out], self.act_lengths), packed, state_out, \
+                jnp.zeros((), jnp.float32)
+        return run
+
+    def _backward_branch(self, st: PlacedStage, act_zero):
+        """Stage ``st``'s backward tick: micro-batch ``m``'s residuals from the stash,
+        the cotangent through the stage, the input gradient passed back."""
+        S, M = len(self.stages), self.plan.micro_batches
+        arrays = self.arrays
+        res = self.residuals[st.index]
+        last = st.index == S - 1
+
+        def run(params_b, ct_b, stash, m):
+            params = arrays["params"][st.index].unpack(params_b)
+            weights = jax.tree.leaves(params)
+            rest = iter(read_row(res.layout, stash, m))
+            leaves = [weights[k] if k is not None else next(rest) for k in res.kinds]
+            vjp = jax.tree.unflatten(res.treedef, leaves)
+            if last:
+                # The objective is the mean over the last stage's dp group of its devices'
+                # losses: each device seeds its share, and every stage sums its group's
+                # gradients (the input gradients it passes back are already so scaled).
+                cot = jnp.ones((), jnp.float32) / (M * st.dp)
+            else:
+                cot = unpack(self.act_layouts[st.index], ct_b)[0]
+            grads = vjp(cot)
+            g_params = arrays["params"][st.index].pack(grads[0], self.lengths["params"])
+            if st.index == 0:
+                return act_zero, g_params
+            prev = self.stages[st.index - 1]
+            g_x = to_sender(grads[1], prev.coll, st.coll)
+            return pack(self.act_layouts[prev.index], [g_x], self.act_lengths), g_params
+        return run
+
+    def _update_branch(self, st: PlacedStage):
+        """Stage ``st``'s optimizer step on its dp-summed gradients."""
+        arrays = self.arrays
+
+        def run(params_b, opt_b, grads_b):
+            coll = st.coll
+            grads_b = {dt: lax.psum(g, coll.dp_axes) if coll.dp_axes else g
+                       for dt, g in grads_b.items()}
+            params = arrays["params"][st.index].unpack(params_b)
+            grads = arrays["params"][st.index].unpack(grads_b)
+            opt = arrays["opt"][st.index].unpack(opt_b)
+            specs = arrays["params"][st.index].specs
+            new = [self.optimizer.update(g, o, p, sp, coll)
+                   for p, g, o, sp in zip(params, grads, opt, specs)]
+            return (arrays["params"][st.index].pack([p for p, _ in new], self.lengths["params"]),
+                    arrays["opt"][st.index].pack([o for _, o in new], self.lengths["opt"]))
+        return run
+
+    def _loss_branch(self, st: PlacedStage):
+        """The step's loss as stage ``st`` reports it (0 but on the last stage)."""
+        S = len(self.stages)
+
+        def run(loss):
+            if st.index != S - 1:
+                return jnp.zeros((), jnp.float32)
+            return lax.pmean(loss, st.coll.dp_axes) if st.coll.dp_axes else loss
+        return run
+
+    def _accumulate(self, params_b, state_b, xs, ys, m):
+        """Forward and backward of micro-batch m on the only stage: (grads, state, loss)."""
+        st, M = self.stages[0], self.plan.micro_batches
+        params = self.arrays["params"][0].unpack(params_b)
+        model_state = self.arrays["state"][0].unpack(state_b)
+        loss, vjp, new_state = self._stage_vjp(st, params, model_state, xs[m], ys[m])
+        (g_params,) = vjp(jnp.ones((), jnp.float32) / (M * st.dp))
+        return (self.arrays["params"][0].pack(g_params, self.lengths["params"]),
+                self.arrays["state"][0].pack(new_state, self.lengths["state"]), loss.astype(jnp.float32) / M)
 
     # ------------------------------------------------------------------ init
 

@@ -157,11 +157,7 @@ def forecast(snapshot: Snapshot, policy: Policy, releases: tuple[GpuRelease, ...
         state = decision.policy_state
         _apply(jobs, implied_actions(snap, decision), now_s, snapshot.restart_cost_s)
         # The next event: a running job finishes, or GPUs come free outside the policy.
-        finish = {}
-        for j in jobs.values():
-            rate = rate_of(j.view, j.view.assignment) if j.end_s is None else 0.0
-            if rate > 0:
-                finish[j.view.job_id] = max(now_s, j.busy_until_s) + j.view.remaining_iterations / rate
+        finish = _finish_times(jobs, now_s)
         next_release = pending_releases[0].at_s if pending_releases else math.inf
         next_s = min(min(finish.values(), default=math.inf), next_release)
         if not math.isfinite(next_s) or next_s - snapshot.now_s > horizon_s:
@@ -169,10 +165,7 @@ def forecast(snapshot: Snapshot, policy: Policy, releases: tuple[GpuRelease, ...
         next_s = max(next_s, now_s + max(min_step_s, step_frac * (now_s - snapshot.now_s)))
         _progress(jobs, finish, now_s, next_s)
         while pending_releases and pending_releases[0].at_s <= next_s:
-            r = pending_releases.pop(0)
-            n = nodes.get(r.node)
-            if n is not None:
-                nodes[r.node] = replace(n, unmanaged_gpus=max(0, n.unmanaged_gpus - r.gpus))
+            _release(nodes, pending_releases.pop(0))
         now_s = next_s
         trigger = TRIGGER_ROUND
     return {job_id: JobForecast(job_id, j.start_s, j.end_s, tuple(j.cells), j.extrapolated)
@@ -257,6 +250,23 @@ def _extrapolate(jobs: dict[str, _Job], nodes: dict[str, NodeView], releases: li
             if job_id:
                 jobs[job_id].end_s = at_s
                 jobs[job_id].extrapolated = True
+
+
+def _finish_times(jobs: dict[str, _Job], now_s: float) -> dict[str, float]:
+    """Job id → when each running job finishes at its Cell's rate, from ``now_s``."""
+    finish = {}
+    for j in jobs.values():
+        rate = rate_of(j.view, j.view.assignment) if j.end_s is None else 0.0
+        if rate > 0:
+            finish[j.view.job_id] = max(now_s, j.busy_until_s) + j.view.remaining_iterations / rate
+    return finish
+
+
+def _release(nodes: dict[str, NodeView], release: GpuRelease) -> None:
+    """GPUs held outside the policy come free on their node."""
+    n = nodes.get(release.node)
+    if n is not None:
+        nodes[release.node] = replace(n, unmanaged_gpus=max(0, n.unmanaged_gpus - release.gpus))
 
 
 def _apply(jobs: dict[str, _Job], actions, now_s: float, restart_cost_s: float) -> None:

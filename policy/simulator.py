@@ -354,169 +354,216 @@ def simulate(policy: Policy, trace_jobs: tuple[TraceJob, ...], cluster: ClusterS
     Raises:
         SimulationError: the policy over-committed a node or named unknown jobs or nodes.
     """
-    name = getattr(policy, "name", type(policy).__name__)
-    estimates = estimates or EstimateCache(cluster, table, config.oracle)
-    costs = config.costs
-    tuning_mode = getattr(policy, "plan_tuning", "full")
-    tuning_s = costs.tuning_s(tuning_mode)  # the most a restart's tuning costs, for the snapshot
-    nodes = tuple(NodeView(n, g.gpu_type, g.gpus_per_node) for g in cluster.node_groups for n in g.node_names())
-    tally = FreeTally(nodes)
-    clock = SimulatedClock(trace_jobs[0].submit_time_s if trace_jobs else 0.0)
-    active: dict[str, _Job] = {}
-    running: dict[str, _Job] = {}
-    outcomes: dict[str, JobOutcome] = {}
-    completions: list[tuple[float, int, str, int]] = []
-    timeline: list[TimelinePoint] = []
-    decision_times: list[float] = []
-    samples_done = 0.0
-    next_arrival, seq = 0, 0
-    next_round_s = math.inf
+    replay = _Replay(policy, trace_jobs, cluster, table, config, estimates or EstimateCache(cluster, table, config.oracle))
     idle_rounds = 0
-    policy_state = None
-    total = len(trace_jobs)
-    forecasts: dict[str, JobForecast] = {}
-    derived = DerivedCache()  # what the policy derives per job spec, kept across rounds
-
-    def finish(job: _Job, status: str, reason: str = "") -> None:
-        nonlocal samples_done
-        samples_done += job.done * job.trace.spec.global_batch
-        t = job.trace
-        f = forecasts.get(t.job_id)
-        outcomes[t.job_id] = JobOutcome(t.job_id, t.spec, t.submit_time_s, t.iterations, status,
-                                        job.first_start_s, job.finish_s, job.restarts, job.done, reason,
-                                        t.deadline_s, f.start_s if f else None, f.end_s if f else None,
-                                        bool(f and f.extrapolated))
-
     while True:
-        while completions and _stale(completions[0], active):
-            heapq.heappop(completions)
-        t_arrival = trace_jobs[next_arrival].submit_time_s if next_arrival < total else math.inf
-        t_done = completions[0][0] if completions else math.inf
-        t_round = next_round_s if active else math.inf
-        now_s = min(t_arrival, t_done, t_round)
+        now_s = replay.next_event_s()
         if now_s == math.inf or now_s > config.max_time_s:
             break
-        clock.advance_to(now_s)
-        triggers = set()
-        arrived: list[str] = []  # jobs whose forecast at arrival is kept
-        while completions and completions[0][0] <= now_s:
-            _, _, job_id, version = heapq.heappop(completions)
-            job = active.get(job_id)
-            if job is None or job.version != version:
-                continue
-            job.done, job.finish_s = float(job.trace.iterations), now_s
-            del active[job_id]
-            del running[job_id]
-            tally.release(job.assignment.placement)
-            finish(job, "finished")
-            triggers.add(TRIGGER_COMPLETION)
-        while next_arrival < total and trace_jobs[next_arrival].submit_time_s <= now_s:
-            tj = trace_jobs[next_arrival]
-            next_arrival += 1
-            cell_est, dp_est, runnable = estimates.get(tj.spec)
-            job = _Job(tj, cell_est, dp_est, runnable)
-            why = never_runnable_reason(cell_est, dp_est, runnable, cluster)
-            if why:
-                finish(job, "never_runnable", why)
-                continue
-            if not active:
-                next_round_s = now_s + config.round_s
-            active[tj.job_id] = job
-            triggers.add(TRIGGER_ARRIVAL)
-            if config.forecast_every_jobs and (next_arrival - 1) % config.forecast_every_jobs == 0:
-                arrived.append(tj.job_id)
-        if next_round_s <= now_s:
+        replay.clock.advance_to(now_s)
+        triggers = replay.complete_due(now_s)
+        arrived = replay.admit_due(now_s, triggers)
+        if replay.next_round_s <= now_s:
             triggers.add(TRIGGER_ROUND)
-            while next_round_s <= now_s:
-                next_round_s += config.round_s
-        if not active:
-            if timeline and timeline[-1].running_jobs:
-                timeline.append(TimelinePoint(now_s, 0.0, 0, 0, (), tally.by_type()))
+            while replay.next_round_s <= now_s:
+                replay.next_round_s += config.round_s
+        if not replay.active:
+            if replay.timeline and replay.timeline[-1].running_jobs:
+                replay.timeline.append(TimelinePoint(now_s, 0.0, 0, 0, (), replay.tally.by_type()))
             continue
-        trigger = (TRIGGER_COMPLETION if TRIGGER_COMPLETION in triggers else
-                   TRIGGER_ARRIVAL if TRIGGER_ARRIVAL in triggers else TRIGGER_ROUND)
-        snapshot = Snapshot(now_s, nodes, tuple(_job_view(j, now_s) for j in active.values()), trigger,
-                            config.round_s, costs.checkpoint_resume_s + tuning_s, policy_state, derived)
-        t0 = time.perf_counter()
-        decision: Decision = policy.decide(snapshot)
-        decision_times.append(time.perf_counter() - t0)
-        policy_state = decision.policy_state
-        try:
-            validate_decision(snapshot, decision)
-        except DecisionError as e:
-            raise SimulationError(f"policy {name} at t={now_s:.0f}s: {e}") from None
-        for d in decision.jobs:
-            active[d.job_id].reason = d.reason
-        if arrived:
-            got = forecast(snapshot, policy, (), config.forecast_max_decisions, first=decision)
-            forecasts.update((job_id, got[job_id]) for job_id in arrived if job_id in got)
-        actions = implied_actions(snapshot, decision)
+        actions = replay.decide(now_s, triggers, arrived)
         for action in actions:
-            job = active[action.job_id]
-            job.sync(now_s)
-            job.version += 1
-            job.view = None
-            job.last_change_s = now_s
-            if job.assignment is not None:
-                tally.release(job.assignment.placement)
-            after = action.after
-            rate_s = None
-            if after is not None:
-                n_nodes, per_node = layout_of(after.placement)
-                spec = job.trace.spec
-                rate_s = table.iter_time_s(spec.model, spec.global_batch, after.cell.gpu_type, n_nodes, per_node)
-                if rate_s is None:
-                    log.info("policy %s: job %s on %s %dx%d has no measured rate; left pending",
-                             name, job.trace.job_id, after.cell.gpu_type, n_nodes, per_node)
-                    after = None
-            if after is None:
-                job.assignment, job.rate_s = None, None
-                running.pop(job.trace.job_id, None)
-                continue
-            if job.first_start_s is None:
-                overhead_s = costs.launch_s
-                job.first_start_s = now_s
-            else:
-                overhead_s = costs.checkpoint_resume_s
-                job.restarts += 1
-            if after.cell not in job.tuned:
-                overhead_s += costs.tuning_s(tuning_mode, (job.trace.iterations - job.done) * rate_s)
-                job.tuned.add(after.cell)
-            job.assignment, job.rate_s = after, rate_s
-            tally.take(after.placement)
-            running[job.trace.job_id] = job
-            job.resume_s = now_s + overhead_s
-            seq += 1
-            heapq.heappush(completions, (job.finish_time_s(), seq, job.trace.job_id, job.version))
-        if not running and next_arrival >= total:
+            replay.apply(action, now_s)
+        if not replay.running and replay.next_arrival >= len(trace_jobs):
             # Only the policy can change anything now; refused assignments count as idle.
             idle_rounds += 1
             if idle_rounds > config.stall_rounds:
                 break
         else:
             idle_rounds = 0
-        allocation_changed = bool(actions) or TRIGGER_COMPLETION in triggers
-        if not timeline or now_s - timeline[-1].time_s >= config.timeline_min_step_s or allocation_changed:
-            in_use: dict[str, int] = {}
-            for j in running.values():
-                in_use[j.assignment.cell.gpu_type] = in_use.get(j.assignment.cell.gpu_type, 0) + j.assignment.cell.num_gpus
-            timeline.append(TimelinePoint(now_s, sum(j.trace.spec.global_batch / j.rate_s for j in running.values()),
-                                          len(active) - len(running), len(running), tuple(sorted(in_use.items())),
-                                          tally.by_type()))
-        if progress is not None and len(decision_times) % 50 == 0:
-            progress(len(outcomes), total, now_s)
-    end_s = clock.now_s()
-    for job in active.values():
-        job.sync(end_s)
-        finish(job, "unfinished", job.reason or "left pending by the policy")
-    for tj in trace_jobs[next_arrival:]:
-        outcomes[tj.job_id] = JobOutcome(tj.job_id, tj.spec, tj.submit_time_s, tj.iterations, "unfinished",
-                                         None, None, 0, 0.0, "arrives after the simulated horizon",
-                                         tj.deadline_s)
+        replay.record(now_s, bool(actions) or TRIGGER_COMPLETION in triggers)
+        if progress is not None and len(replay.decision_times) % 50 == 0:
+            progress(len(replay.outcomes), len(trace_jobs), now_s)
+    result = replay.result()
     if progress is not None:
-        progress(len(outcomes), total, end_s)
-    finished = [o.finish_s for o in outcomes.values() if o.finish_s is not None]
-    start_s = trace_jobs[0].submit_time_s if trace_jobs else 0.0
-    capacity = {t: cluster.total_gpus(t) for t in cluster.gpu_types}
-    return SimResult(name, tuple(outcomes[t.job_id] for t in trace_jobs), tuple(timeline), tuple(decision_times),
-                     samples_done, start_s, max(finished) if finished else start_s, capacity)
+        progress(len(replay.outcomes), len(trace_jobs), replay.clock.now_s())
+    return result
+
+
+class _Replay:
+    """One replay's state and its steps (``simulate`` drives them event by event)."""
+
+    def __init__(self, policy: Policy, trace_jobs: tuple[TraceJob, ...], cluster: ClusterSpec,
+                 table: MeasuredTable, config: SimConfig, estimates: EstimateCache):
+        self.policy, self.trace_jobs, self.cluster, self.table = policy, trace_jobs, cluster, table
+        self.config, self.estimates = config, estimates
+        self.name = getattr(policy, "name", type(policy).__name__)
+        self.tuning_mode = getattr(policy, "plan_tuning", "full")
+        self.tuning_s = config.costs.tuning_s(self.tuning_mode)  # the most a restart's tuning costs, for the snapshot
+        self.nodes = tuple(NodeView(n, g.gpu_type, g.gpus_per_node) for g in cluster.node_groups
+                           for n in g.node_names())
+        self.tally = FreeTally(self.nodes)
+        self.clock = SimulatedClock(trace_jobs[0].submit_time_s if trace_jobs else 0.0)
+        self.active: dict[str, _Job] = {}
+        self.running: dict[str, _Job] = {}
+        self.outcomes: dict[str, JobOutcome] = {}
+        self.completions: list[tuple[float, int, str, int]] = []
+        self.timeline: list[TimelinePoint] = []
+        self.decision_times: list[float] = []
+        self.samples_done = 0.0
+        self.next_arrival, self.seq = 0, 0
+        self.next_round_s = math.inf
+        self.policy_state = None
+        self.forecasts: dict[str, JobForecast] = {}
+        self.derived = DerivedCache()  # what the policy derives per job spec, kept across rounds
+
+    def next_event_s(self) -> float:
+        """When the next arrival, completion or round (while jobs are active) happens."""
+        while self.completions and _stale(self.completions[0], self.active):
+            heapq.heappop(self.completions)
+        t_arrival = (self.trace_jobs[self.next_arrival].submit_time_s if self.next_arrival < len(self.trace_jobs)
+                     else math.inf)
+        t_done = self.completions[0][0] if self.completions else math.inf
+        t_round = self.next_round_s if self.active else math.inf
+        return min(t_arrival, t_done, t_round)
+
+    def finish(self, job: _Job, status: str, reason: str = "") -> None:
+        self.samples_done += job.done * job.trace.spec.global_batch
+        t = job.trace
+        f = self.forecasts.get(t.job_id)
+        self.outcomes[t.job_id] = JobOutcome(t.job_id, t.spec, t.submit_time_s, t.iterations, status,
+                                             job.first_start_s, job.finish_s, job.restarts, job.done, reason,
+                                             t.deadline_s, f.start_s if f else None, f.end_s if f else None,
+                                             bool(f and f.extrapolated))
+
+    def complete_due(self, now_s: float) -> set[str]:
+        """Jobs whose last iteration is done by ``now_s`` finish; the triggers so far."""
+        triggers = set()
+        while self.completions and self.completions[0][0] <= now_s:
+            _, _, job_id, version = heapq.heappop(self.completions)
+            job = self.active.get(job_id)
+            if job is None or job.version != version:
+                continue
+            job.done, job.finish_s = float(job.trace.iterations), now_s
+            del self.active[job_id]
+            del self.running[job_id]
+            self.tally.release(job.assignment.placement)
+            self.finish(job, "finished")
+            triggers.add(TRIGGER_COMPLETION)
+        return triggers
+
+    def admit_due(self, now_s: float, triggers: set[str]) -> list[str]:
+        """Jobs submitted by ``now_s`` arrive (those no Cell can run finish as never
+        runnable); returns the arrivals whose forecast is kept."""
+        arrived = []
+        while self.next_arrival < len(self.trace_jobs) and self.trace_jobs[self.next_arrival].submit_time_s <= now_s:
+            tj = self.trace_jobs[self.next_arrival]
+            self.next_arrival += 1
+            cell_est, dp_est, runnable = self.estimates.get(tj.spec)
+            job = _Job(tj, cell_est, dp_est, runnable)
+            why = never_runnable_reason(cell_est, dp_est, runnable, self.cluster)
+            if why:
+                self.finish(job, "never_runnable", why)
+                continue
+            if not self.active:
+                self.next_round_s = now_s + self.config.round_s
+            self.active[tj.job_id] = job
+            triggers.add(TRIGGER_ARRIVAL)
+            if self.config.forecast_every_jobs and (self.next_arrival - 1) % self.config.forecast_every_jobs == 0:
+                arrived.append(tj.job_id)
+        return arrived
+
+    def decide(self, now_s: float, triggers: set[str], arrived: list[str]) -> list:
+        """The policy's decision on the cluster now (and the arrivals' forecasts from it):
+        its actions."""
+        trigger = (TRIGGER_COMPLETION if TRIGGER_COMPLETION in triggers else
+                   TRIGGER_ARRIVAL if TRIGGER_ARRIVAL in triggers else TRIGGER_ROUND)
+        costs = self.config.costs
+        snapshot = Snapshot(now_s, self.nodes, tuple(_job_view(j, now_s) for j in self.active.values()), trigger,
+                            self.config.round_s, costs.checkpoint_resume_s + self.tuning_s, self.policy_state,
+                            self.derived)
+        t0 = time.perf_counter()
+        decision: Decision = self.policy.decide(snapshot)
+        self.decision_times.append(time.perf_counter() - t0)
+        self.policy_state = decision.policy_state
+        try:
+            validate_decision(snapshot, decision)
+        except DecisionError as e:
+            raise SimulationError(f"policy {self.name} at t={now_s:.0f}s: {e}") from None
+        for d in decision.jobs:
+            self.active[d.job_id].reason = d.reason
+        if arrived:
+            got = forecast(snapshot, self.policy, (), self.config.forecast_max_decisions, first=decision)
+            self.forecasts.update((job_id, got[job_id]) for job_id in arrived if job_id in got)
+        return implied_actions(snapshot, decision)
+
+    def apply(self, action, now_s: float) -> None:
+        """One action: the job stops, or (re)starts at the measured rate of its new
+        allocation after the restart's costs (left pending when no rate was measured)."""
+        costs = self.config.costs
+        job = self.active[action.job_id]
+        job.sync(now_s)
+        job.version += 1
+        job.view = None
+        job.last_change_s = now_s
+        if job.assignment is not None:
+            self.tally.release(job.assignment.placement)
+        after = action.after
+        rate_s = None
+        if after is not None:
+            n_nodes, per_node = layout_of(after.placement)
+            spec = job.trace.spec
+            rate_s = self.table.iter_time_s(spec.model, spec.global_batch, after.cell.gpu_type, n_nodes, per_node)
+            if rate_s is None:
+                log.info("policy %s: job %s on %s %dx%d has no measured rate; left pending",
+                         self.name, job.trace.job_id, after.cell.gpu_type, n_nodes, per_node)
+                after = None
+        if after is None:
+            job.assignment, job.rate_s = None, None
+            self.running.pop(job.trace.job_id, None)
+            return
+        if job.first_start_s is None:
+            overhead_s = costs.launch_s
+            job.first_start_s = now_s
+        else:
+            overhead_s = costs.checkpoint_resume_s
+            job.restarts += 1
+        if after.cell not in job.tuned:
+            overhead_s += costs.tuning_s(self.tuning_mode, (job.trace.iterations - job.done) * rate_s)
+            job.tuned.add(after.cell)
+        job.assignment, job.rate_s = after, rate_s
+        self.tally.take(after.placement)
+        self.running[job.trace.job_id] = job
+        job.resume_s = now_s + overhead_s
+        self.seq += 1
+        heapq.heappush(self.completions, (job.finish_time_s(), self.seq, job.trace.job_id, job.version))
+
+    def record(self, now_s: float, allocation_changed: bool) -> None:
+        """A timeline point after a change, or when the last is ``timeline_min_step_s`` old."""
+        if self.timeline and now_s - self.timeline[-1].time_s < self.config.timeline_min_step_s \
+                and not allocation_changed:
+            return
+        in_use: dict[str, int] = {}
+        for j in self.running.values():
+            in_use[j.assignment.cell.gpu_type] = in_use.get(j.assignment.cell.gpu_type, 0) + j.assignment.cell.num_gpus
+        self.timeline.append(TimelinePoint(now_s, sum(j.trace.spec.global_batch / j.rate_s for j in self.running.values()),
+                                           len(self.active) - len(self.running), len(self.running),
+                                           tuple(sorted(in_use.items())), self.tally.by_type()))
+
+    def result(self) -> SimResult:
+        """Jobs still active end unfinished at the clock's time, jobs not yet arrived as
+        beyond the horizon; the replay's result."""
+        end_s = self.clock.now_s()
+        for job in self.active.values():
+            job.sync(end_s)
+            self.finish(job, "unfinished", job.reason or "left pending by the policy")
+        for tj in self.trace_jobs[self.next_arrival:]:
+            self.outcomes[tj.job_id] = JobOutcome(tj.job_id, tj.spec, tj.submit_time_s, tj.iterations, "unfinished",
+                                                  None, None, 0, 0.0, "arrives after the simulated horizon",
+                                                  tj.deadline_s)
+        finished = [o.finish_s for o in self.outcomes.values() if o.finish_s is not None]
+        start_s = self.trace_jobs[0].submit_time_s if self.trace_jobs else 0.0
+        capacity = {t: self.cluster.total_gpus(t) for t in self.cluster.gpu_types}
+        return SimResult(self.name, tuple(self.outcomes[t.job_id] for t in self.trace_jobs), tuple(self.timeline),
+                         tuple(self.decision_times), self.samples_done, start_s,
+                         max(finished) if finished else start_s, capacity)

@@ -249,13 +249,7 @@ def run_rescale_scenario(client: SlurmClient, env: dict[str, str], workdir: Path
         text = _read(log_path)
         return f"\n--- last lines of {log_path} ---\n{text[-2500:]}" if text else ""
 
-    blockers = {}
-    for partition, gres, nodes in BLOCKERS:
-        blockers[partition] = client.submit(SubmitRequest(
-            script="#!/bin/bash\nsleep 3600\n", name="blocker", partition=partition, gres=gres,
-            nodes=nodes, output=str(workdir / "blocker-%j.out"), workdir=str(workdir)))
-    for job_id in blockers.values():
-        _wait("the plain jobs to run", lambda j=job_id: _running(client, j), 30)
+    blockers = _start_blockers(client, workdir)
     say("Plain jobs hold every node but one a100 node: "
         + ", ".join(f"{p} job {j}" for p, j in blockers.items()))
 
@@ -313,16 +307,33 @@ def run_rescale_scenario(client: SlurmClient, env: dict[str, str], workdir: Path
         return record if record and len(record.steps_after_resume) >= steps_after_resume else None
 
     record = _wait(f"job {train} to resume and train {steps_after_resume} steps", resumed, 240, log_tail)
-    if record.next_step != record.saved_step + 1 or record.resumed_step != record.saved_step:
-        raise ScenarioError(f"job {train} checkpointed step {record.saved_step} but resumed from "
-                            f"step {record.resumed_step} at step {record.next_step}")
-    if record.global_batch != training.global_batch:
-        raise ScenarioError(f"job {train} resumed with global batch {record.global_batch}, "
-                            f"not {training.global_batch}")
+    _check_resume(train, record, training.global_batch)
     return RescaleOutcome(train_job_id=train, arrival_job_id=arrival, before=before, after=after,
                           actions=report.actions, squeue_before=squeue_before,
                           squeue_after=squeue_text(env), log_path=log_path,
                           log_text=_read(log_path), resume=record)
+
+
+def _start_blockers(client: SlurmClient, workdir: Path) -> dict[str, int]:
+    """Plain jobs on every node but one a100 node (``BLOCKERS``), running: partition → job id."""
+    blockers = {}
+    for partition, gres, nodes in BLOCKERS:
+        blockers[partition] = client.submit(SubmitRequest(
+            script="#!/bin/bash\nsleep 3600\n", name="blocker", partition=partition, gres=gres,
+            nodes=nodes, output=str(workdir / "blocker-%j.out"), workdir=str(workdir)))
+    for job_id in blockers.values():
+        _wait("the plain jobs to run", lambda j=job_id: _running(client, j), 30)
+    return blockers
+
+
+def _check_resume(job_id: int, record: ResumeRecord, global_batch: int) -> None:
+    """The job went on from the step it checkpointed, with its global batch."""
+    if record.next_step != record.saved_step + 1 or record.resumed_step != record.saved_step:
+        raise ScenarioError(f"job {job_id} checkpointed step {record.saved_step} but resumed from "
+                            f"step {record.resumed_step} at step {record.next_step}")
+    if record.global_batch != global_batch:
+        raise ScenarioError(f"job {job_id} resumed with global batch {record.global_batch}, "
+                            f"not {global_batch}")
 
 
 def _banner(text: str) -> None:
