@@ -1,6 +1,6 @@
 """Helpers shared by the Crius, Gavel, ElasticFlow and Sia policies.
 
-Three things every one of those policies needs and none should re-implement:
+Two things every one of those policies needs and none should re-implement:
 
 * ``RateTable``: a job's feasible Cells keyed by (GPU type, GPU count), fastest first,
   from the snapshot's estimates (``plan_space="cell"`` for Crius, the data-parallel-only
@@ -8,9 +8,8 @@ Three things every one of those policies needs and none should re-implement:
 * ``realize``: turn "job → wanted Cell" into a ``Decision`` with node placements from
   ``policy.placement.FreeGpus``, keeping every unchanged job where it is, so that a policy
   that re-plans from scratch never moves a job it did not mean to move.
-* ``solve_binary_program``: a 0/1 program through PuLP with HiGHS, CBC as fallback, always
-  under a time limit; ``None`` when neither answers in time, so the caller falls back to a
-  greedy rule and a round never blocks.
+
+Their 0/1 programs go through ``policy.binary_program``, as cells-ilp's do.
 """
 
 from __future__ import annotations
@@ -288,127 +287,3 @@ def rate_in(estimates, cell: Cell) -> float:
 
 def _all_free(free: FreeGpus, placement) -> bool:
     return all(free.free[n] >= g for n, g in placement)
-
-
-def solve_binary_program(objective: dict[int, float], constraints: list[tuple[dict[int, float], str, float]],
-                         num_vars: int, maximize: bool, time_limit_s: float) -> list[int] | None:
-    """Solve a 0/1 program; the indices of the variables set to 1, or None.
-
-    HiGHS solves it, the model handed over in one piece through ``highspy`` (HiGHS's own
-    Python API, which PuLP's ``HiGHS`` backend also drives): building it through PuLP's
-    expression objects cost ~50 ms a round on a few hundred jobs — most of a policy's time
-    budget. If that fails, PuLP tries HiGHS and then its bundled CBC, each under the same
-    time limit. An answer is used only when it satisfies every constraint.
-
-    Args:
-        objective: variable index → coefficient.
-        constraints: (coefficients, sense, bound) with sense ``<=``, ``>=`` or ``==``.
-        num_vars: variables are 0 … num_vars−1.
-        maximize: maximize (True) or minimize (False).
-        time_limit_s: seconds each solver may take.
-
-    Returns:
-        The chosen indices, or None when no solver found a feasible answer in time.
-    """
-    try:
-        chosen = _solve_highspy(objective, constraints, num_vars, maximize, time_limit_s)
-    except Exception as e:  # a broken highspy build must not stop a round
-        log.warning("highspy failed (%s); trying PuLP", e)
-        chosen = None
-    if chosen is not None and _satisfies(chosen, constraints):
-        return chosen
-    return _solve_pulp(objective, constraints, num_vars, maximize, time_limit_s)
-
-
-def _solve_highspy(objective, constraints, num_vars, maximize, time_limit_s) -> list[int] | None:
-    import highspy
-
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
-    h.setOptionValue("time_limit", float(time_limit_s))
-    h.setOptionValue("threads", 1)
-    lp = highspy.HighsLp()
-    lp.num_col_ = num_vars
-    lp.num_row_ = len(constraints)
-    lp.col_cost_ = [objective.get(i, 0.0) for i in range(num_vars)]
-    lp.col_lower_ = [0.0] * num_vars
-    lp.col_upper_ = [1.0] * num_vars
-    inf = highspy.kHighsInf
-    lows, ups, start, index, value = [], [], [0], [], []
-    for coefs, sense, bound in constraints:
-        lows.append(bound if sense in (">=", "==") else -inf)
-        ups.append(bound if sense in ("<=", "==") else inf)
-        for i, c in sorted(coefs.items()):
-            index.append(i)
-            value.append(c)
-        start.append(len(index))
-    lp.row_lower_, lp.row_upper_ = lows, ups
-    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
-    lp.a_matrix_.num_col_, lp.a_matrix_.num_row_ = num_vars, len(constraints)
-    lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = start, index, value
-    lp.integrality_ = [highspy.HighsVarType.kInteger] * num_vars
-    lp.sense_ = highspy.ObjSense.kMaximize if maximize else highspy.ObjSense.kMinimize
-    h.passModel(lp)
-    h.run()
-    if h.getInfo().primal_solution_status != 2:  # 2 = a feasible solution exists
-        return None
-    return [i for i, x in enumerate(h.getSolution().col_value) if x > 0.5]
-
-
-def _solve_pulp(objective, constraints, num_vars, maximize, time_limit_s) -> list[int] | None:
-    import pulp
-
-    prob = pulp.LpProblem("policy", pulp.LpMaximize if maximize else pulp.LpMinimize)
-    if hasattr(prob, "add_variable"):  # PuLP ≥ 3.3 attaches variables to the model
-        xs = [prob.add_variable(f"x{i}", 0, 1, cat="Binary") for i in range(num_vars)]
-    else:
-        xs = [pulp.LpVariable(f"x{i}", 0, 1, cat="Binary") for i in range(num_vars)]
-    prob += pulp.LpAffineExpression([(xs[i], c) for i, c in objective.items()])
-    for k, (coefs, sense, bound) in enumerate(constraints):
-        expr = pulp.LpAffineExpression([(xs[i], c) for i, c in coefs.items()])
-        if sense == "<=":
-            prob += (expr <= bound, f"c{k}")
-        elif sense == ">=":
-            prob += (expr >= bound, f"c{k}")
-        else:
-            prob += (expr == bound, f"c{k}")
-    for solver in _solvers(time_limit_s):
-        try:
-            prob.solve(solver)
-        except Exception as e:  # a missing or crashing solver must not stop a round
-            log.warning("solver %s failed: %s", type(solver).__name__, e)
-            continue
-        if prob.sol_status in (1, 2):  # optimal, or feasible when the time ran out
-            chosen = [i for i, x in enumerate(xs) if x.varValue is not None and x.varValue > 0.5]
-            if _satisfies(chosen, constraints):
-                return chosen
-    return None
-
-
-def _satisfies(chosen: list[int], constraints) -> bool:
-    on = set(chosen)
-    for coefs, sense, bound in constraints:
-        v = sum(c for i, c in coefs.items() if i in on)
-        if (sense == "<=" and v > bound + 1e-6) or (sense == ">=" and v < bound - 1e-6) \
-                or (sense == "==" and abs(v - bound) > 1e-6):
-            return False
-    return True
-
-
-def _solvers(time_limit_s: float) -> list:
-    import pulp
-
-    out = []
-    highs = getattr(pulp, "HiGHS", None)
-    if highs is not None:
-        s = highs(msg=False, timeLimit=time_limit_s)
-        if s.available():
-            out.append(s)
-    # CBC's command-line solver counts whole seconds; bundled with PuLP as PULP_CBC_CMD.
-    import warnings
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        cbc = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(round(time_limit_s))))
-    if cbc.available():
-        out.append(cbc)
-    return out

@@ -52,8 +52,8 @@ Options: ``guarantee`` (a guaranteed job only gets Cells at least as fast as wha
 for, and a running one is never suspended), ``deadlines`` (a job with a deadline only
 gets Cells that finish it in time; one that no Cell can finish in time is reported and
 runs best effort), ``max_share_frac`` / ``share_limits`` (GPUs per user). The program goes
-through PuLP with HiGHS (CBC as fallback), warm-started from the current allocation and
-under a time limit; when no solver answers, a greedy rule decides, so a round never blocks.
+through ``policy.binary_program`` (HiGHS in process, CBC as fallback), warm-started from the
+current allocation and under a time limit; when no solver answers, a greedy rule decides, so a round never blocks.
 """
 
 from __future__ import annotations

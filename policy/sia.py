@@ -17,7 +17,7 @@ job's configuration each round with one integer linear program:
   running jobs change configuration per round (the Arena baseline's bound).
 
 Sia re-plans once per scheduling round (``trigger == round``): the ILP runs through HiGHS
-(``policy._solver``; PuLP with HiGHS, then CBC, as fallback) under a time limit; when none
+(``policy.binary_program``; CBC as fallback) under a time limit; when none
 answers, a greedy rule decides (pending jobs in FIFO order take their best configuration
 that still fits). A round in which no job arrived, finished or changed re-uses the last
 answer without solving; only the ``max_free_running`` running jobs with most to gain may
@@ -32,7 +32,8 @@ import logging
 from dataclasses import dataclass
 
 from estimator.cells import Cell
-from policy._solver import FitIndex, RateTable, capacity_by_type, realize, solve_binary_program
+from policy._solver import FitIndex, RateTable, capacity_by_type, realize
+from policy.binary_program import solve_binary_program
 from policy.interface import TRIGGER_ROUND, Assignment, Decision, JobDecision, JobView, Snapshot
 from policy.placement import FreeGpus
 
@@ -211,7 +212,7 @@ class SiaPolicy:
                                    time_limit_s=self.time_limit_s)
         if got is None:
             return None
-        return {flat[k].job_id: flat[k] for k in got}
+        return {flat[k].job_id: flat[k] for k in got.chosen}
 
     def _greedy(self, running, pending, configs, capacity) -> dict[str, _Config]:
         """Fallback: running jobs stay; pending jobs (FIFO) take the best config that fits."""

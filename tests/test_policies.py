@@ -353,17 +353,28 @@ def test_crius_state_round_trips_and_forgets_finished_jobs():
     assert d.policy_state.searched <= {j.job_id for j in s.jobs}
 
 
-def test_binary_program_solvers_agree_with_brute_force():
-    from policy._solver import _solve_highspy, _solve_pulp, solve_binary_program
+@pytest.mark.parametrize("solvers", [("highs",), ("cbc",), ("highs", "cbc")])
+@pytest.mark.parametrize("start", [None, [0, 2]])
+def test_binary_program_solvers_agree_with_brute_force(solvers, start):
+    from policy.binary_program import solve_binary_program
 
     weights, values = [3, 4, 5, 2, 6], [4.0, 5.0, 7.0, 3.0, 8.0]
     objective = dict(enumerate(values))
     constraints = [(dict(enumerate(map(float, weights))), "<=", 10.0), ({0: 1.0, 1: 1.0}, "<=", 1.0)]
     best = max((sum(values[i] for i in c), c) for r in range(6) for c in itertools.combinations(range(5), r)
                if sum(weights[i] for i in c) <= 10 and not {0, 1} <= set(c))
-    for solve in (_solve_highspy, _solve_pulp, solve_binary_program):
-        got = solve(objective, constraints, 5, True, 2.0)
-        assert sum(values[i] for i in got) == pytest.approx(best[0])
+    got = solve_binary_program(objective, constraints, 5, True, 2.0, start=start, solvers=solvers)
+    assert got.solver == solvers[0] and got.optimal
+    assert sum(values[i] for i in got.chosen) == pytest.approx(best[0])
+
+
+def test_binary_program_without_a_solver_that_answers_is_none():
+    from policy.binary_program import solve_binary_program
+
+    infeasible = [({0: 1.0}, ">=", 2.0)]
+    assert solve_binary_program({0: 1.0}, infeasible, 1, True, 1.0) is None
+    assert solve_binary_program({0: 1.0}, [], 1, True, 1.0, solvers=()) is None
+    assert solve_binary_program({0: 1.0}, [], 1, True, 1.0, solvers=("no-such-solver",)) is None
 
 
 def test_elasticflow_deadline_mode_sizes_the_minimum_share_by_the_deadline():
