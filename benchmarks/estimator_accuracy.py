@@ -8,6 +8,12 @@ for a row that ran scores 0). Reported overall, per GPU type and per family, sep
 for the rows used to fit the efficiency parameters and for the rest; plus agreement on
 out-of-memory rows (measured −1 vs predicted infeasible).
 
+Leave one GPU type out (``leave_one_type_out``): every row of one type, estimated as if
+that type had never been measured: it gets what the estimator gives an unmeasured type
+(``estimator.compute.unmeasured_efficiency``) over the other three types' fitted
+parameters. The parameters are fitted per type, so the held-out type's own rows never
+reach the others' fit. This is how the estimator does on a GPU nobody has measured.
+
 The fit subset is fixed: rows whose CRC-32 of "model,param,global_batch,gpu_type,
 num_nodes,gpus_per_node" is divisible by 3 (about a third of the table).
 
@@ -31,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from estimator.cells import Cell  # noqa: E402
 from estimator.cluster import cluster_from_dict  # noqa: E402
-from estimator.compute import FITTED_EFFICIENCY, Efficiency  # noqa: E402
+from estimator.compute import FITTED_EFFICIENCY, Efficiency, unmeasured_efficiency  # noqa: E402
 from estimator.estimate import EstimateOptions, estimate_cell, stage_counts  # noqa: E402
 from estimator.jobs import JobSpec  # noqa: E402
 from estimator.models import load_model  # noqa: E402
@@ -131,6 +137,24 @@ def evaluate(rows: list[Row], options: EstimateOptions) -> dict:
     return out
 
 
+def leave_one_type_out(rows: list[Row], fitted: dict[str, Efficiency]) -> dict:
+    """Per GPU type: the accuracy on all its rows that ran when its parameters are those
+    of an unmeasured type derived from the other types' (see the module docstring)."""
+    out, pooled = {}, []
+    for held in sorted(fitted):
+        others = {t: e for t, e in fitted.items() if t != held}
+        table = dict(others, **{held: unmeasured_efficiency(others)})
+        options = EstimateOptions(micro_batches=MICRO_BATCHES, efficiency=table)
+        values = []
+        for row in rows:
+            if row.gpu_type == held and row.measured_s > 0:
+                best = estimate_row(row, options)
+                values.append(accuracy(best.iteration_time_s if best else None, row.measured_s))
+        out[held] = summarize(values)
+        pooled += values
+    return {"by_gpu_type": out, "all": summarize(pooled)}
+
+
 def fit(rows: list[Row]) -> dict[str, Efficiency]:
     """Robust least squares (soft L1) on the relative error (estimate − measured) / measured —
     the quantity the accuracy reports — over the fit subset, per
@@ -171,6 +195,7 @@ def main() -> None:
     options = EstimateOptions(micro_batches=MICRO_BATCHES, efficiency=eff)
     t0 = time.perf_counter()
     result = evaluate(rows, options)
+    result["leave_one_type_out"] = leave_one_type_out(rows, eff or FITTED_EFFICIENCY)
     result["seconds"] = round(time.perf_counter() - t0, 2)
     result["fit_rule"] = "crc32('model,global_batch,gpu_type,num_nodes,gpus_per_node') % 3 == 0"
     if eff:

@@ -41,10 +41,17 @@ FITTED_EFFICIENCY: dict[str, Efficiency] = {
     "a40": Efficiency(0.6866, 0.2993, 0.9, 438e-6, 4.9, 0.1508),
     "a10": Efficiency(0.5247, 0.2173, 0.823, 140e-6, 19.1, 0.3874),
 }
-DEFAULT_EFFICIENCY = Efficiency(*(
-    sorted(getattr(e, f) for e in FITTED_EFFICIENCY.values())[len(FITTED_EFFICIENCY) // 2]
-    for f in ("matmul_frac", "conv_frac", "memory_frac", "layer_overhead_s", "half_rate_gflop",
-              "inter_node_frac")))
+
+
+def unmeasured_efficiency(fitted: dict[str, Efficiency]) -> Efficiency:
+    """What a GPU type without measurements gets: per field, the median of the fitted
+    types' values (the upper one of an even count)."""
+    return Efficiency(*(sorted(getattr(e, f) for e in fitted.values())[len(fitted) // 2]
+                        for f in ("matmul_frac", "conv_frac", "memory_frac", "layer_overhead_s",
+                                  "half_rate_gflop", "inter_node_frac")))
+
+
+DEFAULT_EFFICIENCY = unmeasured_efficiency(FITTED_EFFICIENCY)
 
 
 def efficiency(gpu: GpuType, table: dict[str, Efficiency] | None = None) -> Efficiency:
