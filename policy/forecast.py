@@ -7,8 +7,9 @@ moves forward in time with no new arrivals:
   their runner measured, as the daemon passes it in), from their real current step;
 - GPUs held outside the policy (plain Slurm jobs) come free at those jobs' end times
   (Slurm's end time: start plus time limit), given as :class:`GpuRelease` events;
-- waiting jobs take whatever the policy decides as GPUs come free; every (re)start costs
-  the snapshot's ``restart_cost_s`` without progress, as the simulator charges it.
+- waiting jobs take whatever the policy decides as GPUs come free; every (re)start holds
+  its GPUs without progress for what the caller's ``start_cost`` says (the replay's own
+  cost model in the simulator), or else the snapshot's ``restart_cost_s``.
 
 The forward run goes from event to event (a job finishing, GPUs released), deciding at
 each, but the further ahead, the sparser (``step_frac``): a forecast a day ahead is good
@@ -36,6 +37,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 from estimator.cells import Cell
 from policy.fcfs import requested_estimate
@@ -48,6 +50,10 @@ DEFAULT_MAX_DECISIONS = 60
 DEFAULT_HORIZON_S = 90 * 86400.0
 DEFAULT_STEP_FRAC = 0.1
 QUEUE_WINDOW = 96  # waiting jobs the list schedule looks at, in order, at each event
+
+# Seconds a (re)start of the job (as it is before it) onto the assignment holds the GPUs
+# without progress.
+StartCost = Callable[[JobView, Assignment], float]
 
 
 @dataclass(frozen=True)
@@ -98,7 +104,8 @@ def forecast(snapshot: Snapshot, policy: Policy, releases: tuple[GpuRelease, ...
              max_decisions: int = DEFAULT_MAX_DECISIONS,
              horizon_s: float = DEFAULT_HORIZON_S, first: Decision | None = None,
              step_frac: float = DEFAULT_STEP_FRAC, min_step_s: float = 0.0,
-             time_budget_s: float | None = None) -> dict[str, JobForecast]:
+             time_budget_s: float | None = None, start_cost: StartCost | None = None,
+             progress_from_s: dict[str, float] | None = None) -> dict[str, JobForecast]:
     """Every managed job's forecast (see the module docstring).
 
     Args:
@@ -117,16 +124,24 @@ def forecast(snapshot: Snapshot, policy: Policy, releases: tuple[GpuRelease, ...
         time_budget_s: wall time by which decisions stop: none starts that would, at the
             last one's pace, end past it (the list schedule goes on from there); None:
             decisions are bounded by count alone, and the forecast is deterministic.
+        start_cost: what each (re)start costs; None: the snapshot's ``restart_cost_s``.
+        progress_from_s: job id → when a running job's last (re)start ends and it makes
+            progress (the caller's knowledge); a running job not in it: ``restart_cost_s``
+            after its last change.
     """
     began = time.perf_counter()
     now_s = snapshot.now_s
+    if start_cost is None:
+        start_cost = lambda view, after, cost_s=snapshot.restart_cost_s: cost_s  # noqa: E731
     # One cache of what the policy derives per job spec for the whole run (the caller's,
     # when it has one): the run's snapshots share their jobs' estimates.
     snapshot = replace(snapshot, derived=snapshot.derived_cache())
     # A job that (re)started less than a restart's cost ago is still starting: it makes
     # progress from then on.
+    progress_from_s = progress_from_s or {}
     jobs = {j.job_id: _Job(j, j.last_change_s if j.assignment is not None else None,
-                           busy_until_s=j.last_change_s + snapshot.restart_cost_s if j.assignment is not None else 0.0,
+                           busy_until_s=progress_from_s.get(j.job_id, j.last_change_s + snapshot.restart_cost_s)
+                           if j.assignment is not None else 0.0,
                            cells=[j.cell.label()] if j.cell is not None else [])
             for j in snapshot.jobs}
     nodes = {n.name: n for n in snapshot.nodes}
@@ -144,7 +159,7 @@ def forecast(snapshot: Snapshot, policy: Policy, releases: tuple[GpuRelease, ...
         # No decision that would likely end past the budget: one takes about as long as the last.
         if not given and (decided >= max_decisions or (time_budget_s is not None and
                                                        time.perf_counter() - began + last_s > time_budget_s)):
-            _extrapolate(jobs, nodes, pending_releases, snap, policy, snapshot.now_s + horizon_s)
+            _extrapolate(jobs, nodes, pending_releases, snap, policy, snapshot.now_s + horizon_s, start_cost)
             break
         decided += not given
         t0 = time.perf_counter()
@@ -155,7 +170,7 @@ def forecast(snapshot: Snapshot, policy: Policy, releases: tuple[GpuRelease, ...
         except DecisionError:
             break  # a policy that errs here erred in the daemon too: forecast nothing more
         state = decision.policy_state
-        _apply(jobs, implied_actions(snap, decision), now_s, snapshot.restart_cost_s)
+        _apply(jobs, implied_actions(snap, decision), now_s, start_cost)
         # The next event: a running job finishes, or GPUs come free outside the policy.
         finish = _finish_times(jobs, now_s)
         next_release = pending_releases[0].at_s if pending_releases else math.inf
@@ -185,13 +200,12 @@ def default_queue_order(snapshot: Snapshot) -> tuple[tuple[str, tuple[Cell, ...]
 
 
 def _extrapolate(jobs: dict[str, _Job], nodes: dict[str, NodeView], releases: list[GpuRelease],
-                 snap: Snapshot, policy: Policy, horizon_end_s: float) -> None:
+                 snap: Snapshot, policy: Policy, horizon_end_s: float, start_cost: StartCost) -> None:
     """The forward run's tail as a list schedule from ``snap``: running jobs keep their
     Cells to the end; at each event (a job ends, GPUs are released) the first
     ``QUEUE_WINDOW`` waiting jobs in the policy's order start, in order, each on the first
     of its Cells whose count of GPUs of its type is free (node packing is not modelled)."""
     now_s = snap.now_s
-    restart_cost_s = snap.restart_cost_s
     type_of = {n.name: n.gpu_type for n in nodes.values()}
     free: dict[str, int] = {}
     for n in nodes.values():
@@ -235,9 +249,10 @@ def _extrapolate(jobs: dict[str, _Job], nodes: dict[str, NodeView], releases: li
                 j.start_s = now_s
             if not j.cells or j.cells[-1] != cell.label():
                 j.cells.append(cell.label())
-            rate = rate_of(j.view, Assignment(cell, ()))
+            after = Assignment(cell, ())
+            rate = rate_of(j.view, after)
             if rate > 0:
-                end_s = now_s + restart_cost_s + j.view.remaining_iterations / rate
+                end_s = now_s + start_cost(j.view, after) + j.view.remaining_iterations / rate
                 heapq.heappush(events, (end_s, seq, job_id, cell.gpu_type, cell.num_gpus))
                 seq += 1
         window = kept
@@ -269,8 +284,8 @@ def _release(nodes: dict[str, NodeView], release: GpuRelease) -> None:
         nodes[release.node] = replace(n, unmanaged_gpus=max(0, n.unmanaged_gpus - release.gpus))
 
 
-def _apply(jobs: dict[str, _Job], actions, now_s: float, restart_cost_s: float) -> None:
-    """The decision's actions on the forward run's jobs: starts pay ``restart_cost_s``."""
+def _apply(jobs: dict[str, _Job], actions, now_s: float, start_cost: StartCost) -> None:
+    """The decision's actions on the forward run's jobs: starts pay ``start_cost``."""
     for action in actions:
         j = jobs[action.job_id]
         view = j.view
@@ -279,7 +294,7 @@ def _apply(jobs: dict[str, _Job], actions, now_s: float, restart_cost_s: float) 
             continue
         j.view = replace(view, state=RUNNING, assignment=action.after, last_change_s=now_s,
                          restarts=view.restarts + (view.assignment is not None or view.iterations_done > 0))
-        j.busy_until_s = now_s + restart_cost_s
+        j.busy_until_s = now_s + start_cost(view, action.after)
         if view.assignment is None and j.start_s is None:
             j.start_s = now_s
         label = action.after.cell.label()

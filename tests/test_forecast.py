@@ -109,3 +109,21 @@ def test_a_zero_time_budget_decides_nothing_beyond_the_rounds_decision():
     got = forecast(snap, policy, releases, first=decide(snap), time_budget_s=0.0)
     assert calls == []  # only the round's own decision, which was given
     assert (got["B"].start_s, got["B"].end_s, got["B"].extrapolated) == (100.0, 150.0, True)
+
+def test_each_start_pays_what_the_callers_cost_model_says_and_running_jobs_progress_when_told():
+    snap, releases = scenario(restart_cost_s=30.0)
+    seen = []
+
+    def start_cost(view, after):
+        seen.append((view.job_id, view.assignment is None, after.cell.label()))
+        return 5.0  # B's first start: far cheaper than the snapshot's restart cost
+
+    # A is told it makes progress only from t=20 (its restart still runs): 50 iterations
+    # left at 1 s each end it at 70, not at 50.
+    got = forecast(snap, FcfsPolicy(), releases, start_cost=start_cost, progress_from_s={"A": 20.0})
+    assert seen == [("B", True, "a100x4:s1")]
+    assert (got["A"].end_s, got["B"].start_s, got["B"].end_s) == (70.0, 100.0, 155.0)
+    # The list schedule charges the same.
+    tail = forecast(snap, FcfsPolicy(), releases, max_decisions=0, start_cost=start_cost,
+                    progress_from_s={"A": 20.0})
+    assert (tail["A"].end_s, tail["B"].start_s, tail["B"].end_s, tail["B"].extrapolated) == (70.0, 100.0, 155.0, True)
