@@ -45,7 +45,7 @@ from slurm_ext.metrics import Metrics
 from slurm_ext.observe import (  # noqa: F401
     ManagedJob, build_snapshot, cluster_spec, estimate_key, is_held, kv, measurement_from_text,
     model_loader_for, node_type, partition_types, plan_comment, requested_gpus, reserved_cell,
-    gpu_releases, running_assignment, running_plan_comment, runner_progress, type_partitions, update_cell,
+    gpu_releases, running_assignment, running_plan_comment, runner_progress, update_cell,
 )
 from slurm_ext.slurm_client import SlurmClient, SlurmJob, SlurmNode
 from slurm_ext.store import EstimateCache, Store
@@ -396,9 +396,11 @@ class Daemon:
             return
         managed_ids = {m.slurm.job_id for m in managed}
         releases = gpu_releases([j for j in active if j.job_id not in managed_ids], now_s)
+        # A job whose runner reported a step of its current run is past its start-up.
+        progressing = {m.view.job_id: m.runner.at_s for m in managed if m.runner is not None}
         self.forecasts.start(lambda: forecast(snapshot, self.policy, releases, cfg.forecast_max_decisions,
                                               first=decision, min_step_s=cfg.interval_s,
-                                              time_budget_s=cfg.forecast_budget_s))
+                                              time_budget_s=cfg.forecast_budget_s, progress_from_s=progressing))
         self._forecast_s = now_s
 
     def _specs(self, elastic: list[SlurmJob], now_s: float

@@ -22,8 +22,9 @@ from conftest import wait_for as _wait
 from slurm_ext.config import ConfigError, DaemonConfig, load_config, resolve
 from slurm_ext.daemon import (
     Daemon, build_snapshot, cluster_spec, model_loader_for, partition_types, requested_gpus,
-    reserved_cell, running_assignment, type_partitions,
+    reserved_cell, running_assignment,
 )
+from slurm_ext.observe import type_partitions
 from slurm_ext.slurm_parse import parse_pending_listing
 from slurm_ext.slurm_client import Gres, JobUpdate, SlurmJob, SlurmNode, SubmitRequest
 from estimator.contract import ADMIN_COMMENT_PLAN, MEASURED_FILE, PLAN_KEYS, RunnerReport, parse_plan_comment
