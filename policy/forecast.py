@@ -204,7 +204,8 @@ def _extrapolate(jobs: dict[str, _Job], nodes: dict[str, NodeView], releases: li
     """The forward run's tail as a list schedule from ``snap``: running jobs keep their
     Cells to the end; at each event (a job ends, GPUs are released) the first
     ``QUEUE_WINDOW`` waiting jobs in the policy's order start, in order, each on the first
-    of its Cells whose count of GPUs of its type is free (node packing is not modelled)."""
+    of its Cells whose count of GPUs of its type is free. Node packing, reservations for
+    long-waiting jobs and moves to faster Cells are not modelled."""
     now_s = snap.now_s
     type_of = {n.name: n.gpu_type for n in nodes.values()}
     free: dict[str, int] = {}
@@ -225,37 +226,26 @@ def _extrapolate(jobs: dict[str, _Job], nodes: dict[str, NodeView], releases: li
             events.append((max(r.at_s, now_s), len(events), "", type_of[r.node], r.gpus))
     heapq.heapify(events)
     order_of = getattr(policy, "queue_order", None)
-    queue = iter([(job_id, cells, min(c.num_gpus for c in cells))
-                  for job_id, cells in (order_of(snap) if order_of else default_queue_order(snap))
-                  if cells and job_id in jobs and jobs[job_id].end_s is None and jobs[job_id].view.assignment is None])
+    # Cells larger than their type's GPUs never fit: a job with only such Cells would hold
+    # a place in the window for ever.
+    total: dict[str, int] = {}
+    for n in nodes.values():
+        total[n.gpu_type] = total.get(n.gpu_type, 0) + n.total_gpus
+    waiting = []
+    for job_id, cells in (order_of(snap) if order_of else default_queue_order(snap)):
+        cells = tuple(c for c in cells if c.num_gpus <= total.get(c.gpu_type, 0))
+        if cells and job_id in jobs and jobs[job_id].end_s is None and jobs[job_id].view.assignment is None:
+            waiting.append((job_id, cells, min(c.num_gpus for c in cells)))
+    queue = iter(waiting)
     window: list[tuple[str, tuple[Cell, ...], int]] = []  # the first waiting jobs, in order
     seq = len(events)
     while True:
-        window.extend(itertools.islice(queue, QUEUE_WINDOW - len(window)))
-        free_total = sum(free.values())
-        kept = []
-        for job_id, cells, min_gpus in window:
-            cell = None
-            if free_total >= min_gpus:
-                cell = next((c for c in cells if free.get(c.gpu_type, 0) >= c.num_gpus), None)
-            if cell is None:
-                kept.append((job_id, cells, min_gpus))
-                continue
-            j = jobs[job_id]
-            free[cell.gpu_type] -= cell.num_gpus
-            free_total -= cell.num_gpus
-            j.extrapolated = True
-            if j.start_s is None:
-                j.start_s = now_s
-            if not j.cells or j.cells[-1] != cell.label():
-                j.cells.append(cell.label())
-            after = Assignment(cell, ())
-            rate = rate_of(j.view, after)
-            if rate > 0:
-                end_s = now_s + start_cost(j.view, after) + j.view.remaining_iterations / rate
-                heapq.heappush(events, (end_s, seq, job_id, cell.gpu_type, cell.num_gpus))
-                seq += 1
-        window = kept
+        # Start what fits now; places a start frees in the window are refilled at once.
+        started = True
+        while started:
+            window.extend(itertools.islice(queue, QUEUE_WINDOW - len(window)))
+            window, started = _start_fitting(jobs, window, free, now_s, start_cost, events, seq)
+            seq += len(started)
         if not events or events[0][0] > horizon_end_s:
             return
         now_s = events[0][0]
@@ -265,6 +255,37 @@ def _extrapolate(jobs: dict[str, _Job], nodes: dict[str, NodeView], releases: li
             if job_id:
                 jobs[job_id].end_s = at_s
                 jobs[job_id].extrapolated = True
+
+
+def _start_fitting(jobs: dict[str, _Job], window: list, free: dict[str, int], now_s: float,
+                   start_cost: StartCost, events: list, seq: int) -> tuple[list, list[str]]:
+    """Start, in order, each job of ``window`` on the first of its Cells whose GPUs are
+    free (taking them, and pushing its end onto ``events``); the jobs left waiting and the
+    ones started."""
+    free_total = sum(free.values())
+    kept, started = [], []
+    for job_id, cells, min_gpus in window:
+        cell = None
+        if free_total >= min_gpus:
+            cell = next((c for c in cells if free.get(c.gpu_type, 0) >= c.num_gpus), None)
+        if cell is None:
+            kept.append((job_id, cells, min_gpus))
+            continue
+        j = jobs[job_id]
+        free[cell.gpu_type] -= cell.num_gpus
+        free_total -= cell.num_gpus
+        j.extrapolated = True
+        if j.start_s is None:
+            j.start_s = now_s
+        if not j.cells or j.cells[-1] != cell.label():
+            j.cells.append(cell.label())
+        after = Assignment(cell, ())
+        rate = rate_of(j.view, after)
+        if rate > 0:
+            end_s = now_s + start_cost(j.view, after) + j.view.remaining_iterations / rate
+            heapq.heappush(events, (end_s, seq + len(started), job_id, cell.gpu_type, cell.num_gpus))
+        started.append(job_id)
+    return kept, started
 
 
 def _finish_times(jobs: dict[str, _Job], now_s: float) -> dict[str, float]:

@@ -1,12 +1,15 @@
 """Forecasts (policy.forecast) on hand-computed scenarios: the policy run forward from a
 snapshot, with plain jobs ending at their time limits."""
 
+from dataclasses import replace
+
 import pytest
 
 from estimator.cells import Cell, CellEstimate
 from estimator.jobs import JobSpec
 from policy.cells_ilp import CellsIlpPolicy
 from policy.fcfs import FcfsPolicy
+import policy.forecast as forecast_module
 from policy.forecast import GpuRelease, forecast
 from policy.interface import PENDING, RUNNING, TRIGGER_ROUND, Assignment, JobView, NodeView, Snapshot
 
@@ -127,3 +130,19 @@ def test_each_start_pays_what_the_callers_cost_model_says_and_running_jobs_progr
     tail = forecast(snap, FcfsPolicy(), releases, max_decisions=0, start_cost=start_cost,
                     progress_from_s={"A": 20.0})
     assert (tail["A"].end_s, tail["B"].start_s, tail["B"].end_s, tail["B"].extrapolated) == (70.0, 100.0, 155.0, True)
+
+
+def test_a_job_no_cell_of_which_can_ever_fit_does_not_block_the_list_schedule():
+    """A pending job asking for 8 a100 on a node of 4 (FCFS offers only what was asked
+    for) cannot start; with a one-job window it would hold the only place for ever."""
+    snap = two_by_two()
+    huge = JobView("H", "u", JobSpec("gpt-1.3b", BATCH, 8, "a100"), -40.0, PENDING, None, 0.0, 10, 0, -40.0,
+                   estimates=(est(8, 1.0),), dp_only_estimates=(est(8, 1.0),))
+    snap = replace(snap, jobs=(huge,) + snap.jobs)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(forecast_module, "QUEUE_WINDOW", 1)
+        got = forecast(snap, FcfsPolicy(), max_decisions=0)
+    assert (got["H"].start_s, got["H"].end_s) == (None, None)
+    # One place, in submission order, refilled as soon as a start frees it: L and S start
+    # at once, M when S's GPUs come free.
+    assert {k: got[k].start_s for k in ("L", "S", "M")} == {"L": 0.0, "S": 0.0, "M": 10.0}
