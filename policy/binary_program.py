@@ -54,6 +54,9 @@ def solve_binary_program(objective: dict[int, float], rows: list[Row], num_vars:
         solvers: which to try, in order (``highs``, ``cbc``).
         gap_rel: the relative gap at which a solver may stop and call its answer optimal.
     """
+    unknown = [name for name in solvers if name not in _SOLVE]
+    if unknown:
+        raise ValueError(f"unknown solver {unknown[0]!r}; known: {', '.join(SOLVERS)}")
     for name in solvers:
         try:
             got = _SOLVE[name](objective, rows, num_vars, maximize, time_limit_s, start, gap_rel)
@@ -116,7 +119,7 @@ def _solve_highs(objective, rows, num_vars, maximize, time_limit_s, start, gap_r
         except Exception as e:  # a start is an optimization only
             log.debug("no MIP start: %s", e)
     h.run()
-    if h.getInfo().primal_solution_status != 2:  # 2 = a feasible solution exists
+    if h.getInfo().primal_solution_status != highspy.SolutionStatus.kSolutionStatusFeasible:
         return None
     optimal = h.getModelStatus() == highspy.HighsModelStatus.kOptimal
     return [i for i, x in enumerate(h.getSolution().col_value) if x > 0.5], optimal

@@ -65,7 +65,8 @@ from dataclasses import dataclass, replace
 from estimator.cells import Cell, CellEstimate
 from policy._solver import RateTable, requested_count
 from policy.fcfs import requested_estimate
-from policy.interface import Assignment, Decision, DerivedCache, JobDecision, JobView, Snapshot
+from policy.interface import Assignment, Decision, DerivedCache, JobDecision, JobView, QueueOrder, Snapshot
+from policy.binary_program import SOLVERS
 from policy.choice_program import solve_choice
 from policy.placement import FreeGpus
 
@@ -214,7 +215,7 @@ class CellsIlpConfig:
     max_movable: int = 32
     resolve_s: float = 900.0
     reserve_after_s: float | None = 6 * 3600.0
-    solvers: tuple[str, ...] = ("highs", "cbc")
+    solvers: tuple[str, ...] = SOLVERS
 
 
 class CellsIlpPolicy:
@@ -234,6 +235,9 @@ class CellsIlpPolicy:
         if "solvers" in options:
             options["solvers"] = tuple(options["solvers"])
         self.config = replace(base, **options)
+        unknown = [s for s in self.config.solvers if s not in SOLVERS]
+        if unknown:
+            raise ValueError(f"unknown solver {unknown[0]!r} in solvers; known: {', '.join(SOLVERS)}")
         self._share_limits = dict(self.config.share_limits)
 
     # ---- weights and options ------------------------------------------------------------
@@ -314,7 +318,7 @@ class CellsIlpPolicy:
             out.append(_Option(job.job_id, WAIT, wait_value))
         return out, note
 
-    def queue_order(self, snapshot: Snapshot) -> tuple[tuple[str, tuple[Cell, ...]], ...]:
+    def queue_order(self, snapshot: Snapshot) -> QueueOrder:
         """Waiting jobs by weight, each with its Cells best value first: the greedy rule's
         inputs (:meth:`_greedy`), which the forecast plays out beyond its decisions
         (``policy.forecast``); jobs with no Cell are left out."""
@@ -327,7 +331,7 @@ class CellsIlpPolicy:
             if offered:
                 offered.sort(key=lambda o: (-o.value, o.cell.label()))
                 out.append((job.job_id, tuple(o.cell for o in offered)))
-        return tuple(out)
+        return QueueOrder(tuple(out))
 
     # ---- the round ----------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ waits); every other pending job is absent, i.e. stays queued behind its head.
 from __future__ import annotations
 
 from estimator.cells import CellEstimate
-from policy.interface import PENDING, Assignment, Decision, JobDecision, JobView, Snapshot
+from policy.interface import PENDING, Assignment, Decision, JobDecision, JobView, QueueOrder, Snapshot
 from policy.placement import FreeGpus
 
 
@@ -57,6 +57,16 @@ class FcfsPolicy:
 
     def __init__(self, strict_fifo: bool = True):
         self.strict_fifo = strict_fifo
+
+    def queue_order(self, snapshot: Snapshot) -> QueueOrder:
+        """The waiting jobs in the order ``decide`` looks at them, each on what it asked
+        for; a blocked head blocks its type unless ``strict_fifo`` is off."""
+        out = []
+        for job in snapshot.jobs:
+            want = requested_estimate(job) if job.state == PENDING else None
+            if want is not None:
+                out.append((job.job_id, (want.cell,)))
+        return QueueOrder(tuple(out), blocking=self.strict_fifo)
 
     def decide(self, snapshot: Snapshot) -> Decision:
         free = FreeGpus.from_snapshot(snapshot)

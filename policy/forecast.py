@@ -37,23 +37,51 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from estimator.cells import Cell
 from policy.fcfs import requested_estimate
 from policy.interface import (
     PENDING, RUNNING, SUSPEND, TRIGGER_ROUND, Assignment, Decision, DecisionError, JobView,
-    NodeView, Policy, Snapshot, implied_actions, validate_decision,
+    NodeView, Policy, QueueOrder, Snapshot, implied_actions, validate_decision,
 )
 
 DEFAULT_MAX_DECISIONS = 60
 DEFAULT_HORIZON_S = 90 * 86400.0
 DEFAULT_STEP_FRAC = 0.1
-QUEUE_WINDOW = 96  # waiting jobs the list schedule looks at, in order, at each event
+QUEUE_WINDOW_JOBS = 96  # waiting jobs a backfilling list schedule looks at, in order
 
-# Seconds a (re)start of the job (as it is before it) onto the assignment holds the GPUs
-# without progress.
-StartCost = Callable[[JobView, Assignment], float]
+
+@dataclass(frozen=True)
+class Start:
+    """One (re)start in the forward run, as the caller's cost model sees it.
+
+    Attributes:
+        view: the job as it was before the start.
+        after: where it starts.
+        first_in_run: neither running at the forecast's start nor started by the run yet.
+        cells_run: the Cells (labels) it ran on so far, at the forecast's start and in the run.
+    """
+
+    view: JobView
+    after: Assignment
+    first_in_run: bool
+    cells_run: tuple[str, ...]
+
+
+# Seconds a (re)start holds the job's GPUs without progress.
+StartCost = Callable[[Start], float]
+
+
+class _Event(NamedTuple):
+    """GPUs coming free in the list schedule: a job ending, or a release outside the policy."""
+
+    at_s: float
+    seq: int
+    job_id: str  # "" for a release
+    gpu_type: str
+    gpus: int
+    node: str = ""  # a release's node
 
 
 @dataclass(frozen=True)
@@ -110,7 +138,8 @@ def forecast(snapshot: Snapshot, policy: Policy, releases: tuple[GpuRelease, ...
 
     Args:
         snapshot: the cluster and jobs now, as the daemon gave them to the policy.
-        policy: the policy object the daemon uses (only ``decide`` is called).
+        policy: the policy object the daemon uses (``decide``, and ``queue_order`` when it
+            has one, are called).
         releases: GPUs held outside the policy that come free later, and when.
         max_decisions: policy decisions the forward run takes at most (``first`` is not
             one); the list schedule goes on from there.
@@ -132,7 +161,7 @@ def forecast(snapshot: Snapshot, policy: Policy, releases: tuple[GpuRelease, ...
     began = time.perf_counter()
     now_s = snapshot.now_s
     if start_cost is None:
-        start_cost = lambda view, after, cost_s=snapshot.restart_cost_s: cost_s  # noqa: E731
+        start_cost = lambda start, cost_s=snapshot.restart_cost_s: cost_s  # noqa: E731
     # One cache of what the policy derives per job spec for the whole run (the caller's,
     # when it has one): the run's snapshots share their jobs' estimates.
     snapshot = replace(snapshot, derived=snapshot.derived_cache())
@@ -148,23 +177,23 @@ def forecast(snapshot: Snapshot, policy: Policy, releases: tuple[GpuRelease, ...
     pending_releases = sorted(releases, key=lambda r: (r.at_s, r.node))
     state = snapshot.policy_state
     trigger = snapshot.trigger
-    decided, last_s = 0, 0.0
+    decided, last_decision_s, first_unused = 0, 0.0, first is not None
     while True:
         active = tuple(j.view for j in jobs.values() if j.end_s is None)
         if not active:
             break
         snap = replace(snapshot, now_s=now_s, nodes=tuple(nodes.values()), jobs=active, trigger=trigger,
                        policy_state=state)
-        given = first is not None and now_s == snapshot.now_s
+        given, first_unused = first_unused, False
         # No decision that would likely end past the budget: one takes about as long as the last.
         if not given and (decided >= max_decisions or (time_budget_s is not None and
-                                                       time.perf_counter() - began + last_s > time_budget_s)):
+                                                       time.perf_counter() - began + last_decision_s > time_budget_s)):
             _extrapolate(jobs, nodes, pending_releases, snap, policy, snapshot.now_s + horizon_s, start_cost)
             break
         decided += not given
         t0 = time.perf_counter()
         decision = first if given else policy.decide(snap)
-        last_s = time.perf_counter() - t0 if not given else last_s
+        last_decision_s = time.perf_counter() - t0 if not given else last_decision_s
         try:
             validate_decision(snap, decision)
         except DecisionError:
@@ -187,31 +216,32 @@ def forecast(snapshot: Snapshot, policy: Policy, releases: tuple[GpuRelease, ...
             for job_id, j in jobs.items()}
 
 
-def default_queue_order(snapshot: Snapshot) -> tuple[tuple[str, tuple[Cell, ...]], ...]:
-    """Waiting jobs by submission, each on what it asked for (FCFS's Cell); jobs with no
-    such Cell are left out."""
+def default_queue_order(snapshot: Snapshot) -> QueueOrder:
+    """For a policy without ``queue_order``: waiting jobs by submission, each on what it
+    asked for (FCFS's Cell), backfilling; jobs with no such Cell are left out."""
     waiting = sorted((j for j in snapshot.jobs if j.assignment is None), key=lambda j: (j.submit_time_s, j.job_id))
     out = []
     for j in waiting:
         est = requested_estimate(j)
         if est is not None:
             out.append((j.job_id, (est.cell,)))
-    return tuple(out)
+    return QueueOrder(tuple(out))
 
 
 def _extrapolate(jobs: dict[str, _Job], nodes: dict[str, NodeView], releases: list[GpuRelease],
                  snap: Snapshot, policy: Policy, horizon_end_s: float, start_cost: StartCost) -> None:
     """The forward run's tail as a list schedule from ``snap``: running jobs keep their
-    Cells to the end; at each event (a job ends, GPUs are released) the first
-    ``QUEUE_WINDOW`` waiting jobs in the policy's order start, in order, each on the first
-    of its Cells whose count of GPUs of its type is free. Node packing, reservations for
-    long-waiting jobs and moves to faster Cells are not modelled."""
+    Cells to the end; whenever GPUs come free (a job ends, a release), waiting jobs start
+    in the policy's order, each on the first of its Cells whose count of GPUs of its type
+    is free (a backfilling policy's first ``QUEUE_WINDOW_JOBS`` waiting jobs; a blocking
+    one's queue up to the first job of each type that does not fit). Node packing,
+    reservations for long-waiting jobs and moves to faster Cells are not modelled."""
     now_s = snap.now_s
-    type_of = {n.name: n.gpu_type for n in nodes.values()}
+    unmanaged = {n.name: n.unmanaged_gpus for n in nodes.values()}
     free: dict[str, int] = {}
     for n in nodes.values():
         free[n.gpu_type] = free.get(n.gpu_type, 0) + max(0, n.total_gpus - n.unmanaged_gpus)
-    events: list[tuple[float, int, str, str, int]] = []  # (at, seq, job id or "", GPU type, GPUs)
+    events: list[_Event] = []
     for j in jobs.values():
         a = j.view.assignment
         if j.end_s is not None or a is None:
@@ -220,70 +250,83 @@ def _extrapolate(jobs: dict[str, _Job], nodes: dict[str, NodeView], releases: li
         rate = rate_of(j.view, a)
         if rate > 0:
             end_s = max(now_s, j.busy_until_s) + j.view.remaining_iterations / rate
-            events.append((end_s, len(events), j.view.job_id, a.cell.gpu_type, a.num_gpus))
+            events.append(_Event(end_s, len(events), j.view.job_id, a.cell.gpu_type, a.num_gpus))
+    released: dict[str, int] = {}  # node → GPUs its releases give back, at most what it holds
     for r in releases:
-        if r.node in type_of:
-            events.append((max(r.at_s, now_s), len(events), "", type_of[r.node], r.gpus))
+        if r.node in nodes:
+            events.append(_Event(max(r.at_s, now_s), len(events), "", nodes[r.node].gpu_type, r.gpus, r.node))
+            released[r.node] = min(unmanaged[r.node], released.get(r.node, 0) + r.gpus)
     heapq.heapify(events)
-    order_of = getattr(policy, "queue_order", None)
-    # Cells larger than their type's GPUs never fit: a job with only such Cells would hold
-    # a place in the window for ever.
-    total: dict[str, int] = {}
+    order = policy.queue_order(snap) if hasattr(policy, "queue_order") else default_queue_order(snap)
+    # The GPUs each type will ever have: a Cell larger than that never fits, and a job with
+    # only such Cells (or Cells it has no speed for) would wait for ever.
+    capacity: dict[str, int] = {}
     for n in nodes.values():
-        total[n.gpu_type] = total.get(n.gpu_type, 0) + n.total_gpus
+        capacity[n.gpu_type] = capacity.get(n.gpu_type, 0) + n.total_gpus - n.unmanaged_gpus + released.get(n.name, 0)
     waiting = []
-    for job_id, cells in (order_of(snap) if order_of else default_queue_order(snap)):
-        cells = tuple(c for c in cells if c.num_gpus <= total.get(c.gpu_type, 0))
-        if cells and job_id in jobs and jobs[job_id].end_s is None and jobs[job_id].view.assignment is None:
-            waiting.append((job_id, cells, min(c.num_gpus for c in cells)))
+    for job_id, cells in order.jobs:
+        j = jobs.get(job_id)
+        if j is None or j.end_s is not None or j.view.assignment is not None:
+            continue
+        cells = tuple(c for c in cells if c.num_gpus <= capacity.get(c.gpu_type, 0)
+                      and rate_of(j.view, Assignment(c, ())) > 0)
+        if cells:
+            waiting.append((job_id, cells))
     queue = iter(waiting)
-    window: list[tuple[str, tuple[Cell, ...], int]] = []  # the first waiting jobs, in order
-    seq = len(events)
+    seq = itertools.count(len(events))  # ties in time: in the order pushed
+    window_jobs = len(waiting) if order.blocking else QUEUE_WINDOW_JOBS
+    window: list[tuple[str, tuple[Cell, ...]]] = []  # the first waiting jobs, in order
     while True:
         # Start what fits now; places a start frees in the window are refilled at once.
         started = True
         while started:
-            window.extend(itertools.islice(queue, QUEUE_WINDOW - len(window)))
-            window, started = _start_fitting(jobs, window, free, now_s, start_cost, events, seq)
-            seq += len(started)
-        if not events or events[0][0] > horizon_end_s:
+            window.extend(itertools.islice(queue, window_jobs - len(window)))
+            window, started = _start_fitting(jobs, window, free, order.blocking, now_s, start_cost, events, seq)
+        if not events or events[0].at_s > horizon_end_s:
             return
-        now_s = events[0][0]
-        while events and events[0][0] <= now_s:
-            at_s, _, job_id, gpu_type, gpus = heapq.heappop(events)
-            free[gpu_type] = free.get(gpu_type, 0) + gpus
-            if job_id:
-                jobs[job_id].end_s = at_s
-                jobs[job_id].extrapolated = True
+        now_s = events[0].at_s
+        while events and events[0].at_s <= now_s:
+            e = heapq.heappop(events)
+            gpus = e.gpus
+            if e.node:
+                gpus = min(gpus, unmanaged[e.node])
+                unmanaged[e.node] -= gpus
+            free[e.gpu_type] = free.get(e.gpu_type, 0) + gpus
+            if e.job_id:
+                jobs[e.job_id].end_s = e.at_s
+                jobs[e.job_id].extrapolated = True
 
 
-def _start_fitting(jobs: dict[str, _Job], window: list, free: dict[str, int], now_s: float,
-                   start_cost: StartCost, events: list, seq: int) -> tuple[list, list[str]]:
+def _start_fitting(jobs: dict[str, _Job], window: list, free: dict[str, int], blocking: bool, now_s: float,
+                   start_cost: StartCost, events: list[_Event], seq) -> tuple[list, list[str]]:
     """Start, in order, each job of ``window`` on the first of its Cells whose GPUs are
-    free (taking them, and pushing its end onto ``events``); the jobs left waiting and the
-    ones started."""
+    free (taking them, and pushing its end onto ``events``); with ``blocking``, a job that
+    does not fit holds back the later jobs of its types. The jobs left waiting and the ones
+    started."""
     free_total = sum(free.values())
+    blocked: set[str] = set()
     kept, started = [], []
-    for job_id, cells, min_gpus in window:
+    for job_id, cells in window:
         cell = None
-        if free_total >= min_gpus:
+        if free_total > 0 and not (blocking and any(c.gpu_type in blocked for c in cells)):
             cell = next((c for c in cells if free.get(c.gpu_type, 0) >= c.num_gpus), None)
         if cell is None:
-            kept.append((job_id, cells, min_gpus))
+            kept.append((job_id, cells))
+            if blocking:
+                blocked.update(c.gpu_type for c in cells)
             continue
         j = jobs[job_id]
         free[cell.gpu_type] -= cell.num_gpus
         free_total -= cell.num_gpus
+        after = Assignment(cell, ())
+        cost_s = start_cost(Start(j.view, after, j.start_s is None, tuple(j.cells)))
         j.extrapolated = True
         if j.start_s is None:
             j.start_s = now_s
         if not j.cells or j.cells[-1] != cell.label():
             j.cells.append(cell.label())
-        after = Assignment(cell, ())
-        rate = rate_of(j.view, after)
-        if rate > 0:
-            end_s = now_s + start_cost(j.view, after) + j.view.remaining_iterations / rate
-            heapq.heappush(events, (end_s, seq + len(started), job_id, cell.gpu_type, cell.num_gpus))
+        end_s = now_s + cost_s + j.view.remaining_iterations / rate_of(j.view, after)
+        heapq.heappush(events, _Event(end_s, next(seq), job_id, cell.gpu_type, cell.num_gpus))
         started.append(job_id)
     return kept, started
 
@@ -315,7 +358,7 @@ def _apply(jobs: dict[str, _Job], actions, now_s: float, start_cost: StartCost) 
             continue
         j.view = replace(view, state=RUNNING, assignment=action.after, last_change_s=now_s,
                          restarts=view.restarts + (view.assignment is not None or view.iterations_done > 0))
-        j.busy_until_s = now_s + start_cost(view, action.after)
+        j.busy_until_s = now_s + start_cost(Start(view, action.after, j.start_s is None, tuple(j.cells)))
         if view.assignment is None and j.start_s is None:
             j.start_s = now_s
         label = action.after.cell.label()
@@ -337,4 +380,5 @@ def _progress(jobs: dict[str, _Job], finish: dict[str, float], now_s: float, nex
             j.view = replace(j.view, iterations_done=float(j.view.iterations_total))
 
 
-__all__ = ["GpuRelease", "JobForecast", "default_queue_order", "forecast", "rate_of"]
+__all__ = ["GpuRelease", "JobForecast", "QueueOrder", "Start", "StartCost", "default_queue_order", "forecast",
+           "rate_of"]

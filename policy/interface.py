@@ -326,12 +326,29 @@ class Decision:
         return {d.job_id: d for d in self.jobs}
 
 
+@dataclass(frozen=True)
+class QueueOrder:
+    """How a policy would start waiting jobs as GPUs come free: what the forecast's list
+    schedule plays out beyond its decisions (``policy.forecast``).
+
+    Attributes:
+        jobs: (job id, its Cells in the policy's preference), in the order it starts them.
+        blocking: a job that does not fit blocks the later jobs of its GPU type (strict
+            FIFO); False: later jobs that fit start (backfilling).
+    """
+
+    jobs: tuple[tuple[str, tuple[Cell, ...]], ...]
+    blocking: bool = False
+
+
 @runtime_checkable
 class Policy(Protocol):
     """A scheduling policy. Construct it with its configuration only; ``decide`` is pure.
 
     Optional class attribute ``plan_tuning`` (``"full"`` by default, ``"pruned"`` for a
     Cell-guided search, ``"none"``) tells the simulator what plan tuning costs on a new Cell.
+    Optional method ``queue_order(snapshot) -> QueueOrder`` tells the forecast how the
+    policy would start the waiting jobs as GPUs come free.
     """
 
     name: str

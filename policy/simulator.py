@@ -38,7 +38,7 @@ from policy.clock import SimulatedClock
 from policy.interface import (PENDING, RUNNING, TRIGGER_ARRIVAL, TRIGGER_COMPLETION, TRIGGER_ROUND,
                               Assignment, Decision, DecisionError, DerivedCache, JobView, NodeView, Placement, Policy, Snapshot,
                               implied_actions, validate_decision)
-from policy.forecast import JobForecast, forecast, rate_of
+from policy.forecast import JobForecast, Start, forecast, rate_of
 from policy.measured import MeasuredTable, cell_layout, mask_unmeasured
 from policy.placement import layout_of
 from policy.trace import TraceJob
@@ -79,7 +79,7 @@ class RestartCosts:
             return min(self.tuning_pruned_s, self.tuning_budget_frac * remaining_run_s)
         return {"full": self.tuning_full_s, "none": 0.0}.get(mode, self.tuning_full_s)
 
-    def start_s(self, mode: str, first: bool, new_cell: bool, remaining_run_s: float) -> float:
+    def start_cost_s(self, mode: str, first: bool, new_cell: bool, remaining_run_s: float) -> float:
         """What one (re)start costs: the launch (``first``) or a checkpoint and resume, plus
         the plan search when the Cell is one the job has not run on (``new_cell``)."""
         overhead_s = self.launch_s if first else self.checkpoint_resume_s
@@ -507,15 +507,15 @@ class _Replay:
             self.forecasts.update((job_id, got[job_id]) for job_id in arrived if job_id in got)
         return implied_actions(snapshot, decision)
 
-    def _start_cost(self, view: JobView, after: Assignment) -> float:
+    def _start_cost(self, start: Start) -> float:
         """The forecast's view of a (re)start's cost: the replay's own rule, on the job's
         estimated rate (the forecast sees estimates, not the measured rates)."""
-        rate = rate_of(view, after)
-        first = view.assignment is None and view.iterations_done == 0 and view.restarts == 0
-        tuned = self.active[view.job_id].tuned if view.job_id in self.active else set()
-        new_cell = after.cell != view.cell and after.cell not in tuned
-        return self.config.costs.start_s(self.tuning_mode, first, new_cell,
-                                         view.remaining_iterations / rate if rate > 0 else math.inf)
+        job = self.active.get(start.view.job_id)
+        first = start.first_in_run and (job is None or job.first_start_s is None)
+        new_cell = start.after.cell.label() not in start.cells_run and (job is None or start.after.cell not in job.tuned)
+        rate = rate_of(start.view, start.after)
+        return self.config.costs.start_cost_s(self.tuning_mode, first, new_cell,
+                                              start.view.remaining_iterations / rate if rate > 0 else math.inf)
 
     def apply(self, action, now_s: float) -> None:
         """One action: the job stops, or (re)starts at the measured rate of its new
@@ -542,7 +542,7 @@ class _Replay:
             job.assignment, job.rate_s = None, None
             self.running.pop(job.trace.job_id, None)
             return
-        overhead_s = costs.start_s(self.tuning_mode, job.first_start_s is None, after.cell not in job.tuned,
+        overhead_s = costs.start_cost_s(self.tuning_mode, job.first_start_s is None, after.cell not in job.tuned,
                                    (job.trace.iterations - job.done) * rate_s)
         if job.first_start_s is None:
             job.first_start_s = now_s

@@ -251,10 +251,26 @@ def resolve(flags: Mapping[str, object] | None = None, env: Mapping[str, str] | 
             raise ConfigError(str(key), file_values[key], f"({file_name}) unknown key; known: {', '.join(KEYS)}")
     layers = [(file_name, dict(file_values or {})), ("environment", env_values(env or {})),
               ("command line", {k: v for k, v in (flags or {}).items() if v is not None})]
+    sources: dict[str, str] = {}
     for source, layer in layers:
         for key, raw in layer.items():
-            values[key] = _coerce(key, raw, source)
-    return DaemonConfig(**values)
+            values[key], sources[key] = _coerce(key, raw, source), source
+    config = DaemonConfig(**values)
+    _check_policy(config, sources.get("policy_options", sources.get("policy", "defaults")))
+    return config
+
+
+def _check_policy(config: DaemonConfig, source: str) -> None:
+    """The policy can be built with its options (a typo fails here, not in a round)."""
+    from policy.registry import make_policy
+
+    try:
+        make_policy(config.policy, **dict(config.policy_options))
+    except SpecError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError("policy_options", dict(config.policy_options),
+                          f"({source}) not accepted by policy {config.policy}: {e}") from None
 
 
 def load_config(config_path: str | None, flags: Mapping[str, object] | None,

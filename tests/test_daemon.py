@@ -67,6 +67,8 @@ def test_shipped_yaml_resolves_to_the_defaults():
     ({}, {"SLURM_EXT_PARTITIONS": "a100"}, "partitions"),
     ({}, {"SLURM_EXT_POLICY_OPTIONS": "[1, 2]"}, "policy_options"),
     ({}, {"SLURM_EXT_POLICY_OPTIONS": "{a: "}, "policy_options"),
+    ({"policy_options": {"no_such_option": 1}}, {}, "policy_options"),
+    ({"policy_options": {"solvers": ["gurobi"]}}, {}, "policy_options"),
 ])
 def test_bad_config_names_key_and_source(file_values, env, field):
     with pytest.raises(ConfigError) as info:

@@ -1,8 +1,6 @@
 """Forecasts (policy.forecast) on hand-computed scenarios: the policy run forward from a
 snapshot, with plain jobs ending at their time limits."""
 
-from dataclasses import replace
-
 import pytest
 
 from estimator.cells import Cell, CellEstimate
@@ -11,7 +9,8 @@ from policy.cells_ilp import CellsIlpPolicy
 from policy.fcfs import FcfsPolicy
 import policy.forecast as forecast_module
 from policy.forecast import GpuRelease, forecast
-from policy.interface import PENDING, RUNNING, TRIGGER_ROUND, Assignment, JobView, NodeView, Snapshot
+from policy.interface import (PENDING, RUNNING, TRIGGER_ROUND, Assignment, Decision, JobDecision, JobView, NodeView,
+                              Snapshot)
 
 BATCH = 8
 
@@ -91,8 +90,8 @@ def two_by_two(restart_cost_s=0.0):
 
 def test_the_list_schedule_follows_the_policys_order_and_never_overcommits_a_type():
     snap = two_by_two(restart_cost_s=5.0)
-    # FCFS has no queue_order: submission order, what each asked for. L and S fit now; M
-    # takes S's GPUs when S ends (t = 5 + 10), and pays its own restart cost.
+    # FCFS's order: submission order, what each asked for. L and S fit now; M takes S's
+    # GPUs when S ends (t = 5 + 10), and pays its own restart cost.
     got = forecast(snap, FcfsPolicy(), max_decisions=0)
     assert {k: (f.start_s, f.end_s) for k, f in got.items()} == \
         {"L": (0.0, 105.0), "S": (0.0, 15.0), "M": (15.0, 60.0)}
@@ -117,14 +116,14 @@ def test_each_start_pays_what_the_callers_cost_model_says_and_running_jobs_progr
     snap, releases = scenario(restart_cost_s=30.0)
     seen = []
 
-    def start_cost(view, after):
-        seen.append((view.job_id, view.assignment is None, after.cell.label()))
+    def start_cost(start):
+        seen.append((start.view.job_id, start.first_in_run, start.after.cell.label(), start.cells_run))
         return 5.0  # B's first start: far cheaper than the snapshot's restart cost
 
     # A is told it makes progress only from t=20 (its restart still runs): 50 iterations
     # left at 1 s each end it at 70, not at 50.
     got = forecast(snap, FcfsPolicy(), releases, start_cost=start_cost, progress_from_s={"A": 20.0})
-    assert seen == [("B", True, "a100x4:s1")]
+    assert seen == [("B", True, "a100x4:s1", ())]
     assert (got["A"].end_s, got["B"].start_s, got["B"].end_s) == (70.0, 100.0, 155.0)
     # The list schedule charges the same.
     tail = forecast(snap, FcfsPolicy(), releases, max_decisions=0, start_cost=start_cost,
@@ -132,17 +131,57 @@ def test_each_start_pays_what_the_callers_cost_model_says_and_running_jobs_progr
     assert (tail["A"].end_s, tail["B"].start_s, tail["B"].end_s, tail["B"].extrapolated) == (70.0, 100.0, 155.0, True)
 
 
-def test_a_job_no_cell_of_which_can_ever_fit_does_not_block_the_list_schedule():
-    """A pending job asking for 8 a100 on a node of 4 (FCFS offers only what was asked
-    for) cannot start; with a one-job window it would hold the only place for ever."""
-    snap = two_by_two()
-    huge = JobView("H", "u", JobSpec("gpt-1.3b", BATCH, 8, "a100"), -40.0, PENDING, None, 0.0, 10, 0, -40.0,
-                   estimates=(est(8, 1.0),), dp_only_estimates=(est(8, 1.0),))
-    snap = replace(snap, jobs=(huge,) + snap.jobs)
+def pending(job_id, gpus, submit_s, iterations=10, gpu_type="a100"):
+    e = est(gpus, 1.0, gpu_type)
+    return JobView(job_id, "u", JobSpec("gpt-1.3b", BATCH, gpus, gpu_type), submit_s, PENDING, None, 0.0,
+                   iterations, 0, submit_s, estimates=(e,), dp_only_estimates=(e,))
+
+
+@pytest.mark.parametrize("policy", [FcfsPolicy(), FcfsPolicy(strict_fifo=False)], ids=["fifo", "backfill"])
+def test_a_job_no_cell_of_which_can_ever_fit_does_not_block_the_list_schedule(policy):
+    """X asks for the 4 a100 that a plain job holds with no end in sight; with a one-job
+    window (backfilling) or a blocked head (FIFO) it would hold back Y for ever."""
+    nodes = (NodeView("a100-1", "a100", 4, 4), NodeView("v100-1", "v100", 4, 0))
+    snap = Snapshot(0.0, nodes, (pending("X", 4, -20.0), pending("Y", 4, -10.0, gpu_type="v100")),
+                    TRIGGER_ROUND, 10.0, 0.0)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(forecast_module, "QUEUE_WINDOW", 1)
-        got = forecast(snap, FcfsPolicy(), max_decisions=0)
-    assert (got["H"].start_s, got["H"].end_s) == (None, None)
-    # One place, in submission order, refilled as soon as a start frees it: L and S start
-    # at once, M when S's GPUs come free.
-    assert {k: got[k].start_s for k in ("L", "S", "M")} == {"L": 0.0, "S": 0.0, "M": 10.0}
+        mp.setattr(forecast_module, "QUEUE_WINDOW_JOBS", 1)
+        got = forecast(snap, policy, max_decisions=0)
+    assert (got["X"].start_s, got["Y"].start_s, got["Y"].end_s) == (None, 0.0, 10.0)
+
+
+def test_a_fifo_list_schedule_keeps_a_blocked_head_first():
+    """A runs on 2 of 4 a100 until t=50; B (first) asks for 4, C for 2. Strict FIFO starts
+    B when A ends and C after B, as the decided run does; backfilling lets C go first."""
+    a = job("A", 2, (est(2, 1.0),), iterations=50, running_on=("a100-1", 2))
+    snap = Snapshot(0.0, (NodeView("a100-1", "a100", 4, 0),), (a, pending("B", 4, -20.0, 50), pending("C", 2, -10.0, 100)),
+                    TRIGGER_ROUND, 10.0, 0.0)
+    starts = lambda got: {k: (got[k].start_s, got[k].end_s) for k in ("B", "C")}  # noqa: E731
+    decided = forecast(snap, FcfsPolicy())
+    assert starts(decided) == {"B": (50.0, 100.0), "C": (100.0, 200.0)}
+    assert starts(forecast(snap, FcfsPolicy(), max_decisions=0)) == starts(decided)
+    assert starts(forecast(snap, FcfsPolicy(strict_fifo=False), max_decisions=0)) == \
+        {"C": (0.0, 100.0), "B": (100.0, 150.0)}
+
+
+def test_a_release_frees_no_more_gpus_than_the_plain_job_held():
+    """A plain job holds 2 of 4 a100 and is said to release 4 at t=10: only 2 come free.
+    Of three 2-GPU jobs, P starts at once (100 s), Q at t=10 (10 s), R when Q ends."""
+    jobs = (pending("P", 2, 0.0, 100), pending("Q", 2, 1.0, 10), pending("R", 2, 2.0, 10))
+    snap = Snapshot(0.0, (NodeView("a100-1", "a100", 4, 2),), jobs, TRIGGER_ROUND, 10.0, 0.0)
+    release = (GpuRelease(10.0, "a100-1", 4),)
+    for max_decisions in (0, 60):
+        got = forecast(snap, FcfsPolicy(), release, max_decisions=max_decisions)
+        assert {k: got[k].start_s for k in "PQR"} == {"P": 0.0, "Q": 10.0, "R": 20.0}, max_decisions
+
+
+def test_the_rounds_decision_is_applied_once_even_when_an_event_falls_on_now():
+    """D has no iteration left (it ends now); the round's decision keeps D and starts E.
+    The next event is at now again: the run must decide afresh there, not apply the
+    round's decision (which names D, ended by then) a second time."""
+    d = job("D", 2, (est(2, 1.0),), iterations=10, done=10.0, running_on=("a100-1", 2))
+    snap = Snapshot(0.0, (NodeView("a100-1", "a100", 4, 0),), (d, pending("E", 2, -5.0, 20)),
+                    TRIGGER_ROUND, 10.0, 0.0)
+    first = Decision((JobDecision("D", d.assignment), JobDecision("E", Assignment(Cell("a100", 2, 2, 1), (("a100-1", 2),)))))
+    got = forecast(snap, FcfsPolicy(), first=first)
+    assert (got["E"].start_s, got["E"].end_s) == (0.0, 20.0)

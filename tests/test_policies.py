@@ -374,7 +374,8 @@ def test_binary_program_without_a_solver_that_answers_is_none():
     infeasible = [({0: 1.0}, ">=", 2.0)]
     assert solve_binary_program({0: 1.0}, infeasible, 1, True, 1.0) is None
     assert solve_binary_program({0: 1.0}, [], 1, True, 1.0, solvers=()) is None
-    assert solve_binary_program({0: 1.0}, [], 1, True, 1.0, solvers=("no-such-solver",)) is None
+    with pytest.raises(ValueError, match="unknown solver 'no-such-solver'"):
+        solve_binary_program({0: 1.0}, [], 1, True, 1.0, solvers=("no-such-solver",))
 
 
 def test_elasticflow_deadline_mode_sizes_the_minimum_share_by_the_deadline():
