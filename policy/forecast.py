@@ -165,14 +165,7 @@ def forecast(snapshot: Snapshot, policy: Policy, releases: tuple[GpuRelease, ...
     # One cache of what the policy derives per job spec for the whole run (the caller's,
     # when it has one): the run's snapshots share their jobs' estimates.
     snapshot = replace(snapshot, derived=snapshot.derived_cache())
-    # A job that (re)started less than a restart's cost ago is still starting: it makes
-    # progress from then on.
-    progress_from_s = progress_from_s or {}
-    jobs = {j.job_id: _Job(j, j.last_change_s if j.assignment is not None else None,
-                           busy_until_s=progress_from_s.get(j.job_id, j.last_change_s + snapshot.restart_cost_s)
-                           if j.assignment is not None else 0.0,
-                           cells=[j.cell.label()] if j.cell is not None else [])
-            for j in snapshot.jobs}
+    jobs = _initial_jobs(snapshot, progress_from_s or {})
     nodes = {n.name: n for n in snapshot.nodes}
     pending_releases = sorted(releases, key=lambda r: (r.at_s, r.node))
     state = snapshot.policy_state
@@ -214,6 +207,17 @@ def forecast(snapshot: Snapshot, policy: Policy, releases: tuple[GpuRelease, ...
         trigger = TRIGGER_ROUND
     return {job_id: JobForecast(job_id, j.start_s, j.end_s, tuple(j.cells), j.extrapolated)
             for job_id, j in jobs.items()}
+
+
+def _initial_jobs(snapshot: Snapshot, progress_from_s: dict[str, float]) -> dict[str, _Job]:
+    """The forward run's jobs as the snapshot has them. A running job makes progress from
+    when the caller says, else from a restart's cost after its last change (one that
+    (re)started less than that ago is still starting)."""
+    return {j.job_id: _Job(j, j.last_change_s if j.assignment is not None else None,
+                           busy_until_s=progress_from_s.get(j.job_id, j.last_change_s + snapshot.restart_cost_s)
+                           if j.assignment is not None else 0.0,
+                           cells=[j.cell.label()] if j.cell is not None else [])
+            for j in snapshot.jobs}
 
 
 def default_queue_order(snapshot: Snapshot) -> QueueOrder:
