@@ -103,6 +103,10 @@ class SimConfig:
     # the job's forecast start and end are kept beside what happened.
     forecast_every_jobs: int = 0
     forecast_max_decisions: int = 60
+    # The plan search a (re)start on a new Cell is charged: None, each policy's own
+    # ``plan_tuning`` (a full search for the baselines, the Cell-guided pruned one for
+    # crius and cells-ilp); or one mode (full, pruned, none) for every policy alike.
+    plan_search: str | None = None
 
 
 @dataclass(frozen=True)
@@ -406,7 +410,7 @@ class _Replay:
         self.policy, self.trace_jobs, self.cluster, self.table = policy, trace_jobs, cluster, table
         self.config, self.estimates = config, estimates
         self.name = getattr(policy, "name", type(policy).__name__)
-        self.tuning_mode = getattr(policy, "plan_tuning", "full")
+        self.tuning_mode = config.plan_search or getattr(policy, "plan_tuning", "full")
         self.tuning_s = config.costs.tuning_s(self.tuning_mode)  # the most a restart's tuning costs, for the snapshot
         self.nodes = tuple(NodeView(n, g.gpu_type, g.gpus_per_node) for g in cluster.node_groups
                            for n in g.node_names())

@@ -1,5 +1,6 @@
 """The trace simulator: known answers on hand-made traces, restarts, unrunnable jobs, determinism."""
 
+from dataclasses import replace
 import json
 from pathlib import Path
 
@@ -367,3 +368,15 @@ def test_forecasts_charge_each_start_what_the_replay_charges():
         for o in result.jobs:
             assert o.forecast_start_s == pytest.approx(o.first_start_s)
             assert o.forecast_end_s == pytest.approx(o.finish_s), (policy.name, o.job_id)
+
+
+def test_one_plan_search_charge_for_every_policy_when_asked():
+    """FCFS pays a full plan search (600 s here) on a new Cell; with ``plan_search`` set,
+    every policy pays that mode instead: none saves exactly the 600 s."""
+    jobs = [_job("a", 0.0, 4)]
+    own = _run(FcfsPolicy(), jobs).jobs[0]
+    none = _run(FcfsPolicy(), jobs, config=replace(CONFIG, plan_search="none")).jobs[0]
+    pruned = _run(FcfsPolicy(), jobs, config=replace(CONFIG, plan_search="pruned")).jobs[0]
+    assert own.finish_s - none.finish_s == pytest.approx(600.0)
+    run_s = none.finish_s - none.first_start_s - COSTS.launch_s
+    assert pruned.finish_s - none.finish_s == pytest.approx(min(150.0, 0.05 * run_s))

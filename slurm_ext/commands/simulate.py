@@ -69,12 +69,16 @@ def _write(path: str, text: str) -> None:
 @click.option("--json", "json_out", default=None, help="Write the JSON report here ('-' for stdout).")
 @click.option("--markdown", "markdown_out", default=None, help="Also write the Markdown table here.")
 @click.option("--plots", "plots_dir", default=None, help="Write PNG plots into this directory.")
+@click.option("--plan-search", type=click.Choice(["own", "full", "pruned", "none"]), default="own",
+              show_default=True,
+              help="Plan search charged on a new Cell: each policy's own (full for the baselines, "
+                   "pruned for crius and cells-ilp), or the same for every policy.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.option("--forecast-every", "forecast_every", default=0, show_default=True, type=int,
               help="Forecast the start and end of every N-th job at its arrival (the policy run forward, "
                    "as the daemon does) and report the forecasts' error; 0: none.")
 def command(trace_path, cluster_name, policies, seed, density, oracle, round_s, measured_path,
-            json_out, markdown_out, plots_dir, quiet, forecast_every):
+            json_out, markdown_out, plots_dir, plan_search, quiet, forecast_every):
     """Replay a job trace on a cluster under one or more policies."""
     from policy.measured import load_measured
     from policy.registry import make_policy, policy_class
@@ -96,7 +100,8 @@ def command(trace_path, cluster_name, policies, seed, density, oracle, round_s, 
         raise SpecError("trace", trace_path, "no job left after the submit filter and density; "
                         "raise --density or use another trace")
     load = offered_load(jobs, cluster.total_gpus())
-    config = SimConfig(round_s=round_s, oracle=oracle, forecast_every_jobs=forecast_every)
+    config = SimConfig(round_s=round_s, oracle=oracle, forecast_every_jobs=forecast_every,
+                       plan_search=None if plan_search == "own" else plan_search)
     cache = EstimateCache(cluster, table, oracle)
     results, per_policy = [], {}
     for name in names:
@@ -108,7 +113,7 @@ def command(trace_path, cluster_name, policies, seed, density, oracle, round_s, 
         results.append(result)
         per_policy[name] = summarize(result, load)
     report = report_json(Path(trace_path).name, cluster.name, seed, per_policy, density=density,
-                         oracle=oracle, offered_load=round(load, 4), round_s=round_s)
+                         oracle=oracle, offered_load=round(load, 4), round_s=round_s, plan_search=plan_search)
     log.info("estimates took %.1f s", cache.estimate_seconds)
     table_md = markdown_table(report)
     if json_out != "-":
