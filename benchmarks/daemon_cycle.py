@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import os
 import shutil
 import statistics
@@ -55,6 +54,7 @@ from slurm_ext.lab import LabCluster, find_free_base_port, poll
 from slurm_ext.run import run_command
 from slurm_ext.slurm_client import SubmitRequest
 from slurm_ext.store import Store
+from bench_output import emit  # noqa: E402
 
 SCRIPT = """#!/bin/bash
 #ELASTIC iterations=100000
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         version = run_command(["sinfo", "--version"], timeout_s=10, env=lab.env()).stdout.strip()
         steady = statistics.median(c["total_s"] for c in cycles)
         parts = {k: round(statistics.median(c[k] for c in cycles), 3) for k in PARTS}
-        result = json.dumps({
+        emit({
             "command": "python benchmarks/daemon_cycle.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "jobs_queued": args.jobs, "policy": args.policy, "submit_s": round(submit_s, 1),
             "warmup": warmup, "cycles": cycles, "first_cycle_s": warmup[0]["total_s"],
@@ -152,10 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             "acting_mean_s": round(statistics.fmean(c["total_s"] for c in acting), 3) if acting else None,
             "acting_max_s": max((c["total_s"] for c in acting), default=None),
             "target_s": TARGET_S, "meets_target": steady <= TARGET_S, "cpus": os.cpu_count(),
-            "load_avg_1m": round(os.getloadavg()[0], 1), "slurm": version}, indent=1)
-        print(result)
-        if args.out:
-            Path(args.out).write_text(result + "\n")
+            "load_avg_1m": round(os.getloadavg()[0], 1), "slurm": version}, args.out)
         return 0
     finally:
         lab.down(timeout_s=120)

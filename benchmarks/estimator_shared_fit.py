@@ -37,6 +37,7 @@ from estimator.compute import FITTED_EFFICIENCY, Efficiency  # noqa: E402
 from estimator.gpus import CATALOG  # noqa: E402
 from estimator_accuracy import (DEFAULT_DATA, MICRO_BATCHES, EstimateOptions, accuracy, estimate_row,  # noqa: E402
                                 load_rows, summarize)
+from bench_output import emit  # noqa: E402
 
 SHARED_INT_FP32 = frozenset({"a40", "a10", "l20"})  # GA10x / AD10x: half the fp32 lanes also do integer work
 START = (0.65, 0.6, 0.8, 100.0, 100.0, 0.5)
@@ -92,11 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     in_dist = {"overall": summarize(_accuracies(shared, test)),
                "by_gpu_type": {t: summarize(_accuracies(shared, [r for r in test if r.gpu_type == t])) for t in types},
                "shared": shared}
-    result = json.dumps({"command": "python benchmarks/estimator_shared_fit.py", "leave_one_type_out": loto,
-                         "in_distribution": in_dist}, indent=1, default=float)
-    print(result)
-    if args.out:
-        Path(args.out).write_text(result + "\n")
+    emit({"command": "python benchmarks/estimator_shared_fit.py", "leave_one_type_out": loto,
+          "in_distribution": in_dist}, args.out, default=float)
     return 0
 
 

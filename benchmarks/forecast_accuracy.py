@@ -27,6 +27,8 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from bench_output import emit
+
 ROOT = Path(__file__).resolve().parents[1]
 TRACES = {"itp": "itp_cluster08.csv", "philly": "philly_2week.csv"}
 KEPT = ("jobs", "avg_jct_s", "avg_queue_s", "forecast_jobs", "forecast_with_end", "forecast_extrapolated",
@@ -67,11 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     policies = args.policy or ["cells-ilp", "crius"]
     with ThreadPoolExecutor(max_workers=2) as pool:
         runs = list(pool.map(lambda r: _replay(Path(args.traces), r, policies), args.runs))
-    result = json.dumps({"command": "python benchmarks/forecast_accuracy.py " + " ".join(argv or sys.argv[1:]),
-                         "runs": runs}, indent=1)
-    print(result)
-    if args.out:
-        Path(args.out).write_text(result + "\n")
+    emit({"command": "python benchmarks/forecast_accuracy.py " + " ".join(argv or sys.argv[1:]), "runs": runs},
+         args.out)
     return 0
 
 

@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from policy.cells_ilp import CellsIlpPolicy  # noqa: E402
 from policy.forecast import forecast  # noqa: E402
+from bench_output import emit  # noqa: E402
 from policy_scale import snapshot  # noqa: E402
 
 TARGET_S = 2.0
@@ -100,11 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                      "start_diff_h": _diff_h(got, ref, "start_s", snap.now_s),
                      "end_diff_h": _diff_h(got, ref, "end_s", snap.now_s)})
         print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
-    result = json.dumps({"command": "python benchmarks/forecast_speed.py " + " ".join(argv or sys.argv[1:]),
-                         "runs": runs, "target_s": TARGET_S}, indent=1)
-    print(result)
-    if args.out:  # HiGHS prints its banner on stdout: the file holds the JSON alone
-        Path(args.out).write_text(result + "\n")
+    emit({"command": "python benchmarks/forecast_speed.py " + " ".join(argv or sys.argv[1:]),
+          "runs": runs, "target_s": TARGET_S}, args.out)
     return 0
 
 
