@@ -196,7 +196,7 @@ def forecast(snapshot: Snapshot, policy: Policy, releases: tuple[GpuRelease, ...
         # The next event: a running job finishes, or GPUs come free outside the policy.
         finish = _finish_times(jobs, now_s)
         next_release = pending_releases[0].at_s if pending_releases else math.inf
-        next_s = min(min(finish.values(), default=math.inf), next_release)
+        next_s = min(min((f for _, f in finish.values()), default=math.inf), next_release)
         if not math.isfinite(next_s) or next_s - snapshot.now_s > horizon_s:
             break  # nothing will change any more (or not within the horizon)
         next_s = max(next_s, now_s + max(min_step_s, step_frac * (now_s - snapshot.now_s)))
@@ -335,13 +335,14 @@ def _start_fitting(jobs: dict[str, _Job], window: list, free: dict[str, int], bl
     return kept, started
 
 
-def _finish_times(jobs: dict[str, _Job], now_s: float) -> dict[str, float]:
-    """Job id → when each running job finishes at its Cell's rate, from ``now_s``."""
+def _finish_times(jobs: dict[str, _Job], now_s: float) -> dict[str, tuple[float, float]]:
+    """Job id → (iterations per second, when it finishes from ``now_s``) of each job that
+    runs at a known rate."""
     finish = {}
     for j in jobs.values():
         rate = rate_of(j.view, j.view.assignment) if j.end_s is None else 0.0
         if rate > 0:
-            finish[j.view.job_id] = max(now_s, j.busy_until_s) + j.view.remaining_iterations / rate
+            finish[j.view.job_id] = (rate, max(now_s, j.busy_until_s) + j.view.remaining_iterations / rate)
     return finish
 
 
@@ -370,19 +371,18 @@ def _apply(jobs: dict[str, _Job], actions, now_s: float, start_cost: StartCost) 
             j.cells.append(label)
 
 
-def _progress(jobs: dict[str, _Job], finish: dict[str, float], now_s: float, next_s: float) -> None:
-    """Every running job's iterations from ``now_s`` to ``next_s``; those that finish by
-    then end at their finish time."""
-    for j in jobs.values():
-        rate = rate_of(j.view, j.view.assignment) if j.end_s is None else 0.0
+def _progress(jobs: dict[str, _Job], finish: dict[str, tuple[float, float]], now_s: float, next_s: float) -> None:
+    """The iterations of every job in ``finish`` (``_finish_times``) from ``now_s`` to
+    ``next_s``; those that finish by then end at their finish time."""
+    for job_id, (rate, finish_s) in finish.items():
+        j = jobs[job_id]
         worked_s = max(0.0, next_s - max(now_s, j.busy_until_s))
-        if rate > 0 and worked_s > 0:
+        if worked_s > 0:
             done = min(float(j.view.iterations_total), j.view.iterations_done + rate * worked_s)
             j.view = replace(j.view, iterations_done=done)
-        if j.view.job_id in finish and finish[j.view.job_id] <= next_s:
-            j.end_s = finish[j.view.job_id]
+        if finish_s <= next_s:
+            j.end_s = finish_s
             j.view = replace(j.view, iterations_done=float(j.view.iterations_total))
 
 
-__all__ = ["GpuRelease", "JobForecast", "QueueOrder", "Start", "StartCost", "default_queue_order", "forecast",
-           "rate_of"]
+__all__ = ["GpuRelease", "JobForecast", "Start", "StartCost", "default_queue_order", "forecast", "rate_of"]

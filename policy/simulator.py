@@ -411,7 +411,7 @@ class _Replay:
         self.config, self.estimates = config, estimates
         self.name = getattr(policy, "name", type(policy).__name__)
         self.tuning_mode = config.plan_search or getattr(policy, "plan_tuning", "full")
-        self.tuning_s = config.costs.tuning_s(self.tuning_mode)  # the most a restart's tuning costs, for the snapshot
+        self.max_tuning_s = config.costs.tuning_s(self.tuning_mode)  # the most a restart's tuning costs, for the snapshot
         self.nodes = tuple(NodeView(n, g.gpu_type, g.gpus_per_node) for g in cluster.node_groups
                            for n in g.node_names())
         self.tally = FreeTally(self.nodes)
@@ -492,7 +492,7 @@ class _Replay:
                    TRIGGER_ARRIVAL if TRIGGER_ARRIVAL in triggers else TRIGGER_ROUND)
         costs = self.config.costs
         snapshot = Snapshot(now_s, self.nodes, tuple(_job_view(j, now_s) for j in self.active.values()), trigger,
-                            self.config.round_s, costs.checkpoint_resume_s + self.tuning_s, self.policy_state,
+                            self.config.round_s, costs.checkpoint_resume_s + self.max_tuning_s, self.policy_state,
                             self.derived)
         t0 = time.perf_counter()
         decision: Decision = self.policy.decide(snapshot)
