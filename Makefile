@@ -7,10 +7,15 @@ VENV := .venv
 PY := $(VENV)/bin/python
 APT_PACKAGES := slurmctld slurmd slurm-client munge
 STAMP := $(VENV)/.installed
+# Slurm 25.11, built from the upstream source vendored beside the project (never copied
+# into it): Debian has no 25.11 and pyslurm exists only for 25.11.
+SLURM_25_PREFIX ?= /opt/slurm-25.11
+SLURM_25_SOURCE ?= $(abspath $(CURDIR)/../shared/vendor/slurm-25.11.7.tar.xz)
+SLURM_25_BUILD_DEPS := libmunge-dev libjson-c-dev libyaml-dev liblua5.3-dev pkg-config
 
-.PHONY: setup system-packages test demo bench clean
+.PHONY: setup system-packages slurm-25.11 pyslurm test demo bench clean
 
-setup: system-packages $(STAMP)
+setup: system-packages slurm-25.11 $(STAMP) pyslurm
 
 # Slurm and munge from Debian; installed only when missing (needs root, as in CI).
 system-packages:
@@ -26,11 +31,46 @@ system-packages:
 	  fi; \
 	fi
 
+# Built once into $(SLURM_25_PREFIX), never rebuilt when present. Installed through a staging
+# directory and moved into place, so a failed build leaves no half prefix behind.
+# --enable-multiple-slurmd: the lab runs one slurmd per node on one machine.
+slurm-25.11:
+	@if [ -x $(SLURM_25_PREFIX)/sbin/slurmctld ]; then exit 0; fi; \
+	if [ ! -f "$(SLURM_25_SOURCE)" ]; then \
+	  echo "warning: $(SLURM_25_SOURCE) not found: Slurm 25.11 is not built and its tests are skipped"; exit 0; fi; \
+	if [ "$$(id -u)" != 0 ]; then \
+	  echo "Slurm 25.11 is not built (run 'sudo make slurm-25.11' once); its tests are skipped"; exit 0; fi; \
+	set -e; start=$$(date +%s); \
+	echo "building Slurm 25.11 into $(SLURM_25_PREFIX), once (about 10 minutes on 2 cores)"; \
+	( cd "$$(dirname "$(SLURM_25_SOURCE)")" && sha256sum --quiet -c "$$(basename "$(SLURM_25_SOURCE)").sha256" ); \
+	missing=""; for p in $(SLURM_25_BUILD_DEPS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then echo "installing Debian packages:$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; fi; \
+	build=$$(mktemp -d /tmp/slurm-25.11-build.XXXXXX); \
+	tar xf "$(SLURM_25_SOURCE)" -C $$build; src=$$(ls -d $$build/slurm-25.11*/); \
+	step() { log=$$build/$$1.log; shift; if ! (cd $$src && "$$@") >$$log 2>&1; then \
+	  tail -30 $$log; echo "Slurm 25.11 build failed; the log is $$log"; exit 1; fi; }; \
+	step configure ./configure --prefix=$(SLURM_25_PREFIX) --sysconfdir=$(SLURM_25_PREFIX)/etc \
+	  --disable-debug --enable-multiple-slurmd; \
+	step make make -j$$(nproc); \
+	step install make install DESTDIR=$$build/stage; \
+	mkdir -p $$(dirname $(SLURM_25_PREFIX)); mv $$build/stage$(SLURM_25_PREFIX) $(SLURM_25_PREFIX); \
+	rm -rf $$build; echo "Slurm 25.11 built into $(SLURM_25_PREFIX) in $$(( $$(date +%s) - start )) s"
+
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
+
+# The pyslurm backend's extra, built against the Slurm 25.11 prefix (about 3 minutes, once).
+pyslurm: $(STAMP)
+	@if [ ! -x $(SLURM_25_PREFIX)/sbin/slurmctld ]; then \
+	  echo "pyslurm is not installed: no Slurm 25.11 in $(SLURM_25_PREFIX)"; exit 0; fi; \
+	if $(PY) -m pip show -q pyslurm >/dev/null 2>&1; then exit 0; fi; \
+	echo "building pyslurm against $(SLURM_25_PREFIX), once (about 3 minutes)"; \
+	SLURM_INCLUDE_DIR=$(SLURM_25_PREFIX)/include SLURM_LIB_DIR=$(SLURM_25_PREFIX)/lib \
+	  $(PY) -m pip install -q -e '.[pyslurm]'
 
 test: setup
 	$(PY) -m pytest -q -ra tests

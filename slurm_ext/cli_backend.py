@@ -7,15 +7,17 @@ Values are converted to Slurm's formats here and nowhere else.
 
 import logging
 import re
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from estimator.contract import MAX_ADMIN_COMMENT_CHARS
 from slurm_ext.errors import SlurmArgumentError, SlurmCommandError, SlurmParseError
 from slurm_ext.run import run_command, run_commands
 from slurm_ext.slurm_client import JobUpdate, SlurmJob, SlurmNode, SubmitRequest
+from slurm_ext.slurm_install import SlurmInstall
 from slurm_ext.slurm_parse import (
-    ADMIN_COMMENT_FIELDS, LISTING_FIELDS, NAME_FIELDS, PENDING_LISTING_FIELDS,
+    ADMIN_COMMENT_FIELDS, GroupedSinfoError, LISTING_FIELDS, NAME_FIELDS, PENDING_LISTING_FIELDS,
     parse_job_detail, parse_job_listing, parse_jobs, parse_nodes,
     parse_pending_listing, parse_sbatch_parsable,
 )
@@ -26,6 +28,13 @@ log = logging.getLogger(__name__)
 DETAIL_ONE_BY_ONE_MAX = 8
 # Times in the listing as epoch seconds, whatever the site's SLURM_TIME_FORMAT.
 LISTING_ENV = {"SLURM_TIME_FORMAT": "%s"}
+# Slurm 25.11 (23.11 and later) on a cluster without accounting refuses a pending job's
+# partition change at random: `_update_job` reads errno when `_retrieve_new_assoc` returns
+# no association, which without accounting is no error, so a stale errno of the RPC thread
+# ("Resource temporarily unavailable") becomes the answer (about 2 tries in 3 on the lab).
+# Such an update is retried; it is idempotent.
+STALE_ERRNO_TEXT = "Resource temporarily unavailable"
+PARTITION_UPDATE_ATTEMPTS = 20
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 _SIGNAL = re.compile(r"^(SIG)?([A-Z][A-Z0-9]*|[0-9]{1,2})$")
 _GRES = re.compile(r"^[a-z][a-z0-9_]*(:[A-Za-z0-9_.\-]+)?(:[0-9]+)?(,[a-z][a-z0-9_]*(:[A-Za-z0-9_.\-]+)?(:[0-9]+)?)*$")
@@ -74,6 +83,20 @@ def _id_list(job_ids: int | Sequence[int]) -> list[int]:
     return [job_ids] if isinstance(job_ids, int) else list(job_ids)
 
 
+def retry_stale_errno(update: Callable[[], None], attempts: int = PARTITION_UPDATE_ATTEMPTS) -> None:
+    """Run a partition update, again while Slurm answers with a stale errno (see
+    `STALE_ERRNO_TEXT`); any other failure, or the last attempt's, is raised."""
+    for attempt in range(1, attempts + 1):
+        try:
+            update()
+            return
+        except SlurmCommandError as e:
+            if STALE_ERRNO_TEXT not in e.stderr or attempt == attempts:
+                raise
+            log.debug("partition update refused with a stale errno (attempt %d); again", attempt)
+            time.sleep(0.01)
+
+
 # ---- command builders (pure) --------------------------------------------------------------
 
 def squeue_json_argv() -> list[str]:
@@ -104,8 +127,14 @@ def job_detail_argv(job_id: int | None = None) -> list[str]:
 
 
 def sinfo_json_argv() -> list[str]:
-    """All nodes as JSON."""
+    """All nodes as JSON (one object per node up to 23.02; later, groups)."""
     return ["sinfo", "--all", "--json"]
+
+
+def nodes_json_argv() -> list[str]:
+    """All nodes as JSON, one object each, on Slurm 23.11 and later (22.05's scontrol has no
+    ``--json``)."""
+    return ["scontrol", "show", "nodes", "--json"]
 
 
 def update_pending_argv(job_id: int | list[int] | tuple[int, ...], update: JobUpdate) -> list[str]:
@@ -216,22 +245,27 @@ class CliSlurmClient:
     Args:
         env: variables for every command (e.g. ``{"SLURM_CONF": ...}``), None to inherit.
         timeout_s: time limit of each command.
+        install: the Slurm whose commands it runs (None: the system's, on PATH).
     """
 
-    def __init__(self, env: Mapping[str, str] | None = None, timeout_s: float = 30.0):
+    def __init__(self, env: Mapping[str, str] | None = None, timeout_s: float = 30.0,
+                 install: SlurmInstall | None = None):
         self.env = dict(env) if env is not None else None
         self.timeout_s = timeout_s
+        self.install = install if install is not None else SlurmInstall()
         # Running job → ((start time, restarts, nodes), GPUs per node, type): a grant does
         # not change while the job runs, so it is read once per run.
         self._granted: dict[int, tuple[tuple, tuple[int, ...], str | None]] = {}
         self._parsed: dict = {}  # the last listing's jobs, reused while their records match
+        self._nodes_argv: list[str] | None = None  # set once sinfo --json groups nodes
 
     def _run(self, argv: list[str], input_text: str | None = None) -> str:
-        return run_command(argv, self.timeout_s, input_text=input_text, env=self.env).stdout
+        return run_command(self.install.argv(argv), self.timeout_s, input_text=input_text,
+                           env=self.env).stdout
 
     def _listing(self, job_ids: Iterable[int] | None) -> tuple[SlurmJob, ...]:
         env = {**(self.env or {}), **LISTING_ENV}
-        done = run_commands([job_listing_argv(fields, job_ids)
+        done = run_commands([self.install.argv(job_listing_argv(fields, job_ids))
                              for fields in (LISTING_FIELDS, ADMIN_COMMENT_FIELDS, NAME_FIELDS)],
                             self.timeout_s, env=env)
         return parse_job_listing(*(d.stdout for d in done), memo=self._parsed if job_ids is None else None)
@@ -259,7 +293,8 @@ class CliSlurmClient:
             # comment's text): that also settles the few the listing of all left ambiguous.
             ids = sorted(j for j in missing if j not in found)[:DETAIL_ONE_BY_ONE_MAX]
             if ids:
-                outs = run_commands([job_detail_argv(j) for j in ids], self.timeout_s, env=self.env,
+                outs = run_commands([self.install.argv(job_detail_argv(j)) for j in ids],
+                                    self.timeout_s, env=self.env,
                                     check=False)
                 for job_id, out in zip(ids, outs):
                     if out.returncode != 0 and "Invalid job id" not in out.stderr:
@@ -288,16 +323,27 @@ class CliSlurmClient:
         return next((j for j in self._with_grants(jobs) if j.job_id == job_id), None)
 
     def nodes(self) -> tuple[SlurmNode, ...]:
-        return parse_nodes(self._run(sinfo_json_argv()))
+        if self._nodes_argv is None:
+            try:
+                return parse_nodes(self._run(sinfo_json_argv()))
+            except GroupedSinfoError:
+                self._nodes_argv = nodes_json_argv()  # a newer Slurm: from now on
+        return parse_nodes(self._run(self._nodes_argv))
 
     def update_pending(self, job_ids: int | Sequence[int], update: JobUpdate) -> None:
         ids = _id_list(job_ids)
         if update.num_nodes is not None and len(ids) > 1:
             # scontrol changes a node count one job at a time ("Invalid job ID 4,10").
             for job_id in ids:
-                self._run(update_pending_argv(job_id, update))
+                self._update(update_pending_argv(job_id, update), update)
             return
-        self._run(update_pending_argv(ids, update))
+        self._update(update_pending_argv(ids, update), update)
+
+    def _update(self, argv: list[str], update: JobUpdate) -> None:
+        if update.partition is None:
+            self._run(argv)
+        else:
+            retry_stale_errno(lambda: self._run(argv))
 
     def hold(self, job_ids: int | Sequence[int]) -> None:
         self._run(hold_argv(_id_list(job_ids)))

@@ -20,6 +20,7 @@ ENV_PREFIX = "SLURM_EXT_"
 ENV_CONFIG = "SLURM_EXT_CONFIG"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 PLAN_SPACES = ("cell", "dp-only")
+SLURM_BACKENDS = ("cli", "pyslurm")
 
 
 class ConfigError(SpecError):
@@ -71,6 +72,10 @@ class DaemonConfig:
             the rest is a list schedule in the policy's order (``policy.forecast``).
         forecast_budget_s: wall time after which one forecast takes no further decision
             (the list schedule finishes it): what bounds its cost on a long queue.
+        slurm_backend: how the daemon talks to Slurm: ``cli`` (the commands) or ``pyslurm``
+            (Slurm 25.11's C API; the ``pyslurm`` extra).
+        slurm_prefix: where the Slurm the daemon runs is installed (``/opt/slurm-25.11``
+            from ``make slurm-25.11``); None: the system's, on PATH.
     """
 
     interval_s: float = 60.0
@@ -98,6 +103,8 @@ class DaemonConfig:
     forecast_every_s: float = 60.0
     forecast_max_decisions: int = 60
     forecast_budget_s: float = 1.5
+    slurm_backend: str = "cli"
+    slurm_prefix: str | None = None
 
     def partition_map(self) -> dict[str, str]:
         return dict(self.partitions)
@@ -222,7 +229,11 @@ def _coerce(key: str, raw: object, source: str) -> object:
         if raw not in PLAN_SPACES:
             raise ConfigError(key, raw, f"({source}) use one of {', '.join(PLAN_SPACES)}")
         return raw
-    if key in ("cluster", "checkpoint_root"):
+    if key == "slurm_backend":
+        if raw not in SLURM_BACKENDS:
+            raise ConfigError(key, raw, f"({source}) use one of {', '.join(SLURM_BACKENDS)}")
+        return raw
+    if key in ("cluster", "checkpoint_root", "slurm_prefix"):
         return None if raw in (None, "", "none", "null") else str(raw)
     if key in ("policy", "network", "state_db"):
         if not isinstance(raw, str) or not raw.strip():

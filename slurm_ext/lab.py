@@ -33,15 +33,18 @@ from estimator.cluster import ClusterSpec, load_cluster
 from estimator.contract import EXIT_RESCALE
 from slurm_ext.errors import LabError, SlurmExtError
 from slurm_ext.run import reap, run_command, start_background
+from slurm_ext.slurm_install import SlurmInstall, install_from, parse_version
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BASE_PORT = 17800
 DEFAULT_DIR = Path("lab")
 JOB_SUBMIT_LUA = Path(__file__).resolve().parent.parent / "etc" / "job_submit.lua"
-SLURMCTLD = "/usr/sbin/slurmctld"
-SLURMD = "/usr/sbin/slurmd"
 MUNGED = "/usr/sbin/munged"
+# Plugins that Slurm 23.02 and later dropped ("none" is their default there).
+NONE_PLUGIN_LINES = ("TaskPlugin=task/none", "SwitchType=switch/none", "JobCompType=jobcomp/none",
+                     "AccountingStorageType=accounting_storage/none",
+                     "JobAcctGatherType=jobacct_gather/none")
 NODE_CPUS = 16
 NODE_MEMORY_MB = 64000
 KILL_WAIT_S = 2
@@ -109,10 +112,12 @@ def _ranges(first: int, last: int) -> str:
 
 
 def render_slurm_conf(cluster: ClusterSpec, paths: LabPaths, base_port: int,
-                      hostname: str) -> str:
+                      hostname: str, version: tuple[int, int, int] = (22, 5, 0)) -> str:
     """slurm.conf for a lab: one partition per node group, fake GPUs, our ports and paths.
 
     Ports: slurmctld listens on ``base_port``, the slurmds on the next ports, in order.
+    ``version`` is the Slurm that reads it: 23.02 and later refuse the "none" plugins
+    22.05 needs named (`NONE_PLUGIN_LINES`).
     """
     r = paths.root
     lines = [
@@ -138,12 +143,8 @@ def render_slurm_conf(cluster: ClusterSpec, paths: LabPaths, base_port: int,
         "SelectTypeParameters=CR_Core",
         "GresTypes=gpu",
         "ProctrackType=proctrack/linuxproc",
-        "TaskPlugin=task/none",
+        *(NONE_PLUGIN_LINES if version < (23, 2, 0) else ()),
         "MpiDefault=none",
-        "SwitchType=switch/none",
-        "JobCompType=jobcomp/none",
-        "AccountingStorageType=accounting_storage/none",
-        "JobAcctGatherType=jobacct_gather/none",
         "SchedulerType=sched/backfill",
         # Nodes declare more CPUs, memory and GPUs than this machine has.
         "SlurmdParameters=config_overrides",
@@ -265,20 +266,32 @@ class LabCluster:
         cluster: the cluster to emulate (default: the built-in ``lab``).
         base_port: slurmctld's port; slurmds use the following ports.
         job_submit_lua: the job_submit.lua copied into D.
+        install: the Slurm whose daemons and commands the lab runs; None: the one a lab
+            already up in D was started with (recorded in ``pids.json``), else the system's.
     """
 
     def __init__(self, root: Path | str = DEFAULT_DIR, cluster: ClusterSpec | None = None,
-                 base_port: int = DEFAULT_BASE_PORT, job_submit_lua: Path = JOB_SUBMIT_LUA):
+                 base_port: int = DEFAULT_BASE_PORT, job_submit_lua: Path = JOB_SUBMIT_LUA,
+                 install: SlurmInstall | None = None):
         self.paths = LabPaths(Path(root).resolve())
         self.cluster = cluster if cluster is not None else load_cluster("lab")
         self.base_port = base_port
         self.job_submit_lua = Path(job_submit_lua)
+        self._install = install
+
+    @property
+    def install(self) -> SlurmInstall:
+        """The Slurm installation of this lab (see the constructor's ``install``)."""
+        if self._install is not None:
+            return self._install
+        return install_from(self.recorded_pids().get("slurm_prefix"))
 
     # ---- reading state -------------------------------------------------------------------
 
     def env(self) -> dict[str, str]:
-        """Environment variables that point Slurm commands at this lab."""
-        return {"SLURM_CONF": str(self.paths.conf)}
+        """Environment variables that point Slurm commands at this lab (and, for a Slurm
+        built into a prefix, ``PATH`` to its commands)."""
+        return {"SLURM_CONF": str(self.paths.conf), **self.install.env()}
 
     def recorded_pids(self) -> dict:
         """``{"munged": pid|None, "slurmctld": pid, "slurmd": {node: pid}}`` or {}."""
@@ -327,10 +340,12 @@ class LabCluster:
         if self.is_up():
             raise LabError(f"a lab is already up in {p.root}; "
                            f"run `slurm-ext lab down --dir {p.root}` first")
-        for program in (SLURMCTLD, SLURMD, MUNGED):
-            if not Path(program).exists():
-                raise LabError(f"{program} is not installed: apt-get install slurmctld slurmd "
-                               "slurm-client munge")
+        install = self.install
+        missing = install.missing() + ((MUNGED,) if not Path(MUNGED).exists() else ())
+        if missing:
+            how = ("run `make slurm-25.11` (or fix SLURM_EXT_SLURM_PREFIX)" if install.prefix
+                   else "apt-get install slurmctld slurmd slurm-client munge")
+            raise LabError(f"{', '.join(missing)} not installed: {how}")
         if len(node_names(self.cluster)) > MAX_LAB_NODES:
             raise LabError(f"cluster {self.cluster.name!r} has {len(node_names(self.cluster))} "
                            f"nodes; a lab runs one slurmd per node, at most {MAX_LAB_NODES}: "
@@ -344,20 +359,24 @@ class LabCluster:
                            "choose another base port (--base-port) or stop what uses them")
         if not self.job_submit_lua.exists():
             raise LabError(f"{self.job_submit_lua} not found: the lab needs etc/job_submit.lua")
+        version = self.slurm_version()
         self._clean_runtime()
-        self._write_files()
-        pids: dict = {"munged": None, "slurmctld": None, "slurmd": {}}
+        self._write_files(version)
+        pids: dict = {"munged": None, "slurmctld": None, "slurmd": {},
+                      "slurm_prefix": str(install.prefix) if install.prefix else None}
         try:
             pids["munged"] = self._start_munged()
             self._save_pids(pids)
             pids["slurmctld"] = start_background(
-                [SLURMCTLD, "-D", "-c", "-i", "-f", str(p.conf)], p.logs / "slurmctld.out")
+                [install.command("slurmctld"), "-D", "-c", "-i", "-f", str(p.conf)],
+                p.logs / "slurmctld.out")
             self._save_pids(pids)
             if not poll(self._ctld_answers, 20):
                 raise LabError(f"slurmctld did not answer within 20 s; see {p.logs}/slurmctld.log")
             for node in node_names(self.cluster):
                 pids["slurmd"][node] = start_background(
-                    [SLURMD, "-D", "-f", str(p.conf), "-N", node], p.logs / f"slurmd-{node}.out")
+                    [install.command("slurmd"), "-D", "-f", str(p.conf), "-N", node],
+                    p.logs / f"slurmd-{node}.out")
                 self._save_pids(pids)
             if not poll(self._all_idle, timeout_s, 0.5):
                 raise LabError(f"nodes not idle after {timeout_s:g} s ({self._states_text()}); "
@@ -365,7 +384,8 @@ class LabCluster:
         except BaseException:
             self._stop_recorded()
             raise
-        log.info("lab up in %s: %d nodes", p.root, len(pids["slurmd"]))
+        log.info("lab up in %s: %d nodes, Slurm %s (%s)", p.root, len(pids["slurmd"]),
+                 ".".join(map(str, version)), install.describe())
 
     def stop_slurmctld(self, timeout_s: float = 20.0) -> None:
         """Stop only the controller (to test what survives an outage); jobs keep running.
@@ -393,8 +413,9 @@ class LabCluster:
             raise LabError(f"no lab in {self.paths.root}: run `slurm-ext lab up` first")
         if pids.get("slurmctld") and _alive(pids["slurmctld"], marker):
             raise LabError(f"slurmctld of the lab in {self.paths.root} already runs")
-        pids["slurmctld"] = start_background([SLURMCTLD, "-D", "-i", "-f", str(self.paths.conf)],
-                                             self.paths.logs / "slurmctld.out")
+        pids["slurmctld"] = start_background(
+            [self.install.command("slurmctld"), "-D", "-i", "-f", str(self.paths.conf)],
+            self.paths.logs / "slurmctld.out")
         self._save_pids(pids)
         if not poll(self._ctld_answers, timeout_s):
             raise LabError(f"slurmctld did not answer within {timeout_s:g} s; "
@@ -406,14 +427,27 @@ class LabCluster:
             shutil.rmtree(d, ignore_errors=True)
         p.pids.unlink(missing_ok=True)
 
-    def _write_files(self) -> None:
+    def slurm_version(self) -> tuple[int, int, int]:
+        """The version of the lab's Slurm (``slurmctld -V``: 25.11's clients need a
+        configuration even to print their version).
+
+        Raises:
+            LabError: it printed no version.
+        """
+        out = run_command([self.install.command("slurmctld"), "-V"], timeout_s=10).stdout
+        version = parse_version(out)
+        if version is None:
+            raise LabError(f"cannot tell the Slurm version from {out.strip()!r}")
+        return version
+
+    def _write_files(self, version: tuple[int, int, int]) -> None:
         p = self.paths
         for d in (p.root, p.state, p.spool, p.run, p.logs, p.dev, p.root / "tmp"):
             d.mkdir(parents=True, exist_ok=True)
         for node in node_names(self.cluster):
             (p.spool / node).mkdir(exist_ok=True)
         hostname = socket.gethostname().split(".")[0]
-        p.conf.write_text(render_slurm_conf(self.cluster, p, self.base_port, hostname))
+        p.conf.write_text(render_slurm_conf(self.cluster, p, self.base_port, hostname, version))
         p.gres_conf.write_text(render_gres_conf(self.cluster, p))
         (p.root / "plugstack.conf").write_text("")
         shutil.copyfile(self.job_submit_lua, p.lua)

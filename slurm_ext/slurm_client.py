@@ -1,7 +1,7 @@
 """The Slurm client interface: what the daemon reads from Slurm and what it asks of it.
 
-Backends implement `SlurmClient` (the CLI backend in `slurm_ext.cli_backend`; a pyslurm
-backend can implement the same methods). Jobs and nodes cross module boundaries as the
+Backends implement `SlurmClient`: the CLI backend in `slurm_ext.cli_backend`, the pyslurm
+backend in `slurm_ext.pyslurm_backend` (`slurm_ext.backend.make_client` picks one). Jobs and nodes cross module boundaries as the
 frozen dataclasses below; numbers carry their units in their names.
 
 Slurm 22.05 cannot change a pending job's GPU *type*, so elastic jobs carry an untyped
@@ -311,8 +311,8 @@ class SlurmClient(Protocol):
         ...
 
     def pending_elastic_job_ids(self) -> list[int]:
-        """Ids of the pending jobs whose comment asks for elastic scheduling, from a cheap
-        listing (polled between rounds to notice arrivals)."""
+        """Ids of the pending jobs whose comment asks for elastic scheduling, ascending, from
+        a cheap listing (polled between rounds to notice arrivals)."""
         ...
 
     def submit(self, request: SubmitRequest) -> int:

@@ -224,10 +224,16 @@ def parse_gres_detail(detail: object) -> tuple[tuple[int, ...], str | None]:
 
 # ---- documents ----------------------------------------------------------------------------
 
+class GroupedSinfoError(SlurmParseError):
+    """``sinfo --json`` of Slurm 23.11 and later: node groups by partition and state (under
+    ``sinfo``), not one object per node; ``scontrol show nodes --json`` gives those."""
+
+
 def load_document(raw: str, what: str, key: str) -> list[Mapping]:
     """The list under `key` of a Slurm JSON document; empty output is an empty list.
 
     Raises:
+        GroupedSinfoError: a newer ``sinfo --json`` asked for ``nodes``.
         SlurmParseError: not JSON, or Slurm reported errors and no `key`.
     """
     if not raw or not raw.strip():
@@ -241,6 +247,8 @@ def load_document(raw: str, what: str, key: str) -> list[Mapping]:
     errors = [e for e in doc.get("errors") or [] if e]
     items = doc.get(key)
     if items is None:
+        if key == "nodes" and "sinfo" in doc:
+            raise GroupedSinfoError(what, raw[:200])
         if errors:
             raise SlurmParseError(f"{what} (Slurm reported errors)", errors)
         return []
@@ -333,7 +341,12 @@ def parse_node(raw: Mapping, where: str = "node") -> SlurmNode:
 
 
 def parse_nodes(raw: str) -> tuple[SlurmNode, ...]:
-    """``sinfo --json`` output → nodes (empty output → ())."""
+    """``sinfo --json`` (22.05) or ``scontrol show nodes --json`` output → nodes (empty
+    output → ()).
+
+    Raises:
+        GroupedSinfoError: ``sinfo --json`` of 23.11 or later (read the scontrol one).
+    """
     items = load_document(raw, "sinfo --json", "nodes")
     nodes = []
     seen = set()
@@ -555,11 +568,11 @@ PENDING_LISTING_FIELDS = "JobID:|,Comment:|"
 
 
 def parse_pending_listing(text: str) -> list[int]:
-    """Job ids of the elastic jobs in a pending-jobs listing (``PENDING_LISTING_FIELDS``)."""
+    """Job ids of the elastic jobs in a pending-jobs listing (``PENDING_LISTING_FIELDS``), ascending."""
     out = []
     for line in text.splitlines():
         job_id, _, comment = line.partition("|")
         job_id = job_id.strip()
         if job_id.isdigit() and is_elastic(comment.rstrip("|")):
             out.append(int(job_id))
-    return out
+    return sorted(out)

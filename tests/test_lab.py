@@ -202,14 +202,14 @@ def test_second_lab_refuses_to_start_twice_and_down_stops_exactly_its_pids(slurm
     cluster = load_cluster("lab")
     ours = tuple(range(slurm_lab.base_port, slurm_lab.base_port + 40))
     other = LabCluster(tmp_path / "lab2", base_port=find_free_base_port(
-        cluster, range(19400, 20000, 40), exclude=ours))
+        cluster, range(19400, 20000, 40), exclude=ours), install=slurm_lab.install)
     bystander = start_background(["sleep", "60"])
     try:
         other.up()
         with pytest.raises(LabError, match="already up"):
             other.up()
         with pytest.raises(LabError, match="already in use"):
-            LabCluster(tmp_path / "lab3", base_port=other.base_port).up()
+            LabCluster(tmp_path / "lab3", base_port=other.base_port, install=slurm_lab.install).up()
         daemons = other.daemons()
         assert set(daemons) == {"munged", "slurmctld"} | {
             f"slurmd {n}" for g in cluster.node_groups for n in g.node_names()}

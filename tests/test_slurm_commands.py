@@ -255,7 +255,7 @@ def test_batched_update_hold_release_on_the_lab(slurm_lab, slurm_client, tmp_pat
 
 
 @pytest.mark.slurm
-def test_grants_of_many_new_running_jobs_come_from_one_listing_of_all(slurm_client, tmp_path):
+def test_grants_of_many_new_running_jobs_come_from_one_listing_of_all(slurm_lab, slurm_client, tmp_path):
     from slurm_ext.cli_backend import DETAIL_ONE_BY_ONE_MAX
     wanted = {"h100": 8, "a10": 2}
     assert sum(wanted.values()) > DETAIL_ONE_BY_ONE_MAX
@@ -264,9 +264,12 @@ def test_grants_of_many_new_running_jobs_come_from_one_listing_of_all(slurm_clie
            for p, n in wanted.items() for _ in range(n)}
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        jobs = {j.job_id: j for j in CliSlurmClient(env=slurm_client.env).jobs() if j.job_id in ids}
+        jobs = {j.job_id: j for j in CliSlurmClient(env=slurm_lab.env()).jobs() if j.job_id in ids}
         if all(j.is_running for j in jobs.values()) and len(jobs) == len(ids):
             break
         time.sleep(0.5)
     assert {i: (j.granted_gpus_per_node, j.granted_gpu_type) for i, j in jobs.items()} == \
         {i: ((1,), p) for i, p in ids.items()}
+    # The session's backend (pyslurm too) reads the same grants.
+    assert {j.job_id: (j.granted_gpus_per_node, j.granted_gpu_type) for j in slurm_client.jobs()
+            if j.job_id in ids} == {i: ((1,), p) for i, p in ids.items()}

@@ -16,6 +16,7 @@ import sys
 import click
 
 from slurm_ext.config import DaemonConfig, load_config
+from slurm_ext.errors import SlurmExtError
 
 LOG_FORMAT = "ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s"
 
@@ -32,10 +33,10 @@ def configure_logging(level: str) -> None:
 
 
 def make_client(config: DaemonConfig):
-    """The Slurm CLI backend with the configured command time limit."""
-    from slurm_ext.cli_backend import CliSlurmClient
+    """The configured Slurm backend (``slurm_backend``, ``slurm_prefix``, command time limit)."""
+    from slurm_ext.backend import make_client as make
 
-    return CliSlurmClient(timeout_s=config.slurm_timeout_s)
+    return make(config.slurm_backend, config.slurm_prefix, config.slurm_timeout_s)
 
 
 @click.command("daemon")
@@ -70,7 +71,12 @@ def command(config_path, once, dry_run, interval_s, policy, state_db, log_level)
             f"cannot open the state file {config.state_db!r}: {e}; set state_db in the config "
             "(or --state-db) to a writable path") from None
     metrics = Metrics(config.metrics_port)
-    daemon = Daemon(config, make_client(config), store, metrics=metrics,
+    try:
+        client = make_client(config)
+    except SlurmExtError as e:
+        store.close()
+        raise click.ClickException(str(e)) from None
+    daemon = Daemon(config, client, store, metrics=metrics,
                     out=lambda line: click.echo(line), reload=resolve)
 
     def on_stop(signum, _frame):
@@ -84,7 +90,8 @@ def command(config_path, once, dry_run, interval_s, policy, state_db, log_level)
     signal.signal(signal.SIGTERM, on_stop)
     signal.signal(signal.SIGINT, on_stop)
     signal.signal(signal.SIGHUP, on_hup)
-    log.info(kv("daemon_started", policy=config.policy, interval_s=config.interval_s,
+    log.info(kv("daemon_started", policy=config.policy, backend=config.slurm_backend,
+                slurm=config.slurm_prefix or "system", interval_s=config.interval_s,
                 dry_run=config.dry_run, state_db=config.state_db, once=once))
     try:
         status = daemon.run(once=once)

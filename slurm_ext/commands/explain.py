@@ -28,7 +28,7 @@ def command(job_id, as_json, config_path, state_db, timeout_s):
     from estimator.errors import SpecError
     from estimator.estimate import EstimateOptions, estimate_job
     from slurm_ext import explain
-    from slurm_ext.cli_backend import CliSlurmClient
+    from slurm_ext.backend import make_client
     from slurm_ext.config import load_config
     from slurm_ext.errors import SlurmExtError
     from slurm_ext.jobspec import check_model, parse_spec
@@ -36,8 +36,8 @@ def command(job_id, as_json, config_path, state_db, timeout_s):
     from slurm_ext.store import Store
 
     cfg = load_config(config_path, {}, dict(os.environ))
-    client = CliSlurmClient(timeout_s=timeout_s)
     try:
+        client = make_client(cfg.slurm_backend, cfg.slurm_prefix, timeout_s)
         job = client.job(job_id)
         if job is None:
             raise click.ClickException(f"job {job_id} is not known to Slurm (finished long ago, or a typo)")

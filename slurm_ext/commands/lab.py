@@ -8,10 +8,12 @@ import click
 from slurm_ext.errors import LabError, SlurmExtError
 
 
-def _lab(directory: Path, cluster: str, base_port: int):
+def _lab(directory: Path, cluster: str, base_port: int, slurm_prefix: str | None):
     from estimator.cluster import load_cluster
     from slurm_ext.lab import LabCluster
-    return LabCluster(directory, load_cluster(cluster), base_port)
+    from slurm_ext.slurm_install import install_from
+    return LabCluster(directory, load_cluster(cluster), base_port,
+                      install=install_from(slurm_prefix) if slurm_prefix else None)
 
 
 def _fail(e: Exception) -> None:
@@ -29,17 +31,24 @@ def _fail(e: Exception) -> None:
               help="slurmctld's port; the slurmds use the ports after it.")
 @click.option("--timeout", "timeout_s", type=float, default=60.0, show_default=True,
               help="Seconds `up` waits for every node to be idle.")
-def command(action: str, directory: Path, cluster: str, base_port: int, timeout_s: float):
+@click.option("--slurm-prefix", envvar="SLURM_EXT_SLURM_PREFIX", default=None,
+              help="Run the Slurm built into this prefix (e.g. /opt/slurm-25.11 from "
+                   "`make slurm-25.11`) [env SLURM_EXT_SLURM_PREFIX; default: Debian's Slurm, "
+                   "or for down/status the one the lab was started with].")
+def command(action: str, directory: Path, cluster: str, base_port: int, timeout_s: float,
+            slurm_prefix: str | None):
     """Start, stop or inspect a local Slurm with fake heterogeneous GPU nodes.
 
     After `up`, SLURM_CONF=DIR/slurm.conf points any Slurm command at it.
     """
-    lab = _lab(directory, cluster, base_port)
+    lab = _lab(directory, cluster, base_port, slurm_prefix)
     try:
         if action == "up":
             lab.up(timeout_s=timeout_s)
-            click.echo(f"lab up: {len(lab.recorded_pids().get('slurmd', {}))} nodes; "
-                       f"export SLURM_CONF={lab.paths.conf}")
+            path = lab.install.env().get("PATH")
+            click.echo(f"lab up: {len(lab.recorded_pids().get('slurmd', {}))} nodes, Slurm "
+                       f"{'.'.join(map(str, lab.slurm_version()))}; export SLURM_CONF={lab.paths.conf}"
+                       + (f" PATH={path.split(':', 2)[0]}:$PATH" if path else ""))
         elif action == "down":
             was_up = lab.is_up()
             lab.down()

@@ -1,12 +1,14 @@
 """`slurm-ext squeue [--json]`: squeue plus each elastic job's Cell, plan, speed and why.
 
-Reads only Slurm (``squeue --json``), so any user can run it without the daemon's state.
+Reads only Slurm (through the configured backend, ``slurm_backend``), so any user can run
+it without the daemon's state.
 The JSON keys are documented in ``slurm_ext.squeue_view``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 
 import click
 
@@ -18,12 +20,14 @@ import click
               help="Time limit of the squeue call.")
 def command(as_json, include_finished, timeout_s):
     """Every job with its elastic Cell, plan, estimated samples/s and why."""
-    from slurm_ext.cli_backend import CliSlurmClient
+    from slurm_ext.backend import make_client
+    from slurm_ext.config import load_config
     from slurm_ext.errors import SlurmExtError
     from slurm_ext.squeue_view import format_table, rows, to_json
 
+    cfg = load_config(None, {}, dict(os.environ))
     try:
-        jobs = CliSlurmClient(timeout_s=timeout_s).jobs()
+        jobs = make_client(cfg.slurm_backend, cfg.slurm_prefix, timeout_s).jobs()
     except SlurmExtError as e:
         raise click.ClickException(str(e)) from None
     table = rows(jobs, include_finished=include_finished)

@@ -1,0 +1,281 @@
+"""The pyslurm backend of `SlurmClient`: Slurm's C API through pyslurm 25.11 (no commands).
+
+Reads come from one ``slurm_load_jobs`` / ``slurm_load_node`` RPC each and are turned into
+the records ``squeue --json`` / ``sinfo --json`` print, so `slurm_ext.slurm_parse` gives
+both backends the same `SlurmJob` and `SlurmNode` (parity by construction, checked by the
+integration tests that run on both). Actions are RPCs on ``pyslurm.Job``.
+
+Where pyslurm cannot do a thing, this backend runs the command the CLI backend runs:
+
+- a pending job's **node count**: ``JobSubmitDescription`` writes ``min_nodes`` only when
+  submitting, never in an update, so ``NumNodes`` goes through ``scontrol update``;
+- **submitting with arbitrary sbatch options** (`SubmitRequest.extra_args`, used by tests
+  and the demo, never by the daemon): pyslurm has no parser for sbatch's command line.
+
+pyslurm reads ``SLURM_CONF`` from the process environment when it is first imported, so
+the client sets it (from ``env``) before that import; one process talks to one cluster.
+"""
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+
+from slurm_ext.cli_backend import (
+    CliSlurmClient, _admin_comment, _id_list, _job_id, _name, _positive, retry_stale_errno,
+    sbatch_argv, signal_batch_argv,
+)
+from slurm_ext.errors import SlurmArgumentError, SlurmCommandError, SlurmExtError
+from slurm_ext.slurm_client import JobUpdate, SlurmJob, SlurmNode, SubmitRequest
+from slurm_ext.slurm_install import SlurmInstall
+from slurm_ext.slurm_parse import is_elastic, parse_job, parse_node
+
+log = logging.getLogger(__name__)
+
+
+class PyslurmUnavailable(SlurmExtError):
+    """pyslurm is not installed, or was built for another Slurm than the one configured."""
+
+
+def _gres_text(gres: Mapping | None) -> str:
+    """pyslurm's gres dict (``{"gpu:a100": 4}``, ``{"gres/gpu": 2}``) → ``gpu:a100:4,gres/gpu:2``."""
+    return ",".join(f"{name}:{count}" for name, count in (gres or {}).items())
+
+
+def _hostlist(value: object) -> str:
+    if value is None:
+        return ""
+    return ",".join(value) if isinstance(value, (list, tuple)) else str(value)
+
+
+def job_record(job) -> dict:
+    """A ``pyslurm.Job`` as the job object of ``squeue --json`` (the keys `parse_job` reads)."""
+    state = job.state
+    layout = job.get_resource_layout_per_node() if state in ("RUNNING", "SUSPENDED", "COMPLETING") else {}
+    exit_status = job.exit_code
+    signal = job.exit_code_signal
+    waiting, throttle = job.array_tasks_waiting, job.array_tasks_parallel
+    task_id = job.array_task_id
+    if job.array_id and task_id is None and not waiting:
+        task_id = 0  # pyslurm reads a task id of 0 as unset
+    # squeue prints no end for a running job without a time limit (pyslurm: start + 1 year).
+    no_end = job.time_limit is None and state in ("RUNNING", "SUSPENDED")
+    return {
+        "job_id": job.id,
+        "user_name": job.user_name or "",
+        "name": job.name or "",
+        "job_state": state,
+        "state_reason": job.state_reason or "",
+        "partition": job.partition or "",
+        "comment": job.comment or "",
+        "admin_comment": job.admin_comment or "",
+        "tres_per_node": _gres_text(job.gres_per_node),
+        "tres_per_job": _gres_text(_tres_gpus(job.tres_per_job)),
+        "gres_detail": [_gres_text(layout[n]["gres"]) for n in layout],
+        "nodes": _hostlist(job.allocated_nodes),
+        "node_count": job.num_nodes or 0,
+        "restart_cnt": job.requeue_count or 0,
+        "submit_time": job.submit_time or 0,
+        "start_time": job.start_time or 0,
+        "end_time": 0 if no_end else job.end_time or 0,
+        "priority": job.priority or 0,
+        "batch_flag": int(bool(job.is_batch_job)),
+        "requeue": int(bool(job.is_requeueable)),
+        "array_job_id": job.array_id or 0,
+        "array_task_id": task_id,
+        "array_task_string": f"{waiting}%{throttle}" if waiting and throttle else waiting or "",
+        "exit_code": {"return_code": exit_status or 0,
+                      "signal": {"id": signal or 0}},
+    }
+
+
+def _tres_gpus(tres) -> dict:
+    """GPUs of a pyslurm ``TrackableResources`` (``tres_per_job``) as ``{"gpu[:type]": n}``."""
+    if not tres:
+        return {}
+    out = {}
+    for gres in (tres.gres or {}).values():
+        if getattr(gres, "name", None) == "gpu":
+            key = f"gpu:{gres.type}" if getattr(gres, "type", None) else "gpu"
+            out[key] = out.get(key, 0) + int(gres.count)
+    return out
+
+
+def node_record(node) -> dict:
+    """A ``pyslurm.Node`` as the node object of ``sinfo --json`` (the keys `parse_node` reads)."""
+    return {
+        "name": node.name,
+        "state": (node.state or "").split("+"),
+        "partitions": list(node.partitions or ()),
+        "active_features": list(node.active_features or ()),
+        "gres": _gres_text(node.configured_gres),
+        "gres_used": _gres_text(node.allocated_gres),
+        "cpus": node.total_cpus or 0,
+        "real_memory": node.real_memory or 0,
+    }
+
+
+class PyslurmClient:
+    """`SlurmClient` over pyslurm (Slurm 25.11's C API).
+
+    Args:
+        env: ``SLURM_CONF`` (and, for the commands it still runs, ``PATH``) of the cluster;
+            None to use the process's.
+        timeout_s: time limit of each command it still runs (see the module docstring).
+        install: the Slurm those commands come from.
+
+    Raises:
+        PyslurmUnavailable: pyslurm cannot be imported (not installed, or built for
+            another Slurm), or another cluster's ``SLURM_CONF`` was already loaded.
+    """
+
+    def __init__(self, env: Mapping[str, str] | None = None, timeout_s: float = 30.0,
+                 install: SlurmInstall | None = None):
+        conf = (env or {}).get("SLURM_CONF")
+        if conf and os.environ.get("SLURM_CONF") not in (None, conf) and _pyslurm_loaded():
+            raise PyslurmUnavailable(f"pyslurm already loaded {os.environ['SLURM_CONF']}; one "
+                                     f"process talks to one cluster (asked for {conf})")
+        if conf:
+            os.environ["SLURM_CONF"] = conf
+        try:
+            import pyslurm
+        except ImportError as e:
+            raise PyslurmUnavailable(
+                f"pyslurm is not usable ({e}); install the 'pyslurm' extra against Slurm "
+                "25.11 (`make slurm-25.11`, then SLURM_INCLUDE_DIR=/opt/slurm-25.11/include "
+                "SLURM_LIB_DIR=/opt/slurm-25.11/lib pip install -e '.[pyslurm]'), or set "
+                "slurm_backend: cli") from None
+        self._pyslurm = pyslurm
+        # The commands pyslurm cannot replace (node counts, sbatch options).
+        self._cli = CliSlurmClient(env=env, timeout_s=timeout_s, install=install)
+
+    # ---- reading -------------------------------------------------------------------------
+
+    def _rpc(self, what: str, call, *args):
+        try:
+            return call(*args)
+        except self._pyslurm.RPCError as e:
+            raise SlurmCommandError(("pyslurm", *what.split()), getattr(e, "errno", 1) or 1,
+                                    str(e)) from None
+
+    def jobs(self) -> tuple[SlurmJob, ...]:
+        loaded = self._rpc("load jobs", self._pyslurm.Jobs.load)
+        return tuple(parse_job(job_record(j), f"job {j.id}") for j in loaded.values())
+
+    def job(self, job_id: int) -> SlurmJob | None:
+        _job_id(job_id)
+        try:
+            job = self._pyslurm.Job.load(job_id)
+        except self._pyslurm.RPCError as e:
+            if "Invalid job id" in str(e):
+                return None
+            raise SlurmCommandError(("pyslurm", "load job", str(job_id)), 1, str(e)) from None
+        return parse_job(job_record(job), f"job {job_id}")
+
+    def nodes(self) -> tuple[SlurmNode, ...]:
+        loaded = self._rpc("load nodes", self._pyslurm.Nodes.load)
+        return tuple(parse_node(node_record(n), f"node {n.name}") for n in loaded.values())
+
+    def pending_elastic_job_ids(self) -> list[int]:
+        loaded = self._rpc("load jobs", self._pyslurm.Jobs.load)
+        return sorted(j.id for j in loaded.values() if j.state == "PENDING" and is_elastic(j.comment or ""))
+
+    # ---- acting --------------------------------------------------------------------------
+
+    def update_pending(self, job_ids: int | Sequence[int], update: JobUpdate) -> None:
+        ids = [int(_job_id(j)) for j in _id_list(job_ids)]
+        if not ids:
+            raise SlurmArgumentError("job_ids", ids, "give at least one job id")
+        changes = {}
+        if update.partition is not None:
+            changes["partitions"] = _name("partition", update.partition)
+        if update.gpus_per_node is not None:
+            changes["gres_per_node"] = f"gpu:{_positive('gpus_per_node', update.gpus_per_node)}"
+        if update.admin_comment is not None:
+            changes["admin_comment"] = _admin_comment(update.admin_comment)
+        if update.num_nodes is not None:
+            _positive("num_nodes", update.num_nodes)
+        elif not changes:
+            raise SlurmArgumentError("update", update, "set at least one of partition, "
+                                     "gpus_per_node, num_nodes, admin_comment")
+        if update.num_nodes is not None:
+            # pyslurm cannot update a node count (see the module docstring): scontrol.
+            self._cli.update_pending(ids, JobUpdate(num_nodes=update.num_nodes, start_now=False))
+        if changes or update.start_now:
+            if update.start_now:
+                # After a requeue Slurm adds BeginTime = now + 121 s unless told otherwise.
+                changes["begin_time"] = "now"
+            for job_id in ids:
+                modify = self._pyslurm.Job(job_id).modify
+
+                def once(modify=modify, job_id=job_id):
+                    self._rpc(f"modify {job_id}", modify, self._pyslurm.JobSubmitDescription(**changes))
+                if update.partition is None:
+                    once()
+                else:
+                    retry_stale_errno(once)
+
+    def _each(self, what: str, job_ids: int | Sequence[int], act) -> None:
+        ids = [int(_job_id(j)) for j in _id_list(job_ids)]
+        if not ids:
+            raise SlurmArgumentError("job_ids", ids, "give at least one job id")
+        failed = []
+        for job_id in ids:
+            try:
+                act(self._pyslurm.Job(job_id))
+            except self._pyslurm.RPCError as e:
+                failed.append(f"{job_id}: {e}")
+        if failed:
+            raise SlurmCommandError(("pyslurm", what, *map(str, ids)), 1, "; ".join(failed))
+
+    def hold(self, job_ids: int | Sequence[int]) -> None:
+        self._each("hold", job_ids, lambda job: job.hold())
+
+    def release(self, job_ids: int | Sequence[int]) -> None:
+        self._each("release", job_ids, lambda job: job.release())
+
+    def signal_batch(self, job_ids: int | Sequence[int], signal: str = "USR1") -> None:
+        name = signal_batch_argv(1, signal)[1].split("=", 1)[1]  # the CLI backend's check
+        sig = int(name) if name.isdigit() else f"SIG{name}"
+        self._each("signal", job_ids, lambda job: job.send_signal(sig, steps="batch"))
+
+    def requeue_hold(self, job_id: int) -> None:
+        self._each("requeue hold", job_id, lambda job: job.requeue(hold=True))
+
+    def batch_script(self, job_id: int) -> str:
+        return self._rpc("batch script", self._pyslurm.Job(int(_job_id(job_id))).get_batch_script)
+
+    def cancel(self, job_id: int) -> None:
+        self._each("cancel", job_id, lambda job: job.cancel())
+
+    def submit(self, request: SubmitRequest) -> int:
+        if request.extra_args:
+            # Arbitrary sbatch options: pyslurm cannot parse them (module docstring).
+            return self._cli.submit(request)
+        sbatch_argv(request)  # the CLI backend's checks of every field
+        desc = {"script": request.script, "name": request.name}
+        if request.partition is not None:
+            desc["partitions"] = request.partition
+        if request.nodes is not None:
+            desc["nodes"] = request.nodes
+        if request.gres is not None:
+            desc["gres_per_node"] = request.gres
+        if request.comment is not None:
+            desc["comment"] = request.comment
+        if request.hold:
+            desc["priority"] = 0
+        if request.requeue is not None:
+            desc["is_requeueable"] = bool(request.requeue)
+        if request.time_limit_min is not None:
+            desc["time_limit"] = request.time_limit_min
+        if request.output is not None:
+            desc["standard_output"] = request.output
+            desc["standard_error"] = request.output
+        desc["working_directory"] = request.workdir if request.workdir is not None else os.getcwd()
+        job_id = self._rpc("submit", self._pyslurm.JobSubmitDescription(**desc).submit)
+        log.info("submitted job %d (%s)", job_id, request.name)
+        return int(job_id)
+
+
+def _pyslurm_loaded() -> bool:
+    import sys
+    return "pyslurm" in sys.modules
