@@ -259,6 +259,10 @@ class CliSlurmClient:
         self._parsed: dict = {}  # the last listing's jobs, reused while their records match
         self._nodes_argv: list[str] | None = None  # set once sinfo --json groups nodes
 
+    def output(self, argv: list[str]) -> str:
+        """The stdout of one Slurm command (for what another backend still asks the CLI)."""
+        return self._run(argv)
+
     def _run(self, argv: list[str], input_text: str | None = None) -> str:
         return run_command(self.install.argv(argv), self.timeout_s, input_text=input_text,
                            env=self.env).stdout

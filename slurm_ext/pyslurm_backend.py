@@ -9,8 +9,14 @@ Where pyslurm cannot do a thing, this backend runs the command the CLI backend r
 
 - a pending job's **node count**: ``JobSubmitDescription`` writes ``min_nodes`` only when
   submitting, never in an update, so ``NumNodes`` goes through ``scontrol update``;
-- **submitting with arbitrary sbatch options** (`SubmitRequest.extra_args`, used by tests
-  and the demo, never by the daemon): pyslurm has no parser for sbatch's command line.
+- a job's **GPUs per job** (``--gpus``, ``tres_per_job``): pyslurm 25.11.2 reads TRES
+  strings as ``name=count`` and Slurm writes this one ``gres/gpu:6``, so it reads nothing;
+  one cheap ``squeue -O JobID,tres-per-job`` listing gives them;
+- **submitting** (tests and the demo; users submit with sbatch, the daemon never does):
+  a ``JobSubmitDescription`` is not what sbatch sends. It fixes the task count (a job
+  submitted on one node then cannot be moved to two: "Resources" for ever), it drops the
+  message job_submit.lua gives a refused submission ("Unspecified error"), and it has no
+  parser for sbatch's options (`SubmitRequest.extra_args`). So submissions go through sbatch.
 
 pyslurm reads ``SLURM_CONF`` from the process environment when it is first imported, so
 the client sets it (from ``env``) before that import; one process talks to one cluster.
@@ -21,15 +27,20 @@ import os
 from collections.abc import Mapping, Sequence
 
 from slurm_ext.cli_backend import (
-    CliSlurmClient, _admin_comment, _id_list, _job_id, _name, _positive, retry_stale_errno,
-    sbatch_argv, signal_batch_argv,
+    CliSlurmClient, _admin_comment, _id_list, _job_id, _name, _positive, job_listing_argv,
+    retry_stale_errno, signal_batch_argv,
 )
 from slurm_ext.errors import SlurmArgumentError, SlurmCommandError, SlurmExtError
 from slurm_ext.slurm_client import JobUpdate, SlurmJob, SlurmNode, SubmitRequest
 from slurm_ext.slurm_install import SlurmInstall
-from slurm_ext.slurm_parse import is_elastic, parse_job, parse_node
+from slurm_ext.slurm_parse import is_elastic, listing_records, parse_job, parse_node
 
 log = logging.getLogger(__name__)
+
+TRES_PER_JOB_FIELDS = ("JobID", "tres-per-job")
+# Job states (as pyslurm names them) in which a job holds its nodes' resources.
+HOLDING_STATES = frozenset({"RUNNING", "SUSPENDED", "COMPLETING", "CONFIGURING", "SIGNALING",
+                            "STAGE_OUT", "RESIZING"})
 
 
 class PyslurmUnavailable(SlurmExtError):
@@ -37,8 +48,10 @@ class PyslurmUnavailable(SlurmExtError):
 
 
 def _gres_text(gres: Mapping | None) -> str:
-    """pyslurm's gres dict (``{"gpu:a100": 4}``, ``{"gres/gpu": 2}``) → ``gpu:a100:4,gres/gpu:2``."""
-    return ",".join(f"{name}:{count}" for name, count in (gres or {}).items())
+    """pyslurm's gres dict → ``gpu:a100:4,gres/gpu:2``. Values are counts (``{"gpu:a100": 4}``,
+    ``{"gres/gpu": 2}``) or, per node of a job, ``{"count": 3, "indexes": "0-2"}``."""
+    return ",".join(f"{name}:{value['count'] if isinstance(value, Mapping) else value}"
+                    for name, value in (gres or {}).items())
 
 
 def _hostlist(value: object) -> str:
@@ -47,10 +60,11 @@ def _hostlist(value: object) -> str:
     return ",".join(value) if isinstance(value, (list, tuple)) else str(value)
 
 
-def job_record(job) -> dict:
-    """A ``pyslurm.Job`` as the job object of ``squeue --json`` (the keys `parse_job` reads)."""
+def job_record(job, tres_per_job: str = "") -> dict:
+    """A ``pyslurm.Job`` as the job object of ``squeue --json`` (the keys `parse_job` reads);
+    ``tres_per_job`` is its raw ``tres_per_job`` (which pyslurm cannot read)."""
     state = job.state
-    layout = job.get_resource_layout_per_node() if state in ("RUNNING", "SUSPENDED", "COMPLETING") else {}
+    layout = job.get_resource_layout_per_node() if state in HOLDING_STATES else {}
     exit_status = job.exit_code
     signal = job.exit_code_signal
     waiting, throttle = job.array_tasks_waiting, job.array_tasks_parallel
@@ -69,7 +83,7 @@ def job_record(job) -> dict:
         "comment": job.comment or "",
         "admin_comment": job.admin_comment or "",
         "tres_per_node": _gres_text(job.gres_per_node),
-        "tres_per_job": _gres_text(_tres_gpus(job.tres_per_job)),
+        "tres_per_job": tres_per_job,
         "gres_detail": [_gres_text(layout[n]["gres"]) for n in layout],
         "nodes": _hostlist(job.allocated_nodes),
         "node_count": job.num_nodes or 0,
@@ -88,27 +102,37 @@ def job_record(job) -> dict:
     }
 
 
-def _tres_gpus(tres) -> dict:
-    """GPUs of a pyslurm ``TrackableResources`` (``tres_per_job``) as ``{"gpu[:type]": n}``."""
-    if not tres:
-        return {}
-    out = {}
-    for gres in (tres.gres or {}).values():
-        if getattr(gres, "name", None) == "gpu":
-            key = f"gpu:{gres.type}" if getattr(gres, "type", None) else "gpu"
-            out[key] = out.get(key, 0) + int(gres.count)
-    return out
+def gres_in_use(jobs) -> dict[str, dict[str, int]]:
+    """Node → gres name (``gpu:a100``) → count held by jobs that hold resources.
+
+    pyslurm has no node's ``gres_used``; its allocated TRES count GPUs only where the site
+    tracks ``gres/gpu`` in ``AccountingStorageTRES``. The jobs' grants per node always do.
+    """
+    used: dict[str, dict[str, int]] = {}
+    for job in jobs:
+        if job.state not in HOLDING_STATES:
+            continue
+        for node, layout in job.get_resource_layout_per_node().items():
+            per_node = used.setdefault(node, {})
+            for name, value in (layout.get("gres") or {}).items():
+                count = value["count"] if isinstance(value, Mapping) else value
+                per_node[name] = per_node.get(name, 0) + int(count)
+    return used
 
 
-def node_record(node) -> dict:
-    """A ``pyslurm.Node`` as the node object of ``sinfo --json`` (the keys `parse_node` reads)."""
+def node_record(node, used: Mapping[str, int] | None = None) -> dict:
+    """A ``pyslurm.Node`` as the node object of ``sinfo --json`` (the keys `parse_node` reads),
+    with ``used``, its gres held by jobs (`gres_in_use`)."""
+    configured = node.configured_gres or {}
+    in_use = {name: (used or {}).get(name, 0) for name in configured}
+    in_use.update({n: c for n, c in (used or {}).items() if n not in in_use})
     return {
         "name": node.name,
         "state": (node.state or "").split("+"),
         "partitions": list(node.partitions or ()),
         "active_features": list(node.active_features or ()),
-        "gres": _gres_text(node.configured_gres),
-        "gres_used": _gres_text(node.allocated_gres),
+        "gres": _gres_text(configured),
+        "gres_used": _gres_text(in_use),
         "cpus": node.total_cpus or 0,
         "real_memory": node.real_memory or 0,
     }
@@ -157,9 +181,17 @@ class PyslurmClient:
             raise SlurmCommandError(("pyslurm", *what.split()), getattr(e, "errno", 1) or 1,
                                     str(e)) from None
 
+    def _tres_per_job(self, job_ids: Sequence[int] | None = None) -> dict[int, str]:
+        """Job id → raw ``tres_per_job`` ('' when unset), from squeue (module docstring)."""
+        out = self._cli.output(job_listing_argv(TRES_PER_JOB_FIELDS, job_ids))
+        return {job_id: "" if f[1].strip() in ("", "N/A", "(null)") else f[1].strip()
+                for job_id, f in listing_records(out, len(TRES_PER_JOB_FIELDS)).items()}
+
     def jobs(self) -> tuple[SlurmJob, ...]:
         loaded = self._rpc("load jobs", self._pyslurm.Jobs.load)
-        return tuple(parse_job(job_record(j), f"job {j.id}") for j in loaded.values())
+        per_job = self._tres_per_job()
+        return tuple(parse_job(job_record(j, per_job.get(j.id, "")), f"job {j.id}")
+                     for j in loaded.values())
 
     def job(self, job_id: int) -> SlurmJob | None:
         _job_id(job_id)
@@ -169,11 +201,13 @@ class PyslurmClient:
             if "Invalid job id" in str(e):
                 return None
             raise SlurmCommandError(("pyslurm", "load job", str(job_id)), 1, str(e)) from None
-        return parse_job(job_record(job), f"job {job_id}")
+        return parse_job(job_record(job, self._tres_per_job([job_id]).get(job_id, "")), f"job {job_id}")
 
     def nodes(self) -> tuple[SlurmNode, ...]:
         loaded = self._rpc("load nodes", self._pyslurm.Nodes.load)
-        return tuple(parse_node(node_record(n), f"node {n.name}") for n in loaded.values())
+        used = gres_in_use(self._rpc("load jobs", self._pyslurm.Jobs.load).values())
+        return tuple(parse_node(node_record(n, used.get(n.name)), f"node {n.name}")
+                     for n in loaded.values())
 
     def pending_elastic_job_ids(self) -> list[int]:
         loaded = self._rpc("load jobs", self._pyslurm.Jobs.load)
@@ -197,9 +231,6 @@ class PyslurmClient:
         elif not changes:
             raise SlurmArgumentError("update", update, "set at least one of partition, "
                                      "gpus_per_node, num_nodes, admin_comment")
-        if update.num_nodes is not None:
-            # pyslurm cannot update a node count (see the module docstring): scontrol.
-            self._cli.update_pending(ids, JobUpdate(num_nodes=update.num_nodes, start_now=False))
         if changes or update.start_now:
             if update.start_now:
                 # After a requeue Slurm adds BeginTime = now + 121 s unless told otherwise.
@@ -213,6 +244,10 @@ class PyslurmClient:
                     once()
                 else:
                     retry_stale_errno(once)
+        if update.num_nodes is not None:
+            # pyslurm cannot update a node count (see the module docstring): scontrol, after
+            # the rest, which Slurm then sizes the job's CPUs by.
+            self._cli.update_pending(ids, JobUpdate(num_nodes=update.num_nodes, start_now=False))
 
     def _each(self, what: str, job_ids: int | Sequence[int], act) -> None:
         ids = [int(_job_id(j)) for j in _id_list(job_ids)]
@@ -248,32 +283,8 @@ class PyslurmClient:
         self._each("cancel", job_id, lambda job: job.cancel())
 
     def submit(self, request: SubmitRequest) -> int:
-        if request.extra_args:
-            # Arbitrary sbatch options: pyslurm cannot parse them (module docstring).
-            return self._cli.submit(request)
-        sbatch_argv(request)  # the CLI backend's checks of every field
-        desc = {"script": request.script, "name": request.name}
-        if request.partition is not None:
-            desc["partitions"] = request.partition
-        if request.nodes is not None:
-            desc["nodes"] = request.nodes
-        if request.gres is not None:
-            desc["gres_per_node"] = request.gres
-        if request.comment is not None:
-            desc["comment"] = request.comment
-        if request.hold:
-            desc["priority"] = 0
-        if request.requeue is not None:
-            desc["is_requeueable"] = bool(request.requeue)
-        if request.time_limit_min is not None:
-            desc["time_limit"] = request.time_limit_min
-        if request.output is not None:
-            desc["standard_output"] = request.output
-            desc["standard_error"] = request.output
-        desc["working_directory"] = request.workdir if request.workdir is not None else os.getcwd()
-        job_id = self._rpc("submit", self._pyslurm.JobSubmitDescription(**desc).submit)
-        log.info("submitted job %d (%s)", job_id, request.name)
-        return int(job_id)
+        # sbatch, as users submit (see the module docstring).
+        return self._cli.submit(request)
 
 
 def _pyslurm_loaded() -> bool:
