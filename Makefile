@@ -72,8 +72,17 @@ pyslurm: $(STAMP)
 	SLURM_INCLUDE_DIR=$(SLURM_25_PREFIX)/include SLURM_LIB_DIR=$(SLURM_25_PREFIX)/lib \
 	  $(PY) -m pip install -q -e '.[pyslurm]'
 
+# Every test on Debian's Slurm 22.05, then the Slurm integration tests once more on
+# Slurm 25.11 with each backend (when 25.11 is built).
 test: setup
 	$(PY) -m pytest -q -ra tests
+	@if [ -x $(SLURM_25_PREFIX)/sbin/slurmctld ]; then \
+	  for backend in cli pyslurm; do \
+	    echo "== the Slurm integration tests on Slurm 25.11, $$backend backend =="; \
+	    SLURM_EXT_SLURM_PREFIX=$(SLURM_25_PREFIX) SLURM_EXT_SLURM_BACKEND=$$backend \
+	      $(PY) -m pytest -q -ra -m slurm tests || exit 1; \
+	  done; \
+	else echo "Slurm 25.11 is not built: its integration tests did not run"; fi
 
 demo: setup
 	$(PY) -m slurm_ext.demo

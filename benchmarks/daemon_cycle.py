@@ -28,8 +28,17 @@ cycle is ``{"cycle", "total_s", "observe_s", "estimate_s", "decide_s", "act_s", 
   a rescale's round signals and goes on, later rounds finish it). ``acting_cycle_s`` is
   their median, ``acting_mean_s`` their mean, ``acting_max_s`` the slowest.
 
+Backends: ``--backend cli|pyslurm|both`` (with ``--slurm-prefix /opt/slurm-25.11`` for
+pyslurm). With ``both`` the two share one queue and one daemon: warm-up with the first,
+then each steady and acting round is taken once per backend in turn (the top-level keys
+describe the CLI's rounds), and ``backends`` holds each one's figures: its steady and
+acting rounds (median, mean, worst), and ``read_s``, the time of one ``jobs()`` plus
+``nodes()`` (what a backend changes: median, mean, worst of ``--reads``). ``ratio`` gives
+pyslurm ÷ CLI of the medians.
+
 Usage: ``python benchmarks/daemon_cycle.py [--jobs 2000] [--cycles 5] [--acting-cycles 5]
-[--policy cells-ilp] [--out FILE] [--profile FILE]`` (``--profile``: cProfile stats of the steady cycles).
+[--policy cells-ilp] [--backend cli|pyslurm|both] [--slurm-prefix P] [--reads 10] [--out FILE]
+[--profile FILE]`` (``--profile``: cProfile stats of the steady cycles).
 Needs root and Slurm (the lab); takes a few minutes, most of it submitting the jobs.
 """
 
@@ -47,12 +56,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from estimator.cluster import load_cluster
-from slurm_ext.cli_backend import CliSlurmClient
+from slurm_ext.backend import make_client
 from slurm_ext.config import DaemonConfig, resolve
 from slurm_ext.daemon import Daemon
 from slurm_ext.lab import LabCluster, find_free_base_port, poll
 from slurm_ext.run import run_command
-from slurm_ext.slurm_client import SubmitRequest
+from slurm_ext.slurm_client import SlurmClient, SubmitRequest
+from slurm_ext.slurm_install import install_from
 from slurm_ext.store import Store
 from bench_output import emit  # noqa: E402
 
@@ -69,7 +79,7 @@ TARGET_S = 2.0
 PARTS = ("observe_s", "estimate_s", "decide_s", "act_s")
 
 
-def submit_all(client: CliSlurmClient, n: int, workdir: Path) -> float:
+def submit_all(client: SlurmClient, n: int, workdir: Path) -> float:
     """Submit n elastic jobs with 4 sbatch calls in flight; returns the seconds it took."""
     started = time.perf_counter()
 
@@ -89,6 +99,38 @@ def _row(i: int, r) -> dict:
             "new_specs": r.new_specs, "actions": len(r.actions)}
 
 
+def _stats(values: list[float]) -> dict:
+    return {"median": round(statistics.median(values), 3), "mean": round(statistics.fmean(values), 3),
+            "max": round(max(values), 3)} if values else None
+
+
+def _reads(client: SlurmClient, n: int) -> dict:
+    """Seconds of one jobs() + nodes(), n times: what a backend changes in a round."""
+    times = []
+    for _ in range(n):
+        started = time.perf_counter()
+        client.jobs()
+        client.nodes()
+        times.append(time.perf_counter() - started)
+    return _stats(times)
+
+
+def _summary(rounds: dict) -> dict:
+    return {"steady_s": _stats([c["total_s"] for c in rounds["cycles"]]),
+            "steady_observe_s": _stats([c["observe_s"] for c in rounds["cycles"]]),
+            "steady_act_s": _stats([c["act_s"] for c in rounds["cycles"]]),
+            "acting_s": _stats([c["total_s"] for c in rounds["acting"]]),
+            "acting_act_s": _stats([c["act_s"] for c in rounds["acting"]]),
+            "read_s": rounds["read_s"], "cycles": rounds["cycles"], "acting": rounds["acting"]}
+
+
+def _ratio(per_backend: dict) -> dict:
+    """pyslurm ÷ CLI of each median (below 1: pyslurm is faster)."""
+    a, b = _summary(per_backend["pyslurm"]), _summary(per_backend["cli"])
+    return {k: round(a[k]["median"] / b[k]["median"], 3) if a[k] and b[k] and b[k]["median"] else None
+            for k in ("steady_s", "steady_observe_s", "acting_s", "acting_act_s", "read_s")}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=2000)
@@ -97,15 +139,23 @@ def main(argv: list[str] | None = None) -> int:
                         help="rounds measured after two running jobs were cancelled each")
     parser.add_argument("--max-warmup", type=int, default=20, help="cold rounds at most, while specs are read")
     parser.add_argument("--policy", default=DaemonConfig().policy, help="the daemon's policy (default: its default)")
+    parser.add_argument("--backend", choices=("cli", "pyslurm", "both"), default="cli",
+                        help="the Slurm backend(s) measured (both: round by round in turn)")
+    parser.add_argument("--slurm-prefix", default=os.environ.get("SLURM_EXT_SLURM_PREFIX"),
+                        help="the Slurm to run (default $SLURM_EXT_SLURM_PREFIX, else the system's)")
+    parser.add_argument("--reads", type=int, default=10, help="jobs()+nodes() reads timed per backend")
     parser.add_argument("--out", help="also write the JSON to this file")
     parser.add_argument("--profile", help="write cProfile stats of the steady cycles to this file")
     args = parser.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="slurm-ext-bench-"))
     os.chmod(root, 0o755)
-    lab = LabCluster(root / "lab", base_port=find_free_base_port(load_cluster("lab"), range(19400, 20400, 40)))
+    lab = LabCluster(root / "lab", base_port=find_free_base_port(load_cluster("lab"), range(19400, 20400, 40)),
+                     install=install_from(args.slurm_prefix))
     lab.up()
     try:
-        client = CliSlurmClient(env=lab.env(), timeout_s=120)
+        names = ("cli", "pyslurm") if args.backend == "both" else (args.backend,)
+        clients = {b: make_client(b, args.slurm_prefix, timeout_s=120, env=lab.env()) for b in names}
+        client = clients[names[0]]
         submit_s = submit_all(client, args.jobs, root)
         # Every new spec is read in the first round here (the service default reads 50 per
         # round and follows up within seconds): the warm-up is then one long cold round.
@@ -121,22 +171,29 @@ def main(argv: list[str] | None = None) -> int:
             if r.unread_specs == 0:
                 break
         profiler = cProfile.Profile() if args.profile else None
+        per_backend = {b: {"cycles": [], "acting": []} for b in names}
         for i in range(args.cycles):
-            if profiler:
-                profiler.enable()
-            r = daemon.round()
-            if profiler:
-                profiler.disable()
-            cycles.append(_row(i + 1, r))
+            for b in names:
+                daemon.use_client(clients[b])
+                if profiler:
+                    profiler.enable()
+                r = daemon.round()
+                if profiler:
+                    profiler.disable()
+                per_backend[b]["cycles"].append(_row(i + 1, r))
         if profiler:
             profiler.dump_stats(args.profile)
-        acting = []
         for i in range(args.acting_cycles):
-            victims = [j.job_id for j in client.jobs() if j.is_running and j.is_elastic][:2]
-            for job_id in victims:
-                client.cancel(job_id)
-            poll(lambda: not any((j := client.job(v)) and j.is_active for v in victims), 30)
-            acting.append(_row(i + 1, daemon.round()))
+            for b in names:
+                victims = [j.job_id for j in client.jobs() if j.is_running and j.is_elastic][:2]
+                for job_id in victims:
+                    client.cancel(job_id)
+                poll(lambda: not any((j := client.job(v)) and j.is_active for v in victims), 30)
+                daemon.use_client(clients[b])
+                per_backend[b]["acting"].append(_row(i + 1, daemon.round()))
+        for b in names:
+            per_backend[b]["read_s"] = _reads(clients[b], args.reads)
+        cycles, acting = per_backend[names[0]]["cycles"], per_backend[names[0]]["acting"]
         version = run_command(["sinfo", "--version"], timeout_s=10, env=lab.env()).stdout.strip()
         steady = statistics.median(c["total_s"] for c in cycles)
         parts = {k: round(statistics.median(c[k] for c in cycles), 3) for k in PARTS}
@@ -152,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
             "acting_mean_s": round(statistics.fmean(c["total_s"] for c in acting), 3) if acting else None,
             "acting_max_s": max((c["total_s"] for c in acting), default=None),
             "target_s": TARGET_S, "meets_target": steady <= TARGET_S, "cpus": os.cpu_count(),
-            "load_avg_1m": round(os.getloadavg()[0], 1), "slurm": version}, args.out)
+            "load_avg_1m": round(os.getloadavg()[0], 1), "slurm": version,
+            "backend": args.backend, "backends": {b: _summary(v) for b, v in per_backend.items()},
+            "ratio": _ratio(per_backend) if len(names) == 2 else None}, args.out)
         return 0
     finally:
         lab.down(timeout_s=120)

@@ -100,8 +100,9 @@ def retry_stale_errno(update: Callable[[], None], attempts: int = PARTITION_UPDA
 # ---- command builders (pure) --------------------------------------------------------------
 
 def squeue_json_argv() -> list[str]:
-    """All jobs as JSON (22.05 ignores filters with --json: filter after parsing)."""
-    return ["squeue", "--all", "--json"]
+    """All jobs as JSON, finished ones included (22.05 ignores filters with --json and lists
+    every job; 23.11 and later apply them: ``--states=all``)."""
+    return ["squeue", "--all", "--states=all", "--json"]
 
 
 def job_listing_argv(fields: Iterable[str], job_ids: Iterable[int] | None = None) -> list[str]:

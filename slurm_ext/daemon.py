@@ -181,6 +181,11 @@ class Daemon:
         self.actor = Actor(client, store, self.clock, self.metrics, out, lambda: self.config)
 
     # -- control ------------------------------------------------------------------------
+    def use_client(self, client: SlurmClient) -> None:
+        """Talk to Slurm through another backend from the next round on (a benchmark
+        compares backends round by round on one queue)."""
+        self.client = self.actor.client = client
+
     def request_stop(self) -> None:
         """Finish the current step and exit (SIGTERM)."""
         self._stop = True

@@ -21,13 +21,16 @@ squeue`` before and after, the job's log around the rescale), cancels the jobs a
 the lab. Exit status 0 when the job was rescaled and resumed at the next step, else 1
 with one line saying what did not happen.
 
-Usage: ``python -m slurm_ext.demo [--dir D] [--policy P]``.
+Usage: ``python -m slurm_ext.demo [--dir D] [--policy P]``. The Slurm and the backend
+are the daemon's (``SLURM_EXT_SLURM_PREFIX=/opt/slurm-25.11 SLURM_EXT_SLURM_BACKEND=pyslurm``
+plays it on Slurm 25.11 through pyslurm).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import shutil
 import sys
@@ -37,13 +40,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from estimator.cluster import load_cluster
-from slurm_ext.cli_backend import CliSlurmClient
+from slurm_ext.backend import make_client
 from slurm_ext.config import DaemonConfig, resolve
 from slurm_ext.daemon import Daemon
 from slurm_ext.errors import SlurmExtError
 from slurm_ext.lab import LabCluster, find_free_base_port, poll
 from slurm_ext.run import run_command
 from slurm_ext.slurm_client import SlurmClient, SlurmJob, SubmitRequest
+from slurm_ext.slurm_install import install_from_env
 from slurm_ext.store import Store
 
 log = logging.getLogger(__name__)
@@ -342,12 +346,14 @@ def _banner(text: str) -> None:
 
 def run_demo(root: Path, policy: str) -> int:
     """Lab up → scenario → what happened → jobs cancelled → lab down. Returns an exit status."""
-    lab = LabCluster(root / "lab", base_port=find_free_base_port(load_cluster("lab"), range(17800, 18800, 40)))
+    lab = LabCluster(root / "lab", base_port=find_free_base_port(load_cluster("lab"), range(17800, 18800, 40)),
+                     install=install_from_env(os.environ))
     _banner(f"starting the lab cluster in {lab.paths.root}")
     lab.up()
     try:
         print(lab.status_text(), flush=True)
-        client = CliSlurmClient(env=lab.env())
+        config = resolve({}, os.environ, {})
+        client = make_client(config.slurm_backend, config.slurm_prefix, env=lab.env())
         outcome = run_rescale_scenario(client, lab.env(), root / "jobs", policy=policy,
                                        say=lambda text: print(f"\n{text}", flush=True))
         _banner("slurm-ext squeue before the daemon's round (the arrival waits)")

@@ -31,7 +31,7 @@ from slurm_ext.cli_backend import (
     retry_stale_errno, signal_batch_argv,
 )
 from slurm_ext.errors import SlurmArgumentError, SlurmCommandError, SlurmExtError
-from slurm_ext.slurm_client import JobUpdate, SlurmJob, SlurmNode, SubmitRequest
+from slurm_ext.slurm_client import ACTIVE_STATES, JobUpdate, SlurmJob, SlurmNode, SubmitRequest
 from slurm_ext.slurm_install import SlurmInstall
 from slurm_ext.slurm_parse import is_elastic, listing_records, parse_job, parse_node
 
@@ -71,8 +71,9 @@ def job_record(job, tres_per_job: str = "") -> dict:
     task_id = job.array_task_id
     if job.array_id and task_id is None and not waiting:
         task_id = 0  # pyslurm reads a task id of 0 as unset
-    # squeue prints no end for a running job without a time limit (pyslurm: start + 1 year).
-    no_end = job.time_limit is None and state in ("RUNNING", "SUSPENDED")
+    # squeue prints no end for a job without a time limit that has not ended (pyslurm: a
+    # year after its start, or later).
+    no_end = job.time_limit is None and state in ACTIVE_STATES and state != "COMPLETING"
     return {
         "job_id": job.id,
         "user_name": job.user_name or "",

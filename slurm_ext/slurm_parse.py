@@ -92,6 +92,24 @@ def state_and_flags(value: object, base_states: frozenset[str]) -> tuple[str, tu
     return base, flags
 
 
+# The state flags squeue prints instead of the base state, in Slurm's order (the first one
+# set wins; job_state_string in slurm_protocol_defs.c).
+SHOWN_JOB_FLAGS = ("COMPLETING", "STAGE_OUT", "CONFIGURING", "EXPEDITING", "RESIZING", "REQUEUED",
+                   "REQUEUE_FED", "REQUEUE_HOLD", "SPECIAL_EXIT", "STOPPED", "REVOKED",
+                   "RESV_DEL_HOLD", "SIGNALING")
+
+
+def job_state(value: object) -> tuple[str, tuple[str, ...]]:
+    """A job's state as squeue's listing and the C API name it, and the rest as flags: a
+    23.11+ list ``["PENDING", "SPECIAL_EXIT"]`` reads as SPECIAL_EXIT with flag PENDING, as
+    ``squeue -O State`` prints it."""
+    base, flags = state_and_flags(value, JOB_BASE_STATES)
+    shown = next((f for f in SHOWN_JOB_FLAGS if f in flags), None)
+    if shown is None:
+        return base, flags
+    return shown, tuple(i for i in (base, *flags) if i != shown)
+
+
 def exit_code(value: object) -> int | None:
     """The batch script's exit status: 22.05 prints the raw wait status, 23.11 an object.
 
@@ -264,7 +282,7 @@ def parse_job(raw: Mapping, where: str = "job") -> SlurmJob:
     job_id = number(raw.get("job_id"))
     if job_id is None:
         raise SlurmParseError(f"{where}.job_id", raw.get("job_id"))
-    state, flags = state_and_flags(raw.get("job_state"), JOB_BASE_STATES)
+    state, flags = job_state(raw.get("job_state"))
     requested = parse_gres(raw.get("tres_per_node") or raw.get("gres") or "")
     gpus_per_node, gpu_type = gpus_of(requested)
     gpus_per_job, _ = gpus_of(parse_gres(raw.get("tres_per_job") or ""))

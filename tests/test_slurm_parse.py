@@ -1,5 +1,7 @@
-"""The Slurm output parsers, on recorded 22.05 output and constructed 23.02 / 23.11 shapes."""
+"""The Slurm output parsers, on output recorded from Slurm 22.05 and 25.11 and on constructed
+23.02 shapes."""
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -10,12 +12,33 @@ from slurm_ext.slurm_client import Gres
 from slurm_ext.slurm_parse import (
     exit_code, expand_hostlist, listing_exit_code, listing_records, number, parse_gres,
     parse_gres_detail, parse_gres_item, parse_job_detail, parse_job_listing, parse_jobs,
-    parse_nodes, parse_sbatch_parsable, state_and_flags, JOB_BASE_STATES,
+    parse_nodes, parse_sbatch_parsable, state_and_flags, GroupedSinfoError, JOB_BASE_STATES,
+    job_state,
 )
 
 FIXTURES = Path(__file__).parent / "fixtures"
 RECORDED = FIXTURES / "slurm-22.05"
 CONSTRUCTED = FIXTURES / "constructed"
+
+
+@dataclass(frozen=True)
+class Recording:
+    """One version's recordings: its directory and which document lists nodes one by one."""
+
+    path: Path
+    nodes_doc: str  # sinfo (22.05) or scontrol_nodes (23.11 and later)
+
+    def nodes(self, situation: str) -> Path:
+        return self.path / f"{self.nodes_doc}_{situation}.json"
+
+
+RECORDINGS = [Recording(FIXTURES / "slurm-22.05", "sinfo"),
+              Recording(FIXTURES / "slurm-25.11", "scontrol_nodes")]
+
+
+@pytest.fixture(params=RECORDINGS, ids=lambda r: r.path.name)
+def rec(request) -> Recording:
+    return request.param
 
 
 def jobs_of(path: Path) -> dict:
@@ -26,16 +49,16 @@ def nodes_of(path: Path) -> dict:
     return {n.name: n for n in parse_nodes(path.read_text())}
 
 
-# ---- recorded 22.05 -----------------------------------------------------------------------
+# ---- recorded 22.05 and 25.11 ---------------------------------------------------------------
 
-def test_empty_output_and_empty_queue_give_no_jobs():
-    assert parse_jobs((RECORDED / "squeue_empty.json").read_text()) == ()
+def test_empty_output_and_empty_queue_give_no_jobs(rec):
+    assert parse_jobs((rec.path / "squeue_empty.json").read_text()) == ()
     assert parse_jobs("") == ()
     assert parse_nodes("  \n") == ()
 
 
-def test_elastic_jobs_as_job_submit_lua_left_them():
-    jobs = jobs_of(RECORDED / "squeue_pending_held.json")
+def test_elastic_jobs_as_job_submit_lua_left_them(rec):
+    jobs = jobs_of(rec.path / "squeue_pending_held.json")
     typed = jobs[1]
     assert typed.is_elastic and typed.is_held and typed.is_pending and typed.is_active
     assert (typed.partition, typed.gpus_per_node, typed.gpu_type_requested) == ("a100", 4, None)
@@ -49,8 +72,8 @@ def test_elastic_jobs_as_job_submit_lua_left_them():
     assert untyped.admin_comment == "requested=any" and untyped.partition == "a10"
 
 
-def test_plain_held_job_keeps_its_type_and_a_pending_array_its_task_spec():
-    jobs = jobs_of(RECORDED / "squeue_pending_held.json")
+def test_plain_held_job_keeps_its_type_and_a_pending_array_its_task_spec(rec):
+    jobs = jobs_of(rec.path / "squeue_pending_held.json")
     plain = jobs[3]
     assert not plain.is_elastic and plain.is_held
     assert (plain.gpus_per_node, plain.gpu_type_requested) == (2, "v100")
@@ -59,8 +82,8 @@ def test_plain_held_job_keeps_its_type_and_a_pending_array_its_task_spec():
     assert array.array_task_spec == "0-7%2"
 
 
-def test_running_jobs_report_granted_gpus_per_node_from_gres_detail():
-    jobs = jobs_of(RECORDED / "squeue_running.json")
+def test_running_jobs_report_granted_gpus_per_node_from_gres_detail(rec):
+    jobs = jobs_of(rec.path / "squeue_running.json")
     two_node = next(j for j in jobs.values() if j.name == "running-2node")
     assert two_node.is_running and two_node.reason == ""
     assert two_node.nodes == ("v100-1", "v100-2")
@@ -72,30 +95,30 @@ def test_running_jobs_report_granted_gpus_per_node_from_gres_detail():
     assert waits.is_pending and not waits.is_held and waits.reason == "Resources"
 
 
-def test_array_tasks_are_separate_jobs_of_one_array():
-    jobs = jobs_of(RECORDED / "squeue_running.json")
+def test_array_tasks_are_separate_jobs_of_one_array(rec):
+    jobs = jobs_of(rec.path / "squeue_running.json")
     tasks = sorted((j.array_task_id, j.job_id) for j in jobs.values() if j.name == "array-running")
     assert [t for t, _ in tasks] == [0, 1, 2]
     assert len({j.array_job_id for j in jobs.values() if j.name == "array-running"}) == 1
     assert all(jobs[i].granted_gpus_per_node == (2,) for _, i in tasks)
 
 
-def test_cancelled_jobs_are_reported_but_not_active():
-    jobs = jobs_of(RECORDED / "squeue_running.json")
+def test_cancelled_jobs_are_reported_but_not_active(rec):
+    jobs = jobs_of(rec.path / "squeue_running.json")
     cancelled = [j for j in jobs.values() if j.state == "CANCELLED"]
     assert cancelled and not any(j.is_active or j.is_held for j in cancelled)
 
 
-def test_requeued_held_job_after_exit_86():
-    job = next(j for j in jobs_of(RECORDED / "squeue_requeued_held.json").values()
+def test_requeued_held_job_after_exit_86(rec):
+    job = next(j for j in jobs_of(rec.path / "squeue_requeued_held.json").values()
                if j.name == "rescale")
     assert job.state == "SPECIAL_EXIT" and job.is_held and job.is_active
     assert job.restart_count == 1 and job.exit_code == 86
     assert job.granted_gpus_per_node == () and job.nodes == ()
 
 
-def test_idle_nodes_match_the_lab_cluster_spec():
-    nodes = nodes_of(RECORDED / "sinfo_idle.json")
+def test_idle_nodes_match_the_lab_cluster_spec(rec):
+    nodes = nodes_of(rec.nodes("idle"))
     cluster = load_cluster("lab")
     assert set(nodes) == {n for g in cluster.node_groups for n in g.node_names()}
     for g in cluster.node_groups:
@@ -108,9 +131,9 @@ def test_idle_nodes_match_the_lab_cluster_spec():
             assert node.cpus > 0 and node.real_memory_mb > 0
 
 
-def test_gpus_used_on_nodes_match_gpus_granted_to_running_jobs():
-    nodes = nodes_of(RECORDED / "sinfo_busy.json")
-    jobs = parse_jobs((RECORDED / "squeue_running.json").read_text())
+def test_gpus_used_on_nodes_match_gpus_granted_to_running_jobs(rec):
+    nodes = nodes_of(rec.nodes("busy"))
+    jobs = parse_jobs((rec.path / "squeue_running.json").read_text())
     granted: dict[str, int] = {}
     for j in jobs:
         for node, n in zip(j.nodes, j.granted_gpus_per_node):
@@ -135,18 +158,21 @@ def test_slurm_23_02_number_objects():
     assert jobs[106].state == "COMPLETED" and jobs[106].exit_code == 1
 
 
-def test_slurm_23_11_state_lists_and_exit_code_objects():
-    jobs = jobs_of(CONSTRUCTED / "squeue_23.11.json")
-    requeued = jobs[201]
-    assert requeued.state == "PENDING" and requeued.state_flags == ("REQUEUED",)
-    assert requeued.is_held and requeued.exit_code == 86 and requeued.gpus_per_node == 1
-    running = jobs[202]
-    assert running.is_running and running.end_time_s == 0
-    assert (running.gpus_per_node, running.gpu_type_requested) == (4, "a100")
-    array = jobs[203]
-    assert array.gpus_per_job == 6 and array.gpus_per_node == 0
-    assert array.array_job_id == 203 and array.array_task_spec == "0-9%2"
-    assert jobs[204].exit_code == 128 + 9
+def test_slurm_25_11_requeued_job_state_list_reads_as_squeue_prints_it():
+    # 25.11 --json gives ["PENDING", "SPECIAL_EXIT"]; squeue -O State and the C API say SPECIAL_EXIT.
+    job = next(j for j in jobs_of(FIXTURES / "slurm-25.11" / "squeue_requeued_held.json").values()
+               if j.name == "rescale")
+    assert (job.state, job.state_flags) == ("SPECIAL_EXIT", ("PENDING",))
+    assert job_state(["RUNNING", "COMPLETING"]) == ("COMPLETING", ("RUNNING",))
+    assert job_state(["PENDING", "REQUEUED", "SPECIAL_EXIT"]) == ("REQUEUED", ("PENDING", "SPECIAL_EXIT"))
+    assert job_state("RUNNING") == ("RUNNING", ())
+    assert exit_code({"return_code": 0, "signal": {"id": 9, "name": "KILL"}}) == 128 + 9
+
+
+def test_slurm_25_11_sinfo_groups_nodes_so_the_scontrol_document_is_read():
+    for situation in ("idle", "busy"):
+        with pytest.raises(GroupedSinfoError):
+            parse_nodes((FIXTURES / "slurm-25.11" / f"sinfo_{situation}.json").read_text())
 
 
 def test_newer_sinfo_state_lists_flags_and_duplicate_nodes():
@@ -157,10 +183,6 @@ def test_newer_sinfo_state_lists_flags_and_duplicate_nodes():
     assert not nodes["v100-1"].is_usable
     assert nodes["v100-1"].features == ("v100", "nvlink")
     assert nodes["v100-1"].partitions == ("v100", "all")
-    newer = parse_nodes((CONSTRUCTED / "sinfo_23.11.json").read_text())
-    assert [n.name for n in newer] == ["h100-1", "a10-1"]
-    assert newer[0].gpus == newer[0].gpus_used == 8 and newer[0].state == "allocated"
-    assert newer[1].gpus == 3 and newer[1].gpu_type == "a10"
 
 
 def test_controller_errors_and_garbage_raise_quoting_the_text():
