@@ -75,8 +75,10 @@ def start_update(assignment: Assignment, m: ManagedJob, type_parts: dict[str, st
     if partition is None:
         return None
     counts = [g for _, g in assignment.placement]
+    required = None
     if counts and min(counts) == max(counts):
-        per_node, num_nodes = counts[0], len(counts)
+        # The policy's placement reaches Slurm: the job may start on these nodes only.
+        per_node, num_nodes, required = counts[0], len(counts), assignment.nodes
     else:
         per_node = min(cell.gpus_per_node, cell.num_gpus)
         num_nodes = -(-cell.num_gpus // per_node)
@@ -93,7 +95,7 @@ def start_update(assignment: Assignment, m: ManagedJob, type_parts: dict[str, st
         samples_per_s=est.samples_per_s if est and est.feasible else None,
         why=reason or f"chosen by {policy_name}"))
     return JobUpdate(partition=partition, gpus_per_node=per_node, num_nodes=num_nodes,
-                     admin_comment=text, start_now=True)
+                     admin_comment=text, required_nodes=required, start_now=True)
 
 
 @dataclass

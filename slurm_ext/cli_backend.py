@@ -79,6 +79,12 @@ def _admin_comment(value: object) -> str:
     return value
 
 
+def _node_list(nodes: object) -> str:
+    if isinstance(nodes, str) or not isinstance(nodes, (tuple, list)) or not nodes:
+        raise SlurmArgumentError("required_nodes", nodes, "give the node names as a tuple")
+    return ",".join(_name("required_nodes", n) for n in nodes)
+
+
 def _id_list(job_ids: int | Sequence[int]) -> list[int]:
     return [job_ids] if isinstance(job_ids, int) else list(job_ids)
 
@@ -159,9 +165,11 @@ def update_pending_argv(job_id: int | list[int] | tuple[int, ...], update: JobUp
         argv.append(f"NumNodes={n}-{n}")
     if update.admin_comment is not None:
         argv.append(f"AdminComment={_admin_comment(update.admin_comment)}")
+    if update.required_nodes is not None:
+        argv.append(f"ReqNodeList={_node_list(update.required_nodes)}")
     if len(argv) == 3:
         raise SlurmArgumentError("update", update, "set at least one of partition, "
-                                 "gpus_per_node, num_nodes, admin_comment")
+                                 "gpus_per_node, num_nodes, admin_comment, required_nodes")
     if update.start_now:
         # After a requeue Slurm adds BeginTime = now + 121 s unless told otherwise.
         argv.append("StartTime=now")

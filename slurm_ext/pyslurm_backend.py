@@ -27,7 +27,7 @@ import os
 from collections.abc import Mapping, Sequence
 
 from slurm_ext.cli_backend import (
-    CliSlurmClient, _admin_comment, _id_list, _job_id, _name, _positive, job_listing_argv,
+    CliSlurmClient, _admin_comment, _id_list, _job_id, _name, _node_list, _positive, job_listing_argv,
     retry_stale_errno, signal_batch_argv,
 )
 from slurm_ext.errors import SlurmArgumentError, SlurmCommandError, SlurmExtError
@@ -227,11 +227,13 @@ class PyslurmClient:
             changes["gres_per_node"] = f"gpu:{_positive('gpus_per_node', update.gpus_per_node)}"
         if update.admin_comment is not None:
             changes["admin_comment"] = _admin_comment(update.admin_comment)
+        if update.required_nodes is not None:
+            changes["required_nodes"] = _node_list(update.required_nodes).split(",")
         if update.num_nodes is not None:
             _positive("num_nodes", update.num_nodes)
         elif not changes:
             raise SlurmArgumentError("update", update, "set at least one of partition, "
-                                     "gpus_per_node, num_nodes, admin_comment")
+                                     "gpus_per_node, num_nodes, admin_comment, required_nodes")
         if changes or update.start_now:
             if update.start_now:
                 # After a requeue Slurm adds BeginTime = now + 121 s unless told otherwise.

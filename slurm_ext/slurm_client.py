@@ -212,6 +212,7 @@ class JobUpdate:
         gpus_per_node: untyped GPU count per node (``gres=gpu:N``).
         num_nodes: exact node count (written as ``NumNodes=N-N``).
         admin_comment: the new admin comment (the plan).
+        required_nodes: the nodes it must run on (the policy's placement), in order.
         start_now: set ``StartTime=now`` so a requeued job does not wait the 121 s
             Slurm adds after a requeue (release it no sooner than ``REQUEUE_SETTLE_S``
             after it was seen requeued).
@@ -221,6 +222,7 @@ class JobUpdate:
     gpus_per_node: int | None = None
     num_nodes: int | None = None
     admin_comment: str | None = None
+    required_nodes: tuple[str, ...] | None = None
     start_now: bool = True
 
 

@@ -105,12 +105,16 @@ def _update_to_json(update: JobUpdate | None) -> str:
         return "null"
     return json.dumps({"partition": update.partition, "gpus_per_node": update.gpus_per_node,
                        "num_nodes": update.num_nodes, "admin_comment": update.admin_comment,
-                       "start_now": update.start_now})
+                       "required_nodes": update.required_nodes, "start_now": update.start_now})
 
 
 def _update_from_json(text: str) -> JobUpdate | None:
     raw = json.loads(text)
-    return None if raw is None else JobUpdate(**raw)
+    if raw is None:
+        return None
+    if raw.get("required_nodes") is not None:
+        raw["required_nodes"] = tuple(raw["required_nodes"])
+    return JobUpdate(**raw)
 
 
 class Store:

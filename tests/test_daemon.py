@@ -288,6 +288,10 @@ def test_elastic_jobs_start_on_the_chosen_cell_and_plain_jobs_are_untouched(slur
     assert after[plain_held].is_held
     assert all(e.job_id not in (plain_running, plain_held) for e in daemon.store.entries())
     assert all(e.state == DONE for e in daemon.store.entries())
+    # Each runs exactly where the policy placed it (the required node list).
+    placed = {e.job_id: e.update.required_nodes for e in daemon.store.entries() if e.kind == START}
+    assert all(placed[j] for j in elastic)
+    assert {j.job_id: tuple(sorted(j.nodes)) for j in jobs} == {i: tuple(sorted(placed[i])) for i in elastic}
     # A second round with nothing new changes nothing.
     assert daemon.round().actions == ()
 

@@ -53,6 +53,15 @@ def test_full_pending_update():
                     "NumNodes=2-2", "AdminComment=cell=v100x6 plan=[dp3,dp3]", "StartTime=now"]
 
 
+def test_the_placement_is_the_required_node_list():
+    argv = update_pending_argv(42, JobUpdate(partition="a100", gpus_per_node=4, num_nodes=2,
+                                             required_nodes=("a100-2", "a100-1")))
+    assert "ReqNodeList=a100-2,a100-1" in argv and argv[-1] == "StartTime=now"
+    for bad in ("a100-1", (), ("a100-1", "x;rm")):
+        with pytest.raises(SlurmArgumentError, match="required_nodes"):
+            update_pending_argv(42, JobUpdate(required_nodes=bad))
+
+
 def test_partial_update_and_no_start_time():
     assert update_pending_argv(7, JobUpdate(num_nodes=1, start_now=False)) == \
         ["scontrol", "update", "JobId=7", "NumNodes=1-1"]

@@ -11,7 +11,8 @@ from slurm_ext.store import (
 )
 
 UPDATE = JobUpdate(partition="a100", gpus_per_node=4, num_nodes=2,
-                   admin_comment="cell=a100x8:s2 plan=[dp2tp2|dp4tp1] mb=8 why=best")
+                   admin_comment="cell=a100x8:s2 plan=[dp2tp2|dp4tp1] mb=8 why=best",
+                   required_nodes=("a100-2", "a100-1"))
 
 
 @pytest.fixture
