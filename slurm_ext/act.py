@@ -93,7 +93,7 @@ def start_update(assignment: Assignment, m: ManagedJob, type_parts: dict[str, st
         micro_batches=est.micro_batches if est else None,
         remat=remat if est else None, layers=layers,
         samples_per_s=est.samples_per_s if est and est.feasible else None,
-        why=reason or f"chosen by {policy_name}"))
+        why=m.why(reason or f"chosen by {policy_name}")))
     return JobUpdate(partition=partition, gpus_per_node=per_node, num_nodes=num_nodes,
                      admin_comment=text, required_nodes=required, start_now=True)
 
@@ -359,7 +359,7 @@ class Actor:
                 continue
             job: SlurmJob = views_by_id[jv.job_id].slurm
             pc = plan_comment(job.admin_comment)
-            why = (d.reason if d and d.reason else "waiting for GPUs")
+            why = views_by_id[jv.job_id].why(d.reason if d and d.reason else "waiting for GPUs")
             # The forecast shown stays (it is rewritten when it moves).
             text = format_plan_comment(PlanComment(requested=pc.requested, why=why, progress_frac=pc.progress_frac,
                                                    expected_start_s=pc.expected_start_s,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from slurm_ext.guarantees import GuaranteePolicy
 from estimator.errors import SpecError
 from estimator.gpus import CATALOG
 
@@ -74,6 +75,9 @@ class DaemonConfig:
             (the list schedule finishes it): what bounds its cost on a long queue.
         slurm_backend: how the daemon talks to Slurm: ``cli`` (the commands) or ``pyslurm``
             (Slurm 25.11's C API; the ``pyslurm`` extra).
+        guarantees: who may ask for ``guaranteed=yes`` (`GuaranteePolicy`: users, accounts
+            and QOS, each with a GPU quota); nobody by default, so the setting binds nothing
+            until the admin lists someone.
         slurm_prefix: where the Slurm the daemon runs is installed (``/opt/slurm-25.11``
             from ``make slurm-25.11``); None: the system's, on PATH.
     """
@@ -105,6 +109,7 @@ class DaemonConfig:
     forecast_budget_s: float = 1.5
     slurm_backend: str = "cli"
     slurm_prefix: str | None = None
+    guarantees: GuaranteePolicy = GuaranteePolicy()
 
     def partition_map(self) -> dict[str, str]:
         return dict(self.partitions)
@@ -229,6 +234,21 @@ def _coerce(key: str, raw: object, source: str) -> object:
         if raw not in PLAN_SPACES:
             raise ConfigError(key, raw, f"({source}) use one of {', '.join(PLAN_SPACES)}")
         return raw
+    if key == "guarantees":
+        if isinstance(raw, str):  # environment form: "{users: {alice: 16}}" (YAML)
+            try:
+                raw = yaml.safe_load(raw)
+            except yaml.YAMLError:
+                raise ConfigError(key, raw, f"({source}) give a YAML mapping, e.g. "
+                                  "'{users: {alice: 16}}'") from None
+        if raw is None:
+            return GuaranteePolicy()
+        if not isinstance(raw, dict):
+            raise ConfigError(key, raw, f"({source}) give a mapping of users/accounts/qos")
+        try:
+            return GuaranteePolicy.from_mapping(raw)
+        except ValueError as e:
+            raise ConfigError(key, raw, f"({source}) {e}") from None
     if key == "slurm_backend":
         if raw not in SLURM_BACKENDS:
             raise ConfigError(key, raw, f"({source}) use one of {', '.join(SLURM_BACKENDS)}")

@@ -39,6 +39,7 @@ from slurm_ext import store as journal
 from slurm_ext.act import Actor, Acts
 from slurm_ext.config import DaemonConfig
 from slurm_ext.errors import SlurmExtError
+from slurm_ext.guarantees import GuaranteeClaim, grant_guarantees
 from slurm_ext.jobspec import ElasticSpec, check_model, parse_spec
 from slurm_ext.metrics import Metrics
 # The observe helpers are re-exported: callers and tests know them from here.
@@ -530,7 +531,19 @@ class Daemon:
                 m = replace(m, view=replace(view, iterations_done=min(
                     float(spec.iterations), view.iterations_done + m.run_iterations(now_s))))
             managed.append(m)
-        return managed, launching, errors
+        return self._apply_guarantees(managed), launching, errors
+
+    def _apply_guarantees(self, managed: list[ManagedJob]) -> list[ManagedJob]:
+        """``guaranteed=yes`` binds only where the admin's list grants it (config
+        ``guarantees``); other such jobs run best effort, the reason shown with their plan."""
+        claims = [GuaranteeClaim(m.slurm.job_id, m.slurm.user, m.slurm.account, m.slurm.qos,
+                                 m.spec.num_gpus or 0, float(m.slurm.submit_time_s))
+                  for m in managed if m.spec.guaranteed]
+        if not claims:
+            return managed
+        refused = {j: why for j, why in grant_guarantees(self.config.guarantees, claims).items() if why}
+        return [replace(m, view=replace(m.view, guaranteed=False), guarantee_note=refused[m.slurm.job_id])
+                if m.slurm.job_id in refused else m for m in managed]
 
     def _measured_text(self, job: SlurmJob) -> str | None:
         """The job's runner's ``measured.json`` (speed and plan that runs), or None."""

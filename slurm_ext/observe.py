@@ -194,6 +194,12 @@ class ManagedJob:
     # current run's runner reported, when it did.
     progress_before: float = 0.0
     runner: RunnerProgress | None = None
+    # Why its guaranteed=yes does not bind (the admin's list refused it), shown with its why.
+    guarantee_note: str | None = None
+
+    def why(self, reason: str) -> str:
+        """``reason``, and the guarantee note when there is one."""
+        return f"{reason}; {self.guarantee_note}" if self.guarantee_note else reason
 
     def run_iterations(self, now_s: float) -> float:
         """Iterations the current run has done: from the step its runner reports, else

@@ -98,6 +98,8 @@ def job_record(job, tres_per_job: str = "") -> dict:
         "array_job_id": job.array_id or 0,
         "array_task_id": task_id,
         "array_task_string": f"{waiting}%{throttle}" if waiting and throttle else waiting or "",
+        "account": job.account or "",
+        "qos": job.qos or "",
         "exit_code": {"return_code": exit_status or 0,
                       "signal": {"id": signal or 0}},
     }

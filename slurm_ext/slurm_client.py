@@ -66,6 +66,8 @@ class SlurmJob:
     Attributes:
         job_id: Slurm's job id (array elements have their own id).
         user: the owner's user name ('' when Slurm did not say).
+        account: the job's account ('' when none).
+        qos: the job's QOS ('' when none).
         name: the job name.
         state: base state, e.g. ``PENDING``, ``RUNNING`` (see the constants above).
         state_flags: extra state flags Slurm reported (``REQUEUED``, ``COMPLETING``, ...).
@@ -119,6 +121,8 @@ class SlurmJob:
     exit_code: int | None = None
     state_flags: tuple[str, ...] = ()
     array_task_spec: str = ""
+    account: str = ""
+    qos: str = ""
 
     @property
     def is_elastic(self) -> bool:

@@ -324,6 +324,8 @@ def parse_job(raw: Mapping, where: str = "job") -> SlurmJob:
         # A job that never ended reports 0: only trust the code once a run has ended.
         exit_code=exit_code(raw.get("exit_code"))
         if state not in ("PENDING", "RUNNING") or restarts else None,
+        account=text(raw.get("account")),
+        qos=text(raw.get("qos")),
     )
 
 
@@ -395,7 +397,7 @@ def parse_sbatch_parsable(out: str) -> int:
 LISTING_FIELDS = ("JobID", "ArrayJobID", "ArrayTaskID", "State", "Reason", "Partition",
                   "UserName", "tres-per-node", "tres-per-job", "NodeList", "NumNodes",
                   "RestartCnt", "SubmitTime", "StartTime", "EndTime", "PriorityLong",
-                  "BatchFlag", "Requeue", "exit_code", "Comment")
+                  "BatchFlag", "Requeue", "exit_code", "Account", "QOS", "Comment")
 ADMIN_COMMENT_FIELDS = ("JobID", "admin_comment")
 NAME_FIELDS = ("JobID", "Name")
 _UNSET = ("", "N/A", "(null)", "Unknown", "None", "NONE")
@@ -495,7 +497,7 @@ def parse_job_listing(main: str, admin_comments: str, names: str,
             continue
         (_, array_job, array_task, state_, reason, partition, user, per_node, per_job,
          nodelist, node_count, restarts, submit, start, end, priority, batch, requeue,
-         exit_raw, comment) = f
+         exit_raw, account, qos, comment) = f
         state, flags = state_and_flags(state_.strip(), JOB_BASE_STATES)
         gpus_per_node, gpu_type = _gpus_of_text(per_node)
         gpus_per_job, _ = _gpus_of_text(per_job)
@@ -529,6 +531,8 @@ def parse_job_listing(main: str, admin_comments: str, names: str,
             array_task_spec=array_task if is_array and not array_task.isdigit() else "",
             exit_code=listing_exit_code(exit_raw)
             if state not in ("PENDING", "RUNNING") or restart_count else None,
+            account="" if account.strip() in _UNSET else account.strip(),
+            qos="" if qos.strip() in _UNSET else qos.strip(),
         ))
         fresh[job_id] = (raw, jobs[-1])
     if memo is not None:

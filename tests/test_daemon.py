@@ -297,6 +297,22 @@ def test_elastic_jobs_start_on_the_chosen_cell_and_plain_jobs_are_untouched(slur
 
 
 @pytest.mark.slurm
+def test_a_guarantee_binds_only_within_the_admins_list_and_quota(slurm_lab, slurm_client, tmp_path):
+    first = submit(slurm_client, tmp_path, "elastic model=gpt-760m gpus=2 guaranteed=yes")
+    second = submit(slurm_client, tmp_path, "elastic model=gpt-760m gpus=2 guaranteed=yes")
+    daemon = make_daemon(slurm_lab, slurm_client, tmp_path, guarantees={"users": {"root": 2}})
+    daemon.round()
+    ran = wait_for("both jobs to run", running(slurm_client, first, second))
+    why = {j.job_id: parse_plan_comment(j.admin_comment).why for j in ran}
+    assert "guarantee" not in why[first]
+    assert "user root's guarantee quota is 2 GPUs and 2 are guaranteed to earlier jobs" in why[second]
+    assert "best effort" in why[second]
+    # The view every user reads shows it.
+    (row,) = [r for r in rows(slurm_client.jobs()) if r.job_id == second]
+    assert "guarantee refused" in row.why
+
+
+@pytest.mark.slurm
 def test_identical_starts_go_to_slurm_together_each_journaled(slurm_lab, slurm_client, tmp_path):
     ids = [submit(slurm_client, tmp_path, "elastic model=gpt-760m gpus=1") for _ in range(3)]
     daemon = make_daemon(slurm_lab, slurm_client, tmp_path)

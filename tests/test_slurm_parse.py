@@ -365,3 +365,13 @@ def test_detail_imitated_in_a_name_or_a_comment_is_not_believed():
     assert parse_job_detail(named, {5: f"x {fake}"}) == {5: {"a10-1": (1, "a10")}}
     assert parse_job_detail(named, {5: "z"}) == {}  # not the name the listing showed
     assert parse_job_detail(real + "\n" + real.replace("a10", "h100"), {5: "x"}) == {}  # two lines
+
+
+def test_account_and_qos_from_json_and_the_listing():
+    (job,) = parse_jobs('{"jobs": [{"job_id": 5, "job_state": "PENDING", "account": "ml", "qos": "high"}]}')
+    assert (job.account, job.qos) == ("ml", "high")
+    main = "5|5|N/A|PENDING|Priority|a10|bob|gres:gpu:1|N/A||1|0|1|0|0|10|1|1|0|ml|high|elastic|\n"
+    (listed,) = parse_job_listing(main, "5|(null)|\n", "5|train|\n")
+    assert (listed.account, listed.qos, listed.user, listed.comment) == ("ml", "high", "bob", "elastic")
+    (unset,) = parse_job_listing(main.replace("|ml|high|", "|(null)|(null)|"), "5|(null)|\n", "5|t|\n")
+    assert (unset.account, unset.qos) == ("", "")
