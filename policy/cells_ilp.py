@@ -340,7 +340,7 @@ class CellsIlpPolicy:
         fp = _fingerprint(snapshot, {})
         state = snapshot.policy_state if isinstance(snapshot.policy_state, CellsIlpState) else None
         if state is not None and state.fingerprint == fp and snapshot.now_s - state.solved_s < self.config.resolve_s:
-            return Decision((), state)
+            return Decision((), state, holds=None)  # what it held stays held
         weights = {j.job_id: self.weight(snapshot, j) for j in snapshot.jobs}
         reservation = self._reservation(snapshot, weights)
         skip = {reservation.job_id, *reservation.evicted} if reservation else set()
@@ -371,7 +371,9 @@ class CellsIlpPolicy:
                 chosen, how = greedy, "greedy"
         decision = self._place(snapshot, offered, pending, chosen, options, weights, reasons, how, share_left,
                                reservation)
-        return Decision(decision, CellsIlpState(_fingerprint_after(snapshot, decision), snapshot.now_s))
+        holds = ((reservation.job_id, tuple(sorted({n for n, g in reservation.hold if g > 0}))),) \
+            if reservation and any(g > 0 for _, g in reservation.hold) else ()
+        return Decision(decision, CellsIlpState(_fingerprint_after(snapshot, decision), snapshot.now_s), holds)
 
     def _reservation(self, snapshot: Snapshot, weights: dict[str, float]) -> _Reservation | None:
         """The starvation bound: the longest-waiting job past ``reserve_after_s`` that has a

@@ -311,10 +311,15 @@ class Decision:
 
     A job of the snapshot that is absent keeps what it has (running stays running on the
     same placement; pending stays pending).
+
+    ``holds``: nodes set aside for waiting jobs (the starvation bound's hold while they
+    drain), as (job id, node names); nobody else may start there. () holds nothing;
+    None keeps what the last decision held (a round the policy skipped).
     """
 
     jobs: tuple[JobDecision, ...]
     policy_state: object = None
+    holds: tuple[tuple[str, tuple[str, ...]], ...] | None = ()
 
     def for_job(self, job_id: str) -> JobDecision | None:
         for d in self.jobs:

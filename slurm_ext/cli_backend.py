@@ -19,7 +19,7 @@ from slurm_ext.slurm_install import SlurmInstall
 from slurm_ext.slurm_parse import (
     ADMIN_COMMENT_FIELDS, GroupedSinfoError, LISTING_FIELDS, NAME_FIELDS, PENDING_LISTING_FIELDS,
     parse_job_detail, parse_job_listing, parse_jobs, parse_nodes,
-    parse_pending_listing, parse_sbatch_parsable,
+    parse_pending_listing, parse_reservation_nodes, parse_sbatch_parsable,
 )
 
 log = logging.getLogger(__name__)
@@ -209,6 +209,28 @@ def batch_script_argv(job_id: int) -> list[str]:
     return ["scontrol", "write", "batch_script", _job_id(job_id), "-"]
 
 
+def reservation_show_argv(name: str) -> list[str]:
+    """One reservation on one line (``Nodes=...`` among its fields)."""
+    return ["scontrol", "-o", "show", "reservation", _name("reservation", name)]
+
+
+def reservation_create_argv(name: str, nodes: Sequence[str]) -> list[str]:
+    """A reservation from now on, for root only, of ``nodes`` (running jobs there go on:
+    IGNORE_JOBS): no job of anyone else starts on them while it lasts."""
+    return ["scontrol", "create", "reservation", f"ReservationName={_name('reservation', name)}",
+            "StartTime=now", "Duration=UNLIMITED", "Users=root", f"Nodes={_node_list(tuple(nodes))}",
+            "Flags=IGNORE_JOBS"]
+
+
+def reservation_update_argv(name: str, nodes: Sequence[str]) -> list[str]:
+    return ["scontrol", "update", f"ReservationName={_name('reservation', name)}",
+            f"Nodes={_node_list(tuple(nodes))}"]
+
+
+def reservation_delete_argv(name: str) -> list[str]:
+    return ["scontrol", "delete", f"ReservationName={_name('reservation', name)}"]
+
+
 def cancel_argv(job_id: int) -> list[str]:
     return ["scancel", _job_id(job_id)]
 
@@ -378,6 +400,28 @@ class CliSlurmClient:
 
     def cancel(self, job_id: int) -> None:
         self._run(cancel_argv(job_id))
+
+    def reserved_nodes(self, name: str) -> tuple[str, ...] | None:
+        """The nodes of reservation ``name``, or None when there is none."""
+        out = run_command(self.install.argv(reservation_show_argv(name)), self.timeout_s,
+                          env=self.env, check=False)
+        if out.returncode != 0 or "not found" in out.stdout + out.stderr:
+            if "not found" in out.stdout + out.stderr:
+                return None
+            raise SlurmCommandError(out.argv, out.returncode, out.stderr)
+        return parse_reservation_nodes(out.stdout)
+
+    def hold_nodes(self, name: str, nodes: Sequence[str]) -> None:
+        nodes = tuple(nodes)
+        held = self.reserved_nodes(name)
+        if (held is None and not nodes) or (held is not None and set(held) == set(nodes)):
+            return
+        if not nodes:
+            self._run(reservation_delete_argv(name))
+        elif held is None:
+            self._run(reservation_create_argv(name, nodes))
+        else:
+            self._run(reservation_update_argv(name, nodes))
 
     def submit(self, request: SubmitRequest) -> int:
         job_id = parse_sbatch_parsable(self._run(sbatch_argv(request), input_text=request.script))

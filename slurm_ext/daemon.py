@@ -55,6 +55,8 @@ log = logging.getLogger(__name__)
 
 JOURNAL_KEEP_S = 7 * 86400.0  # closed journal entries are kept this long for inspection
 PRUNE_EVERY_S = 3600.0
+# The Slurm reservation that protects the nodes a policy holds for a waiting job.
+HOLD_RESERVATION = "slurm-ext-hold"
 # A released job waiting for one of these will never start as it is: decide it afresh.
 # So is one still waiting after LAUNCH_TIMEOUT_ROUNDS rounds (at least LAUNCH_TIMEOUT_MIN_S).
 LAUNCH_TIMEOUT_ROUNDS = 3
@@ -175,6 +177,7 @@ class Daemon:
         self._new_specs = 0
         self._pruned_s = 0.0
         self._forecast_s = -math.inf
+        self._held: tuple[str, ...] | None = None  # nodes the hold reservation has; None: unknown
         self.forecasts = BackgroundForecast()
         self._derived = DerivedCache()  # what the policy derives per job spec, kept across rounds
         self.config = config
@@ -345,14 +348,20 @@ class Daemon:
         except DecisionError as e:
             self.metrics.error("policy")
             log.error(kv("decision_rejected", policy=self.policy.name, error=e))
-            decision = Decision(())
+            decision = Decision((), holds=None)  # what was held stays held
         self._policy_state = decision.policy_state
         decision, snapshot, managed = self._release_dropped(decision, snapshot, managed, acts, now_s)
         forecasts = self.forecasts.take()  # one finished since the last round, if any
         self._start_forecast(snapshot, decision, managed, active, now_s)
         t3 = time.perf_counter()
+        held = None if decision.holds is None else \
+            tuple(sorted({n for _, names in decision.holds for n in names}))
+        if held == ():  # free them before the round's starts (the held job's among them)
+            self._hold(held, decision)
         self.actor.act(snapshot, decision, {m.view.job_id: m for m in managed}, part_types,
                        self.policy.name, acts, forecasts)
+        if held:  # after the starts, which never use held GPUs
+            self._hold(held, decision)
         if not cfg.dry_run:
             self.store.forget_jobs_except(active_ids)
             if now_s - self._pruned_s > PRUNE_EVERY_S:
@@ -388,7 +397,7 @@ class Daemon:
                 if not self.config.dry_run:
                     self.store.put_spec(m.slurm.job_id, None, message, now_s)
                 self._spec_cache[m.slurm.job_id] = (None, message)
-        return (Decision(tuple(d for d in decision.jobs if d.job_id not in dropped), decision.policy_state),
+        return (replace(decision, jobs=tuple(d for d in decision.jobs if d.job_id not in dropped)),
                 replace(snapshot, jobs=tuple(j for j in snapshot.jobs if j.job_id not in dropped)),
                 [m for m in managed if m.view.job_id not in dropped])
 
@@ -532,6 +541,25 @@ class Daemon:
                     float(spec.iterations), view.iterations_done + m.run_iterations(now_s))))
             managed.append(m)
         return self._apply_guarantees(managed), launching, errors
+
+    def _hold(self, nodes: tuple[str, ...], decision: Decision) -> None:
+        """Protect the nodes the policy holds with a Slurm reservation (none: remove it)."""
+        if nodes == self._held:
+            return
+        jobs = [job_id for job_id, _ in decision.holds or ()]
+        if self.config.dry_run:
+            self.out(f"dry-run: hold nodes={','.join(nodes) or '-'} for={','.join(jobs) or '-'}")
+            return
+        try:
+            self.client.hold_nodes(HOLD_RESERVATION, nodes)
+        except SlurmExtError as e:
+            self.metrics.error("slurm")
+            log.warning(kv("hold_failed", nodes=",".join(nodes) or "-", error=e))
+            self._held = None
+            return
+        self._held = nodes
+        log.info(kv("nodes_held" if nodes else "nodes_unheld", nodes=",".join(nodes) or "-",
+                    jobs=",".join(jobs) or "-", reservation=HOLD_RESERVATION))
 
     def _apply_guarantees(self, managed: list[ManagedJob]) -> list[ManagedJob]:
         """``guaranteed=yes`` binds only where the admin's list grants it (config

@@ -24,6 +24,7 @@ the client sets it (from ``env``) before that import; one process talks to one c
 
 import logging
 import os
+import time
 from collections.abc import Mapping, Sequence
 
 from slurm_ext.cli_backend import (
@@ -33,11 +34,13 @@ from slurm_ext.cli_backend import (
 from slurm_ext.errors import SlurmArgumentError, SlurmCommandError, SlurmExtError
 from slurm_ext.slurm_client import ACTIVE_STATES, JobUpdate, SlurmJob, SlurmNode, SubmitRequest
 from slurm_ext.slurm_install import SlurmInstall
-from slurm_ext.slurm_parse import is_elastic, listing_records, parse_job, parse_node
+from slurm_ext.slurm_parse import expand_hostlist, is_elastic, listing_records, parse_job, parse_node
 
 log = logging.getLogger(__name__)
 
 TRES_PER_JOB_FIELDS = ("JobID", "tres-per-job")
+# pyslurm takes no "unlimited" duration: ten years, in minutes.
+RESERVATION_DURATION_MIN = 10 * 365 * 24 * 60
 # Job states (as pyslurm names them) in which a job holds its nodes' resources.
 HOLDING_STATES = frozenset({"RUNNING", "SUSPENDED", "COMPLETING", "CONFIGURING", "SIGNALING",
                             "STAGE_OUT", "RESIZING"})
@@ -286,6 +289,33 @@ class PyslurmClient:
 
     def cancel(self, job_id: int) -> None:
         self._each("cancel", job_id, lambda job: job.cancel())
+
+    def reserved_nodes(self, name: str) -> tuple[str, ...] | None:
+        """The nodes of reservation ``name``, or None when there is none."""
+        found = self._rpc("load reservations", self._pyslurm.Reservations.load).get(_name("reservation", name))
+        if found is None:
+            return None
+        return expand_hostlist(_hostlist(found.nodes)) if found.nodes else ()
+
+    def hold_nodes(self, name: str, nodes: Sequence[str]) -> None:
+        nodes = tuple(nodes)
+        held = self.reserved_nodes(name)
+        if (held is None and not nodes) or (held is not None and set(held) == set(nodes)):
+            return
+        if not nodes:
+            self._rpc(f"delete reservation {name}", self._pyslurm.Reservation(name).delete)
+            return
+        listed = _node_list(nodes)
+        if held is None:
+            # As the CLI backend's: from now on, for root only, running jobs go on.
+            resv = self._pyslurm.Reservation(
+                name=name, users=["root"], nodes=listed, start_time=int(time.time()),
+                duration=RESERVATION_DURATION_MIN,
+                flags=self._pyslurm.ReservationFlags.IGNORE_RUNNING_JOBS)
+            self._rpc(f"create reservation {name}", resv.create)
+        else:
+            changes = self._pyslurm.Reservation(nodes=listed)
+            self._rpc(f"update reservation {name}", self._pyslurm.Reservation(name).modify, changes)
 
     def submit(self, request: SubmitRequest) -> int:
         # sbatch, as users submit (see the module docstring).

@@ -325,6 +325,16 @@ class SlurmClient(Protocol):
         """Submit a batch job; return its job id."""
         ...
 
+    def reserved_nodes(self, name: str) -> tuple[str, ...] | None:
+        """The nodes of reservation ``name``, or None when there is none."""
+        ...
+
+    def hold_nodes(self, name: str, nodes: Sequence[str]) -> None:
+        """Make reservation ``name`` hold exactly ``nodes`` (none: no reservation): from
+        now on, for root only, so no other job starts there; jobs running there go on.
+        Idempotent."""
+        ...
+
 
 __all__ = [
     "ACTIVE_STATES", "Gres", "JobUpdate", "SlurmClient", "SlurmJob", "SlurmNode",

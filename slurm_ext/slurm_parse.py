@@ -379,6 +379,14 @@ def parse_nodes(raw: str) -> tuple[SlurmNode, ...]:
     return tuple(nodes)
 
 
+def parse_reservation_nodes(text_: str) -> tuple[str, ...]:
+    """``scontrol -o show reservation NAME`` → its nodes (``Nodes=a100-[1-2]``)."""
+    m = re.search(r"(?:^|\s)Nodes=(\S*)", text_)
+    if not m:
+        raise SlurmParseError("scontrol show reservation: Nodes", text_)
+    return () if m.group(1) in _UNSET else expand_hostlist(m.group(1))
+
+
 def parse_sbatch_parsable(out: str) -> int:
     """``sbatch --parsable`` prints ``JOBID`` or ``JOBID;CLUSTER``."""
     first = out.strip().split(";", 1)[0]

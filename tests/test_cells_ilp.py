@@ -330,8 +330,12 @@ def test_nodes_are_held_for_a_starving_job_until_its_cell_fits():
     final = final_assignments(s, d)
     assert final["wide"] is None and final["new"] is None and final["recent"] is not None
     assert "held for a100x8" in d.for_job("wide").reason
+    # The held nodes are in the decision, for the daemon to protect in Slurm.
+    assert d.holds == (("wide", ("a100-0", "a100-1")),)
     done = snap([wide, newcomer], nodes(a100=2, v100=0), now=36_300.0)
-    assert final_assignments(done, CellsIlpPolicy().decide(done))["wide"].cell == Cell("a100", 8, 4, 1)
+    started = CellsIlpPolicy().decide(done)
+    assert final_assignments(done, started)["wide"].cell == Cell("a100", 8, 4, 1)
+    assert started.holds == ()
 
 
 def test_the_starvation_bound_never_suspends_a_guaranteed_job():

@@ -20,7 +20,9 @@ from estimator.cells import Cell
 from estimator.plan_string import parse_plan
 from conftest import wait_for as _wait
 from slurm_ext.config import ConfigError, DaemonConfig, load_config, resolve
-from slurm_ext.daemon import (
+from policy.interface import Decision
+from slurm_ext.daemon import (  # noqa: I001
+    HOLD_RESERVATION,
     Daemon, build_snapshot, cluster_spec, model_loader_for, partition_types, requested_gpus,
     reserved_cell, running_assignment,
 )
@@ -310,6 +312,42 @@ def test_a_guarantee_binds_only_within_the_admins_list_and_quota(slurm_lab, slur
     # The view every user reads shows it.
     (row,) = [r for r in rows(slurm_client.jobs()) if r.job_id == second]
     assert "guarantee refused" in row.why
+
+
+class HoldingPolicy:
+    """A policy that starts nothing and holds the nodes it is told to (cells-ilp's starvation
+    bound emits such holds: test_cells_ilp.py); here what the daemon does with them."""
+
+    name = "holding"
+
+    def __init__(self, nodes):
+        self.nodes = nodes
+
+    def decide(self, snapshot):
+        return Decision((), holds=(("x", self.nodes),) if self.nodes else ())
+
+
+@pytest.mark.slurm
+def test_a_plain_job_cannot_take_the_gpus_held_for_a_starving_job(slurm_lab, slurm_client, tmp_path):
+    daemon = make_daemon(slurm_lab, slurm_client, tmp_path)
+    daemon.policy = HoldingPolicy(("h100-1",))
+    daemon.round()
+    assert slurm_client.reserved_nodes(HOLD_RESERVATION) == ("h100-1",)
+    plain = submit(slurm_client, tmp_path, partition="h100", gres="gpu:h100:2", name="plain")
+    other = submit(slurm_client, tmp_path, partition="a10", gres="gpu:a10:1", name="elsewhere")
+    wait_for("the job on other nodes to run", running(slurm_client, other))
+    job = slurm_client.job(plain)
+    assert job.is_pending and "reserved" in job.reason.lower(), job.reason
+    # The hold moves with the policy's decision, and goes with it.
+    daemon.policy = HoldingPolicy(("h100-1", "a100-2"))
+    daemon.round()
+    assert set(slurm_client.reserved_nodes(HOLD_RESERVATION)) == {"h100-1", "a100-2"}
+    daemon.policy = HoldingPolicy(())
+    daemon.round()
+    assert slurm_client.reserved_nodes(HOLD_RESERVATION) is None
+    wait_for("the plain job to run once nothing is held", running(slurm_client, plain))
+    daemon.round()  # nothing held, nothing to remove: no call fails
+    assert slurm_client.reserved_nodes(HOLD_RESERVATION) is None
 
 
 @pytest.mark.slurm
@@ -728,6 +766,9 @@ def test_daemon_shows_the_tuned_plan_of_a_running_job_and_does_nothing_else(tmp_
 
     report = daemon.round()
     assert report.actions == () and report.plans_shown == (41,)
+    # The first round clears a node hold a previous daemon may have left (none to clear here).
+    assert [c for c in client.calls if c[0] == "hold_nodes"] == [("hold_nodes", HOLD_RESERVATION, ())]
+    client.calls = [c for c in client.calls if c[0] != "hold_nodes"]
     ((kind, job_id, update),) = client.calls  # one AdminComment update, no signal, requeue, hold
     assert (kind, job_id, update.start_now) == ("update", 41, False)
     assert (update.partition, update.gpus_per_node, update.num_nodes) == (None, None, None)

@@ -62,6 +62,22 @@ def test_the_placement_is_the_required_node_list():
             update_pending_argv(42, JobUpdate(required_nodes=bad))
 
 
+def test_the_hold_reservation_commands():
+    from slurm_ext.cli_backend import (
+        reservation_create_argv, reservation_delete_argv, reservation_show_argv, reservation_update_argv,
+    )
+    create = reservation_create_argv("slurm-ext-hold", ("h100-1", "a100-2"))
+    assert create[:4] == ["scontrol", "create", "reservation", "ReservationName=slurm-ext-hold"]
+    assert {"StartTime=now", "Users=root", "Nodes=h100-1,a100-2", "Flags=IGNORE_JOBS"} <= set(create)
+    assert reservation_update_argv("r", ["n1"]) == ["scontrol", "update", "ReservationName=r", "Nodes=n1"]
+    assert reservation_delete_argv("r") == ["scontrol", "delete", "ReservationName=r"]
+    assert reservation_show_argv("r") == ["scontrol", "-o", "show", "reservation", "r"]
+    with pytest.raises(SlurmArgumentError, match="required_nodes"):
+        reservation_create_argv("r", ())
+    with pytest.raises(SlurmArgumentError, match="reservation"):
+        reservation_delete_argv("r x")
+
+
 def test_partial_update_and_no_start_time():
     assert update_pending_argv(7, JobUpdate(num_nodes=1, start_now=False)) == \
         ["scontrol", "update", "JobId=7", "NumNodes=1-1"]

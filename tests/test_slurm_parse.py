@@ -375,3 +375,13 @@ def test_account_and_qos_from_json_and_the_listing():
     assert (listed.account, listed.qos, listed.user, listed.comment) == ("ml", "high", "bob", "elastic")
     (unset,) = parse_job_listing(main.replace("|ml|high|", "|(null)|(null)|"), "5|(null)|\n", "5|t|\n")
     assert (unset.account, unset.qos) == ("", "")
+
+
+def test_reservation_nodes_from_scontrol_show():
+    from slurm_ext.slurm_parse import parse_reservation_nodes
+    line = ("ReservationName=slurm-ext-hold StartTime=2026-11-25T17:40:00 EndTime=Unknown "
+            "Duration=UNLIMITED Nodes=a100-[1-2],h100-1 NodeCnt=3 CoreCnt=48 Features=(null) "
+            "PartitionName=(null) Flags=IGNORE_JOBS,SPEC_NODES Users=root\n")
+    assert parse_reservation_nodes(line) == ("a100-1", "a100-2", "h100-1")
+    with pytest.raises(SlurmParseError):
+        parse_reservation_nodes("Reservation x not found")
