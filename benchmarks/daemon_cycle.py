@@ -124,9 +124,9 @@ def _summary(rounds: dict) -> dict:
             "read_s": rounds["read_s"], "cycles": rounds["cycles"], "acting": rounds["acting"]}
 
 
-def _ratio(per_backend: dict) -> dict:
+def _ratio(summaries: dict) -> dict:
     """pyslurm ÷ CLI of each median (below 1: pyslurm is faster)."""
-    a, b = _summary(per_backend["pyslurm"]), _summary(per_backend["cli"])
+    a, b = summaries["pyslurm"], summaries["cli"]
     return {k: round(a[k]["median"] / b[k]["median"], 3) if a[k] and b[k] and b[k]["median"] else None
             for k in ("steady_s", "steady_observe_s", "acting_s", "acting_act_s", "read_s")}
 
@@ -194,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         for b in names:
             per_backend[b]["read_s"] = _reads(clients[b], args.reads)
         cycles, acting = per_backend[names[0]]["cycles"], per_backend[names[0]]["acting"]
+        summaries = {b: _summary(v) for b, v in per_backend.items()}
         version = run_command(["sinfo", "--version"], timeout_s=10, env=lab.env()).stdout.strip()
         steady = statistics.median(c["total_s"] for c in cycles)
         parts = {k: round(statistics.median(c[k] for c in cycles), 3) for k in PARTS}
@@ -210,8 +211,8 @@ def main(argv: list[str] | None = None) -> int:
             "acting_max_s": max((c["total_s"] for c in acting), default=None),
             "target_s": TARGET_S, "meets_target": steady <= TARGET_S, "cpus": os.cpu_count(),
             "load_avg_1m": round(os.getloadavg()[0], 1), "slurm": version,
-            "backend": args.backend, "backends": {b: _summary(v) for b, v in per_backend.items()},
-            "ratio": _ratio(per_backend) if len(names) == 2 else None}, args.out)
+            "backend": args.backend, "backends": summaries,
+            "ratio": _ratio(summaries) if len(names) == 2 else None}, args.out)
         return 0
     finally:
         lab.down(timeout_s=120)

@@ -231,6 +231,16 @@ def reservation_delete_argv(name: str) -> list[str]:
     return ["scontrol", "delete", f"ReservationName={_name('reservation', name)}"]
 
 
+def reservation_change(held: tuple[str, ...] | None, nodes: tuple[str, ...]) -> str | None:
+    """What makes a reservation that holds ``held`` (None: there is none) hold ``nodes``
+    (none: no reservation): None when nothing, else ``delete``, ``create`` or ``update``."""
+    if (held is None and not nodes) or (held is not None and set(held) == set(nodes)):
+        return None
+    if not nodes:
+        return "delete"
+    return "create" if held is None else "update"
+
+
 def cancel_argv(job_id: int) -> list[str]:
     return ["scancel", _job_id(job_id)]
 
@@ -405,22 +415,20 @@ class CliSlurmClient:
         """The nodes of reservation ``name``, or None when there is none."""
         out = run_command(self.install.argv(reservation_show_argv(name)), self.timeout_s,
                           env=self.env, check=False)
-        if out.returncode != 0 or "not found" in out.stdout + out.stderr:
-            if "not found" in out.stdout + out.stderr:
-                return None
+        if "not found" in out.stdout + out.stderr:
+            return None
+        if out.returncode != 0:
             raise SlurmCommandError(out.argv, out.returncode, out.stderr)
         return parse_reservation_nodes(out.stdout)
 
     def hold_nodes(self, name: str, nodes: Sequence[str]) -> None:
         nodes = tuple(nodes)
-        held = self.reserved_nodes(name)
-        if (held is None and not nodes) or (held is not None and set(held) == set(nodes)):
-            return
-        if not nodes:
+        change = reservation_change(self.reserved_nodes(name), nodes)
+        if change == "delete":
             self._run(reservation_delete_argv(name))
-        elif held is None:
+        elif change == "create":
             self._run(reservation_create_argv(name, nodes))
-        else:
+        elif change == "update":
             self._run(reservation_update_argv(name, nodes))
 
     def submit(self, request: SubmitRequest) -> int:

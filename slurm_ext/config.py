@@ -196,6 +196,17 @@ def _partitions(raw: object, source: str) -> tuple[tuple[str, str], ...]:
     return tuple(sorted(out))
 
 
+def _yaml_text(key: str, raw: object, source: str, example: str) -> object:
+    """A mapping the environment gives as YAML text (``'{users: {alice: 16}}'``), parsed;
+    any other value as it is."""
+    if not isinstance(raw, str):
+        return raw
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        raise ConfigError(key, raw, f"({source}) give a YAML mapping, e.g. '{example}'") from None
+
+
 def _coerce(key: str, raw: object, source: str) -> object:
     if key in _FLOATS:
         value = _number(key, raw, source, float, False)
@@ -214,12 +225,7 @@ def _coerce(key: str, raw: object, source: str) -> object:
     if key == "partitions":
         return _partitions(raw, source)
     if key == "policy_options":
-        if isinstance(raw, str):  # environment form: "{min_change_interval_s: 0}" (YAML)
-            try:
-                raw = yaml.safe_load(raw)
-            except yaml.YAMLError:
-                raise ConfigError(key, raw, f"({source}) give a YAML mapping, e.g. "
-                                  "'{min_change_interval_s: 600}'") from None
+        raw = _yaml_text(key, raw, source, "{min_change_interval_s: 600}")
         if raw is None:
             return ()
         if not isinstance(raw, dict):
@@ -235,12 +241,7 @@ def _coerce(key: str, raw: object, source: str) -> object:
             raise ConfigError(key, raw, f"({source}) use one of {', '.join(PLAN_SPACES)}")
         return raw
     if key == "guarantees":
-        if isinstance(raw, str):  # environment form: "{users: {alice: 16}}" (YAML)
-            try:
-                raw = yaml.safe_load(raw)
-            except yaml.YAMLError:
-                raise ConfigError(key, raw, f"({source}) give a YAML mapping, e.g. "
-                                  "'{users: {alice: 16}}'") from None
+        raw = _yaml_text(key, raw, source, "{users: {alice: 16}}")
         if raw is None:
             return GuaranteePolicy()
         if not isinstance(raw, dict):

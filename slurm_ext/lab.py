@@ -359,6 +359,7 @@ class LabCluster:
                            "choose another base port (--base-port) or stop what uses them")
         if not self.job_submit_lua.exists():
             raise LabError(f"{self.job_submit_lua} not found: the lab needs etc/job_submit.lua")
+        self._install = install
         version = self.slurm_version()
         self._clean_runtime()
         self._write_files(version)

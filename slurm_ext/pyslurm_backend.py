@@ -24,12 +24,13 @@ the client sets it (from ``env``) before that import; one process talks to one c
 
 import logging
 import os
+import sys
 import time
 from collections.abc import Mapping, Sequence
 
 from slurm_ext.cli_backend import (
     CliSlurmClient, _admin_comment, _id_list, _job_id, _name, _node_list, _positive, job_listing_argv,
-    retry_stale_errno, signal_batch_argv,
+    reservation_change, retry_stale_errno, signal_batch_argv,
 )
 from slurm_ext.errors import SlurmArgumentError, SlurmCommandError, SlurmExtError
 from slurm_ext.slurm_client import ACTIVE_STATES, JobUpdate, SlurmJob, SlurmNode, SubmitRequest
@@ -161,7 +162,7 @@ class PyslurmClient:
     def __init__(self, env: Mapping[str, str] | None = None, timeout_s: float = 30.0,
                  install: SlurmInstall | None = None):
         conf = (env or {}).get("SLURM_CONF")
-        if conf and os.environ.get("SLURM_CONF") not in (None, conf) and _pyslurm_loaded():
+        if conf and os.environ.get("SLURM_CONF") not in (None, conf) and "pyslurm" in sys.modules:
             raise PyslurmUnavailable(f"pyslurm already loaded {os.environ['SLURM_CONF']}; one "
                                      f"process talks to one cluster (asked for {conf})")
         if conf:
@@ -299,14 +300,14 @@ class PyslurmClient:
 
     def hold_nodes(self, name: str, nodes: Sequence[str]) -> None:
         nodes = tuple(nodes)
-        held = self.reserved_nodes(name)
-        if (held is None and not nodes) or (held is not None and set(held) == set(nodes)):
+        change = reservation_change(self.reserved_nodes(name), nodes)
+        if change is None:
             return
-        if not nodes:
+        if change == "delete":
             self._rpc(f"delete reservation {name}", self._pyslurm.Reservation(name).delete)
             return
         listed = _node_list(nodes)
-        if held is None:
+        if change == "create":
             # As the CLI backend's: from now on, for root only, running jobs go on.
             resv = self._pyslurm.Reservation(
                 name=name, users=["root"], nodes=listed, start_time=int(time.time()),
@@ -321,7 +322,3 @@ class PyslurmClient:
         # sbatch, as users submit (see the module docstring).
         return self._cli.submit(request)
 
-
-def _pyslurm_loaded() -> bool:
-    import sys
-    return "pyslurm" in sys.modules

@@ -10,6 +10,7 @@ libmunge.
 
 import os
 import re
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,7 +66,7 @@ class SlurmInstall:
             if os.sep in program:
                 if not Path(program).exists():
                     out.append(program)
-            elif not _on_path(program):
+            elif shutil.which(program) is None:
                 out.append(program)
         return tuple(out)
 
@@ -73,16 +74,8 @@ class SlurmInstall:
     def include_dir(self) -> Path | None:
         return self.prefix / "include" if self.prefix else None
 
-    @property
-    def lib_dir(self) -> Path | None:
-        return self.prefix / "lib" if self.prefix else None
-
     def describe(self) -> str:
         return str(self.prefix) if self.prefix else "system"
-
-
-def _on_path(program: str) -> bool:
-    return any((Path(d) / program).exists() for d in os.environ.get("PATH", "").split(os.pathsep) if d)
 
 
 def install_from(prefix: str | Path | None) -> SlurmInstall:
