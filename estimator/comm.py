@@ -39,14 +39,16 @@ class CurveKey:
 @dataclass(frozen=True)
 class CommTime:
     seconds: float
-    source: str  # "table" or "model"
+    source: str  # "table", "profile" (a site's own profile) or "model"
 
 
 class CommTable:
     """Measured collective curves, immutable after loading."""
 
-    def __init__(self, curves: dict[CurveKey, tuple[tuple[float, ...], tuple[float, ...]]]):
+    def __init__(self, curves: dict[CurveKey, tuple[tuple[float, ...], tuple[float, ...]]],
+                 profiled_types: frozenset[str] = frozenset()):
         self._curves = curves
+        self.profiled_types = profiled_types  # GPU types whose curves a site's profile gave
         self._networks: dict[str, set[str]] = {}
         for key in curves:
             self._networks.setdefault(key.gpu_type, set()).add(key.network)
@@ -79,31 +81,46 @@ def _parse_groups(text: str) -> list[list[int]]:
     return ast.literal_eval(cleaned)
 
 
+COLUMNS = ("gpu_type", "num_nodes", "gpus_per_node", "network", "op", "replica_groups",
+           "group_size", "bytes", "seconds")
+
+
 @lru_cache(maxsize=4)
 def load_comm_table(path: str | None = None) -> CommTable:
     """Load (once per path) a measured collectives CSV into curves."""
     p = Path(path) if path else DEFAULT_TABLE
     if not p.is_file():
         raise SpecError("comm_table", str(p), "give a readable CSV of measured collectives")
-    points: dict[tuple, list[tuple[float, float]]] = {}
     with p.open(newline="") as f:
         reader = csv.reader(f)
         header = next(reader, [])
-        need = ("gpu_type", "num_nodes", "gpus_per_node", "network", "op", "replica_groups",
-                "group_size", "bytes", "seconds")
-        if not set(need) <= set(header):
-            raise SpecError("comm_table", str(p), f"CSV needs columns {', '.join(need)}")
-        col = [header.index(name) for name in need]
-        group_cache: dict[tuple[str, str, str, str], int] = {}
-        for row in reader:
-            gpu, nn, gpn, net, op, groups, size, nbytes, seconds = (row[i] for i in col)
-            if op not in OPS:
-                continue
-            gkey = (groups, gpn, nn, op)
-            span = group_cache.get(gkey)
-            if span is None:
-                span = group_cache[gkey] = _nodes_spanned(_parse_groups(groups), int(gpn), int(nn), op)
-            points.setdefault((gpu, net, op, size, span), []).append((float(nbytes), float(seconds)))
+        if not set(COLUMNS) <= set(header):
+            raise SpecError("comm_table", str(p), f"CSV needs columns {', '.join(COLUMNS)}")
+        col = [header.index(name) for name in COLUMNS]
+        return CommTable(_curves([row[i] for i in col] for row in reader))
+
+
+def with_profiled(base: CommTable, rows: list[dict]) -> CommTable:
+    """``base`` with the curves of the GPU types ``rows`` cover replaced by those rows
+    (dicts with the CSV's columns: a site's own profile, ``estimator.profile_store``)."""
+    profiled = frozenset(r["gpu_type"] for r in rows)
+    curves = {k: v for k, v in base._curves.items() if k.gpu_type not in profiled}
+    curves.update(_curves([str(r[c]) for c in COLUMNS] for r in rows))
+    return CommTable(curves, base.profiled_types | profiled)
+
+
+def _curves(rows) -> dict[CurveKey, tuple[tuple[float, ...], tuple[float, ...]]]:
+    """Curves from rows of the CSV's columns (as text), in ``COLUMNS`` order."""
+    points: dict[tuple, list[tuple[float, float]]] = {}
+    group_cache: dict[tuple[str, str, str, str], int] = {}
+    for gpu, nn, gpn, net, op, groups, size, nbytes, seconds in rows:
+        if op not in OPS:
+            continue
+        gkey = (groups, gpn, nn, op)
+        span = group_cache.get(gkey)
+        if span is None:
+            span = group_cache[gkey] = _nodes_spanned(_parse_groups(groups), int(gpn), int(nn), op)
+        points.setdefault((gpu, net, op, size, span), []).append((float(nbytes), float(seconds)))
     curves = {}
     for (gpu, net, op, size, span), samples in points.items():
         by_size: dict[float, list[float]] = {}
@@ -113,7 +130,7 @@ def load_comm_table(path: str | None = None) -> CommTable:
         # Several layouts can share a curve: keep the median time at each size.
         times = [sorted(by_size[x])[len(by_size[x]) // 2] for x in sizes]
         curves[CurveKey(gpu, net, op, int(size), span)] = (tuple(sizes), tuple(times))
-    return CommTable(curves)
+    return curves
 
 
 def _interpolate(sizes: tuple[float, ...], times: tuple[float, ...], nbytes: float) -> float:
@@ -175,15 +192,16 @@ def collective_time(table: CommTable | None, op: str, group_size: int, nodes_spa
     if table is not None:
         net = table.network_for(gpu_type_name, network)
         if net is not None:
+            source = "profile" if gpu_type_name in table.profiled_types else "table"
             curve = table.curve(CurveKey(gpu_type_name, net, op, group_size, nodes_spanned))
             if curve is not None:
-                return CommTime(_interpolate(*curve, nbytes), "table")
+                return CommTime(_interpolate(*curve, nbytes), source)
             if op != "send":
                 near = _nearest_group(table, gpu_type_name, net, op, group_size, nodes_spanned)
                 if near is not None:
                     g, curve = near
                     scale = _algorithm_factor(op, group_size) / _algorithm_factor(op, g)
-                    return CommTime(_interpolate(*curve, nbytes) * scale, "table")
+                    return CommTime(_interpolate(*curve, nbytes) * scale, source)
     return CommTime(model_time(op, group_size, nodes_spanned, nbytes, gpu_type_name, inter_node_gbytes_s), "model")
 
 

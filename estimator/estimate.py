@@ -15,10 +15,11 @@ sender), the best of the 2^S assembled plans is the per-stage best choice; the t
 import logging
 import math
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 from estimator.cells import Cell, CellEstimate, StagePlan
 from estimator.cluster import ClusterSpec, NodeGroup
-from estimator.comm import CommTable, collective_time, load_comm_table
+from estimator.comm import CommTable, collective_time, load_comm_table, with_profiled
 from estimator.compute import Efficiency, efficiency, layer_time_s
 from estimator.errors import SpecError
 from estimator.gpus import gpu_type as _gpu_type
@@ -26,11 +27,14 @@ from estimator.jobs import JobSpec
 from estimator.memory import MemoryOptions, StageMemory, stage_memory, state_bytes_per_param
 from estimator.models import ModelSpec, load_model
 from estimator.partition import balanced_partition, stage_gpu_counts
+from estimator.profile_fit import profiled_layer_s
+from estimator.profile_store import ProfileView, collective_csv_rows, load_profile_view, model_fingerprint
 
 log = logging.getLogger(__name__)
 
 PLAN_SPACES = ("cell", "dp-only")
 FIDELITIES = ("analytic", "compiled")
+PROFILED = "profiled"
 # Compiled collective kinds → the measured table's ops.
 _COMPILED_OPS = {"all-reduce": "all-reduce", "all-gather": "all-gather", "reduce-scatter": "reduce-scatter",
                  "all-to-all": "all-to-all", "collective-permute": "send"}
@@ -55,6 +59,9 @@ class EstimateOptions:
             collectives and, with the GPU-target extra, memory replace the formulas.
         compile_cache_dir: where compiled results are cached (None: the default cache).
         gpu_specs_dir: XLA GPU target specs, for compiled memory of the Cell's GPU type.
+        profile_db: a profile store (``slurm-ext profile``): GPU types it profiled get its
+            fitted efficiency and collectives, and the layers it timed for the job's model
+            take their profiled times; such Cells say ``fidelity: profiled``.
     """
 
     plan_space: str = "cell"
@@ -66,6 +73,7 @@ class EstimateOptions:
     fidelity: str = "analytic"
     compile_cache_dir: str | None = None
     gpu_specs_dir: str | None = None
+    profile_db: str | None = None
     efficiency: dict[str, Efficiency] | None = field(default=None, hash=False, compare=False)
 
     def __post_init__(self):
@@ -90,6 +98,7 @@ class StageCost:
     reason: str
     comm_source: str
     compiled_peak_gb: float | None = None  # from a GPU-target compile, when there was one
+    compute_source: str = "analytic"  # or "profiled": the site's profile gave the compute time
 
     @property
     def peak_gb(self) -> float:
@@ -132,6 +141,8 @@ class _Context:
     micro_batches: int
     remat: bool
     options: EstimateOptions
+    profile: ProfileView | None = None  # the site's profile, when the options name one
+    eff_source: str = "analytic"  # "profiled" when the profile fitted this type's efficiency
 
 
 def _span(first_device: int, count: int, stride: int, gpus_per_node: int) -> int:
@@ -183,8 +194,8 @@ def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan, co
     if compiled is not None:
         formula = sum(layer.flops_fwd for layer in layers) * micro / tp * passes
         flops_scale = compiled.flops_per_device / formula if formula > 0 else 1.0
-    compute_s = sum(layer_time_s(layer, gpu, ctx.eff, model.dtype, micro, tp, passes, flops_scale)
-                    for layer in layers)
+    compute_s, timed = _compute_s(ctx, gpu, plan, micro, passes, flops_scale, compiled is None)
+    compute_source = PROFILED if compiled is None and (timed or ctx.eff_source == PROFILED) else "analytic"
     comm_s = _stage_collectives_s(ctx, layers, plan, first_device, micro, comm_passes, compiled, sources)
     send_s = _send_s(ctx, index, layers, plan, first_device, micro, sources)
     params = sum(layer.params for layer in layers) / tp
@@ -212,7 +223,30 @@ def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan, co
     if not reason and peak_gb > usable:
         reason = f"stage {index} needs {peak_gb:.1f} GB per GPU, {gpu.name} has {usable:.1f} GB usable"
     return StageCost(plan, compute_s + comm_s + send_s, sync_s, update_s, mem, not reason, reason,
-                     "model" if "model" in sources else "table", compiled_peak_gb)
+                     _comm_label(sources), compiled_peak_gb, compute_source)
+
+
+def _comm_label(sources: set[str]) -> str:
+    """One word for where a stage's collectives came from: any guess makes it ``model``."""
+    return "model" if "model" in sources else "profile" if "profile" in sources else "table"
+
+
+def _compute_s(ctx: _Context, gpu, plan: StagePlan, micro: float, passes: float,
+               flops_scale: float, use_profile: bool) -> tuple[float, bool]:
+    """Seconds of a stage's layers for one micro-batch on one device, and whether every
+    layer's time came from the site's profile (one device's share, Crius's profiling)."""
+    model = ctx.model
+    fp = model_fingerprint(model) if use_profile and ctx.profile is not None and ctx.profile.layers else None
+    total, timed = 0.0, fp is not None
+    for i in range(plan.layer_start, plan.layer_end):
+        timing = ctx.profile.layer_timing(ctx.cell.gpu_type, fp, i, plan.tp) if fp else None
+        if timing is not None:
+            total += profiled_layer_s(timing, micro, ctx.remat)
+        else:
+            timed = False
+            total += layer_time_s(model.layers[i], gpu, ctx.eff, model.dtype, micro, plan.tp, passes,
+                                  flops_scale)
+    return total, timed
 
 
 def _stage_collectives_s(ctx: _Context, layers, plan: StagePlan, first_device: int, micro: float,
@@ -294,9 +328,31 @@ def _context(job: JobSpec, cell: Cell, cluster: ClusterSpec, options: EstimateOp
     group = cluster.group(cell.gpu_type)
     gpu = _gpu_type(cell.gpu_type)
     B = micro_batches or options.micro_batches or micro_batch_count(job.global_batch, 4 * cell.num_stages)
-    return _Context(model, job.global_batch, cell, group, load_comm_table(options.comm_table),
-                    efficiency(gpu, options.efficiency), B, options.remat if remat is None else remat,
-                    options)
+    table, eff = load_comm_table(options.comm_table), efficiency(gpu, options.efficiency)
+    profile, eff_source = None, "analytic"
+    if options.profile_db:
+        profile = _profile_view(options.profile_db)
+        if cell.gpu_type in profile.collectives:
+            table = with_profiled(table, collective_csv_rows(cell.gpu_type, profile.collectives[cell.gpu_type]))
+        if cell.gpu_type in profile.efficiencies and options.efficiency is None:
+            eff, eff_source = profile.efficiencies[cell.gpu_type], PROFILED
+    return _Context(model, job.global_batch, cell, group, table, eff, B,
+                    options.remat if remat is None else remat, options, profile, eff_source)
+
+
+def _profile_view(path: str) -> ProfileView:
+    """The store's view, read again only when the file changed."""
+    from pathlib import Path
+    try:
+        st = Path(path).stat()
+    except OSError:
+        raise SpecError("profile_db", path, "no such file; run `slurm-ext profile` first") from None
+    return _cached_view(path, st.st_mtime_ns, st.st_size)
+
+
+@lru_cache(maxsize=4)
+def _cached_view(path: str, mtime_ns: int, size: int) -> ProfileView:
+    return load_profile_view(path)
 
 
 def micro_batch_count(global_batch: int, target: int) -> int:
@@ -333,8 +389,7 @@ def score_plan(job: JobSpec, cell: Cell, cluster: ClusterSpec, stages: tuple[Sta
     bad = next((c for c in costs if not c.feasible), None)
     return PlanScore(pipeline_time_s(tuple(costs), micro_batches),
                      max(c.peak_gb for c in costs), bad is None, bad.reason if bad else "",
-                     tuple(c.micro_batch_s for c in costs),
-                     "model" if any(c.comm_source == "model" for c in costs) else "table")
+                     tuple(c.micro_batch_s for c in costs), _comm_label({c.comm_source for c in costs}))
 
 
 def _infeasible(cell: Cell, reason: str, B: int) -> CellEstimate:
@@ -393,10 +448,11 @@ def _estimate_cell(job: JobSpec, cell: Cell, cluster: ClusterSpec, options: Esti
     costs = tuple(chosen)
     bad = next((c for c in costs if not c.feasible), None)
     t = pipeline_time_s(costs, ctx.micro_batches)
-    source = "model" if any(c.comm_source == "model" for c in costs) else "table"
+    source = _comm_label({c.comm_source for c in costs})
     peak = max(c.peak_gb for c in costs)
     plans = tuple(c.plan for c in costs)
-    fidelity = "compiled" if compiled else "analytic"
+    fidelity = "compiled" if compiled else \
+        PROFILED if all(c.compute_source == PROFILED for c in costs) else "analytic"
     memory_fidelity = "compiled" if all(c.compiled_peak_gb is not None for c in costs) else "analytic"
     if bad is not None:
         return CellEstimate(cell, plans, ctx.micro_batches, math.inf, 0.0, peak, False, bad.reason,

@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "daemon": "observe Slurm, decide, act (the scheduler service)",
     "squeue": "squeue plus each elastic job's Cell, plan, forecast and why",
     "explain": "a job's Cells, the one it got and why, its history, forecast and why it waits",
+    "profile": "measure a partition's GPUs and network as a Slurm job, into a profile store",
     "lab": "a local heterogeneous Slurm cluster for demos and tests",
 }
 

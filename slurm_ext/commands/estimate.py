@@ -39,6 +39,8 @@ def _table(result: JobEstimate) -> str:
         notes = [c.reason] if not c.feasible else []
         if c.comm_source == "model":
             notes.append("comm: latency-bandwidth model")
+        elif c.comm_source == "profile":
+            notes.append("comm: profiled")
         if c.fidelity != "analytic" or c.memory_fidelity != "analytic":
             notes.append(f"time: {c.fidelity}, memory: {c.memory_fidelity}")
         note = "; ".join(notes)
@@ -106,11 +108,16 @@ def _read_batch(source) -> list[dict]:
               help="Cache directory of compiled stages (default ~/.cache/slurm-ext).")
 @click.option("--gpu-specs-dir", type=click.Path(file_okay=False, exists=True),
               help="XLA GPU target specs, for compiled memory of the Cell's GPU type.")
+@click.option("--profile-db", type=click.Path(dir_okay=False, exists=True),
+              default=lambda: os.environ.get("SLURM_EXT_PROFILE_DB") or None,
+              show_default="$SLURM_EXT_PROFILE_DB",
+              help="Profile store of `slurm-ext profile`: profiled GPU types use its fitted "
+                   "efficiency and collectives, and its timed layers (fidelity: profiled).")
 @click.option("--batch", "batch_file", type=click.File("r"),
               help="One JSON request per line (FILE or - for stdin); prints one JSON result per line.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def command(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, cluster, micro_batches,
-            comm_table, fidelity, compile_cache, gpu_specs_dir, batch_file, as_json):
+            comm_table, fidelity, compile_cache, gpu_specs_dir, profile_db, batch_file, as_json):
     """The Cells of one job: for each GPU type × GPU count × stage count, the best per-stage
     plan, seconds per iteration, samples/s and peak memory per GPU, or why it does not fit.
 
@@ -120,7 +127,8 @@ def command(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, clus
     "gpus_per_node", "max_stages" (as the flags of the same names).
     """
     options = EstimateOptions(micro_batches=micro_batches, comm_table=comm_table, fidelity=fidelity,
-                              compile_cache_dir=compile_cache, gpu_specs_dir=gpu_specs_dir)
+                              compile_cache_dir=compile_cache, gpu_specs_dir=gpu_specs_dir,
+                              profile_db=profile_db)
     if batch_file is not None:
         if model or global_batch:
             raise click.UsageError("--batch reads model and global_batch from each line; drop --model/--global-batch")

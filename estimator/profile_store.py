@@ -1,0 +1,326 @@
+"""The profile store: what `slurm-ext profile` measured on a site's own devices (SQLite).
+
+One file, written by the profiling job's rank 0 and read by the estimator
+(``slurm-ext estimate --profile-db FILE``, the daemon's ``profile_db``). Schema
+(``docs/profiling.md`` explains each column):
+
+- ``profiles``: one row per profiling run: the Slurm job, partition, GPU type, node
+  layout, device kind, platform, date and software versions.
+- ``collectives``: seconds of one collective (all-reduce, all-gather, reduce-scatter,
+  all-to-all, send) over a replica group, for a message size; ``num_nodes`` is the nodes
+  the measurement involved. The columns are the measured-collectives CSV's, so the rows
+  become curves of ``estimator.comm`` as they are.
+- ``kernels``: calibration kernels (matmuls at several shapes and dtypes, a memory-bound
+  copy, an empty launch) with their FLOPs, bytes and seconds.
+- ``layers``: one device's share of one layer of a model (Crius's single-device
+  profiling): forward and forward+backward seconds at ``samples`` samples per device and
+  tensor-parallel degree ``tp`` (the layer's weights cut to 1/tp, no collectives).
+- ``efficiency``: the GPU type's efficiency parameters fitted from the kernels and
+  layers (``estimator.profile_fit``), with the fit's median relative error.
+- ``refits``: online refits from running jobs' measured speeds (Rubick), with the error
+  before and after.
+
+The estimator reads the newest profile of each GPU type (``load_profile_view``); older
+rows stay for history.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from estimator.compute import Efficiency
+from estimator.errors import SpecError
+
+SCHEMA_VERSION = 1
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS profiles (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, job_id TEXT, partition TEXT, gpu_type TEXT NOT NULL,
+    num_nodes INTEGER NOT NULL, gpus_per_node INTEGER NOT NULL, node_names TEXT,
+    platform TEXT NOT NULL, device_kind TEXT, created_utc TEXT NOT NULL, versions_json TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS collectives (
+    profile_id INTEGER NOT NULL REFERENCES profiles(id), op TEXT NOT NULL,
+    group_size INTEGER NOT NULL, num_nodes INTEGER NOT NULL, gpus_per_node INTEGER NOT NULL,
+    replica_groups TEXT NOT NULL, bytes INTEGER NOT NULL, seconds REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS kernels (
+    profile_id INTEGER NOT NULL REFERENCES profiles(id), kernel TEXT NOT NULL, dtype TEXT NOT NULL,
+    shape TEXT NOT NULL, flops REAL NOT NULL, bytes REAL NOT NULL, seconds REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS layers (
+    profile_id INTEGER NOT NULL REFERENCES profiles(id), model TEXT NOT NULL,
+    model_fingerprint TEXT NOT NULL, layer_index INTEGER NOT NULL, layer_kind TEXT NOT NULL,
+    tp INTEGER NOT NULL, samples INTEGER NOT NULL, forward_s REAL NOT NULL,
+    forward_backward_s REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS efficiency (
+    profile_id INTEGER NOT NULL REFERENCES profiles(id), gpu_type TEXT NOT NULL,
+    params_json TEXT NOT NULL, median_rel_error REAL, rows INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS refits (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, gpu_type TEXT NOT NULL, created_utc TEXT NOT NULL,
+    params_json TEXT NOT NULL, measurements INTEGER NOT NULL, median_error_before REAL NOT NULL,
+    median_error_after REAL NOT NULL, trigger TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS layers_lookup ON layers (model_fingerprint, tp);
+"""
+
+
+@dataclass(frozen=True)
+class ProfileInfo:
+    """Where and with what a profile was taken."""
+
+    gpu_type: str
+    num_nodes: int
+    gpus_per_node: int
+    platform: str  # cpu | gpu
+    created_utc: str
+    job_id: str | None = None
+    partition: str | None = None
+    node_names: tuple[str, ...] = ()
+    device_kind: str | None = None
+    versions: dict = field(default_factory=dict, hash=False, compare=False)
+
+
+@dataclass(frozen=True)
+class CollectiveRow:
+    op: str
+    group_size: int
+    num_nodes: int
+    gpus_per_node: int
+    replica_groups: str  # e.g. "[[0, 1], [2, 3]]", global device indices node-major
+    bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class KernelRow:
+    kernel: str  # matmul | copy | launch
+    dtype: str
+    shape: str  # "m,k,n" for matmuls, "elements" for copies
+    flops: float
+    bytes: float
+    seconds: float
+
+
+@dataclass(frozen=True)
+class LayerRow:
+    model: str
+    model_fingerprint: str
+    layer_index: int
+    layer_kind: str
+    tp: int
+    samples: int
+    forward_s: float
+    forward_backward_s: float
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One profiling run's measurements, as written by the profiling job."""
+
+    info: ProfileInfo
+    collectives: tuple[CollectiveRow, ...] = ()
+    kernels: tuple[KernelRow, ...] = ()
+    layers: tuple[LayerRow, ...] = ()
+    efficiency: Efficiency | None = None
+    fit_median_rel_error: float | None = None
+
+
+@dataclass(frozen=True)
+class LayerTiming:
+    """One layer's profiled share on one device at increasing sample counts."""
+
+    samples: tuple[int, ...]
+    forward_s: tuple[float, ...]
+    forward_backward_s: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class ProfileView:
+    """What the estimator takes from a store: per GPU type the newest profile's fitted
+    efficiency, collectives and layer timings (keyed by model fingerprint, layer, tp)."""
+
+    path: str
+    efficiencies: dict[str, Efficiency] = field(default_factory=dict, hash=False, compare=False)
+    collectives: dict[str, tuple[CollectiveRow, ...]] = field(default_factory=dict, hash=False,
+                                                              compare=False)
+    layers: dict[tuple[str, str, int, int], LayerTiming] = field(default_factory=dict, hash=False,
+                                                                compare=False)
+
+    def layer_timing(self, gpu_type: str, fingerprint: str, layer_index: int, tp: int) -> LayerTiming | None:
+        return self.layers.get((gpu_type, fingerprint, layer_index, tp))
+
+    @property
+    def gpu_types(self) -> tuple[str, ...]:
+        return tuple(sorted(set(self.efficiencies) | set(self.collectives)
+                            | {k[0] for k in self.layers}))
+
+
+def model_fingerprint(model) -> str:
+    """A stable hash of an ``estimator.models.ModelSpec``: every layer's costs and the
+    dtype, so a YAML model that keeps its name but changes shape is profiled anew."""
+    text = repr((model.family, model.dtype, model.sequence, model.hidden, model.heads, model.layers))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def connect(path: str | Path, create: bool = False) -> sqlite3.Connection:
+    """Open a profile store; ``create`` makes the file and its tables when missing.
+
+    Raises:
+        SpecError: the file is missing (and not to be created) or is not a profile store.
+    """
+    p = Path(path)
+    if not create and not p.is_file():
+        raise SpecError("profile_db", str(p), "no such file; run `slurm-ext profile` first")
+    if create:
+        p.parent.mkdir(parents=True, exist_ok=True)
+    conn = sqlite3.connect(str(p), timeout=30.0)
+    try:
+        if create:
+            conn.executescript(_SCHEMA)
+            conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+            conn.commit()
+        version = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+    except sqlite3.DatabaseError as e:
+        conn.close()
+        raise SpecError("profile_db", str(p), f"not a profile store ({e})") from None
+    if version is None or int(version[0]) != SCHEMA_VERSION:
+        conn.close()
+        raise SpecError("profile_db", str(p), f"schema version {version and version[0]}, "
+                                              f"expected {SCHEMA_VERSION}")
+    return conn
+
+
+def write_profile(path: str | Path, profile: Profile) -> int:
+    """Add one profiling run to the store (created when missing); returns its id."""
+    info = profile.info
+    with connect(path, create=True) as conn:
+        cur = conn.execute(
+            "INSERT INTO profiles (job_id, partition, gpu_type, num_nodes, gpus_per_node, node_names, "
+            "platform, device_kind, created_utc, versions_json) VALUES (?,?,?,?,?,?,?,?,?,?)",
+            (info.job_id, info.partition, info.gpu_type, info.num_nodes, info.gpus_per_node,
+             ",".join(info.node_names), info.platform, info.device_kind, info.created_utc,
+             json.dumps(info.versions, sort_keys=True)))
+        pid = cur.lastrowid
+        conn.executemany("INSERT INTO collectives VALUES (?,?,?,?,?,?,?,?)",
+                         [(pid, r.op, r.group_size, r.num_nodes, r.gpus_per_node, r.replica_groups,
+                           r.bytes, r.seconds) for r in profile.collectives])
+        conn.executemany("INSERT INTO kernels VALUES (?,?,?,?,?,?,?)",
+                         [(pid, r.kernel, r.dtype, r.shape, r.flops, r.bytes, r.seconds)
+                          for r in profile.kernels])
+        conn.executemany("INSERT INTO layers VALUES (?,?,?,?,?,?,?,?,?)",
+                         [(pid, r.model, r.model_fingerprint, r.layer_index, r.layer_kind, r.tp,
+                           r.samples, r.forward_s, r.forward_backward_s) for r in profile.layers])
+        if profile.efficiency is not None:
+            conn.execute("INSERT INTO efficiency VALUES (?,?,?,?,?)",
+                         (pid, info.gpu_type, json.dumps(asdict(profile.efficiency)),
+                          profile.fit_median_rel_error, len(profile.kernels) + len(profile.layers)))
+    conn.close()
+    return pid
+
+
+def write_refit(path: str | Path, gpu_type: str, eff: Efficiency, measurements: int,
+                median_error_before: float, median_error_after: float, trigger: str,
+                created_utc: str) -> None:
+    """Record an online refit; the estimator prefers it over the profile's own fit."""
+    with connect(path, create=True) as conn:
+        conn.execute("INSERT INTO refits (gpu_type, created_utc, params_json, measurements, "
+                     "median_error_before, median_error_after, trigger) VALUES (?,?,?,?,?,?,?)",
+                     (gpu_type, created_utc, json.dumps(asdict(eff)), measurements,
+                      median_error_before, median_error_after, trigger))
+    conn.close()
+
+
+def profile_summaries(path: str | Path) -> list[dict]:
+    """One dict per profiling run, newest first: id, job, partition, type, layout, date,
+    and how many rows of each kind it holds (for `slurm-ext profile --json`)."""
+    conn = connect(path)
+    try:
+        rows = conn.execute(
+            "SELECT p.id, p.job_id, p.partition, p.gpu_type, p.num_nodes, p.gpus_per_node, p.platform, "
+            "p.device_kind, p.created_utc, "
+            "(SELECT COUNT(*) FROM collectives c WHERE c.profile_id=p.id), "
+            "(SELECT COUNT(*) FROM kernels k WHERE k.profile_id=p.id), "
+            "(SELECT COUNT(*) FROM layers l WHERE l.profile_id=p.id) "
+            "FROM profiles p ORDER BY p.id DESC").fetchall()
+    finally:
+        conn.close()
+    keys = ("id", "job_id", "partition", "gpu_type", "num_nodes", "gpus_per_node", "platform",
+            "device_kind", "created_utc", "collectives", "kernels", "layers")
+    return [dict(zip(keys, r)) for r in rows]
+
+
+def read_profile(path: str | Path, profile_id: int) -> Profile:
+    """One profiling run, whole."""
+    conn = connect(path)
+    try:
+        p = conn.execute("SELECT gpu_type, num_nodes, gpus_per_node, platform, created_utc, job_id, "
+                         "partition, node_names, device_kind, versions_json FROM profiles WHERE id=?",
+                         (profile_id,)).fetchone()
+        if p is None:
+            raise SpecError("profile_id", profile_id, f"not in {path}")
+        info = ProfileInfo(p[0], p[1], p[2], p[3], p[4], p[5], p[6],
+                           tuple(n for n in (p[7] or "").split(",") if n), p[8], json.loads(p[9]))
+        coll = tuple(CollectiveRow(*r) for r in conn.execute(
+            "SELECT op, group_size, num_nodes, gpus_per_node, replica_groups, bytes, seconds "
+            "FROM collectives WHERE profile_id=?", (profile_id,)))
+        kern = tuple(KernelRow(*r) for r in conn.execute(
+            "SELECT kernel, dtype, shape, flops, bytes, seconds FROM kernels WHERE profile_id=?",
+            (profile_id,)))
+        lay = tuple(LayerRow(*r) for r in conn.execute(
+            "SELECT model, model_fingerprint, layer_index, layer_kind, tp, samples, forward_s, "
+            "forward_backward_s FROM layers WHERE profile_id=?", (profile_id,)))
+        e = conn.execute("SELECT params_json, median_rel_error FROM efficiency WHERE profile_id=?",
+                         (profile_id,)).fetchone()
+    finally:
+        conn.close()
+    eff = Efficiency(**json.loads(e[0])) if e else None
+    return Profile(info, coll, kern, lay, eff, e[1] if e else None)
+
+
+def load_profile_view(path: str | Path) -> ProfileView:
+    """The newest measurements of each GPU type in the store, for the estimator.
+
+    Efficiency: the newest online refit of the type, else the newest profile's fit.
+    Collectives: the newest profile of the type that has any. Layers: per model, the
+    newest profile of the type that measured it.
+    """
+    conn = connect(path)
+    try:
+        effs: dict[str, Efficiency] = {}
+        for gpu, params in conn.execute(
+                "SELECT p.gpu_type, e.params_json FROM efficiency e JOIN profiles p ON p.id=e.profile_id "
+                "ORDER BY e.profile_id"):
+            effs[gpu] = Efficiency(**json.loads(params))
+        for gpu, params in conn.execute("SELECT gpu_type, params_json FROM refits ORDER BY id"):
+            effs[gpu] = Efficiency(**json.loads(params))
+        newest_coll = dict(conn.execute(
+            "SELECT p.gpu_type, MAX(p.id) FROM profiles p WHERE EXISTS "
+            "(SELECT 1 FROM collectives c WHERE c.profile_id=p.id) GROUP BY p.gpu_type"))
+        coll = {gpu: tuple(CollectiveRow(*r) for r in conn.execute(
+            "SELECT op, group_size, num_nodes, gpus_per_node, replica_groups, bytes, seconds "
+            "FROM collectives WHERE profile_id=?", (pid,))) for gpu, pid in newest_coll.items()}
+        points: dict[tuple[str, str, int, int], list[tuple[int, float, float]]] = {}
+        for gpu, fp, idx, tp, samples, f, fb in conn.execute(
+                "SELECT p.gpu_type, l.model_fingerprint, l.layer_index, l.tp, l.samples, l.forward_s, "
+                "l.forward_backward_s FROM layers l JOIN profiles p ON p.id=l.profile_id "
+                "WHERE l.profile_id = (SELECT MAX(l2.profile_id) FROM layers l2 JOIN profiles p2 "
+                "ON p2.id=l2.profile_id WHERE p2.gpu_type=p.gpu_type "
+                "AND l2.model_fingerprint=l.model_fingerprint)"):
+            points.setdefault((gpu, fp, idx, tp), []).append((samples, f, fb))
+    finally:
+        conn.close()
+    layers = {}
+    for key, pts in points.items():
+        pts.sort()
+        layers[key] = LayerTiming(tuple(p[0] for p in pts), tuple(p[1] for p in pts),
+                                  tuple(p[2] for p in pts))
+    return ProfileView(str(path), effs, coll, layers)
+
+
+def collective_csv_rows(gpu_type: str, rows: Iterable[CollectiveRow]) -> list[dict]:
+    """Collective rows in the measured-collectives CSV's columns (network ``profiled``)."""
+    return [{"gpu_type": gpu_type, "num_nodes": r.num_nodes, "gpus_per_node": r.gpus_per_node,
+             "network": "profiled", "op": r.op, "replica_groups": r.replica_groups,
+             "group_size": r.group_size, "bytes": r.bytes, "seconds": r.seconds} for r in rows]

@@ -1,0 +1,303 @@
+"""The profiling job: measure a partition's collectives and compute into a profile store.
+
+Started by `slurm-ext profile` as one process per node (``srun --ntasks-per-node=1``), or
+by hand as one process outside Slurm::
+
+    python -m job_scripts.profile --profile-db profiles.sqlite --gpu-type h100 --model gpt-1.3b
+
+mpi4py gives the processes their ranks, the barriers between measurements, the
+broadcast of the jax.distributed coordinator and the gather of every process's devices
+and versions to rank 0; the devices themselves are measured through JAX (NCCL on GPUs,
+gloo between CPU processes). Rank 0 fits the GPU type's efficiency parameters and writes
+everything into the store (``estimator.profile_store``), printing ``profile:`` progress
+lines as it goes. One process needs no MPI: without mpi4py it runs alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import platform as _platform
+import sys
+import time
+from dataclasses import dataclass
+
+from estimator.errors import SpecError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How much to measure (defaults per platform: CPU stand-ins get a token amount)."""
+
+    collective_bytes: tuple[int, ...]
+    matmul_sizes: tuple[int, ...]
+    copy_bytes: tuple[int, ...]
+    samples: tuple[int, ...]
+    repeats: int
+    compute_dtype: str
+
+
+GPU_SETTINGS = Settings(tuple(1 << k for k in range(12, 29, 2)), (256, 512, 1024, 2048, 4096, 8192),
+                        tuple(1 << k for k in range(22, 31, 2)), (1, 2, 4, 8, 16), 5, "bf16")
+CPU_SETTINGS = Settings(tuple(1 << k for k in range(12, 21, 4)), (128, 256, 512),
+                        (1 << 20, 1 << 22, 1 << 24), (1,), 1, "bf16")
+
+
+class World:
+    """mpi4py's COMM_WORLD, or this process alone when there is one process and no mpi4py."""
+
+    def __init__(self, env):
+        try:
+            from mpi4py import MPI
+        except ImportError:
+            if int(env.get("SLURM_NTASKS", "1") or 1) > 1:
+                raise SpecError("mpi4py", None, "not importable, and this step has several tasks: "
+                                                "install the extra `mpi` (pip install 'slurm-ext[mpi]')") from None
+            self.comm, self.library = None, "none (one process)"
+            self.rank, self.size = 0, 1
+            return
+        self.comm = MPI.COMM_WORLD
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self.library = MPI.Get_library_version().strip().splitlines()[0]
+        self._max = MPI.MAX
+
+    def barrier(self) -> None:
+        if self.comm is not None:
+            self.comm.Barrier()
+
+    def bcast(self, value):
+        return value if self.comm is None else self.comm.bcast(value, root=0)
+
+    def gather(self, value) -> list | None:
+        return [value] if self.comm is None else self.comm.gather(value, root=0)
+
+    def max(self, value: float) -> float:
+        return value if self.comm is None else self.comm.allreduce(value, op=self._max)
+
+
+def _progress(world: World, text: str) -> None:
+    if world.rank == 0:
+        print(f"profile: {text}", flush=True)
+
+
+def _configure(world: World, env, devices_per_node: int | None) -> str:
+    """Platform, CPU device count and jax.distributed, before any computation."""
+    import jax
+
+    from job_scripts.runtime import _gpu_available
+    from job_scripts.slurm_env import allocation_from_env, coordinator_address
+    alloc = allocation_from_env(env)
+    platform = "gpu" if _gpu_available() else "cpu"
+    if platform == "cpu":
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", devices_per_node or alloc.gpus_per_node or 1)
+        if world.size > 1:
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if world.size > 1:
+        address = None
+        if world.rank == 0:
+            address = coordinator_address(alloc, env.get("SLURM_EXT_COORDINATOR"), _resolves(alloc))
+        address = world.bcast(address)
+        jax.distributed.initialize(address, world.size, world.rank)
+    return platform
+
+
+def _resolves(alloc) -> bool:
+    import socket
+    try:
+        socket.getaddrinfo(alloc.node_names[0], None)
+        return True
+    except (OSError, IndexError):
+        return False
+
+
+def _collectives(world: World, settings: Settings, gpus_per_node: int):
+    """Every op over every power-of-two group within a node (rank 0's devices) and, with
+    several processes, across nodes (the same number of devices from each)."""
+    import jax
+
+    from estimator.profile_store import CollectiveRow
+    from job_scripts import profile_measure as pm
+    local = jax.local_devices()
+    by_process: dict[int, list] = {}
+    for d in jax.devices():
+        by_process.setdefault(d.process_index, []).append(d)
+    layouts = []  # (devices, node count, replica group as global indices)
+    g = 2
+    while g <= len(local):
+        layouts.append((by_process[0][:g], 1, list(range(g))))
+        g *= 2
+    n = world.size
+    per = 1
+    while n > 1 and per <= min(len(v) for v in by_process.values()):
+        devs = [d for p in sorted(by_process) for d in by_process[p][:per]]
+        layouts.append((devs, n, [p * gpus_per_node + i for p in sorted(by_process) for i in range(per)]))
+        per *= 2
+    rows = []
+    total = sum(len(settings.collective_bytes) * sum(1 for op in pm.COLLECTIVE_OPS
+                                                     if op != "send" or len(dv) == 2)
+                for dv, _, _ in layouts)
+    done, last = 0, time.monotonic()
+    for devices, nodes, group in layouts:
+        mine = any(d.process_index == jax.process_index() for d in devices)
+        for op in pm.COLLECTIVE_OPS:
+            if op == "send" and len(devices) != 2:
+                continue
+            for nbytes in settings.collective_bytes:
+                seconds = 0.0
+                if mine:
+                    fn, args = pm.collective_program(op, devices, nbytes)
+                    seconds = pm.time_call(fn, args, settings.repeats).median_s
+                seconds = world.max(seconds) if nodes > 1 else seconds
+                rows.append(CollectiveRow(op, len(devices), nodes, gpus_per_node, json.dumps([group]),
+                                          nbytes, seconds))
+                done += 1
+                if time.monotonic() - last > 5 or done == total:
+                    _progress(world, f"collectives {done}/{total} ({op}, {len(devices)} devices on "
+                                     f"{nodes} node{'s' if nodes > 1 else ''})")
+                    last = time.monotonic()
+            world.barrier()
+    return tuple(r for r in rows if r.seconds > 0 or r.num_nodes > 1)
+
+
+def _kernels(world: World, settings: Settings):
+    import jax
+
+    from estimator.profile_store import KernelRow
+    from job_scripts import profile_measure as pm
+    rows = []
+    for k in pm.calibration_kernels(jax.local_devices()[0], settings.compute_dtype, settings.matmul_sizes,
+                                    settings.copy_bytes):
+        t = pm.time_call(k.fn, k.args, settings.repeats, min_total_s=0.05)
+        rows.append(KernelRow(k.kernel, k.dtype, k.shape, k.flops, k.bytes, t.median_s))
+    _progress(world, f"calibration kernels {len(rows)}")
+    return tuple(rows)
+
+
+def _layers(world: World, settings: Settings, model_name: str, max_tp: int):
+    """One device's share of each distinct layer of a model, per tp and sample count."""
+    import jax
+
+    from estimator.jax_models import arch_from_model
+    from estimator.models import load_model
+    from estimator.profile_store import LayerRow, model_fingerprint
+    from job_scripts import profile_measure as pm
+    spec = load_model(model_name)
+    arch = arch_from_model(spec)
+    fp = model_fingerprint(spec)
+    device = jax.local_devices()[0]
+    groups = pm.distinct_layers(arch)
+    tps = [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= max_tp]
+    rows, start = [], time.monotonic()
+    for n, (sig, indices) in enumerate(groups.items(), 1):
+        for tp in tps:
+            for samples in settings.samples:
+                try:
+                    programs = pm.layer_share_programs(arch, indices[0], tp, samples, device)
+                except (SpecError, ValueError, TypeError) as e:
+                    log.info("layer %d tp %d samples %d not profiled: %s", indices[0], tp, samples, e)
+                    continue
+                if programs is None:
+                    continue
+                forward, backward, (params, x, labels) = programs
+                f = pm.time_call(forward, (params, x, labels), settings.repeats).median_s
+                fb = pm.time_call(backward, (params, x, labels), settings.repeats).median_s
+                rows.extend(LayerRow(spec.name, fp, i, sig[0], tp, samples, f, fb) for i in indices)
+        _progress(world, f"{model_name}: layer kind {n}/{len(groups)} ({sig[0]}, {len(indices)} "
+                         f"layer{'s' if len(indices) > 1 else ''}) after {time.monotonic() - start:.0f} s")
+    return tuple(rows)
+
+
+def run(args: argparse.Namespace, env) -> dict:
+    world = World(env)
+    platform = _configure(world, env, args.devices_per_node)
+    import jax
+
+    from estimator.gpus import gpu_type
+    from estimator.models import load_model
+    from estimator.profile_fit import fingerprints, fit_efficiency
+    from estimator.profile_store import Profile, ProfileInfo, write_profile
+    from job_scripts.slurm_env import allocation_from_env
+    alloc = allocation_from_env(env)
+    gpu = gpu_type(args.gpu_type)
+    settings = GPU_SETTINGS if platform == "gpu" else CPU_SETTINGS
+    if args.samples:
+        settings = Settings(settings.collective_bytes, settings.matmul_sizes, settings.copy_bytes,
+                            tuple(args.samples), settings.repeats, settings.compute_dtype)
+    gpus_per_node = jax.local_device_count()
+    facts = world.gather({"host": _platform.node(), "devices": jax.local_device_count(),
+                          "kind": jax.local_devices()[0].device_kind})
+    _progress(world, f"{world.size} process(es), {jax.device_count()} {platform} devices "
+                     f"({jax.local_devices()[0].device_kind}), MPI: {world.library}")
+    started = time.monotonic()
+    collectives = () if args.skip_collectives else _collectives(world, settings, gpus_per_node)
+    world.barrier()
+    kernels, layers = (), ()
+    if world.rank == 0:
+        kernels = _kernels(world, settings)
+        max_tp = args.max_tp or jax.device_count()
+        layers = tuple(r for m in args.model for r in _layers(world, settings, m, max_tp))
+    world.barrier()
+    if world.rank != 0:
+        return {}
+    if len({f["devices"] for f in facts}) > 1 or len({f["kind"] for f in facts}) > 1:
+        log.warning("nodes differ: %s", facts)
+    eff, err = fit_efficiency(gpu, settings.compute_dtype, kernels, layers,
+                              fingerprints(load_model(m) for m in args.model))
+    versions = {"jax": jax.__version__, "python": sys.version.split()[0], "mpi": world.library,
+                "slurm": args.slurm_version or env.get("SLURM_EXT_SLURM_VERSION") or None}
+    try:
+        import jaxlib
+        versions["jaxlib"] = jaxlib.__version__
+    except (ImportError, AttributeError):
+        pass
+    info = ProfileInfo(gpu.name, world.size, gpus_per_node, platform,
+                       datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                       alloc.job_id, args.partition or alloc.partition,
+                       alloc.node_names or tuple(f["host"] for f in facts),
+                       jax.local_devices()[0].device_kind, versions)
+    profile_id = write_profile(args.profile_db, Profile(info, collectives, kernels, layers, eff, err))
+    summary = {"profile_id": profile_id, "profile_db": str(args.profile_db), "gpu_type": gpu.name,
+               "platform": platform, "nodes": world.size, "gpus_per_node": gpus_per_node,
+               "collectives": len(collectives), "kernels": len(kernels), "layers": len(layers),
+               "efficiency": eff.__dict__, "fit_median_rel_error": err,
+               "seconds": round(time.monotonic() - started, 1)}
+    _progress(world, "done " + json.dumps(summary, sort_keys=True))
+    return summary
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m job_scripts.profile", description=__doc__.split("\n\n")[0])
+    p.add_argument("--profile-db", required=True, help="the SQLite profile store (created when missing)")
+    p.add_argument("--gpu-type", required=True, help="catalog GPU type of these devices (h100, a100, ...)")
+    p.add_argument("--partition", help="the partition profiled (recorded)")
+    p.add_argument("--model", action="append", default=[], help="time one device's share of each layer "
+                                                                "of this model (repeatable)")
+    p.add_argument("--samples", type=int, nargs="+", help="samples per device to time each layer at")
+    p.add_argument("--max-tp", type=int, help="largest tensor-parallel degree of a layer share "
+                                              "(default: every device of the job)")
+    p.add_argument("--devices-per-node", type=int, help="CPU stand-ins: devices per process")
+    p.add_argument("--skip-collectives", action="store_true", help="measure compute only")
+    p.add_argument("--slurm-version", help="recorded with the profile")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO if os.environ.get("SLURM_EXT_DEBUG") else logging.WARNING,
+                        stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    try:
+        run(args, dict(os.environ))
+    except SpecError as e:
+        print(f"profile: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

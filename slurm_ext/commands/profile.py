@@ -1,0 +1,164 @@
+"""`slurm-ext profile`: measure a partition's devices as a Slurm job, into a profile store.
+
+The job runs ``job_scripts.profile`` once per node under ``srun`` (mpi4py ranks); rank 0
+writes the measurements into the store (``estimator.profile_store``, schema in
+``docs/profiling.md``), which `slurm-ext estimate --profile-db` and the daemon read. With
+``--wait`` this command follows the job, echoing its ``profile:`` progress lines, and
+prints what was measured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from estimator.errors import SpecError
+
+DEFAULT_DB = "slurm-ext-profiles.sqlite"
+POLL_S = 2.0
+FINISHED_OK = "COMPLETED"
+
+
+def _partition_layout(client, partition: str, partitions_cfg: dict[str, str]) -> tuple[str, int, int]:
+    """(GPU type, GPUs per node, nodes) of a partition, from Slurm's nodes and the config's
+    partition → type map (else the nodes' GPU type, else the partition's name)."""
+    from estimator.gpus import CATALOG
+    nodes = [n for n in client.nodes() if partition in n.partitions]
+    if not nodes:
+        raise SpecError("partition", partition, "Slurm has no nodes in it; see `sinfo -s`")
+    gpu = partitions_cfg.get(partition) or next((n.gpu_type for n in nodes if n.gpu_type), None) \
+        or (partition if partition in CATALOG else None)
+    if gpu is None or gpu not in CATALOG:
+        raise SpecError("partition", partition, f"its GPU type {gpu!r} is not in the catalog; map it in "
+                                                "the config's `partitions:` (e.g. {partition}: h100)")
+    return gpu, min(n.gpus for n in nodes), len(nodes)
+
+
+def batch_script(python: str, argv: list[str], mpi: str | None) -> str:
+    """The profiling job's batch script: one task per node, each running the profiler."""
+    srun = ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1"] + ([f"--mpi={mpi}"] if mpi else [])
+    line = " ".join(shlex.quote(a) for a in srun + [python, "-m", "job_scripts.profile", *argv])
+    return f"#!/bin/bash\n# slurm-ext profile: measure this partition's collectives and compute\nset -eu\nexec {line}\n"
+
+
+def _follow(client, job_id: int, log_path: Path, quiet: bool) -> tuple[str, dict | None]:
+    """Wait for the job, echoing its progress lines; (final state, the done summary)."""
+    seen, summary, state, announced = 0, None, "PENDING", None
+    while True:
+        job = client.job(job_id)
+        state = job.state if job is not None else "UNKNOWN"
+        if state != announced and not quiet:
+            reason = f" ({job.reason})" if job is not None and job.reason and state == "PENDING" else ""
+            click.echo(f"job {job_id}: {state.lower()}{reason}", err=True)
+            announced = state
+        if log_path.is_file():
+            lines = log_path.read_text(errors="replace").splitlines()
+            for line in lines[seen:]:
+                if line.startswith("profile: done "):
+                    summary = json.loads(line[len("profile: done "):])
+                elif line.startswith("profile:") and not quiet:
+                    click.echo(line, err=True)
+            seen = len(lines)
+        if job is None or state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED",
+                                        "SUSPENDED"):
+            return state, summary
+        time.sleep(POLL_S)
+
+
+def _measurements(db: str, profile_id: int) -> tuple[list[dict], list[dict], dict]:
+    from dataclasses import asdict
+
+    from estimator.profile_store import read_profile
+    p = read_profile(db, profile_id)
+    compute = [{"kind": "kernel", **asdict(k)} for k in p.kernels] + \
+              [{"kind": "layer", **asdict(r)} for r in p.layers]
+    return [asdict(c) for c in p.collectives], compute, (asdict(p.efficiency) if p.efficiency else {})
+
+
+@click.command("profile")
+@click.option("--partition", required=True, help="The partition whose GPUs to profile.")
+@click.option("--nodes", type=click.IntRange(1), default=1, show_default=True,
+              help="Nodes to profile (collectives across nodes need 2 or more).")
+@click.option("--model", "models", multiple=True,
+              help="Also time one device's share of each layer of this model (repeatable).")
+@click.option("--wait", is_flag=True, help="Follow the job until it ends, showing its progress.")
+@click.option("--json", "as_json", is_flag=True,
+              help='Print {"job_id", "partition", "gpu_type", "nodes", "collectives", "compute", '
+                   '"profile_db", ...}; with --wait the measurements as lists, else null.')
+@click.option("--profile-db", type=click.Path(dir_okay=False),
+              default=lambda: os.environ.get("SLURM_EXT_PROFILE_DB") or DEFAULT_DB,
+              show_default=f"$SLURM_EXT_PROFILE_DB or ./{DEFAULT_DB}",
+              help="The profile store (SQLite; created when missing). It must be on a file system "
+                   "the job's first node can write.")
+@click.option("--samples", type=int, multiple=True,
+              help="Samples per device to time each layer at (repeatable; default by platform).")
+@click.option("--time-limit-min", type=click.IntRange(1), default=30, show_default=True,
+              help="The job's time limit.")
+@click.option("--mpi", default=lambda: os.environ.get("SLURM_EXT_MPI", "pmi2"), show_default="$SLURM_EXT_MPI or pmi2",
+              help="srun's --mpi plugin for the MPI mpi4py uses ('none' to leave it out).")
+@click.option("--python", "python", default=sys.executable, show_default="this Python",
+              help="The Python on the nodes that has slurm-ext installed.")
+def command(partition, nodes, models, wait, as_json, profile_db, samples, time_limit_min, mpi, python):
+    """Profile a partition's GPUs and network as a Slurm job: collectives within and across
+    nodes, calibration kernels from which the GPU type's efficiency is fitted and, for each
+    --model, one device's share of each layer (dp-only and tp-only variants). Afterwards
+    `slurm-ext estimate --profile-db FILE` prefers these measurements (fidelity: profiled).
+    """
+    from estimator.models import load_model
+    from slurm_ext.backend import make_client
+    from slurm_ext.config import load_config
+    from slurm_ext.errors import SlurmExtError
+    from slurm_ext.slurm_client import SubmitRequest
+
+    for m in models:
+        load_model(m)  # a clear error now, not in the job's log
+    db = str(Path(profile_db).resolve())
+    cfg = load_config(None, {}, dict(os.environ))
+    client = make_client(cfg.slurm_backend, cfg.slurm_prefix, cfg.slurm_timeout_s)
+    try:
+        gpu, gpus_per_node, available = _partition_layout(client, partition, dict(cfg.partitions))
+        if nodes > available:
+            raise SpecError("nodes", nodes, f"partition {partition} has {available}")
+        argv = ["--profile-db", db, "--gpu-type", gpu, "--partition", partition]
+        for m in models:
+            argv += ["--model", str(Path(m).resolve()) if Path(m).is_file() else m]
+        if samples:
+            argv += ["--samples", *map(str, samples)]
+        log_path = Path.cwd() / "slurm-ext-profile-%j.out"
+        request = SubmitRequest(batch_script(python, argv, None if mpi == "none" else mpi),
+                                name="slurm-ext-profile", partition=partition, nodes=nodes,
+                                gres=f"gpu:{gpus_per_node}", time_limit_min=time_limit_min,
+                                output=str(log_path), requeue=False, extra_args=("--exclusive",))
+        job_id = client.submit(request)
+        log_path = Path(str(log_path).replace("%j", str(job_id)))
+        if not as_json or wait:
+            click.echo(f"submitted profiling job {job_id} on {nodes} {gpu} node(s) of {partition}; "
+                       f"log {log_path}", err=True)
+        out = {"job_id": job_id, "partition": partition, "gpu_type": gpu, "nodes": nodes,
+               "gpus_per_node": gpus_per_node, "collectives": None, "compute": None, "profile_db": db,
+               "log": str(log_path)}
+        if wait:
+            state, summary = _follow(client, job_id, log_path, quiet=False)
+            if state != FINISHED_OK or summary is None:
+                tail = log_path.read_text(errors="replace").splitlines()[-5:] if log_path.is_file() else []
+                raise click.ClickException(f"profiling job {job_id} ended {state}; its log {log_path} "
+                                           f"ends: {' | '.join(tail) or '(empty)'}")
+            out["collectives"], out["compute"], out["efficiency"] = _measurements(db, summary["profile_id"])
+            out["profile_id"] = summary["profile_id"]
+            out["seconds"] = summary["seconds"]
+    except SlurmExtError as e:
+        raise click.ClickException(str(e)) from None
+    if as_json:
+        click.echo(json.dumps(out, indent=1))
+    elif wait:
+        click.echo(f"profile {out['profile_id']} of {gpu} in {db}: {len(out['collectives'])} collectives, "
+                   f"{len(out['compute'])} compute measurements, {out['seconds']} s; "
+                   f"use it with `slurm-ext estimate --profile-db {shlex.quote(db)}`")
+    else:
+        click.echo(job_id)
