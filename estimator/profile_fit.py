@@ -53,15 +53,23 @@ def fit_rate(work: Sequence[float], seconds: Sequence[float]) -> RateFit:
         raise ValueError("need positive timings")
     if len(w) == 1:
         return RateFit(float(w[0] / t[0]), 0.0, 0.0)
-    # Start from the largest work's rate; parameters in log space keep R > 0, h ≥ 0.
-    r0 = float(w.max() / t[w.argmax()])
-    h0 = max(float(np.median(t * r0 - w)), 1.0)
+    # The largest work's rate w/t is a lower bound of R. The calibration sizes are chosen to
+    # reach at least half the rate (h ≤ the largest work), so R ≤ 2 × that bound: noisy
+    # timings that do not grow with the work cannot send the fit off to infinity.
+    # Parameters in log space keep R > 0 and h > 0.
+    r_min = float(w.max() / t[w.argmax()])
+    h_max = float(w.max())
+    h0 = min(max(float(np.median(t * r_min - w)), h_max * 1e-6), h_max * 0.5)
 
     def residuals(x):
         rate, half = math.exp(x[0]), math.exp(x[1])
         return ((w + half) / rate - t) / t
 
-    sol = least_squares(residuals, [math.log(r0), math.log(h0)], loss="soft_l1", f_scale=0.05)
+    lower = [math.log(r_min), math.log(h_max * 1e-9)]
+    upper = [math.log(2.0 * r_min), math.log(h_max)]
+    start = [math.log(r_min * (1.0 + h0 / h_max)), math.log(h0)]
+    sol = least_squares(residuals, np.clip(start, lower, np.nextafter(upper, -np.inf)), bounds=(lower, upper),
+                        loss="soft_l1", f_scale=0.05)
     rate, half = math.exp(sol.x[0]), math.exp(sol.x[1])
     err = float(np.median(np.abs(residuals(sol.x))))
     return RateFit(rate, half, err)

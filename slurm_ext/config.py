@@ -66,6 +66,8 @@ class DaemonConfig:
             iteration (``ROOT/<job id>/measured.json``) then refine its Cells' estimates.
             None: no feedback.
         use_cpu_measurements: also trust speeds measured on CPU fake devices (lab, tests).
+        profile_db: a profile store of `slurm-ext profile`: the GPU types it profiled are
+            estimated from its measurements (``fidelity: profiled``). None: analytic only.
         forecast_every_s: how often the daemon runs its policy forward to forecast each
             elastic job's start and end (``policy.forecast``), written into its AdminComment
             within the round's AdminComment budget; 0 turns forecasts off.
@@ -104,6 +106,7 @@ class DaemonConfig:
     max_new_specs_per_round: int = 50
     checkpoint_root: str | None = None
     use_cpu_measurements: bool = False
+    profile_db: str | None = None
     forecast_every_s: float = 60.0
     forecast_max_decisions: int = 60
     forecast_budget_s: float = 1.5
@@ -254,7 +257,7 @@ def _coerce(key: str, raw: object, source: str) -> object:
         if raw not in SLURM_BACKENDS:
             raise ConfigError(key, raw, f"({source}) use one of {', '.join(SLURM_BACKENDS)}")
         return raw
-    if key in ("cluster", "checkpoint_root", "slurm_prefix"):
+    if key in ("cluster", "checkpoint_root", "slurm_prefix", "profile_db"):
         return None if raw in (None, "", "none", "null") else str(raw)
     if key in ("policy", "network", "state_db"):
         if not isinstance(raw, str) or not raw.strip():

@@ -317,8 +317,9 @@ def running_plan_comment(admin_comment: str, measured_text: str, allow_cpu: bool
 
 
 def estimate_key(spec: ElasticSpec, cluster: ClusterSpec, plan_space: str,
-                 micro_batches: int | None, max_gpus: int) -> str:
-    """The estimate cache's key: everything the estimates depend on."""
+                 micro_batches: int | None, max_gpus: int, profile: str | None = None) -> str:
+    """The estimate cache's key: everything the estimates depend on (``profile``: the
+    profile store and its version, when one is used)."""
     groups = [(g.gpu_type, g.nodes, g.gpus_per_node, g.network.kind, g.network.bandwidth_gbytes_s)
               for g in cluster.node_groups]
     key = [spec.model, spec.global_batch, spec.num_gpus, spec.gpu_type, plan_space,
@@ -327,7 +328,20 @@ def estimate_key(spec: ElasticSpec, cluster: ClusterSpec, plan_space: str,
     # already holds under them, stay as they were before the setting existed.
     if spec.max_stages is not None:
         key.append({"max_stages": spec.max_stages})
+    if profile is not None:
+        key.append({"profile": profile})
     return json.dumps(key)
+
+
+def profile_version(path: str | None) -> str | None:
+    """The profile store and when it last changed (None: no store configured), so cached
+    estimates are made anew after a profiling job or a refit writes to it."""
+    if path is None:
+        return None
+    try:
+        return f"{path}@{Path(path).stat().st_mtime_ns}"
+    except OSError:
+        return f"{path}@missing"
 
 
 def running_assignment(job: SlurmJob, pc: PlanComment, node_types: dict[str, str],

@@ -1,0 +1,194 @@
+"""The profile store, the efficiency fit and the estimator's use of a profile.
+
+The fit must recover known parameters from timings generated with them; the estimator
+must prefer a profiled GPU type's measurements (``fidelity: profiled``) and fall back
+cleanly to the analytic model for types and layers the store lacks.
+"""
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from estimator.cluster import load_cluster
+from estimator.comm import collective_time, load_comm_table, with_profiled
+from estimator.compute import Efficiency, efficiency, layer_time_s
+from estimator.errors import SpecError
+from estimator.estimate import EstimateOptions, estimate_job
+from estimator.gpus import gpu_type
+from estimator.jobs import JobSpec
+from estimator.models import load_model
+from estimator.profile_fit import fit_efficiency, fit_rate, fingerprints, profiled_layer_s
+from estimator.profile_store import (CollectiveRow, KernelRow, LayerRow, LayerTiming, Profile,
+                                     ProfileInfo, collective_csv_rows, connect, load_profile_view,
+                                     model_fingerprint, read_profile, write_profile)
+
+TRUE = Efficiency(matmul_frac=0.55, conv_frac=0.4, memory_frac=0.8, layer_overhead_s=120e-6,
+                  half_rate_gflop=30.0, inter_node_frac=0.7)
+
+
+def _kernels(gpu, eff: Efficiency, noise=()) -> list[KernelRow]:
+    """Timings as the efficiency model says a device with ``eff`` would show them."""
+    rows, rate = [], gpu.peak_tflops("bf16") * 1e12 * eff.matmul_frac
+    h = eff.half_rate_gflop * 1e9
+    for i, n in enumerate((256, 512, 1024, 2048, 4096, 8192)):
+        f = 2.0 * n ** 3
+        jitter = noise[i] if i < len(noise) else 1.0
+        rows.append(KernelRow("matmul", "bf16", f"{n},{n},{n}", f, 6.0 * n * n, (f + h) / rate * jitter))
+        rows.append(KernelRow("matmul", "fp32", f"{n},{n},{n}", f, 12.0 * n * n,
+                              (f + h) / (gpu.fp32_tflops * 1e12 * eff.conv_frac)))
+    bw = gpu.memory_bandwidth_gbytes_s * 1e9 * eff.memory_frac
+    for nbytes in (1 << 22, 1 << 24, 1 << 26, 1 << 28):
+        rows.append(KernelRow("copy", "fp32", str(nbytes // 4), 0.0, 2.0 * nbytes, 2.0 * nbytes / bw + 5e-6))
+    return rows
+
+
+def _layers(spec, gpu, eff: Efficiency, tps=(1, 2), samples=(1, 2, 4)) -> list[LayerRow]:
+    fp = model_fingerprint(spec)
+    return [LayerRow(spec.name, fp, i, layer.kind, tp, m,
+                     layer_time_s(layer, gpu, eff, spec.dtype, m, tp, 1.0),
+                     layer_time_s(layer, gpu, eff, spec.dtype, m, tp, 3.0))
+            for i, layer in enumerate(spec.layers) for tp in tps for m in samples]
+
+
+def test_fit_rate_recovers_rate_and_half_work():
+    work = [1e6, 1e7, 1e8, 1e9, 1e10]
+    fit = fit_rate(work, [(w + 3e7) / 2e12 for w in work])
+    assert fit.rate == pytest.approx(2e12, rel=1e-3)
+    assert fit.half_work == pytest.approx(3e7, rel=1e-2)
+    assert fit.median_rel_error < 1e-3
+
+
+def test_fit_recovers_known_parameters_from_synthetic_measurements():
+    gpu = gpu_type("h100")
+    spec = load_model("gpt-760m")
+    # One matmul 40 % slow (a noisy run): the robust fit must not follow it.
+    kernels = _kernels(gpu, TRUE, noise=(1.0, 1.0, 1.4))
+    eff, err = fit_efficiency(gpu, "bf16", kernels, _layers(spec, gpu, TRUE),
+                              fingerprints([spec]), base=replace(TRUE, layer_overhead_s=0.0))
+    assert eff.matmul_frac == pytest.approx(TRUE.matmul_frac, rel=0.02)
+    assert eff.half_rate_gflop == pytest.approx(TRUE.half_rate_gflop, rel=0.05)
+    assert eff.conv_frac == pytest.approx(TRUE.conv_frac, rel=0.02)
+    assert eff.memory_frac == pytest.approx(TRUE.memory_frac, rel=0.02)
+    assert eff.layer_overhead_s == pytest.approx(TRUE.layer_overhead_s, rel=0.05)
+    assert eff.inter_node_frac == TRUE.inter_node_frac  # a profile says nothing about it
+    assert err < 0.01
+
+
+def test_fit_keeps_base_parameters_where_the_profile_says_nothing():
+    gpu = gpu_type("a10")
+    base = efficiency(gpu)
+    eff, err = fit_efficiency(gpu, "bf16", [k for k in _kernels(gpu, TRUE) if k.kernel == "copy"])
+    assert eff.memory_frac == pytest.approx(TRUE.memory_frac, rel=0.02)
+    assert (eff.matmul_frac, eff.half_rate_gflop, eff.layer_overhead_s) == \
+        (base.matmul_frac, base.half_rate_gflop, base.layer_overhead_s)
+
+
+def test_profiled_layer_time_interpolates_and_extrapolates():
+    t = LayerTiming((1, 2, 4), (1.0, 1.5, 2.5), (3.0, 4.5, 7.5))
+    assert profiled_layer_s(t, 2, remat=False) == pytest.approx(4.5)
+    assert profiled_layer_s(t, 3, remat=False) == pytest.approx(6.0)
+    assert profiled_layer_s(t, 3, remat=True) == pytest.approx(6.0 + 2.0)
+    assert profiled_layer_s(t, 8, remat=False) == pytest.approx(7.5 + 4 * 1.5)  # last interval's slope
+    assert profiled_layer_s(t, 0.5, remat=False) == pytest.approx(1.5)
+    one = LayerTiming((2,), (1.0,), (3.0,))
+    assert profiled_layer_s(one, 6, remat=False) == pytest.approx(9.0)
+
+
+def _profile(tmp_path, gpu_name="a10", eff=TRUE, layers=True, collectives=True):
+    gpu, spec = gpu_type(gpu_name), load_model("gpt-760m")
+    rows = []
+    if collectives:
+        for nbytes in (1 << 16, 1 << 20, 1 << 24):
+            rows.append(CollectiveRow("all-reduce", 2, 1, 2, "[[0, 1]]", nbytes, 1e-3 + nbytes / 1e9))
+    info = ProfileInfo(gpu_name, 1, 2, "gpu", "2026-11-26T00:00:00+00:00", "7", gpu_name, ("n1",), "dev",
+                       {"jax": "x"})
+    db = tmp_path / "p.sqlite"
+    pid = write_profile(db, Profile(info, tuple(rows), tuple(_kernels(gpu, eff)),
+                                    tuple(_layers(spec, gpu, eff, tps=(1, 2), samples=(1, 2, 4, 8))
+                                          if layers else ()), eff, 0.01))
+    return db, pid
+
+
+def test_store_round_trip_and_summary(tmp_path):
+    db, pid = _profile(tmp_path)
+    p = read_profile(db, pid)
+    assert p.info.gpu_type == "a10" and p.info.node_names == ("n1",) and p.info.versions == {"jax": "x"}
+    assert len(p.collectives) == 3 and p.efficiency == TRUE
+    assert len(p.layers) == 26 * 2 * 4
+    view = load_profile_view(db)
+    assert view.efficiencies["a10"] == TRUE
+    fp = model_fingerprint(load_model("gpt-760m"))
+    assert view.layer_timing("a10", fp, 5, 2).samples == (1, 2, 4, 8)
+    assert view.layer_timing("a10", fp, 5, 4) is None
+
+
+def test_not_a_store_is_one_clear_error(tmp_path):
+    bad = tmp_path / "bad.sqlite"
+    bad.write_text("not sqlite at all, just text" * 10)
+    with pytest.raises(SpecError, match="profile_db"):
+        connect(bad)
+    with pytest.raises(SpecError, match="run `slurm-ext profile` first"):
+        connect(tmp_path / "missing.sqlite")
+
+
+def test_profiled_collectives_replace_the_shipped_curves_of_their_type(tmp_path):
+    db, _ = _profile(tmp_path)
+    view = load_profile_view(db)
+    base = load_comm_table()
+    table = with_profiled(base, collective_csv_rows("a10", view.collectives["a10"]))
+    t = collective_time(table, "all-reduce", 2, 1, 1 << 20, "a10", "default", 25.0)
+    assert t.source == "profile" and t.seconds == pytest.approx(1e-3 + (1 << 20) / 1e9, rel=1e-6)
+    other = collective_time(table, "all-reduce", 2, 1, 1 << 20, "a100", "default", 25.0)
+    assert other == collective_time(base, "all-reduce", 2, 1, 1 << 20, "a100", "default", 25.0)
+
+
+def test_estimate_prefers_the_profile_and_falls_back_cleanly(tmp_path):
+    # Profiled layers that are 3x slower than the analytic model of the same type: the
+    # profiled Cells must follow the profile; an unprofiled type must stay analytic.
+    slow = replace(efficiency(gpu_type("a10")), matmul_frac=efficiency(gpu_type("a10")).matmul_frac / 3)
+    db, _ = _profile(tmp_path, eff=slow)
+    cluster = load_cluster("lab")
+    job = JobSpec("gpt-760m", 16, None, None)
+    analytic = estimate_job(job, cluster, EstimateOptions(), ("a10", "a100"))
+    profiled = estimate_job(job, cluster, EstimateOptions(profile_db=str(db)), ("a10", "a100"))
+    by_cell = {e.cell: e for e in analytic.cells}
+    a10 = [e for e in profiled.cells if e.cell.gpu_type == "a10" and e.feasible]
+    assert a10 and all(e.fidelity == "profiled" for e in a10)
+    assert all(e.iteration_time_s > 1.5 * by_cell[e.cell].iteration_time_s for e in a10)
+    a100 = [e for e in profiled.cells if e.cell.gpu_type == "a100"]
+    assert all(e.fidelity == "analytic" and e == by_cell[e.cell] for e in a100)
+    # A model the profile did not time still gets the type's fitted efficiency.
+    other = estimate_job(JobSpec("gpt-1.3b", 16, None, None), cluster,
+                         EstimateOptions(profile_db=str(db)), ("a10",))
+    base = estimate_job(JobSpec("gpt-1.3b", 16, None, None), cluster, EstimateOptions(), ("a10",))
+    feasible = [e for e in other.cells if e.feasible]
+    assert feasible and all(e.fidelity == "profiled" for e in feasible)
+    assert {e.cell: e.iteration_time_s for e in feasible} != \
+        {e.cell: e.iteration_time_s for e in base.cells if e.feasible}
+
+
+def test_profiled_layers_drive_the_stage_time(tmp_path):
+    # Layers profiled with an efficiency different from the one fitted for the type: the
+    # Cell's compute must come from the layer timings, not from the fitted parameters.
+    db, _ = _profile(tmp_path, eff=TRUE)
+    with connect(db) as conn:
+        conn.execute("UPDATE layers SET forward_s = forward_s * 10, forward_backward_s = forward_backward_s * 10")
+    cluster = load_cluster("lab")
+    job = JobSpec("gpt-760m", 16, 1, "a10")
+    slow = estimate_job(job, cluster, EstimateOptions(profile_db=str(db)), ("a10",))
+    one = next(e for e in slow.cells if e.cell.num_gpus == 1 and e.feasible)
+    spec, gpu = load_model("gpt-760m"), gpu_type("a10")
+    compute = sum(layer_time_s(layer, gpu, TRUE, spec.dtype, 16 / one.micro_batches, 1, 4.0)
+                  for layer in spec.layers)  # remat: forward + backward + recompute
+    assert one.iteration_time_s > 5 * compute
+    assert math.isfinite(one.iteration_time_s)
+
+
+def test_fit_rate_stays_physical_when_timings_do_not_grow_with_work():
+    # Noisy stand-in timings (a CPU under load): the fit must stay within the bounds the
+    # calibration sizes allow instead of running off to an infinite rate.
+    work = [1e6, 1e7, 1e8]
+    fit = fit_rate(work, [1e-3, 1.2e-3, 1.1e-3])
+    assert 1e8 / 1.1e-3 <= fit.rate <= 2 * 1e8 / 1.1e-3
+    assert fit.half_work <= 1e8
