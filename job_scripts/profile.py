@@ -54,7 +54,7 @@ class World:
     def __init__(self, env):
         try:
             from mpi4py import MPI
-        except ImportError:
+        except (ImportError, RuntimeError, OSError):  # no mpi4py, or no MPI library behind it
             if int(env.get("SLURM_NTASKS", "1") or 1) > 1:
                 raise SpecError("mpi4py", None, "not importable, and this step has several tasks: "
                                                 "install the extra `mpi` (pip install 'slurm-ext[mpi]')") from None

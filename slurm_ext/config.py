@@ -68,6 +68,12 @@ class DaemonConfig:
         use_cpu_measurements: also trust speeds measured on CPU fake devices (lab, tests).
         profile_db: a profile store of `slurm-ext profile`: the GPU types it profiled are
             estimated from its measurements (``fidelity: profiled``). None: analytic only.
+        background_profiling: with a ``profile_db``, profile an elastic job's built-in model
+            on a GPU type that lacks it whenever a node of that type is idle, as a short,
+            lowest-priority job cancelled the moment a user job needs the node
+            (``slurm_ext.profile_job``).
+        background_profile_time_min: the time limit of such a job.
+        profile_mpi: srun's ``--mpi`` plugin for profiling jobs (``none`` leaves it out).
         forecast_every_s: how often the daemon runs its policy forward to forecast each
             elastic job's start and end (``policy.forecast``), written into its AdminComment
             within the round's AdminComment budget; 0 turns forecasts off.
@@ -107,6 +113,9 @@ class DaemonConfig:
     checkpoint_root: str | None = None
     use_cpu_measurements: bool = False
     profile_db: str | None = None
+    background_profiling: bool = False
+    background_profile_time_min: int = 10
+    profile_mpi: str = "pmi2"
     forecast_every_s: float = 60.0
     forecast_max_decisions: int = 60
     forecast_budget_s: float = 1.5
@@ -121,7 +130,8 @@ class DaemonConfig:
 KEYS = tuple(f.name for f in fields(DaemonConfig))
 _FLOATS = {"interval_s", "poll_s", "rescale_timeout_s", "restart_cost_s", "slurm_timeout_s", "backoff_max_s",
            "forecast_every_s", "forecast_budget_s"}
-_INTS = {"max_gpus", "max_annotations_per_round", "max_new_specs_per_round", "forecast_max_decisions"}
+_INTS = {"max_gpus", "max_annotations_per_round", "max_new_specs_per_round", "forecast_max_decisions",
+         "background_profile_time_min"}
 _OPTIONAL_INTS = {"metrics_port", "micro_batches"}
 
 
@@ -223,7 +233,7 @@ def _coerce(key: str, raw: object, source: str) -> object:
         if key == "metrics_port" and value is not None and not 0 < value < 65536:
             raise ConfigError(key, raw, f"({source}) give a TCP port 1-65535 or null")
         return value
-    if key in ("dry_run", "use_cpu_measurements"):
+    if key in ("dry_run", "use_cpu_measurements", "background_profiling"):
         return _bool(key, raw, source)
     if key == "partitions":
         return _partitions(raw, source)
@@ -259,7 +269,7 @@ def _coerce(key: str, raw: object, source: str) -> object:
         return raw
     if key in ("cluster", "checkpoint_root", "slurm_prefix", "profile_db"):
         return None if raw in (None, "", "none", "null") else str(raw)
-    if key in ("policy", "network", "state_db"):
+    if key in ("policy", "network", "state_db", "profile_mpi"):
         if not isinstance(raw, str) or not raw.strip():
             raise ConfigError(key, raw, f"({source}) give a non-empty string")
         return raw.strip()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from estimator.contract import MEASURED_FILE, ElasticSpecError
 from estimator.estimate import EstimateOptions, estimate_job
 from estimator.errors import SpecError
 from estimator.jobs import JobSpec
+from estimator.models import BUILTIN_MODELS
 from estimator.refine import refine
 from policy.clock import Clock, WallClock
 from policy.forecast import forecast
@@ -47,6 +49,10 @@ from slurm_ext.observe import (  # noqa: F401
     ManagedJob, build_snapshot, cluster_spec, estimate_key, is_held, kv, measurement_from_text,
     model_loader_for, node_type, partition_types, plan_comment, profile_version, requested_gpus, reserved_cell,
     gpu_releases, running_assignment, running_plan_comment, runner_progress, update_cell,
+)
+from slurm_ext.profile_job import (
+    RETRY_AFTER_S, background_request, free_for_policy, is_background, next_background, parse_background,
+    profiled_pairs, to_cancel,
 )
 from slurm_ext.slurm_client import SlurmClient, SlurmJob, SlurmNode
 from slurm_ext.store import EstimateCache, Store
@@ -180,6 +186,8 @@ class Daemon:
         self._held: tuple[str, ...] | None = None  # nodes the hold reservation has; None: unknown
         self.forecasts = BackgroundForecast()
         self._derived = DerivedCache()  # what the policy derives per job spec, kept across rounds
+        # (model, GPU type) whose background profile failed → (job id, when to try again).
+        self._profile_retry: dict[tuple[str, str], tuple[int | None, float]] = {}
         self.config = config
         self.policy: Policy = make_policy(config.policy, **dict(config.policy_options))
         self.actor = Actor(client, store, self.clock, self.metrics, out, lambda: self.config)
@@ -333,7 +341,9 @@ class Daemon:
         about_to_start = launching + [j for j, _ in errors if j.state == "PENDING"]
         reserved = [c for c in (reserved_cell(j, part_types) for j in about_to_start) if c is not None]
         reserved += [c for c in (update_cell(u) for u in in_rescale.values()) if c is not None]
-        snapshot = build_snapshot(now_s, nodes, managed, reserved, part_types, trigger,
+        background = [b for b in (parse_background(j, part_types) for j in active) if b is not None]
+        policy_nodes = free_for_policy(nodes, background, {j.job_id: j for j in active}) if background else nodes
+        snapshot = build_snapshot(now_s, policy_nodes, managed, reserved, part_types, trigger,
                                   cfg.interval_s, cfg.restart_cost_s, self._policy_state, self._derived)
         if snapshot.policy_state is not None and (waiting := job_fitting_idle_gpus(snapshot)):
             # Work-conserving: a policy may skip a round it believes unchanged, but not
@@ -356,6 +366,9 @@ class Daemon:
         t3 = time.perf_counter()
         held = None if decision.holds is None else \
             tuple(sorted({n for _, names in decision.holds for n in names}))
+        if not cfg.dry_run and (background or cfg.background_profiling):
+            self._background_profiling(jobs, active, nodes, part_types, background, decision, specs,
+                                       set(held or ()), now_s)
         if held == ():  # free them before the round's starts (the held job's among them)
             self._hold(held, decision)
         self.actor.act(snapshot, decision, {m.view.job_id: m for m in managed}, part_types,
@@ -541,6 +554,49 @@ class Daemon:
                     float(spec.iterations), view.iterations_done + m.run_iterations(now_s))))
             managed.append(m)
         return self._apply_guarantees(managed), launching, errors
+
+    def _background_profiling(self, jobs, active, nodes, part_types: dict[str, str], background,
+                              decision: Decision, specs: dict, held: set[str], now_s: float) -> None:
+        """Cancel profiling jobs a user job needs; submit one where a node idles and a
+        known model lacks a profile of its type (``slurm_ext.profile_job``)."""
+        cfg = self.config
+        placed = {n for d in decision.jobs if d.assignment is not None for n in d.assignment.nodes}
+        waiting = {part_types[j.partition] for j in active
+                   if j.state == "PENDING" and not j.is_elastic and not is_background(j)
+                   and j.partition in part_types and j.priority > 0}
+        for b in to_cancel(background, placed, waiting):
+            try:
+                self.client.cancel(b.job_id)
+                log.info(kv("background_profile_cancelled", job_id=b.job_id, node=b.node, model=b.model,
+                            why="a job needs the node" if b.node in placed else "a job waits for its type"))
+            except SlurmExtError as e:
+                log.warning(kv("background_profile_cancel_failed", job_id=b.job_id, error=e))
+        for j in jobs:  # a failed profile of a pair is not tried again at once
+            if is_background(j) and j.state in ("FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+                b = parse_background(j, part_types)
+                self._profile_retry.setdefault((b.model, b.gpu_type), (j.job_id, now_s + RETRY_AFTER_S))
+        if background or not (cfg.background_profiling and cfg.profile_db):
+            return
+        models = {s.model for s in specs.values() if s is not None and s.model in BUILTIN_MODELS}
+        if not models:
+            return
+        profiled = profiled_pairs(cfg.profile_db, models)
+        retry = {pair: until for pair, (_, until) in self._profile_retry.items()}
+        plan = next_background(models, profiled, nodes, part_types, placed | held, waiting, retry, now_s)
+        if plan is None:
+            return
+        log_path = str(Path(cfg.profile_db).resolve().parent / "background-profile-%j.out")
+        request = background_request(plan, sys.executable, str(Path(cfg.profile_db).resolve()),
+                                     None if cfg.profile_mpi == "none" else cfg.profile_mpi,
+                                     cfg.background_profile_time_min, log_path)
+        try:
+            job_id = self.client.submit(request)
+        except SlurmExtError as e:
+            log.warning(kv("background_profile_submit_failed", node=plan.node, model=plan.model, error=e))
+            self._profile_retry[(plan.model, plan.gpu_type)] = (None, now_s + RETRY_AFTER_S)
+            return
+        log.info(kv("background_profile_submitted", job_id=job_id, node=plan.node, gpu_type=plan.gpu_type,
+                    model=plan.model))
 
     def _hold(self, nodes: tuple[str, ...], decision: Decision) -> None:
         """Protect the nodes the policy holds with a Slurm reservation (none: remove it)."""

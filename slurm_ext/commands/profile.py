@@ -25,28 +25,6 @@ POLL_S = 2.0
 FINISHED_OK = "COMPLETED"
 
 
-def _partition_layout(client, partition: str, partitions_cfg: dict[str, str]) -> tuple[str, int, int]:
-    """(GPU type, GPUs per node, nodes) of a partition, from Slurm's nodes and the config's
-    partition → type map (else the nodes' GPU type, else the partition's name)."""
-    from estimator.gpus import CATALOG
-    nodes = [n for n in client.nodes() if partition in n.partitions]
-    if not nodes:
-        raise SpecError("partition", partition, "Slurm has no nodes in it; see `sinfo -s`")
-    gpu = partitions_cfg.get(partition) or next((n.gpu_type for n in nodes if n.gpu_type), None) \
-        or (partition if partition in CATALOG else None)
-    if gpu is None or gpu not in CATALOG:
-        raise SpecError("partition", partition, f"its GPU type {gpu!r} is not in the catalog; map it in "
-                                                "the config's `partitions:` (e.g. {partition}: h100)")
-    return gpu, min(n.gpus for n in nodes), len(nodes)
-
-
-def batch_script(python: str, argv: list[str], mpi: str | None) -> str:
-    """The profiling job's batch script: one task per node, each running the profiler."""
-    srun = ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1"] + ([f"--mpi={mpi}"] if mpi else [])
-    line = " ".join(shlex.quote(a) for a in srun + [python, "-m", "job_scripts.profile", *argv])
-    return f"#!/bin/bash\n# slurm-ext profile: measure this partition's collectives and compute\nset -eu\nexec {line}\n"
-
-
 def _follow(client, job_id: int, log_path: Path, quiet: bool) -> tuple[str, dict | None]:
     """Wait for the job, echoing its progress lines; (final state, the done summary)."""
     seen, summary, state, announced = 0, None, "PENDING", None
@@ -114,6 +92,7 @@ def command(partition, nodes, models, wait, as_json, profile_db, samples, time_l
     from slurm_ext.backend import make_client
     from slurm_ext.config import load_config
     from slurm_ext.errors import SlurmExtError
+    from slurm_ext.profile_job import JOB_NAME, batch_script, partition_layout
     from slurm_ext.slurm_client import SubmitRequest
 
     for m in models:
@@ -122,7 +101,7 @@ def command(partition, nodes, models, wait, as_json, profile_db, samples, time_l
     cfg = load_config(None, {}, dict(os.environ))
     client = make_client(cfg.slurm_backend, cfg.slurm_prefix, cfg.slurm_timeout_s)
     try:
-        gpu, gpus_per_node, available = _partition_layout(client, partition, dict(cfg.partitions))
+        gpu, gpus_per_node, available = partition_layout(client.nodes(), partition, dict(cfg.partitions))
         if nodes > available:
             raise SpecError("nodes", nodes, f"partition {partition} has {available}")
         argv = ["--profile-db", db, "--gpu-type", gpu, "--partition", partition]
@@ -132,7 +111,7 @@ def command(partition, nodes, models, wait, as_json, profile_db, samples, time_l
             argv += ["--samples", *map(str, samples)]
         log_path = Path.cwd() / "slurm-ext-profile-%j.out"
         request = SubmitRequest(batch_script(python, argv, None if mpi == "none" else mpi),
-                                name="slurm-ext-profile", partition=partition, nodes=nodes,
+                                name=JOB_NAME, partition=partition, nodes=nodes,
                                 gres=f"gpu:{gpus_per_node}", time_limit_min=time_limit_min,
                                 output=str(log_path), requeue=False, extra_args=("--exclusive",))
         job_id = client.submit(request)
