@@ -331,28 +331,37 @@ def _context(job: JobSpec, cell: Cell, cluster: ClusterSpec, options: EstimateOp
     table, eff = load_comm_table(options.comm_table), efficiency(gpu, options.efficiency)
     profile, eff_source = None, "analytic"
     if options.profile_db:
-        profile = _profile_view(options.profile_db)
+        version = _profile_version(options.profile_db)
+        profile = _cached_view(*version)
         if cell.gpu_type in profile.collectives:
-            table = with_profiled(table, collective_csv_rows(cell.gpu_type, profile.collectives[cell.gpu_type]))
+            table = _profiled_table(options.comm_table, version, cell.gpu_type)
         if cell.gpu_type in profile.efficiencies and options.efficiency is None:
             eff, eff_source = profile.efficiencies[cell.gpu_type], PROFILED
     return _Context(model, job.global_batch, cell, group, table, eff, B,
                     options.remat if remat is None else remat, options, profile, eff_source)
 
 
-def _profile_view(path: str) -> ProfileView:
-    """The store's view, read again only when the file changed."""
+def _profile_version(path: str) -> tuple[str, int, int]:
+    """The store's path and version (modification time, size): what its caches key on."""
     from pathlib import Path
     try:
         st = Path(path).stat()
     except OSError:
         raise SpecError("profile_db", path, "no such file; run `slurm-ext profile` first") from None
-    return _cached_view(path, st.st_mtime_ns, st.st_size)
+    return path, st.st_mtime_ns, st.st_size
 
 
 @lru_cache(maxsize=4)
 def _cached_view(path: str, mtime_ns: int, size: int) -> ProfileView:
+    """The store's view, read again only when the file changed."""
     return load_profile_view(path)
+
+
+@lru_cache(maxsize=32)
+def _profiled_table(comm_table: str | None, version: tuple[str, int, int], gpu_type: str) -> CommTable:
+    """The collectives table with a GPU type's curves from the store, built once per version."""
+    rows = _cached_view(*version).collectives[gpu_type]
+    return with_profiled(load_comm_table(comm_table), collective_csv_rows(gpu_type, rows))
 
 
 def micro_batch_count(global_batch: int, target: int) -> int:

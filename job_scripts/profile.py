@@ -65,6 +65,11 @@ class World:
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.library = MPI.Get_library_version().strip().splitlines()[0]
         self._max = MPI.MAX
+        tasks = int(env.get("SLURM_NTASKS", "0") or 0) if env.get("SLURM_STEP_ID") else 0
+        if tasks and tasks != self.size:
+            # srun without the MPI's plugin starts every task as rank 0 of 1.
+            raise SpecError("mpi", f"{self.size} rank(s) in a step of {tasks} tasks",
+                            "launch with srun's --mpi plugin of this MPI (pmi2 for MPICH)")
 
     def barrier(self) -> None:
         if self.comm is not None:

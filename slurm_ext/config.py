@@ -74,6 +74,11 @@ class DaemonConfig:
             (``slurm_ext.profile_job``).
         background_profile_time_min: the time limit of such a job.
         profile_mpi: srun's ``--mpi`` plugin for profiling jobs (``none`` leaves it out).
+        refit_threshold_frac: online refit (Rubick; needs ``profile_db`` and
+            ``checkpoint_root``): when a running job's measured seconds per iteration differ
+            from the estimate of the plan it runs by more than this fraction, its GPU type's
+            efficiency is refitted from every measurement of the type seen so far and, when
+            that lowers the median error, written into the profile store (``slurm_ext.refit``).
         forecast_every_s: how often the daemon runs its policy forward to forecast each
             elastic job's start and end (``policy.forecast``), written into its AdminComment
             within the round's AdminComment budget; 0 turns forecasts off.
@@ -116,6 +121,7 @@ class DaemonConfig:
     background_profiling: bool = False
     background_profile_time_min: int = 10
     profile_mpi: str = "pmi2"
+    refit_threshold_frac: float = 0.10
     forecast_every_s: float = 60.0
     forecast_max_decisions: int = 60
     forecast_budget_s: float = 1.5
@@ -129,7 +135,7 @@ class DaemonConfig:
 
 KEYS = tuple(f.name for f in fields(DaemonConfig))
 _FLOATS = {"interval_s", "poll_s", "rescale_timeout_s", "restart_cost_s", "slurm_timeout_s", "backoff_max_s",
-           "forecast_every_s", "forecast_budget_s"}
+           "forecast_every_s", "forecast_budget_s", "refit_threshold_frac"}
 _INTS = {"max_gpus", "max_annotations_per_round", "max_new_specs_per_round", "forecast_max_decisions",
          "background_profile_time_min"}
 _OPTIONAL_INTS = {"metrics_port", "micro_batches"}

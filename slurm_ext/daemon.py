@@ -54,6 +54,7 @@ from slurm_ext.profile_job import (
     RETRY_AFTER_S, background_request, free_for_policy, is_background, next_background, parse_background,
     profiled_pairs, to_cancel,
 )
+from slurm_ext.refit import OnlineRefitter
 from slurm_ext.slurm_client import SlurmClient, SlurmJob, SlurmNode
 from slurm_ext.store import EstimateCache, Store
 
@@ -191,6 +192,7 @@ class Daemon:
         self.config = config
         self.policy: Policy = make_policy(config.policy, **dict(config.policy_options))
         self.actor = Actor(client, store, self.clock, self.metrics, out, lambda: self.config)
+        self.refits = OnlineRefitter(store, lambda: self.config)  # Rubick's online refit
 
     # -- control ------------------------------------------------------------------------
     def use_client(self, client: SlurmClient) -> None:
@@ -375,6 +377,8 @@ class Daemon:
                        self.policy.name, acts, forecasts)
         if held:  # after the starts, which never use held GPUs
             self._hold(held, decision)
+        if cfg.profile_db and not cfg.dry_run:  # online refit, after the actions: never delays them
+            self.refits.refit_due(cluster, active_ids, now_s)
         if not cfg.dry_run:
             self.store.forget_jobs_except(active_ids)
             if now_s - self._pruned_s > PRUNE_EVERY_S:
@@ -533,6 +537,9 @@ class Daemon:
             if measured_text is not None:
                 measured = measurement_from_text(measured_text, pc.cell, cfg.use_cpu_measurements)
                 if measured is not None:  # Rubick's continuous fitting of the running Cell
+                    if cfg.profile_db and not cfg.dry_run:  # online refit (slurm_ext.refit)
+                        self.refits.observe(job.job_id, spec.model, spec.global_batch, estimates, measured,
+                                            measured_text, cluster, now_s)
                     estimates = refine(estimates, measured, spec.global_batch)
                 # The runner may have tuned the plan in the allocation: show the one that runs.
                 running_comment = running_plan_comment(job.admin_comment, measured_text,

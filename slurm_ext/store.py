@@ -7,6 +7,9 @@ Tables:
 - ``progress``: iterations a job completed before its current run (kept across rescales).
 - ``estimates``: cached estimator results, by a key the caller builds
   (:class:`EstimateCache` keeps them in memory too).
+- ``refit_observations``: running jobs' measured speeds, one row per job and plan that
+  ran, newest kept per GPU type (``slurm_ext.refit``: the online refit fits them all).
+- ``refit_times``: when each GPU type was last refitted (the refit's rate limit).
 - ``journal``: every action on Slurm is written here *before* it is taken and marked
   ``done`` (or ``failed``) after. A daemon that dies mid-action finds the open entries on
   start; :func:`plan_recovery` says, purely from the entries and the jobs' current state,
@@ -62,6 +65,10 @@ CREATE TABLE IF NOT EXISTS journal (
     payload_json TEXT NOT NULL, state TEXT NOT NULL, note TEXT NOT NULL DEFAULT '',
     created_s REAL NOT NULL, updated_s REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS journal_open ON journal (state);
+CREATE TABLE IF NOT EXISTS refit_observations (
+    job_id INTEGER NOT NULL, plan TEXT NOT NULL, gpu_type TEXT NOT NULL,
+    observation_json TEXT NOT NULL, seen_s REAL NOT NULL, PRIMARY KEY (job_id, plan));
+CREATE TABLE IF NOT EXISTS refit_times (gpu_type TEXT PRIMARY KEY, refit_s REAL NOT NULL);
 """
 
 
@@ -203,6 +210,32 @@ class Store:
     def put_estimate(self, key: str, value: object, now_s: float) -> None:
         self._exec("INSERT OR REPLACE INTO estimates VALUES (?, ?, ?)",
                    (key, json.dumps(value), now_s))
+
+    # -- online refit ---------------------------------------------------------------------
+    # Finished jobs' observations stay (forget_jobs_except leaves them): a refit fits every
+    # measurement of a GPU type seen so far, not only the running jobs'.
+    def put_refit_observation(self, job_id: int, plan: str, gpu_type: str, observation: dict,
+                              now_s: float, keep: int) -> None:
+        """Record a job's measured speed of one plan (replacing its earlier measurement of
+        that plan), keeping the newest ``keep`` observations of the GPU type."""
+        self._exec("INSERT OR REPLACE INTO refit_observations VALUES (?, ?, ?, ?, ?)",
+                   (job_id, plan, gpu_type, json.dumps(observation), now_s))
+        self._exec("DELETE FROM refit_observations WHERE gpu_type = ? AND rowid NOT IN (SELECT rowid "
+                   "FROM refit_observations WHERE gpu_type = ? ORDER BY seen_s DESC LIMIT ?)",
+                   (gpu_type, gpu_type, keep))
+
+    def refit_observations(self, gpu_type: str, limit: int) -> list[dict]:
+        """The newest ``limit`` observations of a GPU type, newest first."""
+        rows = self._exec("SELECT observation_json FROM refit_observations WHERE gpu_type = ? "
+                          "ORDER BY seen_s DESC LIMIT ?", (gpu_type, limit)).fetchall()
+        return [json.loads(r[0]) for r in rows]
+
+    def put_refit_time(self, gpu_type: str, now_s: float) -> None:
+        self._exec("INSERT OR REPLACE INTO refit_times VALUES (?, ?)", (gpu_type, now_s))
+
+    def refit_times(self) -> dict[str, float]:
+        """GPU type → when it was last refitted (Unix seconds)."""
+        return dict(self._exec("SELECT gpu_type, refit_s FROM refit_times").fetchall())
 
     # -- forgetting finished jobs --------------------------------------------------------
     def forget_jobs_except(self, active_job_ids: Iterable[int]) -> int:
