@@ -96,8 +96,9 @@ def _elastic_settings(path: str | None, comment: str | None) -> dict[str, str]:
 
 
 def _gpu_available() -> bool:
-    # Only the top-level name: find_spec of a dotted name imports its parent package.
-    return importlib.util.find_spec("jax_cuda12_plugin") is not None and Path("/dev/nvidiactl").exists()
+    # Only the top-level names: find_spec of a dotted name imports its parent package.
+    plugins = ("jax_cuda12_plugin", "jax_cuda13_plugin")
+    return any(importlib.util.find_spec(p) is not None for p in plugins) and Path("/dev/nvidiactl").exists()
 
 
 def _resolves(host: str) -> bool:
