@@ -2,12 +2,14 @@
 slurm-ext: normalize elastic submissions (comment starting with "elastic").
 
 Slurm 22.05 cannot change a pending job's GPU type, so an elastic job must carry an
-untyped GPU count; the type is then chosen by partition (one partition per GPU type).
-At submit time a typed request such as --gres=gpu:a100:4 becomes gres gpu:4 in
-partition a100, requeue is forced on (the daemon rescales by requeueing), the job is held
-for the daemon (priority 0), and the user's requested type is kept in AdminComment
-("requested=a100", or "requested=any" when untyped). Only root may release or re-prioritize
-a held elastic job. Install beside slurm.conf with JobSubmitPlugins=lua.
+untyped GPU count; the daemon then picks the type by partition (one partition per GPU
+type), or inside a partition of mixed types by node features (22.05) or by retyping the
+request (Slurm 23.02.6 and later). At submit time a typed request such as
+--gres=gpu:a100:4 becomes gres gpu:4, in partition a100 when the job names no partition
+and there is one (else the job stays in its partition), requeue is forced on (the daemon rescales by requeueing), the job
+is held for the daemon (priority 0), and the user's requested type is kept in AdminComment
+("requested=a100", or "requested=any" when untyped). Only root may release or
+re-prioritize a held elastic job. Install beside slurm.conf with JobSubmitPlugins=lua.
 ]]
 
 local function is_elastic(comment)
@@ -35,13 +37,12 @@ function slurm_job_submit(job_desc, part_list, submit_uid)
          gtype, count = string.match(tres, "gpu:(%a[%w_%-]*):(%d+)")
       end
       if gtype ~= nil then
-         if not has_partition(part_list, gtype) then
-            slurm.log_user("elastic job asks for GPU type %s but there is no partition %s", gtype, gtype)
-            return slurm.ERROR
-         end
          requested = gtype
          job_desc[field] = string.gsub(tres, "gpu:" .. gtype .. ":" .. count, "gpu:" .. count, 1)
-         job_desc.partition = gtype
+         -- A partition the user named (a mixed one, say) is kept: the daemon steers there.
+         if job_desc.partition == nil and has_partition(part_list, gtype) then
+            job_desc.partition = gtype
+         end
       end
    end
    job_desc.requeue = 1

@@ -44,6 +44,7 @@ from slurm_ext.observe import (
 )
 from slurm_ext.slurm_client import REQUEUE_SETTLE_S, JobUpdate, SlurmClient, SlurmJob
 from slurm_ext.squeue_view import plan_label
+from slurm_ext.steering import Steering, per_gpu_resources, steer
 from slurm_ext.store import Store, plan_recovery
 
 log = logging.getLogger(__name__)
@@ -63,16 +64,18 @@ def _shift(shown_s: float | None, new_s: float | None) -> float:
     return abs(shown_s - new_s)
 
 
-def start_update(assignment: Assignment, m: ManagedJob, type_parts: dict[str, str],
+def start_update(assignment: Assignment, m: ManagedJob, steering: Steering,
                  reason: str, policy_name: str, remat: bool = True) -> JobUpdate | None:
     """The pending-job update that gives ``m`` its Cell (None: no partition has the type).
 
-    The AdminComment carries the plan string the runner reads (``estimator.plan_string``:
-    cell, per-stage dp × tp, micro-batches, rematerialization, stage boundaries).
+    The type is reached by partition, typed GRES or node features (``slurm_ext.steering``);
+    CPUs and host memory per GPU come from the Cell's nodes and plan. The AdminComment
+    carries the plan string the runner reads (``estimator.plan_string``: cell, per-stage
+    dp × tp, micro-batches, rematerialization, stage boundaries).
     """
     cell = assignment.cell
-    partition = type_parts.get(cell.gpu_type)
-    if partition is None:
+    how = steer(steering, m.slurm.partition, cell.gpu_type)
+    if how is None:
         return None
     counts = [g for _, g in assignment.placement]
     required = None
@@ -94,8 +97,16 @@ def start_update(assignment: Assignment, m: ManagedJob, type_parts: dict[str, st
         remat=remat if est else None, layers=layers,
         samples_per_s=est.samples_per_s if est and est.feasible else None,
         why=m.why(reason or f"chosen by {policy_name}")))
-    return JobUpdate(partition=partition, gpus_per_node=per_node, num_nodes=num_nodes,
-                     admin_comment=text, required_nodes=required, start_now=True)
+    cpus, mem_mb = per_gpu_resources(steering, cell.gpu_type, per_node,
+                                     getattr(est, "host_memory_gb", None) if est else None)
+    features = how.features
+    if features is None and len(steering.partition_types.get(m.slurm.partition, ())) > 1:
+        # A job in a mixed partition may carry the type an earlier features steering set:
+        # it would pin the old type (the daemon owns such a job's features).
+        features = ""
+    return JobUpdate(partition=how.partition, gpus_per_node=per_node, num_nodes=num_nodes,
+                     admin_comment=text, required_nodes=required, gpu_type=how.gpu_type,
+                     features=features, cpus_per_gpu=cpus, mem_per_gpu_mb=mem_mb, start_now=True)
 
 
 @dataclass
@@ -249,12 +260,13 @@ class Actor:
             self.take(journal.ANNOTATE, job.job_id, update, False, acts, f"spec error: {message}")
 
     def act(self, snapshot: Snapshot, decision: Decision, views_by_id: dict[str, ManagedJob],
-            part_types: dict[str, str], policy_name: str, acts: Acts,
+            steering_of: Callable[[], Steering], policy_name: str, acts: Acts,
             forecasts: dict[str, JobForecast] | None = None) -> None:
         """Apply the decision's implied actions: rescales first, then starts, then holds;
         then, within what is left of the AdminComment budget, the running plans tuned in
-        allocations and the ``forecasts`` (None: none this round)."""
-        type_parts = type_partitions(part_types)
+        allocations and the ``forecasts`` (None: none this round). ``steering_of`` is
+        asked only when a job is given a Cell."""
+        steering: Steering | None = None
         rescales: list[tuple[Action, JobUpdate | None]] = []
         starts: list[tuple[SlurmJob, JobUpdate]] = []
         for action in implied_actions(snapshot, decision):
@@ -264,7 +276,8 @@ class Actor:
                 continue  # Slurm picks the nodes; a new layout alone is not worth a restart
             update = None
             if action.after is not None:
-                update = start_update(action.after, view, type_parts, action.reason, policy_name)
+                steering = steering or steering_of()
+                update = start_update(action.after, view, steering, action.reason, policy_name)
                 if update is None:
                     log.warning(kv("no_partition", job_id=job.job_id, gpu_type=action.after.cell.gpu_type))
                     continue

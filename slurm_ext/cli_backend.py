@@ -15,7 +15,7 @@ from estimator.contract import MAX_ADMIN_COMMENT_CHARS
 from slurm_ext.errors import SlurmArgumentError, SlurmCommandError, SlurmParseError
 from slurm_ext.run import run_command, run_commands
 from slurm_ext.slurm_client import JobUpdate, SlurmJob, SlurmNode, SubmitRequest
-from slurm_ext.slurm_install import SlurmInstall
+from slurm_ext.slurm_install import SlurmInstall, parse_version
 from slurm_ext.slurm_parse import (
     ADMIN_COMMENT_FIELDS, GroupedSinfoError, LISTING_FIELDS, NAME_FIELDS, PENDING_LISTING_FIELDS,
     parse_job_detail, parse_job_listing, parse_jobs, parse_nodes,
@@ -144,12 +144,16 @@ def nodes_json_argv() -> list[str]:
     return ["scontrol", "show", "nodes", "--json"]
 
 
-def update_pending_argv(job_id: int | list[int] | tuple[int, ...], update: JobUpdate) -> list[str]:
+def update_pending_argv(job_id: int | list[int] | tuple[int, ...], update: JobUpdate,
+                        version: tuple[int, int, int] = (22, 5, 0)) -> list[str]:
     """``scontrol update`` of a pending job (or of several at once: a list of ids).
 
-    The GPU count is untyped (``Gres=gpu:N``): 22.05 cannot retype a pending job, the
-    partition picks the type. The node count is written ``NumNodes=N-N`` because a single
-    number on a multi-node job becomes a range.
+    The GPU count is untyped (``Gres=gpu:N``) unless the update names a type (typed-GRES
+    steering, Slurm 23.02.6 and later: 22.05 cannot retype a pending job); the partition
+    or the node features then pick the type. The node count is written ``NumNodes=N-N``
+    because a single number on a multi-node job becomes a range. CPUs and memory per GPU
+    are Slurm's per-GPU fields from 23.02 on, and per node on 22.05 (``version``), which
+    ignores per-GPU fields updated on a pending job when it starts it.
 
     Raises:
         SlurmArgumentError: a bad value, or an update that changes nothing.
@@ -158,8 +162,27 @@ def update_pending_argv(job_id: int | list[int] | tuple[int, ...], update: JobUp
     argv = ["scontrol", "update", f"JobId={ids}"]
     if update.partition is not None:
         argv.append(f"Partition={_name('partition', update.partition)}")
+    if update.gpu_type is not None and update.gpus_per_node is None:
+        raise SlurmArgumentError("gpu_type", update.gpu_type, "a typed request needs gpus_per_node too")
     if update.gpus_per_node is not None:
-        argv.append(f"Gres=gpu:{_positive('gpus_per_node', update.gpus_per_node)}")
+        typed = f"{_name('gpu_type', update.gpu_type)}:" if update.gpu_type is not None else ""
+        argv.append(f"Gres=gpu:{typed}{_positive('gpus_per_node', update.gpus_per_node)}")
+    if update.features is not None:
+        argv.append(f"Features={_name('features', update.features) if update.features else ''}")
+    if (update.cpus_per_gpu is not None or update.mem_per_gpu_mb is not None) and version < (23, 2, 0):
+        # 22.05 takes CpusPerTres/MemPerTres on a pending job but starts it without them:
+        # per node, then (the update's GPUs per node times the per-GPU figure).
+        if update.gpus_per_node is None:
+            raise SlurmArgumentError("gpus_per_node", None, "CPUs and memory per GPU need the GPUs per node")
+        if update.cpus_per_gpu is not None:
+            argv.append(f"MinCPUsNode={_positive('cpus_per_gpu', update.cpus_per_gpu) * update.gpus_per_node}")
+        if update.mem_per_gpu_mb is not None:
+            argv.append(f"MinMemoryNode={_positive('mem_per_gpu_mb', update.mem_per_gpu_mb) * update.gpus_per_node}")
+    else:
+        if update.cpus_per_gpu is not None:
+            argv.append(f"CpusPerTres=gres/gpu:{_positive('cpus_per_gpu', update.cpus_per_gpu)}")
+        if update.mem_per_gpu_mb is not None:
+            argv.append(f"MemPerTres=gres/gpu:{_positive('mem_per_gpu_mb', update.mem_per_gpu_mb)}")
     if update.num_nodes is not None:
         n = _positive("num_nodes", update.num_nodes)
         argv.append(f"NumNodes={n}-{n}")
@@ -168,8 +191,9 @@ def update_pending_argv(job_id: int | list[int] | tuple[int, ...], update: JobUp
     if update.required_nodes is not None:
         argv.append(f"ReqNodeList={_node_list(update.required_nodes)}")
     if len(argv) == 3:
-        raise SlurmArgumentError("update", update, "set at least one of partition, "
-                                 "gpus_per_node, num_nodes, admin_comment, required_nodes")
+        raise SlurmArgumentError("update", update, "set at least one of partition, gpus_per_node, "
+                                 "num_nodes, admin_comment, required_nodes, features, cpus_per_gpu, "
+                                 "mem_per_gpu_mb")
     if update.start_now:
         # After a requeue Slurm adds BeginTime = now + 121 s unless told otherwise.
         argv.append("StartTime=now")
@@ -299,6 +323,7 @@ class CliSlurmClient:
         self._granted: dict[int, tuple[tuple, tuple[int, ...], str | None]] = {}
         self._parsed: dict = {}  # the last listing's jobs, reused while their records match
         self._nodes_argv: list[str] | None = None  # set once sinfo --json groups nodes
+        self._version: tuple[int, int, int] | None = None  # read once, when first needed
 
     def output(self, argv: list[str]) -> str:
         """The stdout of one Slurm command (for what another backend still asks the CLI)."""
@@ -377,12 +402,21 @@ class CliSlurmClient:
 
     def update_pending(self, job_ids: int | Sequence[int], update: JobUpdate) -> None:
         ids = _id_list(job_ids)
+        version = self.slurm_version() if update.cpus_per_gpu or update.mem_per_gpu_mb else (22, 5, 0)
         if update.num_nodes is not None and len(ids) > 1:
             # scontrol changes a node count one job at a time ("Invalid job ID 4,10").
             for job_id in ids:
-                self._update(update_pending_argv(job_id, update), update)
+                self._update(update_pending_argv(job_id, update, version), update)
             return
-        self._update(update_pending_argv(ids, update), update)
+        self._update(update_pending_argv(ids, update, version), update)
+
+    def slurm_version(self) -> tuple[int, int, int]:
+        if self._version is None:
+            version = parse_version(self._run(["scontrol", "--version"]))
+            if version is None:
+                raise SlurmCommandError(["scontrol", "--version"], 0, "printed no version")
+            self._version = version
+        return self._version
 
     def _update(self, argv: list[str], update: JobUpdate) -> None:
         if update.partition is None:

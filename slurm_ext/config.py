@@ -74,6 +74,10 @@ class DaemonConfig:
             (``slurm_ext.profile_job``).
         background_profile_time_min: the time limit of such a job.
         profile_mpi: srun's ``--mpi`` plugin for profiling jobs (``none`` leaves it out).
+        steering: how a job reaches its Cell's GPU type (``slurm_ext.steering``): ``auto``
+            (a job in a partition of one type moves to the type's partition; one in a mixed
+            partition is retyped there by GRES on Slurm 23.02.6 and later, else steered by
+            node features), or ``partition``, ``gres``, ``features`` for every job.
         refit_threshold_frac: online refit (Rubick; needs ``profile_db`` and
             ``checkpoint_root``): when a running job's measured seconds per iteration differ
             from the estimate of the plan it runs by more than this fraction, its GPU type's
@@ -121,6 +125,7 @@ class DaemonConfig:
     background_profiling: bool = False
     background_profile_time_min: int = 10
     profile_mpi: str = "pmi2"
+    steering: str = "auto"
     refit_threshold_frac: float = 0.10
     forecast_every_s: float = 60.0
     forecast_max_decisions: int = 60
@@ -269,6 +274,11 @@ def _coerce(key: str, raw: object, source: str) -> object:
             return GuaranteePolicy.from_mapping(raw)
         except ValueError as e:
             raise ConfigError(key, raw, f"({source}) {e}") from None
+    if key == "steering":
+        from slurm_ext.steering import METHODS
+        if raw not in METHODS:
+            raise ConfigError(key, raw, f"({source}) use one of {', '.join(METHODS)}")
+        return raw
     if key == "slurm_backend":
         if raw not in SLURM_BACKENDS:
             raise ConfigError(key, raw, f"({source}) use one of {', '.join(SLURM_BACKENDS)}")

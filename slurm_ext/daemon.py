@@ -48,7 +48,7 @@ from slurm_ext.metrics import Metrics
 from slurm_ext.observe import (  # noqa: F401
     ManagedJob, build_snapshot, cluster_spec, estimate_key, is_held, kv, measurement_from_text,
     model_loader_for, node_type, partition_types, plan_comment, profile_version, requested_gpus, reserved_cell,
-    gpu_releases, running_assignment, running_plan_comment, runner_progress, update_cell,
+    gpu_releases, running_assignment, running_plan_comment, runner_progress, type_partitions, update_cell,
 )
 from slurm_ext.profile_job import (
     RETRY_AFTER_S, background_request, free_for_policy, is_background, next_background, parse_background,
@@ -56,6 +56,7 @@ from slurm_ext.profile_job import (
 )
 from slurm_ext.refit import OnlineRefitter
 from slurm_ext.slurm_client import SlurmClient, SlurmJob, SlurmNode
+from slurm_ext.steering import Steering, steering
 from slurm_ext.store import EstimateCache, Store
 
 log = logging.getLogger(__name__)
@@ -187,6 +188,7 @@ class Daemon:
         self._held: tuple[str, ...] | None = None  # nodes the hold reservation has; None: unknown
         self.forecasts = BackgroundForecast()
         self._derived = DerivedCache()  # what the policy derives per job spec, kept across rounds
+        self._slurm_version: tuple[int, int, int] | None = None  # asked once, when first needed
         # (model, GPU type) whose background profile failed → (job id, when to try again).
         self._profile_retry: dict[tuple[str, str], tuple[int | None, float]] = {}
         self.config = config
@@ -373,8 +375,8 @@ class Daemon:
                                        set(held or ()), now_s)
         if held == ():  # free them before the round's starts (the held job's among them)
             self._hold(held, decision)
-        self.actor.act(snapshot, decision, {m.view.job_id: m for m in managed}, part_types,
-                       self.policy.name, acts, forecasts)
+        self.actor.act(snapshot, decision, {m.view.job_id: m for m in managed},
+                       lambda: self._steering(nodes, part_types), self.policy.name, acts, forecasts)
         if held:  # after the starts, which never use held GPUs
             self._hold(held, decision)
         if cfg.profile_db and not cfg.dry_run:  # online refit, after the actions: never delays them
@@ -561,6 +563,17 @@ class Daemon:
                     float(spec.iterations), view.iterations_done + m.run_iterations(now_s))))
             managed.append(m)
         return self._apply_guarantees(managed), launching, errors
+
+    def _steering(self, nodes: tuple[SlurmNode, ...], part_types: dict[str, str]) -> Steering:
+        """How this round's starts reach their GPU types (``slurm_ext.steering``)."""
+        if self._slurm_version is None:
+            try:
+                self._slurm_version = self.client.slurm_version()
+            except SlurmExtError as e:  # the older Slurm's way is safe on every version
+                log.warning(kv("slurm_version_unknown", error=e, assumed="22.05"))
+                self._slurm_version = (22, 5, 0)
+        return steering(self.config.steering, self._slurm_version, nodes, type_partitions(part_types),
+                        lambda n: node_type(n, part_types))
 
     def _background_profiling(self, jobs, active, nodes, part_types: dict[str, str], background,
                               decision: Decision, specs: dict, held: set[str], now_s: float) -> None:

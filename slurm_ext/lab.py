@@ -111,6 +111,9 @@ def _ranges(first: int, last: int) -> str:
     return str(first) if first == last else f"[{first}-{last}]"
 
 
+MIXED_PARTITION = "gpu"  # the lab's partition of mixed GPU types
+
+
 def render_slurm_conf(cluster: ClusterSpec, paths: LabPaths, base_port: int,
                       hostname: str, version: tuple[int, int, int] = (22, 5, 0)) -> str:
     """slurm.conf for a lab: one partition per node group, fake GPUs, our ports and paths.
@@ -175,6 +178,12 @@ def render_slurm_conf(cluster: ClusterSpec, paths: LabPaths, base_port: int,
     for i, (part, nodes) in enumerate(partitions.items()):
         default = "YES" if i == 0 else "NO"
         lines.append(f"PartitionName={part} Nodes={','.join(nodes)} Default={default} "
+                     "MaxTime=INFINITE State=UP")
+    if len({g.gpu_type for g in cluster.node_groups}) > 1:
+        # One partition of every GPU type as well, as sites without a partition per type
+        # have: the daemon steers there by node features or typed GRES (slurm_ext.steering).
+        every = [n for ns in partitions.values() for n in ns]
+        lines.append(f"PartitionName={MIXED_PARTITION} Nodes={','.join(every)} Default=NO "
                      "MaxTime=INFINITE State=UP")
     return "\n".join(lines) + "\n"
 

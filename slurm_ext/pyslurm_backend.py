@@ -229,8 +229,17 @@ class PyslurmClient:
         changes = {}
         if update.partition is not None:
             changes["partitions"] = _name("partition", update.partition)
+        if update.gpu_type is not None and update.gpus_per_node is None:
+            raise SlurmArgumentError("gpu_type", update.gpu_type, "a typed request needs gpus_per_node too")
         if update.gpus_per_node is not None:
-            changes["gres_per_node"] = f"gpu:{_positive('gpus_per_node', update.gpus_per_node)}"
+            typed = f"{_name('gpu_type', update.gpu_type)}:" if update.gpu_type is not None else ""
+            changes["gres_per_node"] = f"gpu:{typed}{_positive('gpus_per_node', update.gpus_per_node)}"
+        if update.features is not None:
+            changes["constraints"] = _name("features", update.features) if update.features else ""
+        if update.cpus_per_gpu is not None:
+            changes["cpus_per_gpu"] = _positive("cpus_per_gpu", update.cpus_per_gpu)
+        if update.mem_per_gpu_mb is not None:
+            changes["memory_per_gpu"] = f"{_positive('mem_per_gpu_mb', update.mem_per_gpu_mb)}M"
         if update.admin_comment is not None:
             changes["admin_comment"] = _admin_comment(update.admin_comment)
         if update.required_nodes is not None:
@@ -238,8 +247,9 @@ class PyslurmClient:
         if update.num_nodes is not None:
             _positive("num_nodes", update.num_nodes)
         elif not changes:
-            raise SlurmArgumentError("update", update, "set at least one of partition, "
-                                     "gpus_per_node, num_nodes, admin_comment, required_nodes")
+            raise SlurmArgumentError("update", update, "set at least one of partition, gpus_per_node, "
+                                     "num_nodes, admin_comment, required_nodes, features, cpus_per_gpu, "
+                                     "mem_per_gpu_mb")
         if changes or update.start_now:
             if update.start_now:
                 # After a requeue Slurm adds BeginTime = now + 121 s unless told otherwise.
@@ -270,6 +280,9 @@ class PyslurmClient:
                 failed.append(f"{job_id}: {e}")
         if failed:
             raise SlurmCommandError(("pyslurm", what, *map(str, ids)), 1, "; ".join(failed))
+
+    def slurm_version(self) -> tuple[int, int, int]:
+        return self._cli.slurm_version()  # the same installation's commands
 
     def hold(self, job_ids: int | Sequence[int]) -> None:
         self._each("hold", job_ids, lambda job: job.hold())

@@ -217,6 +217,13 @@ class JobUpdate:
         num_nodes: exact node count (written as ``NumNodes=N-N``).
         admin_comment: the new admin comment (the plan).
         required_nodes: the nodes it must run on (the policy's placement), in order.
+        gpu_type: with ``gpus_per_node``, a typed GPU request (``gres=gpu:a100:4``), which
+            steers the job to that type inside a mixed partition; Slurm 23.02.6 and later
+            only (22.05 refuses to retype a pending job).
+        features: the job's node features (constraint), e.g. ``a100``: steering by node
+            features on Slurm 22.05; '' clears them.
+        cpus_per_gpu: CPUs per GPU (``CpusPerTres``), from the chosen Cell's nodes.
+        mem_per_gpu_mb: host memory per GPU, MB (``MemPerTres``), from the Cell's plan.
         start_now: set ``StartTime=now`` so a requeued job does not wait the 121 s
             Slurm adds after a requeue (release it no sooner than ``REQUEUE_SETTLE_S``
             after it was seen requeued).
@@ -227,6 +234,10 @@ class JobUpdate:
     num_nodes: int | None = None
     admin_comment: str | None = None
     required_nodes: tuple[str, ...] | None = None
+    gpu_type: str | None = None
+    features: str | None = None
+    cpus_per_gpu: int | None = None
+    mem_per_gpu_mb: int | None = None
     start_now: bool = True
 
 
@@ -327,6 +338,10 @@ class SlurmClient(Protocol):
 
     def reserved_nodes(self, name: str) -> tuple[str, ...] | None:
         """The nodes of reservation ``name``, or None when there is none."""
+        ...
+
+    def slurm_version(self) -> tuple[int, int, int]:
+        """The Slurm version the cluster's commands report (e.g. (25, 11, 7))."""
         ...
 
     def hold_nodes(self, name: str, nodes: Sequence[str]) -> None:

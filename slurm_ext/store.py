@@ -112,7 +112,9 @@ def _update_to_json(update: JobUpdate | None) -> str:
         return "null"
     return json.dumps({"partition": update.partition, "gpus_per_node": update.gpus_per_node,
                        "num_nodes": update.num_nodes, "admin_comment": update.admin_comment,
-                       "required_nodes": update.required_nodes, "start_now": update.start_now})
+                       "required_nodes": update.required_nodes, "gpu_type": update.gpu_type,
+                       "features": update.features, "cpus_per_gpu": update.cpus_per_gpu,
+                       "mem_per_gpu_mb": update.mem_per_gpu_mb, "start_now": update.start_now})
 
 
 def _update_from_json(text: str) -> JobUpdate | None:

@@ -31,6 +31,7 @@ from slurm_ext.slurm_parse import parse_pending_listing
 from slurm_ext.slurm_client import Gres, JobUpdate, SlurmJob, SlurmNode, SubmitRequest
 from estimator.contract import ADMIN_COMMENT_PLAN, MEASURED_FILE, PLAN_KEYS, RunnerReport, parse_plan_comment
 from slurm_ext.squeue_view import rows
+from slurm_ext.steering import Steering
 from slurm_ext.store import DONE, RESCALE, START, Store
 
 REPO = Path(__file__).resolve().parents[1]
@@ -932,8 +933,8 @@ def test_a_job_rescaled_this_round_keeps_its_new_admin_comment(tmp_path):
     actor = Actor(FakeSlurm([], [], ""), Store(cfg.state_db), SimulatedClock(), Metrics(None), printed.append,
                   lambda: cfg)
     # The policy suspends job 41 (its AdminComment will say why) and leaves 42 as it runs.
-    actor.act(snapshot, Decision((JobDecision("41", None, "preempted"),)), managed, {"a100": "a100"},
-              "test", Acts())
+    actor.act(snapshot, Decision((JobDecision("41", None, "preempted"),)), managed,
+              lambda: Steering(type_partitions={"a100": "a100"}), "test", Acts())
     assert any(line.startswith("dry-run: suspend job=41") for line in printed)
     assert [line for line in printed if "show running plan" in line] == \
            ["dry-run: show running plan job=42 cell=a100x4:s1 plan=[dp2tp2] src=tuned job=42"]

@@ -17,7 +17,7 @@ from conftest import wait_for
 from slurm_ext.errors import LabError, SlurmCommandError
 from estimator.cluster import cluster_from_dict
 from slurm_ext.lab import (
-    LabCluster, LabPaths, find_free_base_port, ports_needed, render_gres_conf, render_slurm_conf,
+    MIXED_PARTITION, LabCluster, LabPaths, find_free_base_port, ports_needed, render_gres_conf, render_slurm_conf,
 )
 from slurm_ext.run import run_command, start_background
 from slurm_ext.slurm_client import JobUpdate, SlurmJob, SubmitRequest
@@ -54,7 +54,7 @@ def test_nodes_idle_per_type_with_their_gpus(slurm_client):
     assert set(nodes) == set(expected)
     for name, group in expected.items():
         node = nodes[name]
-        assert node.partitions == (group.partition,)
+        assert node.partitions == (group.partition, MIXED_PARTITION)
         assert node.features == (group.gpu_type,)
         assert node.gpu_type == group.gpu_type
         assert node.gpus == group.gpus_per_node
@@ -101,10 +101,13 @@ def test_plain_job_is_untouched(slurm_client, tmp_path):
 
 
 @pytest.mark.slurm
-def test_elastic_submission_of_a_type_without_partition_is_refused(slurm_client, tmp_path):
-    with pytest.raises(SlurmCommandError) as info:
-        slurm_client.submit(request(tmp_path, name="bad", gres="gpu:l20:1", comment="elastic"))
-    assert "no partition l20" in info.value.stderr
+def test_typed_elastic_submission_to_a_mixed_partition_stays_there_untyped(slurm_client, tmp_path):
+    job_id = slurm_client.submit(request(tmp_path, name="mixed", partition=MIXED_PARTITION,
+                                         gres="gpu:v100:2", comment="elastic"))
+    job = slurm_client.job(job_id)
+    assert job.partition == MIXED_PARTITION and job.is_held
+    assert job.gpu_type_requested is None and job.gpus_per_node == 2  # the daemon picks the type
+    assert job.admin_comment == "requested=v100"
 
 
 @pytest.mark.slurm
@@ -274,7 +277,9 @@ def test_slurm_conf_follows_the_cluster_spec(tmp_path):
     conf = render_slurm_conf(cluster, paths, 20000, "myhost")
     nodes = [line for line in conf.splitlines() if line.startswith("NodeName=")]
     parts = [line for line in conf.splitlines() if line.startswith("PartitionName=")]
-    assert len(nodes) == len(parts) == len(cluster.node_groups)
+    assert len(nodes) == len(parts) - 1 == len(cluster.node_groups)
+    # The last one holds every node: a partition of mixed GPU types.
+    assert parts[-1].startswith(f"PartitionName={MIXED_PARTITION} Nodes=") and " Default=NO " in parts[-1]
     port = 20001
     for g, node_line, part_line in zip(cluster.node_groups, nodes, parts):
         names = f"{g.partition}-[1-{g.nodes}]" if g.nodes > 1 else f"{g.partition}-1"

@@ -23,6 +23,7 @@ from slurm_ext.daemon import Daemon
 from slurm_ext.refit import OnlineRefitter, RefitGate, observation_from_report, off_by_text, plan_key
 from slurm_ext.slurm_client import Gres, SlurmJob, SlurmNode
 from slurm_ext.store import Store
+from test_daemon import FakeSlurm  # a SlurmClient over fixed jobs and nodes, recording changes
 
 CLUSTER = load_cluster("crius-1280")  # A100 nodes of 4 GPUs: 8 and 16 GPUs span nodes
 START = FITTED_EFFICIENCY["a100"]
@@ -220,26 +221,6 @@ def test_a_type_keeps_its_newest_observations(tmp_path):
     store.put_refit_observation(3, "cell=v100x4:s1", "v100", {"i": 3}, 3.0, keep=5)
     assert [r["i"] for r in store.refit_observations("a100", 50)] == [7, 6, 5, 4, 3]
     assert [r["i"] for r in store.refit_observations("v100", 50)] == [3]
-
-
-class FakeSlurm:
-    """A SlurmClient over fixed jobs and nodes that records every change asked of it."""
-
-    def __init__(self, jobs, nodes, script):
-        self._jobs, self._nodes, self._script = {j.job_id: j for j in jobs}, tuple(nodes), script
-        self.calls = []
-
-    def jobs(self):
-        return tuple(self._jobs.values())
-
-    def nodes(self):
-        return self._nodes
-
-    def batch_script(self, job_id):
-        return self._script
-
-    def __getattr__(self, name):  # update, hold, release, signal, ...: recorded, never applied
-        return lambda *args, **kw: self.calls.append((name, *args))
 
 
 TRAINER = "#!/bin/bash\n#ELASTIC global_batch=64 iterations=100000\nsleep 1000\n"
