@@ -242,11 +242,17 @@ def run(args: argparse.Namespace, env) -> dict:
     started = time.monotonic()
     collectives = () if args.skip_collectives else _collectives(world, settings, gpus_per_node)
     world.barrier()
+    parts_s = {"collectives": round(time.monotonic() - started, 1)}
     kernels, layers = (), ()
     if world.rank == 0:
+        t0 = time.monotonic()
         kernels = _kernels(world, settings)
+        parts_s["kernels"] = round(time.monotonic() - t0, 1)
         max_tp = args.max_tp or jax.device_count()
-        layers = tuple(r for m in args.model for r in _layers(world, settings, m, max_tp))
+        for m in args.model:
+            t0 = time.monotonic()
+            layers += _layers(world, settings, m, max_tp)
+            parts_s[f"model {m}"] = round(time.monotonic() - t0, 1)
     world.barrier()
     if world.rank != 0:
         return {}
@@ -271,7 +277,7 @@ def run(args: argparse.Namespace, env) -> dict:
                "platform": platform, "nodes": world.size, "gpus_per_node": gpus_per_node,
                "collectives": len(collectives), "kernels": len(kernels), "layers": len(layers),
                "efficiency": eff.__dict__, "fit_median_rel_error": err,
-               "seconds": round(time.monotonic() - started, 1)}
+               "seconds": round(time.monotonic() - started, 1), "seconds_by_part": parts_s}
     _progress(world, "done " + json.dumps(summary, sort_keys=True))
     return summary
 
