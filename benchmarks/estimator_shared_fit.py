@@ -1,5 +1,6 @@
 """A trial: six efficiency parameters shared by every GPU type, with two datasheet facts,
-tested by leaving one GPU type out. Kept as the baseline a physics-first model must beat.
+tested by leaving one GPU type out. The earlier baseline of the shipped datasheet model
+(``estimator.compute.SharedPhysics``, measured by ``benchmarks/estimator_accuracy.py``).
 
 The shipped estimator fits six parameters per GPU type (``estimator/compute.py``) and
 gives an unmeasured type the per-field median. Here one set is shared by all types; per
@@ -33,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from estimator.compute import FITTED_EFFICIENCY, Efficiency  # noqa: E402
+from estimator.compute import Efficiency  # noqa: E402
 from estimator.gpus import CATALOG  # noqa: E402
 from estimator_accuracy import (DEFAULT_DATA, MICRO_BATCHES, EstimateOptions, accuracy, estimate_row,  # noqa: E402
                                 load_rows, summarize)
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="also write the JSON to this file")
     args = p.parse_args(argv)
     rows = [r for r in load_rows(DEFAULT_DATA) if r.measured_s > 0]
-    types = sorted(FITTED_EFFICIENCY)
+    types = sorted({r.gpu_type for r in rows})
     loto = {}
     for held in types:
         shared = _fit([r for r in rows if r.gpu_type != held and r.in_fit_set])

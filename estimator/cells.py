@@ -48,7 +48,10 @@ class CellEstimate:
     ``fidelity`` names what produced the time (``analytic``, ``compiled``, ``measured``)
     and ``memory_fidelity`` what produced the memory (``analytic``, ``compiled``);
     ``comm_source`` says whether communication came from the measured table or the
-    latency-bandwidth model.
+    latency-bandwidth model. ``remat``, ``zero_level`` and ``offload`` are the plan's
+    memory choices, ``host_memory_gb`` the host memory per GPU it needs (process and
+    checkpoint staging, plus offloaded states), ``runnable`` whether the runner can run
+    it today and ``plan`` its plan string.
     """
 
     cell: Cell
@@ -62,6 +65,12 @@ class CellEstimate:
     fidelity: str = "analytic"  # of iteration_time_s and samples_per_s
     comm_source: str = "table"
     memory_fidelity: str = "analytic"  # of peak_memory_gb
+    remat: bool = True
+    zero_level: int = 0  # ZeRO stage of the plan (0: replicated states)
+    offload: bool = False  # ZeRO-Offload of master weights and optimizer states to the host
+    host_memory_gb: float = 0.0  # host memory per GPU the plan needs
+    runnable: bool = True  # whether the runner can run the plan today
+    plan: str = ""  # the plan string (``estimator.plan_string``), "" when there is none
 
     def to_json(self) -> dict:
         c = self.cell
@@ -81,4 +90,10 @@ class CellEstimate:
             "fidelity": self.fidelity,
             "memory_fidelity": self.memory_fidelity,
             "comm_source": self.comm_source,
+            "remat": self.remat,
+            "zero_level": self.zero_level,
+            "offload": self.offload,
+            "host_memory_gb": round(self.host_memory_gb, 3),
+            "runnable": self.runnable,
+            "plan": self.plan or None,
         }

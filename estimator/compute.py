@@ -1,19 +1,25 @@
-"""Compute model: a roofline per kernel class with a few efficiency parameters per GPU type.
+"""Compute model: a roofline per kernel class, its parameters derived from each GPU's datasheet.
 
 A layer's time is its matmul-class FLOPs at the attained fraction of the GPU's peak tensor
-rate, plus the bytes its memory-bound (elementwise, normalisation, softmax) kernels move at
-the attained fraction of memory bandwidth, plus a fixed launch overhead per layer pass.
-Small kernels reach less of the peak: the attained rate falls off as
-work / (work + half_rate_gflop). The parameters are physical — fractions of datasheet
-peaks and a work size — so they carry to GPU types
-without measurements (``DEFAULT_EFFICIENCY``). How they were fitted, on which rows, and the
-accuracy on the others: ``benchmarks/estimator_accuracy.py`` and ``docs/estimator.md``.
+rate, plus the bytes its memory-bound kernels (elementwise, normalisation, softmax) and its
+weight reads move at the attained fraction of memory bandwidth, plus a fixed launch
+overhead per layer pass. Small kernels reach less of the peak: the attained rate falls off
+as work / (work + half_rate_gflop), and the work that half-fills a GPU grows with its SM
+count.
+
+The per-type parameters (``Efficiency``) are not fitted per type: ``datasheet_efficiency``
+derives them from the GPU's datasheet (peaks, memory bandwidth, SM count, fp32 issue rate,
+NVLink or PCIe-only nodes) and one set of ``SharedPhysics`` fitted across every measured
+GPU type. A type nobody measured gets its own datasheet's physics. A site's profile or the
+online refit may still override one type's ``Efficiency`` (``efficiency(gpu, table)``).
+How the shared set was fitted, on which rows, and the accuracy on the others, a held-out
+GPU type included: ``benchmarks/estimator_accuracy.py`` and ``docs/estimator.md``.
 """
 
 from dataclasses import dataclass
 
-from estimator.gpus import GpuType
-from estimator.models import LayerSpec
+from estimator.gpus import CATALOG, GpuType
+from estimator.models import DTYPE_BYTES, LayerSpec
 
 
 @dataclass(frozen=True)
@@ -32,31 +38,44 @@ class Efficiency:
     inter_node_frac: float = 1.0
 
 
+@dataclass(frozen=True)
+class SharedPhysics:
+    """Efficiency parameters shared by every GPU type; ``datasheet_efficiency`` turns them
+    into one type's ``Efficiency`` with that type's datasheet."""
+
+    matmul_frac: float  # of the fp16/bf16 tensor peak
+    fp32_issue_frac: float  # of the fp32 rate the GPU can issue (``GpuType.fp32_issue_frac``)
+    memory_frac: float  # of memory bandwidth
+    layer_overhead_s: float  # per layer per pass: host and launch cost, not the GPU's
+    half_rate_gflop_per_sm: float  # kernel work that half-fills the GPU, per SM
+    inter_node_frac_nvlink: float  # training's share of the profiled inter-node bandwidth
+    inter_node_frac_pcie: float  # the same where the node's GPUs, NIC and host share PCIe
+
+
+def datasheet_efficiency(gpu: GpuType, physics: "SharedPhysics | None" = None) -> Efficiency:
+    """One GPU type's parameters from its datasheet and the shared physics."""
+    p = FITTED_PHYSICS if physics is None else physics
+    return Efficiency(p.matmul_frac, p.fp32_issue_frac * gpu.fp32_issue_frac, p.memory_frac,
+                      p.layer_overhead_s, p.half_rate_gflop_per_sm * gpu.sm_count,
+                      p.inter_node_frac_pcie if gpu.pcie_only else p.inter_node_frac_nvlink)
+
+
 # Fitted with `python benchmarks/estimator_accuracy.py --fit` on its fixed fit subset (a
-# third of the measured table, chosen by a hash of each row's key); the other rows measure
-# accuracy. GPU types without measurements get the median of each fitted field.
-FITTED_EFFICIENCY: dict[str, Efficiency] = {
-    "a100": Efficiency(0.6602, 0.6559, 0.8875, 6e-6, 59.8, 0.9968),
-    "v100": Efficiency(0.7945, 0.7065, 0.6329, 456e-6, 63.7, 1.0),
-    "a40": Efficiency(0.6866, 0.2993, 0.9, 438e-6, 4.9, 0.1508),
-    "a10": Efficiency(0.5247, 0.2173, 0.823, 140e-6, 19.1, 0.3874),
-}
+# third of the measured table, chosen by a hash of each row's key) of all four measured
+# types at once; the other rows measure accuracy, and leaving one type out of the fit
+# measures what a type nobody measured gets.
+FITTED_PHYSICS = SharedPhysics(0.6807, 0.6289, 0.829, 59.5e-6, 0.3929, 0.9777, 0.2005)
 
-
-def unmeasured_efficiency(fitted: dict[str, Efficiency]) -> Efficiency:
-    """What a GPU type without measurements gets: per field, the median of the fitted
-    types' values (the upper one of an even count)."""
-    return Efficiency(*(sorted(getattr(e, f) for e in fitted.values())[len(fitted) // 2]
-                        for f in ("matmul_frac", "conv_frac", "memory_frac", "layer_overhead_s",
-                                  "half_rate_gflop", "inter_node_frac")))
-
-
-DEFAULT_EFFICIENCY = unmeasured_efficiency(FITTED_EFFICIENCY)
+# What every catalog type gets without a profile or a refit.
+FITTED_EFFICIENCY: dict[str, Efficiency] = {name: datasheet_efficiency(g) for name, g in CATALOG.items()}
 
 
 def efficiency(gpu: GpuType, table: dict[str, Efficiency] | None = None) -> Efficiency:
-    table = FITTED_EFFICIENCY if table is None else table
-    return table.get(gpu.name, DEFAULT_EFFICIENCY)
+    """The type's parameters: ``table``'s entry when it has one (a profile, a refit, a fit
+    in progress), else the type's datasheet physics."""
+    if table is not None and gpu.name in table:
+        return table[gpu.name]
+    return FITTED_EFFICIENCY.get(gpu.name) or datasheet_efficiency(gpu)
 
 
 def layer_time_s(layer: LayerSpec, gpu: GpuType, eff: Efficiency, dtype: str, samples: float,
@@ -76,5 +95,9 @@ def layer_time_s(layer: LayerSpec, gpu: GpuType, eff: Efficiency, dtype: str, sa
     flops_s = work_flop / (rate * occupancy)
     shared = layer.activation_bytes_tp_shared / max(layer.activation_bytes, 1.0)
     moved = layer.elementwise_bytes * samples * (shared + (1.0 - shared) / tp)
+    # Every pass reads the layer's weights (its tp shard) once; the backward pass also writes
+    # their gradients: one weight's worth per forward-equivalent. What makes a micro-batch of
+    # a few tokens per expert, or a few images per GPU, memory-bound.
+    moved += layer.params * DTYPE_BYTES.get(dtype, 2) / tp
     memory_s = moved / (gpu.memory_bandwidth_gbytes_s * 1e9 * eff.memory_frac)
     return passes * (flops_s + memory_s + eff.layer_overhead_s)

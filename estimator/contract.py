@@ -10,8 +10,8 @@ for the other, and what operators and tests rely on.
 
     requested=a100 cell=a100x8:s2 plan=[dp2tp2|dp4tp1] mb=16 remat=1 layers=0,13,26 sps=412.5 why=fastest feasible
 
-  ``cell plan mb remat layers`` are the plan string the runner reads
-  (``estimator.plan_string``); ``requested`` the GPU type asked for; ``src`` where a
+  ``cell plan mb remat layers`` (and, when not the defaults, ``zero offload``) are the
+  plan string the runner reads (``estimator.plan_string``); ``requested`` the GPU type asked for; ``src`` where a
   running plan came from when not the daemon (``tuned``, ``cached``, ``given``); ``sps``
   samples per second, measured when ``measured=1``; ``progress`` the share of iterations
   done; ``start`` and ``end`` the forecast (UTC, ``2026-11-25T12:03:40Z``; the expected
@@ -49,7 +49,7 @@ EXIT_TERMINATED = 143
 
 TAIL_KEYS = ("why", "error")
 # The plan string's tokens: what the runner reads from the AdminComment.
-PLAN_KEYS = ("cell", "plan", "mb", "remat", "layers")
+PLAN_KEYS = ("cell", "plan", "mb", "remat", "layers", "zero", "offload")
 # Where a plan that runs came from when it is not the daemon's (the ``src`` token).
 PLAN_SOURCES = ("tuned", "cached", "given")
 # The runner's report says ADMIN_COMMENT_PLAN when it runs the AdminComment's plan as is.

@@ -24,9 +24,13 @@ from estimator.compute import Efficiency, efficiency, layer_time_s
 from estimator.errors import SpecError
 from estimator.gpus import gpu_type as _gpu_type
 from estimator.jobs import JobSpec
-from estimator.memory import MemoryOptions, StageMemory, stage_memory, state_bytes_per_param
-from estimator.models import ModelSpec, load_model
+from estimator.host import HostSpec, default_host
+from estimator.memory import (
+    OPTIMIZER_STATE_BYTES, ZERO_LEVELS, MemoryOptions, StageMemory, host_memory_gb, stage_memory,
+)
+from estimator.models import DTYPE_BYTES, ModelSpec, load_model
 from estimator.partition import balanced_partition, stage_gpu_counts
+from estimator.plan_string import format_plan
 from estimator.profile_fit import profiled_layer_s
 from estimator.profile_store import ProfileView, collective_csv_rows, load_profile_view, model_fingerprint
 
@@ -48,9 +52,14 @@ class EstimateOptions:
         plan_space: ``cell`` — per stage dp-only or tp-only, every stage count;
             ``dp-only`` — one stage, data parallelism only (what static baselines see).
         micro_batches: pipeline micro-batches; None means 4 × stages (the measured tables
-            used 16), or the largest count below it that divides the global batch.
-        remat: layer-level rematerialization.
-        memory: reserve, usable fraction, ZeRO level.
+            used 16), or the largest count below it that divides the per-replica batch.
+        remat: layer-level rematerialization; None chooses per Cell (off where it fits,
+            the faster; on where only that fits).
+        memory: reserve, usable fraction, ZeRO level, offload.
+        runnable_only: a Cell that fits only with settings the runner cannot run yet
+            (ZeRO 1–3, offload) is reported infeasible, its reason naming them; False
+            counts it feasible (what-if estimates).
+        host: the hosts' memory and PCIe per GPU (None: ``estimator.host.default_host``).
         comm_table: path of a measured collectives CSV; None for the shipped one.
         max_gpus: the largest GPU count a "serverless" job (no count asked) is offered.
         efficiency: per-GPU-type efficiency override (used when fitting).
@@ -66,8 +75,10 @@ class EstimateOptions:
 
     plan_space: str = "cell"
     micro_batches: int | None = None
-    remat: bool = True
+    remat: bool | None = True
     memory: MemoryOptions = MemoryOptions()
+    runnable_only: bool = True
+    host: HostSpec | None = None
     comm_table: str | None = None
     max_gpus: int = 64
     fidelity: str = "analytic"
@@ -143,6 +154,7 @@ class _Context:
     options: EstimateOptions
     profile: ProfileView | None = None  # the site's profile, when the options name one
     eff_source: str = "analytic"  # "profiled" when the profile fitted this type's efficiency
+    host: HostSpec = HostSpec()
 
 
 def _span(first_device: int, count: int, stride: int, gpus_per_node: int) -> int:
@@ -185,9 +197,8 @@ def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan, co
     micro = samples_per_micro / dp
     if ctx.global_batch % (B * dp):
         reason = f"global batch {ctx.global_batch} does not split into {B} micro-batches × dp {dp}"
-    elif model.min_tokens_per_shard and micro * model.sequence % model.min_tokens_per_shard:
-        reason = (f"{int(micro * model.sequence)} tokens per micro-batch shard: MoE routing needs "
-                  f"a multiple of {model.min_tokens_per_shard}")
+    elif (why := moe_shard_problem(model, int(micro))):
+        reason = why
     passes = 3.0 + (1.0 if ctx.remat else 0.0)
     comm_passes = 2.0 + (1.0 if ctx.remat else 0.0)
     flops_scale = 1.0
@@ -199,18 +210,37 @@ def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan, co
     comm_s = _stage_collectives_s(ctx, layers, plan, first_device, micro, comm_passes, compiled, sources)
     send_s = _send_s(ctx, index, layers, plan, first_device, micro, sources)
     params = sum(layer.params for layer in layers) / tp
-    w_b, g_b, o_b = state_bytes_per_param(model)
-    sync_s = _gradient_sync_s(ctx, plan, first_device, params * g_b, compiled, sources)
-    zero = ctx.options.memory.zero_level
-    update_params = params / (dp if zero >= 1 else 1)
-    # The update reads weights, grads, master and states, and writes weights, master, states.
-    update_bytes = update_params * (2 * w_b + g_b + 2 * o_b)
-    update_s = update_bytes / (gpu.memory_bandwidth_gbytes_s * 1e9 * ctx.eff.memory_frac)
-    # GPipe keeps every micro-batch's activations until the backward passes start; a single
-    # stage is plain gradient accumulation, one micro-batch at a time.
-    in_flight = B if ctx.cell.num_stages > 1 else 1
+    memory = ctx.options.memory
+    d = DTYPE_BYTES[model.dtype]
+    sync_s = _gradient_sync_s(ctx, plan, first_device, params * d, compiled, sources)
+    # The update reads weights, grads, master and states, and writes weights, master,
+    # states (a mixed-precision update's traffic; the time model predates the runner's
+    # fp32-only weights and is kept as fitted).
+    master_opt = (4.0 if d < 4 else 0.0) + OPTIMIZER_STATE_BYTES[model.optimizer]
+    update_params = params / (dp if memory.zero_level >= 1 or memory.offload else 1)
+    update_bytes = update_params * (2 * d + d + 2 * master_opt)
+    host = ctx.host
+    if memory.offload:
+        # ZeRO-Offload: gradients down and weights up over PCIe, the update streamed by
+        # the host's memory (shared by the node's GPUs).
+        gpn = min(ctx.cell.gpus_per_node, ctx.cell.num_gpus)
+        host_bw = host.memory_bandwidth_gbytes_s_per_node / gpn * 1e9
+        update_s = 2 * update_params * d / (host.pcie_gbytes_s * 1e9) + update_bytes / host_bw
+    else:
+        update_s = update_bytes / (gpu.memory_bandwidth_gbytes_s * 1e9 * ctx.eff.memory_frac)
+    if memory.zero_level >= 3 and dp > 1:
+        # ZeRO-3 gathers each layer's weights before its forward and backward (and its
+        # recompute): per micro-batch, an all-gather of the stage's weights per pass.
+        gpn = min(ctx.cell.gpus_per_node, ctx.cell.num_gpus)
+        t, src = _comm(ctx, "all-gather", dp, _span(first_device, dp, tp, gpn), params * d)
+        sources.add(src)
+        comm_s += comm_passes * t
+    # GPipe keeps every micro-batch's residuals until the backward passes start (the
+    # runner's buffer has a spare row); a single stage is plain gradient accumulation, one
+    # micro-batch at a time.
+    in_flight = B + 1 if ctx.cell.num_stages > 1 else 1
     mem = stage_memory(model, layers, dp, tp, max(1, math.ceil(micro)), in_flight, ctx.remat,
-                       ctx.options.memory)
+                       memory, micro_batches=B)
     compiled_peak_gb = None
     if compiled is not None and compiled.memory_bytes:
         # The compiled step holds one micro-batch; GPipe keeps the others' stage inputs too.
@@ -220,10 +250,24 @@ def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan, co
             + ctx.options.memory.reserve_gb
     peak_gb = mem.peak_gb if compiled_peak_gb is None else compiled_peak_gb
     usable = gpu.memory_gb * ctx.options.memory.usable_frac
+    host_usable = host.memory_gb_per_gpu * ctx.options.memory.usable_frac
     if not reason and peak_gb > usable:
         reason = f"stage {index} needs {peak_gb:.1f} GB per GPU, {gpu.name} has {usable:.1f} GB usable"
+    elif not reason and mem.host_gb > host_usable:
+        reason = (f"stage {index} needs {mem.host_gb:.1f} GB of host memory per GPU for offload, "
+                  f"the host has {host_usable:.1f} GB per GPU usable")
     return StageCost(plan, compute_s + comm_s + send_s, sync_s, update_s, mem, not reason, reason,
                      _comm_label(sources), compiled_peak_gb, compute_source)
+
+
+def moe_shard_problem(model: ModelSpec, samples: int) -> str:
+    """Why a device's share of a micro-batch cannot be routed by the MoE layers ("" if it
+    can). As the runner: an expert group is min(S, tokens), so fewer tokens than S run as
+    one smaller group and more must be whole groups of S."""
+    group, tokens = model.min_tokens_per_shard, samples * model.sequence
+    if group and tokens > group and tokens % group:
+        return f"{tokens} tokens per micro-batch shard: MoE routing needs a multiple of {group}"
+    return ""
 
 
 def _comm_label(sources: set[str]) -> str:
@@ -327,7 +371,8 @@ def _context(job: JobSpec, cell: Cell, cluster: ClusterSpec, options: EstimateOp
     model = load_model(job.model)
     group = cluster.group(cell.gpu_type)
     gpu = _gpu_type(cell.gpu_type)
-    B = micro_batches or options.micro_batches or micro_batch_count(job.global_batch, 4 * cell.num_stages)
+    B = micro_batches or options.micro_batches or \
+        micro_batch_count(replica_batch(job.global_batch, cell), 4 * cell.num_stages)
     table, eff = load_comm_table(options.comm_table), efficiency(gpu, options.efficiency)
     profile, eff_source = None, "analytic"
     if options.profile_db:
@@ -337,8 +382,9 @@ def _context(job: JobSpec, cell: Cell, cluster: ClusterSpec, options: EstimateOp
             table = _profiled_table(options.comm_table, version, cell.gpu_type)
         if cell.gpu_type in profile.efficiencies and options.efficiency is None:
             eff, eff_source = profile.efficiencies[cell.gpu_type], PROFILED
+    host = options.host or default_host(cell.gpu_type)
     return _Context(model, job.global_batch, cell, group, table, eff, B,
-                    options.remat if remat is None else remat, options, profile, eff_source)
+                    bool(options.remat) if remat is None else remat, options, profile, eff_source, host)
 
 
 def _profile_version(path: str) -> tuple[str, int, int]:
@@ -413,21 +459,91 @@ def estimate_cell(job: JobSpec, cell: Cell, cluster: ClusterSpec,
     """The best assembled plan of one Cell (per stage dp-only or tp-only).
 
     The default micro-batch count is 4 × stages, or the largest count below it that
-    divides the global batch. A Cell that runs out of memory with it is tried again with
-    at least 2×, 4× and 8× as many (smaller) micro-batches — gradient accumulation trades
-    speed for activation memory — and the first that fits is kept.
+    divides the per-replica batch (the global batch over the largest power-of-two data
+    parallelism it splits into). A Cell that runs out of memory with it is tried again
+    with at least 2×, 4× and 8× as many (smaller) micro-batches — gradient accumulation
+    trades speed for activation memory — and the first that fits is kept.
+
+    With ``options.remat`` None, remat off and on are both estimated and the faster
+    feasible kept. A Cell that still does not fit is estimated under ZeRO 1, 2, 3 and
+    ZeRO-Offload (``memory_alternatives``): the first that fits is returned when the runner
+    can run it or ``options.runnable_only`` is False; otherwise the Cell stays infeasible
+    with its own figures and its reason says what would fit, how fast, with how much GPU
+    and host memory.
     """
+    remats = (False, True) if options.remat is None else (bool(options.remat),)
+    best = None
+    for remat in remats:
+        est = _with_accumulation(job, cell, cluster, replace(options, remat=remat))
+        if best is None or _better(est, best):
+            best = est
+    if best.feasible or not best.stages or "GB" not in best.reason:
+        return best
+    for memory in memory_alternatives(options.memory):
+        alt_opts = replace(options, memory=memory, remat=True if options.remat is None else options.remat)
+        alt = _with_accumulation(job, cell, cluster, alt_opts)
+        if not alt.feasible:
+            continue
+        if memory.runnable or not options.runnable_only:
+            return alt
+        # Keep the runnable plan's figures; say what would fit and what it would cost.
+        return replace(best, reason=f"{best.reason}; fits with {memory_label(memory)} "
+                                    f"({alt.iteration_time_s:.3g} s/iteration, {alt.peak_memory_gb:.1f} GB "
+                                    f"per GPU, {alt.host_memory_gb:.0f} GB host memory per GPU), which the "
+                                    "runner cannot run yet")
+    return best
+
+
+def _better(a: CellEstimate, b: CellEstimate) -> bool:
+    """Feasible before infeasible, then faster; among infeasible, smaller."""
+    if a.feasible != b.feasible:
+        return a.feasible
+    if a.feasible:
+        return a.iteration_time_s < b.iteration_time_s
+    return a.peak_memory_gb < b.peak_memory_gb
+
+
+def memory_alternatives(base: MemoryOptions) -> tuple[MemoryOptions, ...]:
+    """Memory settings beyond ``base``, least intrusive first: ZeRO 1–3, then ZeRO-Offload
+    (on ZeRO-2, as ZeRO-Offload is built, and on ZeRO-3)."""
+    out = [replace(base, zero_level=z) for z in ZERO_LEVELS if z > base.zero_level]
+    out += [replace(base, zero_level=max(z, base.zero_level), offload=True) for z in (2, 3)]
+    return tuple(dict.fromkeys(m for m in out if m != base))
+
+
+def memory_label(memory: MemoryOptions) -> str:
+    """``ZeRO-3``, ``ZeRO-2 + offload`` …"""
+    return f"ZeRO-{memory.zero_level}" + (" + offload" if memory.offload else "")
+
+
+def _with_accumulation(job: JobSpec, cell: Cell, cluster: ClusterSpec,
+                       options: EstimateOptions) -> CellEstimate:
+    """A Cell's estimate, retried with more micro-batches while it is out of memory."""
     est = _estimate_cell(job, cell, cluster, options, None)
     doublings = 0
+    replica = replica_batch(job.global_batch, cell)
     while (not est.feasible and options.micro_batches is None and est.stages
            and "GB per GPU" in est.reason and doublings < MAX_ACCUMULATION_DOUBLINGS
-           and (more := more_micro_batches(job.global_batch, est.micro_batches))):
+           and (more := more_micro_batches(replica, est.micro_batches))):
         doublings += 1
         retry = _estimate_cell(job, cell, cluster, options, more)
         if retry.feasible or "GB per GPU" not in retry.reason:
             return retry if retry.feasible else est
         est = retry
     return est
+
+
+def dp_cap(global_batch: int, cell: Cell) -> int:
+    """The largest data parallelism a stage of the Cell can use: its GPUs, or the largest
+    power of two that divides the global batch (data parallelism is a power of two)."""
+    per_stage = max(1, cell.num_gpus // max(1, cell.num_stages))
+    return min(per_stage, global_batch & -global_batch)
+
+
+def replica_batch(global_batch: int, cell: Cell) -> int:
+    """Samples per iteration of one replica at the Cell's largest data parallelism:
+    micro-batch counts are its divisors, so every dp up to it splits every micro-batch."""
+    return global_batch // dp_cap(global_batch, cell)
 
 
 def _estimate_cell(job: JobSpec, cell: Cell, cluster: ClusterSpec, options: EstimateOptions,
@@ -440,10 +556,14 @@ def _estimate_cell(job: JobSpec, cell: Cell, cluster: ClusterSpec, options: Esti
     except SpecError as e:
         return _infeasible(cell, e.hint, ctx.micro_batches)
     ranges = partition_stages(ctx.model, cell, options)
+    cap = dp_cap(job.global_batch, cell)
     variants = []
     for (start, end), n in zip(ranges, per_stage):
-        stage = [StagePlan(start, end, n, 1)]
-        if n > 1 and options.plan_space == "cell":
+        # Data parallelism as wide as the batch allows (the rest tensor-parallel), and
+        # tensor parallelism only.
+        dp = min(n, cap) if options.plan_space == "cell" else n
+        stage = [StagePlan(start, end, dp, n // dp)]
+        if n > 1 and options.plan_space == "cell" and dp > 1:
             stage.append(StagePlan(start, end, 1, n))
         variants.append(stage)
     compiled = _compile_variants(job, ctx, variants) if options.fidelity == "compiled" else {}
@@ -463,11 +583,17 @@ def _estimate_cell(job: JobSpec, cell: Cell, cluster: ClusterSpec, options: Esti
     fidelity = "compiled" if compiled else \
         PROFILED if all(c.compute_source == PROFILED for c in costs) else "analytic"
     memory_fidelity = "compiled" if all(c.compiled_peak_gb is not None for c in costs) else "analytic"
+    memory = options.memory
+    host_gb = max(host_memory_gb(c.memory) for c in costs)
+    plan = format_plan(cell, plans, ctx.micro_batches, ctx.remat, ranges,
+                       zero_level=memory.zero_level, offload=memory.offload)
+    dims = dict(remat=ctx.remat, zero_level=memory.zero_level, offload=memory.offload,
+                host_memory_gb=host_gb, runnable=memory.runnable, plan=plan)
     if bad is not None:
         return CellEstimate(cell, plans, ctx.micro_batches, math.inf, 0.0, peak, False, bad.reason,
-                            fidelity, source, memory_fidelity)
+                            fidelity, source, memory_fidelity, **dims)
     return CellEstimate(cell, plans, ctx.micro_batches, t, job.global_batch / t, peak, True, "",
-                        fidelity, source, memory_fidelity)
+                        fidelity, source, memory_fidelity, **dims)
 
 
 def _compile_variants(job: JobSpec, ctx: _Context, variants: list[list[StagePlan]]) -> dict:

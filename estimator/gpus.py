@@ -15,6 +15,13 @@ Rates are dense (no structured sparsity). Sources, vendor datasheets:
         GDDR6 864 GB/s, PCIe Gen4 64 GB/s.
   h200: NVIDIA H200 datasheet (SXM 141 GB): BF16 989 TFLOPS, TF32 494.7, FP32 67,
         HBM3e 4,800 GB/s, NVLink 4 900 GB/s.
+Streaming multiprocessors (SMs), from the same datasheets and the architecture whitepapers
+(GA100, GV100, GA102, GH100, AD102): a100 108, v100 80, a40 84, a10 72, h100 132, l20 92,
+h200 132. fp32 issue: on GA102/AD102 (a40, a10, l20) half of each SM's 128 fp32 lanes
+share their datapath with integer work (NVIDIA Ampere GA102 whitepaper, "2x FP32"); the
+datasheet counts all 128, while fp32 convolutions and matmuls, whose address and loop
+arithmetic is integer work, issue on about half: ``fp32_issue_frac`` 0.5. GA100, GV100 and
+GH100 have separate integer units (1.0).
 Link bandwidths are the unidirectional per-GPU figures (half the bidirectional totals
 vendors print). Usual GPUs per node follow the clusters the measured tables come from
 (a100 4, v100 16 in a DGX-2, a40 and a10 2) and common servers for the rest (8).
@@ -38,6 +45,8 @@ class GpuType:
     intra_node_link_gbytes_s: float  # GB/s per GPU, one direction, to its node peers
     gpus_per_node: int
     pcie_only: bool  # no NVLink/NVSwitch between all GPUs of a node
+    sm_count: int  # streaming multiprocessors: how much parallel work fills the GPU
+    fp32_issue_frac: float  # share of the datasheet fp32 rate fp32 convs/matmuls can issue
 
     def peak_tflops(self, dtype: str) -> float:
         """Peak dense rate for matmul-class work in ``dtype`` (fp16, bf16, fp32)."""
@@ -51,13 +60,13 @@ class GpuType:
 CATALOG: dict[str, GpuType] = {
     g.name: g
     for g in (
-        GpuType("a100", 40, 312.0, 156.0, 19.5, 1555, 300, 4, False),
-        GpuType("v100", 32, 125.0, 15.7, 15.7, 900, 150, 16, False),
-        GpuType("a40", 48, 149.7, 74.8, 37.4, 696, 32, 2, True),
-        GpuType("a10", 24, 125.0, 62.5, 31.2, 600, 32, 2, True),
-        GpuType("h100", 80, 989.0, 494.7, 67.0, 3350, 450, 8, False),
-        GpuType("l20", 48, 119.5, 59.8, 59.8, 864, 32, 8, True),
-        GpuType("h200", 141, 989.0, 494.7, 67.0, 4800, 450, 8, False),
+        GpuType("a100", 40, 312.0, 156.0, 19.5, 1555, 300, 4, False, 108, 1.0),
+        GpuType("v100", 32, 125.0, 15.7, 15.7, 900, 150, 16, False, 80, 1.0),
+        GpuType("a40", 48, 149.7, 74.8, 37.4, 696, 32, 2, True, 84, 0.5),
+        GpuType("a10", 24, 125.0, 62.5, 31.2, 600, 32, 2, True, 72, 0.5),
+        GpuType("h100", 80, 989.0, 494.7, 67.0, 3350, 450, 8, False, 132, 1.0),
+        GpuType("l20", 48, 119.5, 59.8, 59.8, 864, 32, 8, True, 92, 0.5),
+        GpuType("h200", 141, 989.0, 494.7, 67.0, 4800, 450, 8, False, 132, 1.0),
     )
 }
 

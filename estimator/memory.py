@@ -1,51 +1,110 @@
 """Memory model: peak bytes per GPU of one pipeline stage under a plan.
 
-Model states (mixed precision: compute-dtype weights and gradients, fp32 master copy,
-optimizer states; ZeRO levels shard them across data parallelism) plus activations
-(Korthikanti et al. / Frenzy for transformers: per layer s·h·(10 + 24/t) + 5·a·s²/t bytes at
-fp16; under layer-level rematerialization only each layer's input is kept, and one layer's
-full activations live during its recomputation). GPipe keeps every in-flight micro-batch's
-activations until its backward pass. A fixed reserve covers the CUDA context, XLA
-workspace and fragmentation.
+It counts what the runner's SPMD program (``job_scripts/pipeline.py``) holds, buffer by
+buffer, as its GPU-target compile shows them (``docs/estimator.md``, "Memory"):
+
+- **weights**: the fp32 master copy only. The compute-dtype (fp16) weights are cast
+  inside each layer as it runs and never held whole.
+- **optimizer states** (fp32): AdamW μ and ν 8 B/param (gpt), SGD momentum 4 B/param
+  (wide_resnet), Adafactor's factored second moment ≈ 0 B/param and no momentum (moe).
+  MoE expert weights and their states lie on their tensor-parallel (expert) shards like
+  every other tensor-parallel weight.
+- **gradients**: accumulated in fp32 (the master's dtype), 4 B/param; while a micro-batch
+  is added to the accumulator, its own gradient is a second such buffer (only with more
+  than one micro-batch).
+- **the optimizer update's temporaries**: the update reads flat buffers and writes the
+  new weights and optimizer state into fresh ones, keeping a copy of the old state until
+  it is done: 4 + 2·(state bytes) per parameter, beside the gradients.
+- **activations**: Korthikanti et al. / Frenzy per layer (s·h·(10 + 24/t) + 5·a·s²/t
+  bytes at fp16); under layer-level rematerialization only each layer's input is kept and
+  one layer's full activations live during its recomputation. A pipeline keeps every
+  in-flight micro-batch's residuals; the runner's residual buffer has one row more than
+  micro-batches.
+
+The peak is the larger of two phases: forward/backward (gradients + activations) and the
+update (gradients + update temporaries), on top of weights, states and a reserve.
+
+ZeRO levels shard states across data parallelism (1: optimizer states and their update
+temporaries; 2: also gradients; 3: also weights, each layer's weights gathered while it
+runs); ZeRO-Offload keeps the master weights, the optimizer states and the update on the
+host (``host_gb``) and leaves compute-dtype weights and gradients on the GPU. The runner
+runs ZeRO-0 without offload (``RUNNABLE_ZERO_LEVELS``).
 """
 
 from dataclasses import dataclass
 
+from estimator.errors import SpecError
 from estimator.models import DTYPE_BYTES, LayerSpec, ModelSpec
 
 # Optimizer state bytes per parameter, kept in fp32 (Adafactor's factored second moment
-# is O(rows + cols), negligible per parameter; no momentum as in the measured MoE runs).
+# is O(rows + cols), negligible per parameter; no momentum, as in the measured MoE runs).
 OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "adafactor": 0.0, "sgd": 4.0}
+MASTER_BYTES = 4.0  # fp32 master weights (the runner's only copy of the weights)
+GRADIENT_BYTES = 4.0  # fp32 gradient accumulator
+ZERO_LEVELS = (0, 1, 2, 3)
+# Whose buffers are counted: ``runner`` (job_scripts/pipeline.py, what jobs here run) or
+# ``alpa`` (the program behind the measured tables: fp16 weights and gradients beside the
+# fp32 master and states, no update copies; run it with zero_level=2, as Alpa's
+# reduce-scatter gradient sync shards them).
+PROGRAMS = ("runner", "alpa")
+RUNNABLE_ZERO_LEVELS = (0,)  # what job_scripts/pipeline.py runs today (replicated states)
 
 
 @dataclass(frozen=True)
 class MemoryOptions:
-    # 0: replicate; 1: shard optimizer states and master weights across dp; 2: also
-    # gradients (what XLA does with reduce-scatter gradient sync, as the measured runs did);
-    # 3: also weights.
-    zero_level: int = 2
+    # 0: replicated states (the runner: gradients all-reduced); 1: optimizer states and
+    # the update sharded across dp; 2: also gradients; 3: also weights.
+    zero_level: int = 0
+    offload: bool = False  # ZeRO-Offload: master weights, optimizer states, update on the host
     reserve_gb: float = 1.0  # CUDA context, workspace, fragmentation
     usable_frac: float = 0.9  # of the GPU's memory the framework may take
+    program: str = "runner"
+
+    def __post_init__(self):
+        if self.zero_level not in ZERO_LEVELS:
+            raise SpecError("zero_level", self.zero_level, "use 0, 1, 2 or 3")
+        if self.program not in PROGRAMS:
+            raise SpecError("program", self.program, f"use one of {', '.join(PROGRAMS)}")
+
+    @property
+    def runnable(self) -> bool:
+        """Whether the runner can run plans with these settings today."""
+        return self.zero_level in RUNNABLE_ZERO_LEVELS and not self.offload
 
 
 @dataclass(frozen=True)
 class StageMemory:
     weights_gb: float
-    gradients_gb: float
+    gradients_gb: float  # one fp32 gradient buffer (the accumulator)
     optimizer_gb: float
     activations_gb: float
     reserve_gb: float
+    update_gb: float = 0.0  # the optimizer update's temporaries on the GPU
+    accumulating: bool = False  # more than one micro-batch: a second gradient buffer
+    host_gb: float = 0.0  # host memory per GPU (ZeRO-Offload)
 
     @property
     def peak_gb(self) -> float:
-        return self.weights_gb + self.gradients_gb + self.optimizer_gb + self.activations_gb + self.reserve_gb
+        backward = self.gradients_gb * (2 if self.accumulating else 1) + self.activations_gb
+        update = self.gradients_gb + self.update_gb
+        return self.weights_gb + self.optimizer_gb + self.reserve_gb + max(backward, update)
 
 
 def state_bytes_per_param(model: ModelSpec) -> tuple[float, float, float]:
-    """(weights, gradients, master + optimizer) bytes per parameter."""
-    d = DTYPE_BYTES[model.dtype]
-    master = 4.0 if d < 4 else 0.0
-    return float(d), float(d), master + OPTIMIZER_STATE_BYTES[model.optimizer]
+    """(weights, gradients, optimizer states) bytes per parameter the runner keeps."""
+    return MASTER_BYTES, GRADIENT_BYTES, OPTIMIZER_STATE_BYTES[model.optimizer]
+
+
+def update_temp_bytes(model: ModelSpec) -> float:
+    """Bytes per parameter the optimizer update holds beside the gradients: new weights,
+    new states and a copy of the old states."""
+    return MASTER_BYTES + 2 * OPTIMIZER_STATE_BYTES[model.optimizer]
+
+
+def host_bytes_per_param(model: ModelSpec) -> float:
+    """ZeRO-Offload: master weights, optimizer states and an fp32 gradient buffer on the
+    host, per parameter of the GPU's shard."""
+    return MASTER_BYTES + OPTIMIZER_STATE_BYTES[model.optimizer] + GRADIENT_BYTES
 
 
 def activation_bytes(layer: LayerSpec, tp: int) -> float:
@@ -56,27 +115,61 @@ def activation_bytes(layer: LayerSpec, tp: int) -> float:
 
 def stage_memory(model: ModelSpec, layers: tuple[LayerSpec, ...], dp: int, tp: int,
                  micro_batch: int, in_flight: int, remat: bool,
-                 options: MemoryOptions = MemoryOptions()) -> StageMemory:
+                 options: MemoryOptions = MemoryOptions(), micro_batches: int = 1) -> StageMemory:
     """Peak memory per GPU of a stage.
 
     Args:
         layers: the stage's layers.
         dp, tp: data- and tensor-parallel degrees inside the stage.
         micro_batch: samples per micro-batch on one data-parallel replica.
-        in_flight: micro-batches whose activations are alive at once (GPipe: all of them).
+        in_flight: micro-batches whose activations are alive at once (a pipeline: all of
+            them and the runner's spare row; one stage: 1).
         remat: layer-level rematerialization.
+        micro_batches: micro-batches per iteration (more than one: gradient accumulation).
     """
     params = sum(layer.params for layer in layers) / tp
-    w_b, g_b, o_b = state_bytes_per_param(model)
-    z = options.zero_level
-    weights = params * w_b / (dp if z >= 3 else 1)
-    grads = params * g_b / (dp if z >= 2 else 1)
-    opt = params * o_b / (dp if z >= 1 else 1)
+    z, d = options.zero_level, float(DTYPE_BYTES[model.dtype])
+    opt_b = OPTIMIZER_STATE_BYTES[model.optimizer]
+    shard = lambda level: dp if z >= level else 1  # noqa: E731
+    host = 0.0
+    if options.offload:
+        # The GPU keeps compute-dtype weights and gradients; the host the rest.
+        weights = params * d / shard(3)
+        grads = params * d / shard(2)
+        opt = update = 0.0
+        host = params * host_bytes_per_param(model) / dp
+    elif options.program == "alpa":
+        master = MASTER_BYTES if d < 4 else 0.0
+        weights = params * d / shard(3)
+        grads = params * d / shard(2)
+        opt = params * (master + opt_b) / shard(1)
+        update = 0.0
+    else:
+        weights = params * MASTER_BYTES / shard(3)
+        grads = params * GRADIENT_BYTES / shard(2)
+        opt = params * opt_b / shard(1)
+        update = params * update_temp_bytes(model) / shard(1)
     if remat:
         kept = sum(layer.output_bytes for layer in layers)
         live = max(activation_bytes(layer, tp) for layer in layers)
         acts = micro_batch * (in_flight * kept + live)
     else:
         acts = micro_batch * in_flight * sum(activation_bytes(layer, tp) for layer in layers)
+    if z >= 3:
+        # Each layer's weights are gathered whole (over dp) while it runs.
+        acts += max(layer.params for layer in layers) / tp * d
     gb = 1e-9
-    return StageMemory(weights * gb, grads * gb, opt * gb, acts * gb, options.reserve_gb)
+    accumulating = micro_batches > 1 and options.program == "runner"
+    return StageMemory(weights * gb, grads * gb, opt * gb, acts * gb, options.reserve_gb,
+                       update * gb, accumulating, host * gb)
+
+
+# The runner's process on the host: Python, JAX, the CUDA context's host side, the data.
+HOST_PROCESS_GB = 4.0
+
+
+def host_memory_gb(mem: StageMemory) -> float:
+    """Host memory per GPU a plan needs: the runner's process, a staging copy of the GPU's
+    weights and optimizer states (a checkpoint copies them to the host) and whatever ZeRO-
+    Offload keeps there."""
+    return HOST_PROCESS_GB + mem.weights_gb + mem.optimizer_gb + mem.host_gb

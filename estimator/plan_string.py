@@ -9,6 +9,15 @@ Format (space-separated ``key=value`` tokens; written in this order, read in any
 stage's data- and tensor-parallel degrees; ``mb`` is the pipeline micro-batch count;
 ``remat`` is 1 or 0. ``layers`` (optional) gives the stage boundaries when they differ
 from the Cell's default partition (``estimator.estimate.partition_stages``).
+
+Optional memory tokens, written only when they differ from the default (so strings from
+before them read the same)::
+
+    cell=a100x8:s1 plan=[dp8tp1] mb=4 remat=1 zero=3 offload=1
+
+``zero`` is the ZeRO stage (0–3; absent: 0, replicated states, what the runner runs);
+``offload=1`` keeps master weights and optimizer states on the host (ZeRO-Offload). A
+runner that cannot run a plan's ``zero`` or ``offload`` refuses it (``job_scripts.plan``).
 """
 
 import re
@@ -18,6 +27,7 @@ from estimator.cells import Cell, StagePlan
 from estimator.errors import SpecError
 
 MAX_PLAN_STRING = 512
+OPTIONAL_KEYS = ("layers", "zero", "offload")
 _CELL_RE = re.compile(r"([a-z][a-z0-9_]*)x(\d+):s(\d+)")
 _STAGE_RE = re.compile(r"dp(\d+)tp(\d+)")
 
@@ -41,6 +51,8 @@ class PlanString:
     micro_batches: int
     remat: bool
     layer_bounds: tuple[int, ...] | None = None
+    zero_level: int = 0
+    offload: bool = False
 
     @property
     def cell_label(self) -> str:
@@ -52,6 +64,10 @@ class PlanString:
         out = f"cell={self.cell_label} plan=[{plan}] mb={self.micro_batches} remat={int(self.remat)}"
         if self.layer_bounds is not None:
             out += " layers=" + ",".join(str(b) for b in self.layer_bounds)
+        if self.zero_level:
+            out += f" zero={self.zero_level}"
+        if self.offload:
+            out += " offload=1"
         return out
 
     def stage_plans(self, default_ranges: tuple[tuple[int, int], ...]) -> tuple[StagePlan, ...]:
@@ -71,14 +87,16 @@ def _pow2(v: int) -> bool:
 
 
 def format_plan(cell: Cell, stages: tuple[StagePlan, ...], micro_batches: int, remat: bool,
-                default_ranges: tuple[tuple[int, int], ...] | None = None) -> str:
+                default_ranges: tuple[tuple[int, int], ...] | None = None, *,
+                zero_level: int = 0, offload: bool = False) -> str:
     """The plan string of a tuned plan; ``layers=`` only when the ranges are not the default."""
     ranges = tuple((s.layer_start, s.layer_end) for s in stages)
     bounds = None
     if default_ranges is None or ranges != tuple(default_ranges):
         bounds = (ranges[0][0],) + tuple(e for _, e in ranges)
     return PlanString(cell.gpu_type, cell.num_gpus, cell.num_stages,
-                      tuple((s.dp, s.tp) for s in stages), micro_batches, remat, bounds).format()
+                      tuple((s.dp, s.tp) for s in stages), micro_batches, remat, bounds,
+                      zero_level, offload).format()
 
 
 def parse_plan(text: str) -> PlanString:
@@ -104,7 +122,7 @@ def parse_plan(text: str) -> PlanString:
     for key in required:
         if key not in fields:
             raise PlanStringError(text, f"missing {key}=")
-    unknown = [k for k in fields if k not in (*required, "layers")]
+    unknown = [k for k in fields if k not in (*required, *OPTIONAL_KEYS)]
     if unknown:
         raise PlanStringError(text, f"unknown key {unknown[0]!r}")
     m = _CELL_RE.fullmatch(fields["cell"])
@@ -138,4 +156,11 @@ def parse_plan(text: str) -> PlanString:
         bounds = tuple(int(v) for v in fields["layers"].split(","))
         if len(bounds) != s + 1 or any(b >= c for b, c in zip(bounds, bounds[1:])):
             raise PlanStringError(text, f"layers= needs {s + 1} increasing boundaries")
-    return PlanString(gpu, n, s, tuple(stages), int(fields["mb"]), fields["remat"] == "1", bounds)
+    zero = fields.get("zero", "0")
+    if zero not in ("0", "1", "2", "3"):
+        raise PlanStringError(text, f"zero={zero!r} must be 0, 1, 2 or 3 (the ZeRO stage)")
+    offload = fields.get("offload", "0")
+    if offload not in ("0", "1"):
+        raise PlanStringError(text, f"offload={offload!r} must be 0 or 1")
+    return PlanString(gpu, n, s, tuple(stages), int(fields["mb"]), fields["remat"] == "1", bounds,
+                      int(zero), offload == "1")

@@ -106,6 +106,7 @@ def plan_from_string(text: str, model_spec, arch: jm.Arch, global_batch: int, nu
     from estimator.plan_string import parse_plan
 
     ps = parse_plan(text)
+    refuse_unsupported(ps, text)
     if ps.num_gpus != num_devices:
         raise SpecError("plan", text, f"is for {ps.num_gpus} GPUs but this job has {num_devices}")
     if ps.num_stages > arch.num_layers:
@@ -118,6 +119,19 @@ def plan_from_string(text: str, model_spec, arch: jm.Arch, global_batch: int, nu
     plan = ParallelPlan(ps.stage_plans(default), ps.micro_batches, ps.remat)
     check_plan(plan, arch, global_batch, num_devices)
     return plan, ps.format(), ps.cell_label
+
+
+def refuse_unsupported(ps, text: str) -> None:
+    """Raise SpecError (one line) for a plan's memory choices this runtime cannot run yet,
+    rather than run something else: it keeps states replicated (ZeRO-0) on the GPU."""
+    from estimator.memory import RUNNABLE_ZERO_LEVELS
+    if ps.zero_level not in RUNNABLE_ZERO_LEVELS:
+        raise SpecError("zero", ps.zero_level, f"plan {text!r} asks for ZeRO-{ps.zero_level}, which this "
+                                               "runner cannot run yet (it runs zero=0); choose a Cell "
+                                               "without zero= or with zero=0")
+    if ps.offload:
+        raise SpecError("offload", 1, f"plan {text!r} asks for ZeRO-Offload, which this runner cannot "
+                                      "run yet; choose a Cell without offload=1")
 
 
 def log2(n: int) -> int:

@@ -98,7 +98,7 @@ def start_update(assignment: Assignment, m: ManagedJob, steering: Steering,
         samples_per_s=est.samples_per_s if est and est.feasible else None,
         why=m.why(reason or f"chosen by {policy_name}")))
     cpus, mem_mb = per_gpu_resources(steering, cell.gpu_type, per_node,
-                                     getattr(est, "host_memory_gb", None) if est else None)
+                                     est.host_memory_gb if est else None)
     features = how.features
     if features is None and len(steering.partition_types.get(m.slurm.partition, ())) > 1:
         # A job in a mixed partition may carry the type an earlier features steering set:

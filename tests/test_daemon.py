@@ -507,7 +507,7 @@ def test_daemon_killed_mid_rescale_is_finished_on_restart(slurm_lab, slurm_clien
     blockers = [submit(slurm_client, tmp_path, partition=p, gres=g, nodes=n, name="blocker")
                 for p, g, n in (("h100", "gpu:8", 1), ("a100", "gpu:4", 2), ("v100", "gpu:4", 2), ("a10", "gpu:2", 1))]
     wait_for("the blockers to run", running(slurm_client, *blockers))
-    job = submit(slurm_client, tmp_path, "elastic model=gpt-1.3b gpus=2", script=SLOW_CHECKPOINT)
+    job = submit(slurm_client, tmp_path, "elastic model=gpt-760m gpus=2", script=SLOW_CHECKPOINT)
     db = tmp_path / "state.db"
     env = {**os.environ, **slurm_lab.env(), "SLURM_EXT_POLL_S": "0.5",
            "SLURM_EXT_POLICY_OPTIONS": "{min_change_interval_s: 0}"}
@@ -550,7 +550,7 @@ def test_a_new_job_starts_while_another_checkpoints_for_its_rescale(slurm_lab, s
                     for _ in range(n)]
                 for p, g, n in (("h100", "gpu:8", 1), ("a100", "gpu:4", 2), ("v100", "gpu:4", 2), ("a10", "gpu:2", 1))}
     wait_for("the blockers to run", running(slurm_client, *[b for bs in blockers.values() for b in bs]))
-    slow = submit(slurm_client, tmp_path, "elastic model=gpt-1.3b gpus=2", script=CHECKPOINT_40_S)
+    slow = submit(slurm_client, tmp_path, "elastic model=gpt-760m gpus=2", script=CHECKPOINT_40_S)
     env = {**os.environ, **slurm_lab.env(), "SLURM_EXT_POLL_S": "0.5",
            "SLURM_EXT_POLICY_OPTIONS": "{min_change_interval_s: 0}"}
     log_path = tmp_path / "daemon.err"

@@ -77,10 +77,15 @@ def test_batch_that_does_not_split_is_infeasible():
 
 
 def test_moe_needs_whole_expert_groups_per_shard():
-    # 256 samples / 16 micro-batches / dp 16 = 1 sample = 1,024 tokens < 2,048.
-    e = estimate_cell(JobSpec("moe-1.3b", 256), Cell("v100", 16, 16, 1), CRIUS,
+    # As the runner routes them: a shard of fewer tokens than a group (S = 2,048) is one
+    # smaller group; more tokens must be whole groups. 3 samples / dp 1 = 3,072 tokens.
+    e = estimate_cell(JobSpec("moe-1.3b", 48), Cell("v100", 1, 16, 1), CRIUS,
                       EstimateOptions(micro_batches=16, plan_space="dp-only"))
     assert not e.feasible and "MoE" in e.reason
+    # 256 samples / 16 micro-batches / dp 16 = 1 sample = 1,024 tokens: one group of 1,024.
+    e = estimate_cell(JobSpec("moe-1.3b", 256), Cell("v100", 16, 16, 1), CRIUS,
+                      EstimateOptions(micro_batches=16, plan_space="dp-only"))
+    assert "MoE" not in e.reason
 
 
 def test_more_gpus_of_a_type_run_faster_within_a_node():

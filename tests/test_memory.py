@@ -5,16 +5,19 @@ from estimator.models import load_model
 
 
 def test_gpt_1_3b_memory_by_hand():
-    """gpt-1.3b, one stage, dp 2, tp 1, 8 samples per micro-batch, remat, ZeRO-0."""
+    """gpt-1.3b, one stage, dp 2, tp 1, 8 samples per micro-batch, remat, ZeRO-0: the
+    runner's buffers (fp32 master only, fp32 gradients, AdamW μ ν, the update's copies)."""
     m = load_model("gpt-1.3b")
     s, h, a, V = 1024, 2048, 32, 51200
     params = 1_419_417_600  # 24·(12h²+13h) + V·h + 512·h + 2h + V·h + V
     assert m.params == params
     mem = stage_memory(m, m.layers, dp=2, tp=1, micro_batch=8, in_flight=1, remat=True,
-                       options=MemoryOptions(zero_level=0, reserve_gb=0.0))
-    assert mem.weights_gb == pytest.approx(2 * params / 1e9)
-    assert mem.gradients_gb == pytest.approx(2 * params / 1e9)
-    assert mem.optimizer_gb == pytest.approx(12 * params / 1e9)  # fp32 master + AdamW μ, ν
+                       options=MemoryOptions(zero_level=0, reserve_gb=0.0), micro_batches=2)
+    assert mem.weights_gb == pytest.approx(4 * params / 1e9)  # fp32 master, cast per layer
+    assert mem.gradients_gb == pytest.approx(4 * params / 1e9)  # fp32 accumulator
+    assert mem.optimizer_gb == pytest.approx(8 * params / 1e9)  # AdamW μ, ν
+    # The update writes new weights (4) and states (8) and keeps the old states (8).
+    assert mem.update_gb == pytest.approx(20 * params / 1e9)
     # Remat keeps each layer's output (embedding + 24 blocks: s·h fp16; head: 4s bytes) and
     # the largest layer's full activations: the head's fp16 logits + fp32 log-softmax.
     kept = 25 * s * h * 2 + 4 * s
@@ -22,6 +25,45 @@ def test_gpt_1_3b_memory_by_hand():
     block_live = 34 * s * h + 5 * a * s * s
     assert head_live > block_live
     assert mem.activations_gb == pytest.approx(8 * (kept + head_live) / 1e9)
+    # The update phase (gradients + its temporaries) is the peak: 4 + 8 + 4 + 20 B/param.
+    assert mem.peak_gb == pytest.approx(36 * params / 1e9)
+
+
+def test_moe_layer_memory_by_hand():
+    """One MoE layer of moe-1.3b (h 768, E 16 experts, C 256) under tp 2 (experts split
+    across the two devices), dp 1, 4 samples, no remat, Adafactor (no state)."""
+    m = load_model("moe-1.3b")
+    layer = m.layers[1]
+    assert layer.kind == "moe"
+    s, h, E, C, a = 1024, 768, 16, 256, 16
+    f = 8 * h
+    params = 4 * h * h + 8 * h + h * E + E * 2 * h * f  # attention, LNs, gate, experts
+    assert layer.params == params
+    mem = stage_memory(m, (layer,), dp=1, tp=2, micro_batch=4, in_flight=1, remat=False,
+                       options=MemoryOptions(reserve_gb=0.0))
+    assert mem.weights_gb == pytest.approx(4 * params / 2 / 1e9)  # expert shards: half each
+    assert mem.optimizer_gb == 0.0
+    assert mem.update_gb == pytest.approx(4 * params / 2 / 1e9)  # new weights only
+    # Kept for backward, per sample: LN/inputs 10sh fp16 bytes/2·2 and fp32 gate logits
+    # whole on each device; attention 8sh + 5as², the routed tokens' expert activations
+    # (2s tokens × 35h) and the [S,E,C] dispatch and combine tensors split over tp.
+    shared = 10 * s * h + 4 * s * E
+    split = 8 * s * h + 5 * a * s * s + 2 * s * 35 * h + 2 * s * E * C * 2
+    assert mem.activations_gb == pytest.approx(4 * (shared + split / 2) / 1e9)
+    # The all-to-all payload (dispatch and combine of 2s routed tokens, fp16).
+    assert layer.alltoall_bytes == 2 * 2 * s * h * 2
+    assert mem.peak_gb == pytest.approx(mem.weights_gb + mem.gradients_gb + mem.activations_gb)
+
+
+def test_offload_moves_master_and_states_to_the_host():
+    m = load_model("gpt-1.3b")
+    p = m.params
+    off = stage_memory(m, m.layers, dp=4, tp=1, micro_batch=1, in_flight=1, remat=True,
+                       options=MemoryOptions(zero_level=2, offload=True, reserve_gb=0.0))
+    assert off.weights_gb == pytest.approx(2 * p / 1e9)  # fp16 weights on the GPU
+    assert off.gradients_gb == pytest.approx(2 * p / 4 / 1e9)  # fp16, sharded (ZeRO-2)
+    assert off.optimizer_gb == 0.0 and off.update_gb == 0.0
+    assert off.host_gb == pytest.approx((4 + 8 + 4) * p / 4 / 1e9)  # master, μ ν, fp32 grads
 
 
 def test_zero_levels_shard_states_across_dp():
@@ -29,6 +71,7 @@ def test_zero_levels_shard_states_across_dp():
     base = dict(dp=4, tp=1, micro_batch=1, in_flight=1, remat=True)
     z = [stage_memory(m, m.layers, **base, options=MemoryOptions(zero_level=k)) for k in range(4)]
     assert z[1].optimizer_gb == pytest.approx(z[0].optimizer_gb / 4)
+    assert z[1].update_gb == pytest.approx(z[0].update_gb / 4)
     assert z[2].gradients_gb == pytest.approx(z[1].gradients_gb / 4)
     assert z[3].weights_gb == pytest.approx(z[2].weights_gb / 4)
 
@@ -47,3 +90,18 @@ def test_remat_keeps_far_less_than_full_activations():
     full = stage_memory(m, m.layers, 1, 1, 8, 1, remat=False)
     remat = stage_memory(m, m.layers, 1, 1, 8, 1, remat=True)
     assert remat.activations_gb < full.activations_gb / 5
+
+
+def test_alpa_program_counts_mixed_precision_zero_2_states():
+    """The measured tables' program: fp16 weights and gradients, fp32 master + AdamW."""
+    m = load_model("gpt-1.3b")
+    p = m.params
+    mem = stage_memory(m, m.layers, dp=4, tp=1, micro_batch=1, in_flight=1, remat=True,
+                       options=MemoryOptions(zero_level=2, program="alpa", reserve_gb=0.0),
+                       micro_batches=16)
+    assert mem.weights_gb == pytest.approx(2 * p / 1e9)
+    assert mem.gradients_gb == pytest.approx(2 * p / 4 / 1e9)
+    assert mem.optimizer_gb == pytest.approx(12 * p / 4 / 1e9)
+    assert mem.update_gb == 0.0
+    assert mem.peak_gb == pytest.approx(mem.weights_gb + mem.gradients_gb + mem.optimizer_gb
+                                        + mem.activations_gb)

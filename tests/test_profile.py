@@ -176,7 +176,9 @@ def test_profiled_layers_drive_the_stage_time(tmp_path):
         conn.execute("UPDATE layers SET forward_s = forward_s * 10, forward_backward_s = forward_backward_s * 10")
     cluster = load_cluster("lab")
     job = JobSpec("gpt-760m", 16, 1, "a10")
-    slow = estimate_job(job, cluster, EstimateOptions(profile_db=str(db)), ("a10",))
+    # gpt-760m needs ~30 GB on one GPU in the runner's program: on one 24 GB a10 it fits
+    # only with ZeRO-Offload, which a what-if estimate counts (the compute is the same).
+    slow = estimate_job(job, cluster, EstimateOptions(profile_db=str(db), runnable_only=False), ("a10",))
     one = next(e for e in slow.cells if e.cell.num_gpus == 1 and e.feasible)
     spec, gpu = load_model("gpt-760m"), gpu_type("a10")
     compute = sum(layer_time_s(layer, gpu, TRUE, spec.dtype, 16 / one.micro_batches, 1, 4.0)

@@ -1,0 +1,138 @@
+"""Memory accuracy: the analytic peak memory per GPU against every figure we have.
+
+Sources (each row names its own):
+
+- ``h200``: peak memory measured on one NVIDIA H200 by ``benchmarks/plan_measure.py``
+  (``docs/gpu-measurements.md``; the results JSONs beside this script, and the remat=0
+  row of gpt-760m quoted in that document).
+- ``gpu-target``: the runner's own program (``job_scripts.pipeline.Pipeline``) compiled for
+  an XLA GPU target on a CPU-only machine (the ``gpu-target`` extra), its
+  ``memory_analysis()`` peak plus the estimator's 1 GB reserve
+  (``benchmarks/results_memory_gpu_target.json``, made by ``--compile``).
+- ``alpa-dp``: the per-GPU data-parallel figures of ``MODELS.md``, estimated for Alpa's
+  program (``MemoryOptions(program="alpa", zero_level=2)``), not the runner's.
+
+Accuracy = 1 − |estimate − reference| / reference. ``python benchmarks/memory_accuracy.py``
+prints JSON; ``--json FILE`` also writes it.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from estimator.cells import Cell  # noqa: E402
+from estimator.estimate import EstimateOptions, partition_stages, score_plan  # noqa: E402
+from estimator.jobs import JobSpec  # noqa: E402
+from estimator.memory import MemoryOptions  # noqa: E402
+from estimator.models import load_model  # noqa: E402
+from estimator.plan_string import parse_plan  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+GPU_TARGET_FILE = HERE / "results_memory_gpu_target.json"
+# docs/gpu-measurements.md: an earlier --auto run kept only its progress line.
+H200_EXTRA = [{"model": "gpt-760m", "global_batch": 8,
+               "plan": "cell=h200x1:s1 plan=[dp1tp1] mb=1 remat=0", "peak_gb": 42.6}]
+# MODELS.md, database/dp_mem.json (Alpa, data parallel only, 16 micro-batches, remat).
+ALPA_DP = {("wide_resnet-500m", 256): [24.519, 15.847, 10.932, 8.484, 7.259],
+           ("gpt-760m", 128): [24.129, 13.519, 9.108, 6.902, -1],
+           ("gpt-1.3b", 256): [-1, 23.89, 15.684, 11.82, 9.888],
+           ("moe-690m", 256): [23.964, 12.955, 8.426, 6.201, -1]}
+
+
+def estimate_plan_gb(model: str, global_batch: int, plan_text: str, gpu: str = "h200",
+                     memory: MemoryOptions = MemoryOptions()) -> float:
+    """The analytic peak GB per GPU of one plan string on ``gpu``."""
+    ps = parse_plan(plan_text)
+    spec = load_model(model)
+    cell = Cell(gpu, ps.num_gpus, max(ps.num_gpus, 1), ps.num_stages)
+    stages = ps.stage_plans(partition_stages(spec, cell))
+    opts = EstimateOptions(memory=memory)
+    cluster = _cluster()
+    return score_plan(JobSpec(model, global_batch), cell, cluster, stages, ps.micro_batches,
+                      ps.remat, opts).peak_memory_gb
+
+
+def _cluster():
+    from estimator.cluster import ClusterSpec, Network, NodeGroup
+    return ClusterSpec("bench", tuple(NodeGroup(t, 8, 8, t, Network()) for t in
+                                      ("h200", "h100", "a100", "v100", "a40", "a10")))
+
+
+def _acc(est: float, ref: float) -> float:
+    return max(0.0, 1 - abs(est - ref) / ref)
+
+
+def summary(rows: list[dict]) -> dict:
+    accs = [r["accuracy"] for r in rows]
+    if not accs:
+        return {"rows": 0}
+    return {"rows": len(accs), "median": round(statistics.median(accs), 4),
+            "mean": round(statistics.fmean(accs), 4), "worst": round(min(accs), 4)}
+
+
+def h200_rows() -> list[dict]:
+    rows = []
+    for path in sorted(HERE.glob("results_plan_measure_h200_*.json")):
+        data = json.loads(path.read_text())
+        for p in data["plans"]:
+            if p.get("ok") and p["measured"].get("peak_memory_gb"):
+                rows.append({"model": data["model"], "global_batch": data["global_batch"],
+                             "plan": p["plan"], "peak_gb": p["measured"]["peak_memory_gb"]})
+    rows += H200_EXTRA
+    out = []
+    for r in rows:
+        est = estimate_plan_gb(r["model"], r["global_batch"], r["plan"], "h200")
+        out.append({**r, "source": "h200", "estimate_gb": round(est, 3), "accuracy": round(_acc(est, r["peak_gb"]), 4)})
+    return out
+
+
+def gpu_target_rows() -> list[dict]:
+    if not GPU_TARGET_FILE.is_file():
+        return []
+    out = []
+    for r in json.loads(GPU_TARGET_FILE.read_text())["rows"]:
+        ref = r["compiled_peak_gb"] + MemoryOptions().reserve_gb
+        est = estimate_plan_gb(r["model"], r["global_batch"], r["plan"], r.get("gpu_type", "h100"))
+        out.append({**r, "source": "gpu-target", "reference_gb": round(ref, 3), "estimate_gb": round(est, 3),
+                    "accuracy": round(_acc(est, ref), 4)})
+    return out
+
+
+def alpa_rows() -> list[dict]:
+    out = []
+    for (model, batch), figures in ALPA_DP.items():
+        for k, gb in enumerate(figures):
+            n = 2 ** k
+            if gb <= 0 or (batch // 16) % n:
+                continue
+            plan = f"cell=a100x{n}:s1 plan=[dp{n}tp1] mb=16 remat=1"
+            # Alpa's program: mixed-precision states sharded by its reduce-scatter (ZeRO-2).
+            est = estimate_plan_gb(model, batch, plan, "a100", MemoryOptions(zero_level=2, program="alpa"))
+            out.append({"model": model, "global_batch": batch, "plan": plan, "peak_gb": gb, "source": "alpa-dp",
+                        "estimate_gb": round(est, 3), "accuracy": round(_acc(est, gb), 4)})
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="also write the result here")
+    args = ap.parse_args(argv)
+    result = {}
+    for name, rows in (("h200", h200_rows()), ("gpu-target", gpu_target_rows()), ("alpa-dp", alpa_rows())):
+        result[name] = {"summary": summary(rows), "rows": rows}
+    runner = result["h200"]["rows"] + result["gpu-target"]["rows"]
+    result["runner_program"] = summary(runner)
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

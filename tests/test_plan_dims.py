@@ -1,0 +1,91 @@
+"""Plan dimensions of the Cell estimate: any global batch, remat, ZeRO, offload, and the
+runner's refusal of what it cannot run."""
+
+import pytest
+
+from estimator.cells import Cell
+from estimator.cluster import load_cluster
+from estimator.errors import SpecError
+from estimator.estimate import EstimateOptions, estimate_cell, estimate_job
+from estimator.jobs import JobSpec
+from estimator.memory import MemoryOptions
+from estimator.plan_string import parse_plan
+
+CRIUS = load_cluster("crius-1280")
+
+
+@pytest.mark.parametrize("global_batch", [1, 2, 3, 6, 10, 250])
+@pytest.mark.parametrize("model", ["gpt-1.3b", "moe-1.3b", "wide_resnet-500m"])
+def test_every_global_batch_gets_feasible_cells(model, global_batch):
+    est = estimate_job(JobSpec(model, global_batch, num_gpus=8), CRIUS, gpu_types=("a100",))
+    feasible = [c for c in est.cells if c.feasible]
+    assert feasible and est.best is not None
+    for c in feasible:
+        micro = global_batch // c.micro_batches
+        assert micro * c.micro_batches == global_batch
+        assert all(micro % s.dp == 0 for s in c.stages)
+        assert parse_plan(c.plan).micro_batches == c.micro_batches
+
+
+def test_dp_that_does_not_divide_the_batch_becomes_hybrid():
+    # 250 = 2 × 125: eight GPUs run dp 2 × tp 4 rather than no data parallel plan at all.
+    e = estimate_cell(JobSpec("gpt-760m", 250), Cell("a100", 8, 4, 1), CRIUS)
+    assert e.feasible and (e.stages[0].dp, e.stages[0].tp) in ((2, 4), (1, 8))
+    assert 250 % (e.micro_batches * e.stages[0].dp) == 0
+
+
+def test_remat_none_chooses_the_faster_plan_that_fits():
+    job, cell = JobSpec("gpt-760m", 16), Cell("a100", 8, 4, 1)
+    on = estimate_cell(job, cell, CRIUS, EstimateOptions(remat=True))
+    off = estimate_cell(job, cell, CRIUS, EstimateOptions(remat=False))
+    auto = estimate_cell(job, cell, CRIUS, EstimateOptions(remat=None))
+    assert off.feasible and off.iteration_time_s < on.iteration_time_s
+    assert not auto.remat and auto.iteration_time_s == off.iteration_time_s
+    assert auto.to_json()["remat"] is False
+
+
+def test_a_cell_that_fits_only_with_offload_says_so_and_what_it_needs():
+    job, cell = JobSpec("gpt-6.7b", 2), Cell("a100", 4, 4, 1)
+    e = estimate_cell(job, cell, CRIUS)
+    assert not e.feasible and "offload" in e.reason and "host memory per GPU" in e.reason
+    what_if = estimate_cell(job, cell, CRIUS, EstimateOptions(runnable_only=False))
+    assert what_if.feasible and what_if.offload and not what_if.runnable
+    assert what_if.host_memory_gb > e.host_memory_gb - 1e-9
+    assert "offload=1" in what_if.plan and what_if.to_json()["host_memory_gb"] > 0
+
+
+def test_zero_levels_fit_more_and_cost_communication():
+    job, cell = JobSpec("gpt-760m", 64), Cell("a100", 8, 4, 1)
+    opts = {z: EstimateOptions(memory=MemoryOptions(zero_level=z), plan_space="dp-only",
+                               runnable_only=False) for z in (0, 1, 3)}
+    e = {z: estimate_cell(job, cell, CRIUS, o) for z, o in opts.items()}
+    assert e[1].peak_memory_gb < e[0].peak_memory_gb and e[3].peak_memory_gb < e[1].peak_memory_gb
+    assert all(x.feasible for x in e.values()) and e[0].runnable and not e[3].runnable
+    assert e[3].zero_level == 3 and "zero=3" in e[3].plan
+    assert e[3].iteration_time_s > e[0].iteration_time_s  # the weights' all-gathers
+
+
+def test_plan_string_memory_tokens_round_trip_and_old_strings_read_the_same():
+    old = "cell=a100x8:s1 plan=[dp8tp1] mb=4 remat=1"
+    assert parse_plan(old).zero_level == 0 and not parse_plan(old).offload
+    assert parse_plan(old).format() == old
+    new = old + " zero=3 offload=1"
+    p = parse_plan(new)
+    assert (p.zero_level, p.offload) == (3, True) and parse_plan(p.format()) == p
+
+
+@pytest.mark.parametrize("tokens, word", [("zero=2", "ZeRO-2"), ("offload=1", "ZeRO-Offload")])
+def test_the_runner_refuses_what_it_cannot_run_in_one_line(tokens, word):
+    from estimator.jax_models import builtin_arch
+    from estimator.models import load_model
+    from job_scripts.plan import plan_from_string
+    text = f"cell=a100x2:s1 plan=[dp2tp1] mb=2 remat=1 {tokens}"
+    with pytest.raises(SpecError) as err:
+        plan_from_string(text, load_model("gpt-760m"), builtin_arch("gpt-760m"), 8, 2)
+    assert word in str(err.value) and "\n" not in str(err.value)
+
+
+def test_admin_comment_passes_the_memory_tokens_to_the_runner():
+    from estimator.contract import plan_tokens
+    text = "requested=a100 cell=a100x8:s1 plan=[dp8tp1] mb=4 remat=1 zero=3 sps=3 why=x zero=1"
+    assert plan_tokens(text) == "cell=a100x8:s1 plan=[dp8tp1] mb=4 remat=1 zero=3"
