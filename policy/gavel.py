@@ -1,178 +1,340 @@
-"""Gavel's heterogeneity-aware max-sum-throughput policy, as the Crius and Arena papers ran it.
+"""Gavel as published: the max-sum-throughput linear program and round-based time sharing.
 
-Gavel (OSDI'20, ``scheduler/policies/max_sum_throughput.py``) picks each job's GPU *type* to
-maximize the cluster's total throughput; the GPU *count* stays what the job asked for, and a
-job sees data-parallel performance only (static parallelism). The Arena artifact solves a 0/1
-program per admission with at most three type changes of running jobs per decision; here the
-same objective is followed greedily, which is exact for one job at a time:
+Gavel (Narayanan et al., OSDI'20; ``stanford-futuredata/gavel``) in two parts:
 
-1. **Admission** (FIFO): each pending job takes the free GPU type where it runs fastest.
-2. **Make room** when no type has room: move one running job to another type with room for
-   it, freeing room for the pending job, when the total throughput rises (≤ ``max_moves``).
-3. **Re-optimize**: a running job moves to a type where it runs faster when that type has
-   free GPUs now (the largest gain first, within the same move budget).
+1. **Allocation** (``scheduler/policies/max_sum_throughput.py``, ``ThroughputSumWithPerf``):
+   a linear program over time fractions. X[j][t] is the fraction of time job j runs on GPU
+   type t, with the GPU count it asked for (Gavel's ``scale_factor`` s_j)::
+
+       maximize    Σ_j Σ_t  throughput[j][t] · X[j][t]
+       subject to  Σ_t X[j][t] ≤ 1                  for every job j
+                   Σ_j s_j · X[j][t] ≤ num_gpus[t]   for every type t
+                   X ≥ 0
+
+   As in Gavel's code the throughputs are *not* normalized (its ``scale = 1 / Σ_t
+   throughput`` is computed and never used; there are no instance costs, and this policy
+   has no priority weights): throughput[j][t] is the job's iterations per second
+   (Gavel's steps/s) on s_j GPUs of type t. Solved with HiGHS's simplex (``highspy``).
+   Re-solved at a round when the set of jobs or the GPUs lent to the policy changed
+   (Gavel re-solves on arrivals and completions).
+2. **Mechanism** (``scheduler/scheduler.py``, ``_update_priorities`` and
+   ``_schedule_jobs_on_workers_helper``): every round of ``round_s`` = 360 s (Gavel's
+   ``time_per_iteration``) each (job, type) gets the priority X[j][t] ÷ the fraction of
+   rounds the job has received on t so far (X[j][t]·10⁹ while it has received none, Gavel's
+   rule so that new jobs run according to their allocation; 0 when X[j][t] = 0). Entries are
+   sorted by (priority, deficit, X) descending, per type in the cluster's type order (Gavel's
+   default; ``global_queue=True`` sorts all types together, its ``--enable_global_queue``),
+   and taken in that order while the type has GPUs left for the job; a job runs on at most
+   one type per round; entries with X = 0 still take GPUs left over (Gavel's mechanism is
+   work-conserving). A job keeps its nodes when it runs on the same type again (Gavel's
+   lease extension); a running job not picked this round is preempted (suspended), a
+   picked one starts or resumes. Between rounds nothing changes: arrivals wait for the
+   next round, and GPUs a finished job frees stay idle until then, as in Gavel.
+
+The round state (rounds each job was active, rounds it received per type, the deficit per
+type, the last LP solution, when the next round starts) is a ``GavelState`` handed back in
+``Decision.policy_state``; the round clock is the policy's own, so a caller calling more
+often (events, ``--round-s`` 300) does not shorten Gavel's rounds.
+
+Where our setting forces a difference from the paper:
+
+* **Throughputs** come from the estimator: the fastest data-parallel Cell of each type at
+  the requested GPU count (``RateTable`` over ``dp_only_estimates``, as ``gavel-greedy``),
+  in iterations per second; Gavel profiles or measures them. Types without a feasible Cell
+  at that count, or with fewer GPUs than it, get no variable (throughput 0: Gavel never
+  schedules a job there either).
+* **No space sharing** (Gavel's packing variants): a GPU runs one job.
+* **Received fraction** counts rounds since the job arrived (the paper's "rounds
+  received"); Gavel's code keeps seconds run on the type since the last allocation reset
+  (at most every 1,920 s) over all jobs' seconds there. The deficit (Σ over rounds of
+  X − ran) is kept since arrival, as in Gavel's code across resets.
+* **Placement** is node-level (``policy.placement``): the Cell's layout must fit on free
+  nodes, so a picked job that does not fit this round waits although its type had the GPU
+  count (Gavel places any ``scale_factor`` workers of the type). Kept jobs are placed
+  first, then the others largest first, as Gavel assigns workers.
+* **Restarts cost time**: every resume after a preemption and every type change is charged
+  by the caller's cost model (the simulator: checkpoint and resume, plus the plan search
+  on a Cell the job has not run on); Gavel's simulator charges none.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+from dataclasses import dataclass
 
-from estimator.cells import CellEstimate
-from policy._solver import FitIndex, RateTable, checked_decision, fits, rate_in, requested_count
-from policy.interface import Assignment, Decision, DerivedCache, Snapshot
-from policy.placement import FreeGpus
+from estimator.cells import Cell, CellEstimate
+from policy._solver import RateTable, capacity_by_type, realize, requested_count
+from policy.interface import Decision, JobView, Snapshot
 
 log = logging.getLogger(__name__)
 
-# Arena's Gavel baseline: at most this many running jobs change type in one decision.
-MAX_MOVES = 3
-# A move restarts the job; only worth it above this relative throughput gain.
-MIN_MOVE_GAIN_FRAC = 0.05
-# Blocked pending jobs (FIFO) that may look for a running job to move, per decision: the
-# papers' Gavel re-solves on each arrival, one new job at a time.
-MAX_ROOM_SEARCHES = 4
+ROUND_S = 360.0  # Gavel's time_per_iteration: the length of a round
+NEW_JOB_PRIORITY = 1e9  # Gavel's factor on X for a job that has not yet run on the type
+_EPS_S = 1e-6  # rounding slack on the round clock
+_EPS_X = 1e-9  # LP values below this are zero
+
+
+@dataclass(frozen=True)
+class JobRounds:
+    """One job's round history.
+
+    Attributes:
+        present: rounds that began while the job was active.
+        received: (GPU type, rounds it ran on that type), by type name.
+        deficit: (GPU type, Σ over rounds of X[j][t] − 1 if it ran on t else 0), by type name.
+    """
+
+    present: int = 0
+    received: tuple[tuple[str, int], ...] = ()
+    deficit: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class GavelState:
+    """What one round hands the next.
+
+    Attributes:
+        next_round_s: when the next round starts (−inf: the next call starts one).
+        rounds_done: rounds run so far.
+        allocation: the last LP solution, (job id, ((GPU type, X), ...)) with X > 0.
+        solved_for: the job ids and (type, GPUs) the LP was solved for.
+        history: (job id, its rounds) for the active jobs.
+    """
+
+    next_round_s: float = -math.inf
+    rounds_done: int = 0
+    allocation: tuple[tuple[str, tuple[tuple[str, float], ...]], ...] = ()
+    solved_for: tuple = ()
+    history: tuple[tuple[str, JobRounds], ...] = ()
 
 
 class GavelPolicy:
-    """Gavel: requested GPU count, GPU type chosen for maximum total throughput.
+    """Gavel as published: max-sum-throughput LP, priorities X / rounds received, preemption.
 
     Args:
-        max_moves: running jobs that may change type in one decision.
-        min_move_gain_frac: relative throughput gain a move must bring.
+        round_s: the length of a round (Gavel's 360 s).
+        global_queue: sort the (job, type) entries of all types together (True) or type by
+            type in the cluster's order (False, Gavel's default).
     """
 
     name = "gavel"
 
-    def __init__(self, max_moves: int = MAX_MOVES, min_move_gain_frac: float = MIN_MOVE_GAIN_FRAC):
-        self.max_moves = max_moves
-        self.min_move_gain_frac = min_move_gain_frac
+    def __init__(self, round_s: float = ROUND_S, global_queue: bool = False):
+        if round_s <= 0:
+            raise ValueError(f"round_s must be positive, got {round_s!r}")
+        self.round_s = round_s
+        self.global_queue = global_queue
 
     def decide(self, snapshot: Snapshot) -> Decision:
-        """Admit pending jobs on their fastest free type; move running jobs to faster ones."""
-        free = FreeGpus.from_snapshot(snapshot)
-        assign = {j.job_id: j.assignment for j in snapshot.jobs}
-        rank = {j.job_id: k for k, j in enumerate(snapshot.jobs)}
-        cache = snapshot.derived_cache()
-        options = {j.job_id: _per_type(RateTable.of(j, True, cache), j, cache) for j in snapshot.jobs}
+        """At a round boundary: re-solve if needed, pick this round's jobs, preempt the rest."""
+        state = snapshot.policy_state if isinstance(snapshot.policy_state, GavelState) else GavelState()
+        if snapshot.now_s < state.next_round_s - _EPS_S:
+            return Decision((), state)  # between rounds: Gavel changes nothing
+        types = _type_order(snapshot)
+        capacity = capacity_by_type(snapshot)
+        options = {j.job_id: per_type_options(j, snapshot, capacity) for j in snapshot.jobs}
+        fingerprint = (tuple(j.job_id for j in snapshot.jobs), tuple(sorted(capacity.items())))
+        if fingerprint == state.solved_for:
+            allocation = {i: dict(x) for i, x in state.allocation}
+        else:
+            allocation = solve_allocation(snapshot.jobs, options, capacity)
+        history = dict(state.history)
+        picked = self.pick(snapshot.jobs, types, options, allocation, history, capacity)
+
+        wanted: dict[str, Cell | None] = {}
         reasons: dict[str, str] = {}
-        moves_left = self.max_moves
-        searches_left = MAX_ROOM_SEARCHES
-        index = FitIndex(free)
-        no_fit: dict[tuple[int, int], list] = {}
-
-        # 1 + 2. Admission in submission order; a blocked job may move one running job away.
-        for job in snapshot.jobs:
-            if assign[job.job_id] is not None:
-                continue
-            opts = options[job.job_id]
-            if not opts:
-                reasons[job.job_id] = "waiting: no feasible data-parallel Cell at the requested count"
-                continue
-            # Jobs of one spec share ``opts``: once none fits, the rest of the queue's jobs
-            # of that spec need no check until the free GPUs change.
-            key = (id(opts), index.version)
-            got = None if key in no_fit else _first_fitting(free, index, opts)
-            if got is None:
-                no_fit[key] = opts
+        round_no = state.rounds_done + 1
+        for j in snapshot.jobs:
+            t = picked.get(j.job_id)
+            x = allocation.get(j.job_id, {})
+            shares = ", ".join(f"{g} {v:.2f}" for g, v in sorted(x.items())) or "none"
+            if t is None:
+                wanted[j.job_id] = None
+                reasons[j.job_id] = (f"{'preempted' if j.assignment else 'waiting'}: not picked in round "
+                                     f"{round_no} (LP shares {shares})")
+            elif j.assignment is not None and j.assignment.cell.gpu_type == t:
+                wanted[j.job_id] = j.assignment.cell  # same type again: it keeps its nodes
+                reasons[j.job_id] = f"round {round_no}: stays on {t} (LP shares {shares})"
             else:
-                e, p = got
-                free.take(p)
-                index.invalidate()
-                assign[job.job_id] = Assignment(e.cell, p)
-                reasons[job.job_id] = f"started on {e.cell.label()} (fastest type with room)"
+                wanted[j.job_id] = options[j.job_id][t].cell
+                reasons[j.job_id] = f"round {round_no}: runs on {t} (LP shares {shares})"
+        rank = {j.job_id: k for k, j in enumerate(snapshot.jobs)}
+        order = sorted((i for i, c in wanted.items() if c is not None), key=lambda i: (-wanted[i].num_gpus, rank[i]))
+        placed = realize(snapshot, wanted, reasons, order)
+
+        ran = {d.job_id: d.assignment.cell.gpu_type for d in placed.jobs if d.assignment is not None}
+        new_history = tuple((j.job_id, _advance(history.get(j.job_id), allocation.get(j.job_id, {}),
+                                                ran.get(j.job_id))) for j in snapshot.jobs)
+        next_round_s = state.next_round_s
+        if next_round_s == -math.inf:
+            next_round_s = snapshot.now_s
+        while next_round_s <= snapshot.now_s + _EPS_S:
+            next_round_s += self.round_s
+        new_state = GavelState(next_round_s, round_no,
+                               tuple((i, tuple(sorted(x.items()))) for i, x in allocation.items() if x),
+                               fingerprint, new_history)
+        return Decision(placed.jobs, new_state)
+
+    def pick(self, jobs: tuple[JobView, ...], types: list[str], options: dict[str, dict[str, CellEstimate]],
+             allocation: dict[str, dict[str, float]], history: dict[str, JobRounds],
+             capacity: dict[str, int]) -> dict[str, str]:
+        """Gavel's round: job id → the GPU type it runs on this round (absent: it does not run).
+
+        Entries (job, type) with a throughput are sorted by (priority, deficit, X)
+        descending, ties in submission order; per type in ``types`` order unless
+        ``global_queue``. Each is taken when the job has no type yet this round and the
+        type has at least the job's GPU count left.
+        """
+        per_type: dict[str, list[tuple]] = {t: [] for t in types}
+        for rank, j in enumerate(jobs):
+            h = history.get(j.job_id) or JobRounds()
+            received, deficit = dict(h.received), dict(h.deficit)
+            x_of = allocation.get(j.job_id, {})
+            for t in options[j.job_id]:
+                x = x_of.get(t, 0.0)
+                per_type[t].append((-priority(x, received.get(t, 0), h.present), -deficit.get(t, 0.0), -x, rank,
+                                    j.job_id, t))
+        if self.global_queue:
+            queue = sorted(e for t in types for e in per_type[t])
+        else:
+            queue = [e for t in types for e in sorted(per_type[t])]
+        left = dict(capacity)
+        picked: dict[str, str] = {}
+        for *_, job_id, t in queue:
+            if left.get(t, 0) <= 0 or job_id in picked:
                 continue
-            if moves_left > 0 and searches_left > 0:
-                searches_left -= 1
-                if self._make_room(job.job_id, opts, free, assign, options, rank, reasons):
-                    index.invalidate()
-                    moves_left -= 1
-                    continue
-            reasons[job.job_id] = f"waiting for {opts[0].cell.num_gpus} GPUs of any type"
-
-        # 3. Re-optimize: running jobs move to a faster type with free GPUs now.
-        gains = []
-        for i, a in assign.items():
-            if a is None or moves_left <= 0:
+            n = options[job_id][t].cell.num_gpus
+            if n > left[t]:
                 continue
-            cur = rate_in(options[i], a.cell)
-            for e in options[i]:
-                if e.cell.gpu_type != a.cell.gpu_type and e.samples_per_s > cur * (1 + self.min_move_gain_frac):
-                    gains.append((-(e.samples_per_s - cur), rank[i], i, e))
-        gains.sort(key=lambda g: g[:2])
-        moved: set[str] = set()
-        for _, _, i, e in gains:
-            if moves_left <= 0:
-                break
-            if i in moved or not fits(free, e.cell):
-                continue
-            p = free.place(e.cell)
-            if p is None:
-                continue
-            free.take(p)
-            free.release(assign[i].placement)
-            reasons[i] = f"moved {assign[i].cell.gpu_type}→{e.cell.gpu_type}: faster, GPUs free"
-            assign[i] = Assignment(e.cell, p)
-            moved.add(i)
-            moves_left -= 1
-        return checked_decision(snapshot, assign, reasons)
-
-    def _make_room(self, job_id, opts, free, assign, options, rank, reasons) -> bool:
-        """Move one running job off a type so that ``job_id`` fits there; best total gain."""
-        best = None
-        for e in opts:
-            t = e.cell.gpu_type
-            for i, a in assign.items():
-                if a is None or a.cell.gpu_type != t:
-                    continue
-                cur = rate_in(options[i], a.cell)
-                for alt in options[i]:
-                    if alt.cell.gpu_type == t or not fits(free, alt.cell):
-                        continue
-                    gain = e.samples_per_s + alt.samples_per_s - cur
-                    if best is not None and (gain, -rank[i]) <= best[0]:
-                        break
-                    trial = free.copy()
-                    trial.release(a.placement)
-                    if fits(trial, e.cell):
-                        best = ((gain, -rank[i]), i, alt, e)
-                    break  # alternatives are fastest first: the first that fits is the best
-        if best is None or best[0][0] <= 0:
-            return False
-        _, i, alt, e = best
-        p_alt = free.place(alt.cell)
-        if p_alt is None:
-            return False
-        free.take(p_alt)
-        free.release(assign[i].placement)
-        p = free.place(e.cell)
-        if p is None:  # cannot happen after the trial; undo rather than over-commit
-            free.release(p_alt)
-            free.take(assign[i].placement)
-            return False
-        free.take(p)
-        reasons[i] = f"moved {assign[i].cell.gpu_type}→{alt.cell.gpu_type} to admit job {job_id}"
-        assign[i] = Assignment(alt.cell, p_alt)
-        assign[job_id] = Assignment(e.cell, p)
-        reasons[job_id] = f"started on {e.cell.label()} after moving job {i}"
-        return True
+            left[t] -= n
+            picked[job_id] = t
+        return picked
 
 
-def _per_type(table: RateTable, job, cache: DerivedCache) -> list[CellEstimate]:
-    """The job's fastest data-parallel Cell of each type at its requested count, fastest first.
+def priority(x: float, rounds_received: int, rounds_present: int) -> float:
+    """Gavel's priority of a job on a type: X ÷ the fraction of rounds it received there.
 
-    Memoized per table (one per job spec) in the snapshot's cache, so jobs of one spec
-    share one list.
+    X·10⁹ while it has received none (new jobs run as their allocation says), 0 when X = 0.
     """
+    if x <= 0.0:
+        return 0.0
+    if rounds_received <= 0 or rounds_present <= 0:
+        return x * NEW_JOB_PRIORITY
+    return x / (rounds_received / rounds_present)
+
+
+def per_type_options(job: JobView, snapshot: Snapshot, capacity: dict[str, int]) -> dict[str, CellEstimate]:
+    """GPU type → the job's fastest data-parallel Cell there at its requested GPU count.
+
+    Types without such a Cell or with fewer managed GPUs than the count are left out.
+    """
+    cache = snapshot.derived_cache()
+    table = RateTable.of(job, True, cache)
     n = requested_count(job, table)
-    return cache.get("gavel_per_type", (table,), (n,), lambda: sorted(
-        (table.options[(t, c)][0] for (t, c) in table.options if c == n),
-        key=lambda e: (-e.samples_per_s, e.cell.label())))
+
+    def compute() -> dict[str, CellEstimate]:
+        return {t: opts[0] for (t, c), opts in table.options.items() if c == n and opts[0].samples_per_s > 0}
+
+    best = cache.get("gavel_lp_options", (table,), (n,), compute)
+    return {t: e for t, e in best.items() if capacity.get(t, 0) >= e.cell.num_gpus}
 
 
-def _first_fitting(free: FreeGpus, index: FitIndex, opts: list[CellEstimate]):
-    for e in opts:
-        if index.fits(e.cell):
-            p = free.place(e.cell)
-            if p is not None:
-                return e, p
-    return None
+def solve_allocation(jobs: tuple[JobView, ...], options: dict[str, dict[str, CellEstimate]],
+                     capacity: dict[str, int]) -> dict[str, dict[str, float]]:
+    """Gavel's max-sum-throughput LP: job id → {GPU type: X[j][t] > 0}.
+
+    Throughput is iterations per second (samples/s ÷ the job's global batch). Falls back
+    to a greedy fill (jobs in submission order, each on its fastest type with GPUs left,
+    fractionally at the end) when HiGHS gives no optimal answer.
+    """
+    cols: list[tuple[str, str, float, int]] = []  # job id, type, iterations/s, GPUs
+    for j in jobs:
+        for t, e in sorted(options[j.job_id].items()):
+            cols.append((j.job_id, t, e.samples_per_s / j.spec.global_batch, e.cell.num_gpus))
+    if not cols:
+        return {}
+    try:
+        values = _solve_lp(cols, capacity)
+    except Exception as e:  # a missing or failing solver must not stop a round
+        log.warning("Gavel LP: HiGHS failed (%s); greedy allocation this round", e)
+        values = None
+    if values is None:
+        values = _greedy_fill(cols, capacity)
+    out: dict[str, dict[str, float]] = {}
+    for (job_id, t, _, _), v in zip(cols, values):
+        if v > _EPS_X:
+            out.setdefault(job_id, {})[t] = min(1.0, v)
+    return out
+
+
+def _solve_lp(cols, capacity) -> list[float] | None:
+    """The LP in column form (each X has two nonzeros: its job's row and its type's row)."""
+    import highspy
+
+    job_row: dict[str, int] = {}
+    for job_id, *_ in cols:
+        job_row.setdefault(job_id, len(job_row))
+    type_row = {t: len(job_row) + k for k, t in enumerate(sorted(capacity))}
+    inf = highspy.kHighsInf
+    lp = highspy.HighsLp()
+    lp.num_col_ = len(cols)
+    lp.num_row_ = len(job_row) + len(type_row)
+    lp.col_cost_ = [thr for _, _, thr, _ in cols]
+    lp.col_lower_ = [0.0] * len(cols)
+    lp.col_upper_ = [1.0] * len(cols)
+    lp.row_lower_ = [-inf] * lp.num_row_
+    lp.row_upper_ = [1.0] * len(job_row) + [float(capacity[t]) for t in sorted(capacity)]
+    start, index, value = [0], [], []
+    for job_id, t, _, gpus in cols:
+        index += [job_row[job_id], type_row[t]]
+        value += [1.0, float(gpus)]
+        start.append(len(index))
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.num_col_, lp.a_matrix_.num_row_ = lp.num_col_, lp.num_row_
+    lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = start, index, value
+    lp.sense_ = highspy.ObjSense.kMaximize
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("threads", 1)
+    h.passModel(lp)
+    h.run()
+    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+        log.warning("Gavel LP: HiGHS status %s", h.modelStatusToString(h.getModelStatus()))
+        return None
+    return [max(0.0, v) for v in h.getSolution().col_value]
+
+
+def _greedy_fill(cols, capacity) -> list[float]:
+    left = {t: float(c) for t, c in capacity.items()}
+    by_job: dict[str, list[int]] = {}
+    for k, (job_id, *_) in enumerate(cols):
+        by_job.setdefault(job_id, []).append(k)
+    values = [0.0] * len(cols)
+    for ks in by_job.values():
+        room = 1.0
+        for k in sorted(ks, key=lambda k: -cols[k][2]):
+            _, t, _, gpus = cols[k]
+            v = min(room, left[t] / gpus)
+            if v > _EPS_X:
+                values[k], room, left[t] = v, room - v, left[t] - v * gpus
+    return values
+
+
+def _type_order(snapshot: Snapshot) -> list[str]:
+    """GPU types in the order the cluster's nodes list them (Gavel: its cluster spec's order)."""
+    seen: dict[str, None] = {}
+    for n in snapshot.nodes:
+        seen.setdefault(n.gpu_type, None)
+    return list(seen)
+
+
+def _advance(h: JobRounds | None, x_of: dict[str, float], ran_on: str | None) -> JobRounds:
+    """A job's history after one more round, in which it ran on ``ran_on`` (None: it did not)."""
+    h = h or JobRounds()
+    received, deficit = dict(h.received), dict(h.deficit)
+    if ran_on is not None:
+        received[ran_on] = received.get(ran_on, 0) + 1
+    for t in set(x_of) | set(deficit) | ({ran_on} if ran_on else set()):
+        deficit[t] = deficit.get(t, 0.0) + x_of.get(t, 0.0) - (1.0 if t == ran_on else 0.0)
+    return JobRounds(h.present + 1, tuple(sorted(received.items())), tuple(sorted(deficit.items())))

@@ -18,6 +18,7 @@ POLICIES: dict[str, str] = {
     "crius": "policy.crius:CriusPolicy",
     "crius-ddl": "policy.crius:CriusDdlPolicy",
     "gavel": "policy.gavel:GavelPolicy",
+    "gavel-greedy": "policy.gavel_greedy:GavelGreedyPolicy",
     "elasticflow": "policy.elasticflow:ElasticFlowPolicy",
     "sia": "policy.sia:SiaPolicy",
     "cells-ilp": "policy.cells_ilp:CellsIlpPolicy",

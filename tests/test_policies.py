@@ -1,8 +1,8 @@
-"""Crius, crius-ddl, Gavel, ElasticFlow and Sia on tiny hand-made snapshots with known answers."""
+"""Crius, crius-ddl, Gavel (published and greedy), ElasticFlow and Sia on tiny hand-made snapshots
+with known answers (Gavel's own rounds: tests/test_gavel.py)."""
 
 import copy
 import itertools
-from dataclasses import replace
 
 import pytest
 
@@ -11,6 +11,7 @@ from estimator.jobs import JobSpec
 from policy.crius import CriusDdlPolicy, CriusPolicy, CriusState
 from policy.elasticflow import ElasticFlowPolicy
 from policy.gavel import GavelPolicy
+from policy.gavel_greedy import GavelGreedyPolicy
 from policy.interface import (
     PENDING, RUNNING, TRIGGER_ARRIVAL, TRIGGER_COMPLETION, Assignment, JobView, NodeView, Snapshot,
     validate_decision,
@@ -73,31 +74,32 @@ def final_cell(s, d, job_id):
     return cell_of(d, job_id)
 
 
-# ---- Gavel -----------------------------------------------------------------------------
+# ---- gavel-greedy (Arena's restatement of Gavel) ---------------------------------------
 
-def test_gavel_moves_a_running_job_to_the_faster_type_when_it_is_free():
+def test_gavel_greedy_moves_a_running_job_to_the_faster_type_when_it_is_free():
     j = job("a", {("v100", 2): 10.0, ("a100", 2): 20.0}, gpus=2, gpu_type="v100",
             running=("v100", 2, (("v100-1", 2),)))
     s = snap([a100(1), v100(1)], [j], trigger="round")
-    assert final_cell(s, run(GavelPolicy(), s), "a") == ("a100", 2)
+    assert final_cell(s, run(GavelGreedyPolicy(), s), "a") == ("a100", 2)
 
 
-def test_gavel_keeps_the_requested_count_and_admits_on_the_fastest_free_type():
+def test_gavel_greedy_keeps_the_requested_count_and_admits_on_the_fastest_free_type():
     j = job("a", {("v100", 2): 10.0, ("a100", 2): 20.0, ("a100", 4): 60.0}, gpus=2, gpu_type="v100")
     s = snap([a100(1), v100(1)], [j])
-    assert cell_of(run(GavelPolicy(), s), "a") == ("a100", 2)
+    assert cell_of(run(GavelGreedyPolicy(), s), "a") == ("a100", 2)
 
 
-def test_gavel_moves_a_running_job_away_to_admit_a_blocked_one():
+def test_gavel_greedy_moves_a_running_job_away_to_admit_a_blocked_one():
     # a100 is full with job r, which runs almost as fast on v100; p only runs on a100.
     r = job("r", {("a100", 4): 20.0, ("v100", 4): 19.0}, gpus=4, running=("a100", 4, (("a100-1", 4),)))
     p = job("p", {("a100", 4): 30.0}, gpus=4, submit=1.0)
     s = snap([a100(1), v100(1)], [r, p])
-    d = run(GavelPolicy(), s)
+    d = run(GavelGreedyPolicy(), s)
     assert (cell_of(d, "r"), cell_of(d, "p")) == (("v100", 4), ("a100", 4))
 
 
-@pytest.mark.parametrize("cls", [lambda: GavelPolicy(), lambda: ElasticFlowPolicy(), lambda: SiaPolicy(),
+@pytest.mark.parametrize("cls", [lambda: GavelPolicy(), lambda: GavelGreedyPolicy(), lambda: ElasticFlowPolicy(),
+                                 lambda: SiaPolicy(),
                                  lambda: CriusPolicy()])
 def test_policies_run_a_job_as_requested_when_the_memory_model_rejects_it(cls):
     # Only a 2-stage plan fits the model on a100×4: no data-parallel Cell is feasible.
@@ -239,91 +241,12 @@ def test_crius_ddl_picks_a_cell_that_meets_the_deadline_over_a_faster_one_that_d
     assert cell_of(run(CriusDdlPolicy(), s), "j") == ("a100", 2)  # a100×1 would miss it
 
 
-# ---- Sia ---------------------------------------------------------------------------------
-
-def _sia_instance():
-    r = job("r", {("a100", 1): 10.0, ("a100", 2): 20.0, ("a100", 4): 40.0, ("v100", 1): 6.0,
-                  ("v100", 2): 12.0}, gpus=2, running=("a100", 2, (("a100-1", 2),)))
-    p1 = job("p1", {("a100", 1): 8.0, ("a100", 2): 16.0, ("v100", 1): 7.0, ("v100", 2): 14.0,
-                    ("v100", 4): 28.0}, gpus=2, submit=10.0)
-    p2 = job("p2", {("a100", 2): 30.0, ("a100", 4): 60.0, ("v100", 2): 9.0, ("v100", 4): 18.0},
-             gpus=4, submit=20.0)
-    return snap([a100(1), v100(1)], [r, p1, p2], now=4000.0, restart_cost_s=100.0, trigger="round")
-
-
-def test_sia_ilp_equals_brute_force_on_three_jobs():
-    s = _sia_instance()
-    policy = SiaPolicy()
-    running = [j for j in s.jobs if j.assignment]
-    pending = [j for j in s.jobs if not j.assignment]
-    configs = {j.job_id: policy._configs(s, j) for j in s.jobs}
-    capacity = s.gpus_by_type()
-
-    def cost(choice):  # the ILP's objective: Σ g^p, plus a penalty per job left out
-        total = 0.0
-        for j, c in zip(s.jobs, choice):
-            total += c.value if c is not None else max(x.value for x in configs[j.job_id]) + 1.0
-        return total
-
-    best = None
-    for choice in itertools.product(*[configs[j.job_id] + ([None] if j.assignment is None else [])
-                                      for j in s.jobs]):
-        used = {}
-        for c in choice:
-            if c is not None:
-                used[c.cell.gpu_type] = used.get(c.cell.gpu_type, 0) + c.cell.num_gpus
-        if all(used[t] <= capacity[t] for t in used):
-            if best is None or cost(choice) < cost(best) - 1e-9:
-                best = choice
-    got = policy._solve(running, pending, configs, capacity)
-    assert got is not None
-    ilp = tuple(got.get(j.job_id) for j in s.jobs)
-    assert cost(ilp) == pytest.approx(cost(best))
-    assert all(c is not None for c in ilp)  # everyone fits, so everyone is admitted
-
-
-def test_sia_decision_places_what_the_ilp_chose_and_skips_an_unchanged_round():
-    s = _sia_instance()
-    d = run(SiaPolicy(), s)
-    assert all(cell_of(d, i) is not None for i in ("r", "p1", "p2"))
-    # The same jobs on the same Cells next round: no re-solve, nothing changes.
-    jobs = [job(j.job_id, {}, gpus=2, submit=j.submit_time_s,
-                running=(cell_of(d, j.job_id)[0], cell_of(d, j.job_id)[1], d.for_job(j.job_id).assignment.placement))
-            for j in s.jobs]
-    s2 = snap(s.nodes, jobs, now=4300.0, state=d.policy_state, trigger="round")
-    skipped = run(SiaPolicy(), s2)
-    assert skipped.jobs == () and skipped.policy_state == d.policy_state
-    # GPUs taken or freed outside the policy (a plain Slurm job) make the round solve again.
-    nodes = (replace(s.nodes[0], unmanaged_gpus=s.nodes[0].unmanaged_gpus + 1),) + tuple(s.nodes[1:])
-    solved = run(SiaPolicy(), snap(nodes, jobs, now=4300.0, state=d.policy_state, trigger="round"))
-    assert solved.policy_state != d.policy_state
-
-
-def test_sia_admits_arrivals_onto_free_gpus_between_rounds_without_moving_running_jobs():
-    r = job("r", {("a100", 2): 20.0, ("a100", 4): 40.0}, gpus=2, running=("a100", 2, (("a100-1", 2),)))
-    p = job("p", {("a100", 1): 8.0, ("a100", 2): 16.0, ("a100", 4): 30.0, ("v100", 2): 10.0}, gpus=2, submit=5.0)
-    s = snap([a100(1), v100(1)], [r, p], trigger=TRIGGER_ARRIVAL)
-    d = run(SiaPolicy(), s)
-    assert d.for_job("r") is None and cell_of(d, "p") == ("a100", 2)  # best up to the 2 asked
-
-
-def test_sia_greedy_fallback_admits_in_fifo_order():
-    s = _sia_instance()
-    policy = SiaPolicy()
-    running = [j for j in s.jobs if j.assignment]
-    pending = [j for j in s.jobs if not j.assignment]
-    configs = {j.job_id: policy._configs(s, j) for j in s.jobs}
-    got = policy._greedy(running, pending, configs, {"a100": 4, "v100": 4})
-    assert got["r"].cell.num_gpus == 2 and set(got) == {"r", "p1", "p2"}
-    used = {}
-    for c in got.values():
-        used[c.cell.gpu_type] = used.get(c.cell.gpu_type, 0) + c.cell.num_gpus
-    assert all(v <= 4 for v in used.values())
+# Sia has its own tests: tests/test_sia.py.
 
 
 # ---- every policy ------------------------------------------------------------------------
 
-POLICIES = [CriusPolicy, CriusDdlPolicy, GavelPolicy, ElasticFlowPolicy, SiaPolicy]
+POLICIES = [CriusPolicy, CriusDdlPolicy, GavelPolicy, GavelGreedyPolicy, ElasticFlowPolicy, SiaPolicy]
 
 
 def _busy_snapshot():
