@@ -56,7 +56,7 @@ REPO = Path(__file__).resolve().parent.parent
 ELASTIC_SBATCH = REPO / "job_scripts" / "elastic.sbatch"
 RUNNER_MODELS = REPO / "tests" / "fixtures" / "runner"
 TRAIN_MODEL = RUNNER_MODELS / "tiny-gpt.yaml"
-ARRIVAL_MODEL = RUNNER_MODELS / "arrival-6b.yaml"
+ARRIVAL_MODEL = RUNNER_MODELS / "arrival-3b.yaml"
 TRAIN_GLOBAL_BATCH = 16
 TRAIN_GPUS = 8  # asked for; its Cells have 4, 8 or 16 GPUs, and 4 a100 are free
 EXAMPLE_DIR = REPO / "examples" / "charlm"
@@ -281,7 +281,7 @@ def run_rescale_scenario(client: SlurmClient, env: dict[str, str], workdir: Path
     client.cancel(freed)
     _wait(f"the {FREED_PARTITION} job to end", lambda: not (j := client.job(freed)) or not j.is_active, 30)
     arrival = client.submit(SubmitRequest(
-        script=ARRIVAL_SCRIPT, name="arrival-6b", comment="elastic", output=str(workdir / "arrival.out"),
+        script=ARRIVAL_SCRIPT, name="arrival-3b", comment="elastic", output=str(workdir / "arrival.out"),
         workdir=str(workdir)))
     say(f"The {FREED_PARTITION} nodes came free and elastic job {arrival} arrived: "
         f"{ARRIVAL_MODEL.name} (6.5 B parameters) fits 4 a100 but no count of {FREED_PARTITION}.")
