@@ -144,16 +144,14 @@ def nodes_json_argv() -> list[str]:
     return ["scontrol", "show", "nodes", "--json"]
 
 
-def update_pending_argv(job_id: int | list[int] | tuple[int, ...], update: JobUpdate,
-                        version: tuple[int, int, int] = (22, 5, 0)) -> list[str]:
+def update_pending_argv(job_id: int | list[int] | tuple[int, ...], update: JobUpdate) -> list[str]:
     """``scontrol update`` of a pending job (or of several at once: a list of ids).
 
     The GPU count is untyped (``Gres=gpu:N``) unless the update names a type (typed-GRES
     steering, Slurm 23.02.6 and later: 22.05 cannot retype a pending job); the partition
     or the node features then pick the type. The node count is written ``NumNodes=N-N``
     because a single number on a multi-node job becomes a range. CPUs and memory per GPU
-    are Slurm's per-GPU fields from 23.02 on, and per node on 22.05 (``version``), which
-    ignores per-GPU fields updated on a pending job when it starts it.
+    are written per node (``MinCPUsNode``, ``MinMemoryNode``).
 
     Raises:
         SlurmArgumentError: a bad value, or an update that changes nothing.
@@ -169,20 +167,16 @@ def update_pending_argv(job_id: int | list[int] | tuple[int, ...], update: JobUp
         argv.append(f"Gres=gpu:{typed}{_positive('gpus_per_node', update.gpus_per_node)}")
     if update.features is not None:
         argv.append(f"Features={_name('features', update.features) if update.features else ''}")
-    if (update.cpus_per_gpu is not None or update.mem_per_gpu_mb is not None) and version < (23, 2, 0):
-        # 22.05 takes CpusPerTres/MemPerTres on a pending job but starts it without them:
-        # per node, then (the update's GPUs per node times the per-GPU figure).
+    if update.cpus_per_gpu is not None or update.mem_per_gpu_mb is not None:
+        # Per node (the update's GPUs per node times the per-GPU figure): 22.05 starts a job
+        # without per-GPU fields updated while it pends, and 25.11 leaves a requeued job
+        # pending for ever ("Resources") once its CpusPerTres changed between runs.
         if update.gpus_per_node is None:
             raise SlurmArgumentError("gpus_per_node", None, "CPUs and memory per GPU need the GPUs per node")
         if update.cpus_per_gpu is not None:
             argv.append(f"MinCPUsNode={_positive('cpus_per_gpu', update.cpus_per_gpu) * update.gpus_per_node}")
         if update.mem_per_gpu_mb is not None:
             argv.append(f"MinMemoryNode={_positive('mem_per_gpu_mb', update.mem_per_gpu_mb) * update.gpus_per_node}")
-    else:
-        if update.cpus_per_gpu is not None:
-            argv.append(f"CpusPerTres=gres/gpu:{_positive('cpus_per_gpu', update.cpus_per_gpu)}")
-        if update.mem_per_gpu_mb is not None:
-            argv.append(f"MemPerTres=gres/gpu:{_positive('mem_per_gpu_mb', update.mem_per_gpu_mb)}")
     if update.num_nodes is not None:
         n = _positive("num_nodes", update.num_nodes)
         argv.append(f"NumNodes={n}-{n}")
@@ -402,13 +396,12 @@ class CliSlurmClient:
 
     def update_pending(self, job_ids: int | Sequence[int], update: JobUpdate) -> None:
         ids = _id_list(job_ids)
-        version = self.slurm_version() if update.cpus_per_gpu or update.mem_per_gpu_mb else (22, 5, 0)
         if update.num_nodes is not None and len(ids) > 1:
             # scontrol changes a node count one job at a time ("Invalid job ID 4,10").
             for job_id in ids:
-                self._update(update_pending_argv(job_id, update, version), update)
+                self._update(update_pending_argv(job_id, update), update)
             return
-        self._update(update_pending_argv(ids, update, version), update)
+        self._update(update_pending_argv(ids, update), update)
 
     def slurm_version(self) -> tuple[int, int, int]:
         if self._version is None:

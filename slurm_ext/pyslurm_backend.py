@@ -236,10 +236,13 @@ class PyslurmClient:
             changes["gres_per_node"] = f"gpu:{typed}{_positive('gpus_per_node', update.gpus_per_node)}"
         if update.features is not None:
             changes["constraints"] = _name("features", update.features) if update.features else ""
+        if (update.cpus_per_gpu is not None or update.mem_per_gpu_mb is not None) and update.gpus_per_node is None:
+            raise SlurmArgumentError("gpus_per_node", None, "CPUs and memory per GPU need the GPUs per node")
+        # Per node, as the CLI backend writes them (see update_pending_argv for why).
         if update.cpus_per_gpu is not None:
-            changes["cpus_per_gpu"] = _positive("cpus_per_gpu", update.cpus_per_gpu)
+            changes["min_cpus_per_node"] = _positive("cpus_per_gpu", update.cpus_per_gpu) * update.gpus_per_node
         if update.mem_per_gpu_mb is not None:
-            changes["memory_per_gpu"] = f"{_positive('mem_per_gpu_mb', update.mem_per_gpu_mb)}M"
+            changes["memory_per_node"] = f"{_positive('mem_per_gpu_mb', update.mem_per_gpu_mb) * update.gpus_per_node}M"
         if update.admin_comment is not None:
             changes["admin_comment"] = _admin_comment(update.admin_comment)
         if update.required_nodes is not None:

@@ -77,16 +77,19 @@ def test_cpus_and_memory_per_gpu_are_the_nodes_share_raised_for_offload():
 def test_updates_in_each_versions_syntax():
     update = JobUpdate(gpus_per_node=4, gpu_type="v100", features="", cpus_per_gpu=4, mem_per_gpu_mb=16000,
                        start_now=False)
-    assert update_pending_argv(7, update, V25) == [
-        "scontrol", "update", "JobId=7", "Gres=gpu:v100:4", "Features=", "CpusPerTres=gres/gpu:4",
-        "MemPerTres=gres/gpu:16000"]
+    # CPUs and memory per node: Slurm's per-GPU fields do not survive a pending update on
+    # 22.05, nor a change between two runs of a requeued job on 25.11.
+    assert update_pending_argv(7, update) == [
+        "scontrol", "update", "JobId=7", "Gres=gpu:v100:4", "Features=", "MinCPUsNode=16", "MinMemoryNode=64000"]
     feat = JobUpdate(gpus_per_node=2, features="a100", cpus_per_gpu=8, mem_per_gpu_mb=1000, start_now=False)
-    assert update_pending_argv(7, feat, V22) == [  # per node: 22.05 drops per-GPU fields at start
+    assert update_pending_argv(7, feat) == [
         "scontrol", "update", "JobId=7", "Gres=gpu:2", "Features=a100", "MinCPUsNode=16", "MinMemoryNode=2000"]
     with pytest.raises(Exception, match="gpus_per_node"):
-        update_pending_argv(7, JobUpdate(gpu_type="a100"), V25)
+        update_pending_argv(7, JobUpdate(gpu_type="a100"))
+    with pytest.raises(Exception, match="gpus_per_node"):
+        update_pending_argv(7, JobUpdate(cpus_per_gpu=4, admin_comment="x"))
     with pytest.raises(Exception, match="features"):
-        update_pending_argv(7, JobUpdate(features="a100;rm"), V25)
+        update_pending_argv(7, JobUpdate(features="a100;rm"))
 
 
 TRAINER = """#!/bin/bash
@@ -119,10 +122,10 @@ def test_a_job_in_the_mixed_partition_is_steered_to_its_cells_type(slurm_lab, sl
         shown = run_command(["scontrol", "show", "job", str(job.job_id)], 20, env=slurm_lab.env()).stdout
         if version >= (23, 2, 6):
             assert f"TresPerNode=gres/gpu:{cell_type}:" in shown
-            assert "MemPerTres=gres/gpu:" in shown
         else:
             assert f"Features={cell_type} " in shown
         # Each GPU's share of the node's CPUs (the lab's nodes have 16 CPUs each).
         per_node = job.granted_gpus_per_node[0]
         node_gpus = next(n.gpus for n in slurm_client.nodes() if n.name == job.nodes[0])
         assert f"NumCPUs={per_node * (16 // node_gpus) * len(job.nodes)} " in shown
+        assert "MinMemoryNode=" in shown and "MinMemoryNode=0 " not in shown
