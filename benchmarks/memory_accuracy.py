@@ -36,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 GPU_TARGET_FILE = HERE / "results_memory_gpu_target.json"
 # docs/gpu-measurements.md: an earlier --auto run kept only its progress line.
 H200_EXTRA = [{"model": "gpt-760m", "global_batch": 8,
-               "plan": "cell=h200x1:s1 plan=[dp1tp1] mb=1 remat=0", "peak_gb": 42.6}]
+               "plan": "cell=h200x1:s1 plan=[dp1tp1] mb=1 remat=0", "peak_gb": 42.6, "step_s": 0.1440}]
 # MODELS.md, database/dp_mem.json (Alpa, data parallel only, 16 micro-batches, remat).
 ALPA_DP = {("wide_resnet-500m", 256): [24.519, 15.847, 10.932, 8.484, 7.259],
            ("gpt-760m", 128): [24.129, 13.519, 9.108, 6.902, -1],
@@ -47,6 +47,12 @@ ALPA_DP = {("wide_resnet-500m", 256): [24.519, 15.847, 10.932, 8.484, 7.259],
 def estimate_plan_gb(model: str, global_batch: int, plan_text: str, gpu: str = "h200",
                      memory: MemoryOptions = MemoryOptions()) -> float:
     """The analytic peak GB per GPU of one plan string on ``gpu``."""
+    return score_plan_text(model, global_batch, plan_text, gpu, memory).peak_memory_gb
+
+
+def score_plan_text(model: str, global_batch: int, plan_text: str, gpu: str = "h200",
+                    memory: MemoryOptions = MemoryOptions()):
+    """The analytic score (seconds per iteration, peak GB per GPU) of one plan string."""
     ps = parse_plan(plan_text)
     spec = load_model(model)
     cell = Cell(gpu, ps.num_gpus, max(ps.num_gpus, 1), ps.num_stages)
@@ -54,7 +60,7 @@ def estimate_plan_gb(model: str, global_batch: int, plan_text: str, gpu: str = "
     opts = EstimateOptions(memory=memory)
     cluster = _cluster()
     return score_plan(JobSpec(model, global_batch), cell, cluster, stages, ps.micro_batches,
-                      ps.remat, opts).peak_memory_gb
+                      ps.remat, opts)
 
 
 def _cluster():
@@ -82,12 +88,16 @@ def h200_rows() -> list[dict]:
         for p in data["plans"]:
             if p.get("ok") and p["measured"].get("peak_memory_gb"):
                 rows.append({"model": data["model"], "global_batch": data["global_batch"],
-                             "plan": p["plan"], "peak_gb": p["measured"]["peak_memory_gb"]})
+                             "plan": p["plan"], "peak_gb": p["measured"]["peak_memory_gb"],
+                             "step_s": p["measured"]["step_s"]["median"]})
     rows += H200_EXTRA
     out = []
     for r in rows:
-        est = estimate_plan_gb(r["model"], r["global_batch"], r["plan"], "h200")
-        out.append({**r, "source": "h200", "estimate_gb": round(est, 3), "accuracy": round(_acc(est, r["peak_gb"]), 4)})
+        score = score_plan_text(r["model"], r["global_batch"], r["plan"], "h200")
+        est = score.peak_memory_gb
+        out.append({**r, "source": "h200", "estimate_gb": round(est, 3), "accuracy": round(_acc(est, r["peak_gb"]), 4),
+                    "estimate_step_s": round(score.iteration_time_s, 4),
+                    "time_accuracy": round(_acc(score.iteration_time_s, r["step_s"]), 4)})
     return out
 
 
@@ -125,7 +135,9 @@ def main(argv=None) -> int:
     result = {}
     for name, rows in (("h200", h200_rows()), ("gpu-target", gpu_target_rows()), ("alpa-dp", alpa_rows())):
         result[name] = {"summary": summary(rows), "rows": rows}
-    runner = result["h200"]["rows"] + result["gpu-target"]["rows"]
+    h200 = result["h200"]["rows"]
+    result["h200"]["time_summary"] = summary([{"accuracy": r["time_accuracy"]} for r in h200])
+    runner = h200 + result["gpu-target"]["rows"]
     result["runner_program"] = summary(runner)
     text = json.dumps(result, indent=1)
     print(text)

@@ -58,12 +58,12 @@ class World:
             if int(env.get("SLURM_NTASKS", "1") or 1) > 1:
                 raise SpecError("mpi4py", None, "not importable, and this step has several tasks: "
                                                 "install the extra `mpi` (pip install 'slurm-ext[mpi]')") from None
-            self.comm, self.library = None, "none (one process)"
+            self.comm, self.mpi_version = None, "none (one process)"
             self.rank, self.size = 0, 1
             return
         self.comm = MPI.COMM_WORLD
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
-        self.library = MPI.Get_library_version().strip().splitlines()[0]
+        self.mpi_version = MPI.Get_library_version().strip().splitlines()[0]
         self._max = MPI.MAX
         tasks = int(env.get("SLURM_NTASKS", "0") or 0) if env.get("SLURM_STEP_ID") else 0
         if tasks and tasks != self.size:
@@ -238,7 +238,7 @@ def run(args: argparse.Namespace, env) -> dict:
     facts = world.gather({"host": _platform.node(), "devices": jax.local_device_count(),
                           "kind": jax.local_devices()[0].device_kind})
     _progress(world, f"{world.size} process(es), {jax.device_count()} {platform} devices "
-                     f"({jax.local_devices()[0].device_kind}), MPI: {world.library}")
+                     f"({jax.local_devices()[0].device_kind}), MPI: {world.mpi_version}")
     started = time.monotonic()
     collectives = () if args.skip_collectives else _collectives(world, settings, gpus_per_node)
     world.barrier()
@@ -260,7 +260,7 @@ def run(args: argparse.Namespace, env) -> dict:
         log.warning("nodes differ: %s", facts)
     eff, err = fit_efficiency(gpu, settings.compute_dtype, kernels, layers,
                               fingerprints(load_model(m) for m in args.model))
-    versions = {"jax": jax.__version__, "python": sys.version.split()[0], "mpi": world.library,
+    versions = {"jax": jax.__version__, "python": sys.version.split()[0], "mpi": world.mpi_version,
                 "slurm": args.slurm_version or env.get("SLURM_EXT_SLURM_VERSION") or None}
     try:
         import jaxlib
