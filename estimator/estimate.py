@@ -155,6 +155,7 @@ class _Context:
     profile: ProfileView | None = None  # the site's profile, when the options name one
     eff_source: str = "analytic"  # "profiled" when the profile fitted this type's efficiency
     host: HostSpec = HostSpec()
+    fingerprint: str | None = None  # the model's, when the profile timed any layers
 
 
 def _span(first_device: int, count: int, stride: int, gpus_per_node: int) -> int:
@@ -280,7 +281,7 @@ def _compute_s(ctx: _Context, gpu, plan: StagePlan, micro: float, passes: float,
     """Seconds of a stage's layers for one micro-batch on one device, and whether every
     layer's time came from the site's profile (one device's share, Crius's profiling)."""
     model = ctx.model
-    fp = model_fingerprint(model) if use_profile and ctx.profile is not None and ctx.profile.layers else None
+    fp = ctx.fingerprint if use_profile else None
     total, timed = 0.0, fp is not None
     for i in range(plan.layer_start, plan.layer_end):
         timing = ctx.profile.layer_timing(ctx.cell.gpu_type, fp, i, plan.tp) if fp else None
@@ -383,8 +384,10 @@ def _context(job: JobSpec, cell: Cell, cluster: ClusterSpec, options: EstimateOp
         if cell.gpu_type in profile.efficiencies and options.efficiency is None:
             eff, eff_source = profile.efficiencies[cell.gpu_type], PROFILED
     host = options.host or default_host(cell.gpu_type)
+    fingerprint = model_fingerprint(model) if profile is not None and profile.layers else None
     return _Context(model, job.global_batch, cell, group, table, eff, B,
-                    bool(options.remat) if remat is None else remat, options, profile, eff_source, host)
+                    bool(options.remat) if remat is None else remat, options, profile, eff_source, host,
+                    fingerprint)
 
 
 def _profile_version(path: str) -> tuple[str, int, int]:

@@ -94,10 +94,10 @@ def _configure(world: World, env, devices_per_node: int | None) -> str:
     """Platform, CPU device count and jax.distributed, before any computation."""
     import jax
 
-    from job_scripts.runtime import _gpu_available
+    from job_scripts.runtime import gpu_available, host_resolves
     from job_scripts.slurm_env import allocation_from_env, coordinator_address
     alloc = allocation_from_env(env)
-    platform = "gpu" if _gpu_available() else "cpu"
+    platform = "gpu" if gpu_available() else "cpu"
     if platform == "cpu":
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", devices_per_node or alloc.gpus_per_node or 1)
@@ -106,19 +106,11 @@ def _configure(world: World, env, devices_per_node: int | None) -> str:
     if world.size > 1:
         address = None
         if world.rank == 0:
-            address = coordinator_address(alloc, env.get("SLURM_EXT_COORDINATOR"), _resolves(alloc))
+            address = coordinator_address(alloc, env.get("SLURM_EXT_COORDINATOR"),
+                                          host_resolves(alloc.node_names[0] if alloc.node_names else ""))
         address = world.bcast(address)
         jax.distributed.initialize(address, world.size, world.rank)
     return platform
-
-
-def _resolves(alloc) -> bool:
-    import socket
-    try:
-        socket.getaddrinfo(alloc.node_names[0], None)
-        return True
-    except (OSError, IndexError):
-        return False
 
 
 def _collectives(world: World, settings: Settings, gpus_per_node: int):

@@ -95,13 +95,13 @@ def _elastic_settings(path: str | None, comment: str | None) -> dict[str, str]:
     return merge_settings(script_settings(text), comment_settings(comment))
 
 
-def _gpu_available() -> bool:
+def gpu_available() -> bool:
     # Only the top-level names: find_spec of a dotted name imports its parent package.
     plugins = ("jax_cuda12_plugin", "jax_cuda13_plugin")
     return any(importlib.util.find_spec(p) is not None for p in plugins) and Path("/dev/nvidiactl").exists()
 
 
-def _resolves(host: str) -> bool:
+def host_resolves(host: str) -> bool:
     if not host:
         return False
     try:
@@ -180,14 +180,14 @@ def start(*, stop: StopSignal | None = None, identity: dict | None = None,
     comment = comment_from_scontrol(job_text) if job_text else None
     script = given.pop("elastic_script", None) or env.get(SCRIPT_ENV)
     settings = _elastic_settings(script, comment)
-    cfg = resolve_config(given, env, alloc, settings, _gpu_available(), require)
+    cfg = resolve_config(given, env, alloc, settings, gpu_available(), require)
     if cfg.launch == "srun" and alloc.num_nodes > 1 and not alloc.in_step:
         _relaunch_under_srun(alloc, relaunch_argv or [sys.executable, *sys.orig_argv[1:]])
     _configure_jax(cfg, alloc)
     import jax
     if alloc.num_processes > 1:
         address = coordinator_address(alloc, env.get(COORDINATOR_ENV),
-                                      _resolves(alloc.node_names[0] if alloc.node_names else ""))
+                                      host_resolves(alloc.node_names[0] if alloc.node_names else ""))
         jax.distributed.initialize(address, alloc.num_processes, alloc.process_id)
         log.info("jax.distributed: process %d of %d (coordinator %s), %d local and %d global devices",
                  jax.process_index(), jax.process_count(), address, jax.local_device_count(),
