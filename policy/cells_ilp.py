@@ -225,6 +225,8 @@ class CellsIlpPolicy:
 
     name = "cells-ilp"
     plan_tuning = "pruned"  # Cells come with estimates, so the plan search is Cell-guided
+    extra_start_s = 0.0  # added to every (re)start by the simulator, beside the costs every policy pays
+    extra_start_reason = "none: its Cell-guided plan search is the runtime's own, charged to every policy"
 
     def __init__(self, config: CellsIlpConfig | None = None, **options):
         """``config``, with any of its fields overridden by ``options`` (the daemon's

@@ -83,6 +83,8 @@ class CriusPolicy:
     name = "crius"
     # Crius tunes a job's plan inside its Cell with the Cell-guided pruned search.
     plan_tuning = "pruned"
+    extra_start_s = 0.0  # added to every (re)start by the simulator, beside the costs every policy pays
+    extra_start_reason = "none: its Cell-guided plan search is the runtime's own, charged to every policy"
 
     def __init__(self, search_depth: int = 3, deadline_aware: bool = False,
                  restart_searches: int = 2, max_plans: int = 1500, reclaim_heads: int = 4):

@@ -39,6 +39,9 @@ class ElasticFlowPolicy:
     """
 
     name = "elasticflow"
+    extra_start_s = 0.0  # added to every (re)start by the simulator, beside the costs every policy pays
+    extra_start_reason = ("none: its scaling curves come from the estimator, as ElasticFlow's come from "
+                          "its offline profiles")
 
     def __init__(self, min_gain_frac: float = 0.0, deadline_aware: bool = False):
         self.min_gain_frac = min_gain_frac

@@ -54,6 +54,8 @@ class FcfsPolicy:
 
     name = "fcfs"
     plan_tuning = "full"
+    extra_start_s = 0.0  # added to every (re)start by the simulator, beside the costs every policy pays
+    extra_start_reason = "none: it starts jobs as they come, with nothing of its own to set up"
 
     def __init__(self, strict_fifo: bool = True):
         self.strict_fifo = strict_fifo

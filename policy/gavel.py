@@ -119,6 +119,9 @@ class GavelPolicy:
     """
 
     name = "gavel"
+    extra_start_s = 0.0  # added to every (re)start by the simulator, beside the costs every policy pays
+    extra_start_reason = ("none: Gavel's simulator charges nothing per lease; its preemptions pay the "
+                          "checkpoint and resume that every policy pays")
 
     def __init__(self, round_s: float = ROUND_S, global_queue: bool = False):
         if round_s <= 0:

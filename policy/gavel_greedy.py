@@ -46,6 +46,8 @@ class GavelGreedyPolicy:
     """
 
     name = "gavel-greedy"
+    extra_start_s = 0.0  # added to every (re)start by the simulator, beside the costs every policy pays
+    extra_start_reason = "none: a greedy placement with nothing of its own to set up"
 
     def __init__(self, max_moves: int = MAX_MOVES, min_move_gain_frac: float = MIN_MOVE_GAIN_FRAC):
         self.max_moves = max_moves

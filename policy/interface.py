@@ -351,7 +351,12 @@ class Policy(Protocol):
     """A scheduling policy. Construct it with its configuration only; ``decide`` is pure.
 
     Optional class attribute ``plan_tuning`` (``"full"`` by default, ``"pruned"`` for a
-    Cell-guided search, ``"none"``) tells the simulator what plan tuning costs on a new Cell.
+    Cell-guided search, ``"none"``) says what plan search the policy's paper charged on a new
+    Cell (the simulator's ``--plan-search own``; by default every policy pays the runtime's).
+    Optional class attributes ``extra_start_s`` and ``extra_start_reason`` state what the
+    policy itself adds to every (re)start, beside the costs every policy pays, and why.
+    Optional attribute ``round_s``: the policy's own round length, which the simulator
+    wakes it at instead of its ``--round-s``.
     Optional method ``queue_order(snapshot) -> QueueOrder`` tells the forecast how the
     policy would start the waiting jobs as GPUs come free.
     """

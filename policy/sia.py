@@ -144,6 +144,9 @@ class SiaPolicy:
     """
 
     name = "sia"
+    extra_start_s = 0.0  # added to every (re)start by the simulator, beside the costs every policy pays
+    extra_start_reason = ("none: Sia's throughput model learns from the step times running jobs report, so "
+                          "no profiling run is charged")
 
     def __init__(self, fairness_p: float = FAIRNESS_P, lambda_unallocated: float = LAMBDA_UNALLOCATED,
                  round_s: float = ROUND_S, time_limit_s: float | None = None):

@@ -103,10 +103,41 @@ class SimConfig:
     # the job's forecast start and end are kept beside what happened.
     forecast_every_jobs: int = 0
     forecast_max_decisions: int = 60
-    # The plan search a (re)start on a new Cell is charged: None, each policy's own
-    # ``plan_tuning`` (a full search for the baselines, the Cell-guided pruned one for
-    # crius and cells-ilp); or one mode (full, pruned, none) for every policy alike.
-    plan_search: str | None = None
+    # The plan search a (re)start on a new Cell is charged: "equal" (the default), the
+    # runtime's own search for every policy alike, since the runtime tunes whatever Cell a
+    # policy chose; "own", each policy's ``plan_tuning`` (a full search for the
+    # baselines, the Cell-guided pruned one for crius and cells-ilp, as the Crius paper
+    # charged them); or one mode (full, pruned, none) for every policy alike.
+    plan_search: str = "equal"
+
+
+# The runtime's plan search (``job_scripts.tuning``): Cell-guided, pruned, under its budget.
+RUNTIME_PLAN_SEARCH = "pruned"
+
+
+def tuning_mode_of(policy: Policy, plan_search: str) -> str:
+    """The plan-search mode a policy's (re)starts on a new Cell are charged."""
+    if plan_search == "equal":
+        return RUNTIME_PLAN_SEARCH
+    if plan_search == "own":
+        return getattr(policy, "plan_tuning", "full")
+    return plan_search
+
+
+def start_costs(policy: Policy, config: SimConfig) -> dict:
+    """What a policy's (re)starts are charged in a replay, for its report."""
+    return {"plan_search": tuning_mode_of(policy, config.plan_search),
+            "round_s": round_period_s(policy, config),
+            "launch_s": config.costs.launch_s, "checkpoint_resume_s": config.costs.checkpoint_resume_s,
+            "extra_start_s": float(getattr(policy, "extra_start_s", 0.0)),
+            "extra_start_reason": getattr(policy, "extra_start_reason", "")}
+
+
+def round_period_s(policy: Policy, config: SimConfig) -> float:
+    """Seconds between the rounds a policy is woken for: its own ``round_s`` where it
+    declares one (gavel 360 s, sia 60 s, as their papers run them), else the config's."""
+    own = getattr(policy, "round_s", None)
+    return float(own) if own else config.round_s
 
 
 @dataclass(frozen=True)
@@ -378,7 +409,7 @@ def simulate(policy: Policy, trace_jobs: tuple[TraceJob, ...], cluster: ClusterS
         if replay.next_round_s <= now_s:
             triggers.add(TRIGGER_ROUND)
             while replay.next_round_s <= now_s:
-                replay.next_round_s += config.round_s
+                replay.next_round_s += replay.round_s
         if not replay.active:
             if replay.timeline and replay.timeline[-1].running_jobs:
                 replay.timeline.append(TimelinePoint(now_s, 0.0, 0, 0, (), replay.tally.by_type()))
@@ -410,8 +441,11 @@ class _Replay:
         self.policy, self.trace_jobs, self.cluster, self.table = policy, trace_jobs, cluster, table
         self.config, self.estimates = config, estimates
         self.name = getattr(policy, "name", type(policy).__name__)
-        self.tuning_mode = config.plan_search or getattr(policy, "plan_tuning", "full")
-        self.max_tuning_s = config.costs.tuning_s(self.tuning_mode)  # the most a restart's tuning costs, for the snapshot
+        self.tuning_mode = tuning_mode_of(policy, config.plan_search)
+        self.extra_start_s = float(getattr(policy, "extra_start_s", 0.0))  # what the policy itself adds per start
+        # the most a restart's tuning costs, for the snapshot
+        self.max_tuning_s = config.costs.tuning_s(self.tuning_mode) + self.extra_start_s
+        self.round_s = round_period_s(policy, config)
         self.nodes = tuple(NodeView(n, g.gpu_type, g.gpus_per_node) for g in cluster.node_groups
                            for n in g.node_names())
         self.tally = FreeTally(self.nodes)
@@ -478,7 +512,7 @@ class _Replay:
                 self.finish(job, "never_runnable", why)
                 continue
             if not self.active:
-                self.next_round_s = now_s + self.config.round_s
+                self.next_round_s = now_s + self.round_s
             self.active[tj.job_id] = job
             triggers.add(TRIGGER_ARRIVAL)
             if self.config.forecast_every_jobs and (self.next_arrival - 1) % self.config.forecast_every_jobs == 0:
@@ -492,7 +526,7 @@ class _Replay:
                    TRIGGER_ARRIVAL if TRIGGER_ARRIVAL in triggers else TRIGGER_ROUND)
         costs = self.config.costs
         snapshot = Snapshot(now_s, self.nodes, tuple(_job_view(j, now_s) for j in self.active.values()), trigger,
-                            self.config.round_s, costs.checkpoint_resume_s + self.max_tuning_s, self.policy_state,
+                            self.round_s, costs.checkpoint_resume_s + self.max_tuning_s, self.policy_state,
                             self.derived)
         t0 = time.perf_counter()
         decision: Decision = self.policy.decide(snapshot)
@@ -518,8 +552,8 @@ class _Replay:
         first = start.first_in_run and (job is None or job.first_start_s is None)
         new_cell = start.after.cell.label() not in start.cells_run and (job is None or start.after.cell not in job.tuned)
         rate = rate_of(start.view, start.after)
-        return self.config.costs.start_cost_s(self.tuning_mode, first, new_cell,
-                                              start.view.remaining_iterations / rate if rate > 0 else math.inf)
+        return self.extra_start_s + self.config.costs.start_cost_s(
+            self.tuning_mode, first, new_cell, start.view.remaining_iterations / rate if rate > 0 else math.inf)
 
     def apply(self, action, now_s: float) -> None:
         """One action: the job stops, or (re)starts at the measured rate of its new
@@ -546,8 +580,9 @@ class _Replay:
             job.assignment, job.rate_s = None, None
             self.running.pop(job.trace.job_id, None)
             return
-        overhead_s = costs.start_cost_s(self.tuning_mode, job.first_start_s is None, after.cell not in job.tuned,
-                                   (job.trace.iterations - job.done) * rate_s)
+        overhead_s = self.extra_start_s + costs.start_cost_s(
+            self.tuning_mode, job.first_start_s is None, after.cell not in job.tuned,
+            (job.trace.iterations - job.done) * rate_s)
         if job.first_start_s is None:
             job.first_start_s = now_s
         else:

@@ -60,6 +60,8 @@ class Checked:
         self.inner = inner
         self.name = getattr(inner, "name", type(inner).__name__)
         self.plan_tuning = getattr(inner, "plan_tuning", "full")
+        self.round_s = getattr(inner, "round_s", None)  # the rounds the inner policy is woken at
+        self.extra_start_s = getattr(inner, "extra_start_s", 0.0)
         self.calls = 0
 
     def decide(self, snapshot):

@@ -24,7 +24,7 @@ from policy.trace import TraceJob
 from slurm_ext.cli import main
 
 COSTS = RestartCosts(launch_s=30.0, checkpoint_resume_s=60.0, tuning_full_s=600.0, tuning_pruned_s=150.0)
-CONFIG = SimConfig(round_s=300.0, costs=COSTS)
+CONFIG = SimConfig(round_s=300.0, costs=COSTS, plan_search="own")  # the known answers charge FCFS a full search
 T4, T2 = 2.0, 3.5  # measured seconds per iteration on 4 and 2 a100s
 
 
@@ -371,12 +371,53 @@ def test_forecasts_charge_each_start_what_the_replay_charges():
 
 
 def test_one_plan_search_charge_for_every_policy_when_asked():
-    """FCFS pays a full plan search (600 s here) on a new Cell; with ``plan_search`` set,
-    every policy pays that mode instead: none saves exactly the 600 s."""
+    """FCFS pays a full plan search (600 s here) on a new Cell under its own charge; with
+    ``plan_search`` set, every policy pays that mode instead: none saves exactly the 600 s;
+    equal (the default) charges the runtime's pruned search, as crius pays."""
     jobs = [_job("a", 0.0, 4)]
     own = _run(FcfsPolicy(), jobs).jobs[0]
     none = _run(FcfsPolicy(), jobs, config=replace(CONFIG, plan_search="none")).jobs[0]
     pruned = _run(FcfsPolicy(), jobs, config=replace(CONFIG, plan_search="pruned")).jobs[0]
+    equal = _run(FcfsPolicy(), jobs, config=replace(CONFIG, plan_search="equal")).jobs[0]
+    assert SimConfig().plan_search == "equal"
     assert own.finish_s - none.finish_s == pytest.approx(600.0)
     run_s = none.finish_s - none.first_start_s - COSTS.launch_s
     assert pruned.finish_s - none.finish_s == pytest.approx(min(150.0, 0.05 * run_s))
+    assert equal.finish_s == pytest.approx(pruned.finish_s)
+
+
+def test_a_policys_own_extra_start_cost_is_charged_on_every_start():
+    """``extra_start_s`` declared by a policy is added to each (re)start, beside the costs
+    every policy pays, and reported with its reason."""
+    from policy.simulator import start_costs
+
+    class Slow(FcfsPolicy):
+        name = "fcfs-slow"
+        extra_start_s = 45.0
+        extra_start_reason = "a profiling run per start"
+
+    jobs = [_job("a", 0.0, 4)]
+    base = _run(FcfsPolicy(), jobs).jobs[0]
+    slow = _run(Slow(), jobs).jobs[0]
+    assert slow.finish_s - base.finish_s == pytest.approx(45.0)
+    costs = start_costs(Slow(), CONFIG)
+    assert costs["extra_start_s"] == 45.0 and costs["extra_start_reason"] == "a profiling run per start"
+    assert start_costs(FcfsPolicy(), SimConfig())["plan_search"] == "pruned"
+
+
+def test_a_policy_with_rounds_of_its_own_is_woken_at_them():
+    """A policy that declares ``round_s`` is called at its own rounds, not the config's."""
+    calls = []
+
+    class Every60(FcfsPolicy):
+        name = "fcfs-60"
+        round_s = 60.0
+
+        def decide(self, snapshot):
+            calls.append((snapshot.now_s, snapshot.trigger, snapshot.round_s))
+            return super().decide(snapshot)
+
+    _run(Every60(), [_job("a", 0.0, 4, iterations=400)])
+    rounds = [t for t, trigger, _ in calls if trigger == "round"]
+    assert rounds[:3] == [60.0, 120.0, 180.0]
+    assert all(r == 60.0 for _, _, r in calls)

@@ -64,26 +64,31 @@ def _write(path: str, text: str) -> None:
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the trace-to-job mapping.")
 @click.option("--density", default=1.0, show_default=True, type=float, help="Share of trace records kept, (0, 1].")
 @click.option("--oracle", is_flag=True, help="Policies see measured iteration times instead of estimates.")
-@click.option("--round-s", default=300.0, show_default=True, type=float, help="Seconds between scheduling rounds.")
+@click.option("--round-s", default=300.0, show_default=True, type=float,
+              help="Seconds between scheduling rounds; gavel (360 s) and sia (60 s) keep the rounds of their "
+                   "papers unless --rounds-for-all.")
+@click.option("--rounds-for-all", is_flag=True, help="--round-s also sets the rounds of gavel and sia.")
 @click.option("--measured", "measured_path", default=None, help="Measured iteration-time CSV (ground truth).")
 @click.option("--json", "json_out", default=None, help="Write the JSON report here ('-' for stdout).")
 @click.option("--markdown", "markdown_out", default=None, help="Also write the Markdown table here.")
 @click.option("--plots", "plots_dir", default=None, help="Write PNG plots into this directory.")
-@click.option("--plan-search", type=click.Choice(["own", "full", "pruned", "none"]), default="own",
+@click.option("--plan-search", type=click.Choice(["equal", "own", "full", "pruned", "none"]), default="equal",
               show_default=True,
-              help="Plan search charged on a new Cell: each policy's own (full for the baselines, "
-                   "pruned for crius and cells-ilp), or the same for every policy.")
+              help="Plan search charged on a new Cell: equal, the runtime's own (pruned, under its budget) for "
+                   "every policy, which is what the runtime does whatever policy chose the Cell; own, each "
+                   "policy's as the Crius paper charged them (full for the baselines, pruned for crius and "
+                   "cells-ilp); or full, pruned or none for every policy.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.option("--forecast-every", "forecast_every", default=0, show_default=True, type=int,
               help="Forecast the start and end of every N-th job at its arrival (the policy run forward, "
                    "as the daemon does) and report the forecasts' error; 0: none.")
-def command(trace_path, cluster_name, policies, seed, density, oracle, round_s, measured_path,
+def command(trace_path, cluster_name, policies, seed, density, oracle, round_s, rounds_for_all, measured_path,
             json_out, markdown_out, plots_dir, plan_search, quiet, forecast_every):
     """Replay a job trace on a cluster under one or more policies."""
     from policy.measured import load_measured
     from policy.registry import make_policy, policy_class
     from policy.report import markdown_table, report_json, summarize, write_plots
-    from policy.simulator import EstimateCache, SimConfig, SimulationError, simulate
+    from policy.simulator import EstimateCache, SimConfig, SimulationError, simulate, start_costs
     from policy.trace import map_trace, offered_load, read_trace, trace_kind_for
 
     if round_s <= 0:
@@ -101,19 +106,23 @@ def command(trace_path, cluster_name, policies, seed, density, oracle, round_s, 
                         "raise --density or use another trace")
     load = offered_load(jobs, cluster.total_gpus())
     config = SimConfig(round_s=round_s, oracle=oracle, forecast_every_jobs=forecast_every,
-                       plan_search=None if plan_search == "own" else plan_search)
+                       plan_search=plan_search)
     cache = EstimateCache(cluster, table, oracle)
     results, per_policy = [], {}
     for name in names:
         bar = None if quiet else _Progress(name)
         try:
-            result = simulate(make_policy(name), jobs, cluster, table, config, cache, bar)
+            policy = make_policy(name)
+            if rounds_for_all and getattr(policy, "round_s", None):
+                policy = make_policy(name, round_s=round_s)
+            result = simulate(policy, jobs, cluster, table, config, cache, bar)
         except SimulationError as e:
             raise click.ClickException(str(e)) from None
         results.append(result)
-        per_policy[name] = summarize(result, load)
+        per_policy[name] = summarize(result, load) | {"costs": start_costs(policy, config)}
     report = report_json(Path(trace_path).name, cluster.name, seed, per_policy, density=density,
-                         oracle=oracle, offered_load=round(load, 4), round_s=round_s, plan_search=plan_search)
+                         oracle=oracle, offered_load=round(load, 4), round_s=round_s, rounds_for_all=rounds_for_all,
+                         plan_search=plan_search)
     log.info("estimates took %.1f s", cache.estimate_seconds)
     table_md = markdown_table(report)
     if json_out != "-":
