@@ -323,6 +323,13 @@ class RunnerReport:
             steps; ``samples_per_s`` the same as a speed.
         step: the last step done, at Unix time ``step_at_s``.
         platform: ``gpu`` or ``cpu`` (CPU fake devices: lab and tests).
+        tuning_s: seconds the run spent measuring ``candidates_measured`` plans.
+        startup_s: seconds from the runtime's start to the end of the first step, less
+            the tuning: devices, the model's state (``init_s`` built fresh or
+            ``restore_s`` read from a checkpoint) and the first step's compilation; what
+            a (re)start costs besides tuning (the simulator's ``RestartCosts``).
+        final_save_s: seconds the last checkpoint took to reach the disk at exit (on
+            SIGUSR1: the save a rescale waits for).
     """
 
     job_id: str | None
@@ -341,6 +348,10 @@ class RunnerReport:
     updated_at_s: float | None
     tuning_s: float = 0.0
     candidates_measured: int = 0
+    startup_s: float | None = None
+    init_s: float | None = None
+    restore_s: float | None = None
+    final_save_s: float | None = None
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -140,12 +140,14 @@ def train(job: runtime.Job) -> int:
     job.set_running(text, cell, tuned.source, tuned.tuning_s, len(tuned.measured))
     pipe = Pipeline(arch, plan, job.devices, cfg.global_batch, optimizer_for(arch.optimizer))
     layout, views = {"layout": reshard.layout_json(pipe)}, reshard.saver(pipe)
+    t0 = time.perf_counter()
     if saved is not None:
         reader = job.checkpoints.reader(saved.step)
         state = reshard.restore(pipe, saved.meta.get("layout") or {}, lambda kind, dt, s, j, lo, hi: reader.read(
             (kind, dt), (s, j, slice(lo, hi))))
     else:
         state = pipe.init(cfg.seed)
+    job.note_phase("restore_s" if saved is not None else "init_s", time.perf_counter() - t0)
     job.mark_resumed(saved, text)
     stream = stream_for(arch, cfg.seed, cfg.global_batch)
     step = job.next_step - 1

@@ -248,6 +248,8 @@ class Job:
         self._written_at_s = 0.0
         self._running = {"cell": None, "plan": plan_text, "plan_source": plan_source,
                          "tuning_s": 0.0, "candidates_measured": 0}
+        self._started_s = time.monotonic()
+        self._phases: dict[str, float] = {}  # startup_s, init_s or restore_s, final_save_s
         if plan_text:
             log.info("plan %s (%s)", plan_text, "from the AdminComment" if plan_source == ADMIN_COMMENT_PLAN else "given")
 
@@ -434,9 +436,17 @@ class Job:
         self._running = {"cell": cell, "plan": plan_text, "plan_source": source,
                          "tuning_s": round(tuning_s, 3), "candidates_measured": candidates_measured}
 
+    def note_phase(self, name: str, seconds: float) -> None:
+        """Report how long a start-up phase took (``init_s``: the state built fresh;
+        ``restore_s``: read from a checkpoint) in ``measured.json``."""
+        self._phases[name] = round(seconds, 3)
+
     def record_step(self, step: int, loss: float, seconds: float) -> None:
         """Log ``step N loss X time Ts``; time the step and report it to the daemon."""
         log.info("step %d loss %.6f time %.3fs", step, loss, seconds)
+        if "startup_s" not in self._phases:
+            # The first step of this run: what the (re)start cost, tuning aside.
+            self._phases["startup_s"] = round(time.monotonic() - self._started_s - self._running["tuning_s"], 3)
         self._step, self._step_at_s = step, time.time()
         # Early and then ever rarer speed updates (1, 2, 4, 8, ... timed steps): the daemon
         # learns the real speed of a new plan within a few steps, at little cost; the
@@ -459,16 +469,19 @@ class Job:
             num_devices=len(self.devices), platform=self.config.platform,
             restart_count=self.alloc.restart_count, iteration_time_s=mean,
             steps_measured=self._meter.timed, samples_per_s=self.global_batch / mean,
-            step=self._step, step_at_s=self._step_at_s, updated_at_s=self._written_at_s)
+            step=self._step, step_at_s=self._step_at_s, updated_at_s=self._written_at_s, **self._phases)
         write_json_atomic(self.config.checkpoint_dir / MEASURED_FILE, report.to_json())
 
     def finish(self, step: int, arrays, meta: dict | None = None) -> int:
         """Checkpoint the state after ``step`` (unless already), leave jax.distributed
         together, and return the exit status: 86 after SIGUSR1, 143 after SIGTERM, else 0."""
         signalled = self.stop_requested()
+        t0 = time.monotonic()
         if self._saved_step != step:
             self.save(step, arrays, meta)
         self.close()
+        if self._saved_step == step:
+            self._phases["final_save_s"] = round(time.monotonic() - t0, 3)
         if self._step != step:
             self._step, self._step_at_s = step, time.time()
         self._write_measured()

@@ -79,6 +79,36 @@ class RestartCosts:
             return min(self.tuning_pruned_s, self.tuning_budget_frac * remaining_run_s)
         return {"full": self.tuning_full_s, "none": 0.0}.get(mode, self.tuning_full_s)
 
+    @classmethod
+    def from_reports(cls, reports, base: "RestartCosts | None" = None) -> "RestartCosts":
+        """The costs the runtime measured: each field the median over the runners'
+        reports (``estimator.contract.RunnerReport``, from ``measured.json``) that measured
+        it, else ``base``'s.
+
+        ``launch_s``: ``startup_s`` of first runs; ``checkpoint_resume_s``: ``startup_s`` of
+        later runs (the restore and the new plan's compilation) plus the median
+        ``final_save_s`` (the save a rescale waits for); ``tuning_pruned_s``: ``tuning_s``
+        of runs that tuned (the runtime's budget still caps it per job).
+        """
+        base = base or cls()
+
+        def median(xs: list[float], default: float) -> float:
+            xs = sorted(x for x in xs if x is not None and x >= 0)
+            if not xs:
+                return default
+            mid = len(xs) // 2
+            return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+        first = [r.startup_s for r in reports if not r.restart_count]
+        later = [r.startup_s for r in reports if r.restart_count]
+        save_s = median([r.final_save_s for r in reports], 0.0)
+        resume_s = median(later, math.nan)
+        return cls(launch_s=median(first, base.launch_s),
+                   checkpoint_resume_s=base.checkpoint_resume_s if math.isnan(resume_s) else resume_s + save_s,
+                   tuning_full_s=base.tuning_full_s,
+                   tuning_pruned_s=median([r.tuning_s for r in reports if r.candidates_measured], base.tuning_pruned_s),
+                   tuning_budget_frac=base.tuning_budget_frac)
+
     def start_cost_s(self, mode: str, first: bool, new_cell: bool, remaining_run_s: float) -> float:
         """What one (re)start costs: the launch (``first``) or a checkpoint and resume, plus
         the plan search when the Cell is one the job has not run on (``new_cell``)."""

@@ -146,7 +146,11 @@ def test_usr1_checkpoints_exits_86_and_resumes_under_another_plan(tmp_path, cach
     assert meta["data"] == {"next_step": saved + 1, "next_sample": saved * GLOBAL_BATCH}
     assert meta["global_batch"] == GLOBAL_BATCH and meta["plan"] == DP4
     assert " absl: " not in first.text()  # Orbax's INFO chatter stays out of the job's log
-    assert RunnerReport.from_text((ckpt / MEASURED_FILE).read_text()).step == saved  # where the daemon reads it
+    report = RunnerReport.from_text((ckpt / MEASURED_FILE).read_text())
+    assert report.step == saved  # where the daemon reads it
+    # What the start and the save on the signal cost, for the restart-cost model.
+    assert report.startup_s > report.init_s > 0 and report.restore_s is None
+    assert report.final_save_s > 0
 
     # The daemon moved it to another GPU type with a two-stage dp/tp plan.
     second = Runner(tmp_path, "second", ckpt, MIXED, 4, cache, restart_count=1)
@@ -162,6 +166,7 @@ def test_usr1_checkpoints_exits_86_and_resumes_under_another_plan(tmp_path, cach
     assert measured.cell == "h100x4:s2" and measured.plan == MIXED
     assert measured.iteration_time_s > 0 and measured.steps_measured >= 1
     assert measured.step == ITERATIONS and measured.restart_count == 1
+    assert measured.startup_s > measured.restore_s > 0 and measured.init_s is None
 
 
 def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, cache, reference):

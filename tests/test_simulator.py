@@ -421,3 +421,24 @@ def test_a_policy_with_rounds_of_its_own_is_woken_at_them():
     rounds = [t for t, trigger, _ in calls if trigger == "round"]
     assert rounds[:3] == [60.0, 120.0, 180.0]
     assert all(r == 60.0 for _, _, r in calls)
+
+
+def test_restart_costs_are_the_medians_the_runtime_reported():
+    """``RestartCosts.from_reports``: launch from first runs' start-up, resume from later
+    runs' start-up plus the save at exit, tuning from runs that tuned; the defaults where
+    nothing was measured."""
+    from estimator.contract import RunnerReport
+
+    def report(**fields):
+        return RunnerReport.from_text(json.dumps(fields))
+
+    reports = [report(restart_count=0, startup_s=40.0, tuning_s=20.0, candidates_measured=5),
+               report(restart_count=0, startup_s=60.0, tuning_s=0.0, candidates_measured=0),
+               report(restart_count=1, startup_s=30.0, final_save_s=5.0),
+               report(restart_count=2, startup_s=50.0, final_save_s=7.0),
+               report(restart_count=3, startup_s=35.0, final_save_s=9.0)]
+    costs = RestartCosts.from_reports(reports, COSTS)
+    assert costs.launch_s == 50.0
+    assert costs.checkpoint_resume_s == 35.0 + 7.0
+    assert costs.tuning_pruned_s == 20.0 and costs.tuning_full_s == COSTS.tuning_full_s
+    assert RestartCosts.from_reports([], COSTS) == COSTS

@@ -57,6 +57,25 @@ def _write(path: str, text: str) -> None:
         raise SpecError("output", path, f"cannot write: {e.strerror}") from None
 
 
+def _measured_costs(paths: tuple[str, ...]):
+    """Restart costs from the runners' reports, or the defaults when none is given."""
+    from estimator.contract import RunnerReport
+    from policy.simulator import RestartCosts
+
+    if not paths:
+        return RestartCosts()
+    reports = []
+    for path in paths:
+        report = RunnerReport.from_text(Path(path).read_text(errors="replace"))
+        if report is None:
+            raise SpecError("restart_costs", path, "not a runner's measured.json (a JSON object)")
+        reports.append(report)
+    costs = RestartCosts.from_reports(reports)
+    log.info("restart costs from %d runner reports: launch %.1f s, resume %.1f s, tuning %.1f s",
+             len(reports), costs.launch_s, costs.checkpoint_resume_s, costs.tuning_pruned_s)
+    return costs
+
+
 @click.command("simulate")
 @click.option("--trace", "trace_path", required=True, help="Trace CSV (job_id,submit_time_s,duration_s,num_gpus,...).")
 @click.option("--cluster", "cluster_name", required=True, help="Built-in cluster name or cluster YAML.")
@@ -78,12 +97,16 @@ def _write(path: str, text: str) -> None:
                    "every policy, which is what the runtime does whatever policy chose the Cell; own, each "
                    "policy's as the Crius paper charged them (full for the baselines, pruned for crius and "
                    "cells-ilp); or full, pruned or none for every policy.")
+@click.option("--restart-costs", "restart_reports", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="A runner's measured.json; repeat (or use a shell glob, ROOT/*/measured.json): restart costs "
+                   "become the medians the runtime measured (start-up, resume and save, tuning) instead of "
+                   "the defaults.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.option("--forecast-every", "forecast_every", default=0, show_default=True, type=int,
               help="Forecast the start and end of every N-th job at its arrival (the policy run forward, "
                    "as the daemon does) and report the forecasts' error; 0: none.")
 def command(trace_path, cluster_name, policies, seed, density, oracle, round_s, rounds_for_all, measured_path,
-            json_out, markdown_out, plots_dir, plan_search, quiet, forecast_every):
+            json_out, markdown_out, plots_dir, plan_search, restart_reports, quiet, forecast_every):
     """Replay a job trace on a cluster under one or more policies."""
     from policy.measured import load_measured
     from policy.registry import make_policy, policy_class
@@ -106,7 +129,7 @@ def command(trace_path, cluster_name, policies, seed, density, oracle, round_s, 
                         "raise --density or use another trace")
     load = offered_load(jobs, cluster.total_gpus())
     config = SimConfig(round_s=round_s, oracle=oracle, forecast_every_jobs=forecast_every,
-                       plan_search=plan_search)
+                       plan_search=plan_search, costs=_measured_costs(restart_reports))
     cache = EstimateCache(cluster, table, oracle)
     results, per_policy = [], {}
     for name in names:
