@@ -112,3 +112,27 @@ def test_batch_with_a_bad_line_prints_nothing(capsys, monkeypatch):
     assert code != 0 and out == "" and "request 2" in err
     code, out, err = run(capsys, "estimate", "--batch", "-", stdin="not json\n", monkeypatch=monkeypatch)
     assert code != 0 and out == "" and "line 1" in err
+
+
+def test_plan_dimension_flags_reach_the_plan_and_the_memory(capsys):
+    """--remat, --zero and --offload set what the Cells are estimated with: the plan string
+    carries them, ZeRO-3 and offload take less GPU memory than replicated states on the
+    same structure, and settings the runner cannot run say so."""
+    def cells(*flags):
+        code, out, err = run(capsys, "estimate", "--model", "gpt-1.3b", "--global-batch", "64",
+                             "--gpu-type", "a100", "--gpus", "8", "--json", *flags)
+        assert code == 0, err
+        # structure (Cell, per-stage dp x tp, micro-batches) -> the Cell's JSON
+        return {" ".join(c["plan"].split()[:3]): c for c in json.loads(out)["cells"] if c["feasible"]}
+
+    base, no_remat = cells(), cells("--remat", "off")
+    assert base and all(c["plan"].endswith("remat=1") and c["runnable"] for c in base.values())
+    assert no_remat and all(c["plan"].endswith("remat=0") for c in no_remat.values())
+    zero3, offload = cells("--zero", "3"), cells("--zero", "2", "--offload")
+    assert all(c["plan"].endswith("zero=3") and not c["runnable"] for c in zero3.values())
+    assert all(c["plan"].endswith("zero=2 offload=1") and not c["runnable"] for c in offload.values())
+    same = [k for k in base if k in zero3 and k in offload and "dp1tp" not in k]  # data parallel: states shard
+    assert same
+    for k in same:
+        assert zero3[k]["peak_memory_gb"] < base[k]["peak_memory_gb"], k
+        assert offload[k]["peak_memory_gb"] < base[k]["peak_memory_gb"], k

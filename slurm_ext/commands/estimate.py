@@ -10,6 +10,7 @@ from estimator.cluster import load_cluster
 from estimator.errors import SpecError
 from estimator.estimate import EstimateOptions, JobEstimate, estimate_job
 from estimator.jobs import JobSpec
+from estimator.memory import MemoryOptions
 
 DEFAULT_CLUSTER = "crius-1280"
 BATCH_KEYS = {"model", "global_batch", "gpu_type", "num_gpus", "gpus_per_node", "max_stages"}
@@ -115,9 +116,21 @@ def _read_batch(source) -> list[dict]:
                    "efficiency and collectives, and its timed layers (fidelity: profiled).")
 @click.option("--batch", "batch_file", type=click.File("r"),
               help="One JSON request per line (FILE or - for stdin); prints one JSON result per line.")
+@click.option("--remat", type=click.Choice(["on", "off", "auto"]), default="on", show_default=True,
+              help="Layer rematerialization: on, off, or auto (both estimated, the faster that fits kept).")
+@click.option("--zero", "zero_level", type=click.IntRange(0, 3), default=0, show_default=True,
+              help="ZeRO stage: 0 replicated states, 1 optimizer states sharded over dp, 2 also gradients, "
+                   "3 also weights. Stages 1-3 are estimated; the runner runs 0.")
+@click.option("--offload", is_flag=True,
+              help="ZeRO-Offload: optimizer states and the update on the host (its memory and PCIe are in the "
+                   "estimate, host_memory_gb per GPU). Estimated only; the runner does not run it.")
+@click.option("--what-if", is_flag=True,
+              help="Count Cells that fit only with settings the runner cannot run yet (ZeRO 1-3, offload) as "
+                   "feasible (their \"runnable\" is false); implied by --zero 1-3 and --offload.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def command(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, cluster, micro_batches,
-            comm_table, fidelity, compile_cache, gpu_specs_dir, profile_db, batch_file, as_json):
+            comm_table, fidelity, compile_cache, gpu_specs_dir, profile_db, remat, zero_level, offload, what_if,
+            batch_file, as_json):
     """The Cells of one job: for each GPU type × GPU count × stage count, the best per-stage
     plan, seconds per iteration, samples/s and peak memory per GPU, or why it does not fit.
 
@@ -126,9 +139,11 @@ def command(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, clus
     --batch lines: {"model", "global_batch"} and optionally "gpu_type", "num_gpus",
     "gpus_per_node", "max_stages" (as the flags of the same names).
     """
+    memory = MemoryOptions(zero_level=zero_level, offload=offload)
     options = EstimateOptions(micro_batches=micro_batches, comm_table=comm_table, fidelity=fidelity,
                               compile_cache_dir=compile_cache, gpu_specs_dir=gpu_specs_dir,
-                              profile_db=profile_db)
+                              profile_db=profile_db, remat={"on": True, "off": False, "auto": None}[remat],
+                              memory=memory, runnable_only=not (what_if or not memory.runnable))
     if batch_file is not None:
         if model or global_batch:
             raise click.UsageError("--batch reads model and global_batch from each line; drop --model/--global-batch")
