@@ -7,14 +7,85 @@ per GPU type:
 
 1. **Minimum satisfactory share**: the smallest count on which the job runs (with
    ``deadline_aware=True``, the smallest that also finishes it by its deadline).
-2. **Admission control** (FIFO): a pending job is admitted when the minimum shares of the
-   running jobs and of every job admitted before it fit the type's GPUs; the first job that
-   does not fit blocks the type's queue (the Arena baseline's rule).
+2. **Admission control** (in submission order): a pending job is admitted when its minimum
+   share fits beside the running jobs' and those admitted before it; one that does not fit
+   is passed over, as in ElasticFlow's artifact (``blocking=True``: it blocks the type's
+   queue, the Arena baseline's rule).
 3. **Resource allocation**: every admitted job starts from its minimum share; the remaining
-   GPUs go, one doubling at a time, to the job with the largest *marginal throughput per
+   GPUs go, one doubling at a time, to the job with the largest *relative speed-up per
    added GPU* (diminishing returns make this greedy optimal for concave curves).
 
 Jobs whose count does not change keep their nodes; the rest are placed largest first.
+
+Checked against the paper and its artifact
+------------------------------------------
+Read: the paper's abstract only (its full text was not in the stored corpora); the artifact
+github.com/pkusys/ElasticFlow, ``ElasticFlow/scheduler/``: ``scheduler.py``
+(``ef_sim_jobs_access_control``, ``estimate_all_jobs``, ``ef_sim_allocation``,
+``allocate_free_gpus``, ``get_marginal``), ``utils.py`` (``get_next_level``,
+``get_allocation_time``, ``estimate_overhead``, ``align_to_time_slot``), ``jobs.py``
+(``add_job``, ``run_all_jobs``), ``cluster.py`` (``elastic_placement``, ``release_job_res``),
+``run_fig8a.sh``; and the Arena baseline this module follows, github.com/sjtu-epcc/arena
+``baselines/elasticflow_sched.py``.
+
+Matches:
+
+- Count-only elasticity on one GPU type, data-parallel throughput curves at a fixed global
+  batch (the artifact's ``THROUGHPUTS[model][global_batch][gpus]``).
+- Every admitted job starts from its minimum share; the rest go one level at a time (the
+  next profiled count, ``get_next_level``: 1, 2, 4, ... 64) to the best-ranked job, ranks
+  recomputed after each step; a job whose next level does not fit is skipped.
+- Shares are re-planned from the minimum at every decision, so running jobs shrink when
+  others arrive (``estimate_all_jobs`` re-plans every runnable job at each event).
+- Placement goes largest job first, as in ``ef_sim_jobs_access_control``.
+
+Differences (ElasticFlow / here / whether our setting forces it):
+
+- Minimum satisfactory share. EF: ``ef_sim_allocation`` plans each job over time against
+  the future free GPUs (``future_free_gpus``), jobs in deadline order, filling backwards
+  from the deadline in 60 s slots; a job with a loose deadline gets 0 GPUs now. Here: one
+  count held from now (the smallest that runs, or that meets the deadline), no look-ahead
+  at other jobs' future needs. Not forced: a simplification.
+- Admission. EF: at an arrival all admitted jobs plus the newcomer are re-planned; a job
+  whose deadline cannot be met is declined (dropped); no queue blocking. Here: in
+  submission order per type, a job whose share does not fit is passed over (no blocking,
+  as EF; ``blocking=True`` gives Arena's rule, its ``_ef_pending_jobs_restart_trial``);
+  nothing is declined: a job no count finishes in time waits (in deadline mode, possibly
+  for good). Dropping is ruled out here (every job must finish).
+- Running jobs. EF: no priority for running jobs; jobs holding 0 GPUs rank first
+  (``get_marginal`` sets them to sys.maxsize), in deadline order. Here: running jobs keep
+  their minimum share before any pending job is admitted. Not forced.
+- Ranking. EF artifact: ``marginal_gputime`` = change in the job's planned GPU-seconds to
+  finish per added GPU (``get_allocation_time``), sorted descending. Arena: throughput gain
+  of a doubling. Here: the job's relative speed-up per added GPU, (r(m) / r(n) − 1) / (m −
+  n), which like EF's compares jobs of different models (raw samples/s would favour small
+  ones); EF's weighs it by the job's remaining work too.
+- Counts. EF: 1, 2, 4, ... up to a per-model cap (``get_max_gpu`` in ``add_job``, <= 64).
+  Here: the counts of the job's feasible data-parallel Cells ({N/2, N, 2N} for a job that
+  asked for N, else powers of two). Forced by Cells.
+- GPU types. EF: homogeneous (one ``--gpu_type``). Here: each type allocated apart, a job
+  on the type it asked for (else where its requested count is fastest), never moved to
+  another type. Forced: heterogeneous cluster, and ElasticFlow has no type choice.
+- Best-effort jobs. EF: ``best_effort=1`` sets the deadline to sys.maxsize; always
+  admitted, served after the deadline jobs' shares. Here: a job without a deadline gets its
+  smallest count and queues FIFO beside deadline jobs. Differs only in deadline mode.
+- Non-improving levels. EF scales to the next level whatever its throughput; here a
+  doubling must raise throughput (``min_gain_frac``). Minor.
+- Events. EF: arrivals, completions and the plans' own scale events, merged into 60 s
+  slots (``scheduling_slot``). Here: the simulator's arrivals, completions and 300 s rounds
+  (no round length of its own: EF re-plans on events, not every slot).
+- Restart cost. EF's simulator (``estimate_overhead``) charges every running job 2 s +
+  2 (log2 n + 1) s at every scheduling event, changed or not (27 s more every 60th event).
+  Here: ``extra_start_s`` = 0; the simulator charges its launch / resume and plan-search
+  costs to jobs whose Cell changes, alike for every policy. Forced. EF's allocation ignores
+  the cost, as this one does, but a resize costs 60 s or more here, not seconds.
+- Placement. EF: ``elastic_placement``, buddy-style node sets by power-of-two free size,
+  every job released and re-placed at each event, success assumed. Here: unchanged jobs
+  keep their nodes; ``realize`` places the rest (whole nodes, then best fit); a share that
+  cannot be placed waits. Shares are counted against the type's total GPUs.
+- Profiling. Arena's baseline sets a 600 s profiling overhead per job, "referred to
+  ElasticFlow's paper" (not checked: full text not found); here the estimator's curves are
+  used and nothing is charged (``extra_start_reason``).
 """
 
 from __future__ import annotations
@@ -36,6 +107,9 @@ class ElasticFlowPolicy:
         min_gain_frac: a doubling must raise the job's throughput by this fraction.
         deadline_aware: size minimum shares by deadlines (ElasticFlow's deadline mode);
             off by default, the throughput mode the Crius and Arena papers compared with.
+        blocking: a pending job whose minimum share is not free blocks the later jobs of
+            its type (Arena's restatement); by default it is passed over and later jobs
+            that fit are admitted, as ElasticFlow's artifact does.
     """
 
     name = "elasticflow"
@@ -43,9 +117,10 @@ class ElasticFlowPolicy:
     extra_start_reason = ("none: its scaling curves come from the estimator, as ElasticFlow's come from "
                           "its offline profiles")
 
-    def __init__(self, min_gain_frac: float = 0.0, deadline_aware: bool = False):
+    def __init__(self, min_gain_frac: float = 0.0, deadline_aware: bool = False, blocking: bool = False):
         self.min_gain_frac = min_gain_frac
         self.deadline_aware = deadline_aware
+        self.blocking = blocking
 
     def decide(self, snapshot: Snapshot) -> Decision:
         """Admit by minimum share per GPU type, then double the best marginal gains."""
@@ -80,7 +155,7 @@ class ElasticFlowPolicy:
                 continue  # behind a blocked head: stays queued (absent from the decision)
             m = _min_share(snapshot, job, tables[job.job_id], gtype, self.deadline_aware)
             if job.assignment is None and (m is None or m > left):
-                blocked = m is not None
+                blocked = self.blocking and m is not None
                 wanted[job.job_id] = None
                 reasons[job.job_id] = ("waiting: no count finishes it in time" if m is None
                                        else f"waiting: minimum share {m} {gtype} not free")
@@ -89,7 +164,9 @@ class ElasticFlowPolicy:
                 m = job.cell.num_gpus
             share[job.job_id] = m
             left -= m
-        # 3: doublings by marginal throughput per added GPU, best first (a heap of offers).
+        # 3: doublings by marginal gain per added GPU, best first (a heap of offers): the
+        # job's relative speed-up, so that jobs of different models compare (ElasticFlow
+        # ranks by the GPU time a step saves the job; raw samples/s would favour small models).
         rank = {j.job_id: k for k, j in enumerate(jobs)}
         offers: list[tuple] = []
 
@@ -100,7 +177,7 @@ class ElasticFlowPolicy:
                 return
             cur, new = t.rate(gtype, n), t.rate(gtype, m)
             if new > cur * (1 + self.min_gain_frac):
-                heapq.heappush(offers, (-(new - cur) / (m - n), n, rank[i], i, m))
+                heapq.heappush(offers, (-(new / cur - 1.0) / (m - n), n, rank[i], i, m))
 
         for i in share:
             offer(i)

@@ -136,13 +136,26 @@ def test_elasticflow_never_changes_the_requested_type():
     assert cell_of(run(ElasticFlowPolicy(), s), "a")[0] == "v100"
 
 
-def test_elasticflow_admission_blocks_the_queue_of_a_full_type():
-    first = job("first", {("a100", 8): 10.0}, gpus=8)  # minimum share 8 > 4 GPUs: blocks
+def test_elasticflow_admission_passes_over_a_job_that_does_not_fit():
+    """ElasticFlow admits the later job that fits; Arena's restatement (blocking) does not."""
+    first = job("first", {("a100", 8): 10.0}, gpus=8)  # minimum share 8 > 4 GPUs
     later = job("later", {("a100", 1): 10.0}, gpus=1, submit=1.0)
     s = snap([a100(1)], [first, later])
     d = run(ElasticFlowPolicy(), s)
-    assert final_cell(s, d, "first") is None and final_cell(s, d, "later") is None
+    assert final_cell(s, d, "first") is None and final_cell(s, d, "later") == ("a100", 1)
     assert "minimum share 8" in d.for_job("first").reason
+    d = run(ElasticFlowPolicy(blocking=True), s)
+    assert final_cell(s, d, "first") is None and final_cell(s, d, "later") is None
+
+
+def test_elasticflow_ranks_doublings_by_relative_speedup_not_raw_samples():
+    """A fast small model gaining 20 samples/s on 100 (1.2x) loses the spare GPUs to a slow
+    large model gaining 5 on 10 (1.5x)."""
+    fast = job("fast", {("a100", 2): 100.0, ("a100", 4): 120.0}, gpus=2)
+    slow = job("slow", {("a100", 2): 10.0, ("a100", 4): 15.0}, gpus=2, submit=1.0)
+    s = snap([a100(1), a100(2, unmanaged=2)], [fast, slow])  # 6 GPUs: 2 + 2, then one doubling
+    d = run(ElasticFlowPolicy(), s)
+    assert (cell_of(d, "fast"), cell_of(d, "slow")) == (("a100", 2), ("a100", 4))
 
 
 # ---- Crius -------------------------------------------------------------------------------
