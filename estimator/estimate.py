@@ -29,7 +29,7 @@ from estimator.memory import (
     OPTIMIZER_STATE_BYTES, ZERO_LEVELS, MemoryOptions, StageMemory, host_memory_gb, stage_memory,
 )
 from estimator.models import DTYPE_BYTES, ModelSpec, load_model
-from estimator.partition import balanced_partition, stage_gpu_counts
+from estimator.partition import arena_stage_gpus, balanced_partition, stage_gpu_counts
 from estimator.plan_string import format_plan
 from estimator.profile_fit import profiled_layer_s
 from estimator.profile_store import ProfileView, collective_csv_rows, load_profile_view, model_fingerprint
@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 PLAN_SPACES = ("cell", "dp-only")
 FIDELITIES = ("analytic", "compiled")
+STAGE_GPUS = ("equal", "arena")
 PROFILED = "profiled"
 # Compiled collective kinds → the measured table's ops.
 _COMPILED_OPS = {"all-reduce": "all-reduce", "all-gather": "all-gather", "reduce-scatter": "reduce-scatter",
@@ -71,6 +72,11 @@ class EstimateOptions:
         profile_db: a profile store (``slurm-ext profile``): GPU types it profiled get its
             fitted efficiency and collectives, and the layers it timed for the job's model
             take their profiled times; such Cells say ``fidelity: profiled``.
+        stage_gpus: ``equal`` — every stage of a Cell gets the same GPU count; ``arena`` —
+            a Cell of three or more stages also tries Arena's power-of-two counts in
+            proportion to the stages' load (``estimator.partition.arena_stage_gpus``) and
+            keeps them where they are faster; such plans are ``runnable: false`` (the
+            runner runs equal counts).
     """
 
     plan_space: str = "cell"
@@ -85,6 +91,7 @@ class EstimateOptions:
     compile_cache_dir: str | None = None
     gpu_specs_dir: str | None = None
     profile_db: str | None = None
+    stage_gpus: str = "equal"
     efficiency: dict[str, Efficiency] | None = field(default=None, hash=False, compare=False)
 
     def __post_init__(self):
@@ -92,6 +99,8 @@ class EstimateOptions:
             raise SpecError("plan_space", self.plan_space, f"use one of {', '.join(PLAN_SPACES)}")
         if self.fidelity not in FIDELITIES:
             raise SpecError("fidelity", self.fidelity, f"use one of {', '.join(FIDELITIES)}")
+        if self.stage_gpus not in STAGE_GPUS:
+            raise SpecError("stage_gpus", self.stage_gpus, f"use one of {', '.join(STAGE_GPUS)}")
         if self.micro_batches is not None and self.micro_batches < 1:
             raise SpecError("micro_batches", self.micro_batches, "give a positive integer")
 
@@ -426,14 +435,18 @@ def more_micro_batches(global_batch: int, micro_batches: int) -> int | None:
     return next((d for d in range(2 * micro_batches, global_batch + 1) if global_batch % d == 0), None)
 
 
+def _layer_loads(model: ModelSpec, cell: Cell, options: EstimateOptions) -> list[float]:
+    """Each layer's compute time for one sample on one GPU of the Cell's type."""
+    gpu = _gpu_type(cell.gpu_type)
+    eff = efficiency(gpu, options.efficiency)
+    return [layer_time_s(layer, gpu, eff, model.dtype, 1.0, 1, 1.0) for layer in model.layers]
+
+
 def partition_stages(model: ModelSpec, cell: Cell, options: EstimateOptions = EstimateOptions()
                      ) -> tuple[tuple[int, int], ...]:
     """Layer ranges of a Cell's stages, balanced by compute time on its GPU type."""
-    gpu = _gpu_type(cell.gpu_type)
-    eff = efficiency(gpu, options.efficiency)
-    loads = [layer_time_s(layer, gpu, eff, model.dtype, 1.0, 1, 1.0) for layer in model.layers]
     cuts = [layer.output_bytes for layer in model.layers]
-    return balanced_partition(loads, cuts, cell.num_stages)
+    return balanced_partition(_layer_loads(model, cell, options), cuts, cell.num_stages)
 
 
 def score_plan(job: JobSpec, cell: Cell, cluster: ClusterSpec, stages: tuple[StagePlan, ...],
@@ -559,11 +572,26 @@ def _estimate_cell(job: JobSpec, cell: Cell, cluster: ClusterSpec, options: Esti
     except SpecError as e:
         return _infeasible(cell, e.hint, ctx.micro_batches)
     ranges = partition_stages(ctx.model, cell, options)
+    equal = _assemble(job, ctx, ranges, per_stage, ranges)
+    if options.stage_gpus != "arena" or cell.num_stages < 3:
+        return equal
+    counts, arena_ranges = arena_stage_gpus(_layer_loads(ctx.model, cell, options), cell.num_gpus, cell.num_stages)
+    if counts == per_stage:
+        return equal
+    unequal = _assemble(job, ctx, arena_ranges, counts, ranges)
+    # The runner runs equal counts only (a mesh axis per stage): Arena's plan is estimated.
+    unequal = replace(unequal, runnable=False)
+    return unequal if _better(unequal, equal) else equal
+
+
+def _assemble(job: JobSpec, ctx: _Context, ranges, per_stage, default_ranges) -> CellEstimate:
+    """The best plan of a Cell for given layer ranges and GPUs per stage: per stage, data
+    parallelism as wide as the batch allows (the rest tensor-parallel), or tensor
+    parallelism only, whichever is faster and fits."""
+    cell, options = ctx.cell, ctx.options
     cap = dp_cap(job.global_batch, cell)
     variants = []
     for (start, end), n in zip(ranges, per_stage):
-        # Data parallelism as wide as the batch allows (the rest tensor-parallel), and
-        # tensor parallelism only.
         dp = min(n, cap) if options.plan_space == "cell" else n
         stage = [StagePlan(start, end, dp, n // dp)]
         if n > 1 and options.plan_space == "cell" and dp > 1:
@@ -588,7 +616,7 @@ def _estimate_cell(job: JobSpec, cell: Cell, cluster: ClusterSpec, options: Esti
     memory_fidelity = "compiled" if all(c.compiled_peak_gb is not None for c in costs) else "analytic"
     memory = options.memory
     host_gb = max(host_memory_gb(c.memory) for c in costs)
-    plan = format_plan(cell, plans, ctx.micro_batches, ctx.remat, ranges,
+    plan = format_plan(cell, plans, ctx.micro_batches, ctx.remat, default_ranges,
                        zero_level=memory.zero_level, offload=memory.offload)
     dims = dict(remat=ctx.remat, zero_level=memory.zero_level, offload=memory.offload,
                 host_memory_gb=host_gb, runnable=memory.runnable, plan=plan)

@@ -75,3 +75,109 @@ def _balanced_partition(loads: tuple[float, ...], cut_bytes: tuple[float, ...],
         ranges.append((j, i))
         i = j
     return tuple(reversed(ranges))
+
+
+def weighted_partition(loads: Sequence[float], gpus: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """Contiguous layer ranges for stages of ``gpus[k]`` GPUs each: the ranges minimising
+    the largest per-GPU stage load (a stage's load over its GPU count)."""
+    return _weighted_partition(tuple(loads), tuple(gpus))
+
+
+@lru_cache(maxsize=4096)
+def _weighted_partition(loads: tuple[float, ...], gpus: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    n, s = len(loads), len(gpus)
+    if not 1 <= s <= n:
+        raise SpecError("num_stages", s, f"give 1 to {n} stages for {n} layers")
+    prefix = [0.0]
+    for x in loads:
+        prefix.append(prefix[-1] + x)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(s + 1)]
+    back = [[0] * (n + 1) for _ in range(s + 1)]
+    best[0][0] = 0.0
+    for k in range(1, s + 1):
+        g = gpus[k - 1]
+        for i in range(k, n - (s - k) + 1):
+            for j in range(k - 1, i):
+                v = max(best[k - 1][j], (prefix[i] - prefix[j]) / g)
+                if v < best[k][i]:
+                    best[k][i], back[k][i] = v, j
+    ranges, i = [], n
+    for k in range(s, 0, -1):
+        j = back[k][i]
+        ranges.append((j, i))
+        i = j
+    return tuple(reversed(ranges))
+
+
+def computation_bias(loads: Sequence[float], ranges: Sequence[tuple[int, int]], gpus: Sequence[int]) -> float:
+    """Arena's computation bias of a pipeline: its largest per-GPU stage load over the
+    per-GPU load of a perfect split (1.0: every GPU equally loaded)."""
+    total = sum(loads)
+    if total <= 0:
+        return 1.0
+    worst = max(sum(loads[a:b]) / g for (a, b), g in zip(ranges, gpus))
+    return worst / (total / sum(gpus))
+
+
+def arena_stage_gpus(loads: Sequence[float], num_gpus: int, num_stages: int
+                     ) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
+    """Arena's power-of-two GPU assignment: per-stage GPU counts (powers of two adding up
+    to ``num_gpus``) and contiguous layer ranges that minimise the computation bias (the
+    largest per-GPU stage load), found together by dynamic programming over (stages,
+    layers, GPUs used). A stage gets between a quarter and four times the equal share.
+    Equal counts win ties.
+    """
+    return _arena(tuple(loads), num_gpus, num_stages)
+
+
+@lru_cache(maxsize=1024)
+def _arena(loads: tuple[float, ...], num_gpus: int, num_stages: int
+           ) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
+    n = len(loads)
+    if not 1 <= num_stages <= n or num_gpus < num_stages:
+        raise SpecError("num_stages", num_stages, f"give 1 to {min(n, num_gpus)} stages")
+    share = max(1, num_gpus // num_stages)
+    options = [g for g in (share // 4, share // 2, share, share * 2, share * 4)
+               if g >= 1 and not g & (g - 1) and g <= num_gpus]
+    options = sorted(set(options), key=lambda g: (g != share, g))  # equal share first: it wins ties
+    prefix = [0.0]
+    for x in loads:
+        prefix.append(prefix[-1] + x)
+    inf = float("inf")
+    # best[(k, i, used)]: smallest largest per-GPU load of the first i layers on k stages
+    # that use ``used`` GPUs; back: (j, g) of the k-th stage.
+    best: dict[tuple[int, int, int], float] = {(0, 0, 0): 0.0}
+    back: dict[tuple[int, int, int], tuple[int, int]] = {}
+    frontier = {(0, 0)}
+    for k in range(1, num_stages + 1):
+        nxt = set()
+        stages_left = num_stages - k
+        for j, used in sorted(frontier):
+            base = best[(k - 1, j, used)]
+            for g in options:
+                u = used + g
+                if u + stages_left > num_gpus:
+                    continue
+                for i in range(j + 1, n - stages_left + 1):
+                    v = max(base, (prefix[i] - prefix[j]) / g)
+                    key = (k, i, u)
+                    if v < best.get(key, inf) * (1 - 1e-12):
+                        best[key], back[key] = v, (j, g)
+                        nxt.add((i, u))
+        frontier = nxt
+    if (num_stages, n, num_gpus) not in best:
+        raise SpecError("num_gpus", num_gpus, f"cannot give {num_stages} stages power-of-two GPU counts")
+    counts, ranges, i, used = [], [], n, num_gpus
+    for k in range(num_stages, 0, -1):
+        j, g = back[(k, i, used)]
+        counts.append(g)
+        ranges.append((j, i))
+        i, used = j, used - g
+    equal = (share,) * num_stages
+    found = (tuple(reversed(counts)), tuple(reversed(ranges)))
+    if share * num_stages == num_gpus and found[0] != equal:
+        same = weighted_partition(loads, equal)
+        if computation_bias(loads, same, equal) <= computation_bias(loads, found[1], found[0]) * (1 + 1e-9):
+            return equal, same
+    return found

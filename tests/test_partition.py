@@ -44,3 +44,23 @@ def test_stage_gpu_counts():
         stage_gpu_counts(12, 2)  # 6 GPUs per stage is not a power of two
     with pytest.raises(SpecError):
         balanced_partition([1, 1], [1, 1], 3)
+
+
+def test_arena_gives_a_heavy_last_layer_more_gpus_by_hand():
+    """Ten unit layers and a layer of 6 on 8 GPUs in 4 stages. Equal counts (2 each) leave
+    the heavy layer alone on 2 GPUs: 3 per GPU against a perfect 16 / 8 = 2, bias 1.5.
+    Arena's counts (1, 1, 2, 4): the heavy layer on 4 GPUs (1.5), ten unit layers over
+    1 + 1 + 2 GPUs at 2 + 2 + 4 / 2: bias 1.0."""
+    from estimator.partition import arena_stage_gpus, computation_bias, weighted_partition
+    loads = [1.0] * 10 + [6.0]
+    equal = weighted_partition(loads, (2, 2, 2, 2))
+    assert computation_bias(loads, equal, (2, 2, 2, 2)) == pytest.approx(1.5)
+    counts, ranges = arena_stage_gpus(loads, 8, 4)
+    assert counts == (1, 1, 2, 4) and sum(counts) == 8
+    assert ranges == ((0, 2), (2, 4), (4, 8), (8, 11))
+    assert computation_bias(loads, ranges, counts) == pytest.approx(1.0)
+
+
+def test_arena_keeps_equal_counts_when_they_are_as_good():
+    from estimator.partition import arena_stage_gpus
+    assert arena_stage_gpus([1.0] * 16, 16, 4) == ((4, 4, 4, 4), ((0, 4), (4, 8), (8, 12), (12, 16)))

@@ -89,3 +89,25 @@ def test_admin_comment_passes_the_memory_tokens_to_the_runner():
     from estimator.contract import plan_tokens
     text = "requested=a100 cell=a100x8:s1 plan=[dp8tp1] mb=4 remat=1 zero=3 sps=3 why=x zero=1"
     assert plan_tokens(text) == "cell=a100x8:s1 plan=[dp8tp1] mb=4 remat=1 zero=3"
+
+
+def test_arena_stage_counts_are_estimated_where_faster_and_refused_by_the_runner():
+    """wide_resnet-2b's layers are uneven: on 64 a100s (16 nodes of 4) in 4 stages, Arena's power-of-two
+    counts beat equal ones; the plan string carries the counts and ranges, the Cell says
+    the runner cannot run it, and the runner refuses it in one line."""
+    from estimator.jax_models import builtin_arch
+    from estimator.models import load_model
+    from job_scripts.plan import plan_from_string
+    job = JobSpec("wide_resnet-2b", 64, 64, "a100")
+    cell = Cell("a100", 64, 4, 4)  # crius-1280's a100 nodes have 4 GPUs
+    equal = estimate_cell(job, cell, CRIUS)
+    arena = estimate_cell(job, cell, CRIUS, EstimateOptions(stage_gpus="arena"))
+    assert equal.feasible and equal.runnable and arena.feasible and not arena.runnable
+    assert arena.iteration_time_s < equal.iteration_time_s
+    counts = [s.num_gpus for s in arena.stages]
+    assert len(set(counts)) > 1 and sum(counts) == 64 and all(c & (c - 1) == 0 for c in counts)
+    ps = parse_plan(arena.plan)
+    assert [dp * tp for dp, tp in ps.stages] == counts and ps.layer_bounds is not None
+    with pytest.raises(SpecError, match="same power-of-two device count") as err:
+        plan_from_string(arena.plan, load_model("wide_resnet-2b"), builtin_arch("wide_resnet-2b"), 64, 64, 4)
+    assert "\n" not in str(err.value)

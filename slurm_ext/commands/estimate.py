@@ -127,10 +127,13 @@ def _read_batch(source) -> list[dict]:
 @click.option("--what-if", is_flag=True,
               help="Count Cells that fit only with settings the runner cannot run yet (ZeRO 1-3, offload) as "
                    "feasible (their \"runnable\" is false); implied by --zero 1-3 and --offload.")
+@click.option("--stage-gpus", type=click.Choice(["equal", "arena"]), default="equal", show_default=True,
+              help="GPUs per pipeline stage: equal, or arena (Arena's power-of-two counts in proportion to "
+                   "each stage's load, kept where faster; estimated only, runnable false).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def command(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, cluster, micro_batches,
             comm_table, fidelity, compile_cache, gpu_specs_dir, profile_db, remat, zero_level, offload, what_if,
-            batch_file, as_json):
+            stage_gpus, batch_file, as_json):
     """The Cells of one job: for each GPU type × GPU count × stage count, the best per-stage
     plan, seconds per iteration, samples/s and peak memory per GPU, or why it does not fit.
 
@@ -143,7 +146,8 @@ def command(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, clus
     options = EstimateOptions(micro_batches=micro_batches, comm_table=comm_table, fidelity=fidelity,
                               compile_cache_dir=compile_cache, gpu_specs_dir=gpu_specs_dir,
                               profile_db=profile_db, remat={"on": True, "off": False, "auto": None}[remat],
-                              memory=memory, runnable_only=not (what_if or not memory.runnable))
+                              memory=memory, runnable_only=not (what_if or not memory.runnable),
+                              stage_gpus=stage_gpus)
     if batch_file is not None:
         if model or global_batch:
             raise click.UsageError("--batch reads model and global_batch from each line; drop --model/--global-batch")
