@@ -46,7 +46,8 @@ class CellEstimate:
     """The best plan found for one Cell and what it costs.
 
     ``fidelity`` names what produced the time (``analytic``, ``compiled``, ``measured``)
-    and ``memory_fidelity`` what produced the memory (``analytic``, ``compiled``);
+    and ``memory_fidelity`` what produced the memory (``analytic``, ``compiled``,
+    ``profiled``, or ``measured`` by the runner on GPUs);
     ``comm_source`` says whether communication came from the measured table or the
     latency-bandwidth model. ``remat``, ``zero_level`` and ``offload`` are the plan's
     memory choices, ``host_memory_gb`` the host memory per GPU it needs (process and

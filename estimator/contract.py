@@ -330,6 +330,8 @@ class RunnerReport:
             a (re)start costs besides tuning (the simulator's ``RestartCosts``).
         final_save_s: seconds the last checkpoint took to reach the disk at exit (on
             SIGUSR1: the save a rescale waits for).
+        peak_memory_gb: the largest peak of memory in use on any of this process's
+            devices (GPUs only: JAX's ``memory_stats``; None on CPU fake devices).
     """
 
     job_id: str | None
@@ -352,6 +354,7 @@ class RunnerReport:
     init_s: float | None = None
     restore_s: float | None = None
     final_save_s: float | None = None
+    peak_memory_gb: float | None = None
 
     def to_json(self) -> dict:
         return asdict(self)

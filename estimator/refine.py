@@ -1,8 +1,9 @@
 """Refining a job's Cell estimates with what its running Cell measured (Rubick's
 continuous fitting, for the Cells one measurement can speak for).
 
-The runner records seconds per iteration of the Cell it runs (``measured.json``). The
-measured Cell takes the measured time; the other Cells of the same GPU type are scaled by
+The runner records seconds per iteration of the Cell it runs (``measured.json``), and on
+GPUs its peak memory per device. The measured Cell takes the measured time and memory
+(``memory_fidelity: measured``); the other Cells of the same GPU type are scaled by
 the same measured/estimated ratio, since the estimator's error for one job on one GPU
 type is mostly systematic (kernel efficiency of this model on this GPU); Cells of other
 GPU types keep their estimates. Refined estimates say so in ``fidelity``.
@@ -24,6 +25,7 @@ class Measurement:
     cell_label: str
     iteration_time_s: float
     steps_measured: int
+    peak_memory_gb: float | None = None  # GPUs only
 
     @classmethod
     def from_json(cls, raw: object) -> "Measurement":
@@ -31,13 +33,15 @@ class Measurement:
         if not isinstance(raw, dict):
             raise SpecError("measured", raw, "expected a JSON object")
         label, t, n = raw.get("cell"), raw.get("iteration_time_s"), raw.get("steps_measured")
+        peak = raw.get("peak_memory_gb")
         if not isinstance(label, str) or ":" not in label:
             raise SpecError("measured.cell", label, "expected a Cell label like a100x8:s2")
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
             raise SpecError("measured.iteration_time_s", t, "expected a positive number")
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise SpecError("measured.steps_measured", n, "expected a positive integer")
-        return cls(label, float(t), n)
+        good_peak = isinstance(peak, (int, float)) and not isinstance(peak, bool) and peak > 0
+        return cls(label, float(t), n, float(peak) if good_peak else None)
 
 
 def refine(estimates: tuple[CellEstimate, ...], measurement: Measurement,
@@ -54,6 +58,8 @@ def refine(estimates: tuple[CellEstimate, ...], measurement: Measurement,
     for e in estimates:
         if e is measured:
             t, fidelity = measurement.iteration_time_s, MEASURED
+            if measurement.peak_memory_gb:
+                e = replace(e, peak_memory_gb=measurement.peak_memory_gb, memory_fidelity=MEASURED)
         elif e.feasible and e.cell.gpu_type == measured.cell.gpu_type:
             t, fidelity = e.iteration_time_s * ratio, REFINED
         else:

@@ -459,6 +459,21 @@ class Job:
         """Mean seconds per step after warm-up in this run, or None before any."""
         return self._meter.mean_s
 
+    def peak_memory_gb(self) -> float | None:
+        """The largest peak of memory in use on this process's devices, or None where the
+        backend keeps no statistics (CPU)."""
+        peaks = []
+        for device in self.devices:
+            if device.process_index != self.process_index:
+                continue
+            try:
+                stats = device.memory_stats()
+            except Exception:  # backends without statistics raise or return None
+                stats = None
+            if stats and "peak_bytes_in_use" in stats:
+                peaks.append(stats["peak_bytes_in_use"])
+        return round(max(peaks) / 1e9, 4) if peaks else None
+
     def _write_measured(self) -> None:
         mean = self._meter.mean_s
         if not self.writer or mean is None:
@@ -469,7 +484,8 @@ class Job:
             num_devices=len(self.devices), platform=self.config.platform,
             restart_count=self.alloc.restart_count, iteration_time_s=mean,
             steps_measured=self._meter.timed, samples_per_s=self.global_batch / mean,
-            step=self._step, step_at_s=self._step_at_s, updated_at_s=self._written_at_s, **self._phases)
+            step=self._step, step_at_s=self._step_at_s, updated_at_s=self._written_at_s,
+            peak_memory_gb=self.peak_memory_gb(), **self._phases)
         write_json_atomic(self.config.checkpoint_dir / MEASURED_FILE, report.to_json())
 
     def finish(self, step: int, arrays, meta: dict | None = None) -> int:

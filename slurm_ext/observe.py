@@ -230,7 +230,7 @@ def measurement_from_text(text: str, cell_label: str | None, allow_cpu: bool) ->
         return None
     if r.platform != "gpu" and not allow_cpu:
         return None
-    return Measurement(r.cell, r.iteration_time_s, r.steps_measured)
+    return Measurement(r.cell, r.iteration_time_s, r.steps_measured, r.peak_memory_gb)
 
 
 # A measured speed already shown is rewritten only when it moved by more than this: the

@@ -45,3 +45,20 @@ def test_runner_format_parses():
     m = Measurement.from_json({"cell": "a100x8:s2", "plan": "cell=a100x8:s2 plan=[dp4tp1|dp4tp1] mb=8 remat=1",
                                "iteration_time_s": 2.5, "steps_measured": 16, "platform": "gpu"})
     assert m == Measurement("a100x8:s2", 2.5, 16)
+
+
+def test_measured_peak_memory_replaces_the_estimate_of_the_measured_cell_only(estimates):
+    """Time and memory separately: a GPU runner's peak memory becomes the measured Cell's
+    (``memory_fidelity: measured``); other Cells keep their memory estimates."""
+    target = next(e for e in estimates if e.feasible and e.cell.gpu_type == "a100" and e.cell.num_gpus == 8)
+    m = Measurement.from_json({"cell": target.cell.label(), "iteration_time_s": target.iteration_time_s,
+                               "steps_measured": 8, "peak_memory_gb": 31.5})
+    assert m.peak_memory_gb == 31.5
+    out = refine(estimates, m, 256)
+    for before, after in zip(estimates, out):
+        if before is target:
+            assert (after.peak_memory_gb, after.memory_fidelity) == (31.5, MEASURED)
+        else:
+            assert (after.peak_memory_gb, after.memory_fidelity) == (before.peak_memory_gb, before.memory_fidelity)
+    cpu = refine(estimates, Measurement(target.cell.label(), 1.0, 8), 256)  # no memory measured (CPU)
+    assert next(a for b, a in zip(estimates, cpu) if b is target).memory_fidelity == target.memory_fidelity
