@@ -119,6 +119,7 @@ class StageCost:
     comm_source: str
     compiled_peak_gb: float | None = None  # from a GPU-target compile, when there was one
     compute_source: str = "analytic"  # or "profiled": the site's profile gave the compute time
+    memory_source: str = "analytic"  # profiled: every layer's activations from the site's profile
 
     @property
     def peak_gb(self) -> float:
@@ -249,8 +250,9 @@ def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan, co
     # runner's buffer has a spare row); a single stage is plain gradient accumulation, one
     # micro-batch at a time.
     in_flight = B + 1 if ctx.cell.num_stages > 1 else 1
+    profiled_acts = _profiled_activations(ctx, plan) if compiled is None else None
     mem = stage_memory(model, layers, dp, tp, max(1, math.ceil(micro)), in_flight, ctx.remat,
-                       memory, micro_batches=B)
+                       memory, micro_batches=B, activation_bytes_per_sample=profiled_acts)
     compiled_peak_gb = None
     if compiled is not None and compiled.memory_bytes:
         # The compiled step holds one micro-batch; GPipe keeps the others' stage inputs too.
@@ -267,7 +269,8 @@ def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan, co
         reason = (f"stage {index} needs {mem.host_gb:.1f} GB of host memory per GPU for offload, "
                   f"the host has {host_usable:.1f} GB per GPU usable")
     return StageCost(plan, compute_s + comm_s + send_s, sync_s, update_s, mem, not reason, reason,
-                     _comm_label(sources), compiled_peak_gb, compute_source)
+                     _comm_label(sources), compiled_peak_gb, compute_source,
+                     PROFILED if profiled_acts is not None else "analytic")
 
 
 def moe_shard_problem(model: ModelSpec, samples: int) -> str:
@@ -301,6 +304,21 @@ def _compute_s(ctx: _Context, gpu, plan: StagePlan, micro: float, passes: float,
             total += layer_time_s(model.layers[i], gpu, ctx.eff, model.dtype, micro, plan.tp, passes,
                                   flops_scale)
     return total, timed
+
+
+def _profiled_activations(ctx: _Context, plan: StagePlan) -> tuple[float, ...] | None:
+    """Bytes per sample each of a stage's layers holds through its forward and backward, as
+    the site's profile compiled its share at this tp; None unless every layer has them."""
+    if ctx.fingerprint is None:
+        return None
+    out = []
+    for i in range(plan.layer_start, plan.layer_end):
+        timing = ctx.profile.layer_timing(ctx.cell.gpu_type, ctx.fingerprint, i, plan.tp)
+        per_sample = timing.activation_bytes_per_sample() if timing is not None else None
+        if per_sample is None:
+            return None
+        out.append(per_sample)
+    return tuple(out)
 
 
 def _stage_collectives_s(ctx: _Context, layers, plan: StagePlan, first_device: int, micro: float,
@@ -613,7 +631,8 @@ def _assemble(job: JobSpec, ctx: _Context, ranges, per_stage, default_ranges) ->
     plans = tuple(c.plan for c in costs)
     fidelity = "compiled" if compiled else \
         PROFILED if all(c.compute_source == PROFILED for c in costs) else "analytic"
-    memory_fidelity = "compiled" if all(c.compiled_peak_gb is not None for c in costs) else "analytic"
+    memory_fidelity = ("compiled" if all(c.compiled_peak_gb is not None for c in costs) else
+                       PROFILED if all(c.memory_source == PROFILED for c in costs) else "analytic")
     memory = options.memory
     host_gb = max(host_memory_gb(c.memory) for c in costs)
     plan = format_plan(cell, plans, ctx.micro_batches, ctx.remat, default_ranges,

@@ -115,7 +115,8 @@ def activation_bytes(layer: LayerSpec, tp: int) -> float:
 
 def stage_memory(model: ModelSpec, layers: tuple[LayerSpec, ...], dp: int, tp: int,
                  micro_batch: int, in_flight: int, remat: bool,
-                 options: MemoryOptions = MemoryOptions(), micro_batches: int = 1) -> StageMemory:
+                 options: MemoryOptions = MemoryOptions(), micro_batches: int = 1,
+                 activation_bytes_per_sample: tuple[float, ...] | None = None) -> StageMemory:
     """Peak memory per GPU of a stage.
 
     Args:
@@ -126,6 +127,9 @@ def stage_memory(model: ModelSpec, layers: tuple[LayerSpec, ...], dp: int, tp: i
             them and the runner's spare row; one stage: 1).
         remat: layer-level rematerialization.
         micro_batches: micro-batches per iteration (more than one: gradient accumulation).
+        activation_bytes_per_sample: per layer, the bytes one sample holds through it under
+            tp as profiled on the site's devices (``estimator.profile_store``), instead of
+            the formula's ``activation_bytes``.
     """
     params = sum(layer.params for layer in layers) / tp
     z, d = options.zero_level, float(DTYPE_BYTES[model.dtype])
@@ -149,12 +153,12 @@ def stage_memory(model: ModelSpec, layers: tuple[LayerSpec, ...], dp: int, tp: i
         grads = params * GRADIENT_BYTES / shard(2)
         opt = params * opt_b / shard(1)
         update = params * update_temp_bytes(model) / shard(1)
+    per_sample = activation_bytes_per_sample or tuple(activation_bytes(layer, tp) for layer in layers)
     if remat:
         kept = sum(layer.output_bytes for layer in layers)
-        live = max(activation_bytes(layer, tp) for layer in layers)
-        acts = micro_batch * (in_flight * kept + live)
+        acts = micro_batch * (in_flight * kept + max(per_sample))
     else:
-        acts = micro_batch * in_flight * sum(activation_bytes(layer, tp) for layer in layers)
+        acts = micro_batch * in_flight * sum(per_sample)
     if z >= 3:
         # Each layer's weights are gathered whole (over dp) while it runs.
         acts += max(layer.params for layer in layers) / tp * d

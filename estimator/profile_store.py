@@ -14,7 +14,9 @@ One file, written by the profiling job's rank 0 and read by the estimator
   copy, an empty launch) with their FLOPs, bytes and seconds.
 - ``layers``: one device's share of one layer of a model (Crius's single-device
   profiling): forward and forward+backward seconds at ``samples`` samples per device and
-  tensor-parallel degree ``tp`` (the layer's weights cut to 1/tp, no collectives).
+  tensor-parallel degree ``tp`` (the layer's weights cut to 1/tp, no collectives), and
+  the forward+backward program's temporary bytes as XLA compiled it
+  (``backward_temp_bytes``: the layer's activations and workspace; schema version 2).
 - ``efficiency``: the GPU type's efficiency parameters fitted from the kernels and
   layers (``estimator.profile_fit``), with the fit's median relative error.
 - ``refits``: online refits from running jobs' measured speeds (Rubick), with the error
@@ -36,7 +38,7 @@ from pathlib import Path
 from estimator.compute import Efficiency
 from estimator.errors import SpecError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: layers.backward_temp_bytes (a version-1 store is upgraded when opened)
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS profiles (
@@ -54,7 +56,7 @@ CREATE TABLE IF NOT EXISTS layers (
     profile_id INTEGER NOT NULL REFERENCES profiles(id), model TEXT NOT NULL,
     model_fingerprint TEXT NOT NULL, layer_index INTEGER NOT NULL, layer_kind TEXT NOT NULL,
     tp INTEGER NOT NULL, samples INTEGER NOT NULL, forward_s REAL NOT NULL,
-    forward_backward_s REAL NOT NULL);
+    forward_backward_s REAL NOT NULL, backward_temp_bytes INTEGER);
 CREATE TABLE IF NOT EXISTS efficiency (
     profile_id INTEGER NOT NULL REFERENCES profiles(id), gpu_type TEXT NOT NULL,
     params_json TEXT NOT NULL, median_rel_error REAL, rows INTEGER NOT NULL);
@@ -113,6 +115,7 @@ class LayerRow:
     samples: int
     forward_s: float
     forward_backward_s: float
+    backward_temp_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,21 @@ class LayerTiming:
     samples: tuple[int, ...]
     forward_s: tuple[float, ...]
     forward_backward_s: tuple[float, ...]
+    backward_temp_bytes: tuple[int | None, ...] = ()
+
+    def activation_bytes_per_sample(self) -> float | None:
+        """Bytes the layer's forward+backward holds per sample: the least-squares slope of
+        its temporary bytes over the sample counts (the intercept is workspace that does
+        not grow with the batch); with one count, bytes over samples; None unmeasured."""
+        pts = [(s, b) for s, b in zip(self.samples, self.backward_temp_bytes) if b is not None]
+        if not pts:
+            return None
+        if len({s for s, _ in pts}) < 2:
+            return max(b / s for s, b in pts)
+        ms = sum(s for s, _ in pts) / len(pts)
+        mb = sum(b for _, b in pts) / len(pts)
+        slope = sum((s - ms) * (b - mb) for s, b in pts) / sum((s - ms) ** 2 for s, _ in pts)
+        return max(slope, 0.0)
 
 
 @dataclass(frozen=True)
@@ -185,6 +203,16 @@ def connect(path: str | Path, create: bool = False) -> sqlite3.Connection:
     except sqlite3.DatabaseError as e:
         conn.close()
         raise SpecError("profile_db", str(p), f"not a profile store ({e})") from None
+    if version is not None and int(version[0]) == 1:
+        try:  # version 1 → 2: the layers' temporary bytes, unknown for old rows
+            conn.execute("ALTER TABLE layers ADD COLUMN backward_temp_bytes INTEGER")
+            conn.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
+            conn.commit()
+            version = (str(SCHEMA_VERSION),)
+        except sqlite3.DatabaseError as e:
+            conn.close()
+            raise SpecError("profile_db", str(p), f"schema version 1 and cannot upgrade it ({e}); "
+                                                  "make it writable once") from None
     if version is None or int(version[0]) != SCHEMA_VERSION:
         conn.close()
         raise SpecError("profile_db", str(p), f"schema version {version and version[0]}, "
@@ -209,9 +237,10 @@ def write_profile(path: str | Path, profile: Profile) -> int:
         conn.executemany("INSERT INTO kernels VALUES (?,?,?,?,?,?,?)",
                          [(pid, r.kernel, r.dtype, r.shape, r.flops, r.bytes, r.seconds)
                           for r in profile.kernels])
-        conn.executemany("INSERT INTO layers VALUES (?,?,?,?,?,?,?,?,?)",
+        conn.executemany("INSERT INTO layers VALUES (?,?,?,?,?,?,?,?,?,?)",
                          [(pid, r.model, r.model_fingerprint, r.layer_index, r.layer_kind, r.tp,
-                           r.samples, r.forward_s, r.forward_backward_s) for r in profile.layers])
+                           r.samples, r.forward_s, r.forward_backward_s, r.backward_temp_bytes)
+                          for r in profile.layers])
         if profile.efficiency is not None:
             conn.execute("INSERT INTO efficiency VALUES (?,?,?,?,?)",
                          (pid, info.gpu_type, json.dumps(asdict(profile.efficiency)),
@@ -270,7 +299,7 @@ def read_profile(path: str | Path, profile_id: int) -> Profile:
             (profile_id,)))
         lay = tuple(LayerRow(*r) for r in conn.execute(
             "SELECT model, model_fingerprint, layer_index, layer_kind, tp, samples, forward_s, "
-            "forward_backward_s FROM layers WHERE profile_id=?", (profile_id,)))
+            "forward_backward_s, backward_temp_bytes FROM layers WHERE profile_id=?", (profile_id,)))
         e = conn.execute("SELECT params_json, median_rel_error FROM efficiency WHERE profile_id=?",
                          (profile_id,)).fetchone()
     finally:
@@ -301,21 +330,21 @@ def load_profile_view(path: str | Path) -> ProfileView:
         coll = {gpu: tuple(CollectiveRow(*r) for r in conn.execute(
             "SELECT op, group_size, num_nodes, gpus_per_node, replica_groups, bytes, seconds "
             "FROM collectives WHERE profile_id=?", (pid,))) for gpu, pid in newest_coll.items()}
-        points: dict[tuple[str, str, int, int], list[tuple[int, float, float]]] = {}
-        for gpu, fp, idx, tp, samples, f, fb in conn.execute(
+        points: dict[tuple[str, str, int, int], list[tuple[int, float, float, int | None]]] = {}
+        for gpu, fp, idx, tp, samples, f, fb, temp in conn.execute(
                 "SELECT p.gpu_type, l.model_fingerprint, l.layer_index, l.tp, l.samples, l.forward_s, "
-                "l.forward_backward_s FROM layers l JOIN profiles p ON p.id=l.profile_id "
+                "l.forward_backward_s, l.backward_temp_bytes FROM layers l JOIN profiles p ON p.id=l.profile_id "
                 "WHERE l.profile_id = (SELECT MAX(l2.profile_id) FROM layers l2 JOIN profiles p2 "
                 "ON p2.id=l2.profile_id WHERE p2.gpu_type=p.gpu_type "
                 "AND l2.model_fingerprint=l.model_fingerprint)"):
-            points.setdefault((gpu, fp, idx, tp), []).append((samples, f, fb))
+            points.setdefault((gpu, fp, idx, tp), []).append((samples, f, fb, temp))
     finally:
         conn.close()
     layers = {}
     for key, pts in points.items():
-        pts.sort()
+        pts.sort(key=lambda p: p[0])
         layers[key] = LayerTiming(tuple(p[0] for p in pts), tuple(p[1] for p in pts),
-                                  tuple(p[2] for p in pts))
+                                  tuple(p[2] for p in pts), tuple(p[3] for p in pts))
     return ProfileView(str(path), effs, coll, layers)
 
 

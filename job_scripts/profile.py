@@ -203,8 +203,9 @@ def _layers(world: World, settings: Settings, model_name: str, max_tp: int):
                     continue
                 forward, backward, (params, x, labels) = programs
                 f = pm.time_call(forward, (params, x, labels), settings.repeats).median_s
+                backward, temp_bytes = pm.compiled_with_temp_bytes(backward, (params, x, labels))
                 fb = pm.time_call(backward, (params, x, labels), settings.repeats).median_s
-                rows.extend(LayerRow(spec.name, fp, i, sig[0], tp, samples, f, fb) for i in indices)
+                rows.extend(LayerRow(spec.name, fp, i, sig[0], tp, samples, f, fb, temp_bytes) for i in indices)
         _progress(world, f"{model_name}: layer kind {n}/{len(groups)} ({sig[0]}, {len(indices)} "
                          f"layer{'s' if len(indices) > 1 else ''}) after {time.monotonic() - start:.0f} s")
     return tuple(rows)

@@ -198,6 +198,18 @@ def layer_share_programs(arch: jm.Arch, index: int, tp: int, samples: int, devic
     return forward, backward, (params, x, labels)
 
 
+def compiled_with_temp_bytes(program, args: Sequence):
+    """(the program compiled for ``args``, its temporary bytes as XLA planned them, or None
+    where the backend does not say)."""
+    compiled = program.lower(*args).compile()
+    try:
+        analysis = compiled.memory_analysis()
+        temp = int(analysis.temp_size_in_bytes) if analysis is not None else None
+    except (AttributeError, NotImplementedError, RuntimeError):
+        temp = None
+    return compiled, temp
+
+
 def distinct_layers(arch: jm.Arch) -> dict[tuple, list[int]]:
     """Layer indices grouped by what makes two layers interchangeable (same kind, shapes)."""
     groups: dict[tuple, list[int]] = {}

@@ -194,3 +194,55 @@ def test_fit_rate_stays_physical_when_timings_do_not_grow_with_work():
     fit = fit_rate(work, [1e-3, 1.2e-3, 1.1e-3])
     assert 1e8 / 1.1e-3 <= fit.rate <= 2 * 1e8 / 1.1e-3
     assert fit.half_work <= 1e8
+
+
+def test_activation_bytes_per_sample_is_the_slope_of_the_compiled_temporaries():
+    """Workspace that does not grow with the batch (the intercept) is left out."""
+    t = LayerTiming((1, 2, 4, 8), (1.0,) * 4, (3.0,) * 4, (1100, 2100, 4100, 8100))
+    assert t.activation_bytes_per_sample() == pytest.approx(1000.0)
+    assert LayerTiming((4,), (1.0,), (3.0,), (4000,)).activation_bytes_per_sample() == 1000.0
+    assert LayerTiming((1, 2), (1.0, 1.0), (3.0, 3.0), (None, None)).activation_bytes_per_sample() is None
+    assert LayerTiming((1, 2), (1.0, 1.0), (3.0, 3.0)).activation_bytes_per_sample() is None
+
+
+def test_profiled_activations_set_the_memory_and_say_so(tmp_path):
+    """Layers whose compiled temporaries are known give the stage's activation memory
+    (memory_fidelity: profiled), worked by hand for two a10s (tp 2) without remat; a store
+    without them leaves the memory analytic; time and memory are reported apart."""
+    from estimator.cells import Cell
+    from estimator.estimate import estimate_cell
+    from estimator.memory import activation_bytes
+    db, _ = _profile(tmp_path, eff=TRUE)
+    job, cluster = JobSpec("gpt-760m", 8, 2, "a10"), load_cluster("lab")
+    cell = Cell("a10", 2, 2, 1)
+    # tp 2 is the plan either way (dp 2 keeps whole states on a 24 GB a10; ZeRO is not tried
+    # for runnable plans), fitting or not.
+    opts = EstimateOptions(profile_db=str(db), remat=False, micro_batches=1)
+    without = estimate_cell(job, cell, cluster, opts)
+    assert without.fidelity == "profiled" and without.memory_fidelity == "analytic"
+    spec = load_model("gpt-760m")
+    # Bytes one sample holds through any layer, as "compiled": 0.8 of the formula's mean,
+    # so that the activations still set the peak (rather than the optimizer update).
+    per_sample = 0.8 * sum(activation_bytes(layer, 2) for layer in spec.layers) / len(spec.layers)
+    with connect(db) as conn:
+        conn.execute("UPDATE layers SET backward_temp_bytes = 500 + samples * ?", (per_sample,))
+    with_bytes = estimate_cell(job, cell, cluster, opts)
+    assert with_bytes.memory_fidelity == "profiled" and with_bytes.fidelity == "profiled"
+    assert with_bytes.stages == without.stages and with_bytes.stages[0].tp == 2
+    analytic_acts = 8 * sum(activation_bytes(layer, 2) for layer in spec.layers)
+    profiled_acts = 8 * per_sample * len(spec.layers)
+    assert with_bytes.peak_memory_gb - without.peak_memory_gb == pytest.approx(
+        (profiled_acts - analytic_acts) / 1e9, rel=1e-6)
+
+
+def test_a_version_1_store_is_upgraded_when_opened(tmp_path):
+    import sqlite3
+    db, pid = _profile(tmp_path)
+    with sqlite3.connect(db) as conn:  # make it look like a version-1 store
+        conn.execute("ALTER TABLE layers DROP COLUMN backward_temp_bytes")
+        conn.execute("UPDATE meta SET value='1' WHERE key='schema_version'")
+    conn.close()
+    p = read_profile(db, pid)
+    assert p.layers and all(r.backward_temp_bytes is None for r in p.layers)
+    with connect(db) as conn:
+        assert conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() == ("2",)

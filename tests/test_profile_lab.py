@@ -45,6 +45,7 @@ def test_profile_two_nodes_then_estimate_prefers_it(slurm_lab, slurm_client, tmp
     assert {r["layer_index"] for r in layers} == set(range(26))  # every layer of gpt-760m
     assert {r["tp"] for r in layers} == {1, 2, 4}
     assert all(r["forward_backward_s"] > r["forward_s"] > 0 for r in layers)
+    assert all(r["backward_temp_bytes"] > 0 for r in layers)  # XLA's compiled temporaries
 
     est = ["estimate", "--cluster", "lab", "--gpu-type", "a10", "--model", "gpt-760m",
            "--global-batch", "16", "--json"]
@@ -52,6 +53,7 @@ def test_profile_two_nodes_then_estimate_prefers_it(slurm_lab, slurm_client, tmp
     analytic = json.loads(_cli(est, env, tmp_path, 120).stdout)
     cells = [c for c in profiled["cells"] if c["feasible"]]
     assert cells and all(c["fidelity"] == "profiled" for c in cells)
+    assert all(c["memory_fidelity"] == "profiled" for c in cells)  # time and memory each profiled
     assert any(c["comm_source"] == "profile" for c in cells)  # cross-node curves measured too
     times = {(c["num_gpus"], c["num_stages"]): c["iteration_time_s"] for c in analytic["cells"] if c["feasible"]}
     assert all(c["iteration_time_s"] != times[(c["num_gpus"], c["num_stages"])] for c in cells)
