@@ -387,6 +387,22 @@ def _gradient_sync_s(ctx: _Context, plan: StagePlan, first_device: int, grad_byt
     return t
 
 
+def pipeline_peak_gb(costs: tuple[StageCost, ...], memory: MemoryOptions) -> float:
+    """Peak memory per GPU of a plan. The runner runs every stage as one SPMD program, so
+    each device's weight, gradient, optimizer and kept-activation buffers are as long as
+    the largest stage's (``job_scripts.packing``): a pipeline's stages are padded to the
+    largest of each. Other programs (``memory.program``), single stages and compiled
+    figures take each stage's own peak."""
+    if memory.program != "runner" or len(costs) < 2 or any(c.compiled_peak_gb is not None for c in costs):
+        return max(c.peak_gb for c in costs)
+    m = [c.memory for c in costs]
+    padded = StageMemory(max(x.weights_gb for x in m), max(x.gradients_gb for x in m),
+                         max(x.optimizer_gb for x in m), max(x.activations_gb for x in m),
+                         max(x.reserve_gb for x in m), max(x.update_gb for x in m),
+                         any(x.accumulating for x in m), max(x.host_gb for x in m))
+    return max(padded.peak_gb, max(c.peak_gb for c in costs))
+
+
 def pipeline_time_s(costs: tuple[StageCost, ...], micro_batches: int) -> float:
     """GPipe: first micro-batch through every stage, then B − 1 at the slowest stage's pace."""
     per_micro = [c.micro_batch_s for c in costs]
@@ -477,7 +493,7 @@ def score_plan(job: JobSpec, cell: Cell, cluster: ClusterSpec, stages: tuple[Sta
         first += plan.num_gpus
     bad = next((c for c in costs if not c.feasible), None)
     return PlanScore(pipeline_time_s(tuple(costs), micro_batches),
-                     max(c.peak_gb for c in costs), bad is None, bad.reason if bad else "",
+                     pipeline_peak_gb(costs, options.memory), bad is None, bad.reason if bad else "",
                      tuple(c.micro_batch_s for c in costs), _comm_label({c.comm_source for c in costs}))
 
 
@@ -627,7 +643,11 @@ def _assemble(job: JobSpec, ctx: _Context, ranges, per_stage, default_ranges) ->
     bad = next((c for c in costs if not c.feasible), None)
     t = pipeline_time_s(costs, ctx.micro_batches)
     source = _comm_label({c.comm_source for c in costs})
-    peak = max(c.peak_gb for c in costs)
+    peak = pipeline_peak_gb(costs, options.memory)
+    if bad is None and peak > _gpu_type(cell.gpu_type).memory_gb * options.memory.usable_frac:
+        bad = replace(costs[0], reason=f"stages padded to the largest stage's buffers need {peak:.1f} GB per GPU, "
+                                       f"{cell.gpu_type} has "
+                                       f"{_gpu_type(cell.gpu_type).memory_gb * options.memory.usable_frac:.1f} GB usable")
     plans = tuple(c.plan for c in costs)
     fidelity = "compiled" if compiled else \
         PROFILED if all(c.compute_source == PROFILED for c in costs) else "analytic"

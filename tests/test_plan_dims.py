@@ -111,3 +111,20 @@ def test_arena_stage_counts_are_estimated_where_faster_and_refused_by_the_runner
     with pytest.raises(SpecError, match="same power-of-two device count") as err:
         plan_from_string(arena.plan, load_model("wide_resnet-2b"), builtin_arch("wide_resnet-2b"), 64, 64, 4)
     assert "\n" not in str(err.value)
+
+
+def test_the_runners_pipeline_pads_every_stage_to_the_largest_buffers():
+    """One SPMD program: each device's buffers are as long as the largest stage's, so a
+    stage heavy in weights and one heavy in activations cost each device both; Alpa's
+    program and single stages take each stage's own peak."""
+    from estimator.estimate import StageCost, pipeline_peak_gb
+    from estimator.memory import StageMemory
+    from estimator.cells import StagePlan
+    heavy_weights = StageMemory(10.0, 1.0, 8.0, 2.0, 1.0)
+    heavy_acts = StageMemory(2.0, 1.0, 2.0, 12.0, 1.0)
+    costs = tuple(StageCost(StagePlan(0, 1, 1, 1), 1.0, 0.0, 0.0, m, True, "", "table")
+                  for m in (heavy_weights, heavy_acts))
+    assert heavy_weights.peak_gb == 22.0 and heavy_acts.peak_gb == 18.0
+    assert pipeline_peak_gb(costs, MemoryOptions()) == 10.0 + 8.0 + 1.0 + (1.0 + 12.0)
+    assert pipeline_peak_gb(costs, MemoryOptions(program="alpa")) == 22.0
+    assert pipeline_peak_gb(costs[:1], MemoryOptions()) == 22.0
