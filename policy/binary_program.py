@@ -41,7 +41,8 @@ class Solution:
 
 def solve_binary_program(objective: dict[int, float], rows: list[Row], num_vars: int, maximize: bool,
                          time_limit_s: float, start: list[int] | None = None,
-                         solvers: tuple[str, ...] = SOLVERS, gap_rel: float = DEFAULT_GAP_REL) -> Solution | None:
+                         solvers: tuple[str, ...] = SOLVERS, gap_rel: float = DEFAULT_GAP_REL,
+                         max_nodes: int | None = None) -> Solution | None:
     """Solve the program (see the module docstring); None when no solver answers.
 
     Args:
@@ -53,13 +54,16 @@ def solve_binary_program(objective: dict[int, float], rows: list[Row], num_vars:
         start: indices set to 1 in a known assignment, handed to the solvers as a start.
         solvers: which to try, in order (``highs``, ``cbc``).
         gap_rel: the relative gap at which a solver may stop and call its answer optimal.
+        max_nodes: a deterministic budget: branch-and-bound nodes each solver may explore
+            (None: no budget beyond the time limit). Unlike a time limit, the answer does
+            not depend on how busy the machine is.
     """
     unknown = [name for name in solvers if name not in _SOLVE]
     if unknown:
         raise ValueError(f"unknown solver {unknown[0]!r}; known: {', '.join(SOLVERS)}")
     for name in solvers:
         try:
-            got = _SOLVE[name](objective, rows, num_vars, maximize, time_limit_s, start, gap_rel)
+            got = _SOLVE[name](objective, rows, num_vars, maximize, time_limit_s, start, gap_rel, max_nodes)
         except Exception as e:  # a missing or crashing solver must not stop a round
             log.warning("solver %s failed: %s", name, e)
             continue
@@ -79,7 +83,8 @@ def satisfies(chosen, rows: list[Row]) -> bool:
     return True
 
 
-def _solve_highs(objective, rows, num_vars, maximize, time_limit_s, start, gap_rel) -> tuple[list[int], bool] | None:
+def _solve_highs(objective, rows, num_vars, maximize, time_limit_s, start, gap_rel,
+                 max_nodes=None) -> tuple[list[int], bool] | None:
     import highspy
 
     h = highspy.Highs()
@@ -87,6 +92,8 @@ def _solve_highs(objective, rows, num_vars, maximize, time_limit_s, start, gap_r
     h.setOptionValue("time_limit", float(time_limit_s))
     h.setOptionValue("threads", 1)  # the program is small; worker threads only wait on a busy machine
     h.setOptionValue("mip_rel_gap", float(gap_rel))
+    if max_nodes is not None:
+        h.setOptionValue("mip_max_nodes", int(max_nodes))
     lp = highspy.HighsLp()
     lp.num_col_ = num_vars
     lp.num_row_ = len(rows)
@@ -125,7 +132,8 @@ def _solve_highs(objective, rows, num_vars, maximize, time_limit_s, start, gap_r
     return [i for i, x in enumerate(h.getSolution().col_value) if x > 0.5], optimal
 
 
-def _solve_cbc(objective, rows, num_vars, maximize, time_limit_s, start, gap_rel) -> tuple[list[int], bool] | None:
+def _solve_cbc(objective, rows, num_vars, maximize, time_limit_s, start, gap_rel,
+               max_nodes=None) -> tuple[list[int], bool] | None:
     import pulp
 
     prob = pulp.LpProblem("policy", pulp.LpMaximize if maximize else pulp.LpMinimize)
@@ -144,7 +152,7 @@ def _solve_cbc(objective, rows, num_vars, maximize, time_limit_s, start, gap_rel
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(math.ceil(time_limit_s))),
-                                   warmStart=start is not None, gapRel=gap_rel)
+                                   warmStart=start is not None, gapRel=gap_rel, maxNodes=max_nodes)
     if not solver.available():
         return None
     prob.solve(solver)

@@ -32,8 +32,11 @@ Every round Sia re-plans every job's configuration with one integer linear progr
   ``--round-s 60`` gives Sia its own.
 
 The ILP goes through ``policy.binary_program`` (HiGHS, CBC as fallback) with Sia's
-relative gap of 1e-4 and, by default, no time limit: it is solved to that gap every time
-(measured in docs/simulation.md), so a decision does not depend on the machine's load.
+relative gap of 1e-4, a deterministic budget of ``node_budget`` branch-and-bound nodes
+(100,000 by default; a solve that reaches it keeps the best answer found, the same on
+any machine) and,
+by default, no time limit: it is solved to that gap every time, so a decision does not
+depend on the machine's load.
 ``time_limit_s`` caps a solve in wall-clock seconds only when given; an answerless solve
 falls back to keeping running jobs and admitting pending ones FIFO.
 
@@ -68,6 +71,7 @@ VALUE_DECIMALS = 2  # Sia rounds G^p to 2 decimals before solving
 GAP_REL = 1e-4  # Sia's sia_solver_thresh
 MIN_OBSERVE_S = 60.0  # progress watched this long (one Sia round) makes an observation
 NO_LIMIT_S = 86400.0  # "no time limit", finite so that CBC (whole seconds) accepts it too
+NODE_BUDGET = 100_000  # branch-and-bound nodes per solve: a deterministic budget
 
 
 @dataclass(frozen=True)
@@ -141,6 +145,7 @@ class SiaPolicy:
         lambda_unallocated: λ, the objective's cost of a job left without GPUs.
         round_s: Sia's round; events closer than this to the last solve change nothing.
         time_limit_s: wall-clock cap of one solve, or None (default): solved to the gap.
+        node_budget: branch-and-bound nodes one solve may explore (deterministic).
     """
 
     name = "sia"
@@ -149,13 +154,14 @@ class SiaPolicy:
                           "no profiling run is charged")
 
     def __init__(self, fairness_p: float = FAIRNESS_P, lambda_unallocated: float = LAMBDA_UNALLOCATED,
-                 round_s: float = ROUND_S, time_limit_s: float | None = None):
+                 round_s: float = ROUND_S, time_limit_s: float | None = None, node_budget: int = NODE_BUDGET):
         if fairness_p == 0:
             raise ValueError("fairness_p must not be 0 (Sia uses -0.5)")
         self.p = fairness_p
         self.lam = lambda_unallocated
         self.round_s = round_s
         self.time_limit_s = time_limit_s
+        self.node_budget = node_budget
 
     def decide(self, snapshot: Snapshot) -> Decision:
         """Record what running jobs show; at a round, solve and place the answer."""
@@ -276,7 +282,7 @@ class SiaPolicy:
                  for c in configs[j.job_id] if c.cell == j.cell]
         got = solve_binary_program(objective, rows, len(flat), maximize=False,
                                    time_limit_s=self.time_limit_s if self.time_limit_s is not None else NO_LIMIT_S,
-                                   start=start, gap_rel=GAP_REL)
+                                   start=start, gap_rel=GAP_REL, max_nodes=self.node_budget)
         if got is None:
             return None
         if not got.optimal:

@@ -206,3 +206,14 @@ def test_sia_restart_factor_keeps_a_young_job_where_it_is():
 
     assert at(1000.0) == 1
     assert at(10000.0) == 2
+
+
+def test_the_solver_budget_is_deterministic_nodes_not_seconds():
+    """A node budget reaches both solvers; the same program answers the same under it."""
+    from policy.binary_program import solve_binary_program
+    objective = {i: float(1 + (i * 7) % 5) for i in range(12)}
+    rows = [({i: 1.0 for i in range(k, 12, 3)}, "<=", 2.0) for k in range(3)]
+    answers = {solve_binary_program(objective, rows, 12, True, 60.0, solvers=(name,), max_nodes=1).chosen
+               for name in ("highs", "cbc") for _ in range(2)}
+    assert len(answers) == 1
+    assert SiaPolicy().node_budget == 100_000
