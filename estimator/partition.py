@@ -38,15 +38,21 @@ def balanced_partition(loads: Sequence[float], cut_bytes: Sequence[float],
     return _balanced_partition(tuple(loads), tuple(cut_bytes), num_stages)
 
 
-@lru_cache(maxsize=4096)
-def _balanced_partition(loads: tuple[float, ...], cut_bytes: tuple[float, ...],
-                        num_stages: int) -> tuple[tuple[int, int], ...]:
+def _prefix_sums(loads: tuple[float, ...], num_stages: int) -> list[float]:
+    """Running totals of the layers' loads (0 first), after checking the stage count."""
     n = len(loads)
     if not 1 <= num_stages <= n:
         raise SpecError("num_stages", num_stages, f"give 1 to {n} stages for {n} layers")
     prefix = [0.0]
     for x in loads:
         prefix.append(prefix[-1] + x)
+    return prefix
+
+
+@lru_cache(maxsize=4096)
+def _balanced_partition(loads: tuple[float, ...], cut_bytes: tuple[float, ...],
+                        num_stages: int) -> tuple[tuple[int, int], ...]:
+    n, prefix = len(loads), _prefix_sums(loads, num_stages)
     inf = float("inf")
     # Phase 1: the smallest achievable largest-stage load (min-max linear partition).
     # best[k][i]: smallest max load splitting the first i layers into k stages.
@@ -85,12 +91,7 @@ def weighted_partition(loads: Sequence[float], gpus: Sequence[int]) -> tuple[tup
 
 @lru_cache(maxsize=4096)
 def _weighted_partition(loads: tuple[float, ...], gpus: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-    n, s = len(loads), len(gpus)
-    if not 1 <= s <= n:
-        raise SpecError("num_stages", s, f"give 1 to {n} stages for {n} layers")
-    prefix = [0.0]
-    for x in loads:
-        prefix.append(prefix[-1] + x)
+    n, s, prefix = len(loads), len(gpus), _prefix_sums(loads, len(gpus))
     inf = float("inf")
     best = [[inf] * (n + 1) for _ in range(s + 1)]
     back = [[0] * (n + 1) for _ in range(s + 1)]
@@ -134,16 +135,13 @@ def arena_stage_gpus(loads: Sequence[float], num_gpus: int, num_stages: int
 @lru_cache(maxsize=1024)
 def _arena(loads: tuple[float, ...], num_gpus: int, num_stages: int
            ) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
-    n = len(loads)
-    if not 1 <= num_stages <= n or num_gpus < num_stages:
-        raise SpecError("num_stages", num_stages, f"give 1 to {min(n, num_gpus)} stages")
+    if num_gpus < num_stages:
+        raise SpecError("num_stages", num_stages, f"needs a GPU per stage, the Cell has {num_gpus}")
+    n, prefix = len(loads), _prefix_sums(loads, num_stages)
     share = max(1, num_gpus // num_stages)
     options = [g for g in (share // 4, share // 2, share, share * 2, share * 4)
                if g >= 1 and not g & (g - 1) and g <= num_gpus]
     options = sorted(set(options), key=lambda g: (g != share, g))  # equal share first: it wins ties
-    prefix = [0.0]
-    for x in loads:
-        prefix.append(prefix[-1] + x)
     inf = float("inf")
     # best[(k, i, used)]: smallest largest per-GPU load of the first i layers on k stages
     # that use ``used`` GPUs; back: (j, g) of the k-th stage.
