@@ -24,7 +24,9 @@ finished run is also written to ``--out`` as it ends, so a long run can be resum
 summarized (median, mean, worst = highest).
 
 Usage: ``python benchmarks/baselines_faithful.py --trace ../shared/data/traces/itp_cluster08.csv
---seeds 0 1 2 --out benchmarks/results_baselines_faithful_itp.json``
+--seeds 0 1 2 --out benchmarks/results_baselines_faithful_itp.json``; ``--tables FILE ...``
+prints the Markdown tables of finished result files instead (``--merge`` first folds the
+runs of the later files into the first, rewriting it).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from policy.report import summarize  # noqa: E402
 from policy.simulator import EstimateCache, SimConfig, simulate, start_costs  # noqa: E402
 from policy.trace import map_trace, offered_load, read_trace, trace_kind_for  # noqa: E402
 
-POLICIES = ("crius", "cells-ilp", "sia", "gavel", "gavel-greedy", "elasticflow", "fcfs")
+POLICIES = ("crius", "cells-ilp", "sia", "gavel", "gavel-greedy", "elasticflow", "elasticflow-blocking", "fcfs")
 OWN_ROUNDS = ("gavel", "sia")  # policies whose papers set their round length
 PRUNED_OWN = ("crius", "cells-ilp")  # their own charge is the runtime's pruned search
 
@@ -96,13 +98,76 @@ def aggregate(runs: dict, seeds: list[int]) -> tuple[dict, dict]:
             {v: {p: stats(xs) for p, xs in d.items()} for v, d in ratio.items()})
 
 
+def merge(paths: list[str]) -> dict:
+    """The first report with the runs of the others added (same trace), re-summarized."""
+    reports = [json.loads(Path(p).read_text()) for p in paths]
+    first = reports[0]
+    for other in reports[1:]:
+        if other["trace"] != first["trace"]:
+            raise SystemExit(f"cannot merge {other['trace']} into {first['trace']}")
+        for variant, per_seed in other["runs"].items():
+            for seed, per_policy in per_seed.items():
+                first["runs"].setdefault(variant, {}).setdefault(seed, {}).update(per_policy)
+    first["seeds"] = sorted({int(s) for r in reports for s in r["runs"].get("equal", {})})
+    first["avg_jct_h"], first["vs_crius"] = aggregate(first["runs"], first["seeds"])
+    first["command"] = " ; ".join(dict.fromkeys(r["command"] for r in reports))
+    Path(paths[0]).write_text(json.dumps(first, indent=1) + "\n")
+    return first
+
+
+def tables(report: dict) -> str:
+    """Markdown: average JCT per policy and seed on equal costs, its ratio to crius, and the
+    sensitivity variants against the default on the same seeds."""
+    eq, ratio = report["avg_jct_h"]["equal"], report["vs_crius"]["equal"]
+    seeds = report["runs"]["equal"]
+    lines = [f"**{report['trace']}** ({report['cluster']}, density 1, seeds {', '.join(sorted(seeds))}), "
+             "equal costs, gavel and sia on their own rounds:", "",
+             "| policy | avg JCT per seed (h) | mean (h) | ÷ crius: median / mean / worst | restarts/job | avg queue (h) |",
+             "|---|---|---|---|---|---|"]
+    for name in sorted(eq, key=lambda n: eq[n]["mean"]):
+        runs = [seeds[s][name] for s in sorted(seeds) if name in seeds[s]]
+        restarts = statistics.fmean(r["restarts_per_job"] for r in runs)
+        queue_h = statistics.fmean(r["avg_queue_s"] for r in runs) / 3600
+        r = ratio.get(name, {})
+        lines.append(f"| {name} | {' / '.join(f'{x:.3f}' for x in eq[name]['per_seed'])} | {eq[name]['mean']:.3f} | "
+                     f"{r.get('median', float('nan')):.3f} / {r.get('mean', float('nan')):.3f} / "
+                     f"{r.get('worst', float('nan')):.3f} | {restarts:.3f} | {queue_h:.2f} |")
+    variants = [v for v in report["runs"] if v != "equal"]
+    if variants:
+        lines += ["", "Sensitivity (seed " + ", ".join(sorted(report["runs"][variants[0]])) + "): average JCT in hours, "
+                  "÷ crius in brackets; a variant re-runs only the policies it changes.", "",
+                  "| policy | equal costs, own rounds | " + " | ".join(variants) + " |",
+                  "|---|---|" + "---|" * len(variants)]
+        sens_seeds = sorted(report["runs"][variants[0]])
+        for name in sorted(eq, key=lambda n: eq[n]["mean"]):
+            cells = []
+            for v in ["equal", *variants]:
+                vals = []
+                for s in sens_seeds:
+                    merged = {**report["runs"]["equal"].get(s, {}), **report["runs"][v].get(s, {})}
+                    if name in merged and "crius" in merged:
+                        j = merged[name]["avg_jct_s"]
+                        vals.append(f"{j / 3600:.3f} ({j / merged['crius']['avg_jct_s']:.2f})")
+                cells.append(" / ".join(vals) or "–")
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
+    if "--tables" in sys.argv:
+        ap = argparse.ArgumentParser(description="Markdown tables of finished result files")
+        ap.add_argument("--tables", nargs="+", required=True)
+        ap.add_argument("--merge", action="store_true", help="fold the later files' runs into the first")
+        args = ap.parse_args()
+        reports = [merge(args.tables)] if args.merge else [json.loads(Path(p).read_text()) for p in args.tables]
+        print("\n".join(tables(r) for r in reports))
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", required=True)
     ap.add_argument("--cluster", default="crius-1280")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--policy", action="append", help="policies (default: all of crius, cells-ilp, sia, gavel, "
-                                                      "gavel-greedy, elasticflow, fcfs)")
+                                                      "gavel-greedy, elasticflow, elasticflow-blocking, fcfs)")
     ap.add_argument("--variant", action="append", help="variants to run (default: all)")
     ap.add_argument("--sensitivity-seeds", type=int, nargs="+", default=None,
                     help="seeds the sensitivity variants run on (default: the first seed)")

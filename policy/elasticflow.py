@@ -225,3 +225,14 @@ def _min_share(snapshot: Snapshot, job: JobView, table: RateTable, gtype: str,
         if finish <= job.deadline_s:
             return n
     return None
+
+
+class ElasticFlowBlockingPolicy(ElasticFlowPolicy):
+    """ElasticFlow as the Arena paper restated it: a pending job whose minimum share does
+    not fit blocks the later jobs of its type (no starvation of large jobs, at the cost of
+    idle GPUs while the head waits)."""
+
+    name = "elasticflow-blocking"
+
+    def __init__(self, min_gain_frac: float = 0.0, deadline_aware: bool = False, blocking: bool = True):
+        super().__init__(min_gain_frac, deadline_aware, blocking)

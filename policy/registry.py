@@ -20,6 +20,7 @@ POLICIES: dict[str, str] = {
     "gavel": "policy.gavel:GavelPolicy",
     "gavel-greedy": "policy.gavel_greedy:GavelGreedyPolicy",
     "elasticflow": "policy.elasticflow:ElasticFlowPolicy",
+    "elasticflow-blocking": "policy.elasticflow:ElasticFlowBlockingPolicy",
     "sia": "policy.sia:SiaPolicy",
     "cells-ilp": "policy.cells_ilp:CellsIlpPolicy",
     "cells-ilp-no-restart": "policy.cells_ilp:CellsIlpNoRestartPenalty",
