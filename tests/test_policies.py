@@ -148,14 +148,18 @@ def test_elasticflow_admission_passes_over_a_job_that_does_not_fit():
     assert final_cell(s, d, "first") is None and final_cell(s, d, "later") is None
 
 
-def test_elasticflow_ranks_doublings_by_relative_speedup_not_raw_samples():
-    """A fast small model gaining 20 samples/s on 100 (1.2x) loses the spare GPUs to a slow
-    large model gaining 5 on 10 (1.5x)."""
+def test_elasticflow_ranks_doublings_by_the_run_time_they_save():
+    """The spare GPUs go where they save the most remaining run time per GPU: a fast small
+    model gaining 20 samples/s on 100 saves 64,000 × (1/100 − 1/120) = 107 s, a slow one
+    gaining 5 on 10 saves 2,133 s; but the slow job with 1 % of its work left saves 21 s."""
     fast = job("fast", {("a100", 2): 100.0, ("a100", 4): 120.0}, gpus=2)
     slow = job("slow", {("a100", 2): 10.0, ("a100", 4): 15.0}, gpus=2, submit=1.0)
     s = snap([a100(1), a100(2, unmanaged=2)], [fast, slow])  # 6 GPUs: 2 + 2, then one doubling
     d = run(ElasticFlowPolicy(), s)
     assert (cell_of(d, "fast"), cell_of(d, "slow")) == (("a100", 2), ("a100", 4))
+    nearly_done = job("slow", {("a100", 2): 10.0, ("a100", 4): 15.0}, gpus=2, submit=1.0, done=990.0)
+    d = run(ElasticFlowPolicy(), snap([a100(1), a100(2, unmanaged=2)], [fast, nearly_done]))
+    assert (cell_of(d, "fast"), cell_of(d, "slow")) == (("a100", 4), ("a100", 2))
 
 
 # ---- Crius -------------------------------------------------------------------------------
