@@ -442,3 +442,19 @@ def test_restart_costs_are_the_medians_the_runtime_reported():
     assert costs.checkpoint_resume_s == 35.0 + 7.0
     assert costs.tuning_pruned_s == 20.0 and costs.tuning_full_s == COSTS.tuning_full_s
     assert RestartCosts.from_reports([], COSTS) == COSTS
+
+
+def test_estimates_count_the_memory_of_the_program_the_rates_came_from():
+    """The shipped table ran Alpa (ZeRO-2 style states): a gpt-1.3b replica fits one a100
+    there, as the table ran it; the runner's replicated fp32 states would not, and
+    estimating them against Alpa's rates made data-parallel policies refuse it."""
+    from estimator.cluster import load_cluster
+    cluster = load_cluster("crius-1280")
+    spec = JobSpec("gpt-1.3b", 64, 1, "a100")
+
+    def one_gpu(program):
+        cells = EstimateCache(cluster, _table(), program=program)._analytic(spec, "dp-only")
+        return next(e for e in cells if e.cell.gpu_type == "a100" and e.cell.num_gpus == 1)
+
+    assert one_gpu("alpa").feasible and EstimateCache(cluster, _table()).program == "alpa"
+    assert not one_gpu("runner").feasible

@@ -88,6 +88,10 @@ def _measured_costs(paths: tuple[str, ...]):
                    "papers unless --rounds-for-all.")
 @click.option("--rounds-for-all", is_flag=True, help="--round-s also sets the rounds of gavel and sia.")
 @click.option("--measured", "measured_path", default=None, help="Measured iteration-time CSV (ground truth).")
+@click.option("--measured-program", type=click.Choice(["alpa", "runner"]), default="alpa", show_default=True,
+              help="The program the measured rates came from, whose memory the policies' estimates count: alpa "
+                   "for the shipped table (the Crius/Arena artifact), runner for rates of this repository's "
+                   "runner.")
 @click.option("--json", "json_out", default=None, help="Write the JSON report here ('-' for stdout).")
 @click.option("--markdown", "markdown_out", default=None, help="Also write the Markdown table here.")
 @click.option("--plots", "plots_dir", default=None, help="Write PNG plots into this directory.")
@@ -106,6 +110,7 @@ def _measured_costs(paths: tuple[str, ...]):
               help="Forecast the start and end of every N-th job at its arrival (the policy run forward, "
                    "as the daemon does) and report the forecasts' error; 0: none.")
 def command(trace_path, cluster_name, policies, seed, density, oracle, round_s, rounds_for_all, measured_path,
+            measured_program,
             json_out, markdown_out, plots_dir, plan_search, restart_reports, quiet, forecast_every):
     """Replay a job trace on a cluster under one or more policies."""
     from policy.measured import load_measured
@@ -130,7 +135,7 @@ def command(trace_path, cluster_name, policies, seed, density, oracle, round_s, 
     load = offered_load(jobs, cluster.total_gpus())
     config = SimConfig(round_s=round_s, oracle=oracle, forecast_every_jobs=forecast_every,
                        plan_search=plan_search, costs=_measured_costs(restart_reports))
-    cache = EstimateCache(cluster, table, oracle)
+    cache = EstimateCache(cluster, table, oracle, program=measured_program)
     results, per_policy = [], {}
     for name in names:
         bar = None if quiet else _Progress(name)
