@@ -396,11 +396,11 @@ def pipeline_peak_gb(costs: tuple[StageCost, ...], memory: MemoryOptions) -> flo
     if memory.program != "runner" or len(costs) < 2 or any(c.compiled_peak_gb is not None for c in costs):
         return max(c.peak_gb for c in costs)
     m = [c.memory for c in costs]
-    padded = StageMemory(max(x.weights_gb for x in m), max(x.gradients_gb for x in m),
-                         max(x.optimizer_gb for x in m), max(x.activations_gb for x in m),
-                         max(x.reserve_gb for x in m), max(x.update_gb for x in m),
-                         any(x.accumulating for x in m), max(x.host_gb for x in m))
-    return max(padded.peak_gb, max(c.peak_gb for c in costs))
+    # Each buffer at least any stage's, so this is never below a stage's own peak.
+    return StageMemory(max(x.weights_gb for x in m), max(x.gradients_gb for x in m),
+                       max(x.optimizer_gb for x in m), max(x.activations_gb for x in m),
+                       max(x.reserve_gb for x in m), max(x.update_gb for x in m),
+                       any(x.accumulating for x in m), max(x.host_gb for x in m)).peak_gb
 
 
 def pipeline_time_s(costs: tuple[StageCost, ...], micro_batches: int) -> float:
@@ -644,10 +644,10 @@ def _assemble(job: JobSpec, ctx: _Context, ranges, per_stage, default_ranges) ->
     t = pipeline_time_s(costs, ctx.micro_batches)
     source = _comm_label({c.comm_source for c in costs})
     peak = pipeline_peak_gb(costs, options.memory)
-    if bad is None and peak > _gpu_type(cell.gpu_type).memory_gb * options.memory.usable_frac:
+    usable = _gpu_type(cell.gpu_type).memory_gb * options.memory.usable_frac
+    if bad is None and peak > usable:
         bad = replace(costs[0], reason=f"stages padded to the largest stage's buffers need {peak:.1f} GB per GPU, "
-                                       f"{cell.gpu_type} has "
-                                       f"{_gpu_type(cell.gpu_type).memory_gb * options.memory.usable_frac:.1f} GB usable")
+                                       f"{cell.gpu_type} has {usable:.1f} GB usable")
     plans = tuple(c.plan for c in costs)
     fidelity = "compiled" if compiled else \
         PROFILED if all(c.compute_source == PROFILED for c in costs) else "analytic"

@@ -28,6 +28,7 @@ from __future__ import annotations
 import heapq
 import logging
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -92,21 +93,18 @@ class RestartCosts:
         """
         base = base or cls()
 
-        def median(xs: list[float], default: float) -> float:
-            xs = sorted(x for x in xs if x is not None and x >= 0)
-            if not xs:
-                return default
-            mid = len(xs) // 2
-            return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+        def median(xs) -> float | None:
+            xs = [x for x in xs if x is not None and x >= 0]
+            return statistics.median(xs) if xs else None
 
-        first = [r.startup_s for r in reports if not r.restart_count]
-        later = [r.startup_s for r in reports if r.restart_count]
-        save_s = median([r.final_save_s for r in reports], 0.0)
-        resume_s = median(later, math.nan)
-        return cls(launch_s=median(first, base.launch_s),
-                   checkpoint_resume_s=base.checkpoint_resume_s if math.isnan(resume_s) else resume_s + save_s,
+        launch_s = median(r.startup_s for r in reports if not r.restart_count)
+        resume_s = median(r.startup_s for r in reports if r.restart_count)
+        save_s = median(r.final_save_s for r in reports) or 0.0
+        tuning_s = median(r.tuning_s for r in reports if r.candidates_measured)
+        return cls(launch_s=base.launch_s if launch_s is None else launch_s,
+                   checkpoint_resume_s=base.checkpoint_resume_s if resume_s is None else resume_s + save_s,
                    tuning_full_s=base.tuning_full_s,
-                   tuning_pruned_s=median([r.tuning_s for r in reports if r.candidates_measured], base.tuning_pruned_s),
+                   tuning_pruned_s=base.tuning_pruned_s if tuning_s is None else tuning_s,
                    tuning_budget_frac=base.tuning_budget_frac)
 
     def start_cost_s(self, mode: str, first: bool, new_cell: bool, remaining_run_s: float) -> float:
