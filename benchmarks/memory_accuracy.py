@@ -51,13 +51,14 @@ def estimate_plan_gb(model: str, global_batch: int, plan_text: str, gpu: str = "
 
 
 def score_plan_text(model: str, global_batch: int, plan_text: str, gpu: str = "h200",
-                    memory: MemoryOptions = MemoryOptions()):
-    """The analytic score (seconds per iteration, peak GB per GPU) of one plan string."""
+                    memory: MemoryOptions = MemoryOptions(), profile_db: str | None = None):
+    """The score (seconds per iteration, peak GB per GPU) of one plan string: analytic, or
+    from a profile store's measurements where it has them."""
     ps = parse_plan(plan_text)
     spec = load_model(model)
     cell = Cell(gpu, ps.num_gpus, max(ps.num_gpus, 1), ps.num_stages)
     stages = ps.stage_plans(partition_stages(spec, cell))
-    opts = EstimateOptions(memory=memory)
+    opts = EstimateOptions(memory=memory, profile_db=profile_db)
     cluster = _cluster()
     return score_plan(JobSpec(model, global_batch), cell, cluster, stages, ps.micro_batches,
                       ps.remat, opts)

@@ -63,7 +63,7 @@ class World:
             return
         self.comm = MPI.COMM_WORLD
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
-        self.mpi_version = MPI.Get_library_version().strip().splitlines()[0]
+        self.mpi_version = MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0]
         self._max = MPI.MAX
         tasks = int(env.get("SLURM_NTASKS", "0") or 0) if env.get("SLURM_STEP_ID") else 0
         if tasks and tasks != self.size:
@@ -162,22 +162,32 @@ def _collectives(world: World, settings: Settings, gpus_per_node: int):
     return tuple(r for r in rows if r.seconds > 0 or r.num_nodes > 1)
 
 
-def _kernels(world: World, settings: Settings):
+def _kernels(world: World, settings: Settings, workers: int):
     import jax
 
     from estimator.profile_store import KernelRow
     from job_scripts import profile_measure as pm
+    start = time.monotonic()
+    kernels = pm.calibration_kernels(jax.local_devices()[0], settings.compute_dtype, settings.matmul_sizes,
+                                     settings.copy_bytes)
+    compiled = pm.compile_all([(k.fn, k.args) for k in kernels], workers)
     rows = []
-    for k in pm.calibration_kernels(jax.local_devices()[0], settings.compute_dtype, settings.matmul_sizes,
-                                    settings.copy_bytes):
-        t = pm.time_call(k.fn, k.args, settings.repeats, min_total_s=0.05)
+    for k, (fn, _) in zip(kernels, compiled):
+        t = pm.time_call(fn, k.args, settings.repeats, min_total_s=0.05)
         rows.append(KernelRow(k.kernel, k.dtype, k.shape, k.flops, k.bytes, t.median_s))
-    _progress(world, f"calibration kernels {len(rows)}")
+    _progress(world, f"calibration kernels {len(rows)} in {time.monotonic() - start:.0f} s")
     return tuple(rows)
 
 
-def _layers(world: World, settings: Settings, model_name: str, max_tp: int):
-    """One device's share of each distinct layer of a model, per tp and sample count."""
+def _layers(world: World, settings: Settings, model_name: str, max_tp: int, workers: int,
+            deadline: float | None = None) -> tuple[tuple, int]:
+    """One device's share of each distinct layer of a model, per tp and sample count, and
+    how many shares were left untimed because ``deadline`` (``time.monotonic()``) passed.
+
+    The tp degrees go outermost, so a cut profile keeps whole degrees (tp 1 first): a stage
+    at a degree it covers is profiled throughout, the rest falls back to the roofline.
+    The sample counts of one layer and tp are compiled together (``workers`` threads).
+    """
     import jax
 
     from estimator.jax_models import arch_from_model
@@ -190,25 +200,32 @@ def _layers(world: World, settings: Settings, model_name: str, max_tp: int):
     device = jax.local_devices()[0]
     groups = pm.distinct_layers(arch)
     tps = [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= max_tp]
-    rows, start = [], time.monotonic()
-    for n, (sig, indices) in enumerate(groups.items(), 1):
-        for tp in tps:
-            for samples in settings.samples:
-                try:
-                    programs = pm.layer_share_programs(arch, indices[0], tp, samples, device)
-                except (SpecError, ValueError, TypeError) as e:
-                    log.info("layer %d tp %d samples %d not profiled: %s", indices[0], tp, samples, e)
+    rows, skipped, start = [], 0, time.monotonic()
+    for tp in tps:
+        for sig, indices in groups.items():
+            if deadline is not None and time.monotonic() >= deadline:
+                skipped += len(settings.samples)
+                continue
+            try:
+                share = pm.layer_share(arch, indices[0], tp, device)
+                if share is None:
                     continue
-                if programs is None:
-                    continue
-                forward, backward, (params, x, labels) = programs
-                f = pm.time_call(forward, (params, x, labels), settings.repeats).median_s
-                backward, temp_bytes = pm.compiled_with_temp_bytes(backward, (params, x, labels))
-                fb = pm.time_call(backward, (params, x, labels), settings.repeats).median_s
+                inputs = [share.inputs(samples) for samples in settings.samples]
+                compiled = pm.compile_all([(program, args) for args in inputs
+                                           for program in (share.forward, share.backward)], workers)
+            except (SpecError, ValueError, TypeError) as e:
+                log.info("layer %d tp %d not profiled: %s", indices[0], tp, e)
+                continue
+            for n, (samples, args) in enumerate(zip(settings.samples, inputs)):
+                (forward, _), (backward, temp_bytes) = compiled[2 * n], compiled[2 * n + 1]
+                f = pm.time_call(forward, args, settings.repeats).median_s
+                fb = pm.time_call(backward, args, settings.repeats).median_s
                 rows.extend(LayerRow(spec.name, fp, i, sig[0], tp, samples, f, fb, temp_bytes) for i in indices)
-        _progress(world, f"{model_name}: layer kind {n}/{len(groups)} ({sig[0]}, {len(indices)} "
-                         f"layer{'s' if len(indices) > 1 else ''}) after {time.monotonic() - start:.0f} s")
-    return tuple(rows)
+            del inputs, compiled, share
+        _progress(world, f"{model_name}: tp {tp} of {len(groups)} layer kind{'s' if len(groups) > 1 else ''} "
+                         f"after {time.monotonic() - start:.0f} s"
+                         + (f", {skipped} share(s) left untimed: time budget spent" if skipped else ""))
+    return tuple(rows), skipped
 
 
 def run(args: argparse.Namespace, env) -> dict:
@@ -236,15 +253,17 @@ def run(args: argparse.Namespace, env) -> dict:
     collectives = () if args.skip_collectives else _collectives(world, settings, gpus_per_node)
     world.barrier()
     parts_s = {"collectives": round(time.monotonic() - started, 1)}
-    kernels, layers = (), ()
+    kernels, layers, untimed = (), (), 0
+    deadline = None if args.budget_s is None else started + args.budget_s
     if world.rank == 0:
         t0 = time.monotonic()
-        kernels = _kernels(world, settings)
+        kernels = _kernels(world, settings, args.compile_workers)
         parts_s["kernels"] = round(time.monotonic() - t0, 1)
         max_tp = args.max_tp or jax.device_count()
         for m in args.model:
             t0 = time.monotonic()
-            layers += _layers(world, settings, m, max_tp)
+            model_layers, skipped = _layers(world, settings, m, max_tp, args.compile_workers, deadline)
+            layers, untimed = layers + model_layers, untimed + skipped
             parts_s[f"model {m}"] = round(time.monotonic() - t0, 1)
     world.barrier()
     if world.rank != 0:
@@ -269,6 +288,7 @@ def run(args: argparse.Namespace, env) -> dict:
     summary = {"profile_id": profile_id, "profile_db": str(args.profile_db), "gpu_type": gpu.name,
                "platform": platform, "nodes": world.size, "gpus_per_node": gpus_per_node,
                "collectives": len(collectives), "kernels": len(kernels), "layers": len(layers),
+               "layer_shares_untimed": untimed,
                "efficiency": eff.__dict__, "fit_median_rel_error": err,
                "seconds": round(time.monotonic() - started, 1), "seconds_by_part": parts_s}
     _progress(world, "done " + json.dumps(summary, sort_keys=True))
@@ -287,6 +307,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                               "(default: every device of the job)")
     p.add_argument("--devices-per-node", type=int, help="CPU stand-ins: devices per process")
     p.add_argument("--skip-collectives", action="store_true", help="measure compute only")
+    p.add_argument("--budget-s", type=float, help="seconds from the first measurement after which no more "
+                                                  "layer shares are timed; what was measured is still "
+                                                  "fitted and written (default: no limit)")
+    p.add_argument("--compile-workers", type=int, default=os.cpu_count() or 1,
+                   help="threads compiling at once (default: this machine's CPUs; 1: one by one)")
     p.add_argument("--slurm-version", help="recorded with the profile")
     return p.parse_args(argv)
 

@@ -8,21 +8,24 @@
 - **Calibration kernels** (:func:`calibration_kernels`): matmuls at several shapes in the
   compute dtype and in full-precision fp32, and a memory-bound elementwise pass; the
   efficiency fit (``estimator.profile_fit``) reads them.
-- **Layer shares** (:func:`layer_share_programs`): one device's share of one layer of a
+- **Layer shares** (:func:`layer_share`): one device's share of one layer of a
   model, Crius's single-device profiling: a data-parallel-only variant is the whole layer
   at the device's samples; a tensor-parallel-only variant is the layer with every
   tp-sharded weight cut to 1/tp and the collectives left out (they are costed from the
   collective curves). Forward, and forward + backward, are timed separately, so the
   estimator can add the recomputed forward of rematerialization.
 
-Every timing is the median of several calls after one that compiles, each call waited
-for with ``block_until_ready``.
+Every timing is the median of several calls after one untimed call, each call waited
+for with ``block_until_ready``. Compiling dominates a GPU profile (XLA autotunes every
+matmul), so the programs of one batch are compiled on several threads at once
+(:func:`compile_all`) and then timed one by one.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -109,18 +112,18 @@ def calibration_kernels(device, compute_dtype: str, matmul_sizes: Sequence[int],
     """Square matmuls in the compute dtype and in full-precision fp32, and an elementwise
     pass (read and write) over each of ``copy_bytes``, on one device."""
     out = []
-    key = jax.random.PRNGKey(seed)
+    rng = np.random.default_rng(seed)
     for dtype_name, dtype, precision in ((compute_dtype, jm.DTYPES[compute_dtype], None),
                                          ("fp32", jnp.float32, lax.Precision.HIGHEST)):
         for n in matmul_sizes:
-            a = jax.device_put(jax.random.normal(key, (n, n), dtype), device)
-            b = jax.device_put(jax.random.normal(key, (n, n), dtype), device)
+            a, b = (jax.device_put(rng.standard_normal((n, n), np.float32).astype(dtype), device)
+                    for _ in range(2))
             fn = jax.jit(lambda x, y, p=precision: jnp.matmul(x, y, precision=p))
             itemsize = jnp.dtype(dtype).itemsize
             out.append(Kernel("matmul", dtype_name, f"{n},{n},{n}", 2.0 * n ** 3, 3.0 * n * n * itemsize,
                               fn, (a, b)))
     for nbytes in copy_bytes:
-        x = jax.device_put(jnp.ones((nbytes // 4,), jnp.float32), device)
+        x = jax.device_put(np.ones((nbytes // 4,), np.float32), device)
         out.append(Kernel("copy", "fp32", str(nbytes // 4), 0.0, 2.0 * (nbytes // 4) * 4,
                           jax.jit(lambda v: v * 2.0 + 1.0), (x,)))
     return out
@@ -162,29 +165,49 @@ def local_shape(shape: tuple[int, ...], spec, tp: int) -> tuple[int, ...] | None
     return tuple(out)
 
 
-def layer_share_programs(arch: jm.Arch, index: int, tp: int, samples: int, device, seed: int = 0):
-    """Forward and forward+backward programs of one device's share of layer ``index``
-    with their arguments: ``(forward, backward, args)``, or None when tp does not divide
-    the layer's weights."""
+@dataclass(frozen=True)
+class LayerShare:
+    """One device's share of one layer at one tp: its weights on the device (made once,
+    for every sample count) and its forward and forward+backward programs."""
+
+    arch: jm.Arch
+    index: int
+    params: dict
+    forward: Callable
+    backward: Callable
+    device: object
+    seed: int = 0
+
+    def inputs(self, samples: int) -> tuple:
+        """The programs' arguments for ``samples`` samples: (params, x, labels)."""
+        x_shape, x_dtype = jm.activation_shape(self.arch, self.index, samples)
+        if jnp.issubdtype(x_dtype, jnp.integer):
+            x = jax.device_put(np.zeros(x_shape, x_dtype), self.device)
+        else:
+            rng = np.random.default_rng(self.seed)
+            x = jax.device_put(rng.standard_normal(x_shape, np.float32).astype(x_dtype), self.device)
+        last = self.index == self.arch.num_layers - 1
+        labels = (jax.device_put(np.zeros(jm.label_shape(self.arch, samples), np.int32), self.device)
+                  if last else None)
+        return self.params, x, labels
+
+
+def layer_share(arch: jm.Arch, index: int, tp: int, device, seed: int = 0) -> LayerShare | None:
+    """One device's share of layer ``index`` at ``tp``, or None when tp does not divide
+    the layer's weights. Weights are drawn on the host (no device program per shape)."""
     shapes, specs = jm.layer_param_shapes(arch, index), jm.layer_param_specs(arch, index)
     locals_ = {k: local_shape(s.shape, specs[k], tp) for k, s in shapes.items()}
     if any(v is None for v in locals_.values()):
         return None
     state_shapes, state_specs = jm.layer_state_shapes(arch, index), jm.layer_state_specs(arch, index)
-    key = jax.random.PRNGKey(seed)
-    params = {k: jax.device_put(0.02 * jax.random.normal(jax.random.fold_in(key, i), shp, jnp.float32), device)
-              for i, (k, shp) in enumerate(sorted(locals_.items()))}
-    state = {k: jax.device_put(jnp.ones(local_shape(s.shape, state_specs[k], tp), jnp.float32), device)
+    rng = np.random.default_rng(seed)
+    params = {k: jax.device_put(0.02 * rng.standard_normal(shp, np.float32), device)
+              for k, shp in sorted(locals_.items())}
+    state = {k: jax.device_put(np.ones(local_shape(s.shape, state_specs[k], tp), np.float32), device)
              for k, s in state_shapes.items()}
     ctx = jm.ShardCtx(tp=LocalShare(tp))
-    x_shape, x_dtype = jm.activation_shape(arch, index, samples)
-    if jnp.issubdtype(x_dtype, jnp.integer):
-        x = jax.device_put(jnp.zeros(x_shape, x_dtype), device)
-    else:
-        x = jax.device_put(jax.random.normal(key, x_shape, x_dtype), device)
     last = index == arch.num_layers - 1
-    labels = jax.device_put(jnp.zeros(jm.label_shape(arch, samples), jnp.int32), device) if last else None
-    differentiable_x = not jnp.issubdtype(x_dtype, jnp.integer)
+    differentiable_x = not jnp.issubdtype(jm.activation_shape(arch, index, 1)[1], jnp.integer)
 
     def scalar(p, h, y):
         out, _ = jm.apply_layer(arch, index, p, state, h, ctx)
@@ -193,15 +216,23 @@ def layer_share_programs(arch: jm.Arch, index: int, tp: int, samples: int, devic
         return out.astype(jnp.float32).mean()
 
     forward = jax.jit(lambda p, h, y: jm.apply_layer(arch, index, p, state, h, ctx)[0])
-    argnums = (0, 1) if differentiable_x else (0,)
-    backward = jax.jit(jax.grad(scalar, argnums=argnums))
-    return forward, backward, (params, x, labels)
+    backward = jax.jit(jax.grad(scalar, argnums=(0, 1) if differentiable_x else (0,)))
+    return LayerShare(arch, index, params, forward, backward, device, seed)
 
 
-def compiled_with_temp_bytes(program, args: Sequence):
-    """(the program compiled for ``args``, its temporary bytes as XLA planned them, or None
-    where the backend does not say)."""
-    compiled = program.lower(*args).compile()
+def compile_all(programs: Sequence[tuple[Callable, Sequence]], workers: int) -> list:
+    """Each ``(jitted program, args)`` compiled for its args: ``[(compiled, temp bytes)]``
+    in order. Tracing and lowering run here one by one (Python); XLA's compiles, which
+    release the GIL, run on ``workers`` threads at once."""
+    lowered = [program.lower(*args) for program, args in programs]
+    if workers <= 1 or len(lowered) <= 1:
+        return [_compiled_temp_bytes(lo) for lo in lowered]
+    with ThreadPoolExecutor(max_workers=min(workers, len(lowered))) as pool:
+        return list(pool.map(_compiled_temp_bytes, lowered))
+
+
+def _compiled_temp_bytes(lowered):
+    compiled = lowered.compile()
     try:
         analysis = compiled.memory_analysis()
         temp = int(analysis.temp_size_in_bytes) if analysis is not None else None

@@ -27,6 +27,13 @@ LOWEST_NICE = 2147483645  # sbatch's largest --nice: the lowest priority
 RETRY_AFTER_S = 3600.0  # a (model, type) whose profiling job failed waits this long
 
 
+def measure_budget_s(time_limit_min: int) -> int:
+    """Seconds the profiler may spend measuring in a job of this time limit: the rest is
+    kept for starting JAX, the fit and the store's write, so a profile cut short by its
+    limit still lands (whole tp degrees, the rest left to the roofline)."""
+    return max(60, int(time_limit_min * 60 * 0.8) - 60)
+
+
 def batch_script(python: str, argv: list[str], mpi: str | None) -> str:
     """The profiling job's batch script: one task per node, each running the profiler.
 
@@ -171,7 +178,7 @@ def background_request(plan: BackgroundPlan, python: str, profile_db: str, mpi: 
     """The submission of one background profiling job: one node, lowest priority, its log
     at ``log_path`` (``%j``: the job id)."""
     argv = ["--profile-db", profile_db, "--gpu-type", plan.gpu_type, "--partition", plan.partition,
-            "--model", plan.model]
+            "--model", plan.model, "--budget-s", str(measure_budget_s(time_limit_min))]
     return SubmitRequest(batch_script(python, argv, mpi), name=JOB_NAME, partition=plan.partition, nodes=1,
                          gres=f"gpu:{plan.gpus}", comment=f"{BACKGROUND_COMMENT} model={plan.model}",
                          requeue=False, time_limit_min=time_limit_min, output=log_path,

@@ -246,3 +246,50 @@ def test_a_version_1_store_is_upgraded_when_opened(tmp_path):
     assert p.layers and all(r.backward_temp_bytes is None for r in p.layers)
     with connect(db) as conn:
         assert conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() == ("2",)
+
+
+def test_compile_all_on_threads_gives_the_programs_one_by_one_gives():
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from job_scripts.profile_measure import compile_all
+    x = jnp.asarray(np.arange(12.0, dtype=np.float32).reshape(3, 4))
+    programs = [(jax.jit(lambda a: a @ a.T), (x,)), (jax.jit(lambda a: jnp.tanh(a).sum(0)), (x,)),
+                (jax.jit(lambda a: a * 3.0), (x,))]
+    serial, threaded = compile_all(programs, 1), compile_all(programs, 3)
+    for (fn, args), (c1, t1), (c3, t3) in zip(programs, serial, threaded):
+        np.testing.assert_allclose(np.asarray(c3(*args)), np.asarray(fn(*args)), rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(c1(*args)), np.asarray(fn(*args)), rtol=1e-6)
+        assert t1 == t3 and (t3 is None or t3 >= 0)
+
+
+def _profile_cli(tmp_path, name, *extra):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    db = tmp_path / f"{name}.sqlite"
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    env.pop("SLURM_NTASKS", None)
+    out = subprocess.run([sys.executable, "-m", "job_scripts.profile", "--profile-db", str(db), "--gpu-type", "a10",
+                          "--model", str(root / "tests/fixtures/runner/tiny-gpt.yaml"), "--skip-collectives",
+                          "--max-tp", "2", "--devices-per-node", "2", *extra],
+                         capture_output=True, text=True, timeout=300, env=env, cwd=root)
+    assert out.returncode == 0, out.stderr
+    done = next(line for line in out.stdout.splitlines() if line.startswith("profile: done "))
+    return json.loads(done[len("profile: done "):]), db
+
+
+def test_a_spent_time_budget_still_fits_and_writes_what_was_measured(tmp_path):
+    # tiny-gpt: 3 distinct layer kinds x tp 1, 2 x 1 sample count (CPU settings) = 6 shares
+    full, full_db = _profile_cli(tmp_path, "full")
+    assert full["layer_shares_untimed"] == 0 and full["layers"] > 0 and full["kernels"] > 0
+    cut, cut_db = _profile_cli(tmp_path, "cut", "--budget-s", "0", "--compile-workers", "1")
+    assert cut["layer_shares_untimed"] == 6 and cut["layers"] == 0
+    assert cut["kernels"] == full["kernels"]  # calibration is measured before the layers
+    stored = read_profile(cut_db, cut["profile_id"])
+    assert len(stored.kernels) == cut["kernels"] and stored.layers == ()
+    assert len(read_profile(full_db, full["profile_id"]).layers) == full["layers"]

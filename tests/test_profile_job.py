@@ -16,7 +16,7 @@ from slurm_ext.config import resolve
 from slurm_ext.daemon import Daemon
 from slurm_ext.profile_job import (
     BACKGROUND_COMMENT, JOB_NAME, LOWEST_NICE, BackgroundJob, BackgroundPlan, background_request,
-    batch_script, free_for_policy, next_background, parse_background, partition_layout, to_cancel,
+    batch_script, free_for_policy, measure_budget_s, next_background, parse_background, partition_layout, to_cancel,
 )
 from slurm_ext.slurm_client import Gres, SlurmJob, SlurmNode, SubmitRequest
 from slurm_ext.store import Store
@@ -38,6 +38,11 @@ def test_batch_script_quotes_every_argument():
     assert "--mpi" not in batch_script("python", [], None)
 
 
+def test_measure_budget_leaves_room_before_the_time_limit():
+    assert measure_budget_s(30) == 1380 and measure_budget_s(30) < 30 * 60
+    assert measure_budget_s(1) == 60  # a floor: a 1-minute job still measures something
+
+
 def test_partition_layout_reads_type_and_node_size():
     nodes = [_node("a10-1", "a10"), _node("a10-2", "a10"), _node("a100-1", "a100", 4)]
     assert partition_layout(nodes, "a10", {}) == ("a10", 2, 2)
@@ -52,6 +57,9 @@ def test_background_job_round_trip_and_its_gpus_are_free_for_the_policy():
     assert req.name == JOB_NAME and req.comment.startswith(BACKGROUND_COMMENT)
     assert f"--nice={LOWEST_NICE}" in req.extra_args and "--nodelist=a10-2" in req.extra_args
     assert (req.nodes, req.gres, req.time_limit_min, req.requeue) == (1, "gpu:2", 10, False)
+    # the profiler stops measuring in time to fit and write before Slurm's limit
+    argv = shlex.split(next(w for w in req.script.splitlines() if w.startswith("exec ")))
+    assert argv[argv.index("--budget-s") + 1] == str(measure_budget_s(10)) == "420"
     job = SlurmJob(7, "root", JOB_NAME, "RUNNING", partition="a10", comment=req.comment,
                    nodes=("a10-2",), granted_gpus_per_node=(2,))
     bg = parse_background(job, PARTS)

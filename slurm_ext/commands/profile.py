@@ -92,7 +92,7 @@ def command(partition, nodes, models, wait, as_json, profile_db, samples, time_l
     from slurm_ext.backend import make_client
     from slurm_ext.config import load_config
     from slurm_ext.errors import SlurmExtError
-    from slurm_ext.profile_job import JOB_NAME, batch_script, partition_layout
+    from slurm_ext.profile_job import JOB_NAME, batch_script, measure_budget_s, partition_layout
     from slurm_ext.slurm_client import SubmitRequest
 
     for m in models:
@@ -104,7 +104,8 @@ def command(partition, nodes, models, wait, as_json, profile_db, samples, time_l
         gpu, gpus_per_node, available = partition_layout(client.nodes(), partition, dict(cfg.partitions))
         if nodes > available:
             raise SpecError("nodes", nodes, f"partition {partition} has {available}")
-        argv = ["--profile-db", db, "--gpu-type", gpu, "--partition", partition]
+        argv = ["--profile-db", db, "--gpu-type", gpu, "--partition", partition,
+                "--budget-s", str(measure_budget_s(time_limit_min))]
         for m in models:
             argv += ["--model", str(Path(m).resolve()) if Path(m).is_file() else m]
         if samples:

@@ -1,0 +1,112 @@
+"""Profiled against analytic: each estimate of plans measured on a GPU, beside the
+measured step time and peak memory.
+
+The measured plans are those `benchmarks/plan_measure.py` ran on one NVIDIA H200
+(``results_plan_measure_h200_*.json``, ``results_profile_h200_plan_gpt-760m.json`` and the
+remat=0 row quoted in ``docs/gpu-measurements.md``). The profile store is what
+``job_scripts.profile`` measured on an H200 of the same kind (``benchmarks/profile_gpu_node.sh``;
+the store kept is ``results_profile_h200.sqlite``). Each plan is scored with
+``estimator.estimate.score_plan`` twice: analytic (the H200's datasheet and the shared
+fitted efficiency) and with the store (``EstimateOptions.profile_db``: profiled layer
+times, the profile's fitted efficiency, profiled activation bytes). The model never grades
+itself: the store holds one-layer timings, the reference is the whole training step.
+
+Accuracy = 1 − |estimate − measured| / measured, floored at 0. Prints JSON
+(``benchmarks.bench_output.emit``)::
+
+    python benchmarks/profile_accuracy.py --profile-db benchmarks/results_profile_h200.sqlite
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_output import emit  # noqa: E402
+from benchmarks.memory_accuracy import H200_EXTRA, score_plan_text  # noqa: E402
+from estimator.models import load_model  # noqa: E402
+from estimator.plan_string import parse_plan  # noqa: E402
+from estimator.profile_store import load_profile_view, model_fingerprint  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_DB = HERE / "results_profile_h200.sqlite"
+
+
+def measured_rows() -> list[dict]:
+    """Every plan measured on the H200 with its median step time and peak memory."""
+    rows = []
+    files = sorted(HERE.glob("results_plan_measure_h200_*.json")) + [HERE / "results_profile_h200_plan_gpt-760m.json"]
+    for path in files:
+        if not path.is_file():
+            continue
+        data = json.loads(path.read_text())
+        for p in data["plans"]:
+            if p.get("ok"):
+                rows.append({"model": data["model"], "global_batch": data["global_batch"], "plan": p["plan"],
+                             "step_s": p["measured"]["step_s"]["median"],
+                             "peak_gb": p["measured"].get("peak_memory_gb"), "source": path.name})
+    rows += [{**r, "source": "docs/gpu-measurements.md"} for r in H200_EXTRA]
+    return rows
+
+
+def profiled_share(db: str, model: str, plan_text: str, gpu: str) -> float:
+    """The share of the model's layers the store timed at the plan's tp (1.0: all of them)."""
+    view = load_profile_view(db)
+    spec = load_model(model)
+    tp = parse_plan(plan_text).stages[0][1]
+    fp = model_fingerprint(spec)
+    n = spec.num_layers
+    return sum(view.layer_timing(gpu, fp, i, tp) is not None for i in range(n)) / n
+
+
+def _acc(est: float, ref: float) -> float:
+    return max(0.0, 1 - abs(est - ref) / ref)
+
+
+def _summary(values: list[float]) -> dict:
+    if not values:
+        return {"rows": 0}
+    return {"rows": len(values), "median": round(statistics.median(values), 4),
+            "mean": round(statistics.fmean(values), 4), "worst": round(min(values), 4)}
+
+
+def compare(db: str, gpu: str = "h200") -> dict:
+    rows = []
+    for r in measured_rows():
+        analytic = score_plan_text(r["model"], r["global_batch"], r["plan"], gpu)
+        profiled = score_plan_text(r["model"], r["global_batch"], r["plan"], gpu, profile_db=db)
+        row = {**r, "layers_profiled": round(profiled_share(db, r["model"], r["plan"], gpu), 3),
+               "analytic_s": round(analytic.iteration_time_s, 4), "profiled_s": round(profiled.iteration_time_s, 4),
+               "analytic_time_accuracy": round(_acc(analytic.iteration_time_s, r["step_s"]), 4),
+               "profiled_time_accuracy": round(_acc(profiled.iteration_time_s, r["step_s"]), 4)}
+        if r.get("peak_gb"):
+            row.update({"analytic_gb": round(analytic.peak_memory_gb, 3), "profiled_gb": round(profiled.peak_memory_gb, 3),
+                        "analytic_memory_accuracy": round(_acc(analytic.peak_memory_gb, r["peak_gb"]), 4),
+                        "profiled_memory_accuracy": round(_acc(profiled.peak_memory_gb, r["peak_gb"]), 4)})
+        rows.append(row)
+    summary = {key: _summary([r[key] for r in rows if key in r])
+               for key in ("analytic_time_accuracy", "profiled_time_accuracy",
+                           "analytic_memory_accuracy", "profiled_memory_accuracy")}
+    shown = Path(db).resolve()
+    shown = shown.relative_to(ROOT) if shown.is_relative_to(ROOT) else shown
+    return {"gpu_type": gpu, "profile_db": str(shown), "rows": rows, "summary": summary}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile-db", default=str(DEFAULT_DB), help="the profile store (default: the H200's kept here)")
+    ap.add_argument("--gpu-type", default="h200")
+    ap.add_argument("--json", metavar="OUT", help="also write the JSON here")
+    args = ap.parse_args(argv)
+    emit(compare(args.profile_db, args.gpu_type), args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
