@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -29,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_output import emit  # noqa: E402
+from benchmarks.estimator_accuracy import accuracy as _acc, summarize as _summary  # noqa: E402
 from benchmarks.memory_accuracy import H200_EXTRA, score_plan_text  # noqa: E402
 from estimator.models import load_model  # noqa: E402
 from estimator.plan_string import parse_plan  # noqa: E402
@@ -63,17 +63,6 @@ def profiled_share(db: str, model: str, plan_text: str, gpu: str) -> float:
     fp = model_fingerprint(spec)
     n = spec.num_layers
     return sum(view.layer_timing(gpu, fp, i, tp) is not None for i in range(n)) / n
-
-
-def _acc(est: float, ref: float) -> float:
-    return max(0.0, 1 - abs(est - ref) / ref)
-
-
-def _summary(values: list[float]) -> dict:
-    if not values:
-        return {"rows": 0}
-    return {"rows": len(values), "median": round(statistics.median(values), 4),
-            "mean": round(statistics.fmean(values), 4), "worst": round(min(values), 4)}
 
 
 def compare(db: str, gpu: str = "h200") -> dict:
