@@ -184,9 +184,10 @@ def _layers(world: World, settings: Settings, model_name: str, max_tp: int, work
     """One device's share of each distinct layer of a model, per tp and sample count, and
     how many shares were left untimed because ``deadline`` (``time.monotonic()``) passed.
 
-    The tp degrees go outermost, so a cut profile keeps whole degrees (tp 1 first): a stage
-    at a degree it covers is profiled throughout, the rest falls back to the roofline.
-    The sample counts of one layer and tp are compiled together (``workers`` threads).
+    The tp degrees go outermost and the budget is checked before each, so a cut profile
+    keeps whole degrees (tp 1 first): a stage at a degree it covers is profiled
+    throughout, the rest falls back to the roofline. All programs of one degree (every
+    layer kind at every sample count) are compiled together on ``workers`` threads.
     """
     import jax
 
@@ -202,30 +203,56 @@ def _layers(world: World, settings: Settings, model_name: str, max_tp: int, work
     tps = [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= max_tp]
     rows, skipped, start = [], 0, time.monotonic()
     for tp in tps:
+        if deadline is not None and time.monotonic() >= deadline:
+            skipped += len(groups) * len(settings.samples)
+            continue
+        shares = []  # (signature, layer indices, share, inputs per sample count)
         for sig, indices in groups.items():
-            if deadline is not None and time.monotonic() >= deadline:
-                skipped += len(settings.samples)
-                continue
             try:
                 share = pm.layer_share(arch, indices[0], tp, device)
-                if share is None:
-                    continue
-                inputs = [share.inputs(samples) for samples in settings.samples]
-                compiled = pm.compile_all([(program, args) for args in inputs
-                                           for program in (share.forward, share.backward)], workers)
+                if share is not None:
+                    shares.append((sig, indices, share, [share.inputs(s) for s in settings.samples]))
             except (SpecError, ValueError, TypeError) as e:
                 log.info("layer %d tp %d not profiled: %s", indices[0], tp, e)
+        for (sig, indices, _, inputs), compiled in zip(shares, _compile_shares(shares, workers)):
+            if compiled is None:
                 continue
             for n, (samples, args) in enumerate(zip(settings.samples, inputs)):
                 (forward, _), (backward, temp_bytes) = compiled[2 * n], compiled[2 * n + 1]
                 f = pm.time_call(forward, args, settings.repeats).median_s
                 fb = pm.time_call(backward, args, settings.repeats).median_s
                 rows.extend(LayerRow(spec.name, fp, i, sig[0], tp, samples, f, fb, temp_bytes) for i in indices)
-            del inputs, compiled, share
+        del shares
         _progress(world, f"{model_name}: tp {tp} of {len(groups)} layer kind{'s' if len(groups) > 1 else ''} "
                          f"after {time.monotonic() - start:.0f} s"
                          + (f", {skipped} share(s) left untimed: time budget spent" if skipped else ""))
     return tuple(rows), skipped
+
+
+def _compile_shares(shares: list, workers: int) -> list:
+    """Every program of one tp degree compiled at once (forward and forward+backward at each
+    sample count, per share); a share whose programs do not compile gets None."""
+    from job_scripts import profile_measure as pm
+    programs = [[(program, args) for args in inputs for program in (share.forward, share.backward)]
+                for _, _, share, inputs in shares]
+    try:
+        flat = pm.compile_all([p for group in programs for p in group], workers)
+    except (SpecError, ValueError, TypeError):
+        return [_compile_one(group, workers) for group in programs]
+    out, at = [], 0
+    for group in programs:
+        out.append(flat[at:at + len(group)])
+        at += len(group)
+    return out
+
+
+def _compile_one(programs: list, workers: int):
+    from job_scripts import profile_measure as pm
+    try:
+        return pm.compile_all(programs, workers)
+    except (SpecError, ValueError, TypeError) as e:
+        log.info("a layer share not profiled: %s", e)
+        return None
 
 
 def run(args: argparse.Namespace, env) -> dict:
