@@ -6,9 +6,9 @@
 #   OUT=/tmp/profile-gpu bash benchmarks/profile_gpu_node.sh
 #
 # Writes into $OUT: profile.sqlite (the store), one log per model, summary.txt (exit code
-# and wall seconds of each part), plan_gpt-760m.json. docs/profiling.md's cost table comes
-# from these runs' `profile: done` lines (benchmarks/results_profile_cost_h200.json; the
-# one-by-one baseline adds --compile-workers 1). Compare on any machine with
+# and wall seconds of each part), cost_<model>.json (benchmarks/profile_cost.py: seconds by
+# part and the profiler's progress lines; the one-by-one baseline adds --compile-workers 1)
+# and plan_gpt-760m.json. Compare on any machine with
 #   python benchmarks/profile_accuracy.py --profile-db $OUT/profile.sqlite
 set -u
 OUT=${OUT:?set OUT to a directory for the results}
@@ -22,11 +22,10 @@ echo "device=$name gpu_type=$gpu" | tee "$OUT/summary.txt"
 skip=()
 for model in gpt-760m gpt-1.3b; do
     t0=$(date +%s)
-    timeout $((BUDGET_S + 90)) "$PY" -m job_scripts.profile --profile-db "$OUT/profile.sqlite" --gpu-type "$gpu" \
-        --partition "$gpu" --model "$model" --max-tp 8 --budget-s "$BUDGET_S" "${skip[@]}" \
+    timeout $((BUDGET_S + 90)) "$PY" benchmarks/profile_cost.py --profile-db "$OUT/profile.sqlite" --gpu-type "$gpu" \
+        --model "$model" --max-tp 8 --budget-s "$BUDGET_S" "${skip[@]}" --json "$OUT/cost_$model.json" \
         > "$OUT/profile_$model.log" 2>&1
     echo "profile $model rc=$? wall_s=$(( $(date +%s) - t0 ))" | tee -a "$OUT/summary.txt"
-    tail -1 "$OUT/profile_$model.log"
     skip=(--skip-collectives)   # one device: no collectives; the kernels are re-timed each run
 done
 t0=$(date +%s)
