@@ -77,7 +77,8 @@ def _measurements(db: str, profile_id: int) -> tuple[list[dict], list[dict], dic
 @click.option("--samples", type=int, multiple=True,
               help="Samples per device to time each layer at (repeatable; default by platform).")
 @click.option("--time-limit-min", type=click.IntRange(1), default=30, show_default=True,
-              help="The job's time limit.")
+              help="The job's time limit. Measuring stops at 80% of it less a minute, and "
+                   "what was measured by then (whole tp degrees, tp 1 first) is still fitted and stored.")
 @click.option("--mpi", default=lambda: os.environ.get("SLURM_EXT_MPI", "pmi2"), show_default="$SLURM_EXT_MPI or pmi2",
               help="srun's --mpi plugin for the MPI mpi4py uses ('none' to leave it out).")
 @click.option("--python", "python", default=sys.executable, show_default="this Python",
