@@ -55,9 +55,8 @@ def measured_rows() -> list[dict]:
     return rows
 
 
-def profiled_share(db: str, model: str, plan_text: str, gpu: str) -> float:
-    """The share of the model's layers the store timed at the plan's tp (1.0: all of them)."""
-    view = load_profile_view(db)
+def profiled_share(view, model: str, plan_text: str, gpu: str) -> float:
+    """The share of the model's layers the store's view timed at the plan's tp (1.0: all)."""
     spec = load_model(model)
     tp = parse_plan(plan_text).stages[0][1]
     fp = model_fingerprint(spec)
@@ -66,11 +65,11 @@ def profiled_share(db: str, model: str, plan_text: str, gpu: str) -> float:
 
 
 def compare(db: str, gpu: str = "h200") -> dict:
-    rows = []
+    rows, view = [], load_profile_view(db)
     for r in measured_rows():
         analytic = score_plan_text(r["model"], r["global_batch"], r["plan"], gpu)
         profiled = score_plan_text(r["model"], r["global_batch"], r["plan"], gpu, profile_db=db)
-        row = {**r, "layers_profiled": round(profiled_share(db, r["model"], r["plan"], gpu), 3),
+        row = {**r, "layers_profiled": round(profiled_share(view, r["model"], r["plan"], gpu), 3),
                "analytic_s": round(analytic.iteration_time_s, 4), "profiled_s": round(profiled.iteration_time_s, 4),
                "analytic_time_accuracy": round(_acc(analytic.iteration_time_s, r["step_s"]), 4),
                "profiled_time_accuracy": round(_acc(profiled.iteration_time_s, r["step_s"]), 4)}

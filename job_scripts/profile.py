@@ -206,53 +206,31 @@ def _layers(world: World, settings: Settings, model_name: str, max_tp: int, work
         if deadline is not None and time.monotonic() >= deadline:
             skipped += len(groups) * len(settings.samples)
             continue
-        shares = []  # (signature, layer indices, share, inputs per sample count)
+        shares = []  # (signature, layer indices, inputs per sample count, lowered programs)
         for sig, indices in groups.items():
             try:
                 share = pm.layer_share(arch, indices[0], tp, device)
-                if share is not None:
-                    shares.append((sig, indices, share, [share.inputs(s) for s in settings.samples]))
+                if share is None:
+                    continue
+                inputs = [share.inputs(s) for s in settings.samples]
+                # forward and forward+backward at each sample count, traced here so that a
+                # layer that does not trace is left out alone
+                shares.append((sig, indices, inputs, [program.lower(*args) for args in inputs
+                                                      for program in (share.forward, share.backward)]))
             except (SpecError, ValueError, TypeError) as e:
                 log.info("layer %d tp %d not profiled: %s", indices[0], tp, e)
-        for (sig, indices, _, inputs), compiled in zip(shares, _compile_shares(shares, workers)):
-            if compiled is None:
-                continue
-            for n, (samples, args) in enumerate(zip(settings.samples, inputs)):
-                (forward, _), (backward, temp_bytes) = compiled[2 * n], compiled[2 * n + 1]
+        compiled = iter(pm.compile_lowered([lo for *_, lowered in shares for lo in lowered], workers))
+        for sig, indices, inputs, _ in shares:
+            for samples, args in zip(settings.samples, inputs):
+                (forward, _), (backward, temp_bytes) = next(compiled), next(compiled)
                 f = pm.time_call(forward, args, settings.repeats).median_s
                 fb = pm.time_call(backward, args, settings.repeats).median_s
                 rows.extend(LayerRow(spec.name, fp, i, sig[0], tp, samples, f, fb, temp_bytes) for i in indices)
-        del shares
+        del shares, compiled  # free the degree's device buffers before the next
         _progress(world, f"{model_name}: tp {tp} of {len(groups)} layer kind{'s' if len(groups) > 1 else ''} "
                          f"after {time.monotonic() - start:.0f} s"
                          + (f", {skipped} share(s) left untimed: time budget spent" if skipped else ""))
     return tuple(rows), skipped
-
-
-def _compile_shares(shares: list, workers: int) -> list:
-    """Every program of one tp degree compiled at once (forward and forward+backward at each
-    sample count, per share); a share whose programs do not compile gets None."""
-    from job_scripts import profile_measure as pm
-    programs = [[(program, args) for args in inputs for program in (share.forward, share.backward)]
-                for _, _, share, inputs in shares]
-    try:
-        flat = pm.compile_all([p for group in programs for p in group], workers)
-    except (SpecError, ValueError, TypeError):
-        return [_compile_one(group, workers) for group in programs]
-    out, at = [], 0
-    for group in programs:
-        out.append(flat[at:at + len(group)])
-        at += len(group)
-    return out
-
-
-def _compile_one(programs: list, workers: int):
-    from job_scripts import profile_measure as pm
-    try:
-        return pm.compile_all(programs, workers)
-    except (SpecError, ValueError, TypeError) as e:
-        log.info("a layer share not profiled: %s", e)
-        return None
 
 
 def run(args: argparse.Namespace, env) -> dict:

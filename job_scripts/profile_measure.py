@@ -224,7 +224,12 @@ def compile_all(programs: Sequence[tuple[Callable, Sequence]], workers: int) -> 
     """Each ``(jitted program, args)`` compiled for its args: ``[(compiled, temp bytes)]``
     in order. Tracing and lowering run here one by one (Python); XLA's compiles, which
     release the GIL, run on ``workers`` threads at once."""
-    lowered = [program.lower(*args) for program, args in programs]
+    return compile_lowered([program.lower(*args) for program, args in programs], workers)
+
+
+def compile_lowered(lowered: Sequence, workers: int) -> list:
+    """Each lowered program compiled, ``[(compiled, temp bytes)]`` in order, on ``workers``
+    threads at once."""
     if workers <= 1 or len(lowered) <= 1:
         return [_compiled_temp_bytes(lo) for lo in lowered]
     with ThreadPoolExecutor(max_workers=min(workers, len(lowered))) as pool:
