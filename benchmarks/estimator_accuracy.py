@@ -2,7 +2,9 @@
 
 For every row of ``measured_iter_time.csv`` with a measured time: the analytic estimate for
 the same model, global batch, GPU type, nodes and GPUs per node (best over stage counts
-and assembled plans, 16 micro-batches, rematerialization on — the measurement's settings).
+and assembled plans, 16 micro-batches, rematerialization on — the measurement's settings;
+MoE stages may shard their experts over data parallelism, GShard's layout, which Alpa's
+auto-sharding finds for these runs: ``EstimateOptions.expert_parallel``).
 Accuracy = 1 − |estimate − measured| / measured (floored at 0; an estimate of "infeasible"
 for a row that ran scores 0). Reported overall, per GPU type and per family, separately
 for the rows used to fit the efficiency parameters and for the rest; plus agreement on
@@ -157,7 +159,7 @@ def physics_options(physics: SharedPhysics) -> EstimateOptions:
     # The measured rows are Alpa's runs: its program's memory (fp16 weights and gradients,
     # ZeRO-2-like sharding) decides which of them fit, not our runner's.
     return EstimateOptions(micro_batches=MICRO_BATCHES, efficiency=table,
-                           memory=MemoryOptions(zero_level=2, program="alpa"))
+                           memory=MemoryOptions(zero_level=2, program="alpa"), expert_parallel=True)
 
 
 def leave_one_type_out(rows: list[Row]) -> dict:

@@ -26,19 +26,28 @@ class Cell:
 
 @dataclass(frozen=True)
 class StagePlan:
-    """One pipeline stage: layers [layer_start, layer_end) on dp × tp GPUs."""
+    """One pipeline stage: layers [layer_start, layer_end) on dp × tp GPUs.
+
+    ``ep``: the stage's MoE experts are sharded over all its dp × tp GPUs (expert
+    parallelism, GShard's layout), each token routed to its experts' GPU by an all-to-all;
+    without it they are sharded over tp only and replicated across dp.
+    """
 
     layer_start: int
     layer_end: int
     dp: int
     tp: int
+    ep: bool = False
 
     @property
     def num_gpus(self) -> int:
         return self.dp * self.tp
 
     def to_json(self) -> dict:
-        return {"layers": [self.layer_start, self.layer_end], "dp": self.dp, "tp": self.tp}
+        out = {"layers": [self.layer_start, self.layer_end], "dp": self.dp, "tp": self.tp}
+        if self.ep:
+            out["ep"] = True
+        return out
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,15 @@
 """Analytic Cell estimation (Crius's agile estimation, formulas in place of compiles).
 
 For a Cell the layers are split into stages (``estimator.partition``); every stage is
-costed data-parallel-only and tensor-parallel-only; the assembled plans (each stage one of
-the two, communication between stages injected) are scored with the GPipe pipeline
-formula — first micro-batch through all stages + (B − 1) × the slowest stage — plus the
-data-parallel gradient synchronisation and the optimizer update. The best feasible plan
-gives the Cell's seconds per iteration, samples/s and peak memory per GPU.
+costed data-parallel-only and tensor-parallel-only (and, for MoE with
+``expert_parallel``, data-parallel with its experts sharded); the assembled plan is
+scored with the GPipe pipeline formula — first micro-batch through all stages + (B − 1)
+× the slowest stage — plus the data-parallel gradient synchronisation and the optimizer
+update. It gives the Cell's seconds per iteration, samples/s and peak memory per GPU.
 
-Because a stage's cost depends only on its own plan (inter-stage sends are charged to the
-sender), the best of the 2^S assembled plans is the per-stage best choice; the tuner
+A stage's cost depends only on its own plan (inter-stage sends are charged to the
+sender), so each stage takes the feasible variant that is fastest as the pipeline's
+slowest stage would be: B micro-batches plus its gradient sync and update. The tuner
 (``estimator.tuner``) enumerates richer plans (hybrid dp × tp, micro-batch counts, remat).
 """
 
@@ -26,7 +27,7 @@ from estimator.gpus import gpu_type as _gpu_type
 from estimator.jobs import JobSpec
 from estimator.host import HostSpec, default_host
 from estimator.memory import (
-    OPTIMIZER_STATE_BYTES, ZERO_LEVELS, MemoryOptions, StageMemory, host_memory_gb, stage_memory,
+    OPTIMIZER_STATE_BYTES, ZERO_LEVELS, MemoryOptions, StageMemory, host_memory_gb, stage_memory, stage_params,
 )
 from estimator.models import DTYPE_BYTES, ModelSpec, load_model
 from estimator.partition import arena_stage_gpus, balanced_partition, stage_gpu_counts
@@ -77,6 +78,10 @@ class EstimateOptions:
             proportion to the stages' load (``estimator.partition.arena_stage_gpus``) and
             keeps them where they are faster; such plans are ``runnable: false`` (the
             runner runs equal counts).
+        expert_parallel: a MoE stage with data parallelism also tries its experts sharded
+            over all its GPUs, tokens routed by all-to-all (GShard's layout, what Alpa's
+            auto-sharding finds for the measured MoE runs; ``StagePlan.ep``), kept where
+            faster; such plans are ``runnable: false`` (the runner shards experts over tp).
     """
 
     plan_space: str = "cell"
@@ -92,6 +97,7 @@ class EstimateOptions:
     gpu_specs_dir: str | None = None
     profile_db: str | None = None
     stage_gpus: str = "equal"
+    expert_parallel: bool = False
     efficiency: dict[str, Efficiency] | None = field(default=None, hash=False, compare=False)
 
     def __post_init__(self):
@@ -220,15 +226,16 @@ def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan, co
     compute_source = PROFILED if compiled is None and (timed or ctx.eff_source == PROFILED) else "analytic"
     comm_s = _stage_collectives_s(ctx, layers, plan, first_device, micro, comm_passes, compiled, sources)
     send_s = _send_s(ctx, index, layers, plan, first_device, micro, sources)
-    params = sum(layer.params for layer in layers) / tp
+    replicated, experts = stage_params(layers, dp, tp, plan.ep)
     memory = ctx.options.memory
     d = DTYPE_BYTES[model.dtype]
-    sync_s = _gradient_sync_s(ctx, plan, first_device, params * d, compiled, sources)
+    # Expert-parallel experts are each on one dp rank: no data-parallel sum of their grads.
+    sync_s = _gradient_sync_s(ctx, plan, first_device, replicated * d, compiled, sources)
     # The update reads weights, grads, master and states, and writes weights, master,
     # states (a mixed-precision update's traffic; the time model predates the runner's
     # fp32-only weights and is kept as fitted).
     master_opt = (4.0 if d < 4 else 0.0) + OPTIMIZER_STATE_BYTES[model.optimizer]
-    update_params = params / (dp if memory.zero_level >= 1 or memory.offload else 1)
+    update_params = replicated / (dp if memory.zero_level >= 1 or memory.offload else 1) + experts
     update_bytes = update_params * (2 * d + d + 2 * master_opt)
     host = ctx.host
     if memory.offload:
@@ -243,7 +250,7 @@ def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan, co
         # ZeRO-3 gathers each layer's weights before its forward and backward (and its
         # recompute): per micro-batch, an all-gather of the stage's weights per pass.
         gpn = min(ctx.cell.gpus_per_node, ctx.cell.num_gpus)
-        t, src = _comm(ctx, "all-gather", dp, _span(first_device, dp, tp, gpn), params * d)
+        t, src = _comm(ctx, "all-gather", dp, _span(first_device, dp, tp, gpn), replicated * d)
         sources.add(src)
         comm_s += comm_passes * t
     # GPipe keeps every micro-batch's residuals until the backward passes start (the
@@ -252,7 +259,8 @@ def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan, co
     in_flight = B + 1 if ctx.cell.num_stages > 1 else 1
     profiled_acts = _profiled_activations(ctx, plan) if compiled is None else None
     mem = stage_memory(model, layers, dp, tp, max(1, math.ceil(micro)), in_flight, ctx.remat,
-                       memory, micro_batches=B, activation_bytes_per_sample=profiled_acts)
+                       memory, micro_batches=B, activation_bytes_per_sample=profiled_acts,
+                       expert_parallel=plan.ep)
     compiled_peak_gb = None
     if compiled is not None and compiled.memory_bytes:
         # The compiled step holds one micro-batch; GPipe keeps the others' stage inputs too.
@@ -331,15 +339,18 @@ def _stage_collectives_s(ctx: _Context, layers, plan: StagePlan, first_device: i
     if tp > 1 and compiled is not None:
         comm_s, srcs = _compiled_comm_s(ctx, compiled, "tp", tp, _span(first_device, tp, 1, gpn))
         sources |= srcs
-    elif tp > 1:
+    elif tp > 1 or plan.ep:
+        # The experts' all-to-all spans the GPUs they are split over: tp, or dp × tp.
         tp_span = _span(first_device, tp, 1, gpn)
+        ep = dp * tp if plan.ep else tp
+        ep_span = _span(first_device, ep, 1, gpn)
         for layer in layers:
-            if layer.tp_allreduce_bytes:
+            if layer.tp_allreduce_bytes and tp > 1:
                 t, src = _comm(ctx, "all-reduce", tp, tp_span, layer.tp_allreduce_bytes * micro)
                 comm_s += comm_passes * t
                 sources.add(src)
             if layer.alltoall_bytes:
-                t, src = _comm(ctx, "all-to-all", tp, tp_span, layer.alltoall_bytes * micro)
+                t, src = _comm(ctx, "all-to-all", ep, ep_span, layer.alltoall_bytes * micro)
                 comm_s += comm_passes * t
                 sources.add(src)
     if dp > 1:
@@ -630,13 +641,15 @@ def _assemble(job: JobSpec, ctx: _Context, ranges, per_stage, default_ranges) ->
         stage = [StagePlan(start, end, dp, n // dp)]
         if n > 1 and options.plan_space == "cell" and dp > 1:
             stage.append(StagePlan(start, end, 1, n))
+            if options.expert_parallel and expert_parallel_fits(ctx.model.layers[start:end], n):
+                stage.append(StagePlan(start, end, dp, n // dp, ep=True))
         variants.append(stage)
     compiled = _compile_variants(job, ctx, variants) if options.fidelity == "compiled" else {}
     chosen, first = [], 0
     for i, stage in enumerate(variants):
         costs = [stage_cost(ctx, i, first, v, compiled.get(v)) for v in stage]
         ok = [c for c in costs if c.feasible]
-        chosen.append(min(ok, key=lambda c: c.micro_batch_s) if ok
+        chosen.append(min(ok, key=lambda c: c.micro_batch_s * ctx.micro_batches + c.sync_s + c.update_s) if ok
                       else min(costs, key=lambda c: c.peak_gb))
         first += stage[0].num_gpus
     costs = tuple(chosen)
@@ -657,13 +670,20 @@ def _assemble(job: JobSpec, ctx: _Context, ranges, per_stage, default_ranges) ->
     host_gb = max(host_memory_gb(c.memory) for c in costs)
     plan = format_plan(cell, plans, ctx.micro_batches, ctx.remat, default_ranges,
                        zero_level=memory.zero_level, offload=memory.offload)
+    # The runner shards experts over tp only: an expert-parallel plan is estimated.
     dims = dict(remat=ctx.remat, zero_level=memory.zero_level, offload=memory.offload,
-                host_memory_gb=host_gb, runnable=memory.runnable, plan=plan)
+                host_memory_gb=host_gb, runnable=memory.runnable and not any(p.ep for p in plans), plan=plan)
     if bad is not None:
         return CellEstimate(cell, plans, ctx.micro_batches, math.inf, 0.0, peak, False, bad.reason,
                             fidelity, source, memory_fidelity, **dims)
     return CellEstimate(cell, plans, ctx.micro_batches, t, job.global_batch / t, peak, True, "",
                         fidelity, source, memory_fidelity, **dims)
+
+
+def expert_parallel_fits(layers, num_gpus: int) -> bool:
+    """Whether a stage's MoE layers can split their experts evenly over ``num_gpus``."""
+    experts = {layer.experts for layer in layers if layer.experts}
+    return bool(experts) and all(e % num_gpus == 0 for e in experts)
 
 
 def _compile_variants(job: JobSpec, ctx: _Context, variants: list[list[StagePlan]]) -> dict:
@@ -683,7 +703,7 @@ def _compile_variants(job: JobSpec, ctx: _Context, variants: list[list[StagePlan
     arch = arch_from_model(ctx.model)
     opts = ctx.options
     target = ctx.cell.gpu_type if opts.gpu_specs_dir and ctx.cell.gpu_type in GPU_TARGET_SPECS else "cpu"
-    plans = [v for stage in variants for v in stage if micro % v.dp == 0]
+    plans = [v for stage in variants for v in stage if micro % v.dp == 0 and not v.ep]
     requests = [StageRequest(ctx.model.name, arch, v.layer_start, v.layer_end, v.dp, v.tp, micro,
                              ctx.remat, target) for v in plans]
     cache = Path(opts.compile_cache_dir) if opts.compile_cache_dir else DEFAULT_CACHE_DIR

@@ -8,7 +8,8 @@ buffer, as its GPU-target compile shows them (``docs/estimator.md``, "Memory"):
 - **optimizer states** (fp32): AdamW μ and ν 8 B/param (gpt), SGD momentum 4 B/param
   (wide_resnet), Adafactor's factored second moment ≈ 0 B/param and no momentum (moe).
   MoE expert weights and their states lie on their tensor-parallel (expert) shards like
-  every other tensor-parallel weight.
+  every other tensor-parallel weight; under expert parallelism (``StagePlan.ep``) they
+  are split over the stage's dp × tp GPUs instead.
 - **gradients**: accumulated in fp32 (the master's dtype), 4 B/param; while a micro-batch
   is added to the accumulator, its own gradient is a second such buffer (only with more
   than one micro-batch).
@@ -113,10 +114,21 @@ def activation_bytes(layer: LayerSpec, tp: int) -> float:
     return layer.activation_bytes_tp_shared + split / tp
 
 
+def stage_params(layers: tuple[LayerSpec, ...], dp: int, tp: int, expert_parallel: bool) -> tuple[float, float]:
+    """Parameters per GPU of a stage: (replicated across dp, expert-parallel). Everything is
+    split over tp; with expert parallelism the experts are also split over dp."""
+    total = sum(layer.params for layer in layers) / tp
+    if not expert_parallel:
+        return total, 0.0
+    experts = sum(layer.expert_params for layer in layers) / tp
+    return total - experts, experts / dp
+
+
 def stage_memory(model: ModelSpec, layers: tuple[LayerSpec, ...], dp: int, tp: int,
                  micro_batch: int, in_flight: int, remat: bool,
                  options: MemoryOptions = MemoryOptions(), micro_batches: int = 1,
-                 activation_bytes_per_sample: tuple[float, ...] | None = None) -> StageMemory:
+                 activation_bytes_per_sample: tuple[float, ...] | None = None,
+                 expert_parallel: bool = False) -> StageMemory:
     """Peak memory per GPU of a stage.
 
     Args:
@@ -130,29 +142,35 @@ def stage_memory(model: ModelSpec, layers: tuple[LayerSpec, ...], dp: int, tp: i
         activation_bytes_per_sample: per layer, the bytes one sample holds through it under
             tp as profiled on the site's devices (``estimator.profile_store``), instead of
             the formula's ``activation_bytes``.
+        expert_parallel: the MoE experts lie on all dp × tp GPUs, not replicated across dp
+            (``StagePlan.ep``); ZeRO's dp sharding then applies to the other weights only.
     """
-    params = sum(layer.params for layer in layers) / tp
+    replicated, experts = stage_params(layers, dp, tp, expert_parallel)
     z, d = options.zero_level, float(DTYPE_BYTES[model.dtype])
     opt_b = OPTIMIZER_STATE_BYTES[model.optimizer]
-    shard = lambda level: dp if z >= level else 1  # noqa: E731
+
+    def per_gpu(level: int) -> float:
+        """Parameters per GPU of a buffer ZeRO shards across dp from ``level`` on."""
+        return replicated / (dp if z >= level else 1) + experts
+
     host = 0.0
     if options.offload:
         # The GPU keeps compute-dtype weights and gradients; the host the rest.
-        weights = params * d / shard(3)
-        grads = params * d / shard(2)
+        weights = per_gpu(3) * d
+        grads = per_gpu(2) * d
         opt = update = 0.0
-        host = params * host_bytes_per_param(model) / dp
+        host = (replicated / dp + experts) * host_bytes_per_param(model)
     elif options.program == "alpa":
         master = MASTER_BYTES if d < 4 else 0.0
-        weights = params * d / shard(3)
-        grads = params * d / shard(2)
-        opt = params * (master + opt_b) / shard(1)
+        weights = per_gpu(3) * d
+        grads = per_gpu(2) * d
+        opt = per_gpu(1) * (master + opt_b)
         update = 0.0
     else:
-        weights = params * MASTER_BYTES / shard(3)
-        grads = params * GRADIENT_BYTES / shard(2)
-        opt = params * opt_b / shard(1)
-        update = params * update_temp_bytes(model) / shard(1)
+        weights = per_gpu(3) * MASTER_BYTES
+        grads = per_gpu(2) * GRADIENT_BYTES
+        opt = per_gpu(1) * opt_b
+        update = per_gpu(1) * update_temp_bytes(model)
     per_sample = activation_bytes_per_sample or tuple(activation_bytes(layer, tp) for layer in layers)
     if remat:
         kept = sum(layer.output_bytes for layer in layers)
@@ -161,7 +179,7 @@ def stage_memory(model: ModelSpec, layers: tuple[LayerSpec, ...], dp: int, tp: i
         acts = micro_batch * in_flight * sum(per_sample)
     if z >= 3:
         # Each layer's weights are gathered whole (over dp) while it runs.
-        acts += max(layer.params for layer in layers) / tp * d
+        acts += max(layer.params - (layer.expert_params if expert_parallel else 0) for layer in layers) / tp * d
     gb = 1e-9
     accumulating = micro_batches > 1 and options.program == "runner"
     return StageMemory(weights * gb, grads * gb, opt * gb, acts * gb, options.reserve_gb,

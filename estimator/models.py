@@ -51,6 +51,8 @@ class LayerSpec:
     alltoall_bytes: float = 0.0  # expert dispatch + combine payload (MoE)
     batch_stat_syncs: int = 0  # BatchNorm layers: each reduces batch statistics across dp
     batch_stat_bytes: float = 0.0  # payload of one such reduction (sums per channel, fp32)
+    experts: int = 0  # MoE layers: the expert count
+    expert_params: int = 0  # MoE layers: the part of params in the experts
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,8 @@ def _moe_layer(i: int, s: int, h: int, a: int, experts: int, d: int) -> LayerSpe
     S = MOE_GROUP_TOKENS
     capacity = 2 * S // experts
     expert_ffn = 8 * h
-    params = 4 * h * h + 4 * h + 4 * h + h * experts + experts * 2 * h * expert_ffn
+    expert_params = experts * 2 * h * expert_ffn
+    params = 4 * h * h + 4 * h + 4 * h + h * experts + expert_params
     tokens_routed = 2 * s  # top-2 with capacity factor 2: E*C = 2S slots per S tokens
     flops = (2 * s * 4 * h * h + 4 * s * s * h  # attention
              + 2 * s * h * experts  # gate
@@ -113,7 +116,7 @@ def _moe_layer(i: int, s: int, h: int, a: int, experts: int, d: int) -> LayerSpe
     # GShard all-to-all: dispatch and combine each move the routed tokens once.
     alltoall = 2 * tokens_routed * h * d
     return LayerSpec(f"layer{i}", "moe", params, flops, elementwise, shared + split, shared,
-                     s * h * d, 2 * s * h * d, alltoall)
+                     s * h * d, 2 * s * h * d, alltoall, experts=experts, expert_params=expert_params)
 
 
 def transformer_model(name: str, family: str, *, hidden: int, layers: int, heads: int,

@@ -16,8 +16,11 @@ before them read the same)::
     cell=a100x8:s1 plan=[dp8tp1] mb=4 remat=1 zero=3 offload=1
 
 ``zero`` is the ZeRO stage (0–3; absent: 0, replicated states, what the runner runs);
-``offload=1`` keeps master weights and optimizer states on the host (ZeRO-Offload). A
-runner that cannot run a plan's ``zero`` or ``offload`` refuses it (``job_scripts.plan``).
+``offload=1`` keeps master weights and optimizer states on the host (ZeRO-Offload).
+
+A stage written ``dp4tp1ep`` shards its MoE experts over all its GPUs (expert
+parallelism, ``StagePlan.ep``). A runner that cannot run a plan's ``zero``, ``offload``
+or ``ep`` refuses it (``job_scripts.plan``).
 """
 
 import re
@@ -29,7 +32,7 @@ from estimator.errors import SpecError
 MAX_PLAN_STRING = 512
 OPTIONAL_KEYS = ("layers", "zero", "offload")
 _CELL_RE = re.compile(r"([a-z][a-z0-9_]*)x(\d+):s(\d+)")
-_STAGE_RE = re.compile(r"dp(\d+)tp(\d+)")
+_STAGE_RE = re.compile(r"dp(\d+)tp(\d+)(ep)?")
 
 
 class PlanStringError(SpecError):
@@ -53,6 +56,7 @@ class PlanString:
     layer_bounds: tuple[int, ...] | None = None
     zero_level: int = 0
     offload: bool = False
+    expert_parallel: tuple[bool, ...] = ()  # per stage (empty: none)
 
     @property
     def cell_label(self) -> str:
@@ -60,7 +64,8 @@ class PlanString:
 
     def format(self) -> str:
         """The canonical string (``parse_plan(p.format()) == p``)."""
-        plan = "|".join(f"dp{dp}tp{tp}" for dp, tp in self.stages)
+        ep = self.expert_parallel or (False,) * len(self.stages)
+        plan = "|".join(f"dp{dp}tp{tp}{'ep' if e else ''}" for (dp, tp), e in zip(self.stages, ep))
         out = f"cell={self.cell_label} plan=[{plan}] mb={self.micro_batches} remat={int(self.remat)}"
         if self.layer_bounds is not None:
             out += " layers=" + ",".join(str(b) for b in self.layer_bounds)
@@ -79,7 +84,8 @@ class PlanString:
             ranges = tuple(default_ranges)
         if len(ranges) != len(self.stages):
             raise SpecError("layers", ranges, f"{len(self.stages)} stages need as many layer ranges")
-        return tuple(StagePlan(s, e, dp, tp) for (s, e), (dp, tp) in zip(ranges, self.stages))
+        ep = self.expert_parallel or (False,) * len(self.stages)
+        return tuple(StagePlan(s, e, dp, tp, x) for (s, e), (dp, tp), x in zip(ranges, self.stages, ep))
 
 
 def _pow2(v: int) -> bool:
@@ -94,9 +100,10 @@ def format_plan(cell: Cell, stages: tuple[StagePlan, ...], micro_batches: int, r
     bounds = None
     if default_ranges is None or ranges != tuple(default_ranges):
         bounds = (ranges[0][0],) + tuple(e for _, e in ranges)
+    ep = tuple(s.ep for s in stages) if any(s.ep for s in stages) else ()
     return PlanString(cell.gpu_type, cell.num_gpus, cell.num_stages,
                       tuple((s.dp, s.tp) for s in stages), micro_batches, remat, bounds,
-                      zero_level, offload).format()
+                      zero_level, offload, ep).format()
 
 
 def parse_plan(text: str) -> PlanString:
@@ -132,15 +139,16 @@ def parse_plan(text: str) -> PlanString:
     body = fields["plan"]
     if not (body.startswith("[") and body.endswith("]")):
         raise PlanStringError(text, "plan= must be [dpXtpY|…] in brackets")
-    stages = []
+    stages, ep = [], []
     for part in body[1:-1].split("|"):
         sm = _STAGE_RE.fullmatch(part)
         if not sm:
-            raise PlanStringError(text, f"stage {part!r} is not dp<N>tp<M>")
+            raise PlanStringError(text, f"stage {part!r} is not dp<N>tp<M> (or dp<N>tp<M>ep)")
         dp, tp = int(sm.group(1)), int(sm.group(2))
         if not (_pow2(dp) and _pow2(tp)):
             raise PlanStringError(text, f"stage {part!r}: dp and tp must be powers of two")
         stages.append((dp, tp))
+        ep.append(sm.group(3) is not None)
     if n < 1 or s < 1 or len(stages) != s:
         raise PlanStringError(text, f"cell has {s} stage(s) but plan lists {len(stages)}")
     if sum(dp * tp for dp, tp in stages) != n:
@@ -163,4 +171,4 @@ def parse_plan(text: str) -> PlanString:
     if offload not in ("0", "1"):
         raise PlanStringError(text, f"offload={offload!r} must be 0 or 1")
     return PlanString(gpu, n, s, tuple(stages), int(fields["mb"]), fields["remat"] == "1", bounds,
-                      int(zero), offload == "1")
+                      int(zero), offload == "1", tuple(ep) if any(ep) else ())

@@ -122,8 +122,9 @@ def plan_from_string(text: str, model_spec, arch: jm.Arch, global_batch: int, nu
 
 
 def refuse_unsupported(ps, text: str) -> None:
-    """Raise SpecError (one line) for a plan's memory choices this runtime cannot run yet,
-    rather than run something else: it keeps states replicated (ZeRO-0) on the GPU."""
+    """Raise SpecError (one line) for a plan's choices this runtime cannot run yet, rather
+    than run something else: it keeps states replicated (ZeRO-0) on the GPU and MoE experts
+    sharded over tp only."""
     from estimator.memory import RUNNABLE_ZERO_LEVELS
     if ps.zero_level not in RUNNABLE_ZERO_LEVELS:
         raise SpecError("zero", ps.zero_level, f"plan {text!r} asks for ZeRO-{ps.zero_level}, which this "
@@ -132,6 +133,9 @@ def refuse_unsupported(ps, text: str) -> None:
     if ps.offload:
         raise SpecError("offload", 1, f"plan {text!r} asks for ZeRO-Offload, which this runner cannot "
                                       "run yet; choose a Cell without offload=1")
+    if any(ps.expert_parallel):
+        raise SpecError("ep", 1, f"plan {text!r} shards MoE experts over data parallelism (ep), which "
+                                 "this runner cannot run yet; choose a Cell without ep stages")
 
 
 def log2(n: int) -> int:

@@ -105,3 +105,26 @@ def test_alpa_program_counts_mixed_precision_zero_2_states():
     assert mem.update_gb == 0.0
     assert mem.peak_gb == pytest.approx(mem.weights_gb + mem.gradients_gb + mem.optimizer_gb
                                         + mem.activations_gb)
+
+
+def test_expert_parallel_splits_the_experts_over_dp_and_zero_shards_the_rest():
+    """One MoE layer of moe-1.3b on dp 4, tp 2 under Alpa's ZeRO-2 program: with expert
+    parallelism each GPU holds 1/8 of the experts (whole weights, gradients and master,
+    ZeRO adds nothing to them) and 1/2 of the rest, whose gradients and master ZeRO-2
+    splits over dp; without it the experts are replicated over dp like the rest."""
+    m = load_model("moe-1.3b")
+    layer = m.layers[1]
+    h, E = 768, 16
+    experts = E * 2 * h * 8 * h
+    assert layer.experts == E and layer.expert_params == experts
+    rest = layer.params - experts
+    alpa = MemoryOptions(zero_level=2, program="alpa", reserve_gb=0.0)
+    ep = stage_memory(m, (layer,), dp=4, tp=2, micro_batch=1, in_flight=1, remat=True, options=alpa,
+                      expert_parallel=True)
+    assert ep.weights_gb == pytest.approx(2 * (rest / 2 + experts / 8) / 1e9)  # fp16
+    assert ep.gradients_gb == pytest.approx(2 * (rest / 2 / 4 + experts / 8) / 1e9)
+    assert ep.optimizer_gb == pytest.approx(4 * (rest / 2 / 4 + experts / 8) / 1e9)  # fp32 master
+    plain = stage_memory(m, (layer,), dp=4, tp=2, micro_batch=1, in_flight=1, remat=True, options=alpa)
+    assert plain.weights_gb == pytest.approx(2 * layer.params / 2 / 1e9)
+    assert plain.gradients_gb == pytest.approx(2 * layer.params / 2 / 4 / 1e9)
+    assert ep.activations_gb == plain.activations_gb

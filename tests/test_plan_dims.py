@@ -113,6 +113,35 @@ def test_arena_stage_counts_are_estimated_where_faster_and_refused_by_the_runner
     assert "\n" not in str(err.value)
 
 
+def test_expert_parallel_stages_are_estimated_where_faster_and_refused_by_the_runner():
+    """moe-2.4b at batch 512 on two nodes of two a100s: with experts replicated over dp
+    only tp over all four GPUs fits, its all-reduces crossing the nodes; with the experts
+    sharded over the stage's GPUs, dp 4 with ep fits and is far faster. The plan string
+    marks the stage, the Cell says the runner cannot run it, and the runner refuses it in
+    one line."""
+    from estimator.jax_models import builtin_arch
+    from estimator.models import load_model
+    from job_scripts.plan import plan_from_string
+    job, cell = JobSpec("moe-2.4b", 512), Cell("a100", 4, 2, 1)
+    plain = estimate_cell(job, cell, CRIUS)
+    ep = estimate_cell(job, cell, CRIUS, EstimateOptions(expert_parallel=True))
+    assert plain.feasible and plain.runnable and not any(s.ep for s in plain.stages)
+    assert ep.feasible and not ep.runnable and all(s.ep and s.dp == 4 for s in ep.stages)
+    assert ep.iteration_time_s < plain.iteration_time_s / 3
+    assert "dp4tp1ep" in ep.plan and parse_plan(ep.plan).format() == ep.plan
+    with pytest.raises(SpecError, match="experts") as err:
+        plan_from_string(ep.plan, load_model("moe-2.4b"), builtin_arch("moe-2.4b"), 512, 4, 2)
+    assert "\n" not in str(err.value)
+
+
+def test_expert_parallelism_needs_experts_that_split_evenly():
+    from estimator.estimate import expert_parallel_fits
+    from estimator.models import load_model
+    moe27 = load_model("moe-27b").layers  # 48 experts per MoE layer
+    assert expert_parallel_fits(moe27, 16) and not expert_parallel_fits(moe27, 32)
+    assert not expert_parallel_fits(load_model("gpt-1.3b").layers, 4)  # no experts
+
+
 def test_the_runners_pipeline_pads_every_stage_to_the_largest_buffers():
     """One SPMD program: each device's buffers are as long as the largest stage's, so a
     stage heavy in weights and one heavy in activations cost each device both; Alpa's

@@ -11,6 +11,7 @@ GOOD = [
     "cell=v100x16:s1 plan=[dp16tp1] mb=1 remat=0",
     "cell=a40x4:s4 plan=[dp1tp1|dp1tp1|dp1tp1|dp1tp1] mb=16 remat=1 layers=0,3,9,12,26",
     "cell=h100x8:s2 plan=[dp1tp4|dp1tp4] mb=32 remat=0",
+    "cell=a100x8:s2 plan=[dp4tp1ep|dp4tp1] mb=16 remat=1 zero=2",
 ]
 
 
@@ -75,3 +76,15 @@ def test_non_strings_and_huge_strings_are_rejected():
         parse_plan(None)
     with pytest.raises(PlanStringError, match="longer than"):
         parse_plan("cell=a100x8:s1 " + "x" * 600)
+
+
+def test_expert_parallel_stages_are_marked_and_read_back():
+    cell = Cell("a100", 8, 4, 2)
+    stages = (StagePlan(0, 9, 4, 1, ep=True), StagePlan(9, 18, 2, 2))
+    text = format_plan(cell, stages, 16, True, ((0, 9), (9, 18)))
+    assert "plan=[dp4tp1ep|dp2tp2]" in text
+    parsed = parse_plan(text)
+    assert parsed.expert_parallel == (True, False)
+    assert parsed.stage_plans(((0, 9), (9, 18))) == stages
+    # Without ep stages the field stays empty, as strings from before it read.
+    assert parse_plan("cell=a100x8:s1 plan=[dp8tp1] mb=4 remat=1").expert_parallel == ()

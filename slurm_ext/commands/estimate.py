@@ -130,10 +130,13 @@ def _read_batch(source) -> list[dict]:
 @click.option("--stage-gpus", type=click.Choice(["equal", "arena"]), default="equal", show_default=True,
               help="GPUs per pipeline stage: equal, or arena (Arena's power-of-two counts in proportion to "
                    "each stage's load, kept where faster; estimated only, runnable false).")
+@click.option("--expert-parallel", is_flag=True,
+              help="MoE models: also try each data-parallel stage with its experts sharded over all its GPUs "
+                   "(tokens routed by all-to-all), kept where faster; estimated only, runnable false.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def command(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, cluster, micro_batches,
             comm_table, fidelity, compile_cache, gpu_specs_dir, profile_db, remat, zero_level, offload, what_if,
-            stage_gpus, batch_file, as_json):
+            stage_gpus, expert_parallel, batch_file, as_json):
     """The Cells of one job: for each GPU type × GPU count × stage count, the best per-stage
     plan, seconds per iteration, samples/s and peak memory per GPU, or why it does not fit.
 
@@ -147,7 +150,7 @@ def command(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, clus
                               compile_cache_dir=compile_cache, gpu_specs_dir=gpu_specs_dir,
                               profile_db=profile_db, remat={"on": True, "off": False, "auto": None}[remat],
                               memory=memory, runnable_only=not (what_if or not memory.runnable),
-                              stage_gpus=stage_gpus)
+                              stage_gpus=stage_gpus, expert_parallel=expert_parallel)
     if batch_file is not None:
         if model or global_batch:
             raise click.UsageError("--batch reads model and global_batch from each line; drop --model/--global-batch")
