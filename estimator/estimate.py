@@ -8,8 +8,9 @@ scored with the GPipe pipeline formula — first micro-batch through all stages 
 update. It gives the Cell's seconds per iteration, samples/s and peak memory per GPU.
 
 A stage's cost depends only on its own plan (inter-stage sends are charged to the
-sender), so each stage takes the feasible variant that is fastest as the pipeline's
-slowest stage would be: B micro-batches plus its gradient sync and update. The tuner
+sender); each stage takes its feasible variant with the fastest micro-batch, or the one
+fastest as the pipeline's slowest stage would be (B micro-batches plus its gradient sync
+and update), whichever assembly gives the faster pipeline. The tuner
 (``estimator.tuner``) enumerates richer plans (hybrid dp × tp, micro-batch counts, remat).
 """
 
@@ -645,14 +646,11 @@ def _assemble(job: JobSpec, ctx: _Context, ranges, per_stage, default_ranges) ->
                 stage.append(StagePlan(start, end, dp, n // dp, ep=True))
         variants.append(stage)
     compiled = _compile_variants(job, ctx, variants) if options.fidelity == "compiled" else {}
-    chosen, first = [], 0
+    per_stage_costs, first = [], 0
     for i, stage in enumerate(variants):
-        costs = [stage_cost(ctx, i, first, v, compiled.get(v)) for v in stage]
-        ok = [c for c in costs if c.feasible]
-        chosen.append(min(ok, key=lambda c: c.micro_batch_s * ctx.micro_batches + c.sync_s + c.update_s) if ok
-                      else min(costs, key=lambda c: c.peak_gb))
+        per_stage_costs.append([stage_cost(ctx, i, first, v, compiled.get(v)) for v in stage])
         first += stage[0].num_gpus
-    costs = tuple(chosen)
+    costs = _choose_variants(per_stage_costs, ctx.micro_batches)
     bad = next((c for c in costs if not c.feasible), None)
     t = pipeline_time_s(costs, ctx.micro_batches)
     source = _comm_label({c.comm_source for c in costs})
@@ -678,6 +676,25 @@ def _assemble(job: JobSpec, ctx: _Context, ranges, per_stage, default_ranges) ->
                             fidelity, source, memory_fidelity, **dims)
     return CellEstimate(cell, plans, ctx.micro_batches, t, job.global_batch / t, peak, True, "",
                         fidelity, source, memory_fidelity, **dims)
+
+
+def _choose_variants(per_stage_costs: list[list[StageCost]], micro_batches: int) -> tuple[StageCost, ...]:
+    """One variant per stage: of two assemblies — each stage's fastest micro-batch, and
+    each stage's least time as the pipeline's slowest stage (B micro-batches plus its
+    gradient sync and update) — the faster pipeline. A stage with no feasible variant
+    takes its smallest."""
+    def assemble(key) -> tuple[StageCost, ...]:
+        out = []
+        for costs in per_stage_costs:
+            ok = [c for c in costs if c.feasible]
+            out.append(min(ok, key=key) if ok else min(costs, key=lambda c: c.peak_gb))
+        return tuple(out)
+
+    by_micro = assemble(lambda c: c.micro_batch_s)
+    by_whole = assemble(lambda c: c.micro_batch_s * micro_batches + c.sync_s + c.update_s)
+    if pipeline_time_s(by_whole, micro_batches) < pipeline_time_s(by_micro, micro_batches):
+        return by_whole
+    return by_micro
 
 
 def expert_parallel_fits(layers, num_gpus: int) -> bool:
