@@ -82,7 +82,7 @@ class EstimateOptions:
         expert_parallel: a MoE stage with data parallelism also tries its experts sharded
             over all its GPUs, tokens routed by all-to-all (GShard's layout, what Alpa's
             auto-sharding finds for the measured MoE runs; ``StagePlan.ep``), kept where
-            faster; such plans are ``runnable: false`` (the runner shards experts over tp).
+            faster; the runner runs it on stages without tp (others are ``runnable: false``).
     """
 
     plan_space: str = "cell"
@@ -668,9 +668,10 @@ def _assemble(job: JobSpec, ctx: _Context, ranges, per_stage, default_ranges) ->
     host_gb = max(host_memory_gb(c.memory) for c in costs)
     plan = format_plan(cell, plans, ctx.micro_batches, ctx.remat, default_ranges,
                        zero_level=memory.zero_level, offload=memory.offload)
-    # The runner shards experts over tp only: an expert-parallel plan is estimated.
+    # The runner splits experts over dp on stages without tp only.
     dims = dict(remat=ctx.remat, zero_level=memory.zero_level, offload=memory.offload,
-                host_memory_gb=host_gb, runnable=memory.runnable and not any(p.ep for p in plans), plan=plan)
+                host_memory_gb=host_gb, runnable=memory.runnable and not any(p.ep and p.tp > 1 for p in plans),
+                plan=plan)
     if bad is not None:
         return CellEstimate(cell, plans, ctx.micro_batches, math.inf, 0.0, peak, False, bad.reason,
                             fidelity, source, memory_fidelity, **dims)

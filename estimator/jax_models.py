@@ -203,6 +203,15 @@ class TensorParallel:
         """This device's slice of a replicated axis that the weights shard (experts)."""
         return x
 
+    def to_experts(self, x):
+        """Tokens dispatched ``[experts, groups, capacity, hidden]`` → the experts this
+        device holds, with every device's groups (expert parallelism: an all-to-all)."""
+        return x
+
+    def from_experts(self, x):
+        """The inverse of :meth:`to_experts`: the experts' outputs back to their groups."""
+        return x
+
     def slice_channels(self, x):
         """The last axis cut to this device's channels (backward: all-gather)."""
         return x
@@ -326,6 +335,11 @@ def layer_state_shapes(arch: Arch, index: int) -> dict:
     return {}
 
 
+# The parameters of a MoE layer that hold its experts (leading axis: the expert), the ones
+# expert parallelism splits over data parallelism too.
+EXPERT_PARAMS = ("wi", "wo2")
+
+
 def layer_param_specs(arch: Arch, index: int) -> dict:
     """PartitionSpec per parameter for tensor parallelism over mesh axis ``tp``."""
     kind, shapes = layer_kind(arch, index), layer_param_shapes(arch, index)
@@ -399,7 +413,10 @@ def _moe_ffn(p, x, arch: Arch, tp: TensorParallel):
     """GShard top-2 routing with dense one-hot dispatch and combine einsums.
 
     Routing is computed whole on every tensor-parallel device; each device then runs
-    its slice of the experts and the partial outputs are summed (``tp.exit``).
+    its slice of the experts and the partial outputs are summed (``tp.exit``). Under
+    expert parallelism each data-parallel device routes its own tokens to every expert
+    and ``tp.to_experts`` / ``tp.from_experts`` move them to and from the device that
+    holds each expert.
     """
     dt, (B, S, M) = x.dtype, x.shape
     group = moe_group_size(arch, B * S)
@@ -427,9 +444,9 @@ def _moe_ffn(p, x, arch: Arch, tp: TensorParallel):
                + g2[..., None, None] * mask2[..., None] * loc2[:, :, None, :]).astype(dt)
     combine = tp.local(tp.enter(combine), axis=2)
     dispatch = (combine > 0).astype(dt)
-    expert_in = jnp.einsum("gsec,gsm->egcm", dispatch, tp.enter(xg))
+    expert_in = tp.to_experts(jnp.einsum("gsec,gsm->egcm", dispatch, tp.enter(xg)))
     hidden = jax.nn.relu(jnp.einsum("egcm,emh->egch", expert_in, p["wi"].astype(dt)))
-    expert_out = jnp.einsum("egch,ehm->egcm", hidden, p["wo2"].astype(dt))
+    expert_out = tp.from_experts(jnp.einsum("egch,ehm->egcm", hidden, p["wo2"].astype(dt)))
     return tp.exit(jnp.einsum("gsec,egcm->gsm", combine, expert_out)).reshape(B, S, M)
 
 

@@ -18,9 +18,9 @@ before them read the same)::
 ``zero`` is the ZeRO stage (0–3; absent: 0, replicated states, what the runner runs);
 ``offload=1`` keeps master weights and optimizer states on the host (ZeRO-Offload).
 
-A stage written ``dp4tp1ep`` shards its MoE experts over all its GPUs (expert
+A stage written ``dp4tp1ep`` splits its MoE experts over all its GPUs (expert
 parallelism, ``StagePlan.ep``). A runner that cannot run a plan's ``zero``, ``offload``
-or ``ep`` refuses it (``job_scripts.plan``).
+or ``ep`` stage refuses it (``job_scripts.plan``).
 """
 
 import re

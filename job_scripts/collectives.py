@@ -8,8 +8,10 @@ stages of one plan may split their devices differently, so the groups are per st
 
 :class:`StageCollectives` is ``estimator.jax_models.TensorParallel`` for one stage: the
 layer code calls it where Megatron puts its ``f`` and ``g`` operators, for the
-vocabulary-parallel embedding and cross-entropy, the local experts or channels, and
-batch-norm statistics over the data-parallel group. Every operation whose backward is
+vocabulary-parallel embedding and cross-entropy, the local experts or channels, the
+all-to-alls that carry tokens to their experts when a stage splits its experts over its
+data-parallel group (expert parallelism), and batch-norm statistics over the
+data-parallel group. Every operation whose backward is
 not the plain transpose of its forward is a ``custom_vjp``, so the gradients are exact
 whatever JAX's own rules for collectives in manual mode are.
 
@@ -68,12 +70,15 @@ class StageCollectives(TensorParallel):
         dp_axes: mesh axes of its data-parallel group (empty: no dp).
         dp_size: data-parallel degree.
         size: tensor-parallel degree (devices in ``tp_axes``).
+        expert_parallel: MoE experts are split over the data-parallel group (a stage
+            without tp): tokens reach their experts' device by all-to-all.
     """
 
     tp_axes: tuple[str, ...]
     dp_axes: tuple[str, ...]
     dp_size: int
     size: int = 1
+    expert_parallel: bool = False
 
     def psum(self, x):
         """Sum over the tensor-parallel group (for the optimizer's sharded reductions)."""
@@ -81,6 +86,10 @@ class StageCollectives(TensorParallel):
 
     def tp_index(self):
         return _index(self.tp_axes)
+
+    def position(self):
+        """This device's index in its stage: dp rank major, tp rank minor."""
+        return _index(self.dp_axes + self.tp_axes)
 
     def enter(self, x):
         return _psum_backward(self.tp_axes)(x) if self.tp_axes else x
@@ -108,6 +117,23 @@ class StageCollectives(TensorParallel):
         part = x.shape[axis] // self.size
         return lax.dynamic_slice_in_dim(x, self.tp_index() * part, part, axis)
 
+    def to_experts(self, x):
+        if not (self.expert_parallel and self.dp_axes):
+            return x
+        return lax.all_to_all(x, self.dp_axes, 0, 1, tiled=True)
+
+    def from_experts(self, x):
+        if not (self.expert_parallel and self.dp_axes):
+            return x
+        return lax.all_to_all(x, self.dp_axes, 1, 0, tiled=True)
+
+    def expert_sums(self) -> "ExpertSums":
+        """Sums over the devices holding the other shards of an expert weight (the
+        optimizer's sharded reductions): the data-parallel group under expert parallelism."""
+        if self.expert_parallel:
+            return ExpertSums(self.dp_axes, self.dp_size)
+        return ExpertSums(self.tp_axes, self.size)
+
     def slice_channels(self, x):
         return _slice_last(self.tp_axes, self.size)(x) if self.tp_axes else x
 
@@ -117,6 +143,17 @@ class StageCollectives(TensorParallel):
     def batch_mean(self, x, axes: tuple[int, ...]):
         local = x.mean(axis=axes)
         return _pmean_both(self.dp_axes)(local) if self.dp_axes else local
+
+
+@dataclass(frozen=True)
+class ExpertSums:
+    """``estimator.jax_optim.TensorParallelSums`` over the devices sharing expert weights."""
+
+    axes: tuple[str, ...]
+    size: int
+
+    def psum(self, x):
+        return lax.psum(x, self.axes) if self.axes else x
 
 
 def _vocab_parallel_xent(axes: tuple[str, ...]):

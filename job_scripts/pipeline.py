@@ -75,7 +75,8 @@ def place_stages(plan: ParallelPlan) -> tuple[PlacedStage, ...]:
         tp_bits = log2(sp.tp)
         dp_axes, tp_axes = axes[:len(axes) - tp_bits], axes[len(axes) - tp_bits:]
         out.append(PlacedStage(s, range(sp.layer_start, sp.layer_end), sp.dp, sp.tp,
-                               StageCollectives(tp_axes, dp_axes, dp_size=sp.dp, size=sp.tp)))
+                               StageCollectives(tp_axes, dp_axes, dp_size=sp.dp, size=sp.tp,
+                                                expert_parallel=sp.ep)))
     return tuple(out)
 
 
@@ -110,7 +111,8 @@ class Pipeline:
         self.axes = (PP,) + device_axes(n)
         grid = np.asarray(devices, dtype=object).reshape((len(self.stages),) + (2,) * (len(self.axes) - 1))
         self.mesh = Mesh(grid, self.axes)
-        self.arrays = {kind: [StageArrays(arch, st.layers, kind, st.tp, optimizer) for st in self.stages]
+        self.arrays = {kind: [StageArrays(arch, st.layers, kind, st.tp, optimizer,
+                                          ep=st.dp if st.coll.expert_parallel else 1) for st in self.stages]
                        for kind in KINDS}
         # A kind with no arrays (no batch norm) keeps a one-element buffer: trees stay alike.
         self.lengths = {kind: joint_lengths([a.layout for a in self.arrays[kind]]) or {"float32": 1}
@@ -375,18 +377,41 @@ class Pipeline:
         arrays = self.arrays
 
         def run(params_b, opt_b, grads_b):
-            coll = st.coll
-            grads_b = {dt: lax.psum(g, coll.dp_axes) if coll.dp_axes else g
-                       for dt, g in grads_b.items()}
-            params = arrays["params"][st.index].unpack(params_b)
-            grads = arrays["params"][st.index].unpack(grads_b)
+            coll, layout = st.coll, arrays["params"][st.index]
+            if coll.expert_parallel and coll.dp_axes:
+                # An expert's gradient is whole on its own device (the all-to-alls brought
+                # it every token's part); the other weights' are summed over dp.
+                grads = layout.map_leaves(layout.unpack(grads_b),
+                                          lambda leaf, g: g if leaf.expert else lax.psum(g, coll.dp_axes))
+            else:
+                grads = layout.unpack({dt: lax.psum(g, coll.dp_axes) if coll.dp_axes else g
+                                       for dt, g in grads_b.items()})
+            params = layout.unpack(params_b)
             opt = arrays["opt"][st.index].unpack(opt_b)
-            specs = arrays["params"][st.index].specs
-            new = [self.optimizer.update(g, o, p, sp, coll)
-                   for p, g, o, sp in zip(params, grads, opt, specs)]
+            new = [self._layer_update(g, o, p, sp, coll) for p, g, o, sp in zip(params, grads, opt, layout.specs)]
             return (arrays["params"][st.index].pack([p for p, _ in new], self.lengths["params"]),
                     arrays["opt"][st.index].pack([o for _, o in new], self.lengths["opt"]))
         return run
+
+    def _layer_update(self, grads, opt, params, specs, coll):
+        """One layer's optimizer step; under expert parallelism the experts' weights take
+        theirs with sums over the devices that split them (the data-parallel group)."""
+        experts = [k for k in jm.EXPERT_PARAMS if k in params] if coll.expert_parallel else []
+        if not experts:
+            return self.optimizer.update(grads, opt, params, specs, coll)
+        rest = [k for k in params if k not in experts]
+
+        def pick(tree, keys):
+            return {k: tree[k] for k in keys}
+
+        def part(state, keys):  # every optimizer's state: a count and params-shaped trees
+            return {n: v if n == "count" else pick(v, keys) for n, v in state.items()}
+
+        p_e, o_e = self.optimizer.update(pick(grads, experts), part(opt, experts), pick(params, experts),
+                                         pick(specs, experts), coll.expert_sums())
+        p_r, o_r = self.optimizer.update(pick(grads, rest), part(opt, rest), pick(params, rest),
+                                         pick(specs, rest), coll)
+        return {**p_r, **p_e}, {n: v if n == "count" else {**v, **o_e[n]} for n, v in o_r.items()}
 
     def _loss_branch(self, st: PlacedStage):
         """The step's loss as stage ``st`` reports it (0 but on the last stage)."""
@@ -414,7 +439,7 @@ class Pipeline:
         def branch(st: PlacedStage):
             def run(seed):
                 key = jax.random.key(seed)
-                rank = st.coll.tp_index()
+                rank = st.coll.position()
                 trees = {
                     "params": [jm.init_layer_params(self.arch, i, jax.random.fold_in(key, i))
                                for i in st.layers],
@@ -491,9 +516,11 @@ class Pipeline:
             for st in self.stages:
                 arrays = self.arrays[kind][st.index]
                 for leaf, slot in zip(arrays.leaves, arrays.layout.slots):
-                    parts = []
-                    for rank in range(st.tp if leaf.dim is not None else 1):
-                        flat = shards[slot.dtype][(st.index, rank)]  # dp rank 0, tp rank `rank`
-                        parts.append(flat[slot.offset:slot.offset + slot.size].reshape(leaf.local_shape(st.tp)))
+                    parts, n = [], arrays.shards(leaf)
+                    for rank in range(n if leaf.dim is not None else 1):
+                        # Shard `rank` lies at that position: tp rank (dp rank 0), or the
+                        # dp rank of an expert-parallel stage (which has no tp).
+                        flat = shards[slot.dtype][(st.index, rank)]
+                        parts.append(flat[slot.offset:slot.offset + slot.size].reshape(leaf.local_shape(n)))
                     out[leaf.name] = parts[0] if leaf.dim is None else np.concatenate(parts, axis=leaf.dim)
         return out

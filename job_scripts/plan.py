@@ -34,7 +34,7 @@ class ParallelPlan:
         return len(self.stages)
 
     def label(self) -> str:
-        body = "|".join(f"dp{s.dp}tp{s.tp}" for s in self.stages)
+        body = "|".join(f"dp{s.dp}tp{s.tp}{'ep' if s.ep else ''}" for s in self.stages)
         return f"[{body}] mb={self.micro_batches} remat={int(self.remat)}"
 
 
@@ -93,6 +93,14 @@ def check_plan(plan: ParallelPlan, arch: jm.Arch, global_batch: int, num_devices
             if jm.layer_kind(arch, layer) == "moe_block" and tokens % jm.moe_group_size(arch, tokens):
                 refuse(f"stages[{i}].dp", s.dp, f"leaves {tokens} tokens a device, not whole groups of "
                                                 f"{arch.expert_group} for the experts")
+        if s.ep:
+            moe = any(jm.layer_kind(arch, layer) == "moe_block" for layer in range(s.layer_start, s.layer_end))
+            if s.tp > 1:
+                refuse(f"stages[{i}].ep", True, "expert parallelism runs on stages without tensor parallelism")
+            elif not moe:
+                refuse(f"stages[{i}].ep", True, "the stage has no MoE layer whose experts could be split")
+            elif arch.experts % s.dp:
+                refuse(f"stages[{i}].ep", True, f"dp {s.dp} must divide the {arch.experts} experts")
 
 
 def plan_from_string(text: str, model_spec, arch: jm.Arch, global_batch: int, num_devices: int,
@@ -122,9 +130,8 @@ def plan_from_string(text: str, model_spec, arch: jm.Arch, global_batch: int, nu
 
 
 def refuse_unsupported(ps, text: str) -> None:
-    """Raise SpecError (one line) for a plan's choices this runtime cannot run yet, rather
-    than run something else: it keeps states replicated (ZeRO-0) on the GPU and MoE experts
-    sharded over tp only."""
+    """Raise SpecError (one line) for a plan's memory choices this runtime cannot run yet,
+    rather than run something else: it keeps states replicated (ZeRO-0) on the GPU."""
     from estimator.memory import RUNNABLE_ZERO_LEVELS
     if ps.zero_level not in RUNNABLE_ZERO_LEVELS:
         raise SpecError("zero", ps.zero_level, f"plan {text!r} asks for ZeRO-{ps.zero_level}, which this "
@@ -133,9 +140,6 @@ def refuse_unsupported(ps, text: str) -> None:
     if ps.offload:
         raise SpecError("offload", 1, f"plan {text!r} asks for ZeRO-Offload, which this runner cannot "
                                       "run yet; choose a Cell without offload=1")
-    if any(ps.expert_parallel):
-        raise SpecError("ep", 1, f"plan {text!r} shards MoE experts over data parallelism (ep), which "
-                                 "this runner cannot run yet; choose a Cell without ep stages")
 
 
 def log2(n: int) -> int:

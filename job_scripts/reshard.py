@@ -4,7 +4,9 @@ Each device keeps its stage's arrays in flat buffers (``job_scripts.stage_arrays
 devices of a stage's data-parallel group hold the same buffer. To write it once, not
 dp times, device ``(stage s, dp rank r)`` saves only chunk r of its buffer: the *save
 view*, a global array ``[stages, devices per stage, chunk]`` that Orbax writes shard by
-shard, each process its own devices', with no data moved between devices.
+shard, each process its own devices', with no data moved between devices. Under expert
+parallelism the devices' buffers differ (each holds its own experts), so each saves its
+whole buffer (one chunk).
 
 The checkpoint's metadata keeps the layout (:func:`layout_json`): per stage its layers,
 dp, tp and chunk length, and per array its plan-independent name, global shape, sharded
@@ -32,9 +34,14 @@ from job_scripts.stage_arrays import KINDS
 ViewReader = Callable[[str, str, int, int, int, int], np.ndarray]
 
 
+def _savers(st) -> int:
+    """How many devices of a stage's data-parallel group share the saving of one buffer."""
+    return 1 if st.coll.expert_parallel else st.dp
+
+
 def _chunks(pipe: Pipeline, kind: str, dtype: str) -> list[int]:
     """Per stage, the chunk each dp rank saves of this dtype's buffer (at least 1)."""
-    return [max(1, -(-pipe.arrays[kind][st.index].layout.length(dtype) // st.dp)) for st in pipe.stages]
+    return [max(1, -(-pipe.arrays[kind][st.index].layout.length(dtype) // _savers(st))) for st in pipe.stages]
 
 
 def layout_json(pipe: Pipeline) -> dict:
@@ -57,14 +64,14 @@ def saver(pipe: Pipeline) -> Callable[[dict], dict]:
 
     def branch(st):
         def run(state):
-            r = lax.axis_index(st.coll.dp_axes) if st.coll.dp_axes else 0
+            r = lax.axis_index(st.coll.dp_axes) if st.coll.dp_axes and _savers(st) > 1 else 0
             out = {}
             for kind in KINDS:
                 out[kind] = {}
                 for dt, buf in state[kind].items():
                     c, width = chunks[kind][dt][st.index], max(chunks[kind][dt])
                     buf = buf[0, 0]
-                    need = st.dp * c
+                    need = _savers(st) * c
                     if need > buf.shape[0]:
                         buf = jnp.pad(buf, (0, need - buf.shape[0]))
                     part = lax.dynamic_slice_in_dim(buf, r * c, c)
@@ -97,30 +104,38 @@ class _OldState:
             raise CheckpointError(f"the checkpoint's layout is malformed ({e})") from None
         self._cache: dict[tuple[str, int], np.ndarray] = {}
 
-    def _flat(self, kind: str, stage: dict, dtype: str, tp_rank: int, lo: int, hi: int) -> np.ndarray:
-        """Elements [lo, hi) of the buffer of tp rank ``tp_rank`` of an old stage."""
+    def _flat(self, kind: str, stage: dict, dtype: str, base: int, lo: int, hi: int) -> np.ndarray:
+        """Elements [lo, hi) of the buffer of the old stage's device at position ``base``
+        (its tp rank; an expert-parallel stage's devices each saved their whole buffer)."""
         c = stage["chunks"][dtype]
         parts = []
         for r in range(lo // c, (hi - 1) // c + 1):
-            position = r * stage["tp"] + tp_rank
+            position = r * stage["tp"] + base
             a, b = max(lo, r * c) - r * c, min(hi, (r + 1) * c) - r * c
             parts.append(self.read_view(kind, dtype, stage["index"], position, a, b))
         return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
-    def shard(self, name: str, tp_rank: int) -> np.ndarray:
-        """The old tp rank's local piece of one array, in its old local shape."""
+    @staticmethod
+    def _shards(stage: dict, leaf: dict) -> int:
+        """How many devices split an old array: its tp ranks, or an expert-parallel
+        stage's devices for an expert's array."""
+        return leaf.get("shards", stage["tp"])
+
+    def shard(self, name: str, index: int) -> np.ndarray:
+        """Old shard ``index`` of one array (held by the device at that position of its
+        stage: tp rank, or dp rank under expert parallelism), in its old local shape."""
         kind, stage, leaf = self.by_name[name]
-        dim, tp = leaf["dim"], stage["tp"]
-        shape = [n // tp if d == dim else n for d, n in enumerate(leaf["shape"])]
+        dim, count = leaf["dim"], self._shards(stage, leaf)
+        shape = [n // count if d == dim else n for d, n in enumerate(leaf["shape"])]
         size = math.prod(shape)
-        flat = self._flat(kind, stage, leaf["dtype"], tp_rank if dim is not None else 0,
+        flat = self._flat(kind, stage, leaf["dtype"], index if dim is not None else 0,
                           leaf["offset"], leaf["offset"] + size)
         return flat.reshape(shape)
 
-    def region(self, name: str, shape: tuple[int, ...], dtype: str, dim: int | None, tp: int,
+    def region(self, name: str, shape: tuple[int, ...], dtype: str, dim: int | None, count: int,
                rank: int) -> np.ndarray:
-        """Tensor-parallel rank ``rank`` of ``tp``'s part of array ``name`` (its new shard)."""
-        key = (name, dim, tp, rank)
+        """Part ``rank`` of ``count`` of array ``name`` along ``dim`` (its new shard)."""
+        key = (name, dim, count, rank)
         if key in self._cache:
             return self._cache[key]
         if name not in self.by_name:
@@ -129,15 +144,15 @@ class _OldState:
         if tuple(leaf["shape"]) != tuple(shape) or leaf["dtype"] != dtype:
             raise CheckpointError(f"array {name} was saved as {leaf['dtype']}{leaf['shape']}, this model "
                                   f"has {dtype}{list(shape)}: was it written for another model?")
-        old_dim, old_tp = leaf["dim"], stage["tp"]
+        old_dim, old_count = leaf["dim"], self._shards(stage, leaf)
         want = [slice(None)] * len(shape)
         if dim is not None:
-            part = shape[dim] // tp
+            part = shape[dim] // count
             want[dim] = slice(rank * part, (rank + 1) * part)
-        if old_dim is None or old_tp == 1:
+        if old_dim is None or old_count == 1:
             out = self.shard(name, 0)[tuple(want)]
         else:
-            piece = shape[old_dim] // old_tp
+            piece = shape[old_dim] // old_count
             lo, hi = want[old_dim].indices(shape[old_dim])[:2]
             ranks = range(lo // piece, (hi - 1) // piece + 1)
             joined = np.concatenate([self.shard(name, r) for r in ranks], axis=old_dim)
@@ -168,12 +183,11 @@ def restore(pipe: Pipeline, layout: dict, read: ViewReader) -> dict:
         lengths = pipe.lengths[kind]
         shards: dict[str, list] = {dt: [] for dt in lengths}
         for device, s, position in _positions(pipe):
-            st = pipe.stages[s]
             arrays = pipe.arrays[kind][s]
-            rank = position % st.tp
             bufs = {dt: np.zeros((n,), dt) for dt, n in lengths.items()}
             for leaf, slot in zip(arrays.leaves, arrays.layout.slots):
-                data = old.region(leaf.name, leaf.shape, leaf.dtype, leaf.dim, st.tp, rank)
+                data = old.region(leaf.name, leaf.shape, leaf.dtype, leaf.dim, arrays.shards(leaf),
+                                  arrays.rank(leaf, position))
                 bufs[slot.dtype][slot.offset:slot.offset + slot.size] = data.ravel()
             for dt, buf in bufs.items():
                 shards[dt].append(jax.device_put(buf[None, None], device))

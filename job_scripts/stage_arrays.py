@@ -6,7 +6,9 @@ model state (batch-norm statistics). Every leaf has a name that no plan changes
 (``params/layer_003/wqkv``, ``opt/layer_003/mu/wqkv``), a global shape and a
 PartitionSpec over ``tp``; a device of a stage with tensor parallelism ``tp`` holds the
 slice of each leaf that its tensor-parallel rank owns, concatenated into its stage's flat
-buffers (``job_scripts.packing``). :class:`StageArrays` is that bookkeeping for one kind
+buffers (``job_scripts.packing``). Under expert parallelism (a stage without tp) the MoE
+experts' leaves (``jax_models.EXPERT_PARAMS`` and their optimizer state) are split the
+same way over the stage's ``ep`` data-parallel devices instead, each holding its own. :class:`StageArrays` is that bookkeeping for one kind
 of tree of one stage: it packs and unpacks trees and describes itself in JSON, so a
 checkpoint of one plan can be read into any other.
 """
@@ -58,12 +60,14 @@ def local_slice(x, dim: int | None, tp: int, rank):
 
 @dataclass(frozen=True)
 class Leaf:
-    """One array of a stage: its name, global shape and dtype, and sharded dimension."""
+    """One array of a stage: its name, global shape and dtype, and sharded dimension;
+    ``expert``: an expert weight (or its state) split over data parallelism too."""
 
     name: str
     shape: tuple[int, ...]
     dtype: str
     dim: int | None
+    expert: bool = False
 
     def local_shape(self, tp: int) -> tuple[int, ...]:
         return local_shape(self.shape, self.dim, tp)
@@ -81,25 +85,37 @@ def _layer_trees(arch: jm.Arch, layer: int, kind: str, optimizer):
 
 
 class StageArrays:
-    """One kind of tree (params, opt or state) of one stage, under tensor parallelism tp."""
+    """One kind of tree (params, opt or state) of one stage, under tensor parallelism tp,
+    or with its experts split over ``ep`` data-parallel devices (expert parallelism)."""
 
-    def __init__(self, arch: jm.Arch, layers: range, kind: str, tp: int, optimizer):
-        self.kind, self.layers, self.tp = kind, layers, tp
+    def __init__(self, arch: jm.Arch, layers: range, kind: str, tp: int, optimizer, ep: int = 1):
+        self.kind, self.layers, self.tp, self.ep = kind, layers, tp, ep
         self.leaves: list[Leaf] = []
         self.treedefs, self.specs, self.counts = [], [], []
         for layer in layers:
             shapes, specs = _layer_trees(arch, layer, kind, optimizer)
             flat, treedef = jax.tree_util.tree_flatten_with_path(shapes)
             spec_leaves = treedef.flatten_up_to(specs)
+            moe = jm.layer_kind(arch, layer) == "moe_block"
             for (path, s), spec in zip(flat, spec_leaves):
                 name = f"{kind}/{layer_key(layer)}" + (f"/{_path_name(path)}" if path else "")
+                expert = ep > 1 and moe and any(part in jm.EXPERT_PARAMS for part in name.split("/"))
                 self.leaves.append(Leaf(name, tuple(s.shape), jnp.dtype(s.dtype).name,
-                                        sharded_dim(spec, len(s.shape))))
+                                        sharded_dim(spec, len(s.shape)), expert))
             self.treedefs.append(treedef)
             self.specs.append(specs)
             self.counts.append(len(flat))
         self.layout: FlatLayout = flat_layout(
-            [jax.ShapeDtypeStruct(leaf.local_shape(tp), leaf.dtype) for leaf in self.leaves])
+            [jax.ShapeDtypeStruct(leaf.local_shape(self.shards(leaf)), leaf.dtype) for leaf in self.leaves])
+
+    def shards(self, leaf: Leaf) -> int:
+        """How many devices split this leaf (along ``leaf.dim``)."""
+        return self.ep if leaf.expert else self.tp
+
+    def rank(self, leaf: Leaf, position):
+        """Which shard of a leaf a device holds, from its position in the stage (dp rank
+        major, tp rank minor; may be traced)."""
+        return position if leaf.expert else position % self.tp
 
     def global_trees(self) -> list:
         """Per layer, the tree of global ShapeDtypeStructs."""
@@ -116,6 +132,10 @@ class StageArrays:
         """Per layer, the tree of this device's local shards."""
         return self._trees(unpack(self.layout, buffers))
 
+    def map_leaves(self, trees: Sequence, fn) -> list:
+        """Per-layer trees with each array replaced by ``fn(leaf, array)``."""
+        return self._trees([fn(leaf, a) for leaf, a in zip(self.leaves, self.flat(trees))])
+
     def flat(self, trees: Sequence) -> list:
         """The leaves of per-layer trees, in the layout's order."""
         return [leaf for tree, treedef in zip(trees, self.treedefs) for leaf in treedef.flatten_up_to(tree)]
@@ -123,11 +143,17 @@ class StageArrays:
     def pack(self, trees: Sequence, lengths: dict[str, int]) -> dict:
         return pack(self.layout, self.flat(trees), lengths)
 
-    def local_of_global(self, trees: Sequence, rank) -> list:
-        """Whole per-layer trees cut to tensor-parallel ``rank``'s shards."""
-        return self._trees([local_slice(a, leaf.dim, self.tp, rank)
+    def local_of_global(self, trees: Sequence, position) -> list:
+        """Whole per-layer trees cut to the shards of the device at ``position`` in the stage."""
+        return self._trees([local_slice(a, leaf.dim, self.shards(leaf), self.rank(leaf, position))
                             for a, leaf in zip(self.flat(trees), self.leaves)])
 
     def to_json(self) -> list[dict]:
-        return [{"name": leaf.name, "shape": list(leaf.shape), "dtype": leaf.dtype, "dim": leaf.dim,
-                 "offset": slot.offset} for leaf, slot in zip(self.leaves, self.layout.slots)]
+        out = []
+        for leaf, slot in zip(self.leaves, self.layout.slots):
+            entry = {"name": leaf.name, "shape": list(leaf.shape), "dtype": leaf.dtype, "dim": leaf.dim,
+                     "offset": slot.offset}
+            if leaf.expert:
+                entry["shards"] = self.ep  # split over the stage's devices, not its tp ranks
+            out.append(entry)
+        return out

@@ -52,6 +52,9 @@ class DaemonConfig:
         dry_run: print the actions instead of taking them.
         plan_space: estimator plan space for policies (``cell``; ``dp-only`` restricts
             plans to data parallelism).
+        expert_parallel: MoE jobs' Cells may split their experts over data parallelism
+            (``estimator.estimate.EstimateOptions.expert_parallel``; the runner runs it on
+            stages without tensor parallelism), kept where faster.
         max_gpus: the largest GPU count the estimator considers for one job.
         micro_batches: micro-batches per iteration; None: the estimator's default.
         log_level: DEBUG, INFO, WARNING or ERROR.
@@ -112,6 +115,7 @@ class DaemonConfig:
     restart_cost_s: float = 60.0
     dry_run: bool = False
     plan_space: str = "cell"
+    expert_parallel: bool = False
     max_gpus: int = 64
     micro_batches: int | None = None
     log_level: str = "INFO"
@@ -244,7 +248,7 @@ def _coerce(key: str, raw: object, source: str) -> object:
         if key == "metrics_port" and value is not None and not 0 < value < 65536:
             raise ConfigError(key, raw, f"({source}) give a TCP port 1-65535 or null")
         return value
-    if key in ("dry_run", "use_cpu_measurements", "background_profiling"):
+    if key in ("dry_run", "use_cpu_measurements", "background_profiling", "expert_parallel"):
         return _bool(key, raw, source)
     if key == "partitions":
         return _partitions(raw, source)

@@ -669,9 +669,11 @@ class Daemon:
             profile_db = cfg.profile_db if profile and not profile.endswith("@missing") else None
             for space in (cfg.plan_space, "dp-only"):
                 options = EstimateOptions(plan_space=space, micro_batches=cfg.micro_batches,
-                                          max_gpus=cfg.max_gpus, profile_db=profile_db)
+                                          max_gpus=cfg.max_gpus, profile_db=profile_db,
+                                          expert_parallel=cfg.expert_parallel)
                 est[space] = self._estimates.get(
-                    estimate_key(spec, cluster, space, cfg.micro_batches, cfg.max_gpus, profile),
+                    estimate_key(spec, cluster, space, cfg.micro_batches, cfg.max_gpus, profile,
+                                 cfg.expert_parallel),
                     lambda o=options: estimate_job(jspec, cluster, o).cells, now_s)
             if not any(e.feasible for e in est[cfg.plan_space]):
                 why = next((e.reason for e in est[cfg.plan_space] if e.reason), "no Cell enumerated")

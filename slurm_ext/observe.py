@@ -317,7 +317,8 @@ def running_plan_comment(admin_comment: str, measured_text: str, allow_cpu: bool
 
 
 def estimate_key(spec: ElasticSpec, cluster: ClusterSpec, plan_space: str,
-                 micro_batches: int | None, max_gpus: int, profile: str | None = None) -> str:
+                 micro_batches: int | None, max_gpus: int, profile: str | None = None,
+                 expert_parallel: bool = False) -> str:
     """The estimate cache's key: everything the estimates depend on (``profile``: the
     profile store and its version, when one is used)."""
     groups = [(g.gpu_type, g.nodes, g.gpus_per_node, g.network.kind, g.network.bandwidth_gbytes_s)
@@ -330,6 +331,8 @@ def estimate_key(spec: ElasticSpec, cluster: ClusterSpec, plan_space: str,
         key.append({"max_stages": spec.max_stages})
     if profile is not None:
         key.append({"profile": profile})
+    if expert_parallel:
+        key.append({"expert_parallel": True})
     return json.dumps(key)
 
 

@@ -939,3 +939,28 @@ def test_a_job_rescaled_this_round_keeps_its_new_admin_comment(tmp_path):
     assert any(line.startswith("dry-run: suspend job=41") for line in printed)
     assert [line for line in printed if "show running plan" in line] == \
            ["dry-run: show running plan job=42 cell=a100x4:s1 plan=[dp2tp2] src=tuned job=42"]
+
+
+def test_expert_parallel_reaches_the_estimates_and_their_cache_key(tmp_path):
+    """``expert_parallel: true`` offers moe-2.4b on two 2-GPU a100 nodes a Cell whose stage
+    splits the experts over dp (far faster than tp over both nodes), runnable, and keys
+    its estimates apart; off, no stage is marked and the key is as before."""
+    from dataclasses import replace as dc_replace
+    from estimator.cluster import cluster_from_dict
+    from slurm_ext.jobspec import ElasticSpec
+    from slurm_ext.observe import estimate_key
+    from slurm_ext.store import estimate_from_json, estimate_to_json
+    cluster = cluster_from_dict({"name": "two", "node_groups": [{"gpu_type": "a100", "nodes": 2, "gpus_per_node": 2}]})
+    spec = ElasticSpec("moe-2.4b", 512, 10, num_gpus=4, gpu_type="a100", max_stages=1)
+    best = {}
+    for ep in (False, True):
+        cfg = dc_replace(resolve({"state_db": str(tmp_path / f"state{ep}.db")}, {}, {}), expert_parallel=ep)
+        _, est = Daemon(cfg, None, Store(cfg.state_db))._estimate(spec, cluster, 0.0)
+        best[ep] = next(e for e in est[cfg.plan_space] if e.feasible and e.cell.num_gpus == 4)
+    assert not any(s.ep for s in best[False].stages)
+    assert all(s.ep for s in best[True].stages) and best[True].runnable
+    assert best[True].iteration_time_s < best[False].iteration_time_s / 3
+    assert estimate_from_json(estimate_to_json(best[True])).stages == best[True].stages
+    keys = {ep: estimate_key(spec, cluster, "cell", None, 64, None, ep) for ep in (False, True)}
+    assert keys[False] != keys[True] and keys[False] == estimate_key(spec, cluster, "cell", None, 64)
+    assert resolve({}, {"SLURM_EXT_EXPERT_PARALLEL": "true"}, {}).expert_parallel

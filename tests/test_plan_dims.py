@@ -113,12 +113,11 @@ def test_arena_stage_counts_are_estimated_where_faster_and_refused_by_the_runner
     assert "\n" not in str(err.value)
 
 
-def test_expert_parallel_stages_are_estimated_where_faster_and_refused_by_the_runner():
+def test_expert_parallel_stages_are_estimated_where_faster_and_run_by_the_runner():
     """moe-2.4b at batch 512 on two nodes of two a100s: with experts replicated over dp
     only tp over all four GPUs fits, its all-reduces crossing the nodes; with the experts
-    sharded over the stage's GPUs, dp 4 with ep fits and is far faster. The plan string
-    marks the stage, the Cell says the runner cannot run it, and the runner refuses it in
-    one line."""
+    split over the stage's GPUs, dp 4 with ep fits and is far faster. The plan string marks
+    the stage and the runner takes it; with tp in the stage it refuses in one line."""
     from estimator.jax_models import builtin_arch
     from estimator.models import load_model
     from job_scripts.plan import plan_from_string
@@ -126,12 +125,18 @@ def test_expert_parallel_stages_are_estimated_where_faster_and_refused_by_the_ru
     plain = estimate_cell(job, cell, CRIUS)
     ep = estimate_cell(job, cell, CRIUS, EstimateOptions(expert_parallel=True))
     assert plain.feasible and plain.runnable and not any(s.ep for s in plain.stages)
-    assert ep.feasible and not ep.runnable and all(s.ep and s.dp == 4 for s in ep.stages)
+    assert ep.feasible and ep.runnable and all(s.ep and s.dp == 4 and s.tp == 1 for s in ep.stages)
     assert ep.iteration_time_s < plain.iteration_time_s / 3
     assert "dp4tp1ep" in ep.plan and parse_plan(ep.plan).format() == ep.plan
-    with pytest.raises(SpecError, match="experts") as err:
-        plan_from_string(ep.plan, load_model("moe-2.4b"), builtin_arch("moe-2.4b"), 512, 4, 2)
+    spec, arch = load_model("moe-2.4b"), builtin_arch("moe-2.4b")
+    plan, text, _ = plan_from_string(ep.plan, spec, arch, 512, 4, 2)
+    assert plan.stages[0].ep and text == ep.plan
+    with pytest.raises(SpecError, match="without tensor parallelism") as err:
+        plan_from_string("cell=a100x4:s1 plan=[dp2tp2ep] mb=4 remat=1", spec, arch, 512, 4, 2)
     assert "\n" not in str(err.value)
+    with pytest.raises(SpecError, match="no MoE layer"):
+        plan_from_string("cell=a100x2:s1 plan=[dp2tp1ep] mb=2 remat=1", load_model("gpt-760m"),
+                         builtin_arch("gpt-760m"), 8, 2)
 
 
 def test_expert_parallelism_needs_experts_that_split_evenly():

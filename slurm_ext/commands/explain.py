@@ -60,7 +60,8 @@ def command(job_id, as_json, config_path, state_db, timeout_s):
             part_types = partition_types(nodes, cfg.partition_map())
             cluster = cluster_spec(nodes, part_types, cfg.cluster, cfg.network)
             options = EstimateOptions(plan_space=cfg.plan_space, micro_batches=cfg.micro_batches,
-                                      max_gpus=cfg.max_gpus, profile_db=cfg.profile_db)
+                                      max_gpus=cfg.max_gpus, profile_db=cfg.profile_db,
+                                      expert_parallel=cfg.expert_parallel)
             estimates = estimate_job(spec.job_spec(), cluster, options).cells
         except (ElasticSpecError, SpecError) as e:
             spec_error = str(e)
