@@ -43,6 +43,11 @@ class StagePlan:
     def num_gpus(self) -> int:
         return self.dp * self.tp
 
+    def as_row(self) -> list:
+        """``[layer_start, layer_end, dp, tp]`` (and ``True`` when ``ep``): ``StagePlan(*row)``
+        reads it back; rows written before ``ep`` read the same."""
+        return [self.layer_start, self.layer_end, self.dp, self.tp] + ([True] if self.ep else [])
+
     def to_json(self) -> dict:
         out = {"layers": [self.layer_start, self.layer_end], "dp": self.dp, "tp": self.tp}
         if self.ep:

@@ -102,7 +102,7 @@ class RefitObservation:
     def to_json(self) -> dict:
         return {"model": self.model, "global_batch": self.global_batch,
                 "cell": [self.cell.gpu_type, self.cell.num_gpus, self.cell.gpus_per_node, self.cell.num_stages],
-                "stages": [[s.layer_start, s.layer_end, s.dp, s.tp] for s in self.stages],
+                "stages": [s.as_row() for s in self.stages],
                 "micro_batches": self.micro_batches, "remat": self.remat,
                 "iteration_time_s": self.iteration_time_s, "job_id": self.job_id,
                 "observed_s": self.observed_s}

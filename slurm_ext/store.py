@@ -351,7 +351,7 @@ def estimate_to_json(e: CellEstimate) -> dict:
     """A CellEstimate as plain JSON (every field, unlike the rounded CLI form)."""
     c = e.cell
     return {"cell": [c.gpu_type, c.num_gpus, c.gpus_per_node, c.num_stages],
-            "stages": [[s.layer_start, s.layer_end, s.dp, s.tp] + ([True] if s.ep else []) for s in e.stages],
+            "stages": [s.as_row() for s in e.stages],
             "micro_batches": e.micro_batches, "iteration_time_s": e.iteration_time_s,
             "samples_per_s": e.samples_per_s, "peak_memory_gb": e.peak_memory_gb,
             "feasible": e.feasible, "reason": e.reason, "fidelity": e.fidelity,
