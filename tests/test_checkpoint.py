@@ -78,6 +78,27 @@ def _refusal(call) -> str | None:
     return None
 
 
+def _train_two_steps_and_save(pipe, stream, directory: str):
+    """Train two steps, checkpoint them; (state, its arrays by name, the saved checkpoint,
+    a reader of its save views)."""
+    from job_scripts import reshard
+    from job_scripts.checkpoint import Checkpoints
+
+    state = pipe.init(0)
+    for step in (1, 2):
+        state, _ = pipe.step(state, stream.batch(step).inputs, stream.batch(step).targets)
+    before = pipe.host_arrays(state)
+    ckpt = Checkpoints(Path(directory) / "ckpt")
+    ckpt.save(2, reshard.saver(pipe)(state), {"layout": reshard.layout_json(pipe)})
+    ckpt.wait()
+    saved = ckpt.latest()
+    reader = ckpt.reader(saved.step)
+
+    def read(kind, dtype, s, j, lo, hi):
+        return reader.read((kind, dtype), (s, j, slice(lo, hi)))
+    return state, before, saved, read
+
+
 def _save_and_reshard(directory: str) -> dict:
     """In a spawn child with 8 CPU devices: train under one plan, restore into others."""
     import jax
@@ -87,7 +108,6 @@ def _save_and_reshard(directory: str) -> dict:
     from estimator.models import load_model
     from estimator.plan_string import parse_plan
     from job_scripts import reshard
-    from job_scripts.checkpoint import Checkpoints
     from job_scripts.data import stream_for
     from job_scripts.pipeline import Pipeline
     from job_scripts.plan import plan_from_string
@@ -102,18 +122,7 @@ def _save_and_reshard(directory: str) -> dict:
         return Pipeline(arch, plan, jax.devices()[:n], 16, optimizer_for(arch.optimizer))
 
     first = make("cell=a100x8:s2 plan=[dp2tp2|dp4tp1] mb=4 remat=1")
-    state = first.init(0)
-    for step in (1, 2):
-        state, _ = first.step(state, stream.batch(step).inputs, stream.batch(step).targets)
-    before = first.host_arrays(state)
-    ckpt = Checkpoints(Path(directory) / "ckpt")
-    ckpt.save(2, reshard.saver(first)(state), {"layout": reshard.layout_json(first)})
-    ckpt.wait()
-    saved = ckpt.latest()
-    reader = ckpt.reader(saved.step)
-
-    def read(kind, dtype, s, j, lo, hi):
-        return reader.read((kind, dtype), (s, j, slice(lo, hi)))
+    state, before, saved, read = _train_two_steps_and_save(first, stream, directory)
 
     out = {"exact": {}, "third": {}}
     for text in ("cell=a100x4:s1 plan=[dp1tp4] mb=2 remat=0",
@@ -193,7 +202,6 @@ def _experts_reshard(directory: str) -> dict:
     from estimator.cells import StagePlan
     from estimator.jax_optim import optimizer_for
     from job_scripts import reshard
-    from job_scripts.checkpoint import Checkpoints
     from job_scripts.data import stream_for
     from job_scripts.pipeline import Pipeline
     from job_scripts.plan import ParallelPlan
@@ -209,18 +217,7 @@ def _experts_reshard(directory: str) -> dict:
         return Pipeline(arch, plan, jax.devices()[:plan.num_gpus], 16, optimizer_for(arch.optimizer))
 
     first = make([(4, 1, True), (4, 1)], 2)
-    state = first.init(0)
-    for step in (1, 2):
-        state, _ = first.step(state, stream.batch(step).inputs, stream.batch(step).targets)
-    before = first.host_arrays(state)
-    ckpt = Checkpoints(Path(directory) / "ckpt")
-    ckpt.save(2, reshard.saver(first)(state), {"layout": reshard.layout_json(first)})
-    ckpt.wait()
-    saved = ckpt.latest()
-    reader = ckpt.reader(saved.step)
-
-    def read(kind, dtype, s, j, lo, hi):
-        return reader.read((kind, dtype), (s, j, slice(lo, hi)))
+    state, before, saved, read = _train_two_steps_and_save(first, stream, directory)
 
     out = {"exact": {}, "third": {}, "experts_split": any("shards" in leaf for stage in
                                                          saved.meta["layout"]["kinds"]["params"]["stages"]
