@@ -29,12 +29,11 @@ import math
 from dataclasses import dataclass, field
 from itertools import product
 
+from estimator.batching import micro_batch_count
 from estimator.cells import Cell, StagePlan
 from estimator.cluster import ClusterSpec
 from estimator.errors import SpecError
-from estimator.estimate import (
-    EstimateOptions, PlanScore, estimate_cell, micro_batch_count, partition_stages, score_plan,
-)
+from estimator.estimate import EstimateOptions, PlanScore, estimate_cell, partition_stages, score_plan
 from estimator.jobs import JobSpec
 from estimator.models import ModelSpec, load_model
 from estimator.partition import stage_gpu_counts

@@ -1,0 +1,30 @@
+"""How a global batch splits: micro-batches (gradient accumulation, pipeline
+micro-batches) and the data parallelism a Cell's stages can use."""
+
+from estimator.cells import Cell
+
+
+def micro_batch_count(global_batch: int, target: int) -> int:
+    """The largest micro-batch count of at most ``target`` that divides the global batch:
+    the target itself for a global batch of 64 and 4 × stages, 3 for 6 samples and one
+    stage, 1 for one sample."""
+    return max(d for d in range(1, min(target, global_batch) + 1) if global_batch % d == 0)
+
+
+def more_micro_batches(global_batch: int, micro_batches: int) -> int | None:
+    """The smallest count of at least twice as many micro-batches that divides the global
+    batch (None: there is none)."""
+    return next((d for d in range(2 * micro_batches, global_batch + 1) if global_batch % d == 0), None)
+
+
+def dp_cap(global_batch: int, cell: Cell) -> int:
+    """The largest data parallelism a stage of the Cell can use: its GPUs, or the largest
+    power of two that divides the global batch (data parallelism is a power of two)."""
+    per_stage = max(1, cell.num_gpus // max(1, cell.num_stages))
+    return min(per_stage, global_batch & -global_batch)
+
+
+def replica_batch(global_batch: int, cell: Cell) -> int:
+    """Samples per iteration of one replica at the Cell's largest data parallelism:
+    micro-batch counts are its divisors, so every dp up to it splits every micro-batch."""
+    return global_batch // dp_cap(global_batch, cell)
