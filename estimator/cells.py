@@ -24,6 +24,11 @@ class Cell:
         return f"{self.gpu_type}x{self.num_gpus}:s{self.num_stages}"
 
 
+def stage_label(dp: int, tp: int, ep: bool = False) -> str:
+    """One stage as plan strings write it: ``dp2tp2``, ``dp4tp1ep``."""
+    return f"dp{dp}tp{tp}{'ep' if ep else ''}"
+
+
 @dataclass(frozen=True)
 class StagePlan:
     """One pipeline stage: layers [layer_start, layer_end) on dp × tp GPUs.
@@ -42,6 +47,10 @@ class StagePlan:
     @property
     def num_gpus(self) -> int:
         return self.dp * self.tp
+
+    def label(self) -> str:
+        """``dp4tp1``, or ``dp4tp1ep`` with expert parallelism (the plan string's stage)."""
+        return stage_label(self.dp, self.tp, self.ep)
 
     def as_row(self) -> list:
         """``[layer_start, layer_end, dp, tp]`` (and ``True`` when ``ep``): ``StagePlan(*row)``

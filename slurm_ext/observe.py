@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from estimator.cells import Cell, CellEstimate
+from estimator.cells import Cell, CellEstimate, stage_label
 from estimator.cluster import ClusterSpec, cluster_from_dict, load_cluster
 from estimator.contract import (PLAN_SOURCES, RUNNER_PLAN_SOURCES, PlanComment, RunnerReport,
                                 format_plan_comment, parse_plan_comment)
@@ -296,7 +296,7 @@ def running_plan_comment(admin_comment: str, measured_text: str, allow_cpu: bool
         return None  # written by an earlier run of the job
     p = run.plan
     layers = ",".join(map(str, p.layer_bounds)) if p.layer_bounds is not None else None
-    label = "[" + "|".join(f"dp{dp}tp{tp}" for dp, tp in p.stages) + "]"
+    label = "[" + "|".join(stage_label(dp, tp, ep) for (dp, tp), ep in zip(p.stages, p.stage_ep)) + "]"
     tokens = (label, p.micro_batches, p.remat, layers)
     trusted = run.samples_per_s is not None and (run.platform == "gpu" or allow_cpu)
     new = pc

@@ -668,6 +668,15 @@ def test_same_plan_changes_nothing():
     assert running_plan_comment(DAEMON_COMMENT, measured_json(same, source=ADMIN_COMMENT_PLAN), True, 0) is None
 
 
+def test_an_expert_parallel_plan_running_as_planned_changes_nothing():
+    """The running plan's ``ep`` stages are part of the plan it is compared by."""
+    planned = "cell=a100x4:s1 plan=[dp4tp1ep] mb=4 remat=1"
+    comment = f"requested=any {planned} sps=80 why=started on a100x4:s1 (best)"
+    assert running_plan_comment(comment, measured_json(planned, source=ADMIN_COMMENT_PLAN), False, 0) is None
+    tuned = running_plan_comment(comment, measured_json("cell=a100x4:s1 plan=[dp4tp1] mb=4 remat=1"), False, 0)
+    assert "plan=[dp4tp1] " in tuned and "src=tuned" in tuned
+
+
 def test_measurement_of_another_cell_or_run_changes_nothing():
     before_rescale = measured_json("cell=a10x2:s1 plan=[dp2tp1] mb=4 remat=1")
     assert running_plan_comment(DAEMON_COMMENT, before_rescale, True, 0) is None

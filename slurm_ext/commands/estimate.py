@@ -33,7 +33,7 @@ def _table(result: JobEstimate) -> str:
             f"{'plan (dp x tp per stage)':28} {'s/iter':>8} {'samples/s':>9} {'GB/GPU':>6}  note")
     lines = [f"model {result.job.model}, global batch {result.job.global_batch}", head]
     for c in result.cells:
-        plan = "|".join(f"dp{s.dp}tp{s.tp}" for s in c.stages) or "-"
+        plan = "|".join(s.label() for s in c.stages) or "-"
         mark = "*" if c is result.best else " "
         t = f"{c.iteration_time_s:8.3f}" if c.feasible else f"{'-':>8}"
         rate = f"{c.samples_per_s:9.2f}" if c.feasible else f"{'-':>9}"
