@@ -26,7 +26,7 @@ or ``ep`` stage refuses it (``job_scripts.plan``).
 import re
 from dataclasses import dataclass
 
-from estimator.cells import Cell, StagePlan
+from estimator.cells import Cell, StagePlan, stage_label
 from estimator.errors import SpecError
 
 MAX_PLAN_STRING = 512
@@ -59,13 +59,17 @@ class PlanString:
     expert_parallel: tuple[bool, ...] = ()  # per stage (empty: none)
 
     @property
+    def stage_ep(self) -> tuple[bool, ...]:
+        """Per stage, whether it splits its experts over dp."""
+        return self.expert_parallel or (False,) * len(self.stages)
+
+    @property
     def cell_label(self) -> str:
         return f"{self.gpu_type}x{self.num_gpus}:s{self.num_stages}"
 
     def format(self) -> str:
         """The canonical string (``parse_plan(p.format()) == p``)."""
-        ep = self.expert_parallel or (False,) * len(self.stages)
-        plan = "|".join(f"dp{dp}tp{tp}{'ep' if e else ''}" for (dp, tp), e in zip(self.stages, ep))
+        plan = "|".join(stage_label(dp, tp, e) for (dp, tp), e in zip(self.stages, self.stage_ep))
         out = f"cell={self.cell_label} plan=[{plan}] mb={self.micro_batches} remat={int(self.remat)}"
         if self.layer_bounds is not None:
             out += " layers=" + ",".join(str(b) for b in self.layer_bounds)
@@ -84,8 +88,7 @@ class PlanString:
             ranges = tuple(default_ranges)
         if len(ranges) != len(self.stages):
             raise SpecError("layers", ranges, f"{len(self.stages)} stages need as many layer ranges")
-        ep = self.expert_parallel or (False,) * len(self.stages)
-        return tuple(StagePlan(s, e, dp, tp, x) for (s, e), (dp, tp), x in zip(ranges, self.stages, ep))
+        return tuple(StagePlan(s, e, dp, tp, x) for (s, e), (dp, tp), x in zip(ranges, self.stages, self.stage_ep))
 
 
 def _pow2(v: int) -> bool:

@@ -128,11 +128,9 @@ class StageCollectives(TensorParallel):
         return lax.all_to_all(x, self.dp_axes, 1, 0, tiled=True)
 
     def expert_sums(self) -> "ExpertSums":
-        """Sums over the devices holding the other shards of an expert weight (the
-        optimizer's sharded reductions): the data-parallel group under expert parallelism."""
-        if self.expert_parallel:
-            return ExpertSums(self.dp_axes, self.dp_size)
-        return ExpertSums(self.tp_axes, self.size)
+        """Under expert parallelism, sums over the devices holding the other shards of an
+        expert weight (the optimizer's sharded reductions): the data-parallel group."""
+        return ExpertSums(self.dp_axes, self.dp_size)
 
     def slice_channels(self, x):
         return _slice_last(self.tp_axes, self.size)(x) if self.tp_axes else x

@@ -34,7 +34,7 @@ class ParallelPlan:
         return len(self.stages)
 
     def label(self) -> str:
-        body = "|".join(f"dp{s.dp}tp{s.tp}{'ep' if s.ep else ''}" for s in self.stages)
+        body = "|".join(s.label() for s in self.stages)
         return f"[{body}] mb={self.micro_batches} remat={int(self.remat)}"
 
 

@@ -58,7 +58,7 @@ _SOURCE_NOTES = {"tuned": "plan tuned in this allocation",
 def plan_label(stages: Sequence[StagePlan]) -> str:
     """``[dp2tp2|dp4tp1]``: the per-stage data- and tensor-parallel degrees (``ep``: the
     stage's experts split over its data parallelism)."""
-    return "[" + "|".join(f"dp{s.dp}tp{s.tp}{'ep' if s.ep else ''}" for s in stages) + "]"
+    return "[" + "|".join(s.label() for s in stages) + "]"
 
 
 def cell_of(pc: PlanComment, gpus_per_node: int) -> Cell | None:
