@@ -32,7 +32,7 @@ import hashlib
 import json
 import sqlite3
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from estimator.compute import Efficiency
@@ -175,11 +175,25 @@ class ProfileView:
                             | {k[0] for k in self.layers}))
 
 
+# Fields ``LayerSpec`` gained after stores were first written: left out of the fingerprint
+# while at their defaults, so a store profiled before them still matches its models.
+LATER_LAYER_FIELDS = ("experts", "expert_params")
+
+
 def model_fingerprint(model) -> str:
     """A stable hash of an ``estimator.models.ModelSpec``: every layer's costs and the
     dtype, so a YAML model that keeps its name but changes shape is profiled anew."""
-    text = repr((model.family, model.dtype, model.sequence, model.hidden, model.heads, model.layers))
+    layers = [_layer_text(layer) for layer in model.layers]
+    layers_text = f"({', '.join(layers)}{',' if len(layers) == 1 else ''})"
+    text = f"({model.family!r}, {model.dtype!r}, {model.sequence!r}, {model.hidden!r}, {model.heads!r}, {layers_text})"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _layer_text(layer) -> str:
+    """The layer's dataclass repr without the later fields that are at their defaults."""
+    shown = [f"{f.name}={getattr(layer, f.name)!r}" for f in fields(layer)
+             if not (f.name in LATER_LAYER_FIELDS and getattr(layer, f.name) == f.default)]
+    return f"{type(layer).__name__}({', '.join(shown)})"
 
 
 def connect(path: str | Path, create: bool = False) -> sqlite3.Connection:

@@ -7,6 +7,7 @@ cleanly to the analytic model for types and layers the store lacks.
 
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +24,7 @@ from estimator.profile_store import (CollectiveRow, KernelRow, LayerRow, LayerTi
                                      ProfileInfo, collective_csv_rows, connect, load_profile_view,
                                      model_fingerprint, read_profile, write_profile)
 
+ROOT = Path(__file__).resolve().parents[1]
 TRUE = Efficiency(matmul_frac=0.55, conv_frac=0.4, memory_frac=0.8, layer_overhead_s=120e-6,
                   half_rate_gflop=30.0, inter_node_frac=0.7)
 
@@ -293,3 +295,13 @@ def test_a_spent_time_budget_still_fits_and_writes_what_was_measured(tmp_path):
     stored = read_profile(cut_db, cut["profile_id"])
     assert len(stored.kernels) == cut["kernels"] and stored.layers == ()
     assert len(read_profile(full_db, full["profile_id"]).layers) == full["layers"]
+
+
+def test_kept_gpu_store_still_matches_its_models():
+    """The H200 store kept in benchmarks/ was profiled before LayerSpec gained its MoE
+    fields: the shipped models' fingerprints must still find its layer timings."""
+    view = load_profile_view(ROOT / "benchmarks" / "results_profile_h200.sqlite")
+    for name in ("gpt-760m", "gpt-1.3b"):
+        spec = load_model(name)
+        fp = model_fingerprint(spec)
+        assert view.layer_timing("h200", fp, 1, 1) is not None, name
