@@ -1,36 +1,50 @@
 #!/usr/bin/env bash
 # Profile one GPU node with the profiling job's own program, as `slurm-ext profile` runs it
-# on each node, then re-measure one plan on the same device, for docs/profiling.md
+# on each node, then measure a few plans on the same device, for docs/profiling.md
 # ("Profiled against measured on a GPU"). Run from the repository root on the GPU machine:
 #
 #   OUT=/tmp/profile-gpu bash benchmarks/profile_gpu_node.sh
 #
-# Writes into $OUT: profile.sqlite (the store), one log per model, summary.txt (exit code
-# and wall seconds of each part), cost_<model>.json (benchmarks/profile_cost.py: seconds by
-# part and the profiler's progress lines; the one-by-one baseline adds --compile-workers 1)
-# and plan_gpt-760m.json. Compare on any machine with
-#   python benchmarks/profile_accuracy.py --profile-db $OUT/profile.sqlite
+# Steps, in order of priority, each cut to what is left of TOTAL_S (default 500 s):
+#  1. profile $MODEL (default gpt-760m) at tp 1-8, default XLA flags (benchmarks/profile_cost.py: seconds by
+#     part and the profiler's progress lines) into $OUT/profile.sqlite;
+#  2. benchmarks/plan_measure.py: the model at global batch 8, three one-GPU plans;
+#  3. the same profile with XLA's autotuning off (--xla_gpu_autotune_level=0) into
+#     $OUT/profile_autotune0.sqlite: what autotuning costs, and whether the layer times
+#     it measures differ from step 1's.
+# Also writes summary.txt (exit code and wall seconds of each step) and steps.log (every
+# step's output).
+# Compare on any machine with
+#   python benchmarks/profile_accuracy.py --gpu-type GPU --profile-db $OUT/profile.sqlite
 set -u
 OUT=${OUT:?set OUT to a directory for the results}
-BUDGET_S=${BUDGET_S:-300}   # measuring seconds per model run (kernels included)
+TOTAL_S=${TOTAL_S:-500}
+MODEL=${MODEL:-gpt-760m}
+deadline=$(( $(date +%s) + TOTAL_S ))
 mkdir -p "$OUT"
-export PYTHONPATH=${PYTHONPATH:-.}
+export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-case "$name" in *H200*) gpu=h200 ;; *H100*) gpu=h100 ;; *A100*) gpu=a100 ;; *) gpu=${GPU_TYPE:?unknown GPU $name: set GPU_TYPE} ;; esac
-echo "device=$name gpu_type=$gpu" | tee "$OUT/summary.txt"
-skip=()
-for model in gpt-760m gpt-1.3b; do
-    t0=$(date +%s)
-    timeout $((BUDGET_S + 90)) "$PY" benchmarks/profile_cost.py --profile-db "$OUT/profile.sqlite" --gpu-type "$gpu" \
-        --model "$model" --max-tp 8 --budget-s "$BUDGET_S" "${skip[@]}" --json "$OUT/cost_$model.json" \
-        > "$OUT/profile_$model.log" 2>&1
-    echo "profile $model rc=$? wall_s=$(( $(date +%s) - t0 ))" | tee -a "$OUT/summary.txt"
-    skip=(--skip-collectives)   # one device: no collectives; the kernels are re-timed each run
-done
-t0=$(date +%s)
-timeout 150 "$PY" benchmarks/plan_measure.py --model gpt-760m --global-batch 8 --gpu-type "$gpu" \
-    --plans "cell=${gpu}x1:s1 plan=[dp1tp1] mb=1 remat=1" --init zeros --steps 10 \
-    --json "$OUT/plan_gpt-760m.json" > "$OUT/plan_gpt-760m.log" 2>&1
-echo "plan_measure gpt-760m rc=$? wall_s=$(( $(date +%s) - t0 ))" | tee -a "$OUT/summary.txt"
-tail -3 "$OUT/plan_gpt-760m.log"
+name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+case "$name" in *H200*) gpu=h200 ;; *H100*) gpu=h100 ;; *A100*) gpu=a100 ;; *) gpu=${GPU_TYPE:?unknown GPU "$name": set GPU_TYPE} ;; esac
+echo "device=$name gpu_type=$gpu jax=$("$PY" -c 'import jax; print(jax.__version__)')" | tee "$OUT/summary.txt"
+
+# step NAME MAX_S COMMAND...: run COMMAND under the smaller of MAX_S and the time left
+step() {
+    local name=$1 max_s=$2; shift 2
+    local left=$(( deadline - $(date +%s) ))
+    local limit=$(( max_s < left ? max_s : left ))
+    if (( limit < 30 )); then echo "$name skipped: ${left} s left" | tee -a "$OUT/summary.txt"; return; fi
+    local t0; t0=$(date +%s)
+    echo "=== $name: $*" >> "$OUT/steps.log"
+    timeout "$limit" "$@" >> "$OUT/steps.log" 2>&1
+    echo "$name rc=$? wall_s=$(( $(date +%s) - t0 )) limit_s=$limit" | tee -a "$OUT/summary.txt"
+}
+
+step profile 260 "$PY" benchmarks/profile_cost.py --profile-db "$OUT/profile.sqlite" --gpu-type "$gpu" \
+    --model "$MODEL" --max-tp 8 --budget-s 220 --json "$OUT/cost.json"
+step plan 170 "$PY" benchmarks/plan_measure.py --model "$MODEL" --global-batch 8 --gpu-type "$gpu" \
+    --plans "cell=${gpu}x1:s1 plan=[dp1tp1] mb=1 remat=1" "cell=${gpu}x1:s1 plan=[dp1tp1] mb=1 remat=0" \
+            "cell=${gpu}x1:s1 plan=[dp1tp1] mb=2 remat=1" \
+    --init zeros --steps 10 --plan-timeout-s 80 --json "$OUT/plan.json"
+step profile_autotune0 150 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" "$PY" benchmarks/profile_cost.py --profile-db "$OUT/profile_autotune0.sqlite" \
+    --gpu-type "$gpu" --model "$MODEL" --max-tp 8 --budget-s 120 --skip-collectives --json "$OUT/cost_autotune0.json"
