@@ -11,7 +11,12 @@
 #  2. benchmarks/plan_measure.py: the model at global batch 8, three one-GPU plans;
 #  3. the same profile with XLA's autotuning off (--xla_gpu_autotune_level=0) into
 #     $OUT/profile_autotune0.sqlite: what autotuning costs, and whether the layer times
-#     it measures differ from step 1's.
+#     it measures differ from step 1's;
+#  4. the same profile with XLA's Triton GEMMs off (--xla_gpu_enable_triton_gemm=false:
+#     cuBLAS matmuls, whose autotuning is a short algorithm pick) into
+#     $OUT/profile_no_triton.sqlite, and step 1 again at tp 1 alone
+#     ($OUT/profile_tp1.sqlite), the baseline on the same machine.
+# STEPS (default: all) picks some, e.g. STEPS="profile_no_triton profile_tp1".
 # Also writes summary.txt (exit code and wall seconds of each step) and steps.log (every
 # step's output).
 # Compare on any machine with
@@ -28,9 +33,12 @@ name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 case "$name" in *H200*) gpu=h200 ;; *H100*) gpu=h100 ;; *A100*) gpu=a100 ;; *) gpu=${GPU_TYPE:?unknown GPU "$name": set GPU_TYPE} ;; esac
 echo "device=$name gpu_type=$gpu jax=$("$PY" -c 'import jax; print(jax.__version__)')" | tee "$OUT/summary.txt"
 
+STEPS=${STEPS:-profile plan profile_autotune0 profile_no_triton profile_tp1}
+
 # step NAME MAX_S COMMAND...: run COMMAND under the smaller of MAX_S and the time left
 step() {
     local name=$1 max_s=$2; shift 2
+    [[ " $STEPS " == *" $name "* ]] || return 0
     local left=$(( deadline - $(date +%s) ))
     local limit=$(( max_s < left ? max_s : left ))
     if (( limit < 30 )); then echo "$name skipped: ${left} s left" | tee -a "$OUT/summary.txt"; return; fi
@@ -48,3 +56,8 @@ step plan 170 "$PY" benchmarks/plan_measure.py --model "$MODEL" --global-batch 8
     --init zeros --steps 10 --plan-timeout-s 80 --json "$OUT/plan.json"
 step profile_autotune0 150 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" "$PY" benchmarks/profile_cost.py --profile-db "$OUT/profile_autotune0.sqlite" \
     --gpu-type "$gpu" --model "$MODEL" --max-tp 8 --budget-s 120 --skip-collectives --json "$OUT/cost_autotune0.json"
+step profile_no_triton 150 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" "$PY" benchmarks/profile_cost.py \
+    --profile-db "$OUT/profile_no_triton.sqlite" --gpu-type "$gpu" --model "$MODEL" --max-tp 8 --budget-s 120 \
+    --skip-collectives --json "$OUT/cost_no_triton.json"
+step profile_tp1 120 "$PY" benchmarks/profile_cost.py --profile-db "$OUT/profile_tp1.sqlite" --gpu-type "$gpu" \
+    --model "$MODEL" --max-tp 1 --skip-collectives --json "$OUT/cost_tp1.json"
