@@ -2,9 +2,10 @@
 
 Sources (each row names its own):
 
-- ``h200``: peak memory measured on one NVIDIA H200 by ``benchmarks/plan_measure.py``
-  (``docs/gpu-measurements.md``; the results JSONs beside this script, and the remat=0
-  row of gpt-760m quoted in that document).
+- ``h200``, ``h100``: peak memory measured on one NVIDIA H200 or H100 by
+  ``benchmarks/plan_measure.py`` (``docs/gpu-measurements.md``; the results JSONs beside
+  this script, and the H200's remat=0 row of gpt-760m quoted in that document). Neither
+  type is in the fitted tables: both are estimated from their datasheets.
 - ``gpu-target``: the runner's own program (``job_scripts.pipeline.Pipeline``) compiled for
   an XLA GPU target on a CPU-only machine (the ``gpu-target`` extra), its
   ``memory_analysis()`` peak plus the estimator's 1 GB reserve
@@ -82,21 +83,29 @@ def summary(rows: list[dict]) -> dict:
             "mean": round(statistics.fmean(accs), 4), "worst": round(min(accs), 4)}
 
 
-def h200_rows() -> list[dict]:
+MEASURED_GPUS = ("h200", "h100")  # GPU types with plan_measure results beside this script
+
+
+def measured_plans(gpu: str) -> list[dict]:
+    """Every plan ``benchmarks/plan_measure.py`` measured on one ``gpu`` (its results JSONs
+    beside this script), with its median step time and peak memory."""
     rows = []
-    for path in sorted(HERE.glob("results_plan_measure_h200_*.json")):
+    for path in sorted(HERE.glob(f"results_plan_measure_{gpu}_*.json")):
         data = json.loads(path.read_text())
         for p in data["plans"]:
             if p.get("ok") and p["measured"].get("peak_memory_gb"):
                 rows.append({"model": data["model"], "global_batch": data["global_batch"],
                              "plan": p["plan"], "peak_gb": p["measured"]["peak_memory_gb"],
-                             "step_s": p["measured"]["step_s"]["median"]})
-    rows += H200_EXTRA
+                             "step_s": p["measured"]["step_s"]["median"], "source": path.name})
+    return rows + (H200_EXTRA if gpu == "h200" else [])
+
+
+def gpu_rows(gpu: str) -> list[dict]:
     out = []
-    for r in rows:
-        score = score_plan_text(r["model"], r["global_batch"], r["plan"], "h200")
+    for r in measured_plans(gpu):
+        score = score_plan_text(r["model"], r["global_batch"], r["plan"], gpu)
         est = score.peak_memory_gb
-        out.append({**r, "source": "h200", "estimate_gb": round(est, 3), "accuracy": round(_acc(est, r["peak_gb"]), 4),
+        out.append({**r, "source": gpu, "estimate_gb": round(est, 3), "accuracy": round(_acc(est, r["peak_gb"]), 4),
                     "estimate_step_s": round(score.iteration_time_s, 4),
                     "time_accuracy": round(_acc(score.iteration_time_s, r["step_s"]), 4)})
     return out
@@ -133,13 +142,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="also write the result here")
     args = ap.parse_args(argv)
-    result = {}
-    for name, rows in (("h200", h200_rows()), ("gpu-target", gpu_target_rows()), ("alpa-dp", alpa_rows())):
+    result = {gpu: {"rows": gpu_rows(gpu)} for gpu in MEASURED_GPUS}
+    for gpu in MEASURED_GPUS:
+        rows = result[gpu]["rows"]
+        result[gpu].update(summary=summary(rows), time_summary=summary([{"accuracy": r["time_accuracy"]} for r in rows]))
+    for name, rows in (("gpu-target", gpu_target_rows()), ("alpa-dp", alpa_rows())):
         result[name] = {"summary": summary(rows), "rows": rows}
-    h200 = result["h200"]["rows"]
-    result["h200"]["time_summary"] = summary([{"accuracy": r["time_accuracy"]} for r in h200])
-    runner = h200 + result["gpu-target"]["rows"]
-    result["runner_program"] = summary(runner)
+    result["runner_program"] = summary([r for gpu in MEASURED_GPUS for r in result[gpu]["rows"]]
+                                       + result["gpu-target"]["rows"])
     text = json.dumps(result, indent=1)
     print(text)
     if args.json:

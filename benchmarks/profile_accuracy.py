@@ -1,12 +1,12 @@
 """Profiled against analytic: each estimate of plans measured on a GPU, beside the
 measured step time and peak memory.
 
-The measured plans are those `benchmarks/plan_measure.py` ran on one NVIDIA H200
-(``results_plan_measure_h200_*.json``, ``results_profile_h200_plan_gpt-760m.json`` and the
-remat=0 row quoted in ``docs/gpu-measurements.md``). The profile store is what
-``job_scripts.profile`` measured on an H200 of the same kind (``benchmarks/profile_gpu_node.sh``;
-the store kept is ``results_profile_h200.sqlite``). Each plan is scored with
-``estimator.estimate.score_plan`` twice: analytic (the H200's datasheet and the shared
+The measured plans are those `benchmarks/plan_measure.py` ran on one NVIDIA H200 or H100
+(``results_plan_measure_<gpu>_*.json``, ``results_profile_h200_plan_gpt-760m.json`` and the
+H200's remat=0 row quoted in ``docs/gpu-measurements.md``). The profile store is what
+``job_scripts.profile`` measured on a GPU of the same kind (``benchmarks/profile_gpu_node.sh``;
+the stores kept are ``results_profile_<gpu>.sqlite``). Each plan is scored with
+``estimator.estimate.score_plan`` twice: analytic (the GPU's datasheet and the shared
 fitted efficiency) and with the store (``EstimateOptions.profile_db``: profiled layer
 times, the profile's fitted efficiency, profiled activation bytes). The model never grades
 itself: the store holds one-layer timings, the reference is the whole training step.
@@ -14,7 +14,8 @@ itself: the store holds one-layer timings, the reference is the whole training s
 Accuracy = 1 − |estimate − measured| / measured, floored at 0. Prints JSON
 (``benchmarks.bench_output.emit``)::
 
-    python benchmarks/profile_accuracy.py --profile-db benchmarks/results_profile_h200.sqlite
+    python benchmarks/profile_accuracy.py --gpu-type h100
+    python benchmarks/profile_accuracy.py --gpu-type h200 --profile-db benchmarks/results_profile_h200.sqlite
 """
 
 from __future__ import annotations
@@ -29,29 +30,23 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_output import emit  # noqa: E402
 from benchmarks.estimator_accuracy import accuracy as _acc, summarize as _summary  # noqa: E402
-from benchmarks.memory_accuracy import H200_EXTRA, score_plan_text  # noqa: E402
+from benchmarks.memory_accuracy import measured_plans, score_plan_text  # noqa: E402
 from estimator.models import load_model  # noqa: E402
 from estimator.plan_string import parse_plan  # noqa: E402
 from estimator.profile_store import load_profile_view, model_fingerprint  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_DB = HERE / "results_profile_h200.sqlite"
 
 
-def measured_rows() -> list[dict]:
-    """Every plan measured on the H200 with its median step time and peak memory."""
-    rows = []
-    files = sorted(HERE.glob("results_plan_measure_h200_*.json")) + [HERE / "results_profile_h200_plan_gpt-760m.json"]
-    for path in files:
-        if not path.is_file():
-            continue
-        data = json.loads(path.read_text())
-        for p in data["plans"]:
-            if p.get("ok"):
-                rows.append({"model": data["model"], "global_batch": data["global_batch"], "plan": p["plan"],
-                             "step_s": p["measured"]["step_s"]["median"],
-                             "peak_gb": p["measured"].get("peak_memory_gb"), "source": path.name})
-    rows += [{**r, "source": "docs/gpu-measurements.md"} for r in H200_EXTRA]
+def measured_rows(gpu: str) -> list[dict]:
+    """Every plan measured on one ``gpu`` with its median step time and peak memory."""
+    rows = measured_plans(gpu)
+    extra = HERE / f"results_profile_{gpu}_plan_gpt-760m.json"  # measured beside the profile
+    if extra.is_file():
+        data = json.loads(extra.read_text())
+        rows += [{"model": data["model"], "global_batch": data["global_batch"], "plan": p["plan"],
+                  "step_s": p["measured"]["step_s"]["median"], "peak_gb": p["measured"].get("peak_memory_gb"),
+                  "source": extra.name} for p in data["plans"] if p.get("ok")]
     return rows
 
 
@@ -66,7 +61,7 @@ def profiled_share(view, model: str, plan_text: str, gpu: str) -> float:
 
 def compare(db: str, gpu: str = "h200") -> dict:
     rows, view = [], load_profile_view(db)
-    for r in measured_rows():
+    for r in measured_rows(gpu):
         analytic = score_plan_text(r["model"], r["global_batch"], r["plan"], gpu)
         profiled = score_plan_text(r["model"], r["global_batch"], r["plan"], gpu, profile_db=db)
         row = {**r, "layers_profiled": round(profiled_share(view, r["model"], r["plan"], gpu), 3),
@@ -88,11 +83,12 @@ def compare(db: str, gpu: str = "h200") -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--profile-db", default=str(DEFAULT_DB), help="the profile store (default: the H200's kept here)")
-    ap.add_argument("--gpu-type", default="h200")
+    ap.add_argument("--profile-db", help="the profile store (default: the GPU type's kept here, "
+                                         "results_profile_<gpu>.sqlite)")
+    ap.add_argument("--gpu-type", default="h200", help="the GPU type the plans were measured on (default h200)")
     ap.add_argument("--json", metavar="OUT", help="also write the JSON here")
     args = ap.parse_args(argv)
-    emit(compare(args.profile_db, args.gpu_type), args.json)
+    emit(compare(args.profile_db or str(HERE / f"results_profile_{args.gpu_type}.sqlite"), args.gpu_type), args.json)
     return 0
 
 
