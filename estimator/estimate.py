@@ -83,7 +83,8 @@ class EstimateOptions:
         expert_parallel: a MoE stage with data parallelism also tries its experts sharded
             over all its GPUs, tokens routed by all-to-all (GShard's layout, what Alpa's
             auto-sharding finds for the measured MoE runs; ``StagePlan.ep``), kept where
-            faster; the runner runs it on stages without tp (others are ``runnable: false``).
+            faster; the runner runs it on stages without tp, so with ``runnable_only`` and
+            runnable memory settings only those are tried (others are ``runnable: false``).
     """
 
     plan_space: str = "cell"
@@ -611,13 +612,16 @@ def _assemble(job: JobSpec, ctx: _Context, ranges, per_stage, default_ranges) ->
     parallelism only, whichever is faster and fits."""
     cell, options = ctx.cell, ctx.options
     cap = dp_cap(job.global_batch, cell)
+    # For the runner (runnable plans only), ep only where the stage has no tp: it runs no other.
+    ep_with_tp = not (options.runnable_only and options.memory.runnable)
     variants = []
     for (start, end), n in zip(ranges, per_stage):
         dp = min(n, cap) if options.plan_space == "cell" else n
         stage = [StagePlan(start, end, dp, n // dp)]
         if n > 1 and options.plan_space == "cell" and dp > 1:
             stage.append(StagePlan(start, end, 1, n))
-            if options.expert_parallel and expert_parallel_fits(ctx.model.layers[start:end], n):
+            if (options.expert_parallel and (dp == n or ep_with_tp)
+                    and expert_parallel_fits(ctx.model.layers[start:end], n)):
                 stage.append(StagePlan(start, end, dp, n // dp, ep=True))
         variants.append(stage)
     compiled = _compile_variants(job, ctx, variants) if options.fidelity == "compiled" else {}

@@ -139,6 +139,18 @@ def test_expert_parallel_stages_are_estimated_where_faster_and_run_by_the_runner
                          builtin_arch("gpt-760m"), 8, 2)
 
 
+def test_runnable_estimates_offer_expert_parallelism_only_where_the_runner_runs_it():
+    """moe-2.4b at batch 2 on four a100s: dp is capped at 2, so an ep stage would need tp 2,
+    which the runner refuses. Estimates for the runner (the daemon's) leave it out and stay
+    runnable; what-if estimates (runnable_only=False) may still pick it, marked unrunnable."""
+    job, cell = JobSpec("moe-2.4b", 2), Cell("a100", 4, 2, 1)
+    runner = estimate_cell(job, cell, CRIUS, EstimateOptions(expert_parallel=True))
+    assert runner.feasible and runner.runnable and not any(s.ep and s.tp > 1 for s in runner.stages)
+    what_if = estimate_cell(job, cell, CRIUS, EstimateOptions(expert_parallel=True, runnable_only=False))
+    assert [(s.dp, s.tp, s.ep) for s in what_if.stages] == [(2, 2, True)] and not what_if.runnable
+    assert what_if.iteration_time_s < runner.iteration_time_s
+
+
 def test_expert_parallelism_needs_experts_that_split_evenly():
     from estimator.estimate import expert_parallel_fits
     from estimator.models import load_model
