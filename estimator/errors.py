@@ -15,3 +15,15 @@ class SpecError(ValueError):
         self.value = value
         self.hint = hint
         super().__init__(f"{field}={value!r}: {hint}")
+
+    def __reduce__(self):
+        # Crosses process boundaries whole (compile and test worker pools): the default
+        # would call SpecError(message) and fail, leaving the pool waiting.
+        return (_rebuild, (type(self), self.field, self.value, self.hint))
+
+
+def _rebuild(cls: type, field: str, value: object, hint: str) -> SpecError:
+    """A SpecError (or subclass, whatever its own arguments) with these parts."""
+    err = cls.__new__(cls)
+    SpecError.__init__(err, field, value, hint)
+    return err

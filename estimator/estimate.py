@@ -83,8 +83,7 @@ class EstimateOptions:
         expert_parallel: a MoE stage with data parallelism also tries its experts sharded
             over all its GPUs, tokens routed by all-to-all (GShard's layout, what Alpa's
             auto-sharding finds for the measured MoE runs; ``StagePlan.ep``), kept where
-            faster; the runner runs it on stages without tp, so with ``runnable_only`` and
-            runnable memory settings only those are tried (others are ``runnable: false``).
+            faster. The runner runs it with and without tp.
     """
 
     plan_space: str = "cell"
@@ -612,16 +611,13 @@ def _assemble(job: JobSpec, ctx: _Context, ranges, per_stage, default_ranges) ->
     parallelism only, whichever is faster and fits."""
     cell, options = ctx.cell, ctx.options
     cap = dp_cap(job.global_batch, cell)
-    # For the runner (runnable plans only), ep only where the stage has no tp: it runs no other.
-    ep_with_tp = not (options.runnable_only and options.memory.runnable)
     variants = []
     for (start, end), n in zip(ranges, per_stage):
         dp = min(n, cap) if options.plan_space == "cell" else n
         stage = [StagePlan(start, end, dp, n // dp)]
         if n > 1 and options.plan_space == "cell" and dp > 1:
             stage.append(StagePlan(start, end, 1, n))
-            if (options.expert_parallel and (dp == n or ep_with_tp)
-                    and expert_parallel_fits(ctx.model.layers[start:end], n)):
+            if options.expert_parallel and expert_parallel_fits(ctx.model.layers[start:end], n):
                 stage.append(StagePlan(start, end, dp, n // dp, ep=True))
         variants.append(stage)
     compiled = _compile_variants(job, ctx, variants) if options.fidelity == "compiled" else {}
@@ -647,10 +643,8 @@ def _assemble(job: JobSpec, ctx: _Context, ranges, per_stage, default_ranges) ->
     host_gb = max(host_memory_gb(c.memory) for c in costs)
     plan = format_plan(cell, plans, ctx.micro_batches, ctx.remat, default_ranges,
                        zero_level=memory.zero_level, offload=memory.offload)
-    # The runner splits experts over dp on stages without tp only.
     dims = dict(remat=ctx.remat, zero_level=memory.zero_level, offload=memory.offload,
-                host_memory_gb=host_gb, runnable=memory.runnable and not any(p.ep and p.tp > 1 for p in plans),
-                plan=plan)
+                host_memory_gb=host_gb, runnable=memory.runnable, plan=plan)
     if bad is not None:
         return CellEstimate(cell, plans, ctx.micro_batches, math.inf, 0.0, peak, False, bad.reason,
                             fidelity, source, memory_fidelity, **dims)

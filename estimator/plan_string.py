@@ -18,8 +18,8 @@ before them read the same)::
 ``zero`` is the ZeRO stage (0–3; absent: 0, replicated states, what the runner runs);
 ``offload=1`` keeps master weights and optimizer states on the host (ZeRO-Offload).
 
-A stage written ``dp4tp1ep`` splits its MoE experts over all its GPUs (expert
-parallelism, ``StagePlan.ep``). A runner that cannot run a plan's ``zero``, ``offload``
+A stage written ``dp4tp1ep`` (or ``dp2tp2ep``) splits its MoE experts over all its GPUs
+(expert parallelism, ``StagePlan.ep``). A runner that cannot run a plan's ``zero``, ``offload``
 or ``ep`` stage refuses it (``job_scripts.plan``).
 """
 

@@ -70,8 +70,9 @@ class StageCollectives(TensorParallel):
         dp_axes: mesh axes of its data-parallel group (empty: no dp).
         dp_size: data-parallel degree.
         size: tensor-parallel degree (devices in ``tp_axes``).
-        expert_parallel: MoE experts are split over the data-parallel group (a stage
-            without tp): tokens reach their experts' device by all-to-all.
+        expert_parallel: MoE experts are split over all dp × tp devices of the stage: each
+            tp rank's block of experts (as under tp) over its data-parallel group, whose
+            tokens reach their experts' device by all-to-all.
     """
 
     tp_axes: tuple[str, ...]
@@ -129,8 +130,8 @@ class StageCollectives(TensorParallel):
 
     def expert_sums(self) -> "ExpertSums":
         """Under expert parallelism, sums over the devices holding the other shards of an
-        expert weight (the optimizer's sharded reductions): the data-parallel group."""
-        return ExpertSums(self.dp_axes, self.dp_size)
+        expert weight (the optimizer's sharded reductions): the whole stage."""
+        return ExpertSums(self.dp_axes + self.tp_axes, self.dp_size * self.size)
 
     def slice_channels(self, x):
         return _slice_last(self.tp_axes, self.size)(x) if self.tp_axes else x

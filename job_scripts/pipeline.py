@@ -112,8 +112,8 @@ class Pipeline:
         grid = np.asarray(devices, dtype=object).reshape((len(self.stages),) + (2,) * (len(self.axes) - 1))
         self.mesh = Mesh(grid, self.axes)
         self.arrays = {kind: [StageArrays(arch, st.layers, kind, st.tp, optimizer,
-                                          ep=st.dp if st.coll.expert_parallel else 1) for st in self.stages]
-                       for kind in KINDS}
+                                          ep=st.dp * st.tp if st.coll.expert_parallel else 1)
+                              for st in self.stages] for kind in KINDS}
         # A kind with no arrays (no batch norm) keeps a one-element buffer: trees stay alike.
         self.lengths = {kind: joint_lengths([a.layout for a in self.arrays[kind]]) or {"float32": 1}
                         for kind in KINDS}
@@ -518,9 +518,7 @@ class Pipeline:
                 for leaf, slot in zip(arrays.leaves, arrays.layout.slots):
                     parts, n = [], arrays.shards(leaf)
                     for rank in range(n if leaf.dim is not None else 1):
-                        # Shard `rank` lies at that position: tp rank (dp rank 0), or the
-                        # dp rank of an expert-parallel stage (which has no tp).
-                        flat = shards[slot.dtype][(st.index, rank)]
+                        flat = shards[slot.dtype][(st.index, arrays.position(leaf, rank))]
                         parts.append(flat[slot.offset:slot.offset + slot.size].reshape(leaf.local_shape(n)))
                     out[leaf.name] = parts[0] if leaf.dim is None else np.concatenate(parts, axis=leaf.dim)
         return out

@@ -95,12 +95,11 @@ def check_plan(plan: ParallelPlan, arch: jm.Arch, global_batch: int, num_devices
                                                 f"{arch.expert_group} for the experts")
         if s.ep:
             moe = any(jm.layer_kind(arch, layer) == "moe_block" for layer in range(s.layer_start, s.layer_end))
-            if s.tp > 1:
-                refuse(f"stages[{i}].ep", True, "expert parallelism runs on stages without tensor parallelism")
-            elif not moe:
+            if not moe:
                 refuse(f"stages[{i}].ep", True, "the stage has no MoE layer whose experts could be split")
-            elif arch.experts % s.dp:
-                refuse(f"stages[{i}].ep", True, f"dp {s.dp} must divide the {arch.experts} experts")
+            elif arch.experts % (s.dp * s.tp):
+                refuse(f"stages[{i}].ep", True, f"the stage's {s.dp * s.tp} GPUs (dp {s.dp} x tp {s.tp}) "
+                                                f"must divide the {arch.experts} experts")
 
 
 def plan_from_string(text: str, model_spec, arch: jm.Arch, global_batch: int, num_devices: int,

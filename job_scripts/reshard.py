@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding
 
 from job_scripts.checkpoint import CheckpointError
 from job_scripts.pipeline import PP, Pipeline
-from job_scripts.stage_arrays import KINDS
+from job_scripts.stage_arrays import KINDS, expert_position
 
 # read(kind, dtype, stage, device position, lo, hi) -> the saved view's [stage, position, lo:hi]
 ViewReader = Callable[[str, str, int, int, int, int], np.ndarray]
@@ -122,14 +122,16 @@ class _OldState:
         return leaf.get("shards", stage["tp"])
 
     def shard(self, name: str, index: int) -> np.ndarray:
-        """Old shard ``index`` of one array (held by the device at that position of its
-        stage: tp rank, or dp rank under expert parallelism), in its old local shape."""
+        """Old shard ``index`` of one array (held by the device of its stage at position
+        ``index``, its tp rank, or for an expert's array ``expert_position``), in its old
+        local shape."""
         kind, stage, leaf = self.by_name[name]
         dim, count = leaf["dim"], self._shards(stage, leaf)
         shape = [n // count if d == dim else n for d, n in enumerate(leaf["shape"])]
         size = math.prod(shape)
-        flat = self._flat(kind, stage, leaf["dtype"], index if dim is not None else 0,
-                          leaf["offset"], leaf["offset"] + size)
+        position = 0 if dim is None else \
+            expert_position(index, stage["dp"], stage["tp"]) if "shards" in leaf else index
+        flat = self._flat(kind, stage, leaf["dtype"], position, leaf["offset"], leaf["offset"] + size)
         return flat.reshape(shape)
 
     def region(self, name: str, shape: tuple[int, ...], dtype: str, dim: int | None, count: int,

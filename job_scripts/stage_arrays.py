@@ -6,11 +6,13 @@ model state (batch-norm statistics). Every leaf has a name that no plan changes
 (``params/layer_003/wqkv``, ``opt/layer_003/mu/wqkv``), a global shape and a
 PartitionSpec over ``tp``; a device of a stage with tensor parallelism ``tp`` holds the
 slice of each leaf that its tensor-parallel rank owns, concatenated into its stage's flat
-buffers (``job_scripts.packing``). Under expert parallelism (a stage without tp) the MoE
-experts' leaves (``jax_models.EXPERT_PARAMS`` and their optimizer state) are split the
-same way over the stage's ``ep`` data-parallel devices instead, each holding its own. :class:`StageArrays` is that bookkeeping for one kind
-of tree of one stage: it packs and unpacks trees and describes itself in JSON, so a
-checkpoint of one plan can be read into any other.
+buffers (``job_scripts.packing``). Under expert parallelism the MoE experts' leaves
+(``jax_models.EXPERT_PARAMS`` and their optimizer state) are split over all ``ep`` = dp × tp
+devices of the stage instead, each holding its own: tp rank t keeps the t-th block of
+experts, as under tensor parallelism, and its dp ranks split that block
+(:func:`expert_shard`). :class:`StageArrays` is that bookkeeping for one kind of tree of
+one stage: it packs and unpacks trees and describes itself in JSON, so a checkpoint of
+one plan can be read into any other.
 """
 
 from __future__ import annotations
@@ -50,6 +52,19 @@ def local_shape(shape: tuple[int, ...], dim: int | None, tp: int) -> tuple[int, 
     return tuple(n // tp if d == dim else n for d, n in enumerate(shape))
 
 
+def expert_shard(position, dp: int, tp: int):
+    """Which of the dp × tp shards of an expert leaf the device at ``position`` of its
+    stage holds (position: dp rank major, tp rank minor; may be traced): its tp rank's
+    block of experts, and within it its dp rank's part."""
+    return (position % tp) * dp + position // tp
+
+
+def expert_position(shard: int, dp: int, tp: int) -> int:
+    """The inverse of :func:`expert_shard`: the position in its stage of the device that
+    holds shard ``shard`` of an expert leaf."""
+    return (shard % dp) * tp + shard // dp
+
+
 def local_slice(x, dim: int | None, tp: int, rank):
     """This rank's part of a whole array (rank may be traced)."""
     if dim is None or tp == 1:
@@ -86,7 +101,7 @@ def _layer_trees(arch: jm.Arch, layer: int, kind: str, optimizer):
 
 class StageArrays:
     """One kind of tree (params, opt or state) of one stage, under tensor parallelism tp,
-    or with its experts split over ``ep`` data-parallel devices (expert parallelism)."""
+    with its experts split over all ``ep`` (dp × tp) devices under expert parallelism."""
 
     def __init__(self, arch: jm.Arch, layers: range, kind: str, tp: int, optimizer, ep: int = 1):
         self.kind, self.layers, self.tp, self.ep = kind, layers, tp, ep
@@ -115,7 +130,11 @@ class StageArrays:
     def rank(self, leaf: Leaf, position):
         """Which shard of a leaf a device holds, from its position in the stage (dp rank
         major, tp rank minor; may be traced)."""
-        return position if leaf.expert else position % self.tp
+        return expert_shard(position, self.ep // self.tp, self.tp) if leaf.expert else position % self.tp
+
+    def position(self, leaf: Leaf, shard: int) -> int:
+        """The position in the stage of a device that holds shard ``shard`` of a leaf."""
+        return expert_position(shard, self.ep // self.tp, self.tp) if leaf.expert else shard
 
     def global_trees(self) -> list:
         """Per layer, the tree of global ShapeDtypeStructs."""
@@ -154,6 +173,6 @@ class StageArrays:
             entry = {"name": leaf.name, "shape": list(leaf.shape), "dtype": leaf.dtype, "dim": leaf.dim,
                      "offset": slot.offset}
             if leaf.expert:
-                entry["shards"] = self.ep  # split over the stage's devices, not its tp ranks
+                entry["shards"] = self.ep  # split over all the stage's devices (expert_shard)
             out.append(entry)
         return out

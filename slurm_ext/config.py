@@ -52,9 +52,9 @@ class DaemonConfig:
         dry_run: print the actions instead of taking them.
         plan_space: estimator plan space for policies (``cell``; ``dp-only`` restricts
             plans to data parallelism).
-        expert_parallel: MoE jobs' Cells may split their experts over data parallelism
-            (``estimator.estimate.EstimateOptions.expert_parallel``; the runner runs it on
-            stages without tensor parallelism), kept where faster.
+        expert_parallel: MoE jobs' Cells may split their experts over all of a stage's
+            GPUs (``estimator.estimate.EstimateOptions.expert_parallel``; the runner runs
+            it with and without tensor parallelism), kept where faster.
         max_gpus: the largest GPU count the estimator considers for one job.
         micro_batches: micro-batches per iteration; None: the estimator's default.
         log_level: DEBUG, INFO, WARNING or ERROR.

@@ -193,9 +193,10 @@ def test_checkpoints_keep_the_newest_reshard_logical_arrays_and_fall_back(tmp_pa
     assert json.loads(json.dumps(out))  # plain data crossed the process boundary
 
 
-def _experts_reshard(directory: str) -> dict:
-    """In a spawn child with 8 CPU devices: train a tiny MoE with its experts split over
-    dp (each device saves its own), restore into plans with and without that split."""
+def _experts_reshard(directory: str, saved_stages: list, targets: list) -> dict:
+    """In a spawn child with 8 CPU devices: train a tiny MoE under ``saved_stages``, with
+    its experts split over its stages' devices (each device saves its own), and restore
+    into each of ``targets`` (stages, micro-batches), with and without that split."""
     import jax
 
     from estimator import jax_models as jm
@@ -216,13 +217,13 @@ def _experts_reshard(directory: str) -> dict:
                             mb, True)
         return Pipeline(arch, plan, jax.devices()[:plan.num_gpus], 16, optimizer_for(arch.optimizer))
 
-    first = make([(4, 1, True), (4, 1)], 2)
+    first = make(saved_stages, 2)
     state, before, saved, read = _train_two_steps_and_save(first, stream, directory)
 
     out = {"exact": {}, "third": {}, "experts_split": any("shards" in leaf for stage in
                                                          saved.meta["layout"]["kinds"]["params"]["stages"]
                                                          for leaf in stage["leaves"])}
-    for stages, mb in (([(1, 2)], 2), ([(2, 1, True)], 2), ([(2, 1, True), (2, 1)], 2)):
+    for stages, mb in targets:
         pipe = make(stages, mb)
         restored = reshard.restore(pipe, saved.meta["layout"], read)
         after = pipe.host_arrays(restored)
@@ -233,11 +234,16 @@ def _experts_reshard(directory: str) -> dict:
     return out
 
 
-def test_expert_parallel_checkpoints_restore_into_any_plan(tmp_path):
+@pytest.mark.parametrize("saved,targets", [
+    ([(4, 1, True), (4, 1)], [([(1, 2)], 2), ([(2, 1, True)], 2), ([(2, 1, True), (2, 1)], 2), ([(2, 2, True)], 2)]),
+    ([(2, 2, True), (2, 2)], [([(4, 1, True)], 2), ([(1, 2)], 2), ([(1, 4, True), (2, 2)], 2)]),
+])
+def test_expert_parallel_checkpoints_restore_into_any_plan(tmp_path, saved, targets):
     """Each device of an expert-parallel stage holds different experts and saves its own
-    buffer; plans with and without the split read them back exactly and train on as the
-    uninterrupted run does."""
-    out = in_jax_child(8, _experts_reshard, str(tmp_path))
+    buffer (with tp, each tp rank's block of experts split over its dp ranks); plans with
+    and without the split, with and without tp, read them back exactly and train on as
+    the uninterrupted run does."""
+    out = in_jax_child(8, _experts_reshard, str(tmp_path), saved, targets)
     assert out["experts_split"]
     assert all(out["exact"].values()), out["exact"]
     for loss in out["third"].values():

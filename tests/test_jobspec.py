@@ -176,3 +176,14 @@ def test_check_model_wraps_loader_failures():
     with pytest.raises(ElasticSpecError, match="absolute path"):
         check_model(rel_spec, lambda name: name)
     assert check_model(spec, lambda name: ("loaded", name)) == ("loaded", "nope")
+
+
+def test_spec_errors_cross_process_boundaries_whole():
+    """A worker pool hands a SpecError back by pickling it: it must come back the same."""
+    import pickle
+    err = pickle.loads(pickle.dumps(SpecError("stages[1].ep", True, "no MoE layer")))
+    assert isinstance(err, SpecError) and (err.field, err.value, err.hint) == ("stages[1].ep", True, "no MoE layer")
+    assert str(err) == "stages[1].ep=True: no MoE layer"
+    from estimator.plan_string import PlanStringError
+    sub = pickle.loads(pickle.dumps(PlanStringError("plan=[", "no closing bracket")))
+    assert type(sub) is PlanStringError and "no closing bracket" in str(sub)

@@ -124,11 +124,14 @@ def test_moe_experts_sharded_over_tp_train_as_the_per_stage_pipeline(child, stag
 
 @pytest.mark.parametrize("blocks,stages,mb,remat", [(2, [(4, 1, True)], 2, True),
                                                     (2, [(2, 1, True), (1, 2)], 2, False),
-                                                    (4, [(2, 1), (2, 1, True)], 4, True)])
+                                                    (4, [(2, 1), (2, 1, True)], 4, True),
+                                                    (2, [(2, 2, True)], 2, True),
+                                                    (4, [(2, 2, True), (4, 1, True)], 2, False)])
 def test_moe_experts_split_over_dp_train_as_the_per_stage_pipeline(child, blocks, stages, mb, remat):
-    """Expert parallelism (``ep``): each dp device holds its share of the experts and its
-    tokens reach them by all-to-all; the oracle keeps every expert on every replica. The
-    same steps, losses and states (experts, their Adafactor moments) follow."""
+    """Expert parallelism (``ep``): each device holds its share of the experts (with tp,
+    its tp rank's block split over the dp group) and its tokens reach them by all-to-all;
+    the oracle keeps every expert on every replica. The same steps, losses and states
+    (experts, their Adafactor moments) follow."""
     out = child.apply(_compare, ({**TINY["moe"], "num_blocks": blocks}, None, stages, mb, remat, 3))
     assert out["names"]
     assert "ep" in out["label"]

@@ -117,7 +117,8 @@ def test_expert_parallel_stages_are_estimated_where_faster_and_run_by_the_runner
     """moe-2.4b at batch 512 on two nodes of two a100s: with experts replicated over dp
     only tp over all four GPUs fits, its all-reduces crossing the nodes; with the experts
     split over the stage's GPUs, dp 4 with ep fits and is far faster. The plan string marks
-    the stage and the runner takes it; with tp in the stage it refuses in one line."""
+    the stage and the runner takes it; experts that do not split evenly over the stage's
+    GPUs it refuses in one line."""
     from estimator.jax_models import builtin_arch
     from estimator.models import load_model
     from job_scripts.plan import plan_from_string
@@ -131,24 +132,28 @@ def test_expert_parallel_stages_are_estimated_where_faster_and_run_by_the_runner
     spec, arch = load_model("moe-2.4b"), builtin_arch("moe-2.4b")
     plan, text, _ = plan_from_string(ep.plan, spec, arch, 512, 4, 2)
     assert plan.stages[0].ep and text == ep.plan
-    with pytest.raises(SpecError, match="without tensor parallelism") as err:
-        plan_from_string("cell=a100x4:s1 plan=[dp2tp2ep] mb=4 remat=1", spec, arch, 512, 4, 2)
+    with pytest.raises(SpecError, match="must divide the 16 experts") as err:
+        plan_from_string("cell=a100x32:s1 plan=[dp16tp2ep] mb=4 remat=1", spec, arch, 512, 32, 8)
     assert "\n" not in str(err.value)
     with pytest.raises(SpecError, match="no MoE layer"):
         plan_from_string("cell=a100x2:s1 plan=[dp2tp1ep] mb=2 remat=1", load_model("gpt-760m"),
                          builtin_arch("gpt-760m"), 8, 2)
 
 
-def test_runnable_estimates_offer_expert_parallelism_only_where_the_runner_runs_it():
-    """moe-2.4b at batch 2 on four a100s: dp is capped at 2, so an ep stage would need tp 2,
-    which the runner refuses. Estimates for the runner (the daemon's) leave it out and stay
-    runnable; what-if estimates (runnable_only=False) may still pick it, marked unrunnable."""
+def test_expert_parallel_stages_with_tp_are_runnable():
+    """moe-2.4b at batch 2 on four a100s: dp is capped at 2, so the experts split over the
+    stage's four GPUs need tp 2 (each tp rank's block of experts split over its dp group).
+    It is faster than the plain plans, runnable, and the runner takes its plan string."""
+    from estimator.jax_models import builtin_arch
+    from estimator.models import load_model
+    from job_scripts.plan import plan_from_string
     job, cell = JobSpec("moe-2.4b", 2), Cell("a100", 4, 2, 1)
-    runner = estimate_cell(job, cell, CRIUS, EstimateOptions(expert_parallel=True))
-    assert runner.feasible and runner.runnable and not any(s.ep and s.tp > 1 for s in runner.stages)
-    what_if = estimate_cell(job, cell, CRIUS, EstimateOptions(expert_parallel=True, runnable_only=False))
-    assert [(s.dp, s.tp, s.ep) for s in what_if.stages] == [(2, 2, True)] and not what_if.runnable
-    assert what_if.iteration_time_s < runner.iteration_time_s
+    plain = estimate_cell(job, cell, CRIUS)
+    ep = estimate_cell(job, cell, CRIUS, EstimateOptions(expert_parallel=True))
+    assert [(s.dp, s.tp, s.ep) for s in ep.stages] == [(2, 2, True)] and ep.runnable and ep.feasible
+    assert ep.iteration_time_s < plain.iteration_time_s
+    plan, text, _ = plan_from_string(ep.plan, load_model("moe-2.4b"), builtin_arch("moe-2.4b"), 2, 4, 2)
+    assert plan.stages[0].ep and plan.stages[0].tp == 2 and text == ep.plan
 
 
 def test_expert_parallelism_needs_experts_that_split_evenly():

@@ -132,8 +132,8 @@ def _read_batch(source) -> list[dict]:
                    "each stage's load, kept where faster; estimated only, runnable false).")
 @click.option("--expert-parallel", is_flag=True,
               help="MoE models: also try each data-parallel stage with its experts split over all its GPUs "
-                   "(tokens routed by all-to-all), kept where faster; the runner runs it on stages without "
-                   "tensor parallelism (others say runnable false).")
+                   "(tokens routed by all-to-all), kept where faster; the runner runs it with and without "
+                   "tensor parallelism.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def command(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, cluster, micro_batches,
             comm_table, fidelity, compile_cache, gpu_specs_dir, profile_db, remat, zero_level, offload, what_if,
