@@ -16,6 +16,9 @@
 #     cuBLAS matmuls, whose autotuning is a short algorithm pick) into
 #     $OUT/profile_no_triton.sqlite, and step 1 again at tp 1 alone
 #     ($OUT/profile_tp1.sqlite), the baseline on the same machine.
+#  5. on a node of two or more GPUs, benchmarks/plan_measure.py: moe-690m at global batch 8
+#     on two GPUs, with its experts replicated (dp2tp1), split over dp (dp2tp1ep) and over
+#     tp (dp1tp2): the expert-parallel step and memory against their estimates.
 # STEPS (default: all) picks some, e.g. STEPS="profile_no_triton profile_tp1".
 # Also writes summary.txt (exit code and wall seconds of each step) and steps.log (every
 # step's output).
@@ -33,7 +36,8 @@ name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 case "$name" in *H200*) gpu=h200 ;; *H100*) gpu=h100 ;; *A100*) gpu=a100 ;; *) gpu=${GPU_TYPE:?unknown GPU "$name": set GPU_TYPE} ;; esac
 echo "device=$name gpu_type=$gpu jax=$("$PY" -c 'import jax; print(jax.__version__)')" | tee "$OUT/summary.txt"
 
-STEPS=${STEPS:-profile plan profile_autotune0 profile_no_triton profile_tp1}
+STEPS=${STEPS:-profile plan profile_autotune0 profile_no_triton profile_tp1 plan_moe}
+gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | wc -l)
 
 # step NAME MAX_S COMMAND...: run COMMAND under the smaller of MAX_S and the time left
 step() {
@@ -61,3 +65,11 @@ step profile_no_triton 150 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton
     --skip-collectives --json "$OUT/cost_no_triton.json"
 step profile_tp1 120 "$PY" benchmarks/profile_cost.py --profile-db "$OUT/profile_tp1.sqlite" --gpu-type "$gpu" \
     --model "$MODEL" --max-tp 1 --skip-collectives --json "$OUT/cost_tp1.json"
+if (( gpus >= 2 )); then
+    step plan_moe 200 "$PY" benchmarks/plan_measure.py --model moe-690m --global-batch 8 --gpu-type "$gpu" \
+        --plans "cell=${gpu}x2:s1 plan=[dp2tp1] mb=1 remat=1" "cell=${gpu}x2:s1 plan=[dp2tp1ep] mb=1 remat=1" \
+                "cell=${gpu}x2:s1 plan=[dp1tp2] mb=1 remat=1" \
+        --init zeros --steps 10 --plan-timeout-s 120 --json "$OUT/plan_moe.json"
+else
+    echo "plan_moe skipped: $gpus GPU(s), it needs two" | tee -a "$OUT/summary.txt"
+fi
