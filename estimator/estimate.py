@@ -201,6 +201,23 @@ def _compiled_comm_s(ctx: _Context, compiled, axis: str, group: int, span: int) 
     return total, sources
 
 
+def _alltoall_group(ctx: _Context, plan: StagePlan, first_device: int, gpn: int) -> tuple[int, int, float]:
+    """Where a MoE stage's expert all-to-alls run: (group size, nodes spanned, share of
+    the layer's all-to-all bytes each GPU sends).
+
+    Alpa's program (GShard's layout) runs one all-to-all over the GPUs the experts are
+    split over: tp, or dp × tp under expert parallelism. The runner sums tp-split experts'
+    outputs by the tp all-reduce, with no all-to-all; under expert parallelism each tp
+    rank sends its block of experts' tokens (1/tp of them) over its dp group."""
+    dp, tp = plan.dp, plan.tp
+    if ctx.options.memory.program != "runner":
+        group = dp * tp if plan.ep else tp
+        return group, _span(first_device, group, 1, gpn), 1.0
+    if not plan.ep:
+        return 1, 1, 0.0
+    return dp, _span(first_device, dp, tp, gpn), 1.0 / tp
+
+
 def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan, compiled=None) -> StageCost:
     """Cost one stage: compute, tensor-parallel collectives, send to the next stage.
 
@@ -342,17 +359,15 @@ def _stage_collectives_s(ctx: _Context, layers, plan: StagePlan, first_device: i
         comm_s, srcs = _compiled_comm_s(ctx, compiled, "tp", tp, _span(first_device, tp, 1, gpn))
         sources |= srcs
     elif tp > 1 or plan.ep:
-        # The experts' all-to-all spans the GPUs they are split over: tp, or dp × tp.
         tp_span = _span(first_device, tp, 1, gpn)
-        ep = dp * tp if plan.ep else tp
-        ep_span = _span(first_device, ep, 1, gpn)
+        group, span, share = _alltoall_group(ctx, plan, first_device, gpn)
         for layer in layers:
             if layer.tp_allreduce_bytes and tp > 1:
                 t, src = _comm(ctx, "all-reduce", tp, tp_span, layer.tp_allreduce_bytes * micro)
                 comm_s += comm_passes * t
                 sources.add(src)
-            if layer.alltoall_bytes:
-                t, src = _comm(ctx, "all-to-all", ep, ep_span, layer.alltoall_bytes * micro)
+            if layer.alltoall_bytes and group > 1:
+                t, src = _comm(ctx, "all-to-all", group, span, layer.alltoall_bytes * micro * share)
                 comm_s += comm_passes * t
                 sources.add(src)
     if dp > 1:

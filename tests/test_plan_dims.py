@@ -141,19 +141,42 @@ def test_expert_parallel_stages_are_estimated_where_faster_and_run_by_the_runner
 
 
 def test_expert_parallel_stages_with_tp_are_runnable():
-    """moe-2.4b at batch 2 on four a100s: dp is capped at 2, so the experts split over the
-    stage's four GPUs need tp 2 (each tp rank's block of experts split over its dp group).
-    It is faster than the plain plans, runnable, and the runner takes its plan string."""
+    """moe-1.3b at batch 2 on two nodes of two a100s: dp is capped at 2, so the experts
+    split over the stage's four GPUs need tp 2 (each tp rank's block of experts split over
+    its dp group). It is faster than the plain plans, runnable, and the runner takes its
+    plan string."""
     from estimator.jax_models import builtin_arch
     from estimator.models import load_model
     from job_scripts.plan import plan_from_string
-    job, cell = JobSpec("moe-2.4b", 2), Cell("a100", 4, 2, 1)
+    job, cell = JobSpec("moe-1.3b", 2), Cell("a100", 4, 2, 1)
     plain = estimate_cell(job, cell, CRIUS)
     ep = estimate_cell(job, cell, CRIUS, EstimateOptions(expert_parallel=True))
     assert [(s.dp, s.tp, s.ep) for s in ep.stages] == [(2, 2, True)] and ep.runnable and ep.feasible
     assert ep.iteration_time_s < plain.iteration_time_s
-    plan, text, _ = plan_from_string(ep.plan, load_model("moe-2.4b"), builtin_arch("moe-2.4b"), 2, 4, 2)
+    plan, text, _ = plan_from_string(ep.plan, load_model("moe-1.3b"), builtin_arch("moe-1.3b"), 2, 4, 2)
     assert plan.stages[0].ep and plan.stages[0].tp == 2 and text == ep.plan
+
+
+def test_the_runners_moe_collectives_are_its_own_not_alpas():
+    """For the runner a MoE stage's all-to-alls are the runner's: none under tp without ep
+    (the tp all-reduce sums the experts' outputs), and under ep with tp each tp rank's
+    block over its dp group. Alpa's program keeps GShard's one all-to-all over the GPUs
+    holding the experts. Where both layouts agree (ep without tp, dp alone) so do the
+    times; elsewhere the runner's is cheaper."""
+    from estimator.cells import StagePlan
+    from estimator.estimate import score_plan
+    from estimator.models import load_model
+    job, cell = JobSpec("moe-1.3b", 8), Cell("a100", 4, 2, 1)
+    alpa = EstimateOptions(memory=MemoryOptions(program="alpa"))
+
+    def seconds(dp, tp, ep, options):
+        stage = StagePlan(0, load_model("moe-1.3b").num_layers, dp, tp, ep=ep)
+        return score_plan(job, cell, CRIUS, (stage,), 1, True, options).iteration_time_s
+
+    for dp, tp, ep in ((4, 1, True), (4, 1, False)):
+        assert seconds(dp, tp, ep, EstimateOptions()) == pytest.approx(seconds(dp, tp, ep, alpa), rel=1e-9)
+    for dp, tp, ep in ((1, 4, False), (2, 2, True)):
+        assert seconds(dp, tp, ep, EstimateOptions()) < seconds(dp, tp, ep, alpa)
 
 
 def test_expert_parallelism_needs_experts_that_split_evenly():
