@@ -22,7 +22,7 @@ from functools import lru_cache
 from estimator.batching import dp_cap, micro_batch_count, more_micro_batches, replica_batch
 from estimator.cells import Cell, CellEstimate, StagePlan
 from estimator.cluster import ClusterSpec, NodeGroup
-from estimator.comm import CommTable, collective_time, load_comm_table, with_profiled
+from estimator.comm import CommTable, load_comm_table, with_profiled
 from estimator.compute import Efficiency, efficiency, layer_time_s
 from estimator.errors import SpecError
 from estimator.gpus import gpu_type as _gpu_type
@@ -36,6 +36,7 @@ from estimator.partition import arena_stage_gpus, balanced_partition, stage_gpu_
 from estimator.plan_string import format_plan
 from estimator.profile_fit import profiled_layer_s
 from estimator.profile_store import ProfileView, collective_csv_rows, load_profile_view, model_fingerprint
+from estimator.stage_comm import collective_s, gradient_sync_s, span_nodes, stage_collectives_s, stage_send_s
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +44,7 @@ PLAN_SPACES = ("cell", "dp-only")
 FIDELITIES = ("analytic", "compiled")
 STAGE_GPUS = ("equal", "arena")
 PROFILED = "profiled"
-# Compiled collective kinds → the measured table's ops.
-_COMPILED_OPS = {"all-reduce": "all-reduce", "all-gather": "all-gather", "reduce-scatter": "reduce-scatter",
-                 "all-to-all": "all-to-all", "collective-permute": "send"}
+
 
 
 @dataclass(frozen=True)
@@ -176,48 +175,6 @@ class _Context:
     fingerprint: str | None = None  # the model's, when the profile timed any layers
 
 
-def _span(first_device: int, count: int, stride: int, gpus_per_node: int) -> int:
-    """Nodes touched by devices first, first+stride, … (count of them)."""
-    return len({(first_device + k * stride) // gpus_per_node for k in range(count)})
-
-
-def _comm(ctx: _Context, op: str, group: int, span: int, nbytes: float) -> tuple[float, str]:
-    t = collective_time(ctx.table, op, group, span, nbytes, ctx.cell.gpu_type,
-                        ctx.group.network.kind, ctx.group.network.bandwidth_gbytes_s)
-    if span > 1:
-        return t.seconds / ctx.eff.inter_node_frac, t.source
-    return t.seconds, t.source
-
-
-def _compiled_comm_s(ctx: _Context, compiled, axis: str, group: int, span: int) -> tuple[float, set[str]]:
-    """Seconds of a compiled program's collectives over one mesh axis (table or model)."""
-    total, sources = 0.0, set()
-    for c in compiled.collectives:
-        if c.axis != axis or not c.count:
-            continue
-        t, src = _comm(ctx, _COMPILED_OPS.get(c.kind, "all-reduce"), group, span, c.bytes / c.count)
-        total += c.count * t
-        sources.add(src)
-    return total, sources
-
-
-def _alltoall_group(ctx: _Context, plan: StagePlan, first_device: int, gpn: int) -> tuple[int, int, float]:
-    """Where a MoE stage's expert all-to-alls run: (group size, nodes spanned, share of
-    the layer's all-to-all bytes each GPU sends).
-
-    Alpa's program (GShard's layout) runs one all-to-all over the GPUs the experts are
-    split over: tp, or dp × tp under expert parallelism. The runner sums tp-split experts'
-    outputs by the tp all-reduce, with no all-to-all; under expert parallelism each tp
-    rank sends its block of experts' tokens (1/tp of them) over its dp group."""
-    dp, tp = plan.dp, plan.tp
-    if ctx.options.memory.program != "runner":
-        group = dp * tp if plan.ep else tp
-        return group, _span(first_device, group, 1, gpn), 1.0
-    if not plan.ep:
-        return 1, 1, 0.0
-    return dp, _span(first_device, dp, tp, gpn), 1.0 / tp
-
-
 def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan, compiled=None) -> StageCost:
     """Cost one stage: compute, tensor-parallel collectives, send to the next stage.
 
@@ -243,13 +200,13 @@ def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan, co
         flops_scale = compiled.flops_per_device / formula if formula > 0 else 1.0
     compute_s, timed = _compute_s(ctx, gpu, plan, micro, passes, flops_scale, compiled is None)
     compute_source = PROFILED if compiled is None and (timed or ctx.eff_source == PROFILED) else "analytic"
-    comm_s = _stage_collectives_s(ctx, layers, plan, first_device, micro, comm_passes, compiled, sources)
-    send_s = _send_s(ctx, index, layers, plan, first_device, micro, sources)
+    comm_s = stage_collectives_s(ctx, layers, plan, first_device, micro, comm_passes, compiled, sources)
+    send_s = stage_send_s(ctx, index, layers, plan, first_device, micro, sources)
     replicated, experts = stage_params(layers, dp, tp, plan.ep)
     memory = ctx.options.memory
     d = DTYPE_BYTES[model.dtype]
     # Expert-parallel experts are each on one dp rank: no data-parallel sum of their grads.
-    sync_s = _gradient_sync_s(ctx, plan, first_device, replicated * d, compiled, sources)
+    sync_s = gradient_sync_s(ctx, plan, first_device, replicated * d, compiled, sources)
     # The update reads weights, grads, master and states, and writes weights, master,
     # states (a mixed-precision update's traffic; the time model predates the runner's
     # fp32-only weights and is kept as fitted).
@@ -269,7 +226,7 @@ def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan, co
         # ZeRO-3 gathers each layer's weights before its forward and backward (and its
         # recompute): per micro-batch, an all-gather of the stage's weights per pass.
         gpn = min(ctx.cell.gpus_per_node, ctx.cell.num_gpus)
-        t, src = _comm(ctx, "all-gather", dp, _span(first_device, dp, tp, gpn), replicated * d)
+        t, src = collective_s(ctx, "all-gather", dp, span_nodes(first_device, dp, tp, gpn), replicated * d)
         sources.add(src)
         comm_s += comm_passes * t
     # GPipe keeps every micro-batch's residuals until the backward passes start (the
@@ -346,73 +303,6 @@ def _profiled_activations(ctx: _Context, plan: StagePlan) -> tuple[float, ...] |
             return None
         out.append(per_sample)
     return tuple(out)
-
-
-def _stage_collectives_s(ctx: _Context, layers, plan: StagePlan, first_device: int, micro: float,
-                         comm_passes: float, compiled, sources: set[str]) -> float:
-    """Seconds of a stage's collectives inside its passes: tensor-parallel all-reduces and
-    all-to-alls, and BatchNorm's data-parallel sums; their figures' sources go to ``sources``."""
-    gpn = min(ctx.cell.gpus_per_node, ctx.cell.num_gpus)
-    dp, tp = plan.dp, plan.tp
-    comm_s = 0.0
-    if tp > 1 and compiled is not None:
-        comm_s, srcs = _compiled_comm_s(ctx, compiled, "tp", tp, _span(first_device, tp, 1, gpn))
-        sources |= srcs
-    elif tp > 1 or plan.ep:
-        tp_span = _span(first_device, tp, 1, gpn)
-        group, span, share = _alltoall_group(ctx, plan, first_device, gpn)
-        for layer in layers:
-            if layer.tp_allreduce_bytes and tp > 1:
-                t, src = _comm(ctx, "all-reduce", tp, tp_span, layer.tp_allreduce_bytes * micro)
-                comm_s += comm_passes * t
-                sources.add(src)
-            if layer.alltoall_bytes and group > 1:
-                t, src = _comm(ctx, "all-to-all", group, span, layer.alltoall_bytes * micro * share)
-                comm_s += comm_passes * t
-                sources.add(src)
-    if dp > 1:
-        # Batch statistics are global under SPMD data parallelism: every BatchNorm all-reduces
-        # its per-channel sums across the data-parallel group, forward and backward.
-        dp_span = _span(first_device, dp, tp, gpn)
-        for layer in layers:
-            if layer.batch_stat_syncs:
-                t, src = _comm(ctx, "all-reduce", dp, dp_span, layer.batch_stat_bytes)
-                comm_s += comm_passes * layer.batch_stat_syncs * t
-                sources.add(src)
-    return comm_s
-
-
-def _send_s(ctx: _Context, index: int, layers, plan: StagePlan, first_device: int, micro: float,
-            sources: set[str]) -> float:
-    """Seconds a stage spends sending one micro-batch's activations to the next stage and
-    receiving their gradients back (0 for the last stage)."""
-    if index >= ctx.cell.num_stages - 1:
-        return 0.0
-    gpn = min(ctx.cell.gpus_per_node, ctx.cell.num_gpus)
-    # Activations forward and their gradients back, each replica to its counterpart.
-    nbytes = layers[-1].output_bytes * micro
-    n = plan.num_gpus
-    crosses = (first_device + n - 1) // gpn != (first_device + n) // gpn
-    t, src = _comm(ctx, "send", 2, 2 if crosses else 1, nbytes)
-    sharing = min(plan.dp, gpn) if crosses else 1  # replicas of a node share its NIC
-    sources.add(src)
-    return 2.0 * t * sharing
-
-
-def _gradient_sync_s(ctx: _Context, plan: StagePlan, first_device: int, grad_bytes: float, compiled,
-                     sources: set[str]) -> float:
-    """Seconds of a stage's data-parallel gradient all-reduce, once per iteration."""
-    if plan.dp <= 1:
-        return 0.0
-    gpn = min(ctx.cell.gpus_per_node, ctx.cell.num_gpus)
-    dp_span = _span(first_device, plan.dp, plan.tp, gpn)
-    if compiled is not None:
-        sync_s, srcs = _compiled_comm_s(ctx, compiled, "dp", plan.dp, dp_span)
-        sources |= srcs
-        return sync_s
-    t, src = _comm(ctx, "all-reduce", plan.dp, dp_span, grad_bytes)
-    sources.add(src)
-    return t
 
 
 def pipeline_peak_gb(costs: tuple[StageCost, ...], memory: MemoryOptions) -> float:
