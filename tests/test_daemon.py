@@ -229,6 +229,15 @@ def running(client, *job_ids):
     return probe
 
 
+def running_after_requeue(client, job_id):
+    """A probe for a job running again after a requeue (right after a rescale's signal it
+    is still running its old allocation until it exits)."""
+    def probe():
+        got = running(client, job_id)()
+        return got if got and got[0].restart_count >= 1 else None
+    return probe
+
+
 def rounds_until(daemon, probe):
     """A probe that runs a daemon round first (a rescale finishes over rounds)."""
     def run_then_probe():
@@ -456,7 +465,7 @@ def test_running_job_is_rescaled_through_requeue(slurm_lab, slurm_client, tmp_pa
     report = daemon.round()
     assert ("resize", job) in report.actions and report.rescaling == (job,)
     # The round signalled the job and returned; the next rounds finish the rescale.
-    (after,) = wait_for("the rescaled job to run", rounds_until(daemon, running(slurm_client, job)))
+    (after,) = wait_for("the rescaled job to run", rounds_until(daemon, running_after_requeue(slurm_client, job)))
     assert after.restart_count == 1 and after.granted_gpus == 4
     assert_runs_as_planned(after)
     assert daemon.store.open_entries() == ()
