@@ -89,15 +89,18 @@ MEASURED_GPUS = ("h200", "h100")  # GPU types with plan_measure results beside t
 def measured_plans(gpu: str) -> list[dict]:
     """Every plan ``benchmarks/plan_measure.py`` measured on one ``gpu`` (its results JSONs
     beside this script), with its median step time and peak memory."""
-    rows = []
-    for path in sorted(HERE.glob(f"results_plan_measure_{gpu}_*.json")):
-        data = json.loads(path.read_text())
-        for p in data["plans"]:
-            if p.get("ok") and p["measured"].get("peak_memory_gb"):
-                rows.append({"model": data["model"], "global_batch": data["global_batch"],
-                             "plan": p["plan"], "peak_gb": p["measured"]["peak_memory_gb"],
-                             "step_s": p["measured"]["step_s"]["median"], "source": path.name})
+    rows = [r for path in sorted(HERE.glob(f"results_plan_measure_{gpu}_*.json"))
+            for r in plans_in(path) if r["peak_gb"]]
     return rows + (H200_EXTRA if gpu == "h200" else [])
+
+
+def plans_in(path: Path) -> list[dict]:
+    """The plans of one ``plan_measure.py`` results JSON that ran: model, global batch,
+    plan, median step seconds and peak GB (None off a GPU)."""
+    data = json.loads(path.read_text())
+    return [{"model": data["model"], "global_batch": data["global_batch"], "plan": p["plan"],
+             "peak_gb": p["measured"].get("peak_memory_gb"), "step_s": p["measured"]["step_s"]["median"],
+             "source": path.name} for p in data["plans"] if p.get("ok")]
 
 
 def gpu_rows(gpu: str) -> list[dict]:

@@ -21,7 +21,6 @@ Accuracy = 1 − |estimate − measured| / measured, floored at 0. Prints JSON
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -30,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_output import emit  # noqa: E402
 from benchmarks.estimator_accuracy import accuracy as _acc, summarize as _summary  # noqa: E402
-from benchmarks.memory_accuracy import measured_plans, score_plan_text  # noqa: E402
+from benchmarks.memory_accuracy import measured_plans, plans_in, score_plan_text  # noqa: E402
 from estimator.models import load_model  # noqa: E402
 from estimator.plan_string import parse_plan  # noqa: E402
 from estimator.profile_store import load_profile_view, model_fingerprint  # noqa: E402
@@ -40,14 +39,8 @@ HERE = Path(__file__).resolve().parent
 
 def measured_rows(gpu: str) -> list[dict]:
     """Every plan measured on one ``gpu`` with its median step time and peak memory."""
-    rows = measured_plans(gpu)
     extra = HERE / f"results_profile_{gpu}_plan_gpt-760m.json"  # measured beside the profile
-    if extra.is_file():
-        data = json.loads(extra.read_text())
-        rows += [{"model": data["model"], "global_batch": data["global_batch"], "plan": p["plan"],
-                  "step_s": p["measured"]["step_s"]["median"], "peak_gb": p["measured"].get("peak_memory_gb"),
-                  "source": extra.name} for p in data["plans"] if p.get("ok")]
-    return rows
+    return measured_plans(gpu) + (plans_in(extra) if extra.is_file() else [])
 
 
 def profiled_share(view, model: str, plan_text: str, gpu: str) -> float:

@@ -60,8 +60,13 @@ class PlanString:
 
     @property
     def stage_ep(self) -> tuple[bool, ...]:
-        """Per stage, whether it splits its experts over dp."""
+        """Per stage, whether it splits its experts over its GPUs."""
         return self.expert_parallel or (False,) * len(self.stages)
+
+    @property
+    def stages_label(self) -> str:
+        """``[dp2tp2|dp4tp1ep]``: the per-stage degrees as the plan string writes them."""
+        return "[" + "|".join(stage_label(dp, tp, e) for (dp, tp), e in zip(self.stages, self.stage_ep)) + "]"
 
     @property
     def cell_label(self) -> str:
@@ -69,8 +74,7 @@ class PlanString:
 
     def format(self) -> str:
         """The canonical string (``parse_plan(p.format()) == p``)."""
-        plan = "|".join(stage_label(dp, tp, e) for (dp, tp), e in zip(self.stages, self.stage_ep))
-        out = f"cell={self.cell_label} plan=[{plan}] mb={self.micro_batches} remat={int(self.remat)}"
+        out = f"cell={self.cell_label} plan={self.stages_label} mb={self.micro_batches} remat={int(self.remat)}"
         if self.layer_bounds is not None:
             out += " layers=" + ",".join(str(b) for b in self.layer_bounds)
         if self.zero_level:

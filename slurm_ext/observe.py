@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from estimator.cells import Cell, CellEstimate, stage_label
+from estimator.cells import Cell, CellEstimate
 from estimator.cluster import ClusterSpec, cluster_from_dict, load_cluster
 from estimator.contract import (PLAN_SOURCES, RUNNER_PLAN_SOURCES, PlanComment, RunnerReport,
                                 format_plan_comment, parse_plan_comment)
@@ -296,14 +296,13 @@ def running_plan_comment(admin_comment: str, measured_text: str, allow_cpu: bool
         return None  # written by an earlier run of the job
     p = run.plan
     layers = ",".join(map(str, p.layer_bounds)) if p.layer_bounds is not None else None
-    label = "[" + "|".join(stage_label(dp, tp, ep) for (dp, tp), ep in zip(p.stages, p.stage_ep)) + "]"
-    tokens = (label, p.micro_batches, p.remat, layers)
+    tokens = (p.stages_label, p.micro_batches, p.remat, layers)
     trusted = run.samples_per_s is not None and (run.platform == "gpu" or allow_cpu)
     new = pc
     if tokens != (pc.plan, pc.micro_batches, pc.remat, pc.layers):
         # A plan read from the AdminComment keeps the source the AdminComment gave it.
         source = run.source if run.source in PLAN_SOURCES else pc.plan_source
-        new = replace(pc, plan=label, micro_batches=p.micro_batches, remat=p.remat, layers=layers,
+        new = replace(pc, plan=p.stages_label, micro_batches=p.micro_batches, remat=p.remat, layers=layers,
                       plan_source=source)
         if trusted:
             new = replace(new, samples_per_s=run.samples_per_s, sps_measured=True)

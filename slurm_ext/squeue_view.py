@@ -57,7 +57,7 @@ _SOURCE_NOTES = {"tuned": "plan tuned in this allocation",
 
 def plan_label(stages: Sequence[StagePlan]) -> str:
     """``[dp2tp2|dp4tp1]``: the per-stage data- and tensor-parallel degrees (``ep``: the
-    stage's experts split over its data parallelism)."""
+    stage's experts split over its GPUs)."""
     return "[" + "|".join(s.label() for s in stages) + "]"
 
 
