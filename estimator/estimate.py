@@ -439,7 +439,7 @@ def estimate_cell(job: JobSpec, cell: Cell, cluster: ClusterSpec,
         alt = _with_accumulation(job, cell, cluster, alt_opts)
         if not alt.feasible:
             continue
-        if memory.runnable or not options.runnable_only:
+        if alt.runnable or not options.runnable_only:
             return alt
         # Keep the runnable plan's figures; say what would fit and what it would cost.
         return replace(best, reason=f"{best.reason}; fits with {memory_label(memory)} "
@@ -549,7 +549,8 @@ def _assemble(job: JobSpec, ctx: _Context, ranges, per_stage, default_ranges) ->
     plan = format_plan(cell, plans, ctx.micro_batches, ctx.remat, default_ranges,
                        zero_level=memory.zero_level, offload=memory.offload)
     dims = dict(remat=ctx.remat, zero_level=memory.zero_level, offload=memory.offload,
-                host_memory_gb=host_gb, runnable=memory.runnable, plan=plan)
+                host_memory_gb=host_gb, runnable=memory.runnable(ctx.model.optimizer, any(p.ep for p in plans)),
+                plan=plan)
     if bad is not None:
         return CellEstimate(cell, plans, ctx.micro_batches, math.inf, 0.0, peak, False, bad.reason,
                             fidelity, source, memory_fidelity, **dims)

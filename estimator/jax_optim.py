@@ -38,12 +38,15 @@ class TensorParallelSums(Protocol):
 @dataclass(frozen=True)
 class Optimizer:
     """``init(params, shapes=None) -> state``, ``update(grads, state, params, specs=None,
-    tp=None) -> (params, state)`` and ``specs(param_specs, param_shapes) -> state specs``."""
+    tp=None) -> (params, state)`` and ``specs(param_specs, param_shapes) -> state specs``;
+    ``elementwise``: each weight's step depends on its own gradient and state alone, so
+    the update of a flat chunk of weights is the chunk of the update (ZeRO-1 needs it)."""
 
     name: str
     init: Callable
     update: Callable
     specs: Callable
+    elementwise: bool = False
 
 
 def _padded(spec, ndim: int) -> tuple:
@@ -78,7 +81,7 @@ def adamw(lr: float = 1e-4, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-
         like = _like_params(param_specs, param_shapes)
         return {"count": P(), "mu": like, "nu": like}
 
-    return Optimizer("adamw", init, update, specs)
+    return Optimizer("adamw", init, update, specs, elementwise=True)
 
 
 def _sharded_dims(spec, ndim: int) -> tuple[bool, ...]:
@@ -169,7 +172,7 @@ def sgd_nesterov(lr: float = 0.1, momentum: float = 0.9) -> Optimizer:
     def specs(param_specs, param_shapes):
         return {"m": _like_params(param_specs, param_shapes)}
 
-    return Optimizer("sgd_nesterov", init, update, specs)
+    return Optimizer("sgd_nesterov", init, update, specs, elementwise=True)
 
 
 OPTIMIZERS = {"adamw": adamw, "adafactor": adafactor, "sgd_nesterov": sgd_nesterov,

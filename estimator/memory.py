@@ -29,7 +29,9 @@ ZeRO levels shard states across data parallelism (1: optimizer states and their 
 temporaries; 2: also gradients; 3: also weights, each layer's weights gathered while it
 runs); ZeRO-Offload keeps the master weights, the optimizer states and the update on the
 host (``host_gb``) and leaves compute-dtype weights and gradients on the GPU. The runner
-runs ZeRO-0 without offload (``RUNNABLE_ZERO_LEVELS``).
+runs ZeRO-0 and ZeRO-1 (AdamW and SGD, whose update is elementwise, without expert
+parallelism) without offload (``MemoryOptions.runnable``); its ZeRO-1 gathers the new
+weights whole after the update.
 """
 
 from dataclasses import dataclass
@@ -48,7 +50,10 @@ ZERO_LEVELS = (0, 1, 2, 3)
 # fp32 master and states, no update copies; run it with zero_level=2, as Alpa's
 # reduce-scatter gradient sync shards them).
 PROGRAMS = ("runner", "alpa")
-RUNNABLE_ZERO_LEVELS = (0,)  # what job_scripts/pipeline.py runs today (replicated states)
+# What job_scripts/pipeline.py runs: replicated states, or (ZeRO-1, job_scripts/zero.py)
+# states split over dp for optimizers whose update is elementwise, outside expert parallelism.
+RUNNABLE_ZERO_LEVELS = (0, 1)
+ZERO1_OPTIMIZERS = ("adamw", "sgd")
 
 
 @dataclass(frozen=True)
@@ -67,10 +72,13 @@ class MemoryOptions:
         if self.program not in PROGRAMS:
             raise SpecError("program", self.program, f"use one of {', '.join(PROGRAMS)}")
 
-    @property
-    def runnable(self) -> bool:
-        """Whether the runner can run plans with these settings today."""
-        return self.zero_level in RUNNABLE_ZERO_LEVELS and not self.offload
+    def runnable(self, optimizer: str | None = None, expert_parallel: bool = False) -> bool:
+        """Whether the runner can run plans with these settings today: for a model with
+        this optimizer (``ModelSpec.optimizer``; None: for some model) and with any stage
+        expert-parallel or none."""
+        if self.offload or self.zero_level not in RUNNABLE_ZERO_LEVELS:
+            return False
+        return self.zero_level == 0 or (optimizer in ZERO1_OPTIMIZERS + (None,) and not expert_parallel)
 
 
 @dataclass(frozen=True)
@@ -94,12 +102,6 @@ class StageMemory:
 def state_bytes_per_param(model: ModelSpec) -> tuple[float, float, float]:
     """(weights, gradients, optimizer states) bytes per parameter the runner keeps."""
     return MASTER_BYTES, GRADIENT_BYTES, OPTIMIZER_STATE_BYTES[model.optimizer]
-
-
-def update_temp_bytes(model: ModelSpec) -> float:
-    """Bytes per parameter the optimizer update holds beside the gradients: new weights,
-    new states and a copy of the old states."""
-    return MASTER_BYTES + 2 * OPTIMIZER_STATE_BYTES[model.optimizer]
 
 
 def host_bytes_per_param(model: ModelSpec) -> float:
@@ -170,7 +172,8 @@ def stage_memory(model: ModelSpec, layers: tuple[LayerSpec, ...], dp: int, tp: i
         weights = per_gpu(3) * MASTER_BYTES
         grads = per_gpu(2) * GRADIENT_BYTES
         opt = per_gpu(1) * opt_b
-        update = per_gpu(1) * update_temp_bytes(model)
+        # ZeRO-1 and 2 gather the new weights whole; the new and old states are split.
+        update = per_gpu(3) * MASTER_BYTES + per_gpu(1) * 2 * opt_b
     per_sample = activation_bytes_per_sample or tuple(activation_bytes(layer, tp) for layer in layers)
     if remat:
         kept = sum(layer.output_bytes for layer in layers)

@@ -47,6 +47,7 @@ from job_scripts.collectives import StageCollectives, to_receiver, to_sender
 from job_scripts.packing import FlatLayout, flat_layout, joint_lengths, pack, read_row, unpack
 from job_scripts.plan import ParallelPlan, check_plan, log2
 from job_scripts.stage_arrays import KINDS, StageArrays
+from job_scripts.zero import ZeroOptArrays
 
 log = logging.getLogger(__name__)
 
@@ -114,9 +115,12 @@ class Pipeline:
         self.arrays = {kind: [StageArrays(arch, st.layers, kind, st.tp, optimizer,
                                           ep=st.dp * st.tp if st.coll.expert_parallel else 1)
                               for st in self.stages] for kind in KINDS}
+        if plan.zero_level:
+            self.arrays["opt"] = [ZeroOptArrays(opt, params, st.dp, optimizer) for st, opt, params in
+                                  zip(self.stages, self.arrays["opt"], self.arrays["params"])]
         # A kind with no arrays (no batch norm) keeps a one-element buffer: trees stay alike.
-        self.lengths = {kind: joint_lengths([a.layout for a in self.arrays[kind]]) or {"float32": 1}
-                        for kind in KINDS}
+        self.lengths = {kind: joint_lengths([getattr(a, "local_layout", a.layout) for a in self.arrays[kind]])
+                        or {"float32": 1} for kind in KINDS}
         self.container_spec = P(PP, self.axes[1:] or None, None)
         # Activations sent over each boundary, in the sender's batch slicing.
         self.act_layouts = [flat_layout([self._output_struct(st)]) for st in self.stages[:-1]]
@@ -378,6 +382,8 @@ class Pipeline:
 
         def run(params_b, opt_b, grads_b):
             coll, layout = st.coll, arrays["params"][st.index]
+            if isinstance(arrays["opt"][st.index], ZeroOptArrays):
+                return arrays["opt"][st.index].update(params_b, opt_b, grads_b, coll.dp_axes, self.lengths["opt"])
             if coll.expert_parallel and coll.dp_axes:
                 # An expert's gradient is whole on its own device (the all-to-alls brought
                 # it every token's part); the other weights' are summed over dp.
@@ -446,9 +452,15 @@ class Pipeline:
                     "state": [jm.init_layer_state(self.arch, i) for i in st.layers],
                 }
                 local = {k: self.arrays[k][st.index].local_of_global(v, rank) for k, v in trees.items()}
-                shapes = self.arrays["params"][st.index].global_trees()
-                local["opt"] = [self.optimizer.init(p, s) for p, s in zip(local["params"], shapes)]
-                return tuple(self.arrays[k][st.index].pack(local[k], self.lengths[k]) for k in KINDS)
+                out = {k: self.arrays[k][st.index].pack(local[k], self.lengths[k]) for k in local}
+                opt = self.arrays["opt"][st.index]
+                if isinstance(opt, ZeroOptArrays):
+                    out["opt"] = opt.init(self.lengths["opt"])
+                else:
+                    shapes = self.arrays["params"][st.index].global_trees()
+                    trees = [self.optimizer.init(p, s) for p, s in zip(local["params"], shapes)]
+                    out["opt"] = opt.pack(trees, self.lengths["opt"])
+                return tuple(out[k] for k in KINDS)
             return run
 
         branches = [branch(st) for st in self.stages]
@@ -515,10 +527,22 @@ class Pipeline:
                            for s in arr.addressable_shards} for dt, arr in state[kind].items()}
             for st in self.stages:
                 arrays = self.arrays[kind][st.index]
+                buffers = self._device_buffers(arrays, st, shards)
                 for leaf, slot in zip(arrays.leaves, arrays.layout.slots):
                     parts, n = [], arrays.shards(leaf)
                     for rank in range(n if leaf.dim is not None else 1):
-                        flat = shards[slot.dtype][(st.index, arrays.position(leaf, rank))]
+                        flat = buffers(arrays.position(leaf, rank))[slot.dtype]
                         parts.append(flat[slot.offset:slot.offset + slot.size].reshape(leaf.local_shape(n)))
                     out[leaf.name] = parts[0] if leaf.dim is None else np.concatenate(parts, axis=leaf.dim)
         return out
+
+    @staticmethod
+    def _device_buffers(arrays, st: PlacedStage, shards: dict):
+        """position → the buffers a leaf's slot offsets index: the device's own, or under
+        ZeRO-1 the stage's whole state gathered from its tp rank's data-parallel group."""
+        def own(position):
+            return {dt: by_device[(st.index, position)] for dt, by_device in shards.items()}
+        if not isinstance(arrays, ZeroOptArrays):
+            return own
+        wholes = {t: arrays.whole_of_locals([own(r * st.tp + t) for r in range(st.dp)]) for t in range(st.tp)}
+        return lambda position: wholes[position % st.tp]

@@ -15,15 +15,19 @@ from dataclasses import dataclass
 from estimator import jax_models as jm
 from estimator.cells import Cell, StagePlan
 from estimator.errors import SpecError
+from estimator.jax_optim import optimizer_for
+from job_scripts.zero import ZERO_LEVELS, zero_problem
 
 
 @dataclass(frozen=True)
 class ParallelPlan:
-    """How one job runs: its stages (layers, dp, tp), micro-batch count and remat."""
+    """How one job runs: its stages (layers, dp, tp), micro-batch count, remat and ZeRO
+    level (0: optimizer states replicated over dp; 1: split over dp, ``job_scripts.zero``)."""
 
     stages: tuple[StagePlan, ...]
     micro_batches: int
     remat: bool = True
+    zero_level: int = 0
 
     @property
     def num_gpus(self) -> int:
@@ -35,7 +39,8 @@ class ParallelPlan:
 
     def label(self) -> str:
         body = "|".join(s.label() for s in self.stages)
-        return f"[{body}] mb={self.micro_batches} remat={int(self.remat)}"
+        zero = f" zero={self.zero_level}" if self.zero_level else ""
+        return f"[{body}] mb={self.micro_batches} remat={int(self.remat)}{zero}"
 
 
 def even_layer_split(num_layers: int, num_stages: int) -> tuple[tuple[int, int], ...]:
@@ -76,6 +81,12 @@ def check_plan(plan: ParallelPlan, arch: jm.Arch, global_batch: int, num_devices
         expected = s.layer_end
     if expected != arch.num_layers:
         refuse("stages", expected, f"cover {expected} of {arch.num_layers} layers")
+    if plan.zero_level not in ZERO_LEVELS:
+        refuse("zero", plan.zero_level, f"this runner runs ZeRO levels {', '.join(map(str, ZERO_LEVELS))}")
+    if plan.zero_level and (problem := zero_problem(optimizer_for(arch.optimizer))):
+        refuse("zero", plan.zero_level, problem)
+    if plan.zero_level and any(s.ep for s in plan.stages):
+        refuse("zero", plan.zero_level, "expert-parallel stages keep their optimizer states whole (use zero=0)")
     if plan.micro_batches < 1 or global_batch % plan.micro_batches:
         refuse("micro_batches", plan.micro_batches, f"must divide the global batch {global_batch}")
     micro = global_batch // plan.micro_batches
@@ -123,19 +134,19 @@ def plan_from_string(text: str, model_spec, arch: jm.Arch, global_batch: int, nu
         default = partition_stages(model_spec, cell)
     except SpecError:  # not a catalog GPU type (e.g. a CPU test cell): split evenly
         default = even_layer_split(model_spec.num_layers, ps.num_stages)
-    plan = ParallelPlan(ps.stage_plans(default), ps.micro_batches, ps.remat)
+    plan = ParallelPlan(ps.stage_plans(default), ps.micro_batches, ps.remat, ps.zero_level)
     check_plan(plan, arch, global_batch, num_devices)
     return plan, ps.format(), ps.cell_label
 
 
 def refuse_unsupported(ps, text: str) -> None:
     """Raise SpecError (one line) for a plan's memory choices this runtime cannot run yet,
-    rather than run something else: it keeps states replicated (ZeRO-0) on the GPU."""
-    from estimator.memory import RUNNABLE_ZERO_LEVELS
-    if ps.zero_level not in RUNNABLE_ZERO_LEVELS:
+    rather than run something else: it keeps states on the GPU, replicated or split over
+    data parallelism (ZeRO-0 or 1)."""
+    if ps.zero_level not in ZERO_LEVELS:
         raise SpecError("zero", ps.zero_level, f"plan {text!r} asks for ZeRO-{ps.zero_level}, which this "
-                                               "runner cannot run yet (it runs zero=0); choose a Cell "
-                                               "without zero= or with zero=0")
+                                               "runner cannot run yet (it runs zero=0 and zero=1); choose a "
+                                               "Cell with zero=0 or zero=1")
     if ps.offload:
         raise SpecError("offload", 1, f"plan {text!r} asks for ZeRO-Offload, which this runner cannot "
                                       "run yet; choose a Cell without offload=1")

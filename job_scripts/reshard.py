@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding
 from job_scripts.checkpoint import CheckpointError
 from job_scripts.pipeline import PP, Pipeline
 from job_scripts.stage_arrays import KINDS, expert_position
+from job_scripts.zero import ZeroOptArrays
 
 # read(kind, dtype, stage, device position, lo, hi) -> the saved view's [stage, position, lo:hi]
 ViewReader = Callable[[str, str, int, int, int, int], np.ndarray]
@@ -39,9 +40,23 @@ def _savers(st) -> int:
     return 1 if st.coll.expert_parallel else st.dp
 
 
+def _split(pipe: Pipeline, kind: str, st, dtype: str) -> bool:
+    """Whether the stage's devices of one data-parallel group hold different parts of this
+    buffer (ZeRO-1's optimizer state): each then saves its own whole."""
+    arrays = pipe.arrays[kind][st.index]
+    return isinstance(arrays, ZeroOptArrays) and dtype in arrays.segments_json()
+
+
 def _chunks(pipe: Pipeline, kind: str, dtype: str) -> list[int]:
     """Per stage, the chunk each dp rank saves of this dtype's buffer (at least 1)."""
-    return [max(1, -(-pipe.arrays[kind][st.index].layout.length(dtype) // _savers(st))) for st in pipe.stages]
+    out = []
+    for st in pipe.stages:
+        arrays = pipe.arrays[kind][st.index]
+        if _split(pipe, kind, st, dtype):
+            out.append(arrays.local_lengths[dtype])
+        else:
+            out.append(max(1, -(-arrays.layout.length(dtype) // _savers(st))))
+    return out
 
 
 def layout_json(pipe: Pipeline) -> dict:
@@ -50,9 +65,12 @@ def layout_json(pipe: Pipeline) -> dict:
     for kind in KINDS:
         stages = []
         for st in pipe.stages:
+            arrays = pipe.arrays[kind][st.index]
             stages.append({"layers": [st.layers.start, st.layers.stop], "dp": st.dp, "tp": st.tp,
                            "chunks": {dt: _chunks(pipe, kind, dt)[st.index] for dt in pipe.lengths[kind]},
-                           "leaves": pipe.arrays[kind][st.index].to_json()})
+                           "leaves": arrays.to_json()})
+            if isinstance(arrays, ZeroOptArrays):
+                stages[-1]["segments"] = arrays.segments_json()
         kinds[kind] = {"stages": stages}
     return {"kinds": kinds, "devices_per_stage": pipe.plan.stages[0].num_gpus}
 
@@ -64,14 +82,16 @@ def saver(pipe: Pipeline) -> Callable[[dict], dict]:
 
     def branch(st):
         def run(state):
-            r = lax.axis_index(st.coll.dp_axes) if st.coll.dp_axes and _savers(st) > 1 else 0
+            rank = lax.axis_index(st.coll.dp_axes) if st.coll.dp_axes and _savers(st) > 1 else 0
             out = {}
             for kind in KINDS:
                 out[kind] = {}
                 for dt, buf in state[kind].items():
                     c, width = chunks[kind][dt][st.index], max(chunks[kind][dt])
+                    split = _split(pipe, kind, st, dt)
+                    r = 0 if split else rank
                     buf = buf[0, 0]
-                    need = _savers(st) * c
+                    need = c if split else _savers(st) * c
                     if need > buf.shape[0]:
                         buf = jnp.pad(buf, (0, need - buf.shape[0]))
                     part = lax.dynamic_slice_in_dim(buf, r * c, c)
@@ -107,12 +127,17 @@ class _OldState:
     def _flat(self, kind: str, stage: dict, dtype: str, base: int, lo: int, hi: int) -> np.ndarray:
         """Elements [lo, hi) of the buffer of the old stage's device at position ``base``
         (its tp rank; an expert-parallel stage's devices each saved their whole buffer)."""
-        c = stage["chunks"][dtype]
+        c, at = stage["chunks"][dtype], 0
+        if dtype in stage.get("segments", {}):
+            # ZeRO-1: rank r saved its chunk of every segment, one after the other.
+            c = stage["segments"][dtype]["chunk"]
+            segment, span = lo // (stage["dp"] * c), stage["dp"] * c
+            at, lo, hi = segment * c, lo - segment * span, hi - segment * span
         parts = []
         for r in range(lo // c, (hi - 1) // c + 1):
             position = r * stage["tp"] + base
             a, b = max(lo, r * c) - r * c, min(hi, (r + 1) * c) - r * c
-            parts.append(self.read_view(kind, dtype, stage["index"], position, a, b))
+            parts.append(self.read_view(kind, dtype, stage["index"], position, at + a, at + b))
         return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
     @staticmethod
@@ -186,11 +211,14 @@ def restore(pipe: Pipeline, layout: dict, read: ViewReader) -> dict:
         shards: dict[str, list] = {dt: [] for dt in lengths}
         for device, s, position in _positions(pipe):
             arrays = pipe.arrays[kind][s]
-            bufs = {dt: np.zeros((n,), dt) for dt, n in lengths.items()}
+            split = isinstance(arrays, ZeroOptArrays)
+            bufs = {dt: np.zeros((n,), dt) for dt, n in (arrays.layout.lengths if split else lengths.items())}
             for leaf, slot in zip(arrays.leaves, arrays.layout.slots):
                 data = old.region(leaf.name, leaf.shape, leaf.dtype, leaf.dim, arrays.shards(leaf),
                                   arrays.rank(leaf, position))
                 bufs[slot.dtype][slot.offset:slot.offset + slot.size] = data.ravel()
+            if split:  # the stage's whole state → this device's data-parallel chunk
+                bufs = arrays.local_of_whole(bufs, position // pipe.stages[s].tp, lengths)
             for dt, buf in bufs.items():
                 shards[dt].append(jax.device_put(buf[None, None], device))
         shape = (len(pipe.stages), pipe.plan.stages[0].num_gpus)

@@ -114,7 +114,15 @@ class PlanSpace:
         from estimator.jobs import JobSpec
         from estimator.tuner import TuneOptions, micro_batch_choices, tune
 
+        from estimator.estimate import EstimateOptions
+        from estimator.memory import MemoryOptions
+        from estimator.plan_string import parse_plan
+
         self.req = req
+        # The daemon's plan keeps states split over dp (ZeRO-1) where replicated ones do not
+        # fit: every plan of the search keeps its level.
+        self.zero_level = parse_plan(req.start).zero_level if req.start else 0
+        self.estimate = EstimateOptions(memory=MemoryOptions(zero_level=self.zero_level))
         n = len(req.devices)
         per_node = max(1, min(req.gpus_per_node or n, n))
         self.cluster = cluster_from_dict({"name": "allocation", "node_groups": [
@@ -125,7 +133,7 @@ class PlanSpace:
         for stages in counts:
             cell = Cell(req.gpu_type, n, per_node, stages)
             try:
-                result = tune(self.job, cell, self.cluster, TuneOptions(prune="cell"))
+                result = tune(self.job, cell, self.cluster, TuneOptions(prune="cell", estimate=self.estimate))
             except SpecError as e:
                 log.info("no candidates with %d stages: %s", stages, e)
                 continue
@@ -144,7 +152,7 @@ class PlanSpace:
     def text(self, stages: tuple, micro_batches: int, remat: bool) -> str:
         from estimator.plan_string import format_plan
         s = len(stages)
-        return format_plan(self.cells[s], stages, micro_batches, remat, self.defaults[s])
+        return format_plan(self.cells[s], stages, micro_batches, remat, self.defaults[s], zero_level=self.zero_level)
 
     def runnable(self, stages: tuple, micro_batches: int, remat: bool) -> bool:
         from estimator.estimate import score_plan
@@ -154,7 +162,8 @@ class PlanSpace:
             _runnable(self.req, self.text(stages, micro_batches, remat))
         except SpecError:
             return False
-        return score_plan(self.job, self.cells[len(stages)], self.cluster, stages, micro_batches, remat).feasible
+        return score_plan(self.job, self.cells[len(stages)], self.cluster, stages, micro_batches, remat,
+                          self.estimate).feasible
 
     def neighbours(self, stages: tuple, micro_batches: int) -> tuple[list[int], list[int]]:
         """Micro-batch counts above and below ``micro_batches`` (nearest first)."""

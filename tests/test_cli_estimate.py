@@ -127,7 +127,10 @@ def test_plan_dimension_flags_reach_the_plan_and_the_memory(capsys):
 
     base, no_remat = cells(), cells("--remat", "off")
     assert base and all(c["plan"].endswith("remat=1") and c["runnable"] for c in base.values())
-    assert no_remat and all(c["plan"].endswith("remat=0") for c in no_remat.values())
+    # Without remat some Cells fit only with AdamW's states split over dp (ZeRO-1), which
+    # the runner runs.
+    assert no_remat and all("remat=0" in c["plan"].split() and c["runnable"] for c in no_remat.values())
+    assert {c["zero_level"] for c in no_remat.values()} <= {0, 1}
     zero3, offload = cells("--zero", "3"), cells("--zero", "2", "--offload")
     assert all(c["plan"].endswith("zero=3") and not c["runnable"] for c in zero3.values())
     assert all(c["plan"].endswith("zero=2 offload=1") and not c["runnable"] for c in offload.values())

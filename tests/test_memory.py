@@ -71,7 +71,12 @@ def test_zero_levels_shard_states_across_dp():
     base = dict(dp=4, tp=1, micro_batch=1, in_flight=1, remat=True)
     z = [stage_memory(m, m.layers, **base, options=MemoryOptions(zero_level=k)) for k in range(4)]
     assert z[1].optimizer_gb == pytest.approx(z[0].optimizer_gb / 4)
-    assert z[1].update_gb == pytest.approx(z[0].update_gb / 4)
+    # The update: new weights (whole until ZeRO-3, the runner's ZeRO-1 gathers them) and
+    # the new and old AdamW states (split from ZeRO-1 on).
+    p = m.params
+    assert z[0].update_gb == pytest.approx((4 + 2 * 8) * p / 1e9)
+    assert z[1].update_gb == pytest.approx((4 + 2 * 8 / 4) * p / 1e9) == z[2].update_gb
+    assert z[3].update_gb == pytest.approx(z[0].update_gb / 4)
     assert z[2].gradients_gb == pytest.approx(z[1].gradients_gb / 4)
     assert z[3].weights_gb == pytest.approx(z[2].weights_gb / 4)
 
@@ -128,3 +133,16 @@ def test_expert_parallel_splits_the_experts_over_dp_and_zero_shards_the_rest():
     assert plain.weights_gb == pytest.approx(2 * layer.params / 2 / 1e9)
     assert plain.gradients_gb == pytest.approx(2 * layer.params / 2 / 4 / 1e9)
     assert ep.activations_gb == plain.activations_gb
+
+
+def test_the_estimator_calls_zero1_runnable_for_the_optimizers_the_runner_splits():
+    from estimator.jax_optim import optimizer_for
+    from estimator.memory import ZERO1_OPTIMIZERS
+    from estimator.models import OPTIMIZERS
+
+    for name in OPTIMIZERS:
+        assert optimizer_for(name).elementwise == (name in ZERO1_OPTIMIZERS), name
+    z1 = MemoryOptions(zero_level=1)
+    assert z1.runnable("adamw") and z1.runnable("sgd") and not z1.runnable("adafactor")
+    assert not z1.runnable("adamw", expert_parallel=True) and MemoryOptions().runnable("adafactor", True)
+    assert not MemoryOptions(zero_level=2).runnable("adamw")

@@ -35,7 +35,7 @@ def child():
 
 
 def _compare(arch_kw: dict | None, plan_text: str | None, stages: list | None, micro_batches: int,
-             remat: bool, steps: int, lr: float | None = None, batch_size: int = 16) -> dict:
+             remat: bool, steps: int, lr: float | None = None, batch_size: int = 16, zero: int = 0) -> dict:
     """Train ``steps`` steps with both pipelines; return their losses and the worst state
     difference, relative to each array's largest magnitude."""
     import os
@@ -64,7 +64,7 @@ def _compare(arch_kw: dict | None, plan_text: str | None, stages: list | None, m
         arch = jm.Arch(**arch_kw)
         bounds = np.linspace(0, arch.num_layers, len(stages) + 1).astype(int)
         plan = ParallelPlan(tuple(StagePlan(int(bounds[i]), int(bounds[i + 1]), *stage)
-                                  for i, stage in enumerate(stages)), micro_batches, remat)
+                                  for i, stage in enumerate(stages)), micro_batches, remat, zero)
     # wide_resnet on random images has gradients of ~50: a small step keeps it stable.
     opt = sgd_nesterov(lr=lr) if lr else optimizer_for(arch.optimizer)
     devices = jax.devices()[:plan.num_gpus]
@@ -80,10 +80,12 @@ def _compare(arch_kw: dict | None, plan_text: str | None, stages: list | None, m
         spmd.append(float(loss))
         ref.append(oracle.step(b.inputs, b.targets))
     mine, theirs = pipe.host_arrays(state), oracle.state_arrays()
+    opt_elements = {dt: int(b.shape[-1]) for dt, b in state["opt"].items()}
     worst = max((float(np.max(np.abs(mine[k] - theirs[k])) / max(1e-3, float(np.max(np.abs(theirs[k]))))), k)
                 for k in theirs)
     return {"spmd": spmd, "ref": ref, "worst": worst, "names": sorted(mine) == sorted(theirs),
-            "label": plan.label()}
+            "label": plan.label(), "opt_elements": opt_elements,
+            "weights": sum(int(np.prod(v.shape)) for k, v in theirs.items() if k.startswith("params/"))}
 
 
 GPT_PLANS = [
@@ -93,6 +95,10 @@ GPT_PLANS = [
     "cell=a100x4:s2 plan=[dp1tp2|dp2tp1] mb=4 remat=0",  # tp → dp, every intermediate kept
     "cell=a100x8:s2 plan=[dp2tp2|dp4tp1] mb=4 remat=1",
     "cell=a100x8:s4 plan=[dp2tp1|dp1tp2|dp2tp1|dp1tp2] mb=8 remat=1",
+    # ZeRO-1: AdamW's moments split over each stage's data-parallel group
+    "cell=a100x4:s1 plan=[dp4tp1] mb=4 remat=1 zero=1",
+    "cell=a100x8:s2 plan=[dp2tp2|dp4tp1] mb=4 remat=1 zero=1",
+    "cell=a100x8:s4 plan=[dp2tp1|dp1tp2|dp2tp1|dp1tp2] mb=8 remat=0 zero=1",
 ]
 
 
@@ -148,6 +154,23 @@ def test_wide_resnet_channels_and_synced_batch_norm_match_the_per_stage_pipeline
     assert out["worst"][0] < 1e-4, out["worst"]
 
 
+def test_zero1_splits_the_optimizer_state_over_dp_and_trains_as_replicated_states(child):
+    """ZeRO-1 against the oracle's replicated states: the same losses, weights and AdamW
+    moments (checked by the GPT plans above), and each device keeps a quarter of them."""
+    whole = child.apply(_compare, (None, "cell=a100x4:s1 plan=[dp4tp1] mb=4 remat=1", None, 0, True, 1))
+    split = child.apply(_compare, (None, "cell=a100x4:s1 plan=[dp4tp1] mb=4 remat=1 zero=1", None, 0, True, 1))
+    assert whole["opt_elements"]["float32"] >= 2 * whole["weights"]  # μ and ν of every weight
+    assert split["opt_elements"]["float32"] <= 2 * (-(-whole["weights"] // 4))
+
+
+@pytest.mark.parametrize("stages,mb", [([(4, 1)], 2), ([(2, 1), (1, 2)], 2)])
+def test_zero1_with_sgd_momentum_and_batch_norm_matches_the_per_stage_pipeline(child, stages, mb):
+    out = child.apply(_compare, (TINY["wide_resnet"], None, stages, mb, True, 1, 1e-3, 16, 1))
+    assert "zero=1" in out["label"]
+    assert out["spmd"] == pytest.approx(out["ref"], rel=1e-5)
+    assert out["worst"][0] < 1e-4, out["worst"]
+
+
 def _hlo_and_refusal() -> dict:
     import jax
 
@@ -156,7 +179,8 @@ def _hlo_and_refusal() -> dict:
     from estimator.jax_optim import optimizer_for
     from estimator.models import load_model
     from job_scripts.pipeline import Pipeline
-    from job_scripts.plan import plan_from_string
+    from estimator.cells import StagePlan
+    from job_scripts.plan import ParallelPlan, check_plan, plan_from_string
 
     spec = load_model(TINY_GPT)
     arch = jm.arch_from_model(spec)
@@ -169,7 +193,15 @@ def _hlo_and_refusal() -> dict:
             plan_from_string(bad, spec, arch, 16, 4 if "x4" in bad else 8)
         except SpecError as e:
             errors.append(str(e))
-    return {"permutes": text.count("collective-permute"), "errors": errors}
+    zero = []
+    moe = jm.Arch(**TINY["moe"])
+    for bad in (ParallelPlan((StagePlan(0, moe.num_layers, 2, 1),), 2, True, 1),  # Adafactor: factored
+                ParallelPlan((StagePlan(0, moe.num_layers, 2, 1),), 2, True, 2)):  # ZeRO-2: not run here
+        try:
+            check_plan(bad, moe, 16, 2)
+        except SpecError as e:
+            zero.append(str(e))
+    return {"permutes": text.count("collective-permute"), "errors": errors, "zero": zero}
 
 
 def test_stages_exchange_micro_batches_by_collective_permutes_and_bad_plans_say_why(child):
@@ -180,6 +212,8 @@ def test_stages_exchange_micro_batches_by_collective_permutes_and_bad_plans_say_
         assert "\n" not in message and "plan [dp" in message
     assert "must divide dimension" in out["errors"][0]
     assert "must divide the micro-batch of 2 samples" in out["errors"][1]
+    assert len(out["zero"]) == 2 and all("\n" not in m for m in out["zero"])
+    assert "adafactor" in out["zero"][0] and "ZeRO levels 0, 1" in out["zero"][1]
 
 
 def _every_tuner_plan(num_gpus: int) -> dict:

@@ -150,7 +150,7 @@ def command(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, clus
     options = EstimateOptions(micro_batches=micro_batches, comm_table=comm_table, fidelity=fidelity,
                               compile_cache_dir=compile_cache, gpu_specs_dir=gpu_specs_dir,
                               profile_db=profile_db, remat={"on": True, "off": False, "auto": None}[remat],
-                              memory=memory, runnable_only=not (what_if or not memory.runnable),
+                              memory=memory, runnable_only=not (what_if or not memory.runnable()),
                               stage_gpus=stage_gpus, expert_parallel=expert_parallel)
     if batch_file is not None:
         if model or global_batch:
