@@ -21,6 +21,7 @@ import argparse
 import json
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,6 +57,8 @@ def score_plan_text(model: str, global_batch: int, plan_text: str, gpu: str = "h
     """The score (seconds per iteration, peak GB per GPU) of one plan string: analytic, or
     from a profile store's measurements where it has them."""
     ps = parse_plan(plan_text)
+    if ps.zero_level or ps.offload:  # the plan's own memory settings (ZeRO-1 …)
+        memory = replace(memory, zero_level=ps.zero_level, offload=ps.offload)
     spec = load_model(model)
     cell = Cell(gpu, ps.num_gpus, max(ps.num_gpus, 1), ps.num_stages)
     stages = ps.stage_plans(partition_stages(spec, cell))

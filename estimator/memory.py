@@ -15,7 +15,10 @@ buffer, as its GPU-target compile shows them (``docs/estimator.md``, "Memory"):
   than one micro-batch).
 - **the optimizer update's temporaries**: the update reads flat buffers and writes the
   new weights and optimizer state into fresh ones, keeping a copy of the old state until
-  it is done: 4 + 2·(state bytes) per parameter, beside the gradients.
+  it is done: 4 + 2·(state bytes) per parameter, beside the gradients. Under ZeRO-1 a
+  device updates only its 1/dp chunk: (2·4 + 2·state bytes) per parameter over dp (the
+  gradients' and new weights' chunks, the new and old states'), and the all-gathered new
+  weights reuse the old weights' buffer.
 - **activations**: Korthikanti et al. / Frenzy per layer (s·h·(10 + 24/t) + 5·a·s²/t
   bytes at fp16); under layer-level rematerialization only each layer's input is kept and
   one layer's full activations live during its recomputation. A pipeline keeps every
@@ -30,8 +33,7 @@ temporaries; 2: also gradients; 3: also weights, each layer's weights gathered w
 runs); ZeRO-Offload keeps the master weights, the optimizer states and the update on the
 host (``host_gb``) and leaves compute-dtype weights and gradients on the GPU. The runner
 runs ZeRO-0 and ZeRO-1 (AdamW and SGD, whose update is elementwise, without expert
-parallelism) without offload (``MemoryOptions.runnable``); its ZeRO-1 gathers the new
-weights whole after the update.
+parallelism) without offload (``MemoryOptions.runnable``).
 """
 
 from dataclasses import dataclass
@@ -151,6 +153,8 @@ def stage_memory(model: ModelSpec, layers: tuple[LayerSpec, ...], dp: int, tp: i
     z, d = options.zero_level, float(DTYPE_BYTES[model.dtype])
     opt_b = OPTIMIZER_STATE_BYTES[model.optimizer]
 
+    replicated_update = (replicated + experts) * (MASTER_BYTES + 2 * opt_b)
+
     def per_gpu(level: int) -> float:
         """Parameters per GPU of a buffer ZeRO shards across dp from ``level`` on."""
         return replicated / (dp if z >= level else 1) + experts
@@ -172,8 +176,11 @@ def stage_memory(model: ModelSpec, layers: tuple[LayerSpec, ...], dp: int, tp: i
         weights = per_gpu(3) * MASTER_BYTES
         grads = per_gpu(2) * GRADIENT_BYTES
         opt = per_gpu(1) * opt_b
-        # ZeRO-1 and 2 gather the new weights whole; the new and old states are split.
-        update = per_gpu(3) * MASTER_BYTES + per_gpu(1) * 2 * opt_b
+        # ZeRO-0 writes whole new weights and states beside the old states. From ZeRO-1 on
+        # each device updates its chunk: the chunk of the summed gradients and of the new
+        # weights, the new and old states' chunks; the gathered weights land in the old
+        # weights' buffer (the GPU-target compile shows no whole copy).
+        update = replicated_update if z == 0 else per_gpu(1) * (2 * MASTER_BYTES + 2 * opt_b)
     per_sample = activation_bytes_per_sample or tuple(activation_bytes(layer, tp) for layer in layers)
     if remat:
         kept = sum(layer.output_bytes for layer in layers)

@@ -71,12 +71,11 @@ def test_zero_levels_shard_states_across_dp():
     base = dict(dp=4, tp=1, micro_batch=1, in_flight=1, remat=True)
     z = [stage_memory(m, m.layers, **base, options=MemoryOptions(zero_level=k)) for k in range(4)]
     assert z[1].optimizer_gb == pytest.approx(z[0].optimizer_gb / 4)
-    # The update: new weights (whole until ZeRO-3, the runner's ZeRO-1 gathers them) and
-    # the new and old AdamW states (split from ZeRO-1 on).
+    # The update: whole new weights and new and old AdamW states under ZeRO-0; from ZeRO-1
+    # on, the chunks of the summed gradients, the new weights and both states.
     p = m.params
     assert z[0].update_gb == pytest.approx((4 + 2 * 8) * p / 1e9)
-    assert z[1].update_gb == pytest.approx((4 + 2 * 8 / 4) * p / 1e9) == z[2].update_gb
-    assert z[3].update_gb == pytest.approx(z[0].update_gb / 4)
+    assert z[1].update_gb == pytest.approx((2 * 4 + 2 * 8) * p / 4 / 1e9) == z[2].update_gb
     assert z[2].gradients_gb == pytest.approx(z[1].gradients_gb / 4)
     assert z[3].weights_gb == pytest.approx(z[2].weights_gb / 4)
 
