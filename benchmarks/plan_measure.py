@@ -233,17 +233,18 @@ def estimate_plan(model: str, global_batch: int, gpu_type: str, plan) -> dict:
     from estimator.cells import Cell
     from estimator.cluster import cluster_from_dict
     from estimator.errors import SpecError
-    from estimator.estimate import score_plan
+    from estimator.estimate import EstimateOptions, score_plan
     from estimator.jobs import JobSpec
     from estimator.memory import MemoryOptions
 
     n = plan.num_gpus
+    options = EstimateOptions(memory=MemoryOptions(zero_level=plan.zero_level))
     cell = Cell(gpu_type, n, n, plan.num_stages)
     try:
         cluster = cluster_from_dict({"name": "allocation", "node_groups": [
             {"gpu_type": gpu_type, "nodes": 1, "gpus_per_node": n}]})
         score = score_plan(JobSpec(model, global_batch, n, gpu_type), cell, cluster, plan.stages,
-                           plan.micro_batches, plan.remat)
+                           plan.micro_batches, plan.remat, options)
     except SpecError as e:
         return {"error": str(e)}
     return {"cell": cell.label(), "iteration_time_s": _rounded(score.iteration_time_s),

@@ -18,8 +18,14 @@
 #     ($OUT/profile_tp1.sqlite), the baseline on the same machine.
 #  5. on a node of two or more GPUs, benchmarks/plan_measure.py: moe-690m at global batch 8
 #     on two GPUs, with its experts replicated (dp2tp1), split over dp (dp2tp1ep) and over
-#     tp (dp1tp2): the expert-parallel step and memory against their estimates.
-# STEPS (default: all) picks some, e.g. STEPS="profile_no_triton profile_tp1".
+#     tp (dp1tp2): the expert-parallel step and memory against their estimates; and
+#     gpt-760m at global batch 16 on two GPUs, dp2tp1 with and without ZeRO-1.
+#  6. the profile with autotuning at level 1 (--xla_gpu_autotune_level=1: candidates still
+#     timed, without the buffer initialisation and the correctness check of the default
+#     level 4) into $OUT/profile_autotune1.sqlite: whether it costs less and measures the
+#     same layer times as step 1 (compare with benchmarks/profile_compare.py).
+# STEPS (default: profile plan plan_moe plan_zero profile_autotune1) picks some, e.g.
+# STEPS="profile_no_triton profile_tp1" (steps 3 and 4, already measured on an H100).
 # Also writes summary.txt (exit code and wall seconds of each step) and steps.log (every
 # step's output).
 # Compare on any machine with
@@ -36,7 +42,7 @@ name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 case "$name" in *H200*) gpu=h200 ;; *H100*) gpu=h100 ;; *A100*) gpu=a100 ;; *) gpu=${GPU_TYPE:?unknown GPU "$name": set GPU_TYPE} ;; esac
 echo "device=$name gpu_type=$gpu jax=$("$PY" -c 'import jax; print(jax.__version__)')" | tee "$OUT/summary.txt"
 
-STEPS=${STEPS:-profile plan profile_autotune0 profile_no_triton profile_tp1 plan_moe}
+STEPS=${STEPS:-profile plan plan_moe plan_zero profile_autotune1}
 gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | wc -l)
 
 # step NAME MAX_S COMMAND...: run COMMAND under the smaller of MAX_S and the time left
@@ -70,6 +76,12 @@ if (( gpus >= 2 )); then
         --plans "cell=${gpu}x2:s1 plan=[dp2tp1] mb=1 remat=1" "cell=${gpu}x2:s1 plan=[dp2tp1ep] mb=1 remat=1" \
                 "cell=${gpu}x2:s1 plan=[dp1tp2] mb=1 remat=1" \
         --init zeros --steps 10 --plan-timeout-s 120 --json "$OUT/plan_moe.json"
+    step plan_zero 150 "$PY" benchmarks/plan_measure.py --model "$MODEL" --global-batch 16 --gpu-type "$gpu" \
+        --plans "cell=${gpu}x2:s1 plan=[dp2tp1] mb=2 remat=1" "cell=${gpu}x2:s1 plan=[dp2tp1] mb=2 remat=1 zero=1" \
+        --init zeros --steps 10 --plan-timeout-s 70 --json "$OUT/plan_zero.json"
 else
-    echo "plan_moe skipped: $gpus GPU(s), it needs two" | tee -a "$OUT/summary.txt"
+    echo "plan_moe, plan_zero skipped: $gpus GPU(s), they need two" | tee -a "$OUT/summary.txt"
 fi
+step profile_autotune1 200 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=1" "$PY" benchmarks/profile_cost.py \
+    --profile-db "$OUT/profile_autotune1.sqlite" --gpu-type "$gpu" --model "$MODEL" --max-tp 8 --budget-s 180 \
+    --skip-collectives --json "$OUT/cost_autotune1.json"

@@ -47,7 +47,7 @@ from job_scripts.collectives import StageCollectives, to_receiver, to_sender
 from job_scripts.packing import FlatLayout, flat_layout, joint_lengths, pack, read_row, unpack
 from job_scripts.plan import ParallelPlan, check_plan, log2
 from job_scripts.stage_arrays import KINDS, StageArrays
-from job_scripts.zero import ZeroOptArrays
+from job_scripts.flat_optimizer import SEGMENT_DTYPE, FlatOptArrays
 
 log = logging.getLogger(__name__)
 
@@ -115,12 +115,18 @@ class Pipeline:
         self.arrays = {kind: [StageArrays(arch, st.layers, kind, st.tp, optimizer,
                                           ep=st.dp * st.tp if st.coll.expert_parallel else 1)
                               for st in self.stages] for kind in KINDS}
-        if plan.zero_level:
-            self.arrays["opt"] = [ZeroOptArrays(opt, params, st.dp, optimizer) for st, opt, params in
-                                  zip(self.stages, self.arrays["opt"], self.arrays["params"])]
         # A kind with no arrays (no batch norm) keeps a one-element buffer: trees stay alike.
-        self.lengths = {kind: joint_lengths([getattr(a, "local_layout", a.layout) for a in self.arrays[kind]])
-                        or {"float32": 1} for kind in KINDS}
+        self.lengths = {kind: joint_lengths([a.layout for a in self.arrays[kind]]) or {"float32": 1}
+                        for kind in KINDS}
+        if optimizer.elementwise and not any(st.coll.expert_parallel for st in self.stages):
+            # One elementwise step over each stage's whole weight buffer (its state split
+            # over dp under ZeRO-1, the buffer padded to split evenly).
+            splits = [st.dp if plan.zero_level else 1 for st in self.stages]
+            n = self.lengths["params"][SEGMENT_DTYPE]
+            self.lengths["params"][SEGMENT_DTYPE] = n = -(-n // max(splits)) * max(splits)
+            self.arrays["opt"] = [FlatOptArrays(opt, params, n, split, optimizer) for split, opt, params in
+                                  zip(splits, self.arrays["opt"], self.arrays["params"])]
+            self.lengths["opt"] = joint_lengths([a.local_layout for a in self.arrays["opt"]])
         self.container_spec = P(PP, self.axes[1:] or None, None)
         # Activations sent over each boundary, in the sender's batch slicing.
         self.act_layouts = [flat_layout([self._output_struct(st)]) for st in self.stages[:-1]]
@@ -382,7 +388,7 @@ class Pipeline:
 
         def run(params_b, opt_b, grads_b):
             coll, layout = st.coll, arrays["params"][st.index]
-            if isinstance(arrays["opt"][st.index], ZeroOptArrays):
+            if isinstance(arrays["opt"][st.index], FlatOptArrays):
                 return arrays["opt"][st.index].update(params_b, opt_b, grads_b, coll.dp_axes, self.lengths["opt"])
             if coll.expert_parallel and coll.dp_axes:
                 # An expert's gradient is whole on its own device (the all-to-alls brought
@@ -454,7 +460,7 @@ class Pipeline:
                 local = {k: self.arrays[k][st.index].local_of_global(v, rank) for k, v in trees.items()}
                 out = {k: self.arrays[k][st.index].pack(local[k], self.lengths[k]) for k in local}
                 opt = self.arrays["opt"][st.index]
-                if isinstance(opt, ZeroOptArrays):
+                if isinstance(opt, FlatOptArrays):
                     out["opt"] = opt.init(self.lengths["opt"])
                 else:
                     shapes = self.arrays["params"][st.index].global_trees()
@@ -542,7 +548,7 @@ class Pipeline:
         ZeRO-1 the stage's whole state gathered from its tp rank's data-parallel group."""
         def own(position):
             return {dt: by_device[(st.index, position)] for dt, by_device in shards.items()}
-        if not isinstance(arrays, ZeroOptArrays):
+        if not isinstance(arrays, FlatOptArrays):
             return own
-        wholes = {t: arrays.whole_of_locals([own(r * st.tp + t) for r in range(st.dp)]) for t in range(st.tp)}
+        wholes = {t: arrays.whole_of_locals([own(r * st.tp + t) for r in range(arrays.split)]) for t in range(st.tp)}
         return lambda position: wholes[position % st.tp]

@@ -16,7 +16,7 @@ from estimator import jax_models as jm
 from estimator.cells import Cell, StagePlan
 from estimator.errors import SpecError
 from estimator.jax_optim import optimizer_for
-from job_scripts.zero import ZERO_LEVELS, zero_problem
+from job_scripts.flat_optimizer import ZERO_LEVELS, zero_problem
 
 
 @dataclass(frozen=True)

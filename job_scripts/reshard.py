@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding
 from job_scripts.checkpoint import CheckpointError
 from job_scripts.pipeline import PP, Pipeline
 from job_scripts.stage_arrays import KINDS, expert_position
-from job_scripts.zero import ZeroOptArrays
+from job_scripts.flat_optimizer import FlatOptArrays
 
 # read(kind, dtype, stage, device position, lo, hi) -> the saved view's [stage, position, lo:hi]
 ViewReader = Callable[[str, str, int, int, int, int], np.ndarray]
@@ -44,7 +44,7 @@ def _split(pipe: Pipeline, kind: str, st, dtype: str) -> bool:
     """Whether the stage's devices of one data-parallel group hold different parts of this
     buffer (ZeRO-1's optimizer state): each then saves its own whole."""
     arrays = pipe.arrays[kind][st.index]
-    return isinstance(arrays, ZeroOptArrays) and dtype in arrays.segments_json()
+    return isinstance(arrays, FlatOptArrays) and dtype in arrays.segments_json()
 
 
 def _chunks(pipe: Pipeline, kind: str, dtype: str) -> list[int]:
@@ -69,7 +69,7 @@ def layout_json(pipe: Pipeline) -> dict:
             stages.append({"layers": [st.layers.start, st.layers.stop], "dp": st.dp, "tp": st.tp,
                            "chunks": {dt: _chunks(pipe, kind, dt)[st.index] for dt in pipe.lengths[kind]},
                            "leaves": arrays.to_json()})
-            if isinstance(arrays, ZeroOptArrays):
+            if isinstance(arrays, FlatOptArrays) and arrays.segments_json():
                 stages[-1]["segments"] = arrays.segments_json()
         kinds[kind] = {"stages": stages}
     return {"kinds": kinds, "devices_per_stage": pipe.plan.stages[0].num_gpus}
@@ -211,14 +211,14 @@ def restore(pipe: Pipeline, layout: dict, read: ViewReader) -> dict:
         shards: dict[str, list] = {dt: [] for dt in lengths}
         for device, s, position in _positions(pipe):
             arrays = pipe.arrays[kind][s]
-            split = isinstance(arrays, ZeroOptArrays)
-            bufs = {dt: np.zeros((n,), dt) for dt, n in (arrays.layout.lengths if split else lengths.items())}
+            flat = isinstance(arrays, FlatOptArrays)
+            bufs = {dt: np.zeros((n,), dt) for dt, n in (arrays.layout.lengths if flat else lengths.items())}
             for leaf, slot in zip(arrays.leaves, arrays.layout.slots):
                 data = old.region(leaf.name, leaf.shape, leaf.dtype, leaf.dim, arrays.shards(leaf),
                                   arrays.rank(leaf, position))
                 bufs[slot.dtype][slot.offset:slot.offset + slot.size] = data.ravel()
-            if split:  # the stage's whole state → this device's data-parallel chunk
-                bufs = arrays.local_of_whole(bufs, position // pipe.stages[s].tp, lengths)
+            if flat:  # the stage's whole state → this device's buffers (its dp chunk under ZeRO-1)
+                bufs = arrays.local_of_whole(bufs, position // pipe.stages[s].tp % arrays.split, lengths)
             for dt, buf in bufs.items():
                 shards[dt].append(jax.device_put(buf[None, None], device))
         shape = (len(pipe.stages), pipe.plan.stages[0].num_gpus)
