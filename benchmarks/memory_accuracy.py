@@ -32,13 +32,15 @@ from estimator.estimate import EstimateOptions, partition_stages, score_plan  # 
 from estimator.jobs import JobSpec  # noqa: E402
 from estimator.memory import MemoryOptions  # noqa: E402
 from estimator.models import load_model  # noqa: E402
+from job_scripts.pipeline import PROGRAM_REVISION  # noqa: E402
 from estimator.plan_string import parse_plan  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 GPU_TARGET_FILE = HERE / "results_memory_gpu_target.json"
 # docs/gpu-measurements.md: an earlier --auto run kept only its progress line.
 H200_EXTRA = [{"model": "gpt-760m", "global_batch": 8,
-               "plan": "cell=h200x1:s1 plan=[dp1tp1] mb=1 remat=0", "peak_gb": 42.6, "step_s": 0.1440}]
+               "plan": "cell=h200x1:s1 plan=[dp1tp1] mb=1 remat=0", "peak_gb": 42.6, "step_s": 0.1440,
+               "program_revision": 1}]
 # MODELS.md, database/dp_mem.json (Alpa, data parallel only, 16 micro-batches, remat).
 ALPA_DP = {("wide_resnet-500m", 256): [24.519, 15.847, 10.932, 8.484, 7.259],
            ("gpt-760m", 128): [24.129, 13.519, 9.108, 6.902, -1],
@@ -103,12 +105,19 @@ def plans_in(path: Path) -> list[dict]:
     data = json.loads(path.read_text())
     return [{"model": data["model"], "global_batch": data["global_batch"], "plan": p["plan"],
              "peak_gb": p["measured"].get("peak_memory_gb"), "step_s": p["measured"]["step_s"]["median"],
-             "source": path.name} for p in data["plans"] if p.get("ok")]
+             "source": path.name, "program_revision": data.get("program_revision", 1)}
+            for p in data["plans"] if p.get("ok")]
 
 
-def gpu_rows(gpu: str) -> list[dict]:
+def gpu_rows(gpu: str, current: bool = True) -> list[dict]:
+    """The measured plans of one GPU type against today's estimates: those of the runner's
+    current program (``current``), or those measured on an earlier one (its update packed
+    new per-layer buffers: more memory, more time), which today's model no longer
+    describes and are kept as a record."""
     out = []
     for r in measured_plans(gpu):
+        if (r["program_revision"] == PROGRAM_REVISION) != current:
+            continue
         score = score_plan_text(r["model"], r["global_batch"], r["plan"], gpu)
         est = score.peak_memory_gb
         out.append({**r, "source": gpu, "estimate_gb": round(est, 3), "accuracy": round(_acc(est, r["peak_gb"]), 4),
@@ -152,6 +161,11 @@ def main(argv=None) -> int:
     for gpu in MEASURED_GPUS:
         rows = result[gpu]["rows"]
         result[gpu].update(summary=summary(rows), time_summary=summary([{"accuracy": r["time_accuracy"]} for r in rows]))
+    result["earlier_program"] = {
+        "note": f"measured on the runner before program revision {PROGRAM_REVISION}; not scored",
+        "rows": [{k: r[k] for k in ("model", "global_batch", "plan", "peak_gb", "step_s", "source",
+                                    "program_revision", "estimate_gb", "estimate_step_s")}
+                 for gpu in MEASURED_GPUS for r in gpu_rows(gpu, current=False)]}
     for name, rows in (("gpu-target", gpu_target_rows()), ("alpa-dp", alpa_rows())):
         result[name] = {"summary": summary(rows), "rows": rows}
     result["runner_program"] = summary([r for gpu in MEASURED_GPUS for r in result[gpu]["rows"]]

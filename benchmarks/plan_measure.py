@@ -452,9 +452,11 @@ def _progress(i: int, total: int, row: dict) -> str:
 def report(args: argparse.Namespace, rows: list[dict], env: Environment | None, gpu_type: str | None,
            gpu_note: str | None, skipped: list[str], wall_s: float) -> dict:
     """The whole result: per-plan rows, their summary, the environment."""
+    from job_scripts.pipeline import PROGRAM_REVISION
     ok = [r for r in rows if r["ok"]]
     return {
         "model": args.model, "global_batch": args.global_batch, "gpu_type": gpu_type, "gpu_type_note": gpu_note,
+        "program_revision": PROGRAM_REVISION,
         "warmup_steps": args.warmup_steps, "steps_timed": args.steps, "init": args.init,
         "environment": {**asdict(env), "python": sys.version.split()[0]} if env else None,
         "plans": rows,

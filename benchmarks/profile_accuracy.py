@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.bench_output import emit  # noqa: E402
 from benchmarks.estimator_accuracy import accuracy as _acc, summarize as _summary  # noqa: E402
 from benchmarks.memory_accuracy import measured_plans, plans_in, score_plan_text  # noqa: E402
+from job_scripts.pipeline import PROGRAM_REVISION  # noqa: E402
 from estimator.models import load_model  # noqa: E402
 from estimator.plan_string import parse_plan  # noqa: E402
 from estimator.profile_store import load_profile_view, model_fingerprint  # noqa: E402
@@ -61,7 +62,10 @@ def compare(db: str, gpu: str = "h200") -> dict:
                "analytic_s": round(analytic.iteration_time_s, 4), "profiled_s": round(profiled.iteration_time_s, 4),
                "analytic_time_accuracy": round(_acc(analytic.iteration_time_s, r["step_s"]), 4),
                "profiled_time_accuracy": round(_acc(profiled.iteration_time_s, r["step_s"]), 4)}
-        if r.get("peak_gb"):
+        # Peak memory only of the runner's current program: the earlier one's update held
+        # more (memory_accuracy.gpu_rows). Its step times stay: the same layers, the same
+        # time model of the update.
+        if r.get("peak_gb") and r.get("program_revision", 1) == PROGRAM_REVISION:
             row.update({"analytic_gb": round(analytic.peak_memory_gb, 3), "profiled_gb": round(profiled.peak_memory_gb, 3),
                         "analytic_memory_accuracy": round(_acc(analytic.peak_memory_gb, r["peak_gb"]), 4),
                         "profiled_memory_accuracy": round(_acc(profiled.peak_memory_gb, r["peak_gb"]), 4)})
@@ -71,7 +75,8 @@ def compare(db: str, gpu: str = "h200") -> dict:
                            "analytic_memory_accuracy", "profiled_memory_accuracy")}
     shown = Path(db).resolve()
     shown = shown.relative_to(ROOT) if shown.is_relative_to(ROOT) else shown
-    return {"gpu_type": gpu, "profile_db": str(shown), "rows": rows, "summary": summary}
+    return {"gpu_type": gpu, "profile_db": str(shown), "program_revision": PROGRAM_REVISION,
+            "rows": rows, "summary": summary}
 
 
 def main(argv=None) -> int:

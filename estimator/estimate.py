@@ -396,10 +396,21 @@ def score_plan(job: JobSpec, cell: Cell, cluster: ClusterSpec, stages: tuple[Sta
     for i, plan in enumerate(stages):
         costs.append(stage_cost(ctx, i, first, plan))
         first += plan.num_gpus
-    bad = next((c for c in costs if not c.feasible), None)
-    return PlanScore(pipeline_time_s(tuple(costs), micro_batches),
-                     pipeline_peak_gb(costs, options.memory), bad is None, bad.reason if bad else "",
+    costs = tuple(costs)
+    reason = next((c.reason for c in costs if not c.feasible), "") or _padding_problem(costs, cell, options.memory)
+    return PlanScore(pipeline_time_s(costs, micro_batches),
+                     pipeline_peak_gb(costs, options.memory), not reason, reason,
                      tuple(c.micro_batch_s for c in costs), _comm_label({c.comm_source for c in costs}))
+
+
+def _padding_problem(costs: tuple[StageCost, ...], cell: Cell, memory: MemoryOptions) -> str:
+    """Why a plan whose stages each fit does not fit once every stage's buffers are padded
+    to the largest stage's ("" if it fits)."""
+    peak = pipeline_peak_gb(costs, memory)
+    usable = _gpu_type(cell.gpu_type).memory_gb * memory.usable_frac
+    if peak <= usable:
+        return ""
+    return f"stages padded to the largest stage's buffers need {peak:.1f} GB per GPU, {cell.gpu_type} has {usable:.1f} GB usable"
 
 
 def _infeasible(cell: Cell, reason: str, B: int) -> CellEstimate:
@@ -530,15 +541,14 @@ def _assemble(job: JobSpec, ctx: _Context, ranges, per_stage, default_ranges) ->
     for i, stage in enumerate(variants):
         per_stage_costs.append([stage_cost(ctx, i, first, v, compiled.get(v)) for v in stage])
         first += stage[0].num_gpus
-    costs = _choose_variants(per_stage_costs, ctx.micro_batches)
+    costs = _choose_variants(per_stage_costs, ctx.micro_batches,
+                             lambda a: not _padding_problem(a, cell, options.memory))
     bad = next((c for c in costs if not c.feasible), None)
     t = pipeline_time_s(costs, ctx.micro_batches)
     source = _comm_label({c.comm_source for c in costs})
     peak = pipeline_peak_gb(costs, options.memory)
-    usable = _gpu_type(cell.gpu_type).memory_gb * options.memory.usable_frac
-    if bad is None and peak > usable:
-        bad = replace(costs[0], reason=f"stages padded to the largest stage's buffers need {peak:.1f} GB per GPU, "
-                                       f"{cell.gpu_type} has {usable:.1f} GB usable")
+    if bad is None and (padding := _padding_problem(costs, cell, options.memory)):
+        bad = replace(costs[0], reason=padding)
     plans = tuple(c.plan for c in costs)
     fidelity = "compiled" if compiled else \
         PROFILED if all(c.compute_source == PROFILED for c in costs) else "analytic"
@@ -558,11 +568,15 @@ def _assemble(job: JobSpec, ctx: _Context, ranges, per_stage, default_ranges) ->
                         fidelity, source, memory_fidelity, **dims)
 
 
-def _choose_variants(per_stage_costs: list[list[StageCost]], micro_batches: int) -> tuple[StageCost, ...]:
+def _choose_variants(per_stage_costs: list[list[StageCost]], micro_batches: int,
+                     fits=lambda costs: True) -> tuple[StageCost, ...]:
     """One variant per stage: of two assemblies — each stage's fastest micro-batch, and
     each stage's least time as the pipeline's slowest stage (B micro-batches plus its
     gradient sync and update) — the faster pipeline. A stage with no feasible variant
-    takes its smallest."""
+    takes its smallest. When that pipeline does not ``fit`` as a whole (the runner pads
+    every stage's buffers to the largest stage's, so mixing a stage with large weights
+    and one with large activations can overflow where either fits), the fastest that fits
+    of the assemblies taking the same variant in every stage and each stage's smallest."""
     def assemble(key) -> tuple[StageCost, ...]:
         out = []
         for costs in per_stage_costs:
@@ -570,11 +584,19 @@ def _choose_variants(per_stage_costs: list[list[StageCost]], micro_batches: int)
             out.append(min(ok, key=key) if ok else min(costs, key=lambda c: c.peak_gb))
         return tuple(out)
 
+    def time_s(costs) -> float:
+        return pipeline_time_s(costs, micro_batches)
+
     by_micro = assemble(lambda c: c.micro_batch_s)
     by_whole = assemble(lambda c: c.micro_batch_s * micro_batches + c.sync_s + c.update_s)
-    if pipeline_time_s(by_whole, micro_batches) < pipeline_time_s(by_micro, micro_batches):
-        return by_whole
-    return by_micro
+    best = by_whole if time_s(by_whole) < time_s(by_micro) else by_micro
+    if not all(c.feasible for c in best) or fits(best):
+        return best
+    widest = max(len(costs) for costs in per_stage_costs)
+    others = [tuple(costs[min(k, len(costs) - 1)] for costs in per_stage_costs) for k in range(widest)]
+    others.append(assemble(lambda c: c.peak_gb))
+    ok = [a for a in others if all(c.feasible for c in a) and fits(a)]
+    return min(ok, key=time_s) if ok else best
 
 
 def expert_parallel_fits(layers, num_gpus: int) -> bool:

@@ -13,12 +13,14 @@ buffer, as its GPU-target compile shows them (``docs/estimator.md``, "Memory"):
 - **gradients**: accumulated in fp32 (the master's dtype), 4 B/param; while a micro-batch
   is added to the accumulator, its own gradient is a second such buffer (only with more
   than one micro-batch).
-- **the optimizer update's temporaries**: the update reads flat buffers and writes the
-  new weights and optimizer state into fresh ones, keeping a copy of the old state until
-  it is done: 4 + 2·(state bytes) per parameter, beside the gradients. Under ZeRO-1 a
-  device updates only its 1/dp chunk: (2·4 + 2·state bytes) per parameter over dp (the
-  gradients' and new weights' chunks, the new and old states'), and the all-gathered new
-  weights reuse the old weights' buffer.
+- **the optimizer update's temporaries**, beside the gradients. AdamW and SGD step the
+  stage's whole flat weight buffer in place (``job_scripts/flat_optimizer.py``): AdamW's
+  new μ and ν are packed into one new buffer (8 B/param), SGD's one momentum buffer is
+  written in place (0). Under ZeRO-1 a device steps only its 1/dp chunk and also holds
+  the chunks of the summed gradients and of its new weights (2·4 B/param over dp); the
+  all-gathered weights reuse the old weights' buffer. Adafactor steps layer by layer and
+  packs new weight and state buffers, keeping a copy of the old states: 4 + 2·(state
+  bytes) per parameter.
 - **activations**: Korthikanti et al. / Frenzy per layer (s·h·(10 + 24/t) + 5·a·s²/t
   bytes at fp16); under layer-level rematerialization only each layer's input is kept and
   one layer's full activations live during its recomputation. A pipeline keeps every
@@ -55,7 +57,11 @@ PROGRAMS = ("runner", "alpa")
 # What job_scripts/pipeline.py runs: replicated states, or (ZeRO-1, job_scripts/zero.py)
 # states split over dp for optimizers whose update is elementwise, outside expert parallelism.
 RUNNABLE_ZERO_LEVELS = (0, 1)
-ZERO1_OPTIMIZERS = ("adamw", "sgd")
+# Optimizers whose update is elementwise: the runner steps their flat buffers in place
+# and can split their states over dp. Per parameter, what their update holds beside the
+# gradients (the GPU-target compile, docs/estimator.md): AdamW packs new μ and ν.
+FLAT_UPDATE_BYTES = {"adamw": 8.0, "sgd": 0.0}
+ELEMENTWISE_OPTIMIZERS = tuple(FLAT_UPDATE_BYTES)
 
 
 @dataclass(frozen=True)
@@ -80,7 +86,7 @@ class MemoryOptions:
         expert-parallel or none."""
         if self.offload or self.zero_level not in RUNNABLE_ZERO_LEVELS:
             return False
-        return self.zero_level == 0 or (optimizer in ZERO1_OPTIMIZERS + (None,) and not expert_parallel)
+        return self.zero_level == 0 or (optimizer in ELEMENTWISE_OPTIMIZERS + (None,) and not expert_parallel)
 
 
 @dataclass(frozen=True)
@@ -153,8 +159,6 @@ def stage_memory(model: ModelSpec, layers: tuple[LayerSpec, ...], dp: int, tp: i
     z, d = options.zero_level, float(DTYPE_BYTES[model.dtype])
     opt_b = OPTIMIZER_STATE_BYTES[model.optimizer]
 
-    replicated_update = (replicated + experts) * (MASTER_BYTES + 2 * opt_b)
-
     def per_gpu(level: int) -> float:
         """Parameters per GPU of a buffer ZeRO shards across dp from ``level`` on."""
         return replicated / (dp if z >= level else 1) + experts
@@ -176,11 +180,12 @@ def stage_memory(model: ModelSpec, layers: tuple[LayerSpec, ...], dp: int, tp: i
         weights = per_gpu(3) * MASTER_BYTES
         grads = per_gpu(2) * GRADIENT_BYTES
         opt = per_gpu(1) * opt_b
-        # ZeRO-0 writes whole new weights and states beside the old states. From ZeRO-1 on
-        # each device updates its chunk: the chunk of the summed gradients and of the new
-        # weights, the new and old states' chunks; the gathered weights land in the old
-        # weights' buffer (the GPU-target compile shows no whole copy).
-        update = replicated_update if z == 0 else per_gpu(1) * (2 * MASTER_BYTES + 2 * opt_b)
+        if model.optimizer in ELEMENTWISE_OPTIMIZERS and not expert_parallel:
+            # The flat update in place; from ZeRO-1 on a chunk, with the chunks of the
+            # summed gradients and the new weights.
+            update = per_gpu(1) * (FLAT_UPDATE_BYTES[model.optimizer] + (2 * MASTER_BYTES if z else 0.0))
+        else:
+            update = per_gpu(1) * (MASTER_BYTES + 2 * opt_b)
     per_sample = activation_bytes_per_sample or tuple(activation_bytes(layer, tp) for layer in layers)
     if remat:
         kept = sum(layer.output_bytes for layer in layers)

@@ -52,6 +52,10 @@ from job_scripts.flat_optimizer import SEGMENT_DTYPE, FlatOptArrays
 log = logging.getLogger(__name__)
 
 PP = "pp"
+# Raised when the step's memory or time changes enough that measurements of the earlier
+# program no longer describe it (benchmarks record it with what they measure):
+# 2 (2026-11-26): elementwise optimizers step the flat buffers in place, ZeRO-1.
+PROGRAM_REVISION = 2
 
 
 @dataclass(frozen=True)
