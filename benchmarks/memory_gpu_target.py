@@ -11,10 +11,17 @@ backend)::
         --global-batch 8 --plan 'cell=h100x1:s1 plan=[dp1tp1] mb=1 remat=1' >> rows.jsonl
 
 prints one JSON row; ``--collect rows.jsonl`` writes ``results_memory_gpu_target.json``.
+Each row names the runner's ``PROGRAM_REVISION`` it compiled; ``--compare OLD.json`` prints
+each plan's peak in OLD (``results_memory_gpu_target_rev1.json``: the program before the
+in-place optimizer update) beside the current file's, with the ratio's median, mean and
+worst (largest)::
+
+    python benchmarks/memory_gpu_target.py --compare benchmarks/results_memory_gpu_target_rev1.json
 """
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -31,7 +38,7 @@ def compile_plan(spec_path: str, model: str, global_batch: int, plan_text: str) 
     from estimator.jax_optim import optimizer_for
     from estimator.models import load_model
     from estimator.plan_string import parse_plan
-    from job_scripts.pipeline import Pipeline
+    from job_scripts.pipeline import PROGRAM_REVISION, Pipeline
     from job_scripts.plan import plan_from_string
 
     n = parse_plan(plan_text).num_gpus
@@ -46,7 +53,27 @@ def compile_plan(spec_path: str, model: str, global_batch: int, plan_text: str) 
           ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
            "peak_memory_in_bytes")}
     return {"model": model, "global_batch": global_batch, "plan": plan_text, "target": Path(spec_path).stem,
-            "jax_version": jax.__version__, "compiled_gb": gb, "compiled_peak_gb": gb["peak_memory_in_bytes"]}
+            "jax_version": jax.__version__, "compiled_gb": gb, "compiled_peak_gb": gb["peak_memory_in_bytes"],
+            "program_revision": PROGRAM_REVISION}
+
+
+def compare(old_path: str) -> dict:
+    """Per plan compiled in both files, the peak before (``old_path``) and now, and now ÷ before."""
+    def by_plan(path):
+        return {(r["target"], r["model"], r["global_batch"], r["plan"]): r for r in json.loads(Path(path).read_text())["rows"]}
+    before, now = by_plan(old_path), by_plan(OUT)
+    rows = [{"model": k[1], "global_batch": k[2], "plan": k[3], "target": k[0],
+             "before_gb": before[k]["compiled_peak_gb"], "now_gb": now[k]["compiled_peak_gb"],
+             "ratio": round(now[k]["compiled_peak_gb"] / before[k]["compiled_peak_gb"], 4)}
+            for k in before if k in now]
+    def summary(ratios):
+        return {"rows": len(ratios), "median": statistics.median(ratios), "mean": round(statistics.fmean(ratios), 4),
+                "worst": max(ratios), "best": min(ratios)}
+    # The plans the in-place update applies to: AdamW (gpt) and SGD (wide_resnet) at ZeRO-0
+    # (Adafactor's MoE steps layer by layer; ZeRO-1 was flat from the start).
+    flat = [r["ratio"] for r in rows if not r["model"].startswith("moe") and "zero=" not in r["plan"]]
+    return {"before": Path(old_path).name, "now": OUT.name, "rows": rows,
+            "ratio": summary([r["ratio"] for r in rows]), "ratio_adamw_sgd_zero0": summary(flat)}
 
 
 def main(argv=None) -> int:
@@ -56,7 +83,11 @@ def main(argv=None) -> int:
     ap.add_argument("--global-batch", type=int)
     ap.add_argument("--plan")
     ap.add_argument("--collect", help="a file of rows printed by earlier runs")
+    ap.add_argument("--compare", metavar="OLD", help="an earlier results file to compare the current one with")
     args = ap.parse_args(argv)
+    if args.compare:
+        print(json.dumps(compare(args.compare), indent=1))
+        return 0
     if args.collect:
         rows = [json.loads(line) for line in Path(args.collect).read_text().splitlines() if line.strip()]
         OUT.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
