@@ -217,17 +217,22 @@ def test_profiled_activations_set_the_memory_and_say_so(tmp_path):
     db, _ = _profile(tmp_path, eff=TRUE)
     job, cluster = JobSpec("gpt-760m", 8, 2, "a10"), load_cluster("lab")
     cell = Cell("a10", 2, 2, 1)
-    # tp 2 is the plan either way (dp 2 keeps whole states on a 24 GB a10; ZeRO is not tried
-    # for runnable plans), fitting or not.
+    # tp 2 is the plan either way (dp 2 keeps whole states and a whole layer's activations
+    # on a 24 GB a10), fitting or not.
     opts = EstimateOptions(profile_db=str(db), remat=False, micro_batches=1)
     without = estimate_cell(job, cell, cluster, opts)
     assert without.fidelity == "profiled" and without.memory_fidelity == "analytic"
     spec = load_model("gpt-760m")
-    # Bytes one sample holds through any layer, as "compiled": 0.8 of the formula's mean,
-    # so that the activations still set the peak (rather than the optimizer update).
-    per_sample = 0.8 * sum(activation_bytes(layer, 2) for layer in spec.layers) / len(spec.layers)
+    # Bytes one sample holds through any layer at each tp, as "compiled": 0.8 of the
+    # formula's mean, so that the activations still set the peak (rather than the
+    # optimizer update).
+    def mean_bytes(tp):
+        return 0.8 * sum(activation_bytes(layer, tp) for layer in spec.layers) / len(spec.layers)
+    per_sample = mean_bytes(2)
     with connect(db) as conn:
-        conn.execute("UPDATE layers SET backward_temp_bytes = 500 + samples * ?", (per_sample,))
+        for tp in (1, 2, 4, 8):
+            conn.execute("UPDATE layers SET backward_temp_bytes = 500 + samples * ? WHERE tp = ?",
+                         (mean_bytes(tp), tp))
     with_bytes = estimate_cell(job, cell, cluster, opts)
     assert with_bytes.memory_fidelity == "profiled" and with_bytes.fidelity == "profiled"
     assert with_bytes.stages == without.stages and with_bytes.stages[0].tp == 2
