@@ -22,7 +22,8 @@ from job_scripts.flat_optimizer import ZERO_LEVELS, zero_problem
 @dataclass(frozen=True)
 class ParallelPlan:
     """How one job runs: its stages (layers, dp, tp), micro-batch count, remat and ZeRO
-    level (0: optimizer states replicated over dp; 1: split over dp, ``job_scripts.zero``)."""
+    level (0: optimizer states replicated over dp; 1: split over dp,
+    ``job_scripts.flat_optimizer``)."""
 
     stages: tuple[StagePlan, ...]
     micro_batches: int

@@ -6,7 +6,9 @@ dp times, device ``(stage s, dp rank r)`` saves only chunk r of its buffer: the 
 view*, a global array ``[stages, devices per stage, chunk]`` that Orbax writes shard by
 shard, each process its own devices', with no data moved between devices. Under expert
 parallelism the devices' buffers differ (each holds its own experts), so each saves its
-whole buffer (one chunk).
+whole buffer (one chunk); so does each data-parallel rank of the optimizer state under
+ZeRO-1 (``job_scripts.flat_optimizer``: its chunk of every state segment, described by
+the layout's ``segments``).
 
 The checkpoint's metadata keeps the layout (:func:`layout_json`): per stage its layers,
 dp, tp and chunk length, and per array its plan-independent name, global shape, sharded
@@ -27,9 +29,9 @@ from jax import lax
 from jax.sharding import NamedSharding
 
 from job_scripts.checkpoint import CheckpointError
+from job_scripts.flat_optimizer import FlatOptArrays
 from job_scripts.pipeline import PP, Pipeline
 from job_scripts.stage_arrays import KINDS, expert_position
-from job_scripts.flat_optimizer import FlatOptArrays
 
 # read(kind, dtype, stage, device position, lo, hi) -> the saved view's [stage, position, lo:hi]
 ViewReader = Callable[[str, str, int, int, int, int], np.ndarray]

@@ -110,13 +110,11 @@ class PlanSpace:
     def __init__(self, req: TuneRequest):
         from estimator.cells import Cell
         from estimator.cluster import cluster_from_dict
-        from estimator.estimate import partition_stages, stage_counts
+        from estimator.estimate import EstimateOptions, partition_stages, stage_counts
         from estimator.jobs import JobSpec
-        from estimator.tuner import TuneOptions, micro_batch_choices, tune
-
-        from estimator.estimate import EstimateOptions
         from estimator.memory import MemoryOptions
         from estimator.plan_string import parse_plan
+        from estimator.tuner import TuneOptions, micro_batch_choices, tune
 
         self.req = req
         # The daemon's plan keeps states split over dp (ZeRO-1) where replicated ones do not
