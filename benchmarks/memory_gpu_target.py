@@ -60,7 +60,8 @@ def compile_plan(spec_path: str, model: str, global_batch: int, plan_text: str) 
 def compare(old_path: str) -> dict:
     """Per plan compiled in both files, the peak before (``old_path``) and now, and now ÷ before."""
     def by_plan(path):
-        return {(r["target"], r["model"], r["global_batch"], r["plan"]): r for r in json.loads(Path(path).read_text())["rows"]}
+        rows = json.loads(Path(path).read_text())["rows"]
+        return {(r["target"], r["model"], r["global_batch"], r["plan"]): r for r in rows}
     before, now = by_plan(old_path), by_plan(OUT)
     rows = [{"model": k[1], "global_batch": k[2], "plan": k[3], "target": k[0],
              "before_gb": before[k]["compiled_peak_gb"], "now_gb": now[k]["compiled_peak_gb"],

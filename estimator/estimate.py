@@ -397,7 +397,8 @@ def score_plan(job: JobSpec, cell: Cell, cluster: ClusterSpec, stages: tuple[Sta
         costs.append(stage_cost(ctx, i, first, plan))
         first += plan.num_gpus
     costs = tuple(costs)
-    reason = next((c.reason for c in costs if not c.feasible), "") or _padding_problem(costs, cell, options.memory)
+    reason = next((c.reason for c in costs if not c.feasible), "") or \
+        _padding_problem(costs, cell, options.memory)
     return PlanScore(pipeline_time_s(costs, micro_batches),
                      pipeline_peak_gb(costs, options.memory), not reason, reason,
                      tuple(c.micro_batch_s for c in costs), _comm_label({c.comm_source for c in costs}))
@@ -410,7 +411,8 @@ def _padding_problem(costs: tuple[StageCost, ...], cell: Cell, memory: MemoryOpt
     usable = _gpu_type(cell.gpu_type).memory_gb * memory.usable_frac
     if peak <= usable:
         return ""
-    return f"stages padded to the largest stage's buffers need {peak:.1f} GB per GPU, {cell.gpu_type} has {usable:.1f} GB usable"
+    return (f"stages padded to the largest stage's buffers need {peak:.1f} GB per GPU, "
+            f"{cell.gpu_type} has {usable:.1f} GB usable")
 
 
 def _infeasible(cell: Cell, reason: str, B: int) -> CellEstimate:

@@ -54,8 +54,9 @@ ZERO_LEVELS = (0, 1, 2, 3)
 # fp32 master and states, no update copies; run it with zero_level=2, as Alpa's
 # reduce-scatter gradient sync shards them).
 PROGRAMS = ("runner", "alpa")
-# What job_scripts/pipeline.py runs: replicated states, or (ZeRO-1, job_scripts/zero.py)
-# states split over dp for optimizers whose update is elementwise, outside expert parallelism.
+# What job_scripts/pipeline.py runs: replicated states, or (ZeRO-1,
+# job_scripts/flat_optimizer.py) states split over dp for optimizers whose update is
+# elementwise, outside expert parallelism.
 RUNNABLE_ZERO_LEVELS = (0, 1)
 # Optimizers whose update is elementwise: the runner steps their flat buffers in place
 # and can split their states over dp. Per parameter, what their update holds beside the
