@@ -7,7 +7,9 @@ and ranked by feasibility, then estimated seconds per iteration.
 
 ``prune="none"`` scores the whole space: every stage partition near the balanced one
 (each boundary moved by up to ``partition_radius`` layers) × every (dp, tp) per stage ×
-every micro-batch count × remat on and off.
+every micro-batch count × remat on and off. With ``EstimateOptions.expert_parallel`` a MoE
+stage's splits with dp > 1 are also tried with their experts split over the stage's GPUs
+(``dp4tp1ep``, ``dp2tp2ep``), where the expert count allows.
 
 ``prune="cell"`` (Crius + Arena):
 
@@ -33,7 +35,8 @@ from estimator.batching import micro_batch_count
 from estimator.cells import Cell, StagePlan
 from estimator.cluster import ClusterSpec
 from estimator.errors import SpecError
-from estimator.estimate import EstimateOptions, PlanScore, estimate_cell, partition_stages, score_plan
+from estimator.estimate import (EstimateOptions, PlanScore, estimate_cell, expert_parallel_fits, partition_stages,
+                                score_plan)
 from estimator.jobs import JobSpec
 from estimator.models import ModelSpec, load_model
 from estimator.partition import stage_gpu_counts
@@ -205,9 +208,18 @@ class _Scorer:
         return self.seen[c]
 
 
-def _assemble(ranges, splits_per_stage) -> list[tuple[StagePlan, ...]]:
-    return [tuple(StagePlan(s, e, dp, tp) for (s, e), (dp, tp) in zip(ranges, combo))
-            for combo in product(*splits_per_stage)]
+def _assemble(ranges, splits_per_stage, model: ModelSpec | None = None,
+              expert_parallel: bool = False) -> list[tuple[StagePlan, ...]]:
+    """Every plan taking one split per stage; with ``expert_parallel``, a MoE stage's
+    splits with dp > 1 also with its experts split over its GPUs (``StagePlan.ep``)."""
+    per_stage = []
+    for (s, e), splits in zip(ranges, splits_per_stage):
+        options = [StagePlan(s, e, dp, tp) for dp, tp in splits]
+        if expert_parallel and model is not None:
+            options += [StagePlan(s, e, dp, tp, ep=True) for dp, tp in splits
+                        if dp > 1 and expert_parallel_fits(model.layers[s:e], dp * tp)]
+        per_stage.append(options)
+    return [tuple(combo) for combo in product(*per_stage)]
 
 
 def tune(job: JobSpec, cell: Cell, cluster: ClusterSpec, options: TuneOptions = TuneOptions()
@@ -226,7 +238,7 @@ def tune(job: JobSpec, cell: Cell, cluster: ClusterSpec, options: TuneOptions = 
     scorer = _Scorer(job, cell, cluster, est_opts)
     if options.prune == "none":
         for ranges in partitions:
-            for stages in _assemble(ranges, [stage_splits(n) for n in per_stage]):
+            for stages in _assemble(ranges, [stage_splits(n) for n in per_stage], model, est_opts.expert_parallel):
                 for mb, remat in product(mbs, (False, True)):
                     scorer(Candidate(stages, mb, remat))
     else:
@@ -267,8 +279,9 @@ def _pruned_search(job, cell, cluster, model, options: TuneOptions, per_stage, p
         metrics[ranges] = (imbalance if ps.feasible else math.inf, cut_bytes(model, ranges),
                            ps.iteration_time_s if ps.feasible else math.inf)
     kept = arena_filter(metrics)
+    ep = options.estimate.expert_parallel
     first = [_fit(scorer, stages, default_mb)
-             for ranges in kept for stages in _assemble(ranges, splits)]
+             for ranges in kept for stages in _assemble(ranges, splits, model, ep)]
     first.sort(key=ScoredPlan.rank_key)
     for start in first[:options.local_search_width]:
         _walk_micro_batches(scorer, start, mbs)

@@ -118,9 +118,12 @@ class PlanSpace:
 
         self.req = req
         # The daemon's plan keeps states split over dp (ZeRO-1) where replicated ones do not
-        # fit: every plan of the search keeps its level.
-        self.zero_level = parse_plan(req.start).zero_level if req.start else 0
-        self.estimate = EstimateOptions(memory=MemoryOptions(zero_level=self.zero_level))
+        # fit: every plan of the search keeps its level. A daemon that split a stage's
+        # experts over its GPUs (expert_parallel) lets the search try such splits too.
+        start = parse_plan(req.start) if req.start else None
+        self.zero_level = start.zero_level if start else 0
+        self.estimate = EstimateOptions(memory=MemoryOptions(zero_level=self.zero_level),
+                                        expert_parallel=bool(start and any(start.stage_ep)))
         n = len(req.devices)
         per_node = max(1, min(req.gpus_per_node or n, n))
         self.cluster = cluster_from_dict({"name": "allocation", "node_groups": [

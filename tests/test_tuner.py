@@ -193,3 +193,33 @@ def test_micro_batch_choices_divide_odd_global_batches():
                   TuneOptions(prune="none"))
     assert result.ranked and result.ranked[0].score.feasible
     assert {r.candidate.micro_batches for r in result.ranked} == {2, 5}
+
+
+def test_the_tuner_tries_expert_parallel_splits_when_asked():
+    """With expert_parallel, moe-2.4b's stage on four a100s is also scored with its experts
+    split over its GPUs, and that split wins, as in the Cell estimate; without it no
+    candidate splits them. The allocation's search turns it on when the daemon's plan
+    split them."""
+    from estimator import jax_models as jm
+    from estimator.estimate import EstimateOptions
+    from estimator.models import load_model
+    from job_scripts.tuning import PlanSpace, TuneRequest
+
+    cluster, job, cell = load_cluster("crius-1280"), JobSpec("moe-2.4b", 512), Cell("a100", 4, 4, 1)
+    for prune in ("cell", "none"):
+        plain = tune(job, cell, cluster, TuneOptions(prune=prune))
+        split = tune(job, cell, cluster, TuneOptions(prune=prune, estimate=EstimateOptions(expert_parallel=True)))
+        assert not any(s.ep for p in plain.ranked for s in p.candidate.stages)
+        assert split.candidates_evaluated > plain.candidates_evaluated
+        assert all(s.ep for s in split.best.candidate.stages) and "ep]" in split.plan_string()
+        assert split.best.score.iteration_time_s < plain.best.score.iteration_time_s
+
+    spec = load_model("moe-2.4b")
+
+    def space(start):
+        return PlanSpace(TuneRequest("moe-2.4b", spec, jm.arch_from_model(spec), 512, "a100", 4, [None] * 4,
+                                     1, start, 100, "gpu"))
+    with_ep = space("cell=a100x4:s1 plan=[dp4tp1ep] mb=4 remat=1")
+    without = space("cell=a100x4:s1 plan=[dp1tp4] mb=4 remat=1")
+    assert any(s.ep for st in with_ep.structures for s in st)
+    assert not any(s.ep for st in without.structures for s in st)
