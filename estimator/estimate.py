@@ -397,17 +397,15 @@ def score_plan(job: JobSpec, cell: Cell, cluster: ClusterSpec, stages: tuple[Sta
         costs.append(stage_cost(ctx, i, first, plan))
         first += plan.num_gpus
     costs = tuple(costs)
-    reason = next((c.reason for c in costs if not c.feasible), "") or \
-        _padding_problem(costs, cell, options.memory)
-    return PlanScore(pipeline_time_s(costs, micro_batches),
-                     pipeline_peak_gb(costs, options.memory), not reason, reason,
+    peak = pipeline_peak_gb(costs, options.memory)
+    reason = next((c.reason for c in costs if not c.feasible), "") or _padding_problem(peak, cell, options.memory)
+    return PlanScore(pipeline_time_s(costs, micro_batches), peak, not reason, reason,
                      tuple(c.micro_batch_s for c in costs), _comm_label({c.comm_source for c in costs}))
 
 
-def _padding_problem(costs: tuple[StageCost, ...], cell: Cell, memory: MemoryOptions) -> str:
+def _padding_problem(peak: float, cell: Cell, memory: MemoryOptions) -> str:
     """Why a plan whose stages each fit does not fit once every stage's buffers are padded
-    to the largest stage's ("" if it fits)."""
-    peak = pipeline_peak_gb(costs, memory)
+    to the largest stage's (``peak``, ``pipeline_peak_gb``; "" if it fits)."""
     usable = _gpu_type(cell.gpu_type).memory_gb * memory.usable_frac
     if peak <= usable:
         return ""
@@ -544,12 +542,12 @@ def _assemble(job: JobSpec, ctx: _Context, ranges, per_stage, default_ranges) ->
         per_stage_costs.append([stage_cost(ctx, i, first, v, compiled.get(v)) for v in stage])
         first += stage[0].num_gpus
     costs = _choose_variants(per_stage_costs, ctx.micro_batches,
-                             lambda a: not _padding_problem(a, cell, options.memory))
+                             lambda a: not _padding_problem(pipeline_peak_gb(a, options.memory), cell, options.memory))
     bad = next((c for c in costs if not c.feasible), None)
     t = pipeline_time_s(costs, ctx.micro_batches)
     source = _comm_label({c.comm_source for c in costs})
     peak = pipeline_peak_gb(costs, options.memory)
-    if bad is None and (padding := _padding_problem(costs, cell, options.memory)):
+    if bad is None and (padding := _padding_problem(peak, cell, options.memory)):
         bad = replace(costs[0], reason=padding)
     plans = tuple(c.plan for c in costs)
     fidelity = "compiled" if compiled else \

@@ -87,7 +87,9 @@ class MemoryOptions:
         expert-parallel or none."""
         if self.offload or self.zero_level not in RUNNABLE_ZERO_LEVELS:
             return False
-        return self.zero_level == 0 or (optimizer in ELEMENTWISE_OPTIMIZERS + (None,) and not expert_parallel)
+        if self.zero_level == 0:
+            return True
+        return (optimizer is None or optimizer in ELEMENTWISE_OPTIMIZERS) and not expert_parallel
 
 
 @dataclass(frozen=True)

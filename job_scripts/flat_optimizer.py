@@ -33,8 +33,8 @@ import numpy as np
 from jax import lax
 
 from estimator.errors import SpecError
-from job_scripts.packing import FlatLayout, Slot
-from job_scripts.stage_arrays import Leaf, StageArrays
+from job_scripts.packing import FlatLayout, Slot, flat_layout, pack, unpack
+from job_scripts.stage_arrays import Leaf, StageArrays, path_name
 
 ZERO_LEVELS = (0, 1)  # what the pipeline runs: replicated states, or states split over dp
 SEGMENT_DTYPE = "float32"
@@ -47,10 +47,6 @@ def zero_problem(optimizer) -> str:
         return (f"ZeRO-1 splits the states of elementwise optimizers (adamw, sgd); {optimizer.name} "
                 "keeps factored ones (use zero=0)")
     return ""
-
-
-def _path_name(path) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
 @dataclass(frozen=True)
@@ -82,27 +78,24 @@ class FlatOptArrays:
         if weights_length % split:
             raise ValueError(f"weight buffer of {weights_length} does not split into {split}")
         self.base, self.split, self.optimizer = base, split, optimizer
-        self.kind, self.tp, self.ep = base.kind, base.tp, base.ep
         self.weights_length, self.chunk = weights_length, weights_length // split
         state = jax.eval_shape(optimizer.init, {"w": jax.ShapeDtypeStruct((self.chunk,), jnp.float32)})
         flat, self.treedef = jax.tree_util.tree_flatten_with_path(state)
-        parts, segments, scalars = [], 0, {}
+        parts, segments = [], 0
         for path, leaf in flat:
-            dtype = jnp.dtype(leaf.dtype).name
-            if leaf.shape:
-                parts.append(_Part(_path_name(path[:-1]), dtype, segments))
-                segments += 1
-            else:
-                parts.append(_Part(_path_name(path), dtype, None))
-                scalars[dtype] = scalars.get(dtype, 0) + 1
+            parts.append(_Part(path_name(path[:-1] if leaf.shape else path), jnp.dtype(leaf.dtype).name,
+                               segments if leaf.shape else None))
+            segments += bool(leaf.shape)
         self.parts, self.segments = tuple(parts), segments
-        self.local_lengths = {SEGMENT_DTYPE: max(1, segments * self.chunk), **scalars}
-        self.local_layout = FlatLayout((), tuple(sorted(self.local_lengths.items())))
+        # One device's buffers: the segments one after the other in the float32 buffer,
+        # the scalars in their dtype's.
+        self.local_layout = flat_layout([leaf for _, leaf in flat])
+        self.local_lengths = dict(self.local_layout.lengths)
         self.leaves: list[Leaf] = base.leaves
         weights = {leaf.name: slot.offset for leaf, slot in zip(params.leaves, params.layout.slots)}
+        whole = {**self.local_lengths, SEGMENT_DTYPE: segments * weights_length}
         self.layout = FlatLayout(tuple(self._slot(leaf, slot, weights) for leaf, slot in
-                                       zip(base.leaves, base.layout.slots)),
-                                 tuple(sorted({SEGMENT_DTYPE: segments * weights_length, **scalars}.items())))
+                                       zip(base.leaves, base.layout.slots)), tuple(sorted(whole.items())))
 
     def _slot(self, leaf: Leaf, slot: Slot, weights: dict[str, int]) -> Slot:
         """Where one named state array lies in the stage's whole state: a scalar at its
@@ -164,30 +157,10 @@ class FlatOptArrays:
 
     # -- inside the step (shard_map; dp_axes are the stage's data-parallel mesh axes)
 
-    def _pack(self, state, lengths: dict[str, int]) -> dict:
-        leaves = jax.tree.leaves(state)
-        out = {}
-        for dt, n in lengths.items():
-            mine = [jnp.ravel(a) for a, part in zip(leaves, self.parts) if part.dtype == dt]
-            used = sum(a.size for a in mine)
-            pieces = mine + ([jnp.zeros((n - used,), dt)] if n > used else [])
-            out[dt] = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
-        return out
-
-    def _unpack(self, bufs: dict):
-        taken: dict[str, int] = {}
-        leaves = []
-        for part in self.parts:
-            at = taken.get(part.dtype, 0)
-            size = self.chunk if part.segment is not None else 1
-            piece = lax.slice_in_dim(bufs[part.dtype], at, at + size)
-            leaves.append(piece if part.segment is not None else piece.reshape(()))
-            taken[part.dtype] = at + size
-        return jax.tree.unflatten(self.treedef, leaves)
-
     def init(self, lengths: dict[str, int]) -> dict:
         """This device's buffers of a fresh state (the same on every rank)."""
-        return self._pack(self.optimizer.init({"w": jnp.zeros((self.chunk,), jnp.float32)}), lengths)
+        state = self.optimizer.init({"w": jnp.zeros((self.chunk,), jnp.float32)})
+        return pack(self.local_layout, jax.tree.leaves(state), lengths)
 
     def update(self, params_b: dict, opt_b: dict, grads_b: dict, dp_axes: tuple[str, ...],
                lengths: dict[str, int]) -> tuple[dict, dict]:
@@ -199,6 +172,7 @@ class FlatOptArrays:
             p = lax.dynamic_slice_in_dim(params, lax.axis_index(dp_axes) * self.chunk, self.chunk)
         else:
             g, p = (lax.psum(grads, dp_axes) if dp_axes else grads), params
-        new_p, new_state = self.optimizer.update({"w": g}, self._unpack(opt_b), {"w": p})
+        state = jax.tree.unflatten(self.treedef, unpack(self.local_layout, opt_b))
+        new_p, new_state = self.optimizer.update({"w": g}, state, {"w": p})
         whole = lax.all_gather(new_p["w"], dp_axes, tiled=True) if self.split > 1 else new_p["w"]
-        return {**params_b, SEGMENT_DTYPE: whole}, self._pack(new_state, lengths)
+        return {**params_b, SEGMENT_DTYPE: whole}, pack(self.local_layout, jax.tree.leaves(new_state), lengths)

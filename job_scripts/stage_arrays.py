@@ -34,7 +34,8 @@ def layer_key(index: int) -> str:
     return f"layer_{index:03d}"
 
 
-def _path_name(path) -> str:
+def path_name(path) -> str:
+    """A pytree path as a name: keys joined by '/'."""
     return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
 
 
@@ -113,7 +114,7 @@ class StageArrays:
             spec_leaves = treedef.flatten_up_to(specs)
             moe = jm.layer_kind(arch, layer) == "moe_block"
             for (path, s), spec in zip(flat, spec_leaves):
-                name = f"{kind}/{layer_key(layer)}" + (f"/{_path_name(path)}" if path else "")
+                name = f"{kind}/{layer_key(layer)}" + (f"/{path_name(path)}" if path else "")
                 expert = ep > 1 and moe and any(part in jm.EXPERT_PARAMS for part in name.split("/"))
                 self.leaves.append(Leaf(name, tuple(s.shape), jnp.dtype(s.dtype).name,
                                         sharded_dim(spec, len(s.shape)), expert))
