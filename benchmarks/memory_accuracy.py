@@ -168,6 +168,9 @@ def main(argv=None) -> int:
                  for gpu in MEASURED_GPUS for r in gpu_rows(gpu, current=False)]}
     for name, rows in (("gpu-target", gpu_target_rows()), ("alpa-dp", alpa_rows())):
         result[name] = {"summary": summary(rows), "rows": rows}
+    # The compiled plans that split their optimizer states over dp (ZeRO-1).
+    result["gpu-target"]["zero1_summary"] = summary([r for r in result["gpu-target"]["rows"]
+                                                     if parse_plan(r["plan"]).zero_level == 1])
     result["runner_program"] = summary([r for gpu in MEASURED_GPUS for r in result[gpu]["rows"]]
                                        + result["gpu-target"]["rows"])
     text = json.dumps(result, indent=1)
