@@ -159,7 +159,7 @@ def physics_options(physics: SharedPhysics) -> EstimateOptions:
     # The measured rows are Alpa's runs: its program's memory (fp16 weights and gradients,
     # ZeRO-2-like sharding) decides which of them fit, not our runner's.
     return EstimateOptions(micro_batches=MICRO_BATCHES, efficiency=table,
-                           memory=MemoryOptions(zero_level=2, program="alpa"), expert_parallel=True)
+                           memory=MemoryOptions(zero_level=1, program="alpa"), expert_parallel=True)
 
 
 def leave_one_type_out(rows: list[Row]) -> dict:

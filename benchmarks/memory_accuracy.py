@@ -147,7 +147,7 @@ def alpa_rows() -> list[dict]:
                 continue
             plan = f"cell=a100x{n}:s1 plan=[dp{n}tp1] mb=16 remat=1"
             # Alpa's program: mixed-precision states sharded by its reduce-scatter (ZeRO-2).
-            est = estimate_plan_gb(model, batch, plan, "a100", MemoryOptions(zero_level=2, program="alpa"))
+            est = estimate_plan_gb(model, batch, plan, "a100", MemoryOptions(zero_level=1, program="alpa"))
             out.append({"model": model, "global_batch": batch, "plan": plan, "peak_gb": gb, "source": "alpa-dp",
                         "estimate_gb": round(est, 3), "accuracy": round(_acc(est, gb), 4)})
     return out

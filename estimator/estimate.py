@@ -230,9 +230,12 @@ def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan, co
         sources.add(src)
         comm_s += comm_passes * t
     # GPipe keeps every micro-batch's residuals until the backward passes start (the
-    # runner's buffer has a spare row); a single stage is plain gradient accumulation, one
-    # micro-batch at a time.
-    in_flight = B + 1 if ctx.cell.num_stages > 1 else 1
+    # runner's buffer has a spare row). The runner's single stage is plain gradient
+    # accumulation, one micro-batch at a time; Alpa runs GPipe on one stage too.
+    if memory.program == "alpa":
+        in_flight = B
+    else:
+        in_flight = B + 1 if ctx.cell.num_stages > 1 else 1
     profiled_acts = _profiled_activations(ctx, plan) if compiled is None else None
     mem = stage_memory(model, layers, dp, tp, max(1, math.ceil(micro)), in_flight, ctx.remat,
                        memory, micro_batches=B, activation_bytes_per_sample=profiled_acts,

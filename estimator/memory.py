@@ -50,10 +50,15 @@ MASTER_BYTES = 4.0  # fp32 master weights (the runner's only copy of the weights
 GRADIENT_BYTES = 4.0  # fp32 gradient accumulator
 ZERO_LEVELS = (0, 1, 2, 3)
 # Whose buffers are counted: ``runner`` (job_scripts/pipeline.py, what jobs here run) or
-# ``alpa`` (the program behind the measured tables: fp16 weights and gradients beside the
-# fp32 master and states, no update copies; run it with zero_level=2, as Alpa's
-# reduce-scatter gradient sync shards them).
+# ``alpa`` (the program behind the measured tables). Alpa's, as its data-parallel memory
+# figures show it (MODELS.md, dp_mem; docs/estimator.md): fp16 weights and accumulated fp16
+# gradients on every GPU, the fp32 master and optimizer states split over dp by its
+# reduce-scatter gradient sync (run it with zero_level=1), no update copies, and GPipe
+# keeping every micro-batch's stash even on one stage (the estimator's ``in_flight``).
 PROGRAMS = ("runner", "alpa")
+# Alpa's layer construction clusters a model into this many layers, the unit of its
+# rematerialization (MODELS.md: "auto layers 16").
+ALPA_AUTO_LAYERS = 16
 # What job_scripts/pipeline.py runs: replicated states, or (ZeRO-1,
 # job_scripts/flat_optimizer.py) states split over dp for optimizers whose update is
 # elementwise, outside expert parallelism.
@@ -192,6 +197,10 @@ def stage_memory(model: ModelSpec, layers: tuple[LayerSpec, ...], dp: int, tp: i
     per_sample = activation_bytes_per_sample or tuple(activation_bytes(layer, tp) for layer in layers)
     if remat:
         kept = sum(layer.output_bytes for layer in layers)
+        if options.program == "alpa":
+            # Alpa remats its own layers (ALPA_AUTO_LAYERS clusters of the model's), keeping
+            # one input per cluster: the stage's share of them.
+            kept *= ALPA_AUTO_LAYERS / model.num_layers
         acts = micro_batch * (in_flight * kept + max(per_sample))
     else:
         acts = micro_batch * in_flight * sum(per_sample)

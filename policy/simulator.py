@@ -277,7 +277,7 @@ class EstimateCache:
     def _analytic(self, spec: JobSpec, plan_space: str) -> tuple[CellEstimate, ...]:
         from estimator.estimate import EstimateOptions, estimate_job
         from estimator.memory import MemoryOptions
-        memory = MemoryOptions(program="alpa", zero_level=2) if self.program == "alpa" else MemoryOptions()
+        memory = MemoryOptions(program="alpa", zero_level=1) if self.program == "alpa" else MemoryOptions()
         return estimate_job(spec, self.cluster, EstimateOptions(plan_space=plan_space, memory=memory)).cells
 
     def get(self, spec: JobSpec) -> tuple[tuple[CellEstimate, ...], tuple[CellEstimate, ...], frozenset]:
