@@ -157,7 +157,8 @@ def physics_options(physics: SharedPhysics) -> EstimateOptions:
     """The measurement's settings, every catalog type's parameters from ``physics``."""
     table = {name: datasheet_efficiency(g, physics) for name, g in CATALOG.items()}
     # The measured rows are Alpa's runs: its program's memory (fp16 weights and gradients,
-    # ZeRO-2-like sharding) decides which of them fit, not our runner's.
+    # master and states split over dp, GPipe's stash) decides which of them fit, not our
+    # runner's.
     return EstimateOptions(micro_batches=MICRO_BATCHES, efficiency=table,
                            memory=MemoryOptions(zero_level=1, program="alpa"), expert_parallel=True)
 

@@ -11,7 +11,7 @@ Sources (each row names its own):
   ``memory_analysis()`` peak plus the estimator's 1 GB reserve
   (``benchmarks/results_memory_gpu_target.json``, made by ``--compile``).
 - ``alpa-dp``: the per-GPU data-parallel figures of ``MODELS.md``, estimated for Alpa's
-  program (``MemoryOptions(program="alpa", zero_level=2)``), not the runner's.
+  program (``MemoryOptions(program="alpa", zero_level=1)``), not the runner's.
 
 Accuracy = 1 − |estimate − reference| / reference. ``python benchmarks/memory_accuracy.py``
 prints JSON; ``--json FILE`` also writes it.
@@ -146,7 +146,8 @@ def alpa_rows() -> list[dict]:
             if gb <= 0 or (batch // 16) % n:
                 continue
             plan = f"cell=a100x{n}:s1 plan=[dp{n}tp1] mb=16 remat=1"
-            # Alpa's program: mixed-precision states sharded by its reduce-scatter (ZeRO-2).
+            # Alpa's program: master and states split over dp by its reduce-scatter (ZeRO-1),
+            # every micro-batch's stash kept (GPipe, even on one stage).
             est = estimate_plan_gb(model, batch, plan, "a100", MemoryOptions(zero_level=1, program="alpa"))
             out.append({"model": model, "global_batch": batch, "plan": plan, "peak_gb": gb, "source": "alpa-dp",
                         "estimate_gb": round(est, 3), "accuracy": round(_acc(est, gb), 4)})

@@ -257,7 +257,8 @@ class EstimateCache:
         program: the training program whose memory the estimates count: the one the
             measured rates came from, so that policies judge what fits as the ground truth
             ran it. ``alpa`` for the shipped table (the Crius/Arena artifact ran Alpa:
-            mixed-precision states sharded ZeRO-2 style); ``runner`` for rates measured with
+            fp16 weights and gradients on every GPU, master and states split over dp,
+            GPipe's stash of every micro-batch; ``estimator.memory``); ``runner`` for rates measured with
             this repository's runner. Counting the runner's memory against Alpa's rates
             had data-parallel policies (they see dp-only Cells, whose replicated states
             fit only on more GPUs) refuse allocations the table ran: gavel-greedy 2.57 h
