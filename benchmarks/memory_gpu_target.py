@@ -53,6 +53,7 @@ def compile_plan(spec_path: str, model: str, global_batch: int, plan_text: str) 
           ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
            "peak_memory_in_bytes")}
     return {"model": model, "global_batch": global_batch, "plan": plan_text, "target": Path(spec_path).stem,
+            "gpu_type": parse_plan(plan_text).gpu_type,
             "jax_version": jax.__version__, "compiled_gb": gb, "compiled_peak_gb": gb["peak_memory_in_bytes"],
             "program_revision": PROGRAM_REVISION}
 

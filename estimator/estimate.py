@@ -29,7 +29,8 @@ from estimator.gpus import gpu_type as _gpu_type
 from estimator.jobs import JobSpec
 from estimator.host import HostSpec, default_host
 from estimator.memory import (
-    OPTIMIZER_STATE_BYTES, ZERO_LEVELS, MemoryOptions, StageMemory, host_memory_gb, stage_memory, stage_params,
+    OPTIMIZER_STATE_BYTES, ZERO_LEVELS, MemoryOptions, StageMemory, host_memory_gb, pipeline_row_bytes,
+    remat_row_bytes, stage_memory, stage_params,
 )
 from estimator.models import DTYPE_BYTES, ModelSpec, load_model
 from estimator.partition import arena_stage_gpus, balanced_partition, stage_gpu_counts
@@ -242,11 +243,16 @@ def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan, co
                        expert_parallel=plan.ep)
     compiled_peak_gb = None
     if compiled is not None and compiled.memory_bytes:
-        # The compiled step holds one micro-batch; GPipe keeps the others' stage inputs too.
-        kept = sum(layer.output_bytes for layer in layers) if ctx.remat else \
-            sum(layer.activation_bytes for layer in layers)
-        compiled_peak_gb = (compiled.memory_bytes + (in_flight - 1) * micro * kept) / 1e9 \
-            + ctx.options.memory.reserve_gb
+        # The compiled step holds one micro-batch; GPipe keeps the others' residuals too
+        # (under remat the stage's inputs).
+        if ctx.remat:
+            row = micro * (remat_row_bytes(layers) if memory.program == "runner" else
+                           sum(x.output_bytes for x in layers))
+        elif memory.program == "runner":
+            row = pipeline_row_bytes(layers, dp, tp, micro, d, plan.ep)
+        else:
+            row = micro * sum(x.activation_bytes for x in layers)
+        compiled_peak_gb = (compiled.memory_bytes + (in_flight - 1) * row) / 1e9 + memory.reserve_gb
     peak_gb = mem.peak_gb if compiled_peak_gb is None else compiled_peak_gb
     usable = gpu.memory_gb * ctx.options.memory.usable_frac
     host_usable = host.memory_gb_per_gpu * ctx.options.memory.usable_frac
@@ -310,7 +316,7 @@ def _profiled_activations(ctx: _Context, plan: StagePlan) -> tuple[float, ...] |
 
 def pipeline_peak_gb(costs: tuple[StageCost, ...], memory: MemoryOptions) -> float:
     """Peak memory per GPU of a plan. The runner runs every stage as one SPMD program, so
-    each device's weight, gradient, optimizer and kept-activation buffers are as long as
+    each device's weight, gradient, optimizer and residual buffers are as long as
     the largest stage's (``job_scripts.packing``): a pipeline's stages are padded to the
     largest of each. Other programs (``memory.program``), single stages and compiled
     figures take each stage's own peak."""
@@ -321,7 +327,8 @@ def pipeline_peak_gb(costs: tuple[StageCost, ...], memory: MemoryOptions) -> flo
     return StageMemory(max(x.weights_gb for x in m), max(x.gradients_gb for x in m),
                        max(x.optimizer_gb for x in m), max(x.activations_gb for x in m),
                        max(x.reserve_gb for x in m), max(x.update_gb for x in m),
-                       any(x.accumulating for x in m), max(x.host_gb for x in m)).peak_gb
+                       any(x.accumulating for x in m), max(x.host_gb for x in m), max(x.stash_gb for x in m),
+                       max(x.row_gb for x in m), any(x.summed_apart for x in m)).peak_gb
 
 
 def pipeline_time_s(costs: tuple[StageCost, ...], micro_batches: int) -> float:

@@ -571,12 +571,19 @@ def label_shape(arch: Arch, micro_batch: int) -> tuple[int, ...]:
     return (micro_batch, arch.seq_len) if arch.family != "wide_resnet" else (micro_batch,)
 
 
-def stage_forward(stage: Stage, params: list, state: list, x, ctx: ShardCtx = NO_SHARD):
-    """Run a stage's layers; each layer under jax.checkpoint when remat is on."""
+def stage_forward(stage: Stage, params: list, state: list, x, ctx: ShardCtx = NO_SHARD, finish=None):
+    """Run a stage's layers; each layer under jax.checkpoint when remat is on.
+
+    ``finish`` (the last stage's loss) is applied to the last layer's output inside that
+    layer's checkpoint, so a backward recomputes it rather than keep its residuals (the
+    fp32 log-softmax: s × vocabulary per sample).
+    """
     new_state = []
+    last = stage.layers[-1]
     for i, layer in enumerate(stage.layers):
         def one(p, s, h, layer=layer):
-            return apply_layer(stage.arch, layer, p, s, h, ctx)
+            y, s = apply_layer(stage.arch, layer, p, s, h, ctx)
+            return (finish(y) if finish is not None and layer == last else y), s
         fn = jax.checkpoint(one) if stage.remat else one
         x, s = fn(params[i], state[i], x)
         new_state.append(s)
@@ -592,9 +599,9 @@ def stage_grad(stage: Stage, params, state, x, target, ctx: ShardCtx = NO_SHARD,
     """
     def fwd(p, h):
         if runs is None:
-            out, s = stage_forward(stage, p, state, h, ctx)
-        else:
-            out, s = runs_forward(stage, runs, p, state, h, ctx)
+            finish = (lambda out: loss_fn(out, target, ctx.tp)) if stage.is_last else None
+            return stage_forward(stage, p, state, h, ctx, finish)
+        out, s = runs_forward(stage, runs, p, state, h, ctx)
         if stage.is_last:
             return loss_fn(out, target, ctx.tp), s
         return out, s

@@ -107,12 +107,18 @@ class StageMemory:
     update_gb: float = 0.0  # the optimizer update's temporaries on the GPU
     accumulating: bool = False  # more than one micro-batch: a second gradient buffer
     host_gb: float = 0.0  # host memory per GPU (ZeRO-Offload)
+    # The runner's pipelines: the residual rows kept from step to step (every phase), one
+    # row (the backward copies its row out of them and unpacks it: two), and whether the
+    # data-parallel gradient sum lands in a buffer of its own (inside the stage's branch).
+    stash_gb: float = 0.0
+    row_gb: float = 0.0
+    summed_apart: bool = False
 
     @property
     def peak_gb(self) -> float:
-        backward = self.gradients_gb * (2 if self.accumulating else 1) + self.activations_gb
-        update = self.gradients_gb + self.update_gb
-        return self.weights_gb + self.optimizer_gb + self.reserve_gb + max(backward, update)
+        backward = self.gradients_gb * (2 if self.accumulating else 1) + self.activations_gb + 2 * self.row_gb
+        update = self.gradients_gb * (2 if self.summed_apart else 1) + self.update_gb
+        return self.weights_gb + self.optimizer_gb + self.reserve_gb + self.stash_gb + max(backward, update)
 
 
 def state_bytes_per_param(model: ModelSpec) -> tuple[float, float, float]:
@@ -130,6 +136,31 @@ def activation_bytes(layer: LayerSpec, tp: int) -> float:
     """Bytes one sample keeps through a layer without rematerialization, under tp."""
     split = layer.activation_bytes - layer.activation_bytes_tp_shared
     return layer.activation_bytes_tp_shared + split / tp
+
+
+def residual_bytes(layer: LayerSpec, tp: int) -> float:
+    """Bytes one sample leaves in the runner's vjp residuals through a layer without
+    rematerialization, under tp."""
+    split = layer.residual_bytes - layer.residual_bytes_tp_shared
+    return layer.residual_bytes_tp_shared + split / tp
+
+
+def remat_row_bytes(layers: tuple[LayerSpec, ...]) -> float:
+    """Per sample, what a runner's stage keeps under remat: each layer's input."""
+    return sum(layer.input_bytes for layer in layers)
+
+
+def pipeline_row_bytes(layers: tuple[LayerSpec, ...], dp: int, tp: int, micro_batch: int, d: float,
+                       expert_parallel: bool) -> float:
+    """One residual row of a runner pipeline's stage without remat: its micro-batch's
+    residuals and the compute-dtype copies of the weights its layers cast (the vjp keeps
+    them; the embedding gathers rows instead, and fp32 weights need no copy)."""
+    copies = 0.0
+    if d < MASTER_BYTES:
+        replicated, experts = stage_params(tuple(x for x in layers if x.kind != "embedding"), dp, tp,
+                                           expert_parallel)
+        copies = (replicated + experts) * d
+    return micro_batch * sum(residual_bytes(layer, tp) for layer in layers) + copies
 
 
 def stage_params(layers: tuple[LayerSpec, ...], dp: int, tp: int, expert_parallel: bool) -> tuple[float, float]:
@@ -165,6 +196,7 @@ def stage_memory(model: ModelSpec, layers: tuple[LayerSpec, ...], dp: int, tp: i
     """
     replicated, experts = stage_params(layers, dp, tp, expert_parallel)
     z, d = options.zero_level, float(DTYPE_BYTES[model.dtype])
+    pipeline = options.program == "runner" and in_flight > 1  # the runner's residual rows
     opt_b = OPTIMIZER_STATE_BYTES[model.optimizer]
 
     def per_gpu(level: int) -> float:
@@ -188,14 +220,30 @@ def stage_memory(model: ModelSpec, layers: tuple[LayerSpec, ...], dp: int, tp: i
         weights = per_gpu(3) * MASTER_BYTES
         grads = per_gpu(2) * GRADIENT_BYTES
         opt = per_gpu(1) * opt_b
-        if model.optimizer in ELEMENTWISE_OPTIMIZERS and not expert_parallel:
+        if model.optimizer in ELEMENTWISE_OPTIMIZERS and not expert_parallel and pipeline:
+            # A pipeline's update, inside its stage's branch: as much as ZeRO-0's at any
+            # level (the GPU-target compiles show it), ZeRO-1 splitting only the states.
+            update = (replicated + experts) * FLAT_UPDATE_BYTES[model.optimizer]
+        elif model.optimizer in ELEMENTWISE_OPTIMIZERS and not expert_parallel:
             # The flat update in place; from ZeRO-1 on a chunk, with the chunks of the
             # summed gradients and the new weights.
             update = per_gpu(1) * (FLAT_UPDATE_BYTES[model.optimizer] + (2 * MASTER_BYTES if z else 0.0))
         else:
             update = per_gpu(1) * (MASTER_BYTES + 2 * opt_b)
     per_sample = activation_bytes_per_sample or tuple(activation_bytes(layer, tp) for layer in layers)
-    if remat:
+    stash = row = 0.0
+    if pipeline:
+        # A pipeline keeps a row per micro-batch in flight: under remat each layer's input
+        # (the loss is recomputed with the last layer), without it the vjp's residuals,
+        # unfused, with the compute-dtype weights its layers cast. One micro-batch's
+        # forward is live beside them.
+        if remat:
+            row = micro_batch * remat_row_bytes(layers)
+        else:
+            row = pipeline_row_bytes(layers, dp, tp, micro_batch, d, expert_parallel)
+        stash = in_flight * row
+        acts = micro_batch * max(per_sample)
+    elif remat:
         kept = sum(layer.output_bytes for layer in layers)
         if options.program == "alpa":
             # Alpa remats its own layers (ALPA_AUTO_LAYERS clusters of the model's), keeping
@@ -209,8 +257,11 @@ def stage_memory(model: ModelSpec, layers: tuple[LayerSpec, ...], dp: int, tp: i
         acts += max(layer.params - (layer.expert_params if expert_parallel else 0) for layer in layers) / tp * d
     gb = 1e-9
     accumulating = micro_batches > 1 and options.program == "runner"
+    # In a pipeline the update runs inside the stage's branch, where XLA sums the
+    # data-parallel gradients into a new buffer rather than the accumulator's.
+    summed_apart = pipeline and dp > 1
     return StageMemory(weights * gb, grads * gb, opt * gb, acts * gb, options.reserve_gb,
-                       update * gb, accumulating, host * gb)
+                       update * gb, accumulating, host * gb, stash * gb, row * gb, summed_apart)
 
 
 # The runner's process on the host: Python, JAX, the CUDA context's host side, the data.

@@ -53,6 +53,12 @@ class LayerSpec:
     batch_stat_bytes: float = 0.0  # payload of one such reduction (sums per channel, fp32)
     experts: int = 0  # MoE layers: the expert count
     expert_params: int = 0  # MoE layers: the part of params in the experts
+    # What the runner's backward keeps from the forward without remat (tp = 1): the
+    # residuals of JAX's vjp, tensor by tensor and unfused, which a pipeline stores for
+    # every micro-batch in flight (job_scripts/pipeline.py); the part tp does not split.
+    residual_bytes: float = 0.0
+    residual_bytes_tp_shared: float = 0.0
+    input_bytes: float = 0.0  # the layer's input: what the runner keeps of it under remat
 
 
 @dataclass(frozen=True)
@@ -89,8 +95,19 @@ def _transformer_layer(i: int, s: int, h: int, a: int, ffn_ratio: int, d: int) -
     shared = 10 * s * h * d / 2
     split = ((8 + 4 * r) * s * h + 5 * a * s * s) * d / 2
     elementwise = shared + split  # fused kernels touch each kept tensor about once
+    res_shared, res_split = _attention_residuals(s, h, a, d)
+    res_split += 4 * ffn_ratio * s * h * d  # four [s, r·h] tensors of the FFN's hidden
     return LayerSpec(f"layer{i}", "transformer", params, flops, elementwise, shared + split,
-                     shared, s * h * d, 2 * s * h * d)
+                     shared, s * h * d, 2 * s * h * d,
+                     residual_bytes=res_shared + res_split, residual_bytes_tp_shared=res_shared,
+                     input_bytes=s * h * d)
+
+
+def _attention_residuals(s: int, h: int, a: int, d: int) -> tuple[float, float]:
+    """(whole, tp-split) bytes per sample the runner's vjp keeps of a block's attention
+    half and its two LayerNorms: six fp32 [s, h] tensors and two in the compute dtype
+    whole; q, k, v and the context, and the scores in fp32 and the compute dtype, split."""
+    return (24 + 2 * d) * s * h, 4 * d * s * h + (4 + d) * a * s * s
 
 
 def _moe_layer(i: int, s: int, h: int, a: int, experts: int, d: int) -> LayerSpec:
@@ -115,8 +132,16 @@ def _moe_layer(i: int, s: int, h: int, a: int, experts: int, d: int) -> LayerSpe
     elementwise = shared + split + routing
     # GShard all-to-all: dispatch and combine each move the routed tokens once.
     alltoall = 2 * tokens_routed * h * d
+    res_shared, res_split = _attention_residuals(s, h, a, d)
+    # Per token: the fp16 dispatch and combine tensors (E·C slots each), the tokens in and
+    # out of the experts (2 slots a token), their hidden twice and its ReLU mask, and the
+    # fp32 routing's [C] and [E] vectors.
+    res_split += s * (2 * d * experts * capacity + 4 * d * h + (2 * d + 1) * 2 * expert_ffn
+                      + 8 * capacity + 12 * experts)
     return LayerSpec(f"layer{i}", "moe", params, flops, elementwise, shared + split, shared,
-                     s * h * d, 2 * s * h * d, alltoall, experts=experts, expert_params=expert_params)
+                     s * h * d, 2 * s * h * d, alltoall, experts=experts, expert_params=expert_params,
+                     residual_bytes=res_shared + res_split, residual_bytes_tp_shared=res_shared,
+                     input_bytes=s * h * d)
 
 
 def transformer_model(name: str, family: str, *, hidden: int, layers: int, heads: int,
@@ -127,7 +152,9 @@ def transformer_model(name: str, family: str, *, hidden: int, layers: int, heads
     s, h, a, d = sequence, hidden, heads, DTYPE_BYTES[dtype]
     rows = sequence if position_rows is None else position_rows
     embed = LayerSpec("embedding", "embedding", vocab * h + rows * h + 2 * h, 0.0,
-                      4 * s * h * d, 2 * s * h * d, 2 * s * h * d, s * h * d, 0.0)
+                      4 * s * h * d, 2 * s * h * d, 2 * s * h * d, s * h * d, 0.0,
+                      residual_bytes=(8 + 2 * d) * s * h, residual_bytes_tp_shared=(8 + 2 * d) * s * h,
+                      input_bytes=4 * s)  # int32 tokens
     blocks = []
     for i in range(layers):
         if experts and i % 2 == 0:
@@ -137,7 +164,9 @@ def transformer_model(name: str, family: str, *, hidden: int, layers: int, heads
     # Untied head: logits in the compute dtype plus an fp32 log-softmax for the loss.
     logits_bytes = s * vocab * (d + 4)
     head = LayerSpec("head", "head", vocab * h + vocab, 2 * s * h * vocab,
-                     2 * logits_bytes, logits_bytes + s * h * d, s * h * d, 4.0 * s, 0.0)
+                     2 * logits_bytes, logits_bytes + s * h * d, s * h * d, 4.0 * s, 0.0,
+                     residual_bytes=s * h * d + 4.0 * s * vocab,
+                     residual_bytes_tp_shared=s * h * d, input_bytes=s * h * d)
     return ModelSpec(name, family, (embed, *blocks, head), dtype, optimizer, s, h, a,
                      MOE_GROUP_TOKENS if experts else 0)
 
@@ -162,8 +191,13 @@ def wide_resnet(name: str, base_channels: int, width: int, image: int = 224,
         moved = sum(3 * c[2] for c in convs) * d + in_elems * d
         tp_bytes = out_elems * d
         stat_bytes = 2 * 4 * max(c[3] for c in convs)  # mean and variance per channel
+        # The runner's vjp keeps five fp32 tensors and a ReLU mask per output element of a
+        # conv + BN + ReLU, two and a mask for the shortcut's projection (the fourth conv).
+        residual = sum((5 * d + 1 if k < 3 else 2 * d + 1) * c[2] for k, c in enumerate(convs))
         return LayerSpec(lname, kind, params, flops, moved, kept, in_elems * d, out_elems * d, tp_bytes,
-                         batch_stat_syncs=len(convs), batch_stat_bytes=stat_bytes)
+                         batch_stat_syncs=len(convs), batch_stat_bytes=stat_bytes,
+                         residual_bytes=residual, residual_bytes_tp_shared=in_elems * d,
+                         input_bytes=in_elems * d)
 
     stem_conv = conv(image // 2, 7, 3, C)
     hw = image // 4  # after the 3x3/2 max-pool
@@ -181,7 +215,8 @@ def wide_resnet(name: str, base_channels: int, width: int, image: int = 224,
             cin, hw = 4 * f, out_hw
     head_params = cin * classes + classes
     layers.append(LayerSpec("classifier", "classifier", head_params, 2.0 * cin * classes,
-                            hw * hw * cin * d * 2, hw * hw * cin * d, 0.0, classes * d, classes * d))
+                            hw * hw * cin * d * 2, hw * hw * cin * d, 0.0, classes * d, classes * d,
+                            input_bytes=hw * hw * cin * d))
     return ModelSpec(name, "wide_resnet", tuple(layers), "fp32", "sgd")
 
 

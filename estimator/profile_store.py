@@ -178,6 +178,9 @@ class ProfileView:
 # Fields ``LayerSpec`` gained after stores were first written: left out of the fingerprint
 # while at their defaults, so a store profiled before them still matches its models.
 LATER_LAYER_FIELDS = ("experts", "expert_params")
+# Fields that model what the runner keeps for its backward pass, added after stores were
+# first written: always left out, so refining that model keeps every store's models matching.
+RUNNER_MEMORY_FIELDS = ("residual_bytes", "residual_bytes_tp_shared", "input_bytes")
 
 
 def model_fingerprint(model) -> str:
@@ -192,7 +195,8 @@ def model_fingerprint(model) -> str:
 def _layer_text(layer) -> str:
     """The layer's dataclass repr without the later fields that are at their defaults."""
     shown = [f"{f.name}={getattr(layer, f.name)!r}" for f in fields(layer)
-             if not (f.name in LATER_LAYER_FIELDS and getattr(layer, f.name) == f.default)]
+             if f.name not in RUNNER_MEMORY_FIELDS
+             and not (f.name in LATER_LAYER_FIELDS and getattr(layer, f.name) == f.default)]
     return f"{type(layer).__name__}({', '.join(shown)})"
 
 

@@ -55,7 +55,9 @@ PP = "pp"
 # Raised when the step's memory or time changes enough that measurements of the earlier
 # program no longer describe it (benchmarks record it with what they measure):
 # 2 (2026-11-26): elementwise optimizers step the flat buffers in place, ZeRO-1.
-PROGRAM_REVISION = 2
+# 3 (2026-11-27): under remat the loss runs inside the last layer's checkpoint, so a
+#   pipeline's residual rows keep no log-softmax.
+PROGRAM_REVISION = 3
 
 
 @dataclass(frozen=True)
@@ -173,10 +175,10 @@ class Pipeline:
         last = st.index == len(self.stages) - 1
 
         def f(params, x):
-            out, new_state = jm.stage_forward(stage, params, model_state, x, ctx)
-            if last:
-                return jm.loss_fn(out, target, st.coll), new_state
-            return out, new_state
+            # The loss inside the last layer's checkpoint: under remat a pipeline's rows
+            # keep no log-softmax (docs/estimator.md, memory).
+            finish = (lambda out: jm.loss_fn(out, target, st.coll)) if last else None
+            return jm.stage_forward(stage, params, model_state, x, ctx, finish)
         return f
 
     def _stage_vjp(self, st: PlacedStage, params, model_state, x, target):
