@@ -12,11 +12,14 @@ backend)::
 
 prints one JSON row; ``--collect rows.jsonl`` writes ``results_memory_gpu_target.json``.
 Each row names the runner's ``PROGRAM_REVISION`` it compiled; ``--compare OLD.json`` prints
-each plan's peak in OLD (``results_memory_gpu_target_rev1.json``: the program before the
-in-place optimizer update) beside the current file's, with the ratio's median, mean and
-worst (largest)::
+each plan's peak in OLD beside the current file's (or ``--with NEW``'s), with the ratio's
+median, mean and worst (largest): ``results_memory_gpu_target_rev1.json`` is the program
+before the in-place optimizer update, ``results_memory_gpu_target_rev2.json`` the one
+before the loss ran inside the last layer's checkpoint::
 
-    python benchmarks/memory_gpu_target.py --compare benchmarks/results_memory_gpu_target_rev1.json
+    python benchmarks/memory_gpu_target.py --compare benchmarks/results_memory_gpu_target_rev1.json \
+        --with benchmarks/results_memory_gpu_target_rev2.json
+    python benchmarks/memory_gpu_target.py --compare benchmarks/results_memory_gpu_target_rev2.json
 """
 
 import argparse
@@ -58,12 +61,13 @@ def compile_plan(spec_path: str, model: str, global_batch: int, plan_text: str) 
             "program_revision": PROGRAM_REVISION}
 
 
-def compare(old_path: str) -> dict:
-    """Per plan compiled in both files, the peak before (``old_path``) and now, and now ÷ before."""
+def compare(old_path: str, new_path: Path = OUT) -> dict:
+    """Per plan compiled in both files, the peak before (``old_path``) and now
+    (``new_path``), and now ÷ before."""
     def by_plan(path):
         rows = json.loads(Path(path).read_text())["rows"]
         return {(r["target"], r["model"], r["global_batch"], r["plan"]): r for r in rows}
-    before, now = by_plan(old_path), by_plan(OUT)
+    before, now = by_plan(old_path), by_plan(new_path)
     rows = [{"model": k[1], "global_batch": k[2], "plan": k[3], "target": k[0],
              "before_gb": before[k]["compiled_peak_gb"], "now_gb": now[k]["compiled_peak_gb"],
              "ratio": round(now[k]["compiled_peak_gb"] / before[k]["compiled_peak_gb"], 4)}
@@ -74,7 +78,7 @@ def compare(old_path: str) -> dict:
     # The plans the in-place update applies to: AdamW (gpt) and SGD (wide_resnet) at ZeRO-0
     # (Adafactor's MoE steps layer by layer; ZeRO-1 was flat from the start).
     flat = [r["ratio"] for r in rows if not r["model"].startswith("moe") and "zero=" not in r["plan"]]
-    return {"before": Path(old_path).name, "now": OUT.name, "rows": rows,
+    return {"before": Path(old_path).name, "now": Path(new_path).name, "rows": rows,
             "ratio": summary([r["ratio"] for r in rows]), "ratio_adamw_sgd_zero0": summary(flat)}
 
 
@@ -86,9 +90,11 @@ def main(argv=None) -> int:
     ap.add_argument("--plan")
     ap.add_argument("--collect", help="a file of rows printed by earlier runs")
     ap.add_argument("--compare", metavar="OLD", help="an earlier results file to compare the current one with")
+    ap.add_argument("--with", dest="new", metavar="NEW", type=Path, default=OUT,
+                    help="with --compare: the later results file (default: the current one)")
     args = ap.parse_args(argv)
     if args.compare:
-        print(json.dumps(compare(args.compare), indent=1))
+        print(json.dumps(compare(args.compare, args.new), indent=1))
         return 0
     if args.collect:
         rows = [json.loads(line) for line in Path(args.collect).read_text().splitlines() if line.strip()]
