@@ -23,7 +23,8 @@ stage's splits with dp > 1 are also tried with their experts split over the stag
 - Rematerialization only where needed: a plan is scored with remat on only when it does
   not fit without it (remat never makes a plan faster, only smaller).
 - Micro-batches by local search: all plans at the Cell's micro-batch count, then the best
-  few walk to neighbouring counts (×2, ÷2) while that improves them.
+  few walk to neighbouring counts (×2, ÷2) while that improves them; one that needs remat
+  also tries the fewest more micro-batches that fit without it.
 """
 
 import logging
@@ -288,7 +289,10 @@ def _pruned_search(job, cell, cluster, model, options: TuneOptions, per_stage, p
 
 
 def _walk_micro_batches(scorer: _Scorer, start: ScoredPlan, mbs: tuple[int, ...]) -> None:
-    """Hill-climb over micro-batch counts from ``start`` in both directions."""
+    """Hill-climb over micro-batch counts from ``start`` in both directions. A start that
+    needs remat also tries the fewest more micro-batches that fit without it: dropping the
+    recompute can outweigh smaller micro-batches, and the climb stops before it gets there
+    (each count on the way still needing remat is slower)."""
     i0 = mbs.index(start.candidate.micro_batches)
     for step in (1, -1):
         best, i = start, i0 + step
@@ -297,3 +301,7 @@ def _walk_micro_batches(scorer: _Scorer, start: ScoredPlan, mbs: tuple[int, ...]
             if nxt.rank_key() >= best.rank_key():
                 break
             best, i = nxt, i + step
+    if start.candidate.remat:
+        for mb in mbs[i0 + 1:]:
+            if scorer(Candidate(start.candidate.stages, mb, False)).score.feasible:
+                break
