@@ -14,12 +14,15 @@ prints one JSON row; ``--collect rows.jsonl`` writes ``results_memory_gpu_target
 Each row names the runner's ``PROGRAM_REVISION`` it compiled; ``--compare OLD.json`` prints
 each plan's peak in OLD beside the current file's (or ``--with NEW``'s), with the ratio's
 median, mean and worst (largest): ``results_memory_gpu_target_rev1.json`` is the program
-before the in-place optimizer update, ``results_memory_gpu_target_rev2.json`` the one
-before the loss ran inside the last layer's checkpoint::
+before the in-place optimizer update, ``_rev2`` the one before the loss ran inside the
+last layer's checkpoint, ``_rev3`` the one before pipelines split alike updated outside
+their stage switch::
 
     python benchmarks/memory_gpu_target.py --compare benchmarks/results_memory_gpu_target_rev1.json \
         --with benchmarks/results_memory_gpu_target_rev2.json
-    python benchmarks/memory_gpu_target.py --compare benchmarks/results_memory_gpu_target_rev2.json
+    python benchmarks/memory_gpu_target.py --compare benchmarks/results_memory_gpu_target_rev2.json \
+        --with benchmarks/results_memory_gpu_target_rev3.json
+    python benchmarks/memory_gpu_target.py --compare benchmarks/results_memory_gpu_target_rev3.json
 """
 
 import argparse

@@ -323,12 +323,15 @@ def pipeline_peak_gb(costs: tuple[StageCost, ...], memory: MemoryOptions) -> flo
     if memory.program != "runner" or len(costs) < 2 or any(c.compiled_peak_gb is not None for c in costs):
         return max(c.peak_gb for c in costs)
     m = [c.memory for c in costs]
+    # Stages split alike run one update program outside the stage switch
+    # (``job_scripts.pipeline``: the flat elementwise step over the same dp axes).
+    in_branch = len({(c.plan.dp, c.plan.tp, c.plan.ep) for c in costs}) > 1
     # Each buffer at least any stage's, so this is never below a stage's own peak.
     return StageMemory(max(x.weights_gb for x in m), max(x.gradients_gb for x in m),
                        max(x.optimizer_gb for x in m), max(x.activations_gb for x in m),
                        max(x.reserve_gb for x in m), max(x.update_gb for x in m),
                        any(x.accumulating for x in m), max(x.host_gb for x in m), max(x.stash_gb for x in m),
-                       max(x.row_gb for x in m), any(x.summed_apart for x in m)).peak_gb
+                       max(x.row_gb for x in m), max(x.branch_update_gb for x in m), in_branch).peak_gb
 
 
 def pipeline_time_s(costs: tuple[StageCost, ...], micro_batches: int) -> float:
@@ -419,7 +422,7 @@ def _padding_problem(peak: float, cell: Cell, memory: MemoryOptions) -> str:
     usable = _gpu_type(cell.gpu_type).memory_gb * memory.usable_frac
     if peak <= usable:
         return ""
-    return (f"stages padded to the largest stage's buffers need {peak:.1f} GB per GPU, "
+    return (f"stages padded to the largest stage's buffers, as one program, need {peak:.1f} GB per GPU, "
             f"{cell.gpu_type} has {usable:.1f} GB usable")
 
 

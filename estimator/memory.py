@@ -108,16 +108,18 @@ class StageMemory:
     accumulating: bool = False  # more than one micro-batch: a second gradient buffer
     host_gb: float = 0.0  # host memory per GPU (ZeRO-Offload)
     # The runner's pipelines: the residual rows kept from step to step (every phase), one
-    # row (the backward copies its row out of them and unpacks it: two), and whether the
-    # data-parallel gradient sum lands in a buffer of its own (inside the stage's branch).
+    # row (the backward copies its row out of them and unpacks it: two), and what the
+    # update holds more when it runs inside the stage's branch (``in_branch``: stages
+    # whose updates differ) than when every stage runs the same one in place.
     stash_gb: float = 0.0
     row_gb: float = 0.0
-    summed_apart: bool = False
+    branch_update_gb: float = 0.0
+    in_branch: bool = False
 
     @property
     def peak_gb(self) -> float:
         backward = self.gradients_gb * (2 if self.accumulating else 1) + self.activations_gb + 2 * self.row_gb
-        update = self.gradients_gb * (2 if self.summed_apart else 1) + self.update_gb
+        update = self.gradients_gb + self.update_gb + (self.branch_update_gb if self.in_branch else 0.0)
         return self.weights_gb + self.optimizer_gb + self.reserve_gb + self.stash_gb + max(backward, update)
 
 
@@ -220,11 +222,7 @@ def stage_memory(model: ModelSpec, layers: tuple[LayerSpec, ...], dp: int, tp: i
         weights = per_gpu(3) * MASTER_BYTES
         grads = per_gpu(2) * GRADIENT_BYTES
         opt = per_gpu(1) * opt_b
-        if model.optimizer in ELEMENTWISE_OPTIMIZERS and not expert_parallel and pipeline:
-            # A pipeline's update, inside its stage's branch: as much as ZeRO-0's at any
-            # level (the GPU-target compiles show it), ZeRO-1 splitting only the states.
-            update = (replicated + experts) * FLAT_UPDATE_BYTES[model.optimizer]
-        elif model.optimizer in ELEMENTWISE_OPTIMIZERS and not expert_parallel:
+        if model.optimizer in ELEMENTWISE_OPTIMIZERS and not expert_parallel:
             # The flat update in place; from ZeRO-1 on a chunk, with the chunks of the
             # summed gradients and the new weights.
             update = per_gpu(1) * (FLAT_UPDATE_BYTES[model.optimizer] + (2 * MASTER_BYTES if z else 0.0))
@@ -257,11 +255,22 @@ def stage_memory(model: ModelSpec, layers: tuple[LayerSpec, ...], dp: int, tp: i
         acts += max(layer.params - (layer.expert_params if expert_parallel else 0) for layer in layers) / tp * d
     gb = 1e-9
     accumulating = micro_batches > 1 and options.program == "runner"
-    # In a pipeline the update runs inside the stage's branch, where XLA sums the
-    # data-parallel gradients into a new buffer rather than the accumulator's.
-    summed_apart = pipeline and dp > 1
+    branch = 0.0
+    if pipeline:
+        # Inside a stage's branch the data-parallel gradient sum lands in a buffer of its
+        # own, and an elementwise update holds ZeRO-0's temporaries at any level (the
+        # GPU-target compiles show both; ZeRO-1 there splits only the states). The
+        # pipeline runs its stages' updates there unless they are one program
+        # (``estimate.pipeline_peak_gb``); the others' layer-by-layer update always is.
+        flat_update = model.optimizer in ELEMENTWISE_OPTIMIZERS and not expert_parallel
+        extra = (grads if dp > 1 else 0.0) + (
+            max(0.0, (replicated + experts) * FLAT_UPDATE_BYTES[model.optimizer] - update) if flat_update else 0.0)
+        if flat_update:
+            branch = extra
+        else:
+            update += extra
     return StageMemory(weights * gb, grads * gb, opt * gb, acts * gb, options.reserve_gb,
-                       update * gb, accumulating, host * gb, stash * gb, row * gb, summed_apart)
+                       update * gb, accumulating, host * gb, stash * gb, row * gb, branch * gb)
 
 
 # The runner's process on the host: Python, JAX, the CUDA context's host side, the data.

@@ -99,6 +99,9 @@ GPT_PLANS = [
     "cell=a100x4:s1 plan=[dp4tp1] mb=4 remat=1 zero=1",
     "cell=a100x8:s2 plan=[dp2tp2|dp4tp1] mb=4 remat=1 zero=1",
     "cell=a100x8:s4 plan=[dp2tp1|dp1tp2|dp2tp1|dp1tp2] mb=8 remat=0 zero=1",
+    # Stages split alike: one update outside the stage switch, replicated and ZeRO-1
+    "cell=a100x4:s2 plan=[dp2tp1|dp2tp1] mb=4 remat=1",
+    "cell=a100x8:s2 plan=[dp2tp2|dp2tp2] mb=4 remat=0 zero=1",
 ]
 
 
@@ -163,7 +166,7 @@ def test_zero1_splits_the_optimizer_state_over_dp_and_trains_as_replicated_state
     assert split["opt_elements"]["float32"] <= 2 * (-(-whole["weights"] // 4))
 
 
-@pytest.mark.parametrize("stages,mb", [([(4, 1)], 2), ([(2, 1), (1, 2)], 2)])
+@pytest.mark.parametrize("stages,mb", [([(4, 1)], 2), ([(2, 1), (1, 2)], 2), ([(2, 1), (2, 1)], 2)])
 def test_zero1_with_sgd_momentum_and_batch_norm_matches_the_per_stage_pipeline(child, stages, mb):
     out = child.apply(_compare, (TINY["wide_resnet"], None, stages, mb, True, 1, 1e-3, 16, 1))
     assert "zero=1" in out["label"]
