@@ -23,12 +23,16 @@ buffer, as its GPU-target compile shows them (``docs/estimator.md``, "Memory"):
   bytes) per parameter.
 - **activations**: Korthikanti et al. / Frenzy per layer (s·h·(10 + 24/t) + 5·a·s²/t
   bytes at fp16); under layer-level rematerialization only each layer's input is kept and
-  one layer's full activations live during its recomputation. A pipeline keeps every
-  in-flight micro-batch's residuals; the runner's residual buffer has one row more than
-  micro-batches.
+  one layer's full activations live during its recomputation.
+- **a pipeline's residual rows** (``job_scripts/pipeline.py``): one per micro-batch and a
+  spare, kept from step to step, as the runner lays them out: each layer's input under
+  remat, the vjp's unfused residuals and the cast weights without (``LayerSpec.
+  input_bytes``, ``residual_bytes``); the backward copies and unpacks one row; an update
+  inside a stage's branch holds more (``branch_update_gb``).
 
 The peak is the larger of two phases: forward/backward (gradients + activations) and the
-update (gradients + update temporaries), on top of weights, states and a reserve.
+update (gradients + update temporaries), on top of weights, states, a pipeline's rows and
+a reserve.
 
 ZeRO levels shard states across data parallelism (1: optimizer states and their update
 temporaries; 2: also gradients; 3: also weights, each layer's weights gathered while it
