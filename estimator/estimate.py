@@ -29,8 +29,8 @@ from estimator.gpus import gpu_type as _gpu_type
 from estimator.jobs import JobSpec
 from estimator.host import HostSpec, default_host
 from estimator.memory import (
-    OPTIMIZER_STATE_BYTES, ZERO_LEVELS, MemoryOptions, StageMemory, host_memory_gb, pipeline_row_bytes,
-    remat_row_bytes, stage_memory, stage_params,
+    OPTIMIZER_STATE_BYTES, ZERO_LEVELS, MemoryOptions, StageMemory, host_memory_gb, runner_row_bytes,
+    stage_memory, stage_params,
 )
 from estimator.models import DTYPE_BYTES, ModelSpec, load_model
 from estimator.partition import arena_stage_gpus, balanced_partition, stage_gpu_counts
@@ -245,13 +245,10 @@ def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan, co
     if compiled is not None and compiled.memory_bytes:
         # The compiled step holds one micro-batch; GPipe keeps the others' residuals too
         # (under remat the stage's inputs).
-        if ctx.remat:
-            row = micro * (remat_row_bytes(layers) if memory.program == "runner" else
-                           sum(x.output_bytes for x in layers))
-        elif memory.program == "runner":
-            row = pipeline_row_bytes(layers, dp, tp, micro, d, plan.ep)
+        if memory.program == "runner":
+            row = runner_row_bytes(layers, dp, tp, micro, d, ctx.remat, plan.ep)
         else:
-            row = micro * sum(x.activation_bytes for x in layers)
+            row = micro * sum(x.output_bytes if ctx.remat else x.activation_bytes for x in layers)
         compiled_peak_gb = (compiled.memory_bytes + (in_flight - 1) * row) / 1e9 + memory.reserve_gb
     peak_gb = mem.peak_gb if compiled_peak_gb is None else compiled_peak_gb
     usable = gpu.memory_gb * ctx.options.memory.usable_frac

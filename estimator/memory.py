@@ -169,6 +169,14 @@ def pipeline_row_bytes(layers: tuple[LayerSpec, ...], dp: int, tp: int, micro_ba
     return micro_batch * sum(residual_bytes(layer, tp) for layer in layers) + copies
 
 
+def runner_row_bytes(layers: tuple[LayerSpec, ...], dp: int, tp: int, micro_batch: float, d: float,
+                     remat: bool, expert_parallel: bool) -> float:
+    """One row of a runner pipeline's residual buffer for this stage."""
+    if remat:
+        return micro_batch * remat_row_bytes(layers)
+    return pipeline_row_bytes(layers, dp, tp, micro_batch, d, expert_parallel)
+
+
 def stage_params(layers: tuple[LayerSpec, ...], dp: int, tp: int, expert_parallel: bool) -> tuple[float, float]:
     """Parameters per GPU of a stage: (replicated across dp, expert-parallel). Everything is
     split over tp; with expert parallelism the experts are also split over dp."""
@@ -239,10 +247,7 @@ def stage_memory(model: ModelSpec, layers: tuple[LayerSpec, ...], dp: int, tp: i
         # (the loss is recomputed with the last layer), without it the vjp's residuals,
         # unfused, with the compute-dtype weights its layers cast. One micro-batch's
         # forward is live beside them.
-        if remat:
-            row = micro_batch * remat_row_bytes(layers)
-        else:
-            row = pipeline_row_bytes(layers, dp, tp, micro_batch, d, expert_parallel)
+        row = runner_row_bytes(layers, dp, tp, micro_batch, d, remat, expert_parallel)
         stash = in_flight * row
         acts = micro_batch * max(per_sample)
     elif remat:
