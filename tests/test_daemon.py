@@ -208,6 +208,7 @@ def test_metrics_are_served_when_a_port_is_configured():
 TRAINER = """#!/bin/bash
 #ELASTIC global_batch=64 iterations=100000
 trap 'exit 86' USR1
+echo "trap set"
 while true; do sleep 0.2 & wait $!; done
 """
 
@@ -219,6 +220,15 @@ def submit(client, tmp_path, comment=None, **kw):
 
 def wait_for(what, probe, timeout_s=25.0):
     return _wait(what, probe, timeout_s)
+
+
+def trap_set(tmp_path, job_id):
+    """A probe for a trainer that has installed its USR1 trap (Slurm shows a job running
+    before its script starts: a signal sent earlier kills bash instead of requeueing it)."""
+    def probe():
+        out = tmp_path / f"{job_id}.out"
+        return out.exists() and "trap set" in out.read_text()
+    return probe
 
 
 def running(client, *job_ids):
@@ -433,6 +443,7 @@ def test_restart_after_dying_between_journal_and_action(slurm_lab, slurm_client,
     moving = submit(slurm_client, tmp_path, "elastic model=gpt-760m", partition="a10", gres="gpu:1")
     slurm_client.release(moving)
     wait_for("the job to rescale to run", running(slurm_client, moving))
+    wait_for("its USR1 trap", trap_set(tmp_path, moving))
     store.intend(moving, RESCALE, JobUpdate(partition="a100", gpus_per_node=4, num_nodes=1,
                                             admin_comment="cell=a100x4:s1 plan=[dp4tp1] why=recovered"), time.time())
     slurm_client.signal_batch(moving, "USR1")
@@ -460,6 +471,7 @@ def test_running_job_is_rescaled_through_requeue(slurm_lab, slurm_client, tmp_pa
     (first,) = wait_for("the elastic job to run", running(slurm_client, job))
     assert parse_plan_comment(first.admin_comment).cell_parts()[:2] == ("a10", 2)  # the stages are the policy's
     assert_runs_as_planned(first)
+    wait_for("its USR1 trap", trap_set(tmp_path, job))
     slurm_client.cancel(blockers[-1])  # two a10 GPUs come free: the policy scales the job up
     wait_for("the a10 blocker to end", lambda: not (j := slurm_client.job(blockers[-1])) or not j.is_active)
     report = daemon.round()
@@ -507,6 +519,7 @@ def test_running_job_shows_the_plan_its_runner_tuned(slurm_lab, slurm_client, tm
 SLOW_CHECKPOINT = """#!/bin/bash
 #ELASTIC global_batch=64 iterations=100000000
 trap 'sleep 6; exit 86' USR1
+echo "trap set"
 while true; do sleep 0.2 & wait $!; done
 """
 
@@ -527,6 +540,7 @@ def test_daemon_killed_mid_rescale_is_finished_on_restart(slurm_lab, slurm_clien
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err)
     try:
         wait_for("the elastic job to run", running(slurm_client, job))
+        wait_for("its USR1 trap", trap_set(tmp_path, job))
         slurm_client.cancel(blockers[-1])  # two a10 GPUs come free: the policy scales the job up
         wait_for("the rescale to be journaled", lambda: "rescale_signalled" in log_path.read_text(), 30)
     finally:
@@ -570,6 +584,7 @@ def test_a_new_job_starts_while_another_checkpoints_for_its_rescale(slurm_lab, s
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err)
     try:
         (first,) = wait_for("the slow job to run", running(slurm_client, slow))
+        wait_for("its USR1 trap", trap_set(tmp_path, slow))
         slurm_client.cancel(blockers["a10"][0])  # two a10 GPUs come free: the slow job scales up
         wait_for("its rescale to be signalled", lambda: "rescale_signalled" in log_path.read_text(), 30)
         slurm_client.cancel(blockers["v100"][0])  # a v100 node comes free

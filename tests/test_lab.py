@@ -26,8 +26,8 @@ SLEEPER = "#!/bin/bash\nsleep 300\n"
 # Checkpoints on USR1 and asks to be requeued held (RequeueExitHold=86). The background
 # sleep + wait lets bash run the trap at once.
 TRAINER = """#!/bin/bash
-echo "start restart=${SLURM_RESTART_COUNT:-0} partition=$SLURM_JOB_PARTITION"
 trap 'echo checkpoint; exit 86' USR1
+echo "start restart=${SLURM_RESTART_COUNT:-0} partition=$SLURM_JOB_PARTITION"
 while true; do sleep 0.2 & wait $!; done
 """
 
@@ -170,7 +170,8 @@ def test_usr1_to_a_trainer_that_exits_86_requeues_it_held_and_it_restarts_rescal
     job = wait_for("the trainer to run", job_where(slurm_client, job_id, lambda j: j.is_running))
     assert job.granted_gpu_type == "a10" and job.granted_gpus_per_node == (2,)
     assert slurm_client.batch_script(job_id) == TRAINER
-    time.sleep(0.5)  # let bash install its trap
+    wait_for("the trainer's USR1 trap (it prints its start after setting it)", lambda: (
+        p := tmp_path / f"{job_id}.out").exists() and "start restart=0" in p.read_text())
     slurm_client.signal_batch(job_id, "USR1")
     job = wait_for("the trainer to be requeued held",
                    job_where(slurm_client, job_id, lambda j: j.is_held and j.restart_count == 1))
