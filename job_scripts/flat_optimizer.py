@@ -16,6 +16,13 @@ multiple of dp) belongs to data-parallel rank r. The gradients are reduce-scatte
 instead of all-reduced (the same bytes on a ring), each device steps its chunk, and the
 new weights are all-gathered. Weights and gradients stay whole on every device.
 
+Under ZeRO-2 the gradients are split too: each micro-batch's gradients are reduce-scattered
+as soon as they exist (:meth:`FlatOptArrays.reduce`), and a device accumulates only its
+chunk, so the step keeps one whole gradient buffer (the micro-batch's) and a 1/dp
+accumulator instead of two whole ones. It costs a reduce-scatter per micro-batch in place
+of one per step (DeepSpeed's ZeRO-2 under gradient accumulation). The state is ZeRO-1's,
+so checkpoints are the same.
+
 A device's float32 state buffer is its segments one after the other. A checkpoint names
 the same arrays as the per-layer state (``opt/layer_003/mu/wqkv``), so any plan reads any
 plan's: :class:`FlatOptArrays` places each by its offset in the stage's *whole* state,
@@ -36,7 +43,8 @@ from estimator.errors import SpecError
 from job_scripts.packing import FlatLayout, Slot, flat_layout, pack, unpack
 from job_scripts.stage_arrays import Leaf, StageArrays, path_name
 
-ZERO_LEVELS = (0, 1)  # what the pipeline runs: replicated states, or states split over dp
+# What the pipeline runs: replicated states, states split over dp, and gradients split too.
+ZERO_LEVELS = (0, 1, 2)
 SEGMENT_DTYPE = "float32"
 
 
@@ -44,8 +52,8 @@ def zero_problem(optimizer) -> str:
     """Why this optimizer's state cannot be split over data parallelism ("" if it can):
     its update must be elementwise (Adafactor's factored moments and clipping are not)."""
     if not optimizer.elementwise:
-        return (f"ZeRO-1 splits the states of elementwise optimizers (adamw, sgd); {optimizer.name} "
-                "keeps factored ones (use zero=0)")
+        return (f"ZeRO-1 and ZeRO-2 split the states of elementwise optimizers (adamw, sgd); "
+                f"{optimizer.name} keeps factored ones (use zero=0)")
     return ""
 
 
@@ -162,13 +170,23 @@ class FlatOptArrays:
         state = self.optimizer.init({"w": jnp.zeros((self.chunk,), jnp.float32)})
         return pack(self.local_layout, jax.tree.leaves(state), lengths)
 
+    def zero_chunk(self) -> dict:
+        """ZeRO-2: an empty accumulator of this rank's chunk of the summed gradients."""
+        return {SEGMENT_DTYPE: jnp.zeros((self.chunk,), jnp.float32)}
+
+    def reduce(self, grads_b: dict, dp_axes: tuple[str, ...]) -> dict:
+        """ZeRO-2: one micro-batch's whole gradients, summed over ``dp_axes``, this rank's
+        chunk of them."""
+        return {SEGMENT_DTYPE: lax.psum_scatter(grads_b[SEGMENT_DTYPE], dp_axes, scatter_dimension=0, tiled=True)}
+
     def update(self, params_b: dict, opt_b: dict, grads_b: dict, dp_axes: tuple[str, ...],
-               lengths: dict[str, int]) -> tuple[dict, dict]:
+               lengths: dict[str, int], reduced: bool = False) -> tuple[dict, dict]:
         """One step on the gradients summed over ``dp_axes``: the whole buffer, or under
-        ZeRO-1 this rank's chunk, the whole weights gathered again."""
+        ZeRO-1 this rank's chunk, the whole weights gathered again. ``reduced``: the
+        gradients are already this rank's chunk of the sum (ZeRO-2's accumulator)."""
         grads, params = grads_b[SEGMENT_DTYPE], params_b[SEGMENT_DTYPE]
         if self.split > 1:
-            g = lax.psum_scatter(grads, dp_axes, scatter_dimension=0, tiled=True)
+            g = grads if reduced else lax.psum_scatter(grads, dp_axes, scatter_dimension=0, tiled=True)
             p = lax.dynamic_slice_in_dim(params, lax.axis_index(dp_axes) * self.chunk, self.chunk)
         else:
             g, p = (lax.psum(grads, dp_axes) if dp_axes else grads), params

@@ -278,6 +278,17 @@ class Pipeline:
         uniform_update = pipelined and bool(self.stages[0].coll.dp_axes) \
             and all(isinstance(a, FlatOptArrays) for a in flat) \
             and len({(st.coll.dp_axes, a.split) for st, a in zip(self.stages, flat)}) == 1
+        # ZeRO-2 (stages split alike, ``check_plan``): every micro-batch's gradients are
+        # reduce-scattered over dp as they come, and a device accumulates its chunk only.
+        dp_axes = self.stages[0].coll.dp_axes
+        chunked = self.plan.zero_level >= 2 and bool(dp_axes)
+
+        def zero_grads(params):
+            return flat[0].zero_chunk() if chunked else {dt: jnp.zeros_like(b) for dt, b in params.items()}
+
+        def add(grads, g):
+            g = flat[0].reduce(g, dp_axes) if chunked else g
+            return {dt: grads[dt] + g[dt] for dt in grads}
 
         def body(params, opt, state, stash, xs, ys):
             params, opt, state = local(params), local(opt), local(state)
@@ -289,11 +300,10 @@ class Pipeline:
                 def micro_batch(carry, m):
                     grads, state, loss = carry
                     g, state, l_m = self._accumulate(params, state, xs, ys, m)
-                    return ({dt: grads[dt] + g[dt] for dt in grads}, state, loss + l_m), None
+                    return (add(grads, g), state, loss + l_m), None
 
-                g0 = {dt: jnp.zeros_like(b) for dt, b in params.items()}
                 (grads, state, loss), _ = lax.scan(
-                    micro_batch, (g0, state, jnp.zeros((), jnp.float32)), jnp.arange(M))
+                    micro_batch, (zero_grads(params), state, jnp.zeros((), jnp.float32)), jnp.arange(M))
                 return finish(params, opt, state, grads, loss, local(stash))
 
             def forward_tick(carry, t):
@@ -319,17 +329,16 @@ class Pipeline:
                 m = t - (S - 1 - s)
                 busy = (m >= 0) & (m < M)
                 ct_out, g = lax.switch(jnp.where(busy, s, S), bwd, params, ct, stash, jnp.clip(m, 0, M - 1))
-                grads = {dt: grads[dt] + g[dt] for dt in grads}
+                grads = add(grads, g)  # an idle tick's are zeros
                 ct_out = {dt: lax.ppermute(v, PP, backward_pairs) for dt, v in ct_out.items()}
                 return (ct_out, grads), None
 
-            g0 = {dt: jnp.zeros_like(b) for dt, b in params.items()}
-            (_, grads), _ = lax.scan(backward_tick, (act_zero, g0), jnp.arange(M + S - 1))
+            (_, grads), _ = lax.scan(backward_tick, (act_zero, zero_grads(params)), jnp.arange(M + S - 1))
             return finish(params, opt, state, grads, loss, stash)
 
         def finish(params, opt, state, grads, loss, stash):
-            if uniform_update:
-                params, opt = flat[0].update(params, opt, grads, self.stages[0].coll.dp_axes, self.lengths["opt"])
+            if uniform_update or chunked:
+                params, opt = flat[0].update(params, opt, grads, dp_axes, self.lengths["opt"], reduced=chunked)
             else:
                 params, opt = self._switch(upd, params, opt, grads)
             loss = lax.psum(self._switch(losses, loss), PP) if S > 1 else self._switch(losses, loss)

@@ -102,6 +102,11 @@ GPT_PLANS = [
     # Stages split alike: one update outside the stage switch, replicated and ZeRO-1
     "cell=a100x4:s2 plan=[dp2tp1|dp2tp1] mb=4 remat=1",
     "cell=a100x8:s2 plan=[dp2tp2|dp2tp2] mb=4 remat=0 zero=1",
+    # ZeRO-2: each micro-batch's gradients reduce-scattered into a chunk accumulator
+    "cell=a100x4:s1 plan=[dp4tp1] mb=4 remat=1 zero=2",
+    "cell=a100x4:s1 plan=[dp2tp2] mb=2 remat=0 zero=2",
+    "cell=a100x8:s2 plan=[dp2tp2|dp2tp2] mb=4 remat=0 zero=2",
+    "cell=a100x8:s4 plan=[dp2tp1|dp2tp1|dp2tp1|dp2tp1] mb=8 remat=1 zero=2",
 ]
 
 
@@ -166,10 +171,11 @@ def test_zero1_splits_the_optimizer_state_over_dp_and_trains_as_replicated_state
     assert split["opt_elements"]["float32"] <= 2 * (-(-whole["weights"] // 4))
 
 
-@pytest.mark.parametrize("stages,mb", [([(4, 1)], 2), ([(2, 1), (1, 2)], 2), ([(2, 1), (2, 1)], 2)])
-def test_zero1_with_sgd_momentum_and_batch_norm_matches_the_per_stage_pipeline(child, stages, mb):
-    out = child.apply(_compare, (TINY["wide_resnet"], None, stages, mb, True, 1, 1e-3, 16, 1))
-    assert "zero=1" in out["label"]
+@pytest.mark.parametrize("stages,mb,zero", [([(4, 1)], 2, 1), ([(2, 1), (1, 2)], 2, 1), ([(2, 1), (2, 1)], 2, 1),
+                                            ([(4, 1)], 2, 2), ([(2, 1), (2, 1)], 2, 2)])
+def test_zero_with_sgd_momentum_and_batch_norm_matches_the_per_stage_pipeline(child, stages, mb, zero):
+    out = child.apply(_compare, (TINY["wide_resnet"], None, stages, mb, True, 1, 1e-3, 16, zero))
+    assert f"zero={zero}" in out["label"]
     assert out["spmd"] == pytest.approx(out["ref"], rel=1e-5)
     assert out["worst"][0] < 1e-4, out["worst"]
 
@@ -198,10 +204,13 @@ def _hlo_and_refusal() -> dict:
             errors.append(str(e))
     zero = []
     moe = jm.Arch(**TINY["moe"])
-    for bad in (ParallelPlan((StagePlan(0, moe.num_layers, 2, 1),), 2, True, 1),  # Adafactor: factored
-                ParallelPlan((StagePlan(0, moe.num_layers, 2, 1),), 2, True, 2)):  # ZeRO-2: not run here
+    half = arch.num_layers // 2
+    for bad, a, n in ((ParallelPlan((StagePlan(0, moe.num_layers, 2, 1),), 2, True, 1), moe, 2),  # Adafactor
+                      (ParallelPlan((StagePlan(0, moe.num_layers, 2, 1),), 2, True, 3), moe, 2),  # ZeRO-3: not run
+                      (ParallelPlan((StagePlan(0, half, 2, 1), StagePlan(half, arch.num_layers, 1, 2)), 4, True, 2),
+                       arch, 4)):  # ZeRO-2 over stages split differently
         try:
-            check_plan(bad, moe, 16, 2)
+            check_plan(bad, a, 16, n)
         except SpecError as e:
             zero.append(str(e))
     return {"permutes": text.count("collective-permute"), "errors": errors, "zero": zero}
@@ -215,8 +224,9 @@ def test_stages_exchange_micro_batches_by_collective_permutes_and_bad_plans_say_
         assert "\n" not in message and "plan [dp" in message
     assert "must divide dimension" in out["errors"][0]
     assert "must divide the micro-batch of 2 samples" in out["errors"][1]
-    assert len(out["zero"]) == 2 and all("\n" not in m for m in out["zero"])
-    assert "adafactor" in out["zero"][0] and "ZeRO levels 0, 1" in out["zero"][1]
+    assert len(out["zero"]) == 3 and all("\n" not in m for m in out["zero"])
+    assert "adafactor" in out["zero"][0] and "ZeRO levels 0, 1, 2" in out["zero"][1]
+    assert "split alike" in out["zero"][2]
 
 
 def _every_tuner_plan(num_gpus: int) -> dict:
