@@ -10,8 +10,9 @@ Sources (each row names its own):
   an XLA GPU target on a CPU-only machine (the ``gpu-target`` extra), its
   ``memory_analysis()`` peak plus the estimator's 1 GB reserve
   (``benchmarks/results_memory_gpu_target.json``, made by ``memory_gpu_target.py``).
-  Summaries: all rows, the ZeRO-1 ones, the pipelines, and ``held_out``: plans first
-  compiled after the pipelines' memory was modelled from the others.
+  Summaries: all rows, the ZeRO-1 ones, the ZeRO-2 ones (compiled after ZeRO-2's memory
+  was modelled), the pipelines, and ``held_out``: plans first compiled after the
+  pipelines' memory was modelled from the others.
 - ``alpa-dp``: the per-GPU data-parallel figures of ``MODELS.md``, estimated for Alpa's
   program (``MemoryOptions(program="alpa", zero_level=1)``), not the runner's.
 
@@ -171,10 +172,12 @@ def main(argv=None) -> int:
                  for gpu in MEASURED_GPUS for r in gpu_rows(gpu, current=False)]}
     for name, rows in (("gpu-target", gpu_target_rows()), ("alpa-dp", alpa_rows())):
         result[name] = {"summary": summary(rows), "rows": rows}
-    # The compiled plans that split their optimizer states over dp (ZeRO-1), the pipelines,
+    # The compiled plans that split their optimizer states over dp (ZeRO-1), their
+    # gradient accumulator too (ZeRO-2), the pipelines,
     # and the plans first compiled after the pipeline's memory was modelled (``held_out``).
     target = result["gpu-target"]
     target["zero1_summary"] = summary([r for r in target["rows"] if parse_plan(r["plan"]).zero_level == 1])
+    target["zero2_summary"] = summary([r for r in target["rows"] if parse_plan(r["plan"]).zero_level == 2])
     target["pipeline_summary"] = summary([r for r in target["rows"] if parse_plan(r["plan"]).num_stages > 1])
     target["held_out_summary"] = summary([r for r in target["rows"] if r.get("held_out")])
     result["runner_program"] = summary([r for gpu in MEASURED_GPUS for r in result[gpu]["rows"]]

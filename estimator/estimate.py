@@ -328,7 +328,8 @@ def pipeline_peak_gb(costs: tuple[StageCost, ...], memory: MemoryOptions) -> flo
                        max(x.optimizer_gb for x in m), max(x.activations_gb for x in m),
                        max(x.reserve_gb for x in m), max(x.update_gb for x in m),
                        any(x.accumulating for x in m), max(x.host_gb for x in m), max(x.stash_gb for x in m),
-                       max(x.row_gb for x in m), max(x.branch_update_gb for x in m), in_branch).peak_gb
+                       max(x.row_gb for x in m), max(x.branch_update_gb for x in m), in_branch,
+                       max(x.micro_gradients_gb for x in m)).peak_gb
 
 
 def pipeline_time_s(costs: tuple[StageCost, ...], micro_batches: int) -> float:
@@ -551,8 +552,11 @@ def _assemble(job: JobSpec, ctx: _Context, ranges, per_stage, default_ranges) ->
     for i, stage in enumerate(variants):
         per_stage_costs.append([stage_cost(ctx, i, first, v, compiled.get(v)) for v in stage])
         first += stage[0].num_gpus
+    # The runner's ZeRO-2 needs every stage split alike.
+    alike = options.memory.zero_level >= 2 and options.memory.program == "runner"
     costs = _choose_variants(per_stage_costs, ctx.micro_batches,
-                             lambda a: not _padding_problem(pipeline_peak_gb(a, options.memory), cell, options.memory))
+                             lambda a: not _padding_problem(pipeline_peak_gb(a, options.memory), cell, options.memory),
+                             alike)
     bad = next((c for c in costs if not c.feasible), None)
     t = pipeline_time_s(costs, ctx.micro_batches)
     source = _comm_label({c.comm_source for c in costs})
@@ -569,7 +573,8 @@ def _assemble(job: JobSpec, ctx: _Context, ranges, per_stage, default_ranges) ->
     plan = format_plan(cell, plans, ctx.micro_batches, ctx.remat, default_ranges,
                        zero_level=memory.zero_level, offload=memory.offload)
     dims = dict(remat=ctx.remat, zero_level=memory.zero_level, offload=memory.offload,
-                host_memory_gb=host_gb, runnable=memory.runnable(ctx.model.optimizer, any(p.ep for p in plans)),
+                host_memory_gb=host_gb, runnable=memory.runnable(ctx.model.optimizer, any(p.ep for p in plans),
+                                                                 len({(p.dp, p.tp) for p in plans}) == 1),
                 plan=plan)
     if bad is not None:
         return CellEstimate(cell, plans, ctx.micro_batches, math.inf, 0.0, peak, False, bad.reason,
@@ -579,14 +584,16 @@ def _assemble(job: JobSpec, ctx: _Context, ranges, per_stage, default_ranges) ->
 
 
 def _choose_variants(per_stage_costs: list[list[StageCost]], micro_batches: int,
-                     fits=lambda costs: True) -> tuple[StageCost, ...]:
+                     fits=lambda costs: True, alike: bool = False) -> tuple[StageCost, ...]:
     """One variant per stage: of two assemblies — each stage's fastest micro-batch, and
     each stage's least time as the pipeline's slowest stage (B micro-batches plus its
     gradient sync and update) — the faster pipeline. A stage with no feasible variant
     takes its smallest. When that pipeline does not ``fit`` as a whole (the runner pads
     every stage's buffers to the largest stage's, so mixing a stage with large weights
     and one with large activations can overflow where either fits), the fastest that fits
-    of the assemblies taking the same variant in every stage and each stage's smallest."""
+    of the assemblies taking the same variant in every stage and each stage's smallest.
+    ``alike``: only assemblies whose stages are split alike (the same variant in every
+    stage), the fastest that fits."""
     def assemble(key) -> tuple[StageCost, ...]:
         out = []
         for costs in per_stage_costs:
@@ -597,6 +604,12 @@ def _choose_variants(per_stage_costs: list[list[StageCost]], micro_batches: int,
     def time_s(costs) -> float:
         return pipeline_time_s(costs, micro_batches)
 
+    if alike:
+        same = [tuple(costs[k] for costs in per_stage_costs)
+                for k in range(min(len(costs) for costs in per_stage_costs))]
+        same = [a for a in same if len({(c.plan.dp, c.plan.tp, c.plan.ep) for c in a}) == 1]
+        ok = [a for a in same if all(c.feasible for c in a) and fits(a)]
+        return min(ok, key=time_s) if ok else same[0]
     by_micro = assemble(lambda c: c.micro_batch_s)
     by_whole = assemble(lambda c: c.micro_batch_s * micro_batches + c.sync_s + c.update_s)
     best = by_whole if time_s(by_whole) < time_s(by_micro) else by_micro

@@ -65,8 +65,9 @@ PROGRAMS = ("runner", "alpa")
 ALPA_AUTO_LAYERS = 16
 # What job_scripts/pipeline.py runs: replicated states, or (ZeRO-1,
 # job_scripts/flat_optimizer.py) states split over dp for optimizers whose update is
-# elementwise, outside expert parallelism.
-RUNNABLE_ZERO_LEVELS = (0, 1)
+# elementwise, outside expert parallelism; ZeRO-2 splits the gradient accumulator too,
+# where every stage is split alike.
+RUNNABLE_ZERO_LEVELS = (0, 1, 2)
 # Optimizers whose update is elementwise: the runner steps their flat buffers in place
 # and can split their states over dp. Per parameter, what their update holds beside the
 # gradients (the GPU-target compile, docs/estimator.md): AdamW packs new μ and ν.
@@ -90,14 +91,19 @@ class MemoryOptions:
         if self.program not in PROGRAMS:
             raise SpecError("program", self.program, f"use one of {', '.join(PROGRAMS)}")
 
-    def runnable(self, optimizer: str | None = None, expert_parallel: bool = False) -> bool:
+    def runnable(self, optimizer: str | None = None, expert_parallel: bool = False,
+                 stages_alike: bool = True) -> bool:
         """Whether the runner can run plans with these settings today: for a model with
-        this optimizer (``ModelSpec.optimizer``; None: for some model) and with any stage
-        expert-parallel or none."""
+        this optimizer (``ModelSpec.optimizer``; None: for some model), with any stage
+        expert-parallel or none, and (ZeRO-2) with every stage split alike or not. ZeRO-2
+        is the runner's own (its memory counted as the runner holds it): an estimate of
+        another program (``alpa``) at ZeRO-2 is not one it runs."""
         if self.offload or self.zero_level not in RUNNABLE_ZERO_LEVELS:
             return False
         if self.zero_level == 0:
             return True
+        if self.zero_level >= 2 and not (stages_alike and self.program == "runner"):
+            return False
         return (optimizer is None or optimizer in ELEMENTWISE_OPTIMIZERS) and not expert_parallel
 
 
@@ -119,10 +125,14 @@ class StageMemory:
     row_gb: float = 0.0
     branch_update_gb: float = 0.0
     in_branch: bool = False
+    # The runner's ZeRO-2: a micro-batch's whole gradient, before its reduce-scatter into
+    # the split accumulator (``gradients_gb``); accumulating or not, the backward holds both.
+    micro_gradients_gb: float = 0.0
 
     @property
     def peak_gb(self) -> float:
-        backward = self.gradients_gb * (2 if self.accumulating else 1) + self.activations_gb + 2 * self.row_gb
+        second = self.micro_gradients_gb or (self.gradients_gb if self.accumulating else 0.0)
+        backward = self.gradients_gb + second + self.activations_gb + 2 * self.row_gb
         update = self.gradients_gb + self.update_gb + (self.branch_update_gb if self.in_branch else 0.0)
         return self.weights_gb + self.optimizer_gb + self.reserve_gb + self.stash_gb + max(backward, update)
 
@@ -278,8 +288,12 @@ def stage_memory(model: ModelSpec, layers: tuple[LayerSpec, ...], dp: int, tp: i
             branch = extra
         else:
             update += extra
+    # ZeRO-2 in the runner: each micro-batch's gradient is whole until its reduce-scatter.
+    micro_grads = (replicated + experts) * GRADIENT_BYTES \
+        if z == 2 and dp > 1 and options.program == "runner" and not options.offload else 0.0
     return StageMemory(weights * gb, grads * gb, opt * gb, acts * gb, options.reserve_gb,
-                       update * gb, accumulating, host * gb, stash * gb, row * gb, branch * gb)
+                       update * gb, accumulating, host * gb, stash * gb, row * gb, branch * gb,
+                       micro_gradients_gb=micro_grads * gb)
 
 
 # The runner's process on the host: Python, JAX, the CUDA context's host side, the data.

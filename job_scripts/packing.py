@@ -81,6 +81,23 @@ def pack(layout: FlatLayout, arrays: Sequence, lengths: dict[str, int]) -> dict[
     return out
 
 
+def pack_range(layout: FlatLayout, arrays: Sequence, dtype: str, start: int, stop: int) -> jax.Array:
+    """Elements ``[start, stop)`` of :func:`pack`'s ``dtype`` buffer, from the arrays that
+    overlap them only: the whole buffer is never built. Past the arrays, zeros (padding)."""
+    parts, at = [], start
+    for slot, a in zip(layout.slots, arrays, strict=True):
+        lo, hi = max(start, slot.offset), min(stop, slot.offset + slot.size)
+        if slot.dtype != dtype or lo >= hi:
+            continue
+        if lo > at:
+            parts.append(jnp.zeros((lo - at,), dtype))
+        parts.append(jnp.ravel(a)[lo - slot.offset:hi - slot.offset].astype(dtype))
+        at = hi
+    if at < stop:
+        parts.append(jnp.zeros((stop - at,), dtype))
+    return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
 def unpack(layout: FlatLayout, buffers: dict) -> list:
     """The arrays of the layout, sliced and reshaped out of the buffers."""
     return [jax.lax.slice_in_dim(buffers[s.dtype], s.offset, s.offset + s.size).reshape(s.shape)

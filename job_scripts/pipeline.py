@@ -23,7 +23,8 @@ Each device keeps its stage's weights, optimizer state and model state in flat b
    its residuals and sends the input gradient to stage s−1, accumulating weight
    gradients;
 3. the gradients are averaged over each stage's data-parallel group and every stage
-   applies its optimizer.
+   applies its optimizer (under ZeRO-2 each micro-batch's are summed as they come and a
+   device accumulates only its chunk, ``job_scripts.flat_optimizer``).
 
 A stage with nothing to do in a tick (the pipeline bubble) takes an idle branch, so the
 bubble costs time, as on real pipelines, but no work. The loss and the update are those
@@ -45,7 +46,7 @@ from jax.sharding import PartitionSpec as P
 from estimator import jax_models as jm
 from job_scripts.collectives import StageCollectives, to_receiver, to_sender
 from job_scripts.flat_optimizer import SEGMENT_DTYPE, FlatOptArrays
-from job_scripts.packing import FlatLayout, flat_layout, joint_lengths, pack, read_row, unpack
+from job_scripts.packing import FlatLayout, flat_layout, joint_lengths, pack, pack_range, read_row, unpack
 from job_scripts.plan import ParallelPlan, check_plan, log2
 from job_scripts.stage_arrays import KINDS, StageArrays
 
@@ -248,6 +249,26 @@ class Pipeline:
         """Run the branch of this device's stage."""
         return lax.switch(lax.axis_index(PP), branches, *args)
 
+    @property
+    def _chunked(self) -> bool:
+        """ZeRO-2 with data parallelism: gradients accumulate as this device's chunk."""
+        return self.plan.zero_level >= 2 and bool(self.stages[0].coll.dp_axes)
+
+    def _gradients(self, st: PlacedStage, g_params) -> dict:
+        """A micro-batch's weight gradients as the step accumulates them: packed whole,
+        or under ZeRO-2 summed over dp array by array (in place) and only this device's
+        chunk of the packed sum built, from the arrays it overlaps (one branch per dp
+        rank, each static), so no second whole buffer exists."""
+        arrays = self.arrays["params"][st.index]
+        if not self._chunked:
+            return arrays.pack(g_params, self.lengths["params"])
+        flat, axes = self.arrays["opt"][st.index], st.coll.dp_axes
+        leaves = arrays.flat(jax.tree.map(lambda g: lax.psum(g, axes), g_params))
+        c = flat.chunk
+        ranks = [lambda lv, r=r: pack_range(arrays.layout, lv, SEGMENT_DTYPE, r * c, (r + 1) * c)
+                 for r in range(flat.split)]
+        return {SEGMENT_DTYPE: lax.switch(lax.axis_index(axes), ranks, leaves)}
+
     def _build_step(self):
         S, M = len(self.stages), self.plan.micro_batches
         forward_pairs = [(s, s + 1) for s in range(S - 1)]
@@ -262,7 +283,7 @@ class Pipeline:
             return act_zero, res_zero, state_b, jnp.zeros((), jnp.float32)
 
         def backward_idle(params_b, ct_b, stash, m):
-            return act_zero, {dt: jnp.zeros_like(b) for dt, b in params_b.items()}
+            return act_zero, zero_grads(params_b)
 
         pipelined = S > 1
         fwd = [self._forward_branch(st, act_zero) for st in self.stages] + [forward_idle] if pipelined else []
@@ -279,15 +300,14 @@ class Pipeline:
             and all(isinstance(a, FlatOptArrays) for a in flat) \
             and len({(st.coll.dp_axes, a.split) for st, a in zip(self.stages, flat)}) == 1
         # ZeRO-2 (stages split alike, ``check_plan``): every micro-batch's gradients are
-        # reduce-scattered over dp as they come, and a device accumulates its chunk only.
+        # summed over dp as they come (``_gradients``), and a device accumulates its chunk.
         dp_axes = self.stages[0].coll.dp_axes
-        chunked = self.plan.zero_level >= 2 and bool(dp_axes)
+        chunked = self._chunked
 
         def zero_grads(params):
             return flat[0].zero_chunk() if chunked else {dt: jnp.zeros_like(b) for dt, b in params.items()}
 
         def add(grads, g):
-            g = flat[0].reduce(g, dp_axes) if chunked else g
             return {dt: grads[dt] + g[dt] for dt in grads}
 
         def body(params, opt, state, stash, xs, ys):
@@ -403,7 +423,7 @@ class Pipeline:
             else:
                 cot = unpack(self.act_layouts[st.index], ct_b)[0]
             grads = vjp(cot)
-            g_params = arrays["params"][st.index].pack(grads[0], self.lengths["params"])
+            g_params = self._gradients(st, grads[0])
             if st.index == 0:
                 return act_zero, g_params
             prev = self.stages[st.index - 1]
@@ -471,7 +491,7 @@ class Pipeline:
         model_state = self.arrays["state"][0].unpack(state_b)
         loss, vjp, new_state = self._stage_vjp(st, params, model_state, xs[m], ys[m])
         (g_params,) = vjp(jnp.ones((), jnp.float32) / (M * st.dp))
-        return (self.arrays["params"][0].pack(g_params, self.lengths["params"]),
+        return (self._gradients(st, g_params),
                 self.arrays["state"][0].pack(new_state, self.lengths["state"]), loss.astype(jnp.float32) / M)
 
     # ------------------------------------------------------------------ init

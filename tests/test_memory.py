@@ -181,4 +181,5 @@ def test_the_estimator_calls_zero1_runnable_for_the_optimizers_the_runner_splits
     z1 = MemoryOptions(zero_level=1)
     assert z1.runnable("adamw") and z1.runnable("sgd") and not z1.runnable("adafactor")
     assert not z1.runnable("adamw", expert_parallel=True) and MemoryOptions().runnable("adafactor", True)
-    assert not MemoryOptions(zero_level=2).runnable("adamw")
+    assert MemoryOptions(zero_level=2).runnable("sgd") and not MemoryOptions(zero_level=2).runnable("adafactor")
+    assert not MemoryOptions(zero_level=3).runnable("adamw")

@@ -65,6 +65,27 @@ def test_zero_levels_fit_more_and_cost_communication():
     assert e[3].iteration_time_s > e[0].iteration_time_s  # the weights' all-gathers
 
 
+def test_zero2_splits_the_gradient_accumulator_on_stages_split_alike():
+    """ZeRO-2 as the runner runs it: the accumulator 1/dp, each micro-batch's gradient whole
+    until summed (so the saving is one gradient buffer less 1/dp), a dp all-reduce per
+    micro-batch; runnable where every stage is split alike, and the Cell's plan is."""
+    job = JobSpec("gpt-760m", 32)
+    one = {z: estimate_cell(job, Cell("a100", 4, 4, 1), CRIUS,
+                            EstimateOptions(memory=MemoryOptions(zero_level=z), plan_space="dp-only", micro_batches=4))
+           for z in (1, 2)}
+    assert one[2].runnable and one[2].zero_level == 2 and "zero=2" in one[2].plan
+    from estimator.models import load_model
+    params_gb = load_model("gpt-760m").params * 4 / 1e9
+    # ZeRO-1 keeps two whole gradients in the backward, ZeRO-2 one and a quarter.
+    assert one[1].peak_memory_gb - one[2].peak_memory_gb == pytest.approx(params_gb * 3 / 4, rel=0.02)
+    assert one[2].iteration_time_s > one[1].iteration_time_s  # four all-reduces for one
+    two = estimate_cell(job, Cell("a100", 8, 4, 2), CRIUS, EstimateOptions(memory=MemoryOptions(zero_level=2)))
+    assert len({(p.dp, p.tp) for p in two.stages}) == 1 and two.runnable
+    assert MemoryOptions(zero_level=2).runnable("adamw") and \
+        not MemoryOptions(zero_level=2).runnable("adamw", stages_alike=False)
+    assert not MemoryOptions(zero_level=2, program="alpa").runnable("adamw")  # the simulations' program
+
+
 def test_plan_string_memory_tokens_round_trip_and_old_strings_read_the_same():
     old = "cell=a100x8:s1 plan=[dp8tp1] mb=4 remat=1"
     assert parse_plan(old).zero_level == 0 and not parse_plan(old).offload
@@ -74,7 +95,7 @@ def test_plan_string_memory_tokens_round_trip_and_old_strings_read_the_same():
     assert (p.zero_level, p.offload) == (3, True) and parse_plan(p.format()) == p
 
 
-@pytest.mark.parametrize("tokens, word", [("zero=2", "ZeRO-2"), ("offload=1", "ZeRO-Offload")])
+@pytest.mark.parametrize("tokens, word", [("zero=3", "ZeRO-3"), ("offload=1", "ZeRO-Offload")])
 def test_the_runner_refuses_what_it_cannot_run_in_one_line(tokens, word):
     from estimator.jax_models import builtin_arch
     from estimator.models import load_model
