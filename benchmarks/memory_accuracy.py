@@ -157,6 +157,17 @@ def alpa_rows() -> list[dict]:
     return out
 
 
+def zero2_over_zero1(rows: list[dict]) -> list[dict]:
+    """What ZeRO-2 saves where the same plan was compiled under ZeRO-1: compiled peaks."""
+    peaks = {(r["model"], r["global_batch"], r["plan"]): r["compiled_peak_gb"] for r in rows}
+    out = []
+    for (model, batch, plan), gb in peaks.items():
+        if parse_plan(plan).zero_level == 2 and (one := peaks.get((model, batch, plan.replace("zero=2", "zero=1")))):
+            out.append({"model": model, "global_batch": batch, "plan": plan, "zero1_gb": one, "zero2_gb": gb,
+                        "ratio": round(gb / one, 3)})
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="also write the result here")
@@ -180,6 +191,7 @@ def main(argv=None) -> int:
     target["zero2_summary"] = summary([r for r in target["rows"] if parse_plan(r["plan"]).zero_level == 2])
     target["pipeline_summary"] = summary([r for r in target["rows"] if parse_plan(r["plan"]).num_stages > 1])
     target["held_out_summary"] = summary([r for r in target["rows"] if r.get("held_out")])
+    target["zero2_over_zero1"] = zero2_over_zero1(target["rows"])
     result["runner_program"] = summary([r for gpu in MEASURED_GPUS for r in result[gpu]["rows"]]
                                        + result["gpu-target"]["rows"])
     text = json.dumps(result, indent=1)
