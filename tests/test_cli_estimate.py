@@ -131,6 +131,9 @@ def test_plan_dimension_flags_reach_the_plan_and_the_memory(capsys):
     # the runner runs.
     assert no_remat and all("remat=0" in c["plan"].split() and c["runnable"] for c in no_remat.values())
     assert {c["zero_level"] for c in no_remat.values()} <= {0, 1}
+    zero2 = cells("--zero", "2")  # the runner's ZeRO-2: every stage split alike
+    assert zero2 and all(c["plan"].endswith("zero=2") and c["runnable"] for c in zero2.values())
+    assert all(len({s.split("tp")[0] for s in c["plan"].split()[1][6:-1].split("|")}) == 1 for c in zero2.values())
     zero3, offload = cells("--zero", "3"), cells("--zero", "2", "--offload")
     assert all(c["plan"].endswith("zero=3") and not c["runnable"] for c in zero3.values())
     assert all(c["plan"].endswith("zero=2 offload=1") and not c["runnable"] for c in offload.values())
