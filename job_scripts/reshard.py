@@ -7,7 +7,7 @@ view*, a global array ``[stages, devices per stage, chunk]`` that Orbax writes s
 shard, each process its own devices', with no data moved between devices. Under expert
 parallelism the devices' buffers differ (each holds its own experts), so each saves its
 whole buffer (one chunk); so does each data-parallel rank of the optimizer state under
-ZeRO-1 (``job_scripts.flat_optimizer``: its chunk of every state segment, described by
+ZeRO-1 and 2 (``job_scripts.flat_optimizer``: its chunk of every state segment, described by
 the layout's ``segments``).
 
 The checkpoint's metadata keeps the layout (:func:`layout_json`): per stage its layers,
