@@ -125,8 +125,9 @@ class StageMemory:
     row_gb: float = 0.0
     branch_update_gb: float = 0.0
     in_branch: bool = False
-    # The runner's ZeRO-2: a micro-batch's whole gradient, before its reduce-scatter into
-    # the split accumulator (``gradients_gb``); accumulating or not, the backward holds both.
+    # The runner's ZeRO-2: a micro-batch's whole gradient, summed over dp before its chunk
+    # joins the split accumulator (``gradients_gb``); accumulating or not, the backward
+    # holds both.
     micro_gradients_gb: float = 0.0
 
     @property
@@ -288,7 +289,7 @@ def stage_memory(model: ModelSpec, layers: tuple[LayerSpec, ...], dp: int, tp: i
             branch = extra
         else:
             update += extra
-    # ZeRO-2 in the runner: each micro-batch's gradient is whole until its reduce-scatter.
+    # ZeRO-2 in the runner: each micro-batch's gradient is whole until its chunk is taken.
     micro_grads = (replicated + experts) * GRADIENT_BYTES \
         if z == 2 and dp > 1 and options.program == "runner" and not options.offload else 0.0
     return StageMemory(weights * gb, grads * gb, opt * gb, acts * gb, options.reserve_gb,

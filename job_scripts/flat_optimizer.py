@@ -21,9 +21,10 @@ summed over dp array by array as the backward pass leaves them (an all-reduce ea
 place), and a device adds only its chunk of them to its accumulator (the pipeline's
 ``_gradients``). The step then holds one whole gradient (the micro-batch's, unpacked) and
 a 1/dp accumulator instead of two whole buffers, for an all-reduce per micro-batch in
-place of one reduce-scatter per step. (A reduce-scatter of the packed buffer would move
-half the bytes but needs the packed copy whole: the GPU-target compile of gpt-760m on
-4 devices kept 12.2 GB that way, 10.7 this way, 12.7 under ZeRO-1.) The state is
+place of one reduce-scatter per step. The chunk is built from the arrays it overlaps
+only: a reduce-scatter of the packed buffer (half the bytes) or a slice of the packed sum
+let XLA build most of the packed buffer whole (the GPU-target compile of gpt-760m on 4
+devices: 12.2 and 10.7 GB, against 10.1 this way and 12.7 under ZeRO-1). The state is
 ZeRO-1's, so checkpoints are the same.
 
 A device's float32 state buffer is its segments one after the other. A checkpoint names
