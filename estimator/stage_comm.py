@@ -122,15 +122,13 @@ def gradient_sync_s(ctx, plan: StagePlan, first_device: int, grad_bytes: float, 
         return sync_s
     memory = ctx.options.memory
     if memory.zero_level == 2 and memory.program == "runner" and not memory.offload:
-        # The runner's ZeRO-2 all-reduces every micro-batch's gradients (a pipeline's every
-        # backward tick, idle ones too) and keeps its chunk, then all-gathers the new
-        # weights once (``job_scripts.flat_optimizer``).
-        stages = ctx.cell.num_stages
-        sums = ctx.micro_batches + (stages - 1 if stages > 1 else 0)
+        # The runner's ZeRO-2 all-reduces every micro-batch's gradients and keeps its chunk
+        # (a pipeline's idle ticks sum nothing), then all-gathers the new weights once
+        # (``job_scripts.flat_optimizer``).
         ar, src = collective_s(ctx, "all-reduce", plan.dp, dp_span, grad_bytes)
         ag, src2 = collective_s(ctx, "all-gather", plan.dp, dp_span, grad_bytes)
         sources.update((src, src2))
-        return sums * ar + ag
+        return ctx.micro_batches * ar + ag
     t, src = collective_s(ctx, "all-reduce", plan.dp, dp_span, grad_bytes)
     sources.add(src)
     return t
