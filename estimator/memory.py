@@ -91,6 +91,12 @@ class MemoryOptions:
         if self.program not in PROGRAMS:
             raise SpecError("program", self.program, f"use one of {', '.join(PROGRAMS)}")
 
+    @property
+    def runner_zero2(self) -> bool:
+        """The runner's ZeRO-2 (``job_scripts.flat_optimizer``): each micro-batch's gradients
+        summed over dp as they come, a 1/dp accumulator (memory and time count both)."""
+        return self.zero_level == 2 and self.program == "runner" and not self.offload
+
     def runnable(self, optimizer: str | None = None, expert_parallel: bool = False,
                  stages_alike: bool = True) -> bool:
         """Whether the runner can run plans with these settings today: for a model with
@@ -290,8 +296,7 @@ def stage_memory(model: ModelSpec, layers: tuple[LayerSpec, ...], dp: int, tp: i
         else:
             update += extra
     # ZeRO-2 in the runner: each micro-batch's gradient is whole until its chunk is taken.
-    micro_grads = (replicated + experts) * GRADIENT_BYTES \
-        if z == 2 and dp > 1 and options.program == "runner" and not options.offload else 0.0
+    micro_grads = (replicated + experts) * GRADIENT_BYTES if options.runner_zero2 and dp > 1 else 0.0
     return StageMemory(weights * gb, grads * gb, opt * gb, acts * gb, options.reserve_gb,
                        update * gb, accumulating, host * gb, stash * gb, row * gb, branch * gb,
                        micro_gradients_gb=micro_grads * gb)

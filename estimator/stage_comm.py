@@ -120,8 +120,7 @@ def gradient_sync_s(ctx, plan: StagePlan, first_device: int, grad_bytes: float, 
         sync_s, srcs = compiled_collective_s(ctx, compiled, "dp", plan.dp, dp_span)
         sources |= srcs
         return sync_s
-    memory = ctx.options.memory
-    if memory.zero_level == 2 and memory.program == "runner" and not memory.offload:
+    if ctx.options.memory.runner_zero2:
         # The runner's ZeRO-2 all-reduces every micro-batch's gradients and keeps its chunk
         # (a pipeline's idle ticks sum nothing), then all-gathers the new weights once
         # (``job_scripts.flat_optimizer``).
