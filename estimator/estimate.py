@@ -225,11 +225,12 @@ def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan, co
         update_s = update_bytes / (gpu.memory_bandwidth_gbytes_s * 1e9 * ctx.eff.memory_frac)
     if memory.zero_level >= 3 and dp > 1:
         # ZeRO-3 gathers each layer's weights before its forward and backward (and its
-        # recompute): per micro-batch, an all-gather of the stage's weights per pass.
+        # recompute): per micro-batch, an all-gather of the stage's weights per pass. The
+        # runner gathers in the forward and the recompute (its backward reuses those).
         gpn = min(ctx.cell.gpus_per_node, ctx.cell.num_gpus)
         t, src = collective_s(ctx, "all-gather", dp, span_nodes(first_device, dp, tp, gpn), replicated * d)
         sources.add(src)
-        comm_s += comm_passes * t
+        comm_s += (2.0 if memory.runner_zero3 else comm_passes) * t
     # GPipe keeps every micro-batch's residuals until the backward passes start (the
     # runner's buffer has a spare row). The runner's single stage is plain gradient
     # accumulation, one micro-batch at a time; Alpa runs GPipe on one stage too.
@@ -574,7 +575,8 @@ def _assemble(job: JobSpec, ctx: _Context, ranges, per_stage, default_ranges) ->
                        zero_level=memory.zero_level, offload=memory.offload)
     dims = dict(remat=ctx.remat, zero_level=memory.zero_level, offload=memory.offload,
                 host_memory_gb=host_gb, runnable=memory.runnable(ctx.model.optimizer, any(p.ep for p in plans),
-                                                                 len({(p.dp, p.tp) for p in plans}) == 1),
+                                                                 len({(p.dp, p.tp) for p in plans}) == 1,
+                                                                 ctx.remat),
                 plan=plan)
     if bad is not None:
         return CellEstimate(cell, plans, ctx.micro_batches, math.inf, 0.0, peak, False, bad.reason,

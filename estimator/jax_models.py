@@ -571,17 +571,20 @@ def label_shape(arch: Arch, micro_batch: int) -> tuple[int, ...]:
     return (micro_batch, arch.seq_len) if arch.family != "wide_resnet" else (micro_batch,)
 
 
-def stage_forward(stage: Stage, params: list, state: list, x, ctx: ShardCtx = NO_SHARD, finish=None):
+def stage_forward(stage: Stage, params: list, state: list, x, ctx: ShardCtx = NO_SHARD, finish=None,
+                  weights=None):
     """Run a stage's layers; each layer under jax.checkpoint when remat is on.
 
     ``finish`` (the last stage's loss) is applied to the last layer's output inside that
     layer's checkpoint, so a backward recomputes it rather than keep its residuals (the
-    fp32 log-softmax: s × vocabulary per sample).
+    fp32 log-softmax: s × vocabulary per sample). ``weights(i, params[i])``, if given,
+    makes the i-th layer's weight tree inside its checkpoint (ZeRO-3 gathers it there).
     """
     new_state = []
     last = stage.layers[-1]
     for i, layer in enumerate(stage.layers):
-        def one(p, s, h, layer=layer):
+        def one(p, s, h, layer=layer, i=i):
+            p = weights(i, p) if weights is not None else p
             y, s = apply_layer(stage.arch, layer, p, s, h, ctx)
             return (finish(y) if finish is not None and layer == last else y), s
         fn = jax.checkpoint(one) if stage.remat else one

@@ -10,6 +10,7 @@ group, collectives table, efficiency and options.
 
 from estimator.cells import StagePlan
 from estimator.comm import collective_time
+from estimator.models import DTYPE_BYTES
 
 # Compiled collective kinds → the measured table's ops.
 COMPILED_OPS = {"all-reduce": "all-reduce", "all-gather": "all-gather", "reduce-scatter": "reduce-scatter",
@@ -128,6 +129,13 @@ def gradient_sync_s(ctx, plan: StagePlan, first_device: int, grad_bytes: float, 
         ag, src2 = collective_s(ctx, "all-gather", plan.dp, dp_span, grad_bytes)
         sources.update((src, src2))
         return ctx.micro_batches * ar + ag
+    if ctx.options.memory.runner_zero3:
+        # The runner's ZeRO-3 reduce-scatters each micro-batch's gradients, layer by layer,
+        # in float32; its weights stay split (``job_scripts.zero3``).
+        rs, src = collective_s(ctx, "reduce-scatter", plan.dp, dp_span,
+                               grad_bytes * 4.0 / DTYPE_BYTES[ctx.model.dtype])
+        sources.add(src)
+        return ctx.micro_batches * rs
     t, src = collective_s(ctx, "all-reduce", plan.dp, dp_span, grad_bytes)
     sources.add(src)
     return t

@@ -44,11 +44,12 @@ import numpy as np
 from jax import lax
 
 from estimator.errors import SpecError
-from job_scripts.packing import FlatLayout, Slot, flat_layout, pack, unpack
+from job_scripts.packing import Chunking, FlatLayout, Slot, flat_layout, pack, unpack
 from job_scripts.stage_arrays import Leaf, StageArrays, path_name
 
-# What the pipeline runs: replicated states, states split over dp, and gradients split too.
-ZERO_LEVELS = (0, 1, 2)
+# What the pipeline runs: replicated states, states split over dp, gradients split too, and
+# weights split too (``job_scripts.zero3``).
+ZERO_LEVELS = (0, 1, 2, 3)
 SEGMENT_DTYPE = "float32"
 
 
@@ -56,7 +57,7 @@ def zero_problem(optimizer) -> str:
     """Why this optimizer's state cannot be split over data parallelism ("" if it can):
     its update must be elementwise (Adafactor's factored moments and clipping are not)."""
     if not optimizer.elementwise:
-        return (f"ZeRO-1 and ZeRO-2 split the states of elementwise optimizers (adamw, sgd); "
+        return (f"ZeRO-1 to 3 split the states of elementwise optimizers (adamw, sgd); "
                 f"{optimizer.name} keeps factored ones (use zero=0)")
     return ""
 
@@ -70,7 +71,76 @@ class _Part:
     segment: int | None
 
 
-class FlatOptArrays:
+class SplitBuffers:
+    """Named arrays kept as float32 *segments* of one length, each segment split over the
+    stage's data-parallel group by a :class:`Chunking` (``split`` 1: whole on every
+    device), and scalars kept whole: what a checkpoint needs of them. Set by subclasses:
+    ``base`` (the per-layer :class:`StageArrays` naming the arrays), ``layout`` (the whole
+    arrays: segment k from ``k · weights_length``), ``local_lengths`` (one device's
+    buffers: segment k from ``k · chunk``), ``chunking`` and ``segments``."""
+
+    base: StageArrays
+    layout: FlatLayout
+    local_lengths: dict[str, int]
+    chunking: Chunking
+    segments: int
+    chunk: int  # a device's elements per segment (its chunking's, or more: padding)
+
+    @property
+    def split(self) -> int:
+        return self.chunking.split
+
+    @property
+    def weights_length(self) -> int:
+        return self.chunking.span
+
+    def shards(self, leaf: Leaf) -> int:
+        return self.base.shards(leaf)
+
+    def rank(self, leaf: Leaf, position):
+        return self.base.rank(leaf, position)
+
+    def position(self, leaf: Leaf, shard: int) -> int:
+        return self.base.position(leaf, shard)
+
+    def segments_json(self) -> dict:
+        """How the whole segments lie over the data-parallel ranks (empty when every device
+        holds all of them): ``chunk`` per rank and segment, and for ZeRO-3 the whole
+        segment's ``span`` and the ``regions`` cut separately."""
+        if self.split == 1:
+            return {}
+        out = {"segments": self.segments, "chunk": self.chunk}
+        if self.chunking.regions != ((0, self.weights_length),):
+            out.update(span=self.weights_length, regions=self.chunking.to_json())
+        return {SEGMENT_DTYPE: out}
+
+    def local_of_whole(self, whole: dict[str, np.ndarray], dp_rank: int, lengths: dict[str, int]
+                       ) -> dict[str, np.ndarray]:
+        """One device's buffers (padded to ``lengths``) from the stage's whole arrays."""
+        out = {dt: np.zeros((n,), dt) for dt, n in lengths.items()}
+        c, span = self.chunk, self.weights_length
+        for k in range(self.segments):
+            local = self.chunking.local_of_whole(whole[SEGMENT_DTYPE][k * span:(k + 1) * span], dp_rank)
+            out[SEGMENT_DTYPE][k * c:k * c + local.shape[0]] = local
+        for dt, n in self.local_lengths.items():
+            if dt != SEGMENT_DTYPE:
+                out[dt][:n] = whole[dt][:n]
+        return out
+
+    def whole_of_locals(self, locals_: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        """The stage's whole arrays from the buffers of its ``split`` data-parallel ranks."""
+        c, span = self.chunk, self.weights_length
+        whole = {dt: np.zeros((n,), dt) for dt, n in self.layout.lengths}
+        for k in range(self.segments):
+            whole[SEGMENT_DTYPE][k * span:(k + 1) * span] = self.chunking.whole_of_locals(
+                [bufs[SEGMENT_DTYPE][k * c:(k + 1) * c] for bufs in locals_])
+        for dt, n in self.local_lengths.items():
+            if dt != SEGMENT_DTYPE:
+                whole[dt][:n] = locals_[0][dt][:n]
+        return whole
+
+
+class FlatOptArrays(SplitBuffers):
     """A stage's optimizer state on its flat weight buffer: the same named arrays as the
     per-layer :class:`StageArrays` (``base``), each device holding the state of chunk
     ``dp rank`` of ``split`` (1: the whole buffer, replicated over data parallelism).
@@ -78,19 +148,22 @@ class FlatOptArrays:
     ``layout`` places every array in the stage's whole state (what a checkpoint
     describes); ``local_layout`` sizes one device's buffers."""
 
-    def __init__(self, base: StageArrays, params: StageArrays, weights_length: int, split: int, optimizer):
+    def __init__(self, base: StageArrays, params: StageArrays, weights_length: int, split: int, optimizer,
+                 chunking: Chunking | None = None, chunk: int | None = None):
         """``weights_length``: the pipeline's float32 weight buffer length, a multiple of
-        ``split``."""
+        ``split``; or (ZeRO-3) the stage's, split by ``chunking`` into device buffers of
+        ``chunk`` elements (the pipeline's joint length)."""
         if not optimizer.elementwise:
             raise SpecError("optimizer", optimizer.name, zero_problem(optimizer))
         dtypes = {dt for dt, n in params.layout.lengths if n}
         if dtypes - {SEGMENT_DTYPE}:
             raise SpecError("optimizer", optimizer.name,
                             f"the flat update steps {SEGMENT_DTYPE} weights; this stage has {sorted(dtypes)}")
-        if weights_length % split:
+        if chunking is None and weights_length % split:
             raise ValueError(f"weight buffer of {weights_length} does not split into {split}")
-        self.base, self.split, self.optimizer = base, split, optimizer
-        self.weights_length, self.chunk = weights_length, weights_length // split
+        self.base, self.optimizer = base, optimizer
+        self.chunking = chunking or Chunking(((0, weights_length),), split)
+        self.chunk = chunk or self.chunking.length
         state = jax.eval_shape(optimizer.init, {"w": jax.ShapeDtypeStruct((self.chunk,), jnp.float32)})
         flat, self.treedef = jax.tree_util.tree_flatten_with_path(state)
         parts, segments = [], 0
@@ -105,7 +178,7 @@ class FlatOptArrays:
         self.local_lengths = dict(self.local_layout.lengths)
         self.leaves: list[Leaf] = base.leaves
         weights = {leaf.name: slot.offset for leaf, slot in zip(params.leaves, params.layout.slots)}
-        whole = {**self.local_lengths, SEGMENT_DTYPE: segments * weights_length}
+        whole = {**self.local_lengths, SEGMENT_DTYPE: segments * self.weights_length}
         self.layout = FlatLayout(tuple(self._slot(leaf, slot, weights) for leaf, slot in
                                        zip(base.leaves, base.layout.slots)), tuple(sorted(whole.items())))
 
@@ -123,49 +196,8 @@ class FlatOptArrays:
                 return Slot(SEGMENT_DTYPE, part.segment * self.weights_length + weights[weight], slot.shape)
         raise SpecError("optimizer", self.optimizer.name, f"state {leaf.name} matches no weight of the stage")
 
-    # -- what the checkpoint needs, as StageArrays has it
-
-    def shards(self, leaf: Leaf) -> int:
-        return self.base.shards(leaf)
-
-    def rank(self, leaf: Leaf, position):
-        return self.base.rank(leaf, position)
-
-    def position(self, leaf: Leaf, shard: int) -> int:
-        return self.base.position(leaf, shard)
-
     def to_json(self) -> list[dict]:
         return [{**entry, "offset": slot.offset} for entry, slot in zip(self.base.to_json(), self.layout.slots)]
-
-    def segments_json(self) -> dict:
-        """Under ZeRO-1, how the whole state's split buffer lies over the data-parallel
-        ranks (empty when every device holds all of it)."""
-        return {SEGMENT_DTYPE: {"segments": self.segments, "chunk": self.chunk}} if self.split > 1 else {}
-
-    def local_of_whole(self, whole: dict[str, np.ndarray], dp_rank: int, lengths: dict[str, int]
-                       ) -> dict[str, np.ndarray]:
-        """One device's buffers (padded to ``lengths``) from the stage's whole state."""
-        out = {dt: np.zeros((n,), dt) for dt, n in lengths.items()}
-        c, span = self.chunk, self.weights_length
-        for k in range(self.segments):
-            out[SEGMENT_DTYPE][k * c:(k + 1) * c] = whole[SEGMENT_DTYPE][k * span + dp_rank * c:
-                                                                        k * span + (dp_rank + 1) * c]
-        for dt, n in self.local_lengths.items():
-            if dt != SEGMENT_DTYPE:
-                out[dt][:n] = whole[dt][:n]
-        return out
-
-    def whole_of_locals(self, locals_: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-        """The stage's whole state from the buffers of its ``split`` data-parallel ranks."""
-        c, span = self.chunk, self.weights_length
-        whole = {dt: np.zeros((n,), dt) for dt, n in self.layout.lengths}
-        for r, bufs in enumerate(locals_[:self.split]):
-            for k in range(self.segments):
-                whole[SEGMENT_DTYPE][k * span + r * c:k * span + (r + 1) * c] = bufs[SEGMENT_DTYPE][k * c:(k + 1) * c]
-        for dt, n in self.local_lengths.items():
-            if dt != SEGMENT_DTYPE:
-                whole[dt][:n] = locals_[0][dt][:n]
-        return whole
 
     # -- inside the step (shard_map; dp_axes are the stage's data-parallel mesh axes)
 
@@ -179,17 +211,22 @@ class FlatOptArrays:
         return {SEGMENT_DTYPE: jnp.zeros((self.chunk,), jnp.float32)}
 
     def update(self, params_b: dict, opt_b: dict, grads_b: dict, dp_axes: tuple[str, ...],
-               lengths: dict[str, int], reduced: bool = False) -> tuple[dict, dict]:
+               lengths: dict[str, int], reduced: bool = False, split_weights: bool = False
+               ) -> tuple[dict, dict]:
         """One step on the gradients summed over ``dp_axes``: the whole buffer, or under
         ZeRO-1 this rank's chunk, the whole weights gathered again. ``reduced``: the
-        gradients are already this rank's chunk of the sum (ZeRO-2's accumulator)."""
+        gradients are already this rank's chunk of the sum (ZeRO-2's accumulator);
+        ``split_weights``: so are the weights (ZeRO-3), which stay split."""
         grads, params = grads_b[SEGMENT_DTYPE], params_b[SEGMENT_DTYPE]
-        if self.split > 1:
+        if split_weights:
+            g, p = grads, params
+        elif self.split > 1:
             g = grads if reduced else lax.psum_scatter(grads, dp_axes, scatter_dimension=0, tiled=True)
             p = lax.dynamic_slice_in_dim(params, lax.axis_index(dp_axes) * self.chunk, self.chunk)
         else:
             g, p = (lax.psum(grads, dp_axes) if dp_axes else grads), params
         state = jax.tree.unflatten(self.treedef, unpack(self.local_layout, opt_b))
         new_p, new_state = self.optimizer.update({"w": g}, state, {"w": p})
-        whole = lax.all_gather(new_p["w"], dp_axes, tiled=True) if self.split > 1 else new_p["w"]
+        gather = self.split > 1 and not split_weights
+        whole = lax.all_gather(new_p["w"], dp_axes, tiled=True) if gather else new_p["w"]
         return {**params_b, SEGMENT_DTYPE: whole}, pack(self.local_layout, jax.tree.leaves(new_state), lengths)

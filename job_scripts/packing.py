@@ -113,6 +113,74 @@ def pack_host(layout: FlatLayout, arrays: Sequence[np.ndarray], lengths: dict[st
     return out
 
 
+@dataclass(frozen=True)
+class Chunking:
+    """How a buffer lies over the ``split`` ranks of a data-parallel group: each region
+    ``(start, size)`` of the whole buffer is cut into ``split`` chunks of ``ceil(size /
+    split)`` elements (the last padded with zeros), and rank r keeps chunk r of every
+    region, one after the other. ZeRO-1 and 2 split the whole buffer as one region; ZeRO-3
+    one region per layer, so that a layer's weights are gathered alone."""
+
+    regions: tuple[tuple[int, int], ...]
+    split: int
+
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        return tuple(-(-size // self.split) for _, size in self.regions)
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """Where each region's chunk starts in a rank's buffer."""
+        return tuple(int(v) for v in np.cumsum((0,) + self.chunks[:-1]))
+
+    @property
+    def length(self) -> int:
+        """One rank's elements."""
+        return sum(self.chunks)
+
+    @property
+    def span(self) -> int:
+        """The whole buffer's elements."""
+        return max((start + size for start, size in self.regions), default=0)
+
+    def local_of_whole(self, whole: np.ndarray, rank: int) -> np.ndarray:
+        out = np.zeros((self.length,), whole.dtype)
+        for (start, size), c, at in zip(self.regions, self.chunks, self.offsets):
+            part = whole[start + min(size, rank * c):start + min(size, (rank + 1) * c)]
+            out[at:at + part.shape[0]] = part
+        return out
+
+    def whole_of_locals(self, locals_: Sequence[np.ndarray]) -> np.ndarray:
+        out = np.zeros((self.span,), locals_[0].dtype)
+        for (start, size), c, at in zip(self.regions, self.chunks, self.offsets):
+            for r, local in enumerate(locals_[:self.split]):
+                n = max(0, min(size, (r + 1) * c) - r * c)
+                out[start + r * c:start + r * c + n] = local[at:at + n]
+        return out
+
+    def locate(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """Where elements ``[lo, hi)`` of the whole buffer lie, in order: (rank, from, to)
+        in that rank's buffer."""
+        out = []
+        for (start, size), c, at in zip(self.regions, self.chunks, self.offsets):
+            a, b = max(lo, start) - start, min(hi, start + size) - start
+            for r in range(a // c, (b - 1) // c + 1) if a < b else ():
+                out.append((r, at + max(a, r * c) - r * c, at + min(b, (r + 1) * c) - r * c))
+        return out
+
+    def local_of_packed(self, whole: jax.Array, rank) -> jax.Array:
+        """:meth:`local_of_whole` inside a program (``rank`` may be traced)."""
+        parts = []
+        for (start, size), c in zip(self.regions, self.chunks):
+            region = jax.lax.slice_in_dim(whole, start, start + size)
+            region = jnp.pad(region, (0, c * self.split - size)) if c * self.split > size else region
+            parts.append(jax.lax.dynamic_slice_in_dim(region, rank * c, c))
+        return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+
+    def to_json(self) -> list[list[int]]:
+        return [[start, size] for start, size in self.regions]
+
+
 def read_row(layout: FlatLayout, rows: dict, row) -> list:
     """The arrays of the layout read straight from row ``row`` of ``rows`` (per dtype
     ``[n, L]``), without copying the row first."""

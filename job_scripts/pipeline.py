@@ -45,10 +45,11 @@ from jax.sharding import PartitionSpec as P
 
 from estimator import jax_models as jm
 from job_scripts.collectives import StageCollectives, to_receiver, to_sender
-from job_scripts.flat_optimizer import SEGMENT_DTYPE, FlatOptArrays
+from job_scripts.flat_optimizer import SEGMENT_DTYPE, FlatOptArrays, SplitBuffers
 from job_scripts.packing import FlatLayout, flat_layout, joint_lengths, pack, pack_range, read_row, unpack
 from job_scripts.plan import ParallelPlan, check_plan, log2
 from job_scripts.stage_arrays import KINDS, StageArrays
+from job_scripts.zero3 import SplitParams, gather_layer, layer_chunking
 
 log = logging.getLogger(__name__)
 
@@ -131,10 +132,18 @@ class Pipeline:
             # One elementwise step over each stage's whole weight buffer (its state split
             # over dp under ZeRO-1, the buffer padded to split evenly).
             splits = [st.dp if plan.zero_level else 1 for st in self.stages]
-            n = self.lengths["params"][SEGMENT_DTYPE]
-            self.lengths["params"][SEGMENT_DTYPE] = n = -(-n // max(splits)) * max(splits)
-            self.arrays["opt"] = [FlatOptArrays(opt, params, n, split, optimizer) for split, opt, params in
-                                  zip(splits, self.arrays["opt"], self.arrays["params"])]
+            if self._zero3:
+                # ZeRO-3: every layer's weights split over dp (job_scripts.zero3).
+                cuts = [layer_chunking(params, st.dp) for st, params in zip(self.stages, self.arrays["params"])]
+                self.lengths["params"][SEGMENT_DTYPE] = n = max(c.length for c in cuts)
+                self.arrays["opt"] = [FlatOptArrays(opt, params, c.span, c.split, optimizer, chunking=c, chunk=n)
+                                      for c, opt, params in zip(cuts, self.arrays["opt"], self.arrays["params"])]
+                self.arrays["params"] = [SplitParams(p, c, n) for c, p in zip(cuts, self.arrays["params"])]
+            else:
+                n = self.lengths["params"][SEGMENT_DTYPE]
+                self.lengths["params"][SEGMENT_DTYPE] = n = -(-n // max(splits)) * max(splits)
+                self.arrays["opt"] = [FlatOptArrays(opt, params, n, split, optimizer) for split, opt, params in
+                                      zip(splits, self.arrays["opt"], self.arrays["params"])]
             self.lengths["opt"] = joint_lengths([a.local_layout for a in self.arrays["opt"]])
         self.container_spec = P(PP, self.axes[1:] or None, None)
         # Activations sent over each boundary, in the sender's batch slicing.
@@ -176,13 +185,25 @@ class Pipeline:
                          self.plan.remat)
         ctx = jm.ShardCtx(tp=st.coll)
         last = st.index == len(self.stages) - 1
+        arrays, weights = self.arrays["params"][st.index], None
+        if isinstance(arrays, SplitParams):
+            axes, dtype = st.coll.dp_axes, jm.DTYPES[self.arch.compute_dtype]
+
+            def weights(i, piece):  # ZeRO-3: the layer's weights gathered inside its checkpoint
+                return arrays.layer_weights(i, gather_layer(piece, axes, dtype))
 
         def f(params, x):
             # The loss inside the last layer's checkpoint: under remat a pipeline's rows
             # keep no log-softmax (docs/estimator.md, memory).
             finish = (lambda out: jm.loss_fn(out, target, st.coll)) if last else None
-            return jm.stage_forward(stage, params, model_state, x, ctx, finish)
+            return jm.stage_forward(stage, params, model_state, x, ctx, finish, weights)
         return f
+
+    def _weights(self, st: PlacedStage, params_b: dict) -> list:
+        """What a stage's forward takes of its weight buffers: per layer, its tree, or
+        under ZeRO-3 this device's chunk."""
+        arrays = self.arrays["params"][st.index]
+        return arrays.pieces(params_b) if isinstance(arrays, SplitParams) else arrays.unpack(params_b)
 
     def _stage_vjp(self, st: PlacedStage, params, model_state, x, target):
         """(output, vjp, new state); the first stage's input (tokens) is not differentiated."""
@@ -210,7 +231,7 @@ class Pipeline:
             params = {dt: b[0, 0] for dt, b in params.items()}
             state = {dt: b[0, 0] for dt, b in state.items()}
             for st in self.stages:
-                p = self.arrays["params"][st.index].unpack(params)
+                p = self._weights(st, params)
                 ms = self.arrays["state"][st.index].unpack(state)
                 x = jnp.zeros(self._input_struct(st).shape, self._input_struct(st).dtype)
                 target = jnp.zeros(jm.label_shape(self.arch, self._local_batch(self.stages[-1])), jnp.int32)
@@ -252,7 +273,12 @@ class Pipeline:
     @property
     def _chunked(self) -> bool:
         """ZeRO-2 with data parallelism: gradients accumulate as this device's chunk."""
-        return self.plan.zero_level >= 2 and bool(self.stages[0].coll.dp_axes)
+        return self.plan.zero_level == 2 and bool(self.stages[0].coll.dp_axes)
+
+    @property
+    def _zero3(self) -> bool:
+        """ZeRO-3 with data parallelism: weights split too, gathered layer by layer."""
+        return self.plan.zero_level >= 3 and bool(self.stages[0].coll.dp_axes)
 
     def _gradients(self, st: PlacedStage, g_params) -> dict:
         """A micro-batch's weight gradients as the step accumulates them: packed whole,
@@ -260,6 +286,8 @@ class Pipeline:
         chunk of the packed sum built, from the arrays it overlaps (one branch per dp
         rank, each static), so no second whole buffer exists."""
         arrays = self.arrays["params"][st.index]
+        if isinstance(arrays, SplitParams):  # ZeRO-3: each layer's chunk of the sum
+            return arrays.pack_pieces(g_params, self.lengths["params"])
         if not self._chunked:
             return arrays.pack(g_params, self.lengths["params"])
         flat, axes = self.arrays["opt"][st.index], st.coll.dp_axes
@@ -302,7 +330,7 @@ class Pipeline:
         # ZeRO-2 (stages split alike, ``check_plan``): every micro-batch's gradients are
         # summed over dp as they come (``_gradients``), and a device accumulates its chunk.
         dp_axes = self.stages[0].coll.dp_axes
-        chunked = self._chunked
+        chunked, zero3 = self._chunked, self._zero3
 
         def zero_grads(params):
             return flat[0].zero_chunk() if chunked else {dt: jnp.zeros_like(b) for dt, b in params.items()}
@@ -357,8 +385,9 @@ class Pipeline:
             return finish(params, opt, state, grads, loss, stash)
 
         def finish(params, opt, state, grads, loss, stash):
-            if uniform_update or chunked:
-                params, opt = flat[0].update(params, opt, grads, dp_axes, self.lengths["opt"], reduced=chunked)
+            if uniform_update or chunked or zero3:
+                params, opt = flat[0].update(params, opt, grads, dp_axes, self.lengths["opt"],
+                                             reduced=chunked or zero3, split_weights=zero3)
             else:
                 params, opt = self._switch(upd, params, opt, grads)
             loss = lax.psum(self._switch(losses, loss), PP) if S > 1 else self._switch(losses, loss)
@@ -383,7 +412,7 @@ class Pipeline:
 
         def run(params_b, state_b, act_b, xs, ys, t):
             m = jnp.clip(t - st.index, 0, M - 1)
-            params = arrays["params"][st.index].unpack(params_b)
+            params = self._weights(st, params_b)
             model_state = arrays["state"][st.index].unpack(state_b)
             if st.index == 0:
                 x = xs[m]
@@ -410,7 +439,7 @@ class Pipeline:
         last = st.index == S - 1
 
         def run(params_b, ct_b, stash, m):
-            params = arrays["params"][st.index].unpack(params_b)
+            params = self._weights(st, params_b)
             weights = jax.tree.leaves(params)
             rest = iter(read_row(res.layout, stash, m))
             leaves = [weights[k] if k is not None else next(rest) for k in res.kinds]
@@ -487,7 +516,7 @@ class Pipeline:
     def _accumulate(self, params_b, state_b, xs, ys, m):
         """Forward and backward of micro-batch m on the only stage: (grads, state, loss)."""
         st, M = self.stages[0], self.plan.micro_batches
-        params = self.arrays["params"][0].unpack(params_b)
+        params = self._weights(st, params_b)
         model_state = self.arrays["state"][0].unpack(state_b)
         loss, vjp, new_state = self._stage_vjp(st, params, model_state, xs[m], ys[m])
         (g_params,) = vjp(jnp.ones((), jnp.float32) / (M * st.dp))
@@ -506,13 +535,21 @@ class Pipeline:
                                for i in st.layers],
                     "state": [jm.init_layer_state(self.arch, i) for i in st.layers],
                 }
-                local = {k: self.arrays[k][st.index].local_of_global(v, rank) for k, v in trees.items()}
-                out = {k: self.arrays[k][st.index].pack(local[k], self.lengths[k]) for k in local}
+                params = self.arrays["params"][st.index]
+                base = params.base if isinstance(params, SplitParams) else params
+                local = {"params": base.local_of_global(trees["params"], rank),
+                         "state": self.arrays["state"][st.index].local_of_global(trees["state"], rank)}
+                out = {"state": self.arrays["state"][st.index].pack(local["state"], self.lengths["state"])}
+                if isinstance(params, SplitParams):  # ZeRO-3: this device's chunk of every layer
+                    whole = base.pack(local["params"], dict(base.layout.lengths))
+                    out["params"] = params.local_of_packed(whole, rank // st.tp, self.lengths["params"])
+                else:
+                    out["params"] = base.pack(local["params"], self.lengths["params"])
                 opt = self.arrays["opt"][st.index]
                 if isinstance(opt, FlatOptArrays):
                     out["opt"] = opt.init(self.lengths["opt"])
                 else:
-                    shapes = self.arrays["params"][st.index].global_trees()
+                    shapes = base.global_trees()
                     trees = [self.optimizer.init(p, s) for p, s in zip(local["params"], shapes)]
                     out["opt"] = opt.pack(trees, self.lengths["opt"])
                 return tuple(out[k] for k in KINDS)
@@ -597,7 +634,7 @@ class Pipeline:
         ZeRO-1 the stage's whole state gathered from its tp rank's data-parallel group."""
         def own(position):
             return {dt: by_device[(st.index, position)] for dt, by_device in shards.items()}
-        if not isinstance(arrays, FlatOptArrays):
+        if not isinstance(arrays, SplitBuffers):
             return own
         wholes = {t: arrays.whole_of_locals([own(r * st.tp + t) for r in range(arrays.split)]) for t in range(st.tp)}
         return lambda position: wholes[position % st.tp]

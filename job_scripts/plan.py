@@ -22,8 +22,8 @@ from job_scripts.flat_optimizer import ZERO_LEVELS, zero_problem
 @dataclass(frozen=True)
 class ParallelPlan:
     """How one job runs: its stages (layers, dp, tp), micro-batch count, remat and ZeRO
-    level (0: optimizer states replicated over dp; 1: split over dp,
-    ``job_scripts.flat_optimizer``)."""
+    level (0: optimizer states replicated over dp; 1: split over dp, 2: gradients too,
+    ``job_scripts.flat_optimizer``; 3: weights too, ``job_scripts.zero3``)."""
 
     stages: tuple[StagePlan, ...]
     micro_batches: int
@@ -89,7 +89,11 @@ def check_plan(plan: ParallelPlan, arch: jm.Arch, global_batch: int, num_devices
     if plan.zero_level and any(s.ep for s in plan.stages):
         refuse("zero", plan.zero_level, "expert-parallel stages keep their optimizer states whole (use zero=0)")
     if plan.zero_level >= 2 and len({(s.dp, s.tp) for s in plan.stages}) > 1:
-        refuse("zero", plan.zero_level, "ZeRO-2 needs every stage split alike (the same dp and tp; or use zero=1)")
+        refuse("zero", plan.zero_level, f"ZeRO-{plan.zero_level} needs every stage split alike "
+                                        "(the same dp and tp; or use zero=1)")
+    if plan.zero_level >= 3 and not plan.remat:
+        refuse("zero", plan.zero_level, "ZeRO-3 gathers each layer's weights inside its rematerialization "
+                                        "(use remat=1, or zero=2)")
     if plan.micro_batches < 1 or global_batch % plan.micro_batches:
         refuse("micro_batches", plan.micro_batches, f"must divide the global batch {global_batch}")
     micro = global_batch // plan.micro_batches
@@ -145,11 +149,10 @@ def plan_from_string(text: str, model_spec, arch: jm.Arch, global_batch: int, nu
 def refuse_unsupported(ps, text: str) -> None:
     """Raise SpecError (one line) for a plan's memory choices this runtime cannot run yet,
     rather than run something else: it keeps states on the GPU, replicated or split over
-    data parallelism with the gradients whole or split too (ZeRO-0, 1 or 2)."""
+    data parallelism with the gradients and the weights whole or split too (ZeRO-0 to 3)."""
     if ps.zero_level not in ZERO_LEVELS:
         raise SpecError("zero", ps.zero_level, f"plan {text!r} asks for ZeRO-{ps.zero_level}, which this "
-                                               "runner cannot run yet (it runs zero=0, 1 and 2); choose a "
-                                               "Cell with zero=0, 1 or 2")
+                                               "runner cannot run (it runs zero=0 to 3)")
     if ps.offload:
         raise SpecError("offload", 1, f"plan {text!r} asks for ZeRO-Offload, which this runner cannot "
                                       "run yet; choose a Cell without offload=1")

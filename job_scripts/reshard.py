@@ -29,7 +29,8 @@ from jax import lax
 from jax.sharding import NamedSharding
 
 from job_scripts.checkpoint import CheckpointError
-from job_scripts.flat_optimizer import FlatOptArrays
+from job_scripts.flat_optimizer import SplitBuffers
+from job_scripts.packing import Chunking
 from job_scripts.pipeline import PP, Pipeline
 from job_scripts.stage_arrays import KINDS, expert_position
 
@@ -44,9 +45,10 @@ def _savers(st) -> int:
 
 def _split(pipe: Pipeline, kind: str, st, dtype: str) -> bool:
     """Whether the stage's devices of one data-parallel group hold different parts of this
-    buffer (ZeRO-1's optimizer state): each then saves its own whole."""
+    buffer (the optimizer state from ZeRO-1 on, the weights under ZeRO-3): each then saves
+    its own whole."""
     arrays = pipe.arrays[kind][st.index]
-    return isinstance(arrays, FlatOptArrays) and dtype in arrays.segments_json()
+    return isinstance(arrays, SplitBuffers) and dtype in arrays.segments_json()
 
 
 def _chunks(pipe: Pipeline, kind: str, dtype: str) -> list[int]:
@@ -71,7 +73,7 @@ def layout_json(pipe: Pipeline) -> dict:
             stages.append({"layers": [st.layers.start, st.layers.stop], "dp": st.dp, "tp": st.tp,
                            "chunks": {dt: _chunks(pipe, kind, dt)[st.index] for dt in pipe.lengths[kind]},
                            "leaves": arrays.to_json()})
-            if isinstance(arrays, FlatOptArrays) and arrays.segments_json():
+            if isinstance(arrays, SplitBuffers) and arrays.segments_json():
                 stages[-1]["segments"] = arrays.segments_json()
         kinds[kind] = {"stages": stages}
     return {"kinds": kinds, "devices_per_stage": pipe.plan.stages[0].num_gpus}
@@ -130,15 +132,18 @@ class _OldState:
         """Elements [lo, hi) of the buffer of the old stage's device at position ``base``
         (its tp rank; an expert-parallel stage's devices each saved their whole buffer)."""
         c, at = stage["chunks"][dtype], 0
+        # Each dp rank saved chunk r of the buffer, or from ZeRO-1 on its own chunk of every
+        # segment, one after the other (split by regions: under ZeRO-3 each layer's).
+        chunking = Chunking(((0, stage["dp"] * c),), stage["dp"])
         if dtype in stage.get("segments", {}):
-            # ZeRO-1: rank r saved its chunk of every segment, one after the other.
-            c = stage["segments"][dtype]["chunk"]
-            segment, span = lo // (stage["dp"] * c), stage["dp"] * c
+            seg = stage["segments"][dtype]
+            c, span = seg["chunk"], seg.get("span", stage["dp"] * seg["chunk"])
+            chunking = Chunking(tuple(tuple(r) for r in seg.get("regions", [[0, span]])), stage["dp"])
+            segment = lo // span
             at, lo, hi = segment * c, lo - segment * span, hi - segment * span
         parts = []
-        for r in range(lo // c, (hi - 1) // c + 1):
+        for r, a, b in chunking.locate(lo, hi):
             position = r * stage["tp"] + base
-            a, b = max(lo, r * c) - r * c, min(hi, (r + 1) * c) - r * c
             parts.append(self.read_view(kind, dtype, stage["index"], position, at + a, at + b))
         return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
@@ -213,13 +218,13 @@ def restore(pipe: Pipeline, layout: dict, read: ViewReader) -> dict:
         shards: dict[str, list] = {dt: [] for dt in lengths}
         for device, s, position in _positions(pipe):
             arrays = pipe.arrays[kind][s]
-            flat = isinstance(arrays, FlatOptArrays)
+            flat = isinstance(arrays, SplitBuffers)
             bufs = {dt: np.zeros((n,), dt) for dt, n in (arrays.layout.lengths if flat else lengths.items())}
             for leaf, slot in zip(arrays.leaves, arrays.layout.slots):
                 data = old.region(leaf.name, leaf.shape, leaf.dtype, leaf.dim, arrays.shards(leaf),
                                   arrays.rank(leaf, position))
                 bufs[slot.dtype][slot.offset:slot.offset + slot.size] = data.ravel()
-            if flat:  # the stage's whole state → this device's buffers (its dp chunk under ZeRO-1)
+            if flat:  # the stage's whole arrays → this device's buffers (its dp chunk from ZeRO-1 on)
                 bufs = arrays.local_of_whole(bufs, position // pipe.stages[s].tp % arrays.split, lengths)
             for dt, buf in bufs.items():
                 shards[dt].append(jax.device_put(buf[None, None], device))

@@ -275,8 +275,10 @@ def _zero_reshard(directory: str, saved_text: str, targets: list[str]) -> dict:
 
     first = make(saved_text)
     state, before, saved, read = _train_two_steps_and_save(first, stream, directory)
+    kinds = saved.meta["layout"]["kinds"]
     out = {"exact": {}, "third": {},
-           "segments": [stage.get("segments") for stage in saved.meta["layout"]["kinds"]["opt"]["stages"]]}
+           "segments": [stage.get("segments") for stage in kinds["opt"]["stages"]],
+           "weight_segments": [stage.get("segments") for stage in kinds["params"]["stages"]]}
     for text in targets:
         pipe = make(text)
         restored = reshard.restore(pipe, saved.meta["layout"], read)
@@ -292,18 +294,27 @@ def _zero_reshard(directory: str, saved_text: str, targets: list[str]) -> dict:
      ["cell=a100x4:s1 plan=[dp1tp4] mb=2 remat=0", "cell=a100x8:s1 plan=[dp8tp1] mb=2 remat=1 zero=1",
       "cell=a100x4:s2 plan=[dp1tp2|dp2tp1] mb=4 remat=1 zero=1"]),
     ("cell=a100x8:s2 plan=[dp2tp2|dp4tp1] mb=4 remat=1",
-     ["cell=a100x8:s2 plan=[dp4tp1|dp2tp2] mb=2 remat=1 zero=1", "cell=a100x2:s1 plan=[dp2tp1] mb=2 remat=1 zero=1"]),
+     ["cell=a100x8:s2 plan=[dp4tp1|dp2tp2] mb=2 remat=1 zero=1", "cell=a100x2:s1 plan=[dp2tp1] mb=2 remat=1 zero=1",
+      "cell=a100x4:s2 plan=[dp2tp1|dp2tp1] mb=4 remat=1 zero=3"]),
     # ZeRO-2 keeps ZeRO-1's state: its checkpoints are read the same way, and it reads theirs.
     ("cell=a100x8:s2 plan=[dp2tp2|dp2tp2] mb=4 remat=1 zero=2",
      ["cell=a100x4:s1 plan=[dp1tp4] mb=2 remat=0", "cell=a100x8:s1 plan=[dp8tp1] mb=2 remat=1 zero=1",
       "cell=a100x4:s1 plan=[dp4tp1] mb=4 remat=1 zero=2"]),
+    # ZeRO-3 saves each rank's chunk of every layer's weights too.
+    ("cell=a100x8:s2 plan=[dp2tp2|dp2tp2] mb=4 remat=1 zero=3",
+     ["cell=a100x4:s1 plan=[dp1tp4] mb=2 remat=0", "cell=a100x8:s1 plan=[dp8tp1] mb=2 remat=1 zero=3",
+      "cell=a100x4:s1 plan=[dp4tp1] mb=4 remat=1 zero=1"]),
 ])
 def test_zero_checkpoints_restore_into_any_plan(tmp_path, saved, targets):
-    """Under ZeRO-1 and ZeRO-2 each data-parallel rank holds and saves its own chunk of the
-    optimizer state; plans with and without it, with other dp and tp, read the same arrays
-    back exactly and train on as the uninterrupted run does."""
+    """From ZeRO-1 on each data-parallel rank holds and saves its own chunk of the
+    optimizer state (under ZeRO-3 of every layer's weights too); plans with and without
+    it, with other dp and tp, read the same arrays back exactly and train on as the
+    uninterrupted run does."""
     out = in_jax_child(8, _zero_reshard, str(tmp_path), saved, targets)
     assert all(out["exact"].values()), out["exact"]
     for loss in out["third"].values():
         assert loss == pytest.approx(out["uninterrupted"], rel=1e-5)
     assert all(seg is not None for seg in out["segments"]) == ("zero=" in saved)
+    zero3 = "zero=3" in saved
+    assert all(seg is not None and len(seg["float32"]["regions"]) > 1 for seg in out["weight_segments"]) == zero3
+    assert all(seg is None for seg in out["weight_segments"]) != zero3

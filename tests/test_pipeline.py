@@ -81,10 +81,11 @@ def _compare(arch_kw: dict | None, plan_text: str | None, stages: list | None, m
         ref.append(oracle.step(b.inputs, b.targets))
     mine, theirs = pipe.host_arrays(state), oracle.state_arrays()
     opt_elements = {dt: int(b.shape[-1]) for dt, b in state["opt"].items()}
+    params_elements = {dt: int(b.shape[-1]) for dt, b in state["params"].items()}
     worst = max((float(np.max(np.abs(mine[k] - theirs[k])) / max(1e-3, float(np.max(np.abs(theirs[k]))))), k)
                 for k in theirs)
     return {"spmd": spmd, "ref": ref, "worst": worst, "names": sorted(mine) == sorted(theirs),
-            "label": plan.label(), "opt_elements": opt_elements,
+            "label": plan.label(), "opt_elements": opt_elements, "params_elements": params_elements,
             "weights": sum(int(np.prod(v.shape)) for k, v in theirs.items() if k.startswith("params/"))}
 
 
@@ -107,6 +108,11 @@ GPT_PLANS = [
     "cell=a100x4:s1 plan=[dp2tp2] mb=2 remat=0 zero=2",
     "cell=a100x8:s2 plan=[dp2tp2|dp2tp2] mb=4 remat=0 zero=2",
     "cell=a100x8:s4 plan=[dp2tp1|dp2tp1|dp2tp1|dp2tp1] mb=8 remat=1 zero=2",
+    # ZeRO-3: weights split over dp too, each layer's gathered inside its checkpoint
+    "cell=a100x4:s1 plan=[dp4tp1] mb=4 remat=1 zero=3",
+    "cell=a100x4:s1 plan=[dp2tp2] mb=2 remat=1 zero=3",
+    "cell=a100x8:s2 plan=[dp2tp2|dp2tp2] mb=4 remat=1 zero=3",
+    "cell=a100x8:s4 plan=[dp2tp1|dp2tp1|dp2tp1|dp2tp1] mb=8 remat=1 zero=3",
 ]
 
 
@@ -171,8 +177,24 @@ def test_zero1_splits_the_optimizer_state_over_dp_and_trains_as_replicated_state
     assert split["opt_elements"]["float32"] <= 2 * (-(-whole["weights"] // 4))
 
 
+def test_zero3_splits_the_weights_over_dp_and_trains_as_replicated_weights(child):
+    """ZeRO-3 against the same plan with whole weights: the same losses and state (the
+    oracle's, as above), and each device keeps a quarter of the weights (each layer's
+    chunk rounded up) and of AdamW's moments."""
+    plan = "cell=a100x4:s1 plan=[dp4tp1] mb=4 remat=1"
+    whole = child.apply(_compare, (None, plan, None, 0, True, 2))
+    split = child.apply(_compare, (None, plan + " zero=3", None, 0, True, 2))
+    assert whole["params_elements"]["float32"] >= whole["weights"]
+    quarter = -(-whole["weights"] // 4) + 4  # up to 3 elements of padding per layer (4 layers)
+    assert whole["weights"] // 4 <= split["params_elements"]["float32"] <= quarter
+    assert split["opt_elements"]["float32"] <= 2 * quarter + 1  # μ, ν and the step count
+    assert split["spmd"] == pytest.approx(whole["spmd"], rel=1e-5)
+    assert split["spmd"] == pytest.approx(split["ref"], rel=1e-5) and split["worst"][0] < 1e-4
+
+
 @pytest.mark.parametrize("stages,mb,zero", [([(4, 1)], 2, 1), ([(2, 1), (1, 2)], 2, 1), ([(2, 1), (2, 1)], 2, 1),
-                                            ([(4, 1)], 2, 2), ([(2, 1), (2, 1)], 2, 2)])
+                                            ([(4, 1)], 2, 2), ([(2, 1), (2, 1)], 2, 2),
+                                            ([(4, 1)], 2, 3), ([(2, 1), (2, 1)], 2, 3)])
 def test_zero_with_sgd_momentum_and_batch_norm_matches_the_per_stage_pipeline(child, stages, mb, zero):
     out = child.apply(_compare, (TINY["wide_resnet"], None, stages, mb, True, 1, 1e-3, 16, zero))
     assert f"zero={zero}" in out["label"]
@@ -206,7 +228,7 @@ def _hlo_and_refusal() -> dict:
     moe = jm.Arch(**TINY["moe"])
     half = arch.num_layers // 2
     for bad, a, n in ((ParallelPlan((StagePlan(0, moe.num_layers, 2, 1),), 2, True, 1), moe, 2),  # Adafactor
-                      (ParallelPlan((StagePlan(0, moe.num_layers, 2, 1),), 2, True, 3), moe, 2),  # ZeRO-3: not run
+                      (ParallelPlan((StagePlan(0, arch.num_layers, 2, 1),), 2, False, 3), arch, 2),  # no remat
                       (ParallelPlan((StagePlan(0, half, 2, 1), StagePlan(half, arch.num_layers, 1, 2)), 4, True, 2),
                        arch, 4)):  # ZeRO-2 over stages split differently
         try:
@@ -225,7 +247,7 @@ def test_stages_exchange_micro_batches_by_collective_permutes_and_bad_plans_say_
     assert "must divide dimension" in out["errors"][0]
     assert "must divide the micro-batch of 2 samples" in out["errors"][1]
     assert len(out["zero"]) == 3 and all("\n" not in m for m in out["zero"])
-    assert "adafactor" in out["zero"][0] and "ZeRO levels 0, 1, 2" in out["zero"][1]
+    assert "adafactor" in out["zero"][0] and "ZeRO-3 gathers" in out["zero"][1] and "remat=1" in out["zero"][1]
     assert "split alike" in out["zero"][2]
 
 
