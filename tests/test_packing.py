@@ -21,3 +21,23 @@ def test_a_range_of_the_packed_buffer_is_built_from_the_arrays_it_overlaps():
         got = np.asarray(pack_range(layout, arrays_all, "float32", start, stop))
         assert got.shape == (stop - start,)
         np.testing.assert_array_equal(got, whole[start:stop])
+
+
+def test_a_chunking_cuts_each_region_over_the_ranks_and_puts_it_back():
+    from job_scripts.packing import Chunking
+
+    # Three regions (layers) of 7, 4 and 9 elements over 3 ranks: chunks of 3, 2 and 3.
+    cut = Chunking(((0, 7), (7, 4), (11, 9)), 3)
+    assert cut.chunks == (3, 2, 3) and cut.offsets == (0, 3, 5) and cut.length == 8 and cut.span == 20
+    whole = np.arange(1, 21, dtype=np.float32)
+    locals_ = [cut.local_of_whole(whole, r) for r in range(3)]
+    # Rank 2 holds element 6 of the first region, elements 10 and 11 (padding: none of the
+    # second, whose 4 elements rank 0 and 1 hold) and 17..19 of the third.
+    np.testing.assert_array_equal(locals_[2], [7, 0, 0, 0, 0, 18, 19, 20])
+    np.testing.assert_array_equal(cut.whole_of_locals(locals_), whole)
+    for r in range(3):
+        got = np.asarray(cut.local_of_packed(jax.numpy.asarray(whole), r))
+        np.testing.assert_array_equal(got, locals_[r])
+    for lo, hi in ((0, 20), (5, 13), (7, 11), (19, 20), (2, 3)):
+        read = np.concatenate([locals_[r][a:b] for r, a, b in cut.locate(lo, hi)])
+        np.testing.assert_array_equal(read, whole[lo:hi])

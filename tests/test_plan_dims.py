@@ -60,9 +60,14 @@ def test_zero_levels_fit_more_and_cost_communication():
                                runnable_only=False) for z in (0, 1, 3)}
     e = {z: estimate_cell(job, cell, CRIUS, o) for z, o in opts.items()}
     assert e[1].peak_memory_gb < e[0].peak_memory_gb and e[3].peak_memory_gb < e[1].peak_memory_gb
-    assert all(x.feasible for x in e.values()) and e[0].runnable and not e[3].runnable
+    assert all(x.feasible for x in e.values()) and e[0].runnable and e[3].runnable
     assert e[3].zero_level == 3 and "zero=3" in e[3].plan
     assert e[3].iteration_time_s > e[0].iteration_time_s  # the weights' all-gathers
+    # The runner's ZeRO-3 gathers inside each layer's rematerialization: no remat, not run.
+    assert MemoryOptions(zero_level=3).runnable("adamw") and not MemoryOptions(zero_level=3).runnable(
+        "adamw", remat=False)
+    assert not MemoryOptions(zero_level=3, program="alpa").runnable("adamw")
+    assert not MemoryOptions(zero_level=3).runnable("adafactor")
 
 
 def test_zero2_splits_the_gradient_accumulator_on_stages_split_alike():
@@ -95,12 +100,12 @@ def test_plan_string_memory_tokens_round_trip_and_old_strings_read_the_same():
     assert (p.zero_level, p.offload) == (3, True) and parse_plan(p.format()) == p
 
 
-@pytest.mark.parametrize("tokens, word", [("zero=3", "ZeRO-3"), ("offload=1", "ZeRO-Offload")])
+@pytest.mark.parametrize("tokens, word", [("remat=0 zero=3", "ZeRO-3"), ("remat=1 offload=1", "ZeRO-Offload")])
 def test_the_runner_refuses_what_it_cannot_run_in_one_line(tokens, word):
     from estimator.jax_models import builtin_arch
     from estimator.models import load_model
     from job_scripts.plan import plan_from_string
-    text = f"cell=a100x2:s1 plan=[dp2tp1] mb=2 remat=1 {tokens}"
+    text = f"cell=a100x2:s1 plan=[dp2tp1] mb=2 {tokens}"
     with pytest.raises(SpecError) as err:
         plan_from_string(text, load_model("gpt-760m"), builtin_arch("gpt-760m"), 8, 2)
     assert word in str(err.value) and "\n" not in str(err.value)
