@@ -157,14 +157,16 @@ def alpa_rows() -> list[dict]:
     return out
 
 
-def zero2_over_zero1(rows: list[dict]) -> list[dict]:
-    """What ZeRO-2 saves where the same plan was compiled under ZeRO-1: compiled peaks."""
+def zero_over(rows: list[dict], level: int, base: int) -> list[dict]:
+    """What ZeRO-``level`` saves where the same plan was compiled under ZeRO-``base``:
+    compiled peaks."""
     peaks = {(r["model"], r["global_batch"], r["plan"]): r["compiled_peak_gb"] for r in rows}
     out = []
     for (model, batch, plan), gb in peaks.items():
-        if parse_plan(plan).zero_level == 2 and (one := peaks.get((model, batch, plan.replace("zero=2", "zero=1")))):
-            out.append({"model": model, "global_batch": batch, "plan": plan, "zero1_gb": one, "zero2_gb": gb,
-                        "ratio": round(gb / one, 3)})
+        other = plan.replace(f"zero={level}", f"zero={base}")
+        if parse_plan(plan).zero_level == level and (was := peaks.get((model, batch, other))):
+            out.append({"model": model, "global_batch": batch, "plan": plan, f"zero{base}_gb": was,
+                        f"zero{level}_gb": gb, "ratio": round(gb / was, 3)})
     return out
 
 
@@ -184,14 +186,16 @@ def main(argv=None) -> int:
     for name, rows in (("gpu-target", gpu_target_rows()), ("alpa-dp", alpa_rows())):
         result[name] = {"summary": summary(rows), "rows": rows}
     # The compiled plans that split their optimizer states over dp (ZeRO-1), their
-    # gradient accumulator too (ZeRO-2), the pipelines,
+    # gradient accumulator too (ZeRO-2), their weights too (ZeRO-3), the pipelines,
     # and the plans first compiled after the pipeline's memory was modelled (``held_out``).
     target = result["gpu-target"]
     target["zero1_summary"] = summary([r for r in target["rows"] if parse_plan(r["plan"]).zero_level == 1])
     target["zero2_summary"] = summary([r for r in target["rows"] if parse_plan(r["plan"]).zero_level == 2])
+    target["zero3_summary"] = summary([r for r in target["rows"] if parse_plan(r["plan"]).zero_level == 3])
     target["pipeline_summary"] = summary([r for r in target["rows"] if parse_plan(r["plan"]).num_stages > 1])
     target["held_out_summary"] = summary([r for r in target["rows"] if r.get("held_out")])
-    target["zero2_over_zero1"] = zero2_over_zero1(target["rows"])
+    target["zero2_over_zero1"] = zero_over(target["rows"], 2, 1)
+    target["zero3_over_zero2"] = zero_over(target["rows"], 3, 2)
     result["runner_program"] = summary([r for gpu in MEASURED_GPUS for r in result[gpu]["rows"]]
                                        + result["gpu-target"]["rows"])
     text = json.dumps(result, indent=1)

@@ -572,22 +572,21 @@ def label_shape(arch: Arch, micro_batch: int) -> tuple[int, ...]:
 
 
 def stage_forward(stage: Stage, params: list, state: list, x, ctx: ShardCtx = NO_SHARD, finish=None,
-                  weights=None):
+                  remat_layer=None):
     """Run a stage's layers; each layer under jax.checkpoint when remat is on.
 
     ``finish`` (the last stage's loss) is applied to the last layer's output inside that
     layer's checkpoint, so a backward recomputes it rather than keep its residuals (the
-    fp32 log-softmax: s × vocabulary per sample). ``weights(i, params[i])``, if given,
-    makes the i-th layer's weight tree inside its checkpoint (ZeRO-3 gathers it there).
+    fp32 log-softmax: s × vocabulary per sample). ``remat_layer(i, fn)``, if given,
+    replaces ``jax.checkpoint(fn)`` for the i-th layer (ZeRO-3 gathers its weights there).
     """
     new_state = []
     last = stage.layers[-1]
     for i, layer in enumerate(stage.layers):
-        def one(p, s, h, layer=layer, i=i):
-            p = weights(i, p) if weights is not None else p
+        def one(p, s, h, layer=layer):
             y, s = apply_layer(stage.arch, layer, p, s, h, ctx)
             return (finish(y) if finish is not None and layer == last else y), s
-        fn = jax.checkpoint(one) if stage.remat else one
+        fn = remat_layer(i, one) if remat_layer is not None else jax.checkpoint(one) if stage.remat else one
         x, s = fn(params[i], state[i], x)
         new_state.append(s)
     return x, new_state

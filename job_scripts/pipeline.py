@@ -49,7 +49,7 @@ from job_scripts.flat_optimizer import SEGMENT_DTYPE, FlatOptArrays, SplitBuffer
 from job_scripts.packing import FlatLayout, flat_layout, joint_lengths, pack, pack_range, read_row, unpack
 from job_scripts.plan import ParallelPlan, check_plan, log2
 from job_scripts.stage_arrays import KINDS, StageArrays
-from job_scripts.zero3 import SplitParams, gather_layer, layer_chunking
+from job_scripts.zero3 import SplitParams, gathered_layer, layer_chunking
 
 log = logging.getLogger(__name__)
 
@@ -185,18 +185,19 @@ class Pipeline:
                          self.plan.remat)
         ctx = jm.ShardCtx(tp=st.coll)
         last = st.index == len(self.stages) - 1
-        arrays, weights = self.arrays["params"][st.index], None
+        arrays, remat_layer = self.arrays["params"][st.index], None
         if isinstance(arrays, SplitParams):
             axes, dtype = st.coll.dp_axes, jm.DTYPES[self.arch.compute_dtype]
 
-            def weights(i, piece):  # ZeRO-3: the layer's weights gathered inside its checkpoint
-                return arrays.layer_weights(i, gather_layer(piece, axes, dtype))
+            def remat_layer(i, one):  # ZeRO-3: the layer's weights gathered where it runs
+                return gathered_layer(lambda region, s, h: one(arrays.layer_weights(i, region), s, h),
+                                      axes, arrays.split, dtype)
 
         def f(params, x):
             # The loss inside the last layer's checkpoint: under remat a pipeline's rows
             # keep no log-softmax (docs/estimator.md, memory).
             finish = (lambda out: jm.loss_fn(out, target, st.coll)) if last else None
-            return jm.stage_forward(stage, params, model_state, x, ctx, finish, weights)
+            return jm.stage_forward(stage, params, model_state, x, ctx, finish, remat_layer)
         return f
 
     def _weights(self, st: PlacedStage, params_b: dict) -> list:
