@@ -263,9 +263,10 @@ def stage_memory(model: ModelSpec, layers: tuple[LayerSpec, ...], dp: int, tp: i
         grads = per_gpu(2) * GRADIENT_BYTES
         opt = per_gpu(1) * opt_b
         if model.optimizer in ELEMENTWISE_OPTIMIZERS and not expert_parallel:
-            # The flat update in place; from ZeRO-1 on a chunk, with the chunks of the
-            # summed gradients and the new weights.
-            update = per_gpu(1) * (FLAT_UPDATE_BYTES[model.optimizer] + (2 * MASTER_BYTES if z else 0.0))
+            # The flat update in place; under ZeRO-1 and 2 on a chunk, with the chunks of the
+            # summed gradients and the new weights; under ZeRO-3 the accumulator is the
+            # summed chunk and the weights' chunk is stepped in place.
+            update = per_gpu(1) * (FLAT_UPDATE_BYTES[model.optimizer] + (2 * MASTER_BYTES if z in (1, 2) else 0.0))
         else:
             update = per_gpu(1) * (MASTER_BYTES + 2 * opt_b)
     per_sample = activation_bytes_per_sample or tuple(activation_bytes(layer, tp) for layer in layers)
@@ -288,8 +289,11 @@ def stage_memory(model: ModelSpec, layers: tuple[LayerSpec, ...], dp: int, tp: i
     else:
         acts = micro_batch * in_flight * sum(per_sample)
     if z >= 3:
-        # Each layer's weights are gathered whole (over dp) while it runs.
-        acts += max(layer.params - (layer.expert_params if expert_parallel else 0) for layer in layers) / tp * d
+        # Each layer's weights are gathered whole (over dp) while it runs; the runner's
+        # backward holds them with their gradient, then that gradient and its float32 copy
+        # for the reduce-scatter (job_scripts/zero3.py).
+        largest = max(layer.params - (layer.expert_params if expert_parallel else 0) for layer in layers) / tp
+        acts += largest * (d + max(d, GRADIENT_BYTES) if options.program == "runner" else d)
     gb = 1e-9
     accumulating = micro_batches > 1 and options.program == "runner"
     branch = 0.0

@@ -142,8 +142,10 @@ def _gathered(layer, axes, dtype, piece, state, x, consts):
 
 
 def _gathered_forward(layer, axes, dtype, piece, state, x, consts):
-    piece, x = lax.optimization_barrier((piece, x))
-    return layer(_gather(piece, axes, dtype), state, x, *consts), (piece, state, x, consts)
+    # Kept: the inputs themselves (a pipeline recognises its weights among them and does
+    # not stash them), not the barrier's copies.
+    after, h = lax.optimization_barrier((piece, x))
+    return layer(_gather(after, axes, dtype), state, h, *consts), (piece, state, x, consts)
 
 
 def _gathered_backward(layer, axes, dtype, saved, cotangent):
