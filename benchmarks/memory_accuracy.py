@@ -11,8 +11,9 @@ Sources (each row names its own):
   ``memory_analysis()`` peak plus the estimator's 1 GB reserve
   (``benchmarks/results_memory_gpu_target.json``, made by ``memory_gpu_target.py``).
   Summaries: all rows, the ZeRO-1 ones, the ZeRO-2 ones (compiled after ZeRO-2's memory
-  was modelled), the pipelines, and ``held_out``: plans first compiled after the
-  pipelines' memory was modelled from the others.
+  was modelled), the ZeRO-3 ones, the pipelines, ``held_out``: plans first compiled after
+  the pipelines' memory was modelled from the others, and ``zero3_held_out``: ZeRO-3
+  plans first compiled after ZeRO-3's memory was modelled from the other six.
 - ``alpa-dp``: the per-GPU data-parallel figures of ``MODELS.md``, estimated for Alpa's
   program (``MemoryOptions(program="alpa", zero_level=1)``), not the runner's.
 
@@ -187,13 +188,15 @@ def main(argv=None) -> int:
         result[name] = {"summary": summary(rows), "rows": rows}
     # The compiled plans that split their optimizer states over dp (ZeRO-1), their
     # gradient accumulator too (ZeRO-2), their weights too (ZeRO-3), the pipelines,
-    # and the plans first compiled after the pipeline's memory was modelled (``held_out``).
+    # and the plans first compiled after the pipeline's memory was modelled (``held_out``
+    # true) or after ZeRO-3's was (``"zero3"``).
     target = result["gpu-target"]
     target["zero1_summary"] = summary([r for r in target["rows"] if parse_plan(r["plan"]).zero_level == 1])
     target["zero2_summary"] = summary([r for r in target["rows"] if parse_plan(r["plan"]).zero_level == 2])
     target["zero3_summary"] = summary([r for r in target["rows"] if parse_plan(r["plan"]).zero_level == 3])
     target["pipeline_summary"] = summary([r for r in target["rows"] if parse_plan(r["plan"]).num_stages > 1])
-    target["held_out_summary"] = summary([r for r in target["rows"] if r.get("held_out")])
+    target["held_out_summary"] = summary([r for r in target["rows"] if r.get("held_out") is True])
+    target["zero3_held_out_summary"] = summary([r for r in target["rows"] if r.get("held_out") == "zero3"])
     target["zero2_over_zero1"] = zero_over(target["rows"], 2, 1)
     target["zero3_over_zero2"] = zero_over(target["rows"], 3, 2)
     result["runner_program"] = summary([r for gpu in MEASURED_GPUS for r in result[gpu]["rows"]]

@@ -76,9 +76,9 @@ if (( gpus >= 2 )); then
         --plans "cell=${gpu}x2:s1 plan=[dp2tp1] mb=1 remat=1" "cell=${gpu}x2:s1 plan=[dp2tp1ep] mb=1 remat=1" \
                 "cell=${gpu}x2:s1 plan=[dp1tp2] mb=1 remat=1" \
         --init zeros --steps 10 --plan-timeout-s 120 --json "$OUT/plan_moe.json"
-    step plan_zero 220 "$PY" benchmarks/plan_measure.py --model "$MODEL" --global-batch 16 --gpu-type "$gpu" \
+    step plan_zero 280 "$PY" benchmarks/plan_measure.py --model "$MODEL" --global-batch 16 --gpu-type "$gpu" \
         --plans "cell=${gpu}x2:s1 plan=[dp2tp1] mb=2 remat=1" "cell=${gpu}x2:s1 plan=[dp2tp1] mb=2 remat=1 zero=1" \
-                "cell=${gpu}x2:s1 plan=[dp2tp1] mb=2 remat=1 zero=2" \
+                "cell=${gpu}x2:s1 plan=[dp2tp1] mb=2 remat=1 zero=2" "cell=${gpu}x2:s1 plan=[dp2tp1] mb=2 remat=1 zero=3" \
         --init zeros --steps 10 --plan-timeout-s 70 --json "$OUT/plan_zero.json"
 else
     echo "plan_moe, plan_zero skipped: $gpus GPU(s), they need two" | tee -a "$OUT/summary.txt"

@@ -27,6 +27,11 @@ let XLA build most of the packed buffer whole (the GPU-target compile of gpt-760
 devices: 12.2 and 10.7 GB, against 10.1 this way and 12.7 under ZeRO-1). The state is
 ZeRO-1's, so checkpoints are the same.
 
+Under ZeRO-3 (``job_scripts.zero3``) the weights are split too, per layer: the state's
+segments follow the weights' split (a :class:`~job_scripts.packing.Chunking` with one
+region per layer instead of one for the whole buffer), the accumulator is already each
+rank's chunk of the summed gradients, and the step leaves the weights split.
+
 A device's float32 state buffer is its segments one after the other. A checkpoint names
 the same arrays as the per-layer state (``opt/layer_003/mu/wqkv``), so any plan reads any
 plan's: :class:`FlatOptArrays` places each by its offset in the stage's *whole* state,
