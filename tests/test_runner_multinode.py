@@ -35,6 +35,9 @@ ITERATIONS = 4  # steps both processes take at least before SIGUSR1
 REFERENCE_ITERATIONS = 10
 PLAN = "cell=a100x4:s2 plan=[dp2tp1|dp1tp2] mb=4 remat=1"  # stage 0 on process 0, stage 1 on 1
 RESUME_PLAN = "cell=a100x4:s1 plan=[dp1tp4] mb=2 remat=0"
+# ZeRO-3 over both processes: every layer's gather and reduce-scatter crosses them, and
+# each process saves its devices' chunks of every layer's weights.
+ZERO3_PLAN = "cell=a100x4:s1 plan=[dp4tp1] mb=4 remat=1 zero=3"
 LOSS_RTOL = 1e-4
 WAIT_S = 120
 _STEP = re.compile(r"step (\d+) loss ([0-9.]+)")
@@ -90,7 +93,8 @@ def _wait_all(procs: list[subprocess.Popen], logs: list[Path]) -> list[int]:
         pytest.fail("runner did not exit:\n" + "\n".join(log.read_text()[-2000:] for log in logs))
 
 
-def test_two_processes_join_jax_distributed_and_train_like_one(tmp_path, tmp_path_factory):
+@pytest.mark.parametrize("plan", [PLAN, ZERO3_PLAN])
+def test_two_processes_join_jax_distributed_and_train_like_one(tmp_path, tmp_path_factory, plan):
     cache = tmp_path_factory.getbasetemp() / "runner-jax-cache"
     cache.mkdir(exist_ok=True)
     ref_log = tmp_path / "single.log"
@@ -105,7 +109,7 @@ def test_two_processes_join_jax_distributed_and_train_like_one(tmp_path, tmp_pat
     for rank, log_path in enumerate(logs):
         with open(log_path, "w") as out:
             # Far more iterations than it will run: SIGUSR1 ends it.
-            procs.append(subprocess.Popen(_runner_argv(tmp_path / "ckpt", cache, None, 10_000),
+            procs.append(subprocess.Popen(_runner_argv(tmp_path / "ckpt", cache, None, 10_000, plan),
                                           cwd=ROOT, env=_task_env(job_id, rank), stdout=out,
                                           stderr=subprocess.STDOUT))
     deadline = time.monotonic() + WAIT_S
