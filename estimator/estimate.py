@@ -226,7 +226,7 @@ def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan, co
     if memory.zero_level >= 3 and dp > 1:
         # ZeRO-3 gathers each layer's weights before its forward and backward (and its
         # recompute): per micro-batch, an all-gather of the stage's weights per pass. The
-        # runner gathers in the forward and in the backward (where it recomputes).
+        # runner gathers in the forward and the recompute (its backward reuses those).
         gpn = min(ctx.cell.gpus_per_node, ctx.cell.num_gpus)
         t, src = collective_s(ctx, "all-gather", dp, span_nodes(first_device, dp, tp, gpn), replicated * d)
         sources.add(src)
@@ -575,7 +575,8 @@ def _assemble(job: JobSpec, ctx: _Context, ranges, per_stage, default_ranges) ->
                        zero_level=memory.zero_level, offload=memory.offload)
     dims = dict(remat=ctx.remat, zero_level=memory.zero_level, offload=memory.offload,
                 host_memory_gb=host_gb, runnable=memory.runnable(ctx.model.optimizer, any(p.ep for p in plans),
-                                                                 len({(p.dp, p.tp) for p in plans}) == 1),
+                                                                 len({(p.dp, p.tp) for p in plans}) == 1,
+                                                                 ctx.remat),
                 plan=plan)
     if bad is not None:
         return CellEstimate(cell, plans, ctx.micro_batches, math.inf, 0.0, peak, False, bad.reason,

@@ -572,14 +572,13 @@ def label_shape(arch: Arch, micro_batch: int) -> tuple[int, ...]:
 
 
 def stage_forward(stage: Stage, params: list, state: list, x, ctx: ShardCtx = NO_SHARD, finish=None,
-                  run_layer=None):
+                  remat_layer=None):
     """Run a stage's layers; each layer under jax.checkpoint when remat is on.
 
     ``finish`` (the last stage's loss) is applied to the last layer's output inside that
     layer's checkpoint, so a backward recomputes it rather than keep its residuals (the
-    fp32 log-softmax: s × vocabulary per sample). ``run_layer(i, fn)``, if given, is how
-    the i-th layer runs instead of ``jax.checkpoint(fn)`` or ``fn`` (ZeRO-3 gathers its
-    weights there).
+    fp32 log-softmax: s × vocabulary per sample). ``remat_layer(i, fn)``, if given,
+    replaces ``jax.checkpoint(fn)`` for the i-th layer (ZeRO-3 gathers its weights there).
     """
     new_state = []
     last = stage.layers[-1]
@@ -587,7 +586,7 @@ def stage_forward(stage: Stage, params: list, state: list, x, ctx: ShardCtx = NO
         def one(p, s, h, layer=layer):
             y, s = apply_layer(stage.arch, layer, p, s, h, ctx)
             return (finish(y) if finish is not None and layer == last else y), s
-        fn = run_layer(i, one) if run_layer is not None else jax.checkpoint(one) if stage.remat else one
+        fn = remat_layer(i, one) if remat_layer is not None else jax.checkpoint(one) if stage.remat else one
         x, s = fn(params[i], state[i], x)
         new_state.append(s)
     return x, new_state

@@ -66,7 +66,8 @@ ALPA_AUTO_LAYERS = 16
 # What job_scripts/pipeline.py runs: replicated states, or (ZeRO-1,
 # job_scripts/flat_optimizer.py) states split over dp for optimizers whose update is
 # elementwise, outside expert parallelism; ZeRO-2 splits the gradient accumulator too,
-# where every stage is split alike; ZeRO-3 the weights too (job_scripts/zero3.py).
+# where every stage is split alike; ZeRO-3 the weights too (job_scripts/zero3.py), under
+# remat.
 RUNNABLE_ZERO_LEVELS = (0, 1, 2, 3)
 # Optimizers whose update is elementwise: the runner steps their flat buffers in place
 # and can split their states over dp. Per parameter, what their update holds beside the
@@ -100,22 +101,25 @@ class MemoryOptions:
     @property
     def runner_zero3(self) -> bool:
         """The runner's ZeRO-3 (``job_scripts.zero3``): each layer's weights gathered in the
-        compute dtype twice per micro-batch (forward and backward), its gradient
+        compute dtype twice per micro-batch (forward and recompute), its gradient
         reduce-scattered in float32 once."""
         return self.zero_level == 3 and self.program == "runner" and not self.offload
 
     def runnable(self, optimizer: str | None = None, expert_parallel: bool = False,
-                 stages_alike: bool = True) -> bool:
+                 stages_alike: bool = True, remat: bool = True) -> bool:
         """Whether the runner can run plans with these settings today: for a model with
         this optimizer (``ModelSpec.optimizer``; None: for some model), with any stage
-        expert-parallel or none, and (ZeRO-2 and 3) with every stage split alike or not.
-        ZeRO-2 and 3 are the runner's own (their memory counted as the runner holds it):
-        an estimate of another program (``alpa``) is not one it runs."""
+        expert-parallel or none, (ZeRO-2 and 3) with every stage split alike or not, and
+        (ZeRO-3) with remat or not. ZeRO-2 and 3 are the runner's own (their memory counted
+        as the runner holds it): an estimate of another program (``alpa``) is not one it
+        runs."""
         if self.offload or self.zero_level not in RUNNABLE_ZERO_LEVELS:
             return False
         if self.zero_level == 0:
             return True
         if self.zero_level >= 2 and not (stages_alike and self.program == "runner"):
+            return False
+        if self.zero_level >= 3 and not remat:
             return False
         return (optimizer is None or optimizer in ELEMENTWISE_OPTIMIZERS) and not expert_parallel
 

@@ -185,20 +185,19 @@ class Pipeline:
                          self.plan.remat)
         ctx = jm.ShardCtx(tp=st.coll)
         last = st.index == len(self.stages) - 1
-        arrays, run_layer = self.arrays["params"][st.index], None
+        arrays, remat_layer = self.arrays["params"][st.index], None
         if isinstance(arrays, SplitParams):
             axes, dtype = st.coll.dp_axes, jm.DTYPES[self.arch.compute_dtype]
 
-            def run_layer(i, one):  # ZeRO-3: the layer's weights gathered where it runs
-                return gathered_layer(lambda leaves, s, h: one(arrays.layer_tree(i, leaves), s, h),
-                                      lambda region: arrays.layer_leaves(i, region), axes, arrays.split, dtype,
-                                      self.plan.remat)
+            def remat_layer(i, one):  # ZeRO-3: the layer's weights gathered where it runs
+                return gathered_layer(lambda region, s, h: one(arrays.layer_weights(i, region), s, h),
+                                      axes, arrays.split, dtype)
 
         def f(params, x):
             # The loss inside the last layer's checkpoint: under remat a pipeline's rows
             # keep no log-softmax (docs/estimator.md, memory).
             finish = (lambda out: jm.loss_fn(out, target, st.coll)) if last else None
-            return jm.stage_forward(stage, params, model_state, x, ctx, finish, run_layer)
+            return jm.stage_forward(stage, params, model_state, x, ctx, finish, remat_layer)
         return f
 
     def _weights(self, st: PlacedStage, params_b: dict) -> list:

@@ -91,6 +91,9 @@ def check_plan(plan: ParallelPlan, arch: jm.Arch, global_batch: int, num_devices
     if plan.zero_level >= 2 and len({(s.dp, s.tp) for s in plan.stages}) > 1:
         refuse("zero", plan.zero_level, f"ZeRO-{plan.zero_level} needs every stage split alike "
                                         "(the same dp and tp; or use zero=1)")
+    if plan.zero_level >= 3 and not plan.remat:
+        refuse("zero", plan.zero_level, "ZeRO-3 gathers each layer's weights inside its rematerialization "
+                                        "(use remat=1, or zero=2)")
     if plan.micro_batches < 1 or global_batch % plan.micro_batches:
         refuse("micro_batches", plan.micro_batches, f"must divide the global batch {global_batch}")
     micro = global_batch // plan.micro_batches

@@ -76,12 +76,10 @@ class SplitParams(SplitBuffers):
         buf = params_b[SEGMENT_DTYPE]
         return [lax.slice_in_dim(buf, at, at + c) for at, c in zip(self.chunking.offsets, self.chunking.chunks)]
 
-    def layer_leaves(self, index: int, region: jax.Array) -> list:
-        """Layer ``index`` (of the stage)'s weight arrays, in order, from its gathered region."""
+    def layer_weights(self, index: int, region: jax.Array):
+        """Layer ``index`` (of the stage)'s weight tree from its gathered region."""
         _, size = self.chunking.regions[index]
-        return unpack(self._layer_layouts[index], {SEGMENT_DTYPE: region[:size]})
-
-    def layer_tree(self, index: int, leaves: list):
+        leaves = unpack(self._layer_layouts[index], {SEGMENT_DTYPE: region[:size]})
         return jax.tree.unflatten(self.base.treedefs[index], leaves)
 
     def pack_pieces(self, pieces: list[jax.Array], lengths: dict[str, int]) -> dict:
@@ -95,15 +93,13 @@ class SplitParams(SplitBuffers):
         return self.pack_pieces([self.chunking.local_of_packed(packed[SEGMENT_DTYPE], dp_rank)], lengths)
 
 
-def gathered_layer(layer, weights, axes: tuple[str, ...], split: int, dtype, remat: bool):
-    """``layer(leaves, state, x) -> (y, new state)``, which takes a layer's weight arrays,
-    as a function of this device's chunk ``piece`` of them instead: ``weights(region)``
-    unpacks the gathered flat region into those arrays. The forward gathers the region (in
-    ``dtype``, over the ``split`` devices of ``axes``) and runs the layer, keeping its
-    inputs (``remat``) or the residuals of its backward less the gathered weights; the
-    backward gathers the region again, runs the layer's backward (recomputing its forward
-    under remat) and reduce-scatters the weights' gradient in float32 (each device gets
-    its chunk of the dp sum).
+def gathered_layer(layer, axes: tuple[str, ...], split: int, dtype):
+    """``layer(region, state, x) -> (y, new state)``, which takes a layer's whole weights
+    as one flat ``region``, as a function of this device's chunk ``piece`` instead, under
+    rematerialization: the forward gathers the region (in ``dtype``, over the ``split``
+    devices of ``axes``) and keeps only its inputs; the backward gathers it again, runs
+    the layer's backward and reduce-scatters the region's gradient in float32 (each device
+    gets its chunk of the dp sum).
 
     Optimization barriers order the collectives with the layer chain: a layer's gather
     waits for its input (forward) or its output's cotangent (backward), and its input's
@@ -111,32 +107,11 @@ def gathered_layer(layer, weights, axes: tuple[str, ...], split: int, dtype, rem
     gather every layer's weights at the start of the backward and reduce-scatter every
     layer's gradient at its end (the GPU-target compile of gpt-760m on 8 devices held all
     24 blocks' gathered weights and float32 gradients at once: 4.9 GB against 2.9)."""
-    gather = _Gather(axes, split, dtype, weights, remat)
-
     def run(piece, state, x):
-        leaves = jax.eval_shape(weights, jax.ShapeDtypeStruct((piece.shape[0] * split,), dtype))
-        converted, traced = _explicit_closure(layer, leaves, state, x)
-        return _gathered(converted, gather, piece, state, x, traced)
+        region = jax.ShapeDtypeStruct((piece.shape[0] * split,), dtype)
+        converted, traced = _explicit_closure(layer, region, state, x)
+        return _gathered(converted, axes, dtype, piece, state, x, traced)
     return run
-
-
-class _Gather:
-    """What one gathered layer's forward and backward share. Without remat, ``kept``: the
-    structure of the layer's vjp and, per residual, its index among the gathered weights
-    (taken again in the backward) or None (kept)."""
-
-    def __init__(self, axes, split: int, dtype, weights, remat: bool):
-        self.axes, self.split, self.dtype, self.weights, self.remat = axes, split, dtype, weights, remat
-        self.kept = None
-
-    def leaves(self, piece):
-        return self.weights(lax.all_gather(piece.astype(self.dtype), self.axes, tiled=True))
-
-    def reduce(self, g_leaves, chunk: int):
-        """This device's chunk of the dp sum of the weights' gradient, in float32."""
-        flat = jnp.concatenate([jnp.ravel(g) for g in g_leaves])
-        flat = jnp.pad(flat, (0, chunk * self.split - flat.shape[0]))
-        return lax.psum_scatter(flat.astype(jnp.float32), self.axes, scatter_dimension=0, tiled=True)
 
 
 def _explicit_closure(fn, *example):
@@ -157,37 +132,28 @@ def _explicit_closure(fn, *example):
     return converted, traced
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _gathered(layer, gather, piece, state, x, consts):
-    return layer(gather.leaves(piece), state, x, *consts)
+def _gather(piece, axes, dtype):
+    return lax.all_gather(piece.astype(dtype), axes, tiled=True)
 
 
-def _gathered_forward(layer, gather, piece, state, x, consts):
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _gathered(layer, axes, dtype, piece, state, x, consts):
+    return layer(_gather(piece, axes, dtype), state, x, *consts)
+
+
+def _gathered_forward(layer, axes, dtype, piece, state, x, consts):
     # Kept: the inputs themselves (a pipeline recognises its weights among them and does
     # not stash them), not the barrier's copies.
     after, h = lax.optimization_barrier((piece, x))
-    leaves = gather.leaves(after)
-    if gather.remat:
-        return layer(leaves, state, h, *consts), (piece, (state, x, consts))
-    out, vjp = jax.vjp(lambda ws, s, xx, cs: layer(ws, s, xx, *cs), leaves, state, h, consts)
-    residuals = jax.tree.leaves(vjp)
-    kinds = [next((k for k, w in enumerate(leaves) if r is w), None) for r in residuals]
-    gather.kept = (jax.tree.structure(vjp), kinds)
-    return out, (piece, tuple(r for r, k in zip(residuals, kinds) if k is None))
+    return layer(_gather(after, axes, dtype), state, h, *consts), (piece, state, x, consts)
 
 
-def _gathered_backward(layer, gather, saved, cotangent):
-    piece, rest, cotangent = lax.optimization_barrier((*saved, cotangent))
-    leaves = gather.leaves(piece)
-    if gather.remat:
-        state, x, consts = rest
-        _, vjp = jax.vjp(lambda ws, s, xx, cs: layer(ws, s, xx, *cs), leaves, state, x, consts)
-    else:
-        treedef, kinds = gather.kept
-        kept = iter(rest)
-        vjp = jax.tree.unflatten(treedef, [leaves[k] if k is not None else next(kept) for k in kinds])
-    g_leaves, g_state, g_x, g_consts = vjp(cotangent)
-    g_piece, g_x = lax.optimization_barrier((gather.reduce(g_leaves, piece.shape[0]), g_x))
+def _gathered_backward(layer, axes, dtype, saved, cotangent):
+    piece, state, x, consts, cotangent = lax.optimization_barrier((*saved, cotangent))
+    _, vjp = jax.vjp(lambda region, s, h, cs: layer(region, s, h, *cs), _gather(piece, axes, dtype), state, x, consts)
+    g_region, g_state, g_x, g_consts = vjp(cotangent)
+    g_piece = lax.psum_scatter(g_region.astype(jnp.float32), axes, scatter_dimension=0, tiled=True)
+    g_piece, g_x = lax.optimization_barrier((g_piece, g_x))
     return g_piece, g_state, g_x, g_consts
 
 

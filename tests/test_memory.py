@@ -183,4 +183,4 @@ def test_the_estimator_calls_zero1_runnable_for_the_optimizers_the_runner_splits
     assert not z1.runnable("adamw", expert_parallel=True) and MemoryOptions().runnable("adafactor", True)
     assert MemoryOptions(zero_level=2).runnable("sgd") and not MemoryOptions(zero_level=2).runnable("adafactor")
     assert MemoryOptions(zero_level=3).runnable("adamw") and not MemoryOptions(zero_level=3).runnable("adafactor")
-    assert MemoryOptions(zero_level=3).runnable("sgd") and not MemoryOptions(zero_level=3, program="alpa").runnable()
+    assert not MemoryOptions(zero_level=3).runnable("adamw", remat=False)

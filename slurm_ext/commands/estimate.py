@@ -121,14 +121,15 @@ def _read_batch(source) -> list[dict]:
 @click.option("--zero", "zero_level", type=click.IntRange(0, 3), default=0, show_default=True,
               help="ZeRO stage: 0 replicated states, 1 optimizer states sharded over dp, 2 also gradients, "
                    "3 also weights. The runner runs 0, and 1 to 3 for AdamW and SGD outside --expert-parallel "
-                   "stages, 2 and 3 where every stage is split alike (each Cell's \"runnable\" says). With 0, a "
-                   "Cell that fits only with ZeRO-1, 2 or 3 is estimated with it.")
+                   "stages, 2 and 3 where every stage is split alike, 3 under remat (each Cell's \"runnable\" "
+                   "says). With 0, a Cell that fits only with ZeRO-1, 2 or 3 is estimated with it.")
 @click.option("--offload", is_flag=True,
               help="ZeRO-Offload: optimizer states and the update on the host (its memory and PCIe are in the "
                    "estimate, host_memory_gb per GPU). Estimated only; the runner does not run it.")
 @click.option("--what-if", is_flag=True,
-              help="Count Cells that fit only with settings the runner cannot run yet (offload, ZeRO-1 "
-                   "to 3 for Adafactor) as feasible (their \"runnable\" is false); implied by --offload.")
+              help="Count Cells that fit only with settings the runner cannot run yet (offload, ZeRO-3 "
+                   "without remat, ZeRO-1 to 3 for Adafactor) as feasible (their \"runnable\" is false); implied "
+                   "by --offload and by --zero 3 --remat off.")
 @click.option("--stage-gpus", type=click.Choice(["equal", "arena"]), default="equal", show_default=True,
               help="GPUs per pipeline stage: equal, or arena (Arena's power-of-two counts in proportion to "
                    "each stage's load, kept where faster; estimated only, runnable false).")
@@ -152,7 +153,8 @@ def command(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, clus
     options = EstimateOptions(micro_batches=micro_batches, comm_table=comm_table, fidelity=fidelity,
                               compile_cache_dir=compile_cache, gpu_specs_dir=gpu_specs_dir,
                               profile_db=profile_db, remat={"on": True, "off": False, "auto": None}[remat],
-                              memory=memory, runnable_only=not (what_if or not memory.runnable()),
+                              memory=memory,
+                              runnable_only=not (what_if or not memory.runnable(remat=remat != "off")),
                               stage_gpus=stage_gpus, expert_parallel=expert_parallel)
     if batch_file is not None:
         if model or global_batch:
