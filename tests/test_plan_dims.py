@@ -91,6 +91,23 @@ def test_zero2_splits_the_gradient_accumulator_on_stages_split_alike():
     assert not MemoryOptions(zero_level=2, program="alpa").runnable("adamw")  # the simulations' program
 
 
+def test_a_cell_that_fits_only_with_its_weights_split_runs_with_zero3():
+    """gpt-6.7b on 8 a100s, data parallel only: replicated fp32 weights do not fit at any
+    ZeRO level below 3; the estimate (as the daemon asks for it) takes ZeRO-3, which the
+    runner runs, and says so in the plan string."""
+    job, cell = JobSpec("gpt-6.7b", 64), Cell("a100", 8, 8, 1)
+    chosen = estimate_cell(job, cell, CRIUS, EstimateOptions(plan_space="dp-only", micro_batches=8))
+    assert chosen.feasible and chosen.runnable and chosen.zero_level == 3 and chosen.plan.endswith("zero=3")
+    # From ZeRO-1 or 2 too the estimate moves on to ZeRO-3: neither fits.
+    for z in (1, 2):
+        e = estimate_cell(job, cell, CRIUS, EstimateOptions(memory=MemoryOptions(zero_level=z), plan_space="dp-only",
+                                                            micro_batches=8))
+        assert e.zero_level == 3 and e.peak_memory_gb == chosen.peak_memory_gb
+    # Without remat ZeRO-3 is not what the runner runs: no runnable plan fits.
+    no_remat = estimate_cell(job, cell, CRIUS, EstimateOptions(plan_space="dp-only", micro_batches=8, remat=False))
+    assert not no_remat.feasible
+
+
 def test_plan_string_memory_tokens_round_trip_and_old_strings_read_the_same():
     old = "cell=a100x8:s1 plan=[dp8tp1] mb=4 remat=1"
     assert parse_plan(old).zero_level == 0 and not parse_plan(old).offload
