@@ -110,14 +110,14 @@ class SplitBuffers:
 
     def segments_json(self) -> dict:
         """How the whole segments lie over the data-parallel ranks (empty when every device
-        holds all of them): ``chunk`` per rank and segment, and for ZeRO-3 the whole
-        segment's ``span`` and the ``regions`` cut separately."""
+        holds all of them): a rank's ``chunk`` per segment, the whole segment's ``span``
+        and the ``regions`` of it cut separately (one under ZeRO-1 and 2, one per layer
+        under ZeRO-3). Checkpoints written before ``span`` and ``regions`` were recorded
+        had one region of ``dp × chunk``."""
         if self.split == 1:
             return {}
-        out = {"segments": self.segments, "chunk": self.chunk}
-        if self.chunking.regions != ((0, self.weights_length),):
-            out.update(span=self.weights_length, regions=self.chunking.to_json())
-        return {SEGMENT_DTYPE: out}
+        return {SEGMENT_DTYPE: {"segments": self.segments, "chunk": self.chunk, "span": self.weights_length,
+                                "regions": self.chunking.to_json()}}
 
     def local_of_whole(self, whole: dict[str, np.ndarray], dp_rank: int, lengths: dict[str, int]
                        ) -> dict[str, np.ndarray]:

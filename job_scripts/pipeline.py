@@ -24,7 +24,8 @@ Each device keeps its stage's weights, optimizer state and model state in flat b
    gradients;
 3. the gradients are averaged over each stage's data-parallel group and every stage
    applies its optimizer (under ZeRO-2 each micro-batch's are summed as they come and a
-   device accumulates only its chunk, ``job_scripts.flat_optimizer``).
+   device accumulates only its chunk, ``job_scripts.flat_optimizer``; under ZeRO-3 the
+   weights are split too, each layer's gathered where it runs, ``job_scripts.zero3``).
 
 A stage with nothing to do in a tick (the pipeline bubble) takes an idle branch, so the
 bubble costs time, as on real pipelines, but no work. The loss and the update are those
@@ -285,7 +286,8 @@ class Pipeline:
         """A micro-batch's weight gradients as the step accumulates them: packed whole,
         or under ZeRO-2 summed over dp array by array (in place) and only this device's
         chunk of the packed sum built, from the arrays it overlaps (one branch per dp
-        rank, each static), so no second whole buffer exists."""
+        rank, each static), so no second whole buffer exists; under ZeRO-3 each layer's
+        chunk of the sum, as its reduce-scatter left it (``job_scripts.zero3``)."""
         arrays = self.arrays["params"][st.index]
         if isinstance(arrays, SplitParams):  # ZeRO-3: each layer's chunk of the sum
             return arrays.pack_pieces(g_params, self.lengths["params"])

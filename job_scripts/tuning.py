@@ -117,9 +117,10 @@ class PlanSpace:
         from estimator.tuner import TuneOptions, micro_batch_choices, tune
 
         self.req = req
-        # The daemon's plan keeps states split over dp (ZeRO-1, or ZeRO-2 with the gradient
-        # accumulator too) where replicated ones do not fit: every plan of the search keeps
-        # its level (under ZeRO-2 the runner refuses stages split differently). A daemon that split a stage's
+        # The daemon's plan keeps states split over dp (ZeRO-1, ZeRO-2 with the gradient
+        # accumulator too, ZeRO-3 with the weights too) where replicated ones do not fit:
+        # every plan of the search keeps its level (under ZeRO-2 and 3 the runner refuses
+        # stages split differently, under ZeRO-3 no remat). A daemon that split a stage's
         # experts over its GPUs (expert_parallel) lets the search try such splits too.
         start = parse_plan(req.start) if req.start else None
         self.zero_level = start.zero_level if start else 0

@@ -7,7 +7,7 @@ keeps chunk r of every layer's weights, so one layer's weights are gathered alon
 before the layer runs, and freed after it:
 
 - forward: the layer's chunk is cast to the compute dtype and all-gathered over dp
-  (:func:`gather_layer`), unpacked and run;
+  (:func:`gathered_layer`), unpacked and run;
 - backward: under remat the layer's forward is recomputed, gather included; the
   gathered weights' gradient is reduce-scattered over dp in float32, so each device
   receives its chunk of the data-parallel sum and no whole gradient is ever held.
