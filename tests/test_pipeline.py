@@ -16,6 +16,7 @@ import multiprocessing
 
 import pytest
 
+from conftest import in_jax_child
 from estimator.compiled import _worker_init, child_xla_flags
 
 TINY_GPT = "tests/fixtures/runner/tiny-gpt.yaml"
@@ -329,7 +330,7 @@ RESIDUAL_PLANS = [("gpt-760m", 1, "0,1,2,3,26"), ("gpt-760m", 2, "0,1,2,3,26"), 
 
 @pytest.mark.parametrize("model,tp,bounds", RESIDUAL_PLANS)
 @pytest.mark.parametrize("remat", [0, 1])
-def test_the_memory_model_counts_the_residual_rows_the_runner_keeps(child, model, tp, bounds, remat):
+def test_the_memory_model_counts_the_residual_rows_the_runner_keeps(model, tp, bounds, remat):
     """A pipeline keeps one row per micro-batch in flight; the memory model's row (the vjp's
     residuals and the cast weights without remat, each layer's input with it) matches the
     runner's own layout stage by stage, for transformer, MoE and Wide-ResNet layers under
@@ -340,7 +341,9 @@ def test_the_memory_model_counts_the_residual_rows_the_runner_keeps(child, model
 
     spec = load_model(model)
     text = f"cell=h100x{4 * tp}:s4 plan=[{'|'.join([f'dp1tp{tp}'] * 4)}] mb=4 remat={remat} layers={bounds}"
-    rows = child.apply(_residual_rows, (model, 8, text))  # 2 samples per micro-batch
+    # A fresh process each: building a real model's pipeline allocates its zero rows (11 GB
+    # for gpt-760m without remat), which the shared child would pile up.
+    rows = in_jax_child(8, _residual_rows, model, 8, text)  # 2 samples per micro-batch
     edges = [int(b) for b in bounds.split(",")]
     for s, got in enumerate(rows):
         layers = spec.layers[edges[s]:edges[s + 1]]
