@@ -36,7 +36,7 @@ from estimator.estimate import EstimateOptions, partition_stages, score_plan  # 
 from estimator.jobs import JobSpec  # noqa: E402
 from estimator.memory import MemoryOptions  # noqa: E402
 from estimator.models import load_model  # noqa: E402
-from job_scripts.pipeline import PROGRAM_REVISION  # noqa: E402
+from job_scripts.pipeline import PROGRAM_REVISION, describes_current  # noqa: E402
 from estimator.plan_string import parse_plan  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -120,7 +120,7 @@ def gpu_rows(gpu: str, current: bool = True) -> list[dict]:
     describes and are kept as a record."""
     out = []
     for r in measured_plans(gpu):
-        if (r["program_revision"] == PROGRAM_REVISION) != current:
+        if is_current(r) != current:
             continue
         score = score_plan_text(r["model"], r["global_batch"], r["plan"], gpu)
         est = score.peak_memory_gb
@@ -130,11 +130,19 @@ def gpu_rows(gpu: str, current: bool = True) -> list[dict]:
     return out
 
 
+def is_current(row: dict) -> bool:
+    """Whether a row measured or compiled the runner's current program for its plan."""
+    return describes_current(row.get("program_revision", 1), parse_plan(row["plan"]).num_stages)
+
+
 def gpu_target_rows() -> list[dict]:
+    """The GPU-target compiles of the runner's current program (``is_current``)."""
     if not GPU_TARGET_FILE.is_file():
         return []
     out = []
     for r in json.loads(GPU_TARGET_FILE.read_text())["rows"]:
+        if not is_current(r):
+            continue
         ref = r["compiled_peak_gb"] + MemoryOptions().reserve_gb
         est = estimate_plan_gb(r["model"], r["global_batch"], r["plan"], r.get("gpu_type", "h100"))
         out.append({**r, "source": "gpu-target", "reference_gb": round(ref, 3), "estimate_gb": round(est, 3),
@@ -180,7 +188,7 @@ def main(argv=None) -> int:
         rows = result[gpu]["rows"]
         result[gpu].update(summary=summary(rows), time_summary=summary([{"accuracy": r["time_accuracy"]} for r in rows]))
     result["earlier_program"] = {
-        "note": f"measured on the runner before program revision {PROGRAM_REVISION}; not scored",
+        "note": f"measured on a runner program that a revision up to {PROGRAM_REVISION} has since changed; not scored",
         "rows": [{k: r[k] for k in ("model", "global_batch", "plan", "peak_gb", "step_s", "source",
                                     "program_revision", "estimate_gb", "estimate_step_s")}
                  for gpu in MEASURED_GPUS for r in gpu_rows(gpu, current=False)]}

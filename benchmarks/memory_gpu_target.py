@@ -16,13 +16,16 @@ each plan's peak in OLD beside the current file's (or ``--with NEW``'s), with th
 median, mean and worst (largest): ``results_memory_gpu_target_rev1.json`` is the program
 before the in-place optimizer update, ``_rev2`` the one before the loss ran inside the
 last layer's checkpoint, ``_rev3`` the one before pipelines split alike updated outside
-their stage switch::
+their stage switch, ``_rev4`` the one before a pipeline's zero rows were made inside its
+step (revision 5 changed only pipelines; the single-stage rows are revision 4's)::
 
     python benchmarks/memory_gpu_target.py --compare benchmarks/results_memory_gpu_target_rev1.json \
         --with benchmarks/results_memory_gpu_target_rev2.json
     python benchmarks/memory_gpu_target.py --compare benchmarks/results_memory_gpu_target_rev2.json \
         --with benchmarks/results_memory_gpu_target_rev3.json
-    python benchmarks/memory_gpu_target.py --compare benchmarks/results_memory_gpu_target_rev3.json
+    python benchmarks/memory_gpu_target.py --compare benchmarks/results_memory_gpu_target_rev3.json \
+        --with benchmarks/results_memory_gpu_target_rev4.json
+    python benchmarks/memory_gpu_target.py --compare benchmarks/results_memory_gpu_target_rev4.json
 """
 
 import argparse

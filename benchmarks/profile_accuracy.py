@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_output import emit  # noqa: E402
 from benchmarks.estimator_accuracy import accuracy as _acc, summarize as _summary  # noqa: E402
-from benchmarks.memory_accuracy import measured_plans, plans_in, score_plan_text  # noqa: E402
+from benchmarks.memory_accuracy import is_current, measured_plans, plans_in, score_plan_text  # noqa: E402
 from job_scripts.pipeline import PROGRAM_REVISION  # noqa: E402
 from estimator.models import load_model  # noqa: E402
 from estimator.plan_string import parse_plan  # noqa: E402
@@ -65,7 +65,7 @@ def compare(db: str, gpu: str = "h200") -> dict:
         # Peak memory only of the runner's current program: the earlier one's update held
         # more (memory_accuracy.gpu_rows). Its step times stay: the same layers, the same
         # time model of the update.
-        if r.get("peak_gb") and r.get("program_revision", 1) == PROGRAM_REVISION:
+        if r.get("peak_gb") and is_current(r):
             row.update({"analytic_gb": round(analytic.peak_memory_gb, 3), "profiled_gb": round(profiled.peak_memory_gb, 3),
                         "analytic_memory_accuracy": round(_acc(analytic.peak_memory_gb, r["peak_gb"]), 4),
                         "profiled_memory_accuracy": round(_acc(profiled.peak_memory_gb, r["peak_gb"]), 4)})

@@ -135,7 +135,7 @@ class StageMemory:
     accumulating: bool = False  # more than one micro-batch: a second gradient buffer
     host_gb: float = 0.0  # host memory per GPU (ZeRO-Offload)
     # The runner's pipelines: the residual rows kept from step to step (every phase), one
-    # row (the backward copies its row out of them and unpacks it: two), and what the
+    # row (the one the backward copies out of them to unpack), and what the
     # update holds more when it runs inside the stage's branch (``in_branch``: stages
     # whose updates differ) than when every stage runs the same one in place.
     stash_gb: float = 0.0
@@ -150,7 +150,7 @@ class StageMemory:
     @property
     def peak_gb(self) -> float:
         second = self.micro_gradients_gb or (self.gradients_gb if self.accumulating else 0.0)
-        backward = self.gradients_gb + second + self.activations_gb + 2 * self.row_gb
+        backward = self.gradients_gb + second + self.activations_gb + self.row_gb
         update = self.gradients_gb + self.update_gb + (self.branch_update_gb if self.in_branch else 0.0)
         return self.weights_gb + self.optimizer_gb + self.reserve_gb + self.stash_gb + max(backward, update)
 

@@ -62,7 +62,18 @@ PP = "pp"
 #   pipeline's residual rows keep no log-softmax.
 # 4 (2026-11-27): a pipeline whose stages are split alike steps its optimizer outside the
 #   stage switch, in place.
-PROGRAM_REVISION = 4
+# 5 (2026-11-27): a pipeline's zero rows (an idle tick's output and residuals) are made
+#   inside the step; held as constants of the program they took one residual row more.
+PROGRAM_REVISION = 5
+# The revisions that changed only pipelines' programs (a single stage's is unchanged).
+PIPELINE_ONLY_REVISIONS = frozenset({3, 4, 5})
+
+
+def describes_current(revision: int, stages: int) -> bool:
+    """Whether a measurement of a plan of ``stages`` stages on the runner of program
+    ``revision`` still describes the current program: no later revision changed it."""
+    later = range(revision + 1, PROGRAM_REVISION + 1)
+    return all(stages == 1 and r in PIPELINE_ONLY_REVISIONS for r in later)
 
 
 @dataclass(frozen=True)
@@ -304,17 +315,23 @@ class Pipeline:
         S, M = len(self.stages), self.plan.micro_batches
         forward_pairs = [(s, s + 1) for s in range(S - 1)]
         backward_pairs = [(s + 1, s) for s in range(S - 1)]
-        act_zero = {dt: jnp.zeros((n,), dt) for dt, n in self.act_lengths.items()}
-        res_zero = {dt: jnp.zeros((n,), dt) for dt, n in self.res_lengths.items()}
+
+        # The zero rows are made inside the step, where XLA fills them as it needs them:
+        # arrays made here would be constants of the program, a residual row held for good.
+        def act_zero():
+            return {dt: jnp.zeros((n,), dt) for dt, n in self.act_lengths.items()}
+
+        def res_zero():
+            return {dt: jnp.zeros((n,), dt) for dt, n in self.res_lengths.items()}
 
         def local(bufs):  # [1, 1, L] → [L]
             return {dt: b[0, 0] for dt, b in bufs.items()}
 
         def forward_idle(params_b, state_b, act_b, xs, ys, t):
-            return act_zero, res_zero, state_b, jnp.zeros((), jnp.float32)
+            return act_zero(), res_zero(), state_b, jnp.zeros((), jnp.float32)
 
         def backward_idle(params_b, ct_b, stash, m):
-            return act_zero, zero_grads(params_b)
+            return act_zero(), zero_grads(params_b)
 
         pipelined = S > 1
         fwd = [self._forward_branch(st, act_zero) for st in self.stages] + [forward_idle] if pipelined else []
@@ -372,7 +389,7 @@ class Pipeline:
             # until the backward passes start. The rows are the last step's, overwritten
             # before they are read: zeroing them afresh every step took a fifth of it on CPU.
             (_, stash, state, loss), _ = lax.scan(
-                forward_tick, (act_zero, local(stash), state, jnp.zeros((), jnp.float32)),
+                forward_tick, (act_zero(), local(stash), state, jnp.zeros((), jnp.float32)),
                 jnp.arange(M + S - 1))
 
             def backward_tick(carry, t):
@@ -384,7 +401,7 @@ class Pipeline:
                 ct_out = {dt: lax.ppermute(v, PP, backward_pairs) for dt, v in ct_out.items()}
                 return (ct_out, grads), None
 
-            (_, grads), _ = lax.scan(backward_tick, (act_zero, zero_grads(params)), jnp.arange(M + S - 1))
+            (_, grads), _ = lax.scan(backward_tick, (act_zero(), zero_grads(params)), jnp.arange(M + S - 1))
             return finish(params, opt, state, grads, loss, stash)
 
         def finish(params, opt, state, grads, loss, stash):
@@ -428,7 +445,7 @@ class Pipeline:
             packed = pack(res.layout, rest, self.res_lengths)
             state_out = arrays["state"][st.index].pack(new_state, self.lengths["state"])
             if last:
-                return act_zero, packed, state_out, out.astype(jnp.float32) / M
+                return act_zero(), packed, state_out, out.astype(jnp.float32) / M
             return pack(self.act_layouts[st.index], [out], self.act_lengths), packed, state_out, \
                 jnp.zeros((), jnp.float32)
         return run
@@ -457,7 +474,7 @@ class Pipeline:
             grads = vjp(cot)
             g_params = self._gradients(st, grads[0])
             if st.index == 0:
-                return act_zero, g_params
+                return act_zero(), g_params
             prev = self.stages[st.index - 1]
             g_x = to_sender(grads[1], prev.coll, st.coll)
             return pack(self.act_layouts[prev.index], [g_x], self.act_lengths), g_params
