@@ -252,6 +252,60 @@ def test_stages_exchange_micro_batches_by_collective_permutes_and_bad_plans_say_
     assert "split alike" in out["zero"][2]
 
 
+def _closed_over_arrays(plan_text: str) -> list:
+    """The shapes of every array the traced step closes over (constants of the program),
+    through every nested jaxpr; and the residual and activation row lengths."""
+    import jax
+    import numpy as np
+    from jax.extend import core as jcore
+
+    from estimator import jax_models as jm
+    from estimator.jax_optim import optimizer_for
+    from estimator.models import load_model
+    from estimator.plan_string import parse_plan
+    from job_scripts.pipeline import Pipeline
+    from job_scripts.plan import plan_from_string
+
+    spec = load_model(TINY_GPT)
+    arch = jm.arch_from_model(spec)
+    plan = plan_from_string(plan_text, spec, arch, 16, parse_plan(plan_text).num_gpus)[0]
+    pipe = Pipeline(arch, plan, jax.devices()[:plan.num_gpus], 16, optimizer_for(arch.optimizer))
+    state = pipe.init(0)
+    x_shape, x_dtype = jm.activation_shape(arch, 0, 16)
+    xs, ys = pipe.place_batch(np.zeros(x_shape, x_dtype), np.zeros(jm.label_shape(arch, 16), np.int32))
+    closed = jax.make_jaxpr(pipe._step)(state["params"], state["opt"], state["state"], pipe._zero_stash(), xs, ys)
+
+    def walk(jaxpr, out):
+        out += [tuple(c.shape) for c in getattr(jaxpr, "consts", ()) if hasattr(c, "shape")]
+        for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+            out += [tuple(v.val.shape) for v in eqn.invars
+                    if isinstance(v, jcore.Literal) and getattr(v.val, "shape", ())]
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (list, tuple)) else (param,):
+                    if isinstance(sub, (jcore.ClosedJaxpr, jcore.Jaxpr)):
+                        walk(sub, out)
+        return out
+    return {"closed_over": walk(closed, []), "rows": sorted({*pipe.res_lengths.values(), *pipe.act_lengths.values()})}
+
+
+def test_the_pipeline_step_closes_over_no_array(child):
+    """An idle tick's zero rows are made inside the step: held as constants of the program
+    they cost a residual row of memory for good (program revision 5)."""
+    out = child.apply(_closed_over_arrays, ("cell=a100x2:s2 plan=[dp1tp1|dp1tp1] mb=4 remat=0",))
+    assert out["rows"] and max(out["rows"]) > 1000
+    assert out["closed_over"] == []
+
+
+def test_a_measurement_describes_the_program_until_a_revision_changes_it():
+    from job_scripts.pipeline import PIPELINE_ONLY_REVISIONS, PROGRAM_REVISION, describes_current
+
+    assert describes_current(PROGRAM_REVISION, 1) and describes_current(PROGRAM_REVISION, 4)
+    last_for_all = max(r for r in range(2, PROGRAM_REVISION + 1) if r not in PIPELINE_ONLY_REVISIONS)
+    # A single stage's program is the same since the last revision that changed every plan.
+    assert describes_current(last_for_all, 1) and not describes_current(last_for_all - 1, 1)
+    assert not describes_current(PROGRAM_REVISION - 1, 2)  # the latest changed pipelines
+
+
 def _every_tuner_plan(num_gpus: int) -> dict:
     """Every feasible plan the exhaustive tuner scores for the tiny GPT's Cells (a superset
     of what ``estimate`` and ``tune`` emit), checked; a few run."""
