@@ -56,6 +56,11 @@ from job_scripts.stage_arrays import Leaf, StageArrays, path_name
 # weights split too (``job_scripts.zero3``).
 ZERO_LEVELS = (0, 1, 2, 3)
 SEGMENT_DTYPE = "float32"
+# The flat update steps its buffers in up to this many pieces, in place
+# (``_step_in_pieces``): a few pieces of the old and new state are held beside them.
+# Pieces are at least UPDATE_PIECE_MIN elements (small stages take one step).
+UPDATE_PIECES = 32
+UPDATE_PIECE_MIN = 1 << 20
 
 
 def zero_problem(optimizer) -> str:
@@ -230,8 +235,41 @@ class FlatOptArrays(SplitBuffers):
             p = lax.dynamic_slice_in_dim(params, lax.axis_index(dp_axes) * self.chunk, self.chunk)
         else:
             g, p = (lax.psum(grads, dp_axes) if dp_axes else grads), params
-        state = jax.tree.unflatten(self.treedef, unpack(self.local_layout, opt_b))
-        new_p, new_state = self.optimizer.update({"w": g}, state, {"w": p})
+        new_p, opt_b = self._step_in_pieces(g, p, opt_b)
         gather = self.split > 1 and not split_weights
-        whole = lax.all_gather(new_p["w"], dp_axes, tiled=True) if gather else new_p["w"]
-        return {**params_b, SEGMENT_DTYPE: whole}, pack(self.local_layout, jax.tree.leaves(new_state), lengths)
+        whole = lax.all_gather(new_p, dp_axes, tiled=True) if gather else new_p
+        return {**params_b, SEGMENT_DTYPE: whole}, opt_b
+
+    def _step_in_pieces(self, g: jax.Array, p: jax.Array, opt_b: dict) -> tuple[jax.Array, dict]:
+        """The elementwise step on weights ``p`` (their gradients ``g``) and the state in
+        ``opt_b``, piece by piece, each piece's new weights and state written over its
+        old ones in place. Stepped whole, XLA keeps the old state beside the new (a copy
+        of the whole state buffer) since it cannot tell that the new moments land where
+        only their own old values were read; here each piece's old values are read (and
+        materialized) behind an optimization barrier before any of its writes."""
+        n = p.shape[0]
+        slots = self.local_layout.slots
+        if any(sl.shape and sl.shape != (n,) for sl in slots):
+            raise ValueError(f"state segments of {[sl.shape for sl in slots]} do not match {n} weights")
+        pieces = max(1, min(UPDATE_PIECES, n // UPDATE_PIECE_MIN))
+        bounds = [n * i // pieces for i in range(pieces + 1)]
+        bufs, scalars = dict(opt_b), None
+        for lo, hi in zip(bounds, bounds[1:]):
+            if hi == lo:
+                continue
+            read = [lax.dynamic_slice_in_dim(bufs[sl.dtype], sl.offset + lo, hi - lo) if sl.shape
+                    else lax.dynamic_index_in_dim(bufs[sl.dtype], sl.offset, keepdims=False) for sl in slots]
+            # The buffers pass the barrier too: this piece's reads wait for the last one's
+            # writes (and the gradients', so their pieces are not all sliced at once).
+            g_i, p_i, read, bufs, p, g = lax.optimization_barrier(
+                (g[lo:hi], lax.dynamic_slice_in_dim(p, lo, hi - lo), read, bufs, p, g))
+            new_p, new_state = self.optimizer.update({"w": g_i}, jax.tree.unflatten(self.treedef, read), {"w": p_i})
+            new = jax.tree.leaves(new_state)
+            for sl, v in zip(slots, new):
+                if sl.shape:
+                    bufs[sl.dtype] = lax.dynamic_update_slice_in_dim(bufs[sl.dtype], v, sl.offset + lo, 0)
+            scalars = [v for sl, v in zip(slots, new) if not sl.shape]
+            p = lax.dynamic_update_slice_in_dim(p, new_p["w"], lo, 0)
+        for sl, v in zip([sl for sl in slots if not sl.shape], scalars or []):
+            bufs[sl.dtype] = lax.dynamic_update_index_in_dim(bufs[sl.dtype], v.astype(sl.dtype), sl.offset, 0)
+        return p, bufs

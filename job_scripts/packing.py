@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,17 @@ def pack(layout: FlatLayout, arrays: Sequence, lengths: dict[str, int]) -> dict[
         used = layout.length(name)
         pieces = parts[name] + ([jnp.zeros((n - used,), name)] if n > used else [])
         out[name] = jnp.concatenate(pieces) if pieces else jnp.zeros((n,), name)
+    return out
+
+
+def add_into(layout: FlatLayout, buffers: dict[str, jax.Array], arrays: Sequence) -> dict[str, jax.Array]:
+    """``buffers`` plus ``arrays`` packed (in the layout's order), added slot by slot in
+    place: no packed copy of ``arrays`` is built (gradient accumulation)."""
+    out = dict(buffers)
+    for slot, a in zip(layout.slots, arrays, strict=True):
+        buf = out[slot.dtype]
+        piece = lax.dynamic_slice_in_dim(buf, slot.offset, slot.size) + jnp.ravel(a).astype(slot.dtype)
+        out[slot.dtype] = lax.dynamic_update_slice_in_dim(buf, piece, slot.offset, 0)
     return out
 
 

@@ -47,7 +47,7 @@ from jax.sharding import PartitionSpec as P
 from estimator import jax_models as jm
 from job_scripts.collectives import StageCollectives, to_receiver, to_sender
 from job_scripts.flat_optimizer import SEGMENT_DTYPE, FlatOptArrays, SplitBuffers
-from job_scripts.packing import FlatLayout, flat_layout, joint_lengths, pack, pack_range, read_row, unpack
+from job_scripts.packing import FlatLayout, add_into, flat_layout, joint_lengths, pack, pack_range, read_row, unpack
 from job_scripts.plan import ParallelPlan, check_plan, log2
 from job_scripts.stage_arrays import KINDS, StageArrays
 from job_scripts.zero3 import SplitParams, gathered_layer, layer_chunking
@@ -64,7 +64,10 @@ PP = "pp"
 #   stage switch, in place.
 # 5 (2026-11-27): a pipeline's zero rows (an idle tick's output and residuals) are made
 #   inside the step; held as constants of the program they took one residual row more.
-PROGRAM_REVISION = 5
+# 6 (2026-11-27): a micro-batch's gradients are added into the accumulator slot by slot
+#   (no packed copy of them), and the flat update steps its buffers piece by piece in
+#   place (stepped whole, XLA copied the whole optimizer state).
+PROGRAM_REVISION = 6
 # The revisions that changed only pipelines' programs (a single stage's is unchanged).
 PIPELINE_ONLY_REVISIONS = frozenset({3, 4, 5})
 
@@ -367,8 +370,8 @@ class Pipeline:
                 # is kept between them (gradient accumulation).
                 def micro_batch(carry, m):
                     grads, state, loss = carry
-                    g, state, l_m = self._accumulate(params, state, xs, ys, m)
-                    return (add(grads, g), state, loss + l_m), None
+                    grads, state, l_m = self._accumulate(params, state, xs, ys, m, grads)
+                    return (grads, state, loss + l_m), None
 
                 (grads, state, loss), _ = lax.scan(
                     micro_batch, (zero_grads(params), state, jnp.zeros((), jnp.float32)), jnp.arange(M))
@@ -533,14 +536,20 @@ class Pipeline:
             return lax.pmean(loss, st.coll.dp_axes) if st.coll.dp_axes else loss
         return run
 
-    def _accumulate(self, params_b, state_b, xs, ys, m):
+    def _accumulate(self, params_b, state_b, xs, ys, m, grads):
         """Forward and backward of micro-batch m on the only stage: (grads, state, loss)."""
         st, M = self.stages[0], self.plan.micro_batches
         params = self._weights(st, params_b)
         model_state = self.arrays["state"][0].unpack(state_b)
         loss, vjp, new_state = self._stage_vjp(st, params, model_state, xs[m], ys[m])
         (g_params,) = vjp(jnp.ones((), jnp.float32) / (M * st.dp))
-        return (self._gradients(st, g_params),
+        arrays = self.arrays["params"][0]
+        if isinstance(arrays, SplitParams) or self._chunked:
+            g = self._gradients(st, g_params)
+            grads = {dt: grads[dt] + g[dt] for dt in grads}
+        else:
+            grads = add_into(arrays.layout, grads, arrays.flat(g_params))
+        return (grads,
                 self.arrays["state"][0].pack(new_state, self.lengths["state"]), loss.astype(jnp.float32) / M)
 
     # ------------------------------------------------------------------ init

@@ -126,6 +126,32 @@ def test_every_gpt_plan_trains_exactly_as_the_per_stage_pipeline(child, plan):
     assert out["spmd"][2] < out["spmd"][0]  # and it learns
 
 
+def _compare_in_pieces(piece_min: int, *args) -> dict:
+    """``_compare`` with the flat update stepping pieces of at least ``piece_min``
+    elements (the tiny GPT's stages are far below the default: one piece)."""
+    from job_scripts import flat_optimizer
+
+    default, flat_optimizer.UPDATE_PIECE_MIN = flat_optimizer.UPDATE_PIECE_MIN, piece_min
+    try:
+        return {**_compare(*args), "pieces_of": flat_optimizer.UPDATE_PIECE_MIN}
+    finally:  # the child runs the other tests too
+        flat_optimizer.UPDATE_PIECE_MIN = default
+
+
+@pytest.mark.parametrize("plan", ["cell=a100x4:s1 plan=[dp4tp1] mb=4 remat=1",
+                                  "cell=a100x4:s1 plan=[dp4tp1] mb=4 remat=1 zero=1",
+                                  "cell=a100x8:s2 plan=[dp2tp2|dp2tp2] mb=4 remat=0 zero=2",
+                                  "cell=a100x8:s4 plan=[dp2tp1|dp2tp1|dp2tp1|dp2tp1] mb=8 remat=1 zero=3",
+                                  "cell=a100x8:s2 plan=[dp2tp2|dp4tp1] mb=4 remat=1"])
+def test_the_update_stepped_in_pieces_in_place_trains_as_the_per_stage_pipeline(child, plan):
+    """The flat update in up to 32 uneven pieces (of at least 1,000 elements, not 2^20)
+    takes the same steps as the oracle's whole-tree update."""
+    out = child.apply(_compare_in_pieces, (1000, None, plan, None, 0, True, 3))
+    assert out["pieces_of"] == 1000
+    assert out["spmd"] == pytest.approx(out["ref"], rel=1e-5)
+    assert out["worst"][0] < 1e-4, out["worst"]
+
+
 @pytest.mark.parametrize("plan", ["cell=a100x2:s2 plan=[dp1tp1|dp1tp1] mb=3 remat=1",
                                   "cell=a100x2:s1 plan=[dp2tp1] mb=3 remat=0"])
 def test_odd_global_batch_of_6_in_3_micro_batches_trains_as_the_per_stage_pipeline(child, plan):
