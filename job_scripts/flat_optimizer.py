@@ -235,7 +235,12 @@ class FlatOptArrays(SplitBuffers):
             p = lax.dynamic_slice_in_dim(params, lax.axis_index(dp_axes) * self.chunk, self.chunk)
         else:
             g, p = (lax.psum(grads, dp_axes) if dp_axes else grads), params
-        new_p, opt_b = self._step_in_pieces(g, p, opt_b)
+        if self.segments > 1:
+            new_p, opt_b = self._step_in_pieces(g, p, opt_b)
+        else:  # one state segment (SGD's momentum): XLA steps it in place whole
+            state = jax.tree.unflatten(self.treedef, unpack(self.local_layout, opt_b))
+            stepped, new_state = self.optimizer.update({"w": g}, state, {"w": p})
+            new_p, opt_b = stepped["w"], pack(self.local_layout, jax.tree.leaves(new_state), lengths)
         gather = self.split > 1 and not split_weights
         whole = lax.all_gather(new_p, dp_axes, tiled=True) if gather else new_p
         return {**params_b, SEGMENT_DTYPE: whole}, opt_b

@@ -64,9 +64,10 @@ PP = "pp"
 #   stage switch, in place.
 # 5 (2026-11-27): a pipeline's zero rows (an idle tick's output and residuals) are made
 #   inside the step; held as constants of the program they took one residual row more.
-# 6 (2026-11-27): a micro-batch's gradients are added into the accumulator slot by slot
-#   (no packed copy of them), and the flat update steps its buffers piece by piece in
-#   place (stepped whole, XLA copied the whole optimizer state).
+# 6 (2026-11-27): a single stage adds each micro-batch's gradients into the accumulator
+#   slot by slot (no packed copy of them), and the flat update of a state with two
+#   segments or more (AdamW's μ, ν) steps piece by piece in place (stepped whole, XLA
+#   copied the whole optimizer state).
 PROGRAM_REVISION = 6
 # The revisions that changed only pipelines' programs (a single stage's is unchanged).
 PIPELINE_ONLY_REVISIONS = frozenset({3, 4, 5})
@@ -544,7 +545,9 @@ class Pipeline:
         loss, vjp, new_state = self._stage_vjp(st, params, model_state, xs[m], ys[m])
         (g_params,) = vjp(jnp.ones((), jnp.float32) / (M * st.dp))
         arrays = self.arrays["params"][0]
-        if isinstance(arrays, SplitParams) or self._chunked:
+        # One micro-batch needs no sum: XLA writes its gradients straight into the packed
+        # buffer (added slot by slot into zeros it kept a second buffer, Wide-ResNet 1 GB).
+        if isinstance(arrays, SplitParams) or self._chunked or M == 1:
             g = self._gradients(st, g_params)
             grads = {dt: grads[dt] + g[dt] for dt in grads}
         else:
