@@ -70,10 +70,16 @@ ALPA_AUTO_LAYERS = 16
 # remat.
 RUNNABLE_ZERO_LEVELS = (0, 1, 2, 3)
 # Optimizers whose update is elementwise: the runner steps their flat buffers in place
-# and can split their states over dp. Per parameter, what their update holds beside the
-# gradients (the GPU-target compile, docs/estimator.md): AdamW packs new μ and ν.
-FLAT_UPDATE_BYTES = {"adamw": 8.0, "sgd": 0.0}
-ELEMENTWISE_OPTIMIZERS = tuple(FLAT_UPDATE_BYTES)
+# and can split their states over dp (job_scripts/flat_optimizer.py).
+# Per parameter, what their update holds beside the gradients when stepped whole, as
+# inside a pipeline's stage switch (the GPU-target compiles, docs/estimator.md): XLA
+# copies AdamW's μ ν buffer; SGD's momentum is written in place.
+WHOLE_UPDATE_BYTES = {"adamw": 8.0, "sgd": 0.0}
+ELEMENTWISE_OPTIMIZERS = tuple(WHOLE_UPDATE_BYTES)
+# Elsewhere the runner steps a state of two segments or more (AdamW's μ and ν) in up to
+# this many pieces of at least UPDATE_PIECE_MIN elements, each read before it is written.
+UPDATE_PIECES = 32
+UPDATE_PIECE_MIN = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -153,6 +159,17 @@ class StageMemory:
         backward = self.gradients_gb + second + self.activations_gb + self.row_gb
         update = self.gradients_gb + self.update_gb + (self.branch_update_gb if self.in_branch else 0.0)
         return self.weights_gb + self.optimizer_gb + self.reserve_gb + self.stash_gb + max(backward, update)
+
+
+def flat_update_bytes(optimizer: str, elements: float) -> float:
+    """Per parameter, what the runner's flat update of ``elements`` weights holds beside
+    the gradients: SGD steps its one momentum segment in place whole (nothing); AdamW
+    steps in pieces, each piece's gradients, weights and moments read into buffers of
+    their own before its writes (the GPU-target compiles, docs/estimator.md)."""
+    if not WHOLE_UPDATE_BYTES[optimizer]:
+        return 0.0
+    pieces = max(1, min(UPDATE_PIECES, int(elements) // UPDATE_PIECE_MIN))
+    return (MASTER_BYTES + GRADIENT_BYTES + OPTIMIZER_STATE_BYTES[optimizer]) / pieces
 
 
 def state_bytes_per_param(model: ModelSpec) -> tuple[float, float, float]:
@@ -266,7 +283,9 @@ def stage_memory(model: ModelSpec, layers: tuple[LayerSpec, ...], dp: int, tp: i
             # The flat update in place; under ZeRO-1 and 2 on a chunk, with the chunks of the
             # summed gradients and the new weights; under ZeRO-3 the accumulator is the
             # summed chunk and the weights' chunk is stepped in place.
-            update = per_gpu(1) * (FLAT_UPDATE_BYTES[model.optimizer] + (2 * MASTER_BYTES if z in (1, 2) else 0.0))
+            # ZeRO-2 steps whole (job_scripts/flat_optimizer.py), the others in pieces.
+            stepped = WHOLE_UPDATE_BYTES[model.optimizer] if z == 2 else flat_update_bytes(model.optimizer, per_gpu(1))
+            update = per_gpu(1) * (stepped + (2 * MASTER_BYTES if z in (1, 2) else 0.0))
         else:
             update = per_gpu(1) * (MASTER_BYTES + 2 * opt_b)
     per_sample = activation_bytes_per_sample or tuple(activation_bytes(layer, tp) for layer in layers)
@@ -299,13 +318,14 @@ def stage_memory(model: ModelSpec, layers: tuple[LayerSpec, ...], dp: int, tp: i
     branch = 0.0
     if pipeline:
         # Inside a stage's branch the data-parallel gradient sum lands in a buffer of its
-        # own, and an elementwise update holds ZeRO-0's temporaries at any level (the
-        # GPU-target compiles show both; ZeRO-1 there splits only the states). The
+        # own, and an elementwise update, stepped whole there, holds ZeRO-0's temporaries
+        # at any level (the GPU-target compiles show both; ZeRO-1 there splits only the
+        # states). The
         # pipeline runs its stages' updates there unless they are one program
         # (``estimate.pipeline_peak_gb``); the others' layer-by-layer update always is.
         flat_update = model.optimizer in ELEMENTWISE_OPTIMIZERS and not expert_parallel
         extra = (grads if dp > 1 else 0.0) + (
-            max(0.0, (replicated + experts) * FLAT_UPDATE_BYTES[model.optimizer] - update) if flat_update else 0.0)
+            max(0.0, (replicated + experts) * WHOLE_UPDATE_BYTES[model.optimizer] - update) if flat_update else 0.0)
         if flat_update:
             branch = extra
         else:

@@ -49,6 +49,7 @@ import numpy as np
 from jax import lax
 
 from estimator.errors import SpecError
+from estimator.memory import UPDATE_PIECE_MIN, UPDATE_PIECES
 from job_scripts.packing import Chunking, FlatLayout, Slot, flat_layout, pack, unpack
 from job_scripts.stage_arrays import Leaf, StageArrays, path_name
 
@@ -56,11 +57,8 @@ from job_scripts.stage_arrays import Leaf, StageArrays, path_name
 # weights split too (``job_scripts.zero3``).
 ZERO_LEVELS = (0, 1, 2, 3)
 SEGMENT_DTYPE = "float32"
-# The flat update steps its buffers in up to this many pieces, in place
-# (``_step_in_pieces``): a few pieces of the old and new state are held beside them.
-# Pieces are at least UPDATE_PIECE_MIN elements (small stages take one step).
-UPDATE_PIECES = 32
-UPDATE_PIECE_MIN = 1 << 20
+# The flat update steps its buffers in up to UPDATE_PIECES pieces of at least
+# UPDATE_PIECE_MIN elements, in place (``_step_in_pieces``); the memory model's constants.
 
 
 def zero_problem(optimizer) -> str:
@@ -221,12 +219,14 @@ class FlatOptArrays(SplitBuffers):
         return {SEGMENT_DTYPE: jnp.zeros((self.chunk,), jnp.float32)}
 
     def update(self, params_b: dict, opt_b: dict, grads_b: dict, dp_axes: tuple[str, ...],
-               lengths: dict[str, int], reduced: bool = False, split_weights: bool = False
-               ) -> tuple[dict, dict]:
+               lengths: dict[str, int], reduced: bool = False, split_weights: bool = False,
+               in_pieces: bool = True) -> tuple[dict, dict]:
         """One step on the gradients summed over ``dp_axes``: the whole buffer, or under
         ZeRO-1 this rank's chunk, the whole weights gathered again. ``reduced``: the
         gradients are already this rank's chunk of the sum (ZeRO-2's accumulator);
-        ``split_weights``: so are the weights (ZeRO-3), which stay split."""
+        ``split_weights``: so are the weights (ZeRO-3), which stay split. ``in_pieces``
+        (``_step_in_pieces``) off: the step whole, as inside a pipeline's stage switch,
+        where XLA copies a branch's buffers before the pieces are written over them."""
         grads, params = grads_b[SEGMENT_DTYPE], params_b[SEGMENT_DTYPE]
         if split_weights:
             g, p = grads, params
@@ -235,7 +235,9 @@ class FlatOptArrays(SplitBuffers):
             p = lax.dynamic_slice_in_dim(params, lax.axis_index(dp_axes) * self.chunk, self.chunk)
         else:
             g, p = (lax.psum(grads, dp_axes) if dp_axes else grads), params
-        if self.segments > 1:
+        # ZeRO-2 (its accumulator already the chunk) compiled larger in pieces (gpt-760m dp 4:
+        # 10.1 → 11.0 GB), and so does a stage's switch branch; they step whole.
+        if self.segments > 1 and in_pieces and not (reduced and not split_weights):
             new_p, opt_b = self._step_in_pieces(g, p, opt_b)
         else:  # one state segment (SGD's momentum): XLA steps it in place whole
             state = jax.tree.unflatten(self.treedef, unpack(self.local_layout, opt_b))

@@ -491,7 +491,8 @@ class Pipeline:
         def run(params_b, opt_b, grads_b):
             coll, layout = st.coll, arrays["params"][st.index]
             if isinstance(arrays["opt"][st.index], FlatOptArrays):
-                return arrays["opt"][st.index].update(params_b, opt_b, grads_b, coll.dp_axes, self.lengths["opt"])
+                return arrays["opt"][st.index].update(params_b, opt_b, grads_b, coll.dp_axes, self.lengths["opt"],
+                                                      in_pieces=False)
             if coll.expert_parallel and coll.dp_axes:
                 # An expert's gradient is whole on its own device (the all-to-alls brought
                 # it every token's part); the other weights' are summed over dp.

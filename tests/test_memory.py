@@ -6,7 +6,7 @@ from estimator.models import load_model
 
 def test_gpt_1_3b_memory_by_hand():
     """gpt-1.3b, one stage, dp 2, tp 1, 8 samples per micro-batch, remat, ZeRO-0: the
-    runner's buffers (fp32 master only, fp32 gradients, AdamW μ ν, the update's new μ ν)."""
+    runner's buffers (fp32 master only, fp32 gradients, AdamW μ ν, the update's pieces)."""
     m = load_model("gpt-1.3b")
     s, h, a, V = 1024, 2048, 32, 51200
     params = 1_419_417_600  # 24·(12h²+13h) + V·h + 512·h + 2h + V·h + V
@@ -16,8 +16,9 @@ def test_gpt_1_3b_memory_by_hand():
     assert mem.weights_gb == pytest.approx(4 * params / 1e9)  # fp32 master, cast per layer
     assert mem.gradients_gb == pytest.approx(4 * params / 1e9)  # fp32 accumulator
     assert mem.optimizer_gb == pytest.approx(8 * params / 1e9)  # AdamW μ, ν
-    # The update steps the flat weight buffer in place and packs new μ and ν (8).
-    assert mem.update_gb == pytest.approx(8 * params / 1e9)
+    # The update steps the flat buffers in place in 32 pieces, each piece's gradients,
+    # weights, μ and ν read into buffers of their own first: (4 + 4 + 8) / 32 B/param.
+    assert mem.update_gb == pytest.approx(16 / 32 * params / 1e9)
     # Remat keeps each layer's output (embedding + 24 blocks: s·h fp16; head: 4s bytes) and
     # the largest layer's full activations: the head's fp16 logits + fp32 log-softmax.
     kept = 25 * s * h * 2 + 4 * s
@@ -25,10 +26,9 @@ def test_gpt_1_3b_memory_by_hand():
     block_live = 34 * s * h + 5 * a * s * s
     assert head_live > block_live
     assert mem.activations_gb == pytest.approx(8 * (kept + head_live) / 1e9)
-    # The update phase (gradients + its temporaries) is the peak: 4 + 8 + 4 + 8 B/param;
-    # the backward phase holds two gradient buffers and the activations.
-    assert 8 * params / 1e9 + mem.activations_gb < 12 * params / 1e9
-    assert mem.peak_gb == pytest.approx(24 * params / 1e9)
+    # The backward phase (two gradient buffers and the activations) is the peak now,
+    # above the update phase's 4 + 0.5 B/param beside the weights and moments.
+    assert mem.peak_gb == pytest.approx((4 + 8 + 8) * params / 1e9 + mem.activations_gb)
 
 
 def test_moe_layer_memory_by_hand():
@@ -73,11 +73,13 @@ def test_zero_levels_shard_states_across_dp():
     base = dict(dp=4, tp=1, micro_batch=1, in_flight=1, remat=True)
     z = [stage_memory(m, m.layers, **base, options=MemoryOptions(zero_level=k)) for k in range(4)]
     assert z[1].optimizer_gb == pytest.approx(z[0].optimizer_gb / 4)
-    # The update (AdamW, in place on the flat buffers): new μ ν packed anew; from ZeRO-1
-    # on a chunk of them, with the chunks of the summed gradients and the new weights.
+    # The update (AdamW, in place on the flat buffers, in 32 pieces of 16 B/param); from
+    # ZeRO-1 on a chunk of them, with the chunks of the summed gradients and the new
+    # weights; ZeRO-2's whole, a copy of its chunk of μ ν (8).
     p = m.params
-    assert z[0].update_gb == pytest.approx(8 * p / 1e9)
-    assert z[1].update_gb == pytest.approx((8 + 2 * 4) * p / 4 / 1e9) == z[2].update_gb
+    assert z[0].update_gb == pytest.approx(16 / 32 * p / 1e9)
+    assert z[1].update_gb == pytest.approx((16 / 32 + 2 * 4) * p / 4 / 1e9)
+    assert z[2].update_gb == pytest.approx((8 + 2 * 4) * p / 4 / 1e9)  # ZeRO-2 steps whole
     assert z[2].gradients_gb == pytest.approx(z[1].gradients_gb / 4)
     assert z[3].weights_gb == pytest.approx(z[2].weights_gb / 4)
 
@@ -184,3 +186,12 @@ def test_the_estimator_calls_zero1_runnable_for_the_optimizers_the_runner_splits
     assert MemoryOptions(zero_level=2).runnable("sgd") and not MemoryOptions(zero_level=2).runnable("adafactor")
     assert MemoryOptions(zero_level=3).runnable("adamw") and not MemoryOptions(zero_level=3).runnable("adafactor")
     assert not MemoryOptions(zero_level=3).runnable("adamw", remat=False)
+
+
+def test_the_flat_update_holds_a_few_pieces_of_adamw_and_nothing_for_sgd():
+    from estimator.memory import UPDATE_PIECE_MIN, flat_update_bytes
+
+    assert flat_update_bytes("sgd", 1e9) == 0.0  # one momentum segment, stepped in place whole
+    assert flat_update_bytes("adamw", 1e9) == pytest.approx(16 / 32)  # 32 pieces
+    assert flat_update_bytes("adamw", 4 * UPDATE_PIECE_MIN) == pytest.approx(16 / 4)  # pieces ≥ the minimum
+    assert flat_update_bytes("adamw", 1000) == pytest.approx(16.0)  # a small stage: one piece

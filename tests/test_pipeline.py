@@ -142,7 +142,7 @@ def _compare_in_pieces(piece_min: int, *args) -> dict:
                                   "cell=a100x4:s1 plan=[dp4tp1] mb=4 remat=1 zero=1",
                                   "cell=a100x8:s2 plan=[dp2tp2|dp2tp2] mb=4 remat=0 zero=2",
                                   "cell=a100x8:s4 plan=[dp2tp1|dp2tp1|dp2tp1|dp2tp1] mb=8 remat=1 zero=3",
-                                  "cell=a100x8:s2 plan=[dp2tp2|dp4tp1] mb=4 remat=1"])
+                                  "cell=a100x4:s2 plan=[dp2tp1|dp2tp1] mb=4 remat=1"])
 def test_the_update_stepped_in_pieces_in_place_trains_as_the_per_stage_pipeline(child, plan):
     """The flat update in up to 32 uneven pieces (of at least 1,000 elements, not 2^20)
     takes the same steps as the oracle's whole-tree update."""

@@ -45,7 +45,7 @@ def test_remat_none_chooses_the_faster_plan_that_fits():
 
 
 def test_a_cell_that_fits_only_with_offload_says_so_and_what_it_needs():
-    job, cell = JobSpec("gpt-6.7b", 2), Cell("a100", 4, 4, 1)
+    job, cell = JobSpec("gpt-6.7b", 2), Cell("a100", 2, 2, 1)
     e = estimate_cell(job, cell, CRIUS)
     assert not e.feasible and "offload" in e.reason and "host memory per GPU" in e.reason
     what_if = estimate_cell(job, cell, CRIUS, EstimateOptions(runnable_only=False))
