@@ -17,7 +17,8 @@ median, mean and worst (largest): ``results_memory_gpu_target_rev1.json`` is the
 before the in-place optimizer update, ``_rev2`` the one before the loss ran inside the
 last layer's checkpoint, ``_rev3`` the one before pipelines split alike updated outside
 their stage switch, ``_rev4`` the one before a pipeline's zero rows were made inside its
-step (revision 5 changed only pipelines; the single-stage rows are revision 4's)::
+step (revision 5 changed only pipelines), ``_rev5`` the one before AdamW's flat update
+stepped in pieces (revision 6, every plan compiled again)::
 
     python benchmarks/memory_gpu_target.py --compare benchmarks/results_memory_gpu_target_rev1.json \
         --with benchmarks/results_memory_gpu_target_rev2.json
@@ -25,7 +26,9 @@ step (revision 5 changed only pipelines; the single-stage rows are revision 4's)
         --with benchmarks/results_memory_gpu_target_rev3.json
     python benchmarks/memory_gpu_target.py --compare benchmarks/results_memory_gpu_target_rev3.json \
         --with benchmarks/results_memory_gpu_target_rev4.json
-    python benchmarks/memory_gpu_target.py --compare benchmarks/results_memory_gpu_target_rev4.json
+    python benchmarks/memory_gpu_target.py --compare benchmarks/results_memory_gpu_target_rev4.json \
+        --with benchmarks/results_memory_gpu_target_rev5.json
+    python benchmarks/memory_gpu_target.py --compare benchmarks/results_memory_gpu_target_rev5.json
 """
 
 import argparse
