@@ -320,9 +320,9 @@ def stage_memory(model: ModelSpec, layers: tuple[LayerSpec, ...], dp: int, tp: i
         # Inside a stage's branch the data-parallel gradient sum lands in a buffer of its
         # own, and an elementwise update, stepped whole there, holds ZeRO-0's temporaries
         # at any level (the GPU-target compiles show both; ZeRO-1 there splits only the
-        # states). The
-        # pipeline runs its stages' updates there unless they are one program
-        # (``estimate.pipeline_peak_gb``); the others' layer-by-layer update always is.
+        # states). The pipeline runs its stages' updates there unless they are one
+        # program (``estimate.pipeline_peak_gb``); the others' layer-by-layer update
+        # always is.
         flat_update = model.optimizer in ELEMENTWISE_OPTIMIZERS and not expert_parallel
         extra = (grads if dp > 1 else 0.0) + (
             max(0.0, (replicated + experts) * WHOLE_UPDATE_BYTES[model.optimizer] - update) if flat_update else 0.0)

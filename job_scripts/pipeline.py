@@ -66,8 +66,8 @@ PP = "pp"
 #   inside the step; held as constants of the program they took one residual row more.
 # 6 (2026-11-27): a single stage adds each micro-batch's gradients into the accumulator
 #   slot by slot (no packed copy of them), and the flat update of a state with two
-#   segments or more (AdamW's μ, ν) steps piece by piece in place (stepped whole, XLA
-#   copied the whole optimizer state).
+#   segments or more (AdamW's μ, ν) steps piece by piece in place, outside a stage's
+#   switch and ZeRO-2 (stepped whole, XLA copied the whole optimizer state).
 PROGRAM_REVISION = 6
 # The revisions that changed only pipelines' programs (a single stage's is unchanged).
 PIPELINE_ONLY_REVISIONS = frozenset({3, 4, 5})
