@@ -235,7 +235,8 @@ class FlatOptArrays(SplitBuffers):
             g, p = (lax.psum(grads, dp_axes) if dp_axes else grads), params
         # ZeRO-2 (its accumulator already the chunk) compiled larger in pieces (gpt-760m dp 4:
         # 10.1 → 11.0 GB), and so does a stage's switch branch; they step whole.
-        if self.segments > 1 and in_pieces and not (reduced and not split_weights):
+        zero2 = reduced and not split_weights
+        if self.segments > 1 and in_pieces and not zero2:
             new_p, opt_b = self._step_in_pieces(g, p, opt_b)
         else:  # whole: SGD's one momentum segment (XLA steps it in place), ZeRO-2, a branch
             state = jax.tree.unflatten(self.treedef, unpack(self.local_layout, opt_b))

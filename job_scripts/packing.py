@@ -82,6 +82,11 @@ def pack(layout: FlatLayout, arrays: Sequence, lengths: dict[str, int]) -> dict[
     return out
 
 
+def add_buffers(buffers: dict[str, jax.Array], more: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Packed buffers summed dtype by dtype (gradient accumulation of packed gradients)."""
+    return {dt: buffers[dt] + more[dt] for dt in buffers}
+
+
 def add_into(layout: FlatLayout, buffers: dict[str, jax.Array], arrays: Sequence) -> dict[str, jax.Array]:
     """``buffers`` plus ``arrays`` packed (in the layout's order), added slot by slot in
     place: no packed copy of ``arrays`` is built (gradient accumulation)."""

@@ -47,7 +47,7 @@ from jax.sharding import PartitionSpec as P
 from estimator import jax_models as jm
 from job_scripts.collectives import StageCollectives, to_receiver, to_sender
 from job_scripts.flat_optimizer import SEGMENT_DTYPE, FlatOptArrays, SplitBuffers
-from job_scripts.packing import FlatLayout, add_into, flat_layout, joint_lengths, pack, pack_range, read_row, unpack
+from job_scripts.packing import FlatLayout, add_buffers, add_into, flat_layout, joint_lengths, pack, pack_range, read_row, unpack
 from job_scripts.plan import ParallelPlan, check_plan, log2
 from job_scripts.stage_arrays import KINDS, StageArrays
 from job_scripts.zero3 import SplitParams, gathered_layer, layer_chunking
@@ -359,9 +359,6 @@ class Pipeline:
         def zero_grads(params):
             return flat[0].zero_chunk() if chunked else {dt: jnp.zeros_like(b) for dt, b in params.items()}
 
-        def add(grads, g):
-            return {dt: grads[dt] + g[dt] for dt in grads}
-
         def body(params, opt, state, stash, xs, ys):
             params, opt, state = local(params), local(opt), local(state)
             s = lax.axis_index(PP)
@@ -401,7 +398,7 @@ class Pipeline:
                 m = t - (S - 1 - s)
                 busy = (m >= 0) & (m < M)
                 ct_out, g = lax.switch(jnp.where(busy, s, S), bwd, params, ct, stash, jnp.clip(m, 0, M - 1))
-                grads = add(grads, g)  # an idle tick's are zeros
+                grads = add_buffers(grads, g)  # an idle tick's are zeros
                 ct_out = {dt: lax.ppermute(v, PP, backward_pairs) for dt, v in ct_out.items()}
                 return (ct_out, grads), None
 
@@ -550,7 +547,7 @@ class Pipeline:
         # buffer (added slot by slot into zeros it kept a second buffer, Wide-ResNet 1 GB).
         if isinstance(arrays, SplitParams) or self._chunked or M == 1:
             g = self._gradients(st, g_params)
-            grads = {dt: grads[dt] + g[dt] for dt in grads}
+            grads = add_buffers(grads, g)
         else:
             grads = add_into(arrays.layout, grads, arrays.flat(g_params))
         return (grads,
