@@ -68,16 +68,21 @@ PP = "pp"
 #   slot by slot (no packed copy of them), and the flat update of a state with two
 #   segments or more (AdamW's μ, ν) steps piece by piece in place, outside a stage's
 #   switch and ZeRO-2 (stepped whole, XLA copied the whole optimizer state).
-PROGRAM_REVISION = 6
-# The revisions that changed only pipelines' programs (a single stage's is unchanged).
+# 7 (2026-11-27): a single stage's flat update steps in pieces too (revision 6 left it
+#   whole: its one-branch stage switch took the switch branches' whole step).
+PROGRAM_REVISION = 7
+# The revisions that changed only pipelines' programs (a single stage's is unchanged),
+# and those that changed only a single stage's.
 PIPELINE_ONLY_REVISIONS = frozenset({3, 4, 5})
+SINGLE_STAGE_ONLY_REVISIONS = frozenset({7})
 
 
 def describes_current(revision: int, stages: int) -> bool:
     """Whether a measurement of a plan of ``stages`` stages on the runner of program
     ``revision`` still describes the current program: no later revision changed it."""
     later = range(revision + 1, PROGRAM_REVISION + 1)
-    return all(stages == 1 and r in PIPELINE_ONLY_REVISIONS for r in later)
+    only = SINGLE_STAGE_ONLY_REVISIONS if stages > 1 else PIPELINE_ONLY_REVISIONS
+    return all(r in only for r in later)
 
 
 @dataclass(frozen=True)
@@ -488,8 +493,9 @@ class Pipeline:
         def run(params_b, opt_b, grads_b):
             coll, layout = st.coll, arrays["params"][st.index]
             if isinstance(arrays["opt"][st.index], FlatOptArrays):
+                # One stage's "switch" is the branch itself (``lax.switch`` of one branch).
                 return arrays["opt"][st.index].update(params_b, opt_b, grads_b, coll.dp_axes, self.lengths["opt"],
-                                                      in_pieces=False)
+                                                      in_pieces=len(self.stages) == 1)
             if coll.expert_parallel and coll.dp_axes:
                 # An expert's gradient is whole on its own device (the all-to-alls brought
                 # it every token's part); the other weights' are summed over dp.
