@@ -18,7 +18,9 @@ before the in-place optimizer update, ``_rev2`` the one before the loss ran insi
 last layer's checkpoint, ``_rev3`` the one before pipelines split alike updated outside
 their stage switch, ``_rev4`` the one before a pipeline's zero rows were made inside its
 step (revision 5 changed only pipelines), ``_rev5`` the one before AdamW's flat update
-stepped in pieces (revision 6, every plan compiled again)::
+stepped in pieces (revision 6, every plan compiled again), ``_rev6`` the one before a
+single stage's update stepped in pieces too (revision 7, the single stages compiled
+again)::
 
     python benchmarks/memory_gpu_target.py --compare benchmarks/results_memory_gpu_target_rev1.json \
         --with benchmarks/results_memory_gpu_target_rev2.json
@@ -28,7 +30,9 @@ stepped in pieces (revision 6, every plan compiled again)::
         --with benchmarks/results_memory_gpu_target_rev4.json
     python benchmarks/memory_gpu_target.py --compare benchmarks/results_memory_gpu_target_rev4.json \
         --with benchmarks/results_memory_gpu_target_rev5.json
-    python benchmarks/memory_gpu_target.py --compare benchmarks/results_memory_gpu_target_rev5.json
+    python benchmarks/memory_gpu_target.py --compare benchmarks/results_memory_gpu_target_rev5.json \
+        --with benchmarks/results_memory_gpu_target_rev6.json
+    python benchmarks/memory_gpu_target.py --compare benchmarks/results_memory_gpu_target_rev6.json
 """
 
 import argparse
