@@ -47,7 +47,8 @@ from jax.sharding import PartitionSpec as P
 from estimator import jax_models as jm
 from job_scripts.collectives import StageCollectives, to_receiver, to_sender
 from job_scripts.flat_optimizer import SEGMENT_DTYPE, FlatOptArrays, SplitBuffers
-from job_scripts.packing import FlatLayout, add_buffers, add_into, flat_layout, joint_lengths, pack, pack_range, read_row, unpack
+from job_scripts.packing import (FlatLayout, add_buffers, add_into, flat_layout, joint_lengths, pack, pack_range,
+                                  read_row, unpack)
 from job_scripts.plan import ParallelPlan, check_plan, log2
 from job_scripts.stage_arrays import KINDS, StageArrays
 from job_scripts.zero3 import SplitParams, gathered_layer, layer_chunking
