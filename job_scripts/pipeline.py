@@ -353,8 +353,9 @@ class Pipeline:
         # sums the gradients over dp in place; inside a branch the sum takes a buffer of
         # its own. Without data parallelism the branch holds less (the GPU-target
         # compiles: 4-stage gpt-760m 3.0 GB of temporaries in the branch, 4.0 outside).
+        # A single stage's is one program too, stepped in pieces (revision 7).
         flat = [self.arrays["opt"][st.index] for st in self.stages]
-        uniform_update = pipelined and bool(self.stages[0].coll.dp_axes) \
+        uniform_update = (not pipelined or bool(self.stages[0].coll.dp_axes)) \
             and all(isinstance(a, FlatOptArrays) for a in flat) \
             and len({(st.coll.dp_axes, a.split) for st, a in zip(self.stages, flat)}) == 1
         # ZeRO-2 (stages split alike, ``check_plan``): every micro-batch's gradients are
@@ -494,9 +495,8 @@ class Pipeline:
         def run(params_b, opt_b, grads_b):
             coll, layout = st.coll, arrays["params"][st.index]
             if isinstance(arrays["opt"][st.index], FlatOptArrays):
-                # One stage's "switch" is the branch itself (``lax.switch`` of one branch).
                 return arrays["opt"][st.index].update(params_b, opt_b, grads_b, coll.dp_axes, self.lengths["opt"],
-                                                      in_pieces=len(self.stages) == 1)
+                                                      in_pieces=False)
             if coll.expert_parallel and coll.dp_axes:
                 # An expert's gradient is whole on its own device (the all-to-alls brought
                 # it every token's part); the other weights' are summed over dp.
