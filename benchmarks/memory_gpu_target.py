@@ -20,7 +20,8 @@ their stage switch, ``_rev4`` the one before a pipeline's zero rows were made in
 step (revision 5 changed only pipelines), ``_rev5`` the one before AdamW's flat update
 stepped in pieces (revision 6, every plan compiled again), ``_rev6`` the one before a
 single stage's update stepped in pieces too (revision 7, the single stages compiled
-again)::
+again), ``_rev7`` the one before a pipeline's backward packed its gradients layer by
+layer (revision 8, the pipelines compiled again)::
 
     python benchmarks/memory_gpu_target.py --compare benchmarks/results_memory_gpu_target_rev1.json \
         --with benchmarks/results_memory_gpu_target_rev2.json
@@ -32,7 +33,9 @@ again)::
         --with benchmarks/results_memory_gpu_target_rev5.json
     python benchmarks/memory_gpu_target.py --compare benchmarks/results_memory_gpu_target_rev5.json \
         --with benchmarks/results_memory_gpu_target_rev6.json
-    python benchmarks/memory_gpu_target.py --compare benchmarks/results_memory_gpu_target_rev6.json
+    python benchmarks/memory_gpu_target.py --compare benchmarks/results_memory_gpu_target_rev6.json \
+        --with benchmarks/results_memory_gpu_target_rev7.json
+    python benchmarks/memory_gpu_target.py --compare benchmarks/results_memory_gpu_target_rev7.json
 """
 
 import argparse

@@ -82,6 +82,29 @@ def pack(layout: FlatLayout, arrays: Sequence, lengths: dict[str, int]) -> dict[
     return out
 
 
+def pack_by_groups(layout: FlatLayout, counts: Sequence[int], arrays: Sequence,
+                   lengths: dict[str, int]) -> dict[str, jax.Array]:
+    """:func:`pack`'s buffers, written group by group into zeros (``counts``: how many of
+    the arrays, in order, each group has; a layer's): each group's arrays of one dtype are
+    concatenated and their run of slots written in place. Inside a ``lax.switch`` branch
+    XLA splits a whole buffer's concatenation into nested ones and holds the inner one
+    beside the buffer; a group's is small. Written array by array instead, XLA held
+    more of them at once."""
+    out = {name: jnp.zeros((n,), name) for name, n in lengths.items()}
+    at = 0
+    for count in counts:
+        runs: dict[str, list] = {}
+        for slot, a in zip(layout.slots[at:at + count], arrays[at:at + count], strict=True):
+            runs.setdefault(slot.dtype, []).append((slot.offset, jnp.ravel(a).astype(slot.dtype)))
+        for name, run in runs.items():
+            piece = jnp.concatenate([a for _, a in run]) if len(run) > 1 else run[0][1]
+            out[name] = lax.dynamic_update_slice_in_dim(out[name], piece, run[0][0], 0)
+        at += count
+    if at != len(layout.slots):
+        raise ValueError(f"groups of {at} arrays for a layout of {len(layout.slots)}")
+    return out
+
+
 def add_buffers(buffers: dict[str, jax.Array], more: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """Packed buffers summed dtype by dtype (gradient accumulation of packed gradients)."""
     return {dt: buffers[dt] + more[dt] for dt in buffers}

@@ -47,8 +47,8 @@ from jax.sharding import PartitionSpec as P
 from estimator import jax_models as jm
 from job_scripts.collectives import StageCollectives, to_receiver, to_sender
 from job_scripts.flat_optimizer import SEGMENT_DTYPE, FlatOptArrays, SplitBuffers
-from job_scripts.packing import (FlatLayout, add_buffers, add_into, flat_layout, joint_lengths, pack, pack_range,
-                                  read_row, unpack)
+from job_scripts.packing import (FlatLayout, add_buffers, add_into, flat_layout, joint_lengths, pack, pack_by_groups,
+                                  pack_range, read_row, unpack)
 from job_scripts.plan import ParallelPlan, check_plan, log2
 from job_scripts.stage_arrays import KINDS, StageArrays
 from job_scripts.zero3 import SplitParams, gathered_layer, layer_chunking
@@ -71,10 +71,13 @@ PP = "pp"
 #   switch and ZeRO-2 (stepped whole, XLA copied the whole optimizer state).
 # 7 (2026-11-27): a single stage's flat update steps in pieces too (revision 6 left it
 #   whole: its one-branch stage switch took the switch branches' whole step).
-PROGRAM_REVISION = 7
+# 8 (2026-11-27): a pipeline's backward branch writes each micro-batch's weight gradients
+#   into their packed buffer layer by layer (concatenated whole, XLA nested two
+#   concatenations and held the inner one beside the buffer).
+PROGRAM_REVISION = 8
 # The revisions that changed only pipelines' programs (a single stage's is unchanged),
 # and those that changed only a single stage's.
-PIPELINE_ONLY_REVISIONS = frozenset({3, 4, 5})
+PIPELINE_ONLY_REVISIONS = frozenset({3, 4, 5, 8})
 SINGLE_STAGE_ONLY_REVISIONS = frozenset({7})
 
 
@@ -303,15 +306,20 @@ class Pipeline:
         """ZeRO-3 with data parallelism: weights split too, gathered layer by layer."""
         return self.plan.zero_level >= 3 and bool(self.stages[0].coll.dp_axes)
 
-    def _gradients(self, st: PlacedStage, g_params) -> dict:
-        """A micro-batch's weight gradients as the step accumulates them: packed whole,
-        or under ZeRO-2 summed over dp array by array (in place) and only this device's
+    def _gradients(self, st: PlacedStage, g_params, by_layer: bool = False) -> dict:
+        """A micro-batch's weight gradients as the step accumulates them: packed whole
+        (``by_layer``, in a pipeline's backward branch: layer by layer into zeros, since
+        there XLA nests a whole buffer's concatenation and holds the inner one beside it;
+        a single stage's is written in place, where zeros would be a second buffer), or
+        under ZeRO-2 summed over dp array by array (in place) and only this device's
         chunk of the packed sum built, from the arrays it overlaps (one branch per dp
         rank, each static), so no second whole buffer exists; under ZeRO-3 each layer's
         chunk of the sum, as its reduce-scatter left it (``job_scripts.zero3``)."""
         arrays = self.arrays["params"][st.index]
         if isinstance(arrays, SplitParams):  # ZeRO-3: each layer's chunk of the sum
             return arrays.pack_pieces(g_params, self.lengths["params"])
+        if not self._chunked and by_layer:
+            return pack_by_groups(arrays.layout, arrays.counts, arrays.flat(g_params), self.lengths["params"])
         if not self._chunked:
             return arrays.pack(g_params, self.lengths["params"])
         flat, axes = self.arrays["opt"][st.index], st.coll.dp_axes
@@ -480,7 +488,7 @@ class Pipeline:
             else:
                 cot = unpack(self.act_layouts[st.index], ct_b)[0]
             grads = vjp(cot)
-            g_params = self._gradients(st, grads[0])
+            g_params = self._gradients(st, grads[0], by_layer=True)
             if st.index == 0:
                 return act_zero(), g_params
             prev = self.stages[st.index - 1]

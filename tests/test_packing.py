@@ -5,7 +5,7 @@ import pytest
 
 jax = pytest.importorskip("jax")
 
-from job_scripts.packing import flat_layout, pack, pack_range  # noqa: E402
+from job_scripts.packing import flat_layout, pack, pack_by_groups, pack_range  # noqa: E402
 
 
 def test_a_range_of_the_packed_buffer_is_built_from_the_arrays_it_overlaps():
@@ -21,6 +21,23 @@ def test_a_range_of_the_packed_buffer_is_built_from_the_arrays_it_overlaps():
         got = np.asarray(pack_range(layout, arrays_all, "float32", start, stop))
         assert got.shape == (stop - start,)
         np.testing.assert_array_equal(got, whole[start:stop])
+
+
+def test_packing_group_by_group_gives_the_packed_buffers():
+    rng = np.random.default_rng(1)
+    shapes = [((3, 4), np.float32), ((2,), np.int32), ((5,), np.float32), ((4,), np.int32),
+              ((2, 3), np.float32), ((1,), np.float32)]
+    arrays = [rng.integers(0, 9, s).astype(t) for s, t in shapes]
+    layout = flat_layout([jax.ShapeDtypeStruct(s, t) for s, t in shapes])
+    lengths = {"float32": 30, "int32": 8}  # padding in both
+    want = pack(layout, arrays, lengths)
+    for counts in ((6,), (2, 3, 1), (1, 1, 1, 1, 1, 1)):
+        got = pack_by_groups(layout, counts, arrays, lengths)
+        assert sorted(got) == sorted(want)
+        for name in want:
+            np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]))
+    with pytest.raises(ValueError):
+        pack_by_groups(layout, (2, 3), arrays, lengths)
 
 
 def test_a_chunking_cuts_each_region_over_the_ranks_and_puts_it_back():
