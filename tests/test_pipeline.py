@@ -13,6 +13,7 @@ with one).
 """
 
 import multiprocessing
+import os
 
 import pytest
 
@@ -28,10 +29,21 @@ TINY = {
 }
 
 
+def _child_init(xla_flags: str, cache_dir: str) -> None:
+    """The child's 8 CPU devices, and XLA's persistent compilation cache in ``cache_dir``
+    for every program it compiles: the oracle compiles the same per-stage programs for
+    many plans (one stage layout at every ZeRO level), and the cache compiles each once.
+    The programs and their results are the same."""
+    _worker_init(xla_flags)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = cache_dir
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+
+
 @pytest.fixture(scope="module")
-def child():
+def child(tmp_path_factory):
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(1, initializer=_worker_init, initargs=(child_xla_flags(8),)) as pool:
+    cache_dir = str(tmp_path_factory.mktemp("xla-cache"))
+    with ctx.Pool(1, initializer=_child_init, initargs=(child_xla_flags(8), cache_dir)) as pool:
         yield pool
 
 
