@@ -47,8 +47,8 @@ from jax.sharding import PartitionSpec as P
 from estimator import jax_models as jm
 from job_scripts.collectives import StageCollectives, to_receiver, to_sender
 from job_scripts.flat_optimizer import SEGMENT_DTYPE, FlatOptArrays, SplitBuffers
-from job_scripts.packing import (FlatLayout, add_buffers, add_into, flat_layout, joint_lengths, pack,
-                                  pack_by_groups, pack_range, read_row, unpack)
+from job_scripts.packing import (FlatLayout, add_buffers, add_into, flat_layout, joint_lengths, pack, pack_range,
+                                  read_row, unpack)
 from job_scripts.plan import ParallelPlan, check_plan, log2
 from job_scripts.stage_arrays import KINDS, StageArrays
 from job_scripts.zero3 import SplitParams, gathered_layer, layer_chunking
@@ -319,9 +319,7 @@ class Pipeline:
         if isinstance(arrays, SplitParams):  # ZeRO-3: each layer's chunk of the sum
             return arrays.pack_pieces(g_params, self.lengths["params"])
         if not self._chunked:
-            if by_layer:
-                return pack_by_groups(arrays.layout, arrays.counts, arrays.flat(g_params), self.lengths["params"])
-            return arrays.pack(g_params, self.lengths["params"])
+            return arrays.pack(g_params, self.lengths["params"], by_layer)
         flat, axes = self.arrays["opt"][st.index], st.coll.dp_axes
         leaves = arrays.flat(jax.tree.map(lambda g: lax.psum(g, axes), g_params))
         c = flat.chunk

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from estimator import jax_models as jm
-from job_scripts.packing import FlatLayout, flat_layout, pack, unpack
+from job_scripts.packing import FlatLayout, flat_layout, pack, pack_by_groups, unpack
 
 KINDS = ("params", "opt", "state")
 
@@ -160,7 +160,11 @@ class StageArrays:
         """The leaves of per-layer trees, in the layout's order."""
         return [leaf for tree, treedef in zip(trees, self.treedefs) for leaf in treedef.flatten_up_to(tree)]
 
-    def pack(self, trees: Sequence, lengths: dict[str, int]) -> dict:
+    def pack(self, trees: Sequence, lengths: dict[str, int], by_layer: bool = False) -> dict:
+        """Per-layer trees packed into one padded buffer per dtype: concatenated whole, or
+        (``by_layer``) written layer by layer into zeros (``packing.pack_by_groups``)."""
+        if by_layer:
+            return pack_by_groups(self.layout, self.counts, self.flat(trees), lengths)
         return pack(self.layout, self.flat(trees), lengths)
 
     def local_of_global(self, trees: Sequence, position) -> list:
