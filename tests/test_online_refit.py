@@ -23,7 +23,7 @@ from slurm_ext.daemon import Daemon
 from slurm_ext.refit import OnlineRefitter, RefitGate, observation_from_report, off_by_text, plan_key
 from slurm_ext.slurm_client import Gres, SlurmJob, SlurmNode
 from slurm_ext.store import Store
-from test_daemon import FakeSlurm  # a SlurmClient over fixed jobs and nodes, recording changes
+from test_daemon_rounds import FakeSlurm  # a SlurmClient over fixed jobs and nodes, recording changes
 
 CLUSTER = load_cluster("crius-1280")  # A100 nodes of 4 GPUs: 8 and 16 GPUs span nodes
 START = FITTED_EFFICIENCY["a100"]
