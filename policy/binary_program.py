@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import sys
+import threading
 import warnings
 from dataclasses import dataclass
 
@@ -27,6 +30,8 @@ log = logging.getLogger(__name__)
 Row = tuple[dict[int, float], str, float]  # (variable → coefficient, sense, bound)
 SOLVERS = ("highs", "cbc")
 DEFAULT_GAP_REL = 1e-4  # HiGHS's own default relative MIP gap
+# Descriptor 1 is the process's: the daemon's rounds and its forecast thread may both solve.
+_STDOUT_FD_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -83,12 +88,32 @@ def satisfies(chosen, rows: list[Row]) -> bool:
     return True
 
 
+def quiet_highs():
+    """A ``highspy.Highs`` with its output off. HiGHS's C++ prints its banner on file
+    descriptor 1 when a process makes its first instance, before any option can be set: that
+    once, descriptor 1 points at /dev/null, so stdout stays the command's own (the JSON of
+    `simulate --json -`)."""
+    import highspy
+
+    with _STDOUT_FD_LOCK:
+        sys.stdout.flush()
+        saved = os.dup(1)
+        try:
+            with open(os.devnull, "wb") as null:
+                os.dup2(null.fileno(), 1)
+                h = highspy.Highs()
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+    h.setOptionValue("output_flag", False)
+    return h
+
+
 def _solve_highs(objective, rows, num_vars, maximize, time_limit_s, start, gap_rel,
                  max_nodes=None) -> tuple[list[int], bool] | None:
     import highspy
 
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
+    h = quiet_highs()
     h.setOptionValue("time_limit", float(time_limit_s))
     h.setOptionValue("threads", 1)  # the program is small; worker threads only wait on a busy machine
     h.setOptionValue("mip_rel_gap", float(gap_rel))

@@ -65,6 +65,7 @@ from dataclasses import dataclass
 
 from estimator.cells import Cell, CellEstimate
 from policy._solver import RateTable, capacity_by_type, realize, requested_count
+from policy.binary_program import quiet_highs
 from policy.interface import Decision, JobView, Snapshot
 
 log = logging.getLogger(__name__)
@@ -297,8 +298,7 @@ def _solve_lp(cols, capacity) -> list[float] | None:
     lp.a_matrix_.num_col_, lp.a_matrix_.num_row_ = lp.num_col_, lp.num_row_
     lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = start, index, value
     lp.sense_ = highspy.ObjSense.kMaximize
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
+    h = quiet_highs()
     h.setOptionValue("threads", 1)
     h.passModel(lp)
     h.run()

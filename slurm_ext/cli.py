@@ -57,7 +57,8 @@ def cli(verbose: int):
 def main(argv: list[str] | None = None) -> int:
     """Entry point: typed input errors become one line on stderr and exit 2."""
     try:
-        cli.main(args=argv, prog_name="slurm-ext", standalone_mode=False)
+        # Outside standalone mode click returns a command's `Exit(status)` instead of raising it.
+        status = cli.main(args=argv, prog_name="slurm-ext", standalone_mode=False)
     except SpecError as e:
         click.echo(f"slurm-ext: error: {e}", err=True)
         return 2
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     except click.exceptions.Exit as e:
         return e.exit_code
-    return 0
+    return status if isinstance(status, int) and not isinstance(status, bool) else 0
 
 
 if __name__ == "__main__":

@@ -79,6 +79,22 @@ def test_bad_config_names_key_and_source(file_values, env, field):
     assert ("site.yaml" in str(info.value)) or ("environment" in str(info.value))
 
 
+@pytest.mark.parametrize("round_status", [0, 1])
+def test_daemon_once_exits_with_the_rounds_status(tmp_path, monkeypatch, round_status):
+    """`slurm-ext daemon --once` says whether its round failed (a systemd unit or cron job
+    reads the exit status); the round itself is replaced, so no Slurm is needed."""
+    from slurm_ext.cli import main
+
+    monkeypatch.setattr(Daemon, "run", lambda self, once=False: round_status)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        code = main(["daemon", "--once", "--dry-run", "--state-db", str(tmp_path / "state.db")])
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    assert code == round_status
+
+
 # ------------------------------------------------------------------- pure helpers
 
 def node(name, gtype, gpus, used=0, partition=None, state="idle"):

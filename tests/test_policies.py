@@ -318,6 +318,21 @@ def test_binary_program_without_a_solver_that_answers_is_none():
         solve_binary_program({0: 1.0}, [], 1, True, 1.0, solvers=("no-such-solver",))
 
 
+def test_a_solver_prints_nothing_on_stdout_even_the_first_in_a_process():
+    """HiGHS prints its banner from C++ when a process makes its first instance: a fresh
+    process, so that first instance is this one. `simulate --json -` needs stdout clean."""
+    import subprocess
+    import sys
+
+    code = ("from policy.binary_program import quiet_highs, solve_binary_program\n"
+            "h = quiet_highs()\n"
+            "got = solve_binary_program({0: 1.0, 1: 2.0}, [({0: 1.0, 1: 1.0}, '<=', 1.0)], 2, True, 5.0)\n"
+            "print('chosen', got.chosen, got.solver)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "chosen (1,) highs\n"
+
+
 def test_elasticflow_deadline_mode_sizes_the_minimum_share_by_the_deadline():
     # 1000 iterations of BATCH samples: 1 GPU (16/s) takes 4000 s, 2 GPUs (32/s) 2000 s.
     j = job("j", {("a100", 1): 16.0, ("a100", 2): 32.0}, gpus=1, deadline=2500.0)
