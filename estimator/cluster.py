@@ -121,7 +121,8 @@ def cluster_from_dict(raw: object, source: str = "<dict>") -> ClusterSpec:
             raise SpecError(where, g, "give a mapping {gpu_type, nodes, gpus_per_node}")
         unknown = set(g) - {"gpu_type", "nodes", "gpus_per_node", "partition", "network"}
         if unknown:
-            raise SpecError(f"{where}.{sorted(unknown)[0]}", g[sorted(unknown)[0]], "unknown key")
+            first = sorted(unknown, key=str)[0]
+            raise SpecError(f"{where}.{first}", g[first], "unknown key")
         try:
             gt = gpu_type(str(g.get("gpu_type")))
         except SpecError as e:
@@ -144,8 +145,10 @@ def load_cluster(name_or_path: str) -> ClusterSpec:
                         f"neither a built-in ({', '.join(BUILTIN_CLUSTERS)}) nor a readable YAML file")
     try:
         raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise SpecError("cluster", name_or_path, f"malformed YAML: {str(e).splitlines()[0]}") from None
+    except OSError as e:
+        raise SpecError("cluster", name_or_path, f"cannot read: {e.strerror}") from None
     return cluster_from_dict(raw, str(path))
 
 

@@ -44,7 +44,7 @@ class Settings:
 
 # Layer shares at 1, 4 and 16 samples per device: each count is two programs to compile and
 # autotune, and interpolating 2 and 8 from these moves the whole-model forward+backward by a
-# median of 3.5 % (`benchmarks/profile_samples.py`); `--samples 1 2 4 8 16` measures them.
+# median of 3.3 % (`benchmarks/profile_samples.py`); `--samples 1 2 4 8 16` measures them.
 GPU_SETTINGS = Settings(tuple(1 << k for k in range(12, 29, 2)), (256, 512, 1024, 2048, 4096, 8192),
                         tuple(1 << k for k in range(22, 31, 2)), (1, 4, 16), 5, "bf16")
 CPU_SETTINGS = Settings(tuple(1 << k for k in range(12, 21, 4)), (128, 256, 512),
@@ -250,8 +250,10 @@ def run(args: argparse.Namespace, env) -> dict:
     gpu = gpu_type(args.gpu_type)
     settings = GPU_SETTINGS if platform == "gpu" else CPU_SETTINGS
     if args.samples:
+        if min(args.samples) < 1:
+            raise SpecError("samples", min(args.samples), "give counts of 1 or more samples per device")
         settings = Settings(settings.collective_bytes, settings.matmul_sizes, settings.copy_bytes,
-                            tuple(args.samples), settings.repeats, settings.compute_dtype)
+                            tuple(sorted(set(args.samples))), settings.repeats, settings.compute_dtype)
     gpus_per_node = jax.local_device_count()
     facts = world.gather({"host": _platform.node(), "devices": jax.local_device_count(),
                           "kind": jax.local_devices()[0].device_kind})

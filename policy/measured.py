@@ -121,6 +121,13 @@ def load_measured(path: str | Path | None = None) -> MeasuredTable:
     path = Path(path) if path is not None else DEFAULT_MEASURED_PATH
     if not path.exists():
         raise SpecError("measured", str(path), "give a readable CSV of measured iteration times")
+    try:
+        return MeasuredTable(_points(path), str(path))
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecError("measured", str(path), f"cannot be read as a CSV text file ({e})") from None
+
+
+def _points(path: Path) -> tuple[MeasuredPoint, ...]:
     points = []
     with path.open(newline="") as f:
         reader = csv.DictReader(f)
@@ -136,7 +143,7 @@ def load_measured(path: str | Path | None = None) -> MeasuredTable:
                     int(row["gpus_per_node"]), t if t > 0 else None))
             except (TypeError, ValueError):
                 raise SpecError(f"measured line {i}", dict(row), "numbers expected in every column") from None
-    return MeasuredTable(tuple(points), str(path))
+    return tuple(points)
 
 
 def cell_layout(cell) -> tuple[int, int]:

@@ -33,6 +33,7 @@ same for every policy and every run with the same seed.
 from __future__ import annotations
 
 import csv
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,6 +150,13 @@ def read_trace(path: str | Path) -> tuple[TraceRecord, ...]:
     path = Path(path)
     if not path.is_file():
         raise SpecError("trace", str(path), "give a readable CSV with header " + ",".join(TRACE_COLUMNS))
+    try:
+        return _records(path)
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecError("trace", str(path), f"cannot be read as a CSV text file ({e})") from None
+
+
+def _records(path: Path) -> tuple[TraceRecord, ...]:
     out = []
     with path.open(newline="") as f:
         reader = csv.DictReader(f)
@@ -163,6 +171,11 @@ def read_trace(path: str | Path) -> tuple[TraceRecord, ...]:
             except (TypeError, ValueError):
                 raise SpecError(f"{path.name} line {line}", dict(row),
                                 "submit_time_s, duration_s and num_gpus must be numbers") from None
+            if not (math.isfinite(rec.submit_time_s) and rec.submit_time_s >= 0
+                    and math.isfinite(rec.duration_s) and rec.duration_s > 0 and rec.num_gpus >= 1):
+                raise SpecError(f"{path.name} line {line}", dict(row),
+                                "submit_time_s must be finite and ≥ 0, duration_s finite and > 0, "
+                                "num_gpus ≥ 1")
             out.append(rec)
     return tuple(out)
 

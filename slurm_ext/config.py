@@ -157,7 +157,7 @@ def read_yaml(path: str | Path) -> dict:
         raw = yaml.safe_load(p.read_text())
     except OSError as e:
         raise ConfigError("config", str(path), f"cannot read: {e.strerror}") from None
-    except yaml.YAMLError as e:
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise ConfigError("config", str(path), f"malformed YAML: {str(e).splitlines()[0]}") from None
     if raw is None:
         return {}

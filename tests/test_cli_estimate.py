@@ -164,3 +164,44 @@ def test_expert_parallel_flag_reaches_the_plan(capsys):
     assert "ep" not in plain["plan"].split()[1] and plain["runnable"]
     assert "plan=[dp4tp1ep]" in ep["plan"] and ep["runnable"] and ep["stages"][0]["ep"] is True
     assert ep["iteration_time_s"] < plain["iteration_time_s"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (("explain", "1234_5"), "'1234_5' is not a job id: an array task's own job id"),
+    (("explain", "12", "--timeout-s", "0"), "0.0 is not in the range x>0"),
+    (("estimate", "--model", "gpt-760m", "--global-batch", "256", "--micro-batches", "7"),
+     "micro_batches=7: must divide the global batch 256"),
+    (("estimate", "--model", "gpt-760m", "--global-batch", "64", "--cluster", "{tmp}"), "cannot read: Is a directory"),
+    (("estimate", "--model", "gpt-760m", "--global-batch", "64", "--cluster", "{tmp}/binary"), "malformed YAML"),
+    (("profile", "--partition", "a10", "--samples", "0"), "0 is not in the range x>=1"),
+])
+def test_bad_input_is_one_line_not_a_traceback(capsys, tmp_path, args, message):
+    (tmp_path / "binary").write_bytes(bytes(range(128, 256)))
+    code, out, err = run(capsys, *(a.replace("{tmp}", str(tmp_path)) for a in args))
+    assert code == 2 and out == "" and message in err and "Traceback" not in err
+
+
+def test_batch_values_of_the_wrong_type_are_refused_before_any_estimate(capsys, monkeypatch):
+    lines = '{"model": "gpt-760m", "global_batch": 8}\n{"model": 123, "global_batch": 8}\n'
+    code, out, err = run(capsys, "estimate", "--batch", "-", stdin=lines, monkeypatch=monkeypatch)
+    assert code == 2 and out == "" and "request 2: model=123: a string" in err
+    code, out, err = run(capsys, "estimate", "--batch", "-", "--gpus", "4", stdin=lines, monkeypatch=monkeypatch)
+    assert code == 2 and out == "" and "drop --gpus" in err
+
+
+@pytest.mark.parametrize("row, field", [("a,nan,100,2,,", "submit_time_s"), ("a,0,inf,2,,", "duration_s"),
+                                        ("a,0,100,0,,", "num_gpus")])
+def test_simulate_refuses_a_trace_row_it_cannot_replay(capsys, tmp_path, row, field):
+    trace = tmp_path / "t.csv"
+    trace.write_text("job_id,submit_time_s,duration_s,num_gpus,gpu_type,status\n" + row + "\n")
+    code, out, err = run(capsys, "simulate", "--trace", str(trace), "--cluster", "crius-1280", "--policy", "fcfs")
+    assert code == 2 and out == "" and "t.csv line 2" in err and field in err
+
+
+def test_simulate_checks_its_outputs_before_it_simulates(capsys, tmp_path):
+    trace = tmp_path / "t.csv"
+    trace.write_text("job_id,submit_time_s,duration_s,num_gpus,gpu_type,status\na,0,100,2,,\n")
+    for flag in ("--json", "--markdown"):
+        code, out, err = run(capsys, "simulate", "--trace", str(trace), "--cluster", "crius-1280",
+                             "--policy", "fcfs", flag, str(tmp_path))
+        assert code == 2 and out == "" and "cannot write: Is a directory" in err

@@ -79,6 +79,13 @@ def _read_batch(source) -> list[dict]:
         for key in ("model", "global_batch"):
             if key not in req:
                 raise SpecError(f"{where}.{key}", None, "required")
+        for key, value in req.items():
+            text = key in ("model", "gpu_type")
+            if value is None and key not in ("model", "global_batch"):
+                continue
+            if (not isinstance(value, str)) if text else (not isinstance(value, int) or isinstance(value, bool)):
+                raise SpecError(f"request {len(requests) + 1}: {key}", value,
+                                "a string" if text else "a whole number")
         requests.append(req)
     return requests
 
@@ -146,8 +153,8 @@ def command(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, clus
 
     JSON: {"model", "global_batch", "cells": [...], "best": {...} | null}.
 
-    --batch lines: {"model", "global_batch"} and optionally "gpu_type", "num_gpus",
-    "gpus_per_node", "max_stages" (as the flags of the same names).
+    --batch lines: {"model", "global_batch"} and optionally "gpu_type", "num_gpus" (--gpus),
+    "gpus_per_node", "max_stages" (as the flags of the same names), each line on its own.
     """
     memory = MemoryOptions(zero_level=zero_level, offload=offload)
     options = EstimateOptions(micro_batches=micro_batches, comm_table=comm_table, fidelity=fidelity,
@@ -157,8 +164,12 @@ def command(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, clus
                               runnable_only=not (what_if or not memory.runnable(remat=remat != "off")),
                               stage_gpus=stage_gpus, expert_parallel=expert_parallel)
     if batch_file is not None:
-        if model or global_batch:
-            raise click.UsageError("--batch reads model and global_batch from each line; drop --model/--global-batch")
+        given = [flag for flag, value in (("--model", model), ("--global-batch", global_batch), ("--gpu-type", gpu_type),
+                                          ("--gpus", gpus), ("--gpus-per-node", gpus_per_node),
+                                          ("--max-stages", max_stages)) if value is not None]
+        if given:
+            raise click.UsageError(f"--batch reads each request from its line; drop {', '.join(given)} "
+                                   "(give model, global_batch, gpu_type, num_gpus, gpus_per_node, max_stages there)")
         requests = _read_batch(batch_file)
         results = []
         for i, req in enumerate(requests, 1):
@@ -172,5 +183,8 @@ def command(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, clus
         return
     if not model or global_batch is None:
         raise click.UsageError("give --model and --global-batch (or --batch FILE)")
+    if micro_batches and global_batch > 0 and global_batch % micro_batches:
+        raise SpecError("micro_batches", micro_batches, f"must divide the global batch {global_batch}: every "
+                        "micro-batch holds the same number of samples")
     result = _estimate(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, cluster, options)
     click.echo(json.dumps(result.to_json(), indent=2) if as_json else _table(result))

@@ -15,13 +15,27 @@ from pathlib import Path
 import click
 
 
+class JobIdType(click.ParamType):
+    """A Slurm job id: digits only (``int`` would read ``1234_5``, an array task, as 12345)."""
+
+    name = "JOB"
+
+    def convert(self, value, param, ctx):
+        text = str(value).strip()
+        if not text.isdigit() or not text.isascii():
+            hint = (": an array task's own job id is in `squeue -r --Format JobID`" if "_" in text else "")
+            self.fail(f"{value!r} is not a job id{hint}", param, ctx)
+        return int(text)
+
+
 @click.command("explain")
-@click.argument("job_id", type=int)
+@click.argument("job_id", type=JobIdType())
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (keys in slurm_ext.explain).")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False),
               help="The daemon's configuration (partitions, cluster, plan space); default: $SLURM_EXT_CONFIG.")
 @click.option("--state-db", help="The daemon's state file, for the job's history (read only).")
-@click.option("--timeout-s", type=float, default=30.0, show_default=True, help="Time limit of each Slurm call.")
+@click.option("--timeout-s", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
+              help="Time limit of each Slurm call.")
 def command(job_id, as_json, config_path, state_db, timeout_s):
     """Why a job got its Cell, or why it waits, and when it is expected to start and end."""
     from estimator.contract import ElasticSpecError, parse_plan_comment

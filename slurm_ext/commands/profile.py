@@ -74,9 +74,9 @@ def _measurements(db: str, profile_id: int) -> tuple[list[dict], list[dict], dic
               show_default=f"$SLURM_EXT_PROFILE_DB or ./{DEFAULT_DB}",
               help="The profile store (SQLite; created when missing). It must be on a file system "
                    "the job's first node can write.")
-@click.option("--samples", type=int, multiple=True,
-              help="Samples per device to time each layer at (repeatable; default 1, 4 and 16 on GPUs, "
-                   "1 on CPU stand-ins; counts between are interpolated).")
+@click.option("--samples", type=click.IntRange(1), multiple=True,
+              help="Samples per device to time each layer at, once per count (--samples 1 --samples 2 …); "
+                   "default 1, 4 and 16 on GPUs, 1 on CPU stand-ins; counts between are interpolated.")
 @click.option("--time-limit-min", type=click.IntRange(1), default=30, show_default=True,
               help="The job's time limit. Measuring stops at 80% of it less a minute, and "
                    "what was measured by then (whole tp degrees, tp 1 first) is still fitted and stored.")
@@ -101,8 +101,8 @@ def command(partition, nodes, models, wait, as_json, profile_db, samples, time_l
         load_model(m)  # a clear error now, not in the job's log
     db = str(Path(profile_db).resolve())
     cfg = load_config(None, {}, dict(os.environ))
-    client = make_client(cfg.slurm_backend, cfg.slurm_prefix, cfg.slurm_timeout_s)
     try:
+        client = make_client(cfg.slurm_backend, cfg.slurm_prefix, cfg.slurm_timeout_s)
         gpu, gpus_per_node, available = partition_layout(client.nodes(), partition, dict(cfg.partitions))
         if nodes > available:
             raise SpecError("nodes", nodes, f"partition {partition} has {available}")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -55,6 +57,25 @@ def _write(path: str, text: str) -> None:
         Path(path).write_text(text)
     except OSError as e:
         raise SpecError("output", path, f"cannot write: {e.strerror}") from None
+
+
+def _check_output(path: str | None, directory: bool = False) -> None:
+    """Fail before the simulation, not after it, when an output cannot be written."""
+    if not path or path == "-":
+        return
+    p = Path(path)
+    try:
+        if directory:
+            p.mkdir(parents=True, exist_ok=True)
+        elif p.is_dir():
+            raise IsADirectoryError(21, "Is a directory")
+        else:
+            p.parent.mkdir(parents=True, exist_ok=True)
+        where = p if directory else p.parent
+        if not os.access(where, os.W_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as e:
+        raise SpecError("output", path, f"cannot write: {e.strerror or e}") from None
 
 
 def _measured_costs(paths: tuple[str, ...]):
@@ -119,13 +140,16 @@ def command(trace_path, cluster_name, policies, seed, density, oracle, round_s, 
     from policy.simulator import EstimateCache, SimConfig, SimulationError, simulate, start_costs
     from policy.trace import map_trace, offered_load, read_trace, trace_kind_for
 
-    if round_s <= 0:
+    if not math.isfinite(round_s) or round_s <= 0:
         raise SpecError("round_s", round_s, "give a positive number of seconds")
     if forecast_every < 0:
         raise SpecError("forecast_every", forecast_every, "give 0 (no forecasts) or a positive job count")
     names = list(dict.fromkeys(p.strip().lower() for p in policies))
     for name in names:
         policy_class(name)  # unknown names fail before any work, listing the valid ones
+    _check_output(json_out)
+    _check_output(markdown_out)
+    _check_output(plots_dir, directory=True)
     cluster = load_cluster(cluster_name)
     table = load_measured(measured_path)
     jobs = map_trace(read_trace(trace_path), table, seed, density, trace_kind_for(trace_path))
