@@ -205,3 +205,13 @@ def test_simulate_checks_its_outputs_before_it_simulates(capsys, tmp_path):
         code, out, err = run(capsys, "simulate", "--trace", str(trace), "--cluster", "crius-1280",
                              "--policy", "fcfs", flag, str(tmp_path))
         assert code == 2 and out == "" and "cannot write: Is a directory" in err
+
+
+def test_table_says_when_the_starred_cell_is_estimated_only(capsys):
+    code, out, err = run(capsys, "estimate", "--model", "gpt-6.7b", "--global-batch", "256",
+                         "--gpu-type", "a100", "--zero", "3", "--remat", "off")
+    assert code == 0, err
+    (best,) = [line for line in out.splitlines() if line.startswith("* ")]
+    assert "ZeRO-3" in best and "estimated only: the runner cannot run it yet" in best
+    cut = [tok for line in out.splitlines() for tok in line.split() if tok.endswith("…")]
+    assert cut and all(len(tok) == 28 and tok.count("|") >= 4 for tok in cut)  # long plans: cut, marked

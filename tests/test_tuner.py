@@ -194,6 +194,22 @@ def test_tuned_plan_trains_like_the_unsharded_model_and_measure_picks_by_time(tm
     assert parse_plan(doc["best"]["plan"]).num_gpus == 2
 
 
+def test_measured_plans_lead_and_every_plan_is_listed_once():
+    from slurm_ext.commands.tune import rank_measured
+
+    job = JobSpec("gpt-760m", 64)
+    ranked = tune(job, Cell("a100", 4, 4, 1), load_cluster("crius-1280"), TuneOptions()).ranked
+    assert len(ranked) >= 3
+    # The second and third estimated plans were timed, the third faster.
+    seconds = {id(ranked[1]): 2.0, id(ranked[2]): 1.0}
+    out = rank_measured(ranked, seconds)
+    assert len(out) == len(ranked)
+    assert [p.measured_s for p in out[:2]] == [1.0, 2.0]
+    assert out[0].candidate == ranked[2].candidate and out[1].candidate == ranked[1].candidate
+    assert [p.candidate for p in out[2:]] == [p.candidate for i, p in enumerate(ranked) if i not in (1, 2)]
+    assert all(p.measured_s is None for p in out[2:])
+
+
 def test_micro_batch_choices_divide_odd_global_batches():
     from estimator.tuner import micro_batch_choices
 

@@ -28,6 +28,11 @@ def _estimate(model: str, global_batch: int, gpu_type: str | None, gpus: int | N
     return estimate_job(job, cluster, options, types, gpus_per_node)
 
 
+def _fit(text: str, width: int) -> str:
+    """``text`` in a column of ``width``, cut with an ellipsis when longer."""
+    return f"{text:{width}}" if len(text) <= width else text[:width - 1] + "…"
+
+
 def _table(result: JobEstimate) -> str:
     head = (f"{'':1} {'type':5} {'gpus':>4} {'nodes':>5} {'/node':>5} {'stg':>3}  "
             f"{'plan (dp x tp per stage)':28} {'s/iter':>8} {'samples/s':>9} {'GB/GPU':>6}  note")
@@ -38,6 +43,11 @@ def _table(result: JobEstimate) -> str:
         t = f"{c.iteration_time_s:8.3f}" if c.feasible else f"{'-':>8}"
         rate = f"{c.samples_per_s:9.2f}" if c.feasible else f"{'-':>9}"
         notes = [c.reason] if not c.feasible else []
+        if c.feasible and (c.zero_level or c.offload):
+            notes.append(f"ZeRO-{c.zero_level}" + (f" + offload ({c.host_memory_gb:.0f} GB host/GPU)"
+                                                   if c.offload else ""))
+        if c.feasible and not c.runnable:
+            notes.append("estimated only: the runner cannot run it yet")
         if c.comm_source == "model":
             notes.append("comm: latency-bandwidth model")
         elif c.comm_source == "profile":
@@ -47,7 +57,7 @@ def _table(result: JobEstimate) -> str:
         note = "; ".join(notes)
         cell = c.cell
         lines.append(f"{mark} {cell.gpu_type:5} {cell.num_gpus:4} {cell.num_nodes:5} "
-                     f"{min(cell.gpus_per_node, cell.num_gpus):5} {cell.num_stages:3}  {plan[:28]:28} "
+                     f"{min(cell.gpus_per_node, cell.num_gpus):5} {cell.num_stages:3}  {_fit(plan, 28)} "
                      f"{t} {rate} {c.peak_memory_gb:6.1f}  {note}")
     if result.best is None:
         lines.append("no Cell fits: try more GPUs, a larger-memory GPU type or a smaller global batch")

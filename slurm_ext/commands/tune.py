@@ -63,17 +63,23 @@ def _measure(job: JobSpec, result: TuneResult, gpus_per_node: int) -> TuneResult
         return result
     req = TuneRequest(job.model, spec, arch_from_model(spec), job.global_batch, job.gpu_type, gpus_per_node,
                       devices[:job.num_gpus], result.cell.num_stages, None, 0, devices[0].platform)
-    timed = []
+    seconds = {}
     for p in top:
         m = measure_plan(req, result.plan_string(p), lambda x: x)
         if m.iteration_time_s is None:
             log.warning("could not measure %s: %s", m.plan, m.error)
             continue
         log.info("measured %s: %.4f s/iteration", m.plan, m.iteration_time_s)
-        timed.append(replace(p, measured_s=m.iteration_time_s))
-    timed.sort(key=lambda p: p.measured_s)
-    rest = [p for p in result.ranked if p not in timed]
-    return replace(result, ranked=tuple(timed + rest), measured=bool(timed))
+        seconds[id(p)] = m.iteration_time_s
+    return replace(result, ranked=rank_measured(result.ranked, seconds), measured=bool(seconds))
+
+
+def rank_measured(ranked: tuple, seconds: dict[int, float]) -> tuple:
+    """The measured plans (``seconds``: ``id(plan)`` → s/iteration) first, fastest first,
+    then the others in their estimated order: each plan once."""
+    timed = sorted((replace(p, measured_s=seconds[id(p)]) for p in ranked if id(p) in seconds),
+                   key=lambda p: p.measured_s)
+    return tuple(timed) + tuple(p for p in ranked if id(p) not in seconds)
 
 
 def _text(result: TuneResult, top: int = 5) -> str:
@@ -102,7 +108,8 @@ def _text(result: TuneResult, top: int = 5) -> str:
               help="cell: Crius/Arena pruning; none: score the whole plan space.")
 @click.option("--measure", is_flag=True, help="Time the best plans on this machine's devices.")
 @click.option("--cluster", default=lambda: os.environ.get("SLURM_EXT_CLUSTER", DEFAULT_CLUSTER),
-              show_default=DEFAULT_CLUSTER, help="Cluster name or YAML (its network and node size).")
+              show_default=f"$SLURM_EXT_CLUSTER or {DEFAULT_CLUSTER}",
+              help="Cluster name or YAML (its network and node size).")
 @click.option("--micro-batches", type=int,
               help="Micro-batch count the search starts from (default: the Cell estimate's).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
