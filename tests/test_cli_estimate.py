@@ -215,3 +215,18 @@ def test_table_says_when_the_starred_cell_is_estimated_only(capsys):
     assert "ZeRO-3" in best and "estimated only: the runner cannot run it yet" in best
     cut = [tok for line in out.splitlines() for tok in line.split() if tok.endswith("…")]
     assert cut and all(len(tok) == 28 and tok.startswith("dp") for tok in cut)  # long plans: cut, marked
+
+
+def test_simulate_refuses_a_cluster_whose_types_have_no_measured_rate(capsys, tmp_path):
+    trace, cluster = tmp_path / "t.csv", tmp_path / "h.yaml"
+    trace.write_text("job_id,submit_time_s,duration_s,num_gpus,gpu_type,status\na,0,100,2,,\n")
+    cluster.write_text("name: h\nnode_groups:\n  - {gpu_type: h200, nodes: 2, gpus_per_node: 8}\n")
+    code, out, err = run(capsys, "simulate", "--trace", str(trace), "--cluster", str(cluster), "--policy", "crius")
+    assert code == 2 and out == "" and "none of its GPU types (h200) has a measured rate" in err
+
+
+def test_an_unwritable_compile_cache_is_an_error_not_a_silent_analytic_estimate(capsys, tmp_path):
+    (tmp_path / "file").write_text("")
+    code, out, err = run(capsys, "estimate", "--model", "gpt-760m", "--global-batch", "64", "--fidelity",
+                         "compiled", "--compile-cache", str(tmp_path / "file" / "cache"))
+    assert code == 2 and out == "" and "compile_cache=" in err and "cannot write" in err

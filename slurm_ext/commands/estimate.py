@@ -3,6 +3,7 @@
 import json
 import os
 import sys
+from pathlib import Path
 
 import click
 
@@ -166,6 +167,13 @@ def command(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, clus
     --batch lines: {"model", "global_batch"} and optionally "gpu_type", "num_gpus" (--gpus),
     "gpus_per_node", "max_stages" (as the flags of the same names), each line on its own.
     """
+    if fidelity == "compiled" and compile_cache:
+        try:
+            Path(compile_cache).mkdir(parents=True, exist_ok=True)
+            if not os.access(compile_cache, os.W_OK):
+                raise PermissionError(13, "Permission denied")
+        except OSError as e:
+            raise SpecError("compile_cache", compile_cache, f"cannot write: {e.strerror or e}") from None
     memory = MemoryOptions(zero_level=zero_level, offload=offload)
     options = EstimateOptions(micro_batches=micro_batches, comm_table=comm_table, fidelity=fidelity,
                               compile_cache_dir=compile_cache, gpu_specs_dir=gpu_specs_dir,

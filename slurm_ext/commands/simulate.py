@@ -152,6 +152,11 @@ def command(trace_path, cluster_name, policies, seed, density, oracle, round_s, 
     _check_output(plots_dir, directory=True)
     cluster = load_cluster(cluster_name)
     table = load_measured(measured_path)
+    measured_types = {p.gpu_type for p in table.points if p.iter_time_s}
+    if not measured_types & set(cluster.gpu_types):
+        raise SpecError("cluster", cluster_name, f"none of its GPU types ({', '.join(cluster.gpu_types)}) has a "
+                        f"measured rate in {table.source} (it has {', '.join(sorted(measured_types)) or 'none'}), "
+                        "so no job could run; give --measured with rates of these types")
     jobs = map_trace(read_trace(trace_path), table, seed, density, trace_kind_for(trace_path))
     if not jobs:
         raise SpecError("trace", trace_path, "no job left after the submit filter and density; "
