@@ -7,6 +7,17 @@ class SlurmExtError(Exception):
     """Base class of the errors raised by slurm_ext's Slurm edge."""
 
 
+# What Slurm's commands print when they cannot reach or find the controller.
+UNREACHABLE_MARKERS = ("Could not establish a configuration source", "Unable to contact slurm controller",
+                       "Could not open configuration file")
+
+
+def _shown(argv: Sequence[str], width: int = 160) -> str:
+    """The command as one line, its middle cut when long (squeue's --Format list is ~400 chars)."""
+    text = " ".join(argv)
+    return text if len(text) <= width else text[:width - 40] + " … " + text[-37:]
+
+
 class SlurmCommandError(SlurmExtError):
     """A command exited with a non-zero status.
 
@@ -21,7 +32,9 @@ class SlurmCommandError(SlurmExtError):
         self.returncode = returncode
         self.stderr = stderr
         detail = stderr.strip().splitlines()[-1] if stderr.strip() else "(no stderr)"
-        super().__init__(f"{' '.join(self.argv)!r} exited {returncode}: {detail}")
+        hint = ("; is slurmctld up and SLURM_CONF its slurm.conf (check `scontrol ping`)?"
+                if any(s in stderr for s in UNREACHABLE_MARKERS) else "")
+        super().__init__(f"{_shown(self.argv)!r} exited {returncode}: {detail}{hint}")
 
 
 class CommandTimeoutError(SlurmExtError):
@@ -36,7 +49,7 @@ class CommandTimeoutError(SlurmExtError):
         self.argv = tuple(argv)
         self.timeout_s = timeout_s
         super().__init__(
-            f"{' '.join(self.argv)!r} did not finish within {timeout_s:g} s; "
+            f"{_shown(self.argv)!r} did not finish within {timeout_s:g} s; "
             "is slurmctld up (check SLURM_CONF and `scontrol ping`)?")
 
 

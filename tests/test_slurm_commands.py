@@ -298,3 +298,14 @@ def test_grants_of_many_new_running_jobs_come_from_one_listing_of_all(slurm_lab,
     # The session's backend (pyslurm too) reads the same grants.
     assert {j.job_id: (j.granted_gpus_per_node, j.granted_gpu_type) for j in slurm_client.jobs()
             if j.job_id in ids} == {i: ((1,), p) for i, p in ids.items()}
+
+
+def test_a_failed_command_is_one_readable_line_with_a_hint_when_slurm_is_unreachable():
+    argv = ["squeue", "--noheader", "--Format", ",".join(f"Field{i}:|" for i in range(60))]
+    e = SlurmCommandError(argv, 1, "squeue: fatal: Could not establish a configuration source\n")
+    text = str(e)
+    assert len(text) < 300 and text.startswith("'squeue --noheader --Format Field0:|") and " … " in text
+    assert "Field59:|' exited 1: squeue: fatal: Could not establish a configuration source" in text
+    assert text.endswith("is slurmctld up and SLURM_CONF its slurm.conf (check `scontrol ping`)?")
+    other = str(SlurmCommandError(["scontrol", "hold", "7"], 1, "Invalid job id specified"))
+    assert other == "'scontrol hold 7' exited 1: Invalid job id specified"
