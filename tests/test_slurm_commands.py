@@ -304,7 +304,7 @@ def test_a_failed_command_is_one_readable_line_with_a_hint_when_slurm_is_unreach
     argv = ["squeue", "--noheader", "--Format", ",".join(f"Field{i}:|" for i in range(60))]
     e = SlurmCommandError(argv, 1, "squeue: fatal: Could not establish a configuration source\n")
     text = str(e)
-    assert len(text) < 300 and text.startswith("'squeue --noheader --Format Field0:|") and " … " in text
+    assert len(text) < 320 and text.startswith("'squeue --noheader --Format Field0:|") and " … " in text
     assert "Field59:|' exited 1: squeue: fatal: Could not establish a configuration source" in text
     assert text.endswith("is slurmctld up and SLURM_CONF its slurm.conf (check `scontrol ping`)?")
     other = str(SlurmCommandError(["scontrol", "hold", "7"], 1, "Invalid job id specified"))
