@@ -230,3 +230,12 @@ def test_an_unwritable_compile_cache_is_an_error_not_a_silent_analytic_estimate(
     code, out, err = run(capsys, "estimate", "--model", "gpt-760m", "--global-batch", "64", "--fidelity",
                          "compiled", "--compile-cache", str(tmp_path / "file" / "cache"))
     assert code == 2 and out == "" and "compile_cache=" in err and "cannot write" in err
+
+
+def test_simulate_refuses_restart_costs_that_are_no_runner_report(capsys, tmp_path):
+    trace, report = tmp_path / "t.csv", tmp_path / "r.json"
+    trace.write_text("job_id,submit_time_s,duration_s,num_gpus,gpu_type,status\na,0,100,2,,\n")
+    report.write_text('{"x": 1}')
+    code, out, err = run(capsys, "simulate", "--trace", str(trace), "--cluster", "crius-1280", "--policy", "fcfs",
+                         "--restart-costs", str(report))
+    assert code == 2 and out == "" and "not a runner's measured.json" in err

@@ -87,9 +87,14 @@ def _measured_costs(paths: tuple[str, ...]):
         return RestartCosts()
     reports = []
     for path in paths:
-        report = RunnerReport.from_text(Path(path).read_text(errors="replace"))
-        if report is None:
-            raise SpecError("restart_costs", path, "not a runner's measured.json (a JSON object)")
+        try:
+            report = RunnerReport.from_text(Path(path).read_text(errors="replace"))
+        except OSError as e:
+            raise SpecError("restart_costs", path, f"cannot read: {e.strerror}") from None
+        if report is None or (report.startup_s is None and report.final_save_s is None
+                              and not report.candidates_measured):
+            raise SpecError("restart_costs", path, "not a runner's measured.json (a JSON object with "
+                            "startup_s, final_save_s or tuning_s and candidates_measured)")
         reports.append(report)
     costs = RestartCosts.from_reports(reports)
     log.info("restart costs from %d runner reports: launch %.1f s, resume %.1f s, tuning %.1f s",
