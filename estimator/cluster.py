@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from estimator.errors import SpecError
+from estimator.errors import SpecError, yaml_problem
 from estimator.gpus import gpu_type
 
 log = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ def load_cluster(name_or_path: str) -> ClusterSpec:
     try:
         raw = yaml.safe_load(path.read_text())
     except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise SpecError("cluster", name_or_path, f"malformed YAML: {str(e).splitlines()[0]}") from None
+        raise SpecError("cluster", name_or_path, yaml_problem(e)) from None
     except OSError as e:
         raise SpecError("cluster", name_or_path, f"cannot read: {e.strerror}") from None
     return cluster_from_dict(raw, str(path))

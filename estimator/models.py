@@ -28,7 +28,7 @@ from pathlib import Path
 
 import yaml
 
-from estimator.errors import SpecError
+from estimator.errors import SpecError, yaml_problem
 
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 OPTIMIZERS = ("adamw", "adafactor", "sgd")
@@ -303,7 +303,7 @@ def _load_model_file(path: str, mtime_ns: int, size: int) -> ModelSpec:
     try:
         raw = yaml.safe_load(Path(path).read_text())
     except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise SpecError("model", path, f"malformed YAML: {str(e).splitlines()[0]}") from None
+        raise SpecError("model", path, yaml_problem(e)) from None
     except OSError as e:
         raise SpecError("model", path, f"cannot read: {e.strerror}") from None
     return model_from_dict(raw, path)

@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from slurm_ext.guarantees import GuaranteePolicy
-from estimator.errors import SpecError
+from estimator.errors import SpecError, yaml_problem
 from estimator.gpus import CATALOG
 
 ENV_PREFIX = "SLURM_EXT_"
@@ -158,7 +158,7 @@ def read_yaml(path: str | Path) -> dict:
     except OSError as e:
         raise ConfigError("config", str(path), f"cannot read: {e.strerror}") from None
     except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ConfigError("config", str(path), f"malformed YAML: {str(e).splitlines()[0]}") from None
+        raise ConfigError("config", str(path), yaml_problem(e)) from None
     if raw is None:
         return {}
     if not isinstance(raw, dict):

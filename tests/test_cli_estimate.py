@@ -90,7 +90,7 @@ def test_malformed_model_yaml(capsys, tmp_path):
     f = tmp_path / "m.yaml"
     f.write_text("hidden: 64\nlayers: [\n")
     code, out, err = run(capsys, "estimate", "--model", str(f), "--global-batch", "8")
-    assert code != 0 and out == "" and "malformed YAML" in err
+    assert code != 0 and out == "" and "malformed YAML" in err and "(line 3, column 1)" in err
 
 
 def test_batch_prints_one_result_per_line_in_order(capsys, monkeypatch):
