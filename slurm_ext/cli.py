@@ -46,7 +46,9 @@ def _module_exists(name: str) -> bool:
 
 
 @click.group(cls=LazyGroup)
-@click.option("-v", "--verbose", count=True, help="More logging to stderr (-v info, -vv debug).")
+@click.version_option(package_name="slurm-ext", prog_name="slurm-ext")
+@click.option("-v", "--verbose", count=True, help="More logging to stderr (-v info, -vv debug); "
+              "before the subcommand: slurm-ext -v estimate ….")
 def cli(verbose: int):
     """slurm-ext: choose each training job's GPU type, count, stages and parallel plan."""
     level = logging.WARNING - 10 * min(verbose, 2)

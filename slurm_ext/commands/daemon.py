@@ -15,6 +15,7 @@ import sys
 
 import click
 
+from policy.registry import policy_names
 from slurm_ext.config import DaemonConfig, load_config
 from slurm_ext.errors import SlurmExtError
 
@@ -46,7 +47,8 @@ def make_client(config: DaemonConfig):
 @click.option("--dry-run", is_flag=True, default=None,
               help="Print the actions a round would take; change nothing in Slurm.")
 @click.option("--interval-s", type=float, default=None, help="Seconds between rounds.")
-@click.option("--policy", default=None, help="Scheduling policy name (default: cells-ilp).")
+@click.option("--policy", default=None,
+              help=f"Scheduling policy (default: cells-ilp): {', '.join(policy_names())}.")
 @click.option("--state-db", default=None, help="SQLite state file.")
 @click.option("--log-level", default=None, help="DEBUG, INFO, WARNING or ERROR.")
 def command(config_path, once, dry_run, interval_s, policy, state_db, log_level):

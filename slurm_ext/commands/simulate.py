@@ -18,6 +18,7 @@ import click
 
 from estimator.cluster import load_cluster
 from estimator.errors import SpecError
+from policy.registry import policy_names
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ def _measured_costs(paths: tuple[str, ...]):
 @click.command("simulate")
 @click.option("--trace", "trace_path", required=True, help="Trace CSV (job_id,submit_time_s,duration_s,num_gpus,...).")
 @click.option("--cluster", "cluster_name", required=True, help="Built-in cluster name or cluster YAML.")
-@click.option("--policy", "policies", multiple=True, required=True, help="Policy name; repeat to compare.")
+@click.option("--policy", "policies", multiple=True, required=True, help=f"Policy, repeated to compare: {', '.join(policy_names())}.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the trace-to-job mapping.")
 @click.option("--density", default=1.0, show_default=True, type=float, help="Share of trace records kept, (0, 1].")
 @click.option("--oracle", is_flag=True, help="Policies see measured iteration times instead of estimates.")
