@@ -185,8 +185,21 @@ def test_batch_values_of_the_wrong_type_are_refused_before_any_estimate(capsys, 
     lines = '{"model": "gpt-760m", "global_batch": 8}\n{"model": 123, "global_batch": 8}\n'
     code, out, err = run(capsys, "estimate", "--batch", "-", stdin=lines, monkeypatch=monkeypatch)
     assert code == 2 and out == "" and "request 2: model=123: a string" in err
-    code, out, err = run(capsys, "estimate", "--batch", "-", "--gpus", "4", stdin=lines, monkeypatch=monkeypatch)
-    assert code == 2 and out == "" and "drop --gpus" in err
+    code, out, err = run(capsys, "estimate", "--batch", "-", "--global-batch", "0", stdin=lines,
+                         monkeypatch=monkeypatch)
+    assert code == 2 and out == "" and "drop --model/--global-batch" in err
+
+
+def test_batch_lines_take_the_flags_where_they_lack_the_key(capsys, monkeypatch):
+    lines = ('{"model": "gpt-760m", "global_batch": 64}\n'
+             '{"model": "gpt-760m", "global_batch": 64, "gpu_type": "a10", "num_gpus": 2}\n')
+    code, out, err = run(capsys, "estimate", "--batch", "-", "--gpu-type", "a100", "--gpus", "8", "--max-stages", "1",
+                         stdin=lines, monkeypatch=monkeypatch)
+    assert code == 0, err
+    flagged, own = (json.loads(x) for x in out.splitlines())
+    assert {(c["gpu_type"], c["num_gpus"]) for c in flagged["cells"]} == {("a100", 4), ("a100", 8), ("a100", 16)}
+    assert {(c["gpu_type"], c["num_gpus"]) for c in own["cells"]} == {("a10", 1), ("a10", 2), ("a10", 4)}
+    assert all(c["num_stages"] == 1 for d in (flagged, own) for c in d["cells"])
 
 
 @pytest.mark.parametrize("row, field", [("a,nan,100,2,,", "submit_time_s"), ("a,0,inf,2,,", "duration_s"),

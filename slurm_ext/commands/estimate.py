@@ -165,7 +165,8 @@ def command(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, clus
     JSON: {"model", "global_batch", "cells": [...], "best": {...} | null}.
 
     --batch lines: {"model", "global_batch"} and optionally "gpu_type", "num_gpus" (--gpus),
-    "gpus_per_node", "max_stages" (as the flags of the same names), each line on its own.
+    "gpus_per_node", "max_stages" (as the flags of the same names); the flags, when given,
+    apply to the lines that lack the key.
     """
     if fidelity == "compiled" and compile_cache:
         try:
@@ -182,19 +183,16 @@ def command(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, clus
                               runnable_only=not (what_if or not memory.runnable(remat=remat != "off")),
                               stage_gpus=stage_gpus, expert_parallel=expert_parallel)
     if batch_file is not None:
-        given = [flag for flag, value in (("--model", model), ("--global-batch", global_batch), ("--gpu-type", gpu_type),
-                                          ("--gpus", gpus), ("--gpus-per-node", gpus_per_node),
-                                          ("--max-stages", max_stages)) if value is not None]
-        if given:
-            raise click.UsageError(f"--batch reads each request from its line; drop {', '.join(given)} "
-                                   "(give model, global_batch, gpu_type, num_gpus, gpus_per_node, max_stages there)")
+        if model is not None or global_batch is not None:
+            raise click.UsageError("--batch reads model and global_batch from each line; drop --model/--global-batch")
         requests = _read_batch(batch_file)
         results = []
         for i, req in enumerate(requests, 1):
             try:
-                results.append(_estimate(req["model"], req["global_batch"], req.get("gpu_type"),
-                                         req.get("num_gpus"), req.get("gpus_per_node"),
-                                         req.get("max_stages"), cluster, options))
+                # --gpu-type, --gpus, --gpus-per-node and --max-stages: for lines without their own.
+                results.append(_estimate(req["model"], req["global_batch"], req.get("gpu_type", gpu_type),
+                                         req.get("num_gpus", gpus), req.get("gpus_per_node", gpus_per_node),
+                                         req.get("max_stages", max_stages), cluster, options))
             except SpecError as e:
                 raise SpecError(f"request {i}: {e.field}", e.value, e.hint) from None
         sys.stdout.write("".join(json.dumps(r.to_json()) + "\n" for r in results))
