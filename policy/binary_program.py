@@ -90,9 +90,9 @@ def satisfies(chosen, rows: list[Row]) -> bool:
 
 def quiet_highs():
     """A ``highspy.Highs`` with its output off. HiGHS's C++ prints its banner on file
-    descriptor 1 when a process makes its first instance, before any option can be set: that
-    once, descriptor 1 points at /dev/null, so stdout stays the command's own (the JSON of
-    `simulate --json -`)."""
+    descriptor 1 when a process makes its first instance, before any option can be set: while
+    an instance is made, descriptor 1 points at /dev/null, so stdout stays the command's own
+    (the JSON of `simulate --json -`)."""
     import highspy
 
     with _STDOUT_FD_LOCK:

@@ -1,1 +1,23 @@
 """One module per `slurm-ext` subcommand; each defines a click command named ``command``."""
+
+import os
+from pathlib import Path
+
+from estimator.errors import SpecError
+
+
+def check_writable(field: str, path: str | None, directory: bool = False) -> None:
+    """Fail now, before any work, when an output file (or directory) cannot be written:
+    its folder is made when missing. ``-`` (stdout) and None pass."""
+    if not path or path == "-":
+        return
+    p = Path(path)
+    try:
+        if not directory and p.is_dir():
+            raise IsADirectoryError(21, "Is a directory")
+        where = p if directory else p.parent
+        where.mkdir(parents=True, exist_ok=True)
+        if not os.access(where, os.W_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as e:
+        raise SpecError(field, path, f"cannot write: {e.strerror or e}") from None

@@ -3,7 +3,6 @@
 import json
 import os
 import sys
-from pathlib import Path
 
 import click
 
@@ -12,6 +11,7 @@ from estimator.errors import SpecError
 from estimator.estimate import EstimateOptions, JobEstimate, estimate_job
 from estimator.jobs import JobSpec
 from estimator.memory import MemoryOptions
+from slurm_ext.commands import check_writable
 
 DEFAULT_CLUSTER = "crius-1280"
 BATCH_KEYS = {"model", "global_batch", "gpu_type", "num_gpus", "gpus_per_node", "max_stages"}
@@ -91,12 +91,14 @@ def _read_batch(source) -> list[dict]:
             if key not in req:
                 raise SpecError(f"{where}.{key}", None, "required")
         for key, value in req.items():
-            text = key in ("model", "gpu_type")
             if value is None and key not in ("model", "global_batch"):
-                continue
-            if (not isinstance(value, str)) if text else (not isinstance(value, int) or isinstance(value, bool)):
-                raise SpecError(f"request {len(requests) + 1}: {key}", value,
-                                "a string" if text else "a whole number")
+                continue  # an optional key given as null: as if absent
+            if key in ("model", "gpu_type"):
+                right, kind = isinstance(value, str), "a string"
+            else:
+                right, kind = isinstance(value, int) and not isinstance(value, bool), "a whole number"
+            if not right:
+                raise SpecError(f"request {len(requests) + 1}: {key}", value, kind)
         requests.append(req)
     return requests
 
@@ -168,13 +170,8 @@ def command(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, clus
     "gpus_per_node", "max_stages" (as the flags of the same names); the flags, when given,
     apply to the lines that lack the key.
     """
-    if fidelity == "compiled" and compile_cache:
-        try:
-            Path(compile_cache).mkdir(parents=True, exist_ok=True)
-            if not os.access(compile_cache, os.W_OK):
-                raise PermissionError(13, "Permission denied")
-        except OSError as e:
-            raise SpecError("compile_cache", compile_cache, f"cannot write: {e.strerror or e}") from None
+    if fidelity == "compiled":
+        check_writable("compile_cache", compile_cache, directory=True)
     memory = MemoryOptions(zero_level=zero_level, offload=offload)
     options = EstimateOptions(micro_batches=micro_batches, comm_table=comm_table, fidelity=fidelity,
                               compile_cache_dir=compile_cache, gpu_specs_dir=gpu_specs_dir,

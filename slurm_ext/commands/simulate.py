@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ import click
 from estimator.cluster import load_cluster
 from estimator.errors import SpecError
 from policy.registry import policy_names
+from slurm_ext.commands import check_writable
 
 log = logging.getLogger(__name__)
 
@@ -60,25 +60,6 @@ def _write(path: str, text: str) -> None:
         raise SpecError("output", path, f"cannot write: {e.strerror}") from None
 
 
-def _check_output(path: str | None, directory: bool = False) -> None:
-    """Fail before the simulation, not after it, when an output cannot be written."""
-    if not path or path == "-":
-        return
-    p = Path(path)
-    try:
-        if directory:
-            p.mkdir(parents=True, exist_ok=True)
-        elif p.is_dir():
-            raise IsADirectoryError(21, "Is a directory")
-        else:
-            p.parent.mkdir(parents=True, exist_ok=True)
-        where = p if directory else p.parent
-        if not os.access(where, os.W_OK):
-            raise PermissionError(13, "Permission denied")
-    except OSError as e:
-        raise SpecError("output", path, f"cannot write: {e.strerror or e}") from None
-
-
 def _measured_costs(paths: tuple[str, ...]):
     """Restart costs from the runners' reports, or the defaults when none is given."""
     from estimator.contract import RunnerReport
@@ -106,7 +87,8 @@ def _measured_costs(paths: tuple[str, ...]):
 @click.command("simulate")
 @click.option("--trace", "trace_path", required=True, help="Trace CSV (job_id,submit_time_s,duration_s,num_gpus,...).")
 @click.option("--cluster", "cluster_name", required=True, help="Built-in cluster name or cluster YAML.")
-@click.option("--policy", "policies", multiple=True, required=True, help=f"Policy, repeated to compare: {', '.join(policy_names())}.")
+@click.option("--policy", "policies", multiple=True, required=True,
+              help=f"Policy, repeated to compare: {', '.join(policy_names())}.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the trace-to-job mapping.")
 @click.option("--density", default=1.0, show_default=True, type=float, help="Share of trace records kept, (0, 1].")
 @click.option("--oracle", is_flag=True, help="Policies see measured iteration times instead of estimates.")
@@ -153,9 +135,9 @@ def command(trace_path, cluster_name, policies, seed, density, oracle, round_s, 
     names = list(dict.fromkeys(p.strip().lower() for p in policies))
     for name in names:
         policy_class(name)  # unknown names fail before any work, listing the valid ones
-    _check_output(json_out)
-    _check_output(markdown_out)
-    _check_output(plots_dir, directory=True)
+    check_writable("output", json_out)  # before the simulation, not after it
+    check_writable("output", markdown_out)
+    check_writable("output", plots_dir, directory=True)
     cluster = load_cluster(cluster_name)
     table = load_measured(measured_path)
     measured_types = {p.gpu_type for p in table.points if p.iter_time_s}
