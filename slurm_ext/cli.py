@@ -57,7 +57,8 @@ def cli(verbose: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: typed input errors become one line on stderr and exit 2."""
+    """Entry point: typed input errors become one line on stderr and exit 2; failures at
+    run time (Slurm unreachable, a state file that cannot be opened) one line and exit 1."""
     try:
         # Outside standalone mode click returns a command's `Exit(status)` instead of raising it.
         status = cli.main(args=argv, prog_name="slurm-ext", standalone_mode=False)
@@ -67,8 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     except click.exceptions.Abort:
         click.echo("slurm-ext: aborted", err=True)
         return 130
-    except click.ClickException as e:
+    except click.UsageError as e:  # a bad command line: click's usage hint, status 2
         e.show()
+        return e.exit_code
+    except click.ClickException as e:  # a failure at run time, in the same one-line form
+        click.echo(f"slurm-ext: error: {e.format_message()}", err=True)
         return e.exit_code
     except click.exceptions.Exit as e:
         return e.exit_code

@@ -79,20 +79,42 @@ def test_bad_config_names_key_and_source(file_values, env, field):
     assert ("site.yaml" in str(info.value)) or ("environment" in str(info.value))
 
 
+@pytest.fixture
+def daemon_command_process_state():
+    """`slurm-ext daemon` sets up the process (root logging, signal handlers): put it back."""
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    signals = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    for s, h in signals.items():
+        signal.signal(s, h)
+
+
 @pytest.mark.parametrize("round_status", [0, 1])
+@pytest.mark.usefixtures("daemon_command_process_state")
 def test_daemon_once_exits_with_the_rounds_status(tmp_path, monkeypatch, round_status):
     """`slurm-ext daemon --once` says whether its round failed (a systemd unit or cron job
     reads the exit status); the round itself is replaced, so no Slurm is needed."""
     from slurm_ext.cli import main
 
     monkeypatch.setattr(Daemon, "run", lambda self, once=False: round_status)
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
-    try:
-        code = main(["daemon", "--once", "--dry-run", "--state-db", str(tmp_path / "state.db")])
-    finally:
-        for s, h in handlers.items():
-            signal.signal(s, h)
+    code = main(["daemon", "--once", "--dry-run", "--state-db", str(tmp_path / "state.db")])
     assert code == round_status
+
+
+@pytest.mark.usefixtures("daemon_command_process_state")
+def test_a_state_file_that_cannot_be_opened_is_one_error_line_and_status_1(tmp_path, capsys):
+    from slurm_ext.cli import main
+
+    (tmp_path / "file").write_text("")
+    code = main(["daemon", "--once", "--state-db", str(tmp_path / "file" / "state.db")])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and "\n" not in err
+    assert err.startswith("slurm-ext: error: cannot open the state file") and "writable path" in err
 
 
 # ------------------------------------------------------------------- pure helpers
