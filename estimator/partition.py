@@ -7,6 +7,7 @@ partitions the one whose stage boundaries carry the fewest activation bytes wins
 cheapest inter-layer cuts).
 """
 
+from collections import deque
 from collections.abc import Sequence
 from functools import lru_cache
 
@@ -49,6 +50,22 @@ def _prefix_sums(loads: tuple[float, ...], num_stages: int) -> list[float]:
     return prefix
 
 
+def _min_max_split(f: list[float], prefix: list[float], lo: int, i: int) -> float:
+    """min over j in [lo, i) of max(f[j], prefix[i] - prefix[j]). f is non-decreasing in j
+    (splitting a longer prefix never balances better) and the last stage's load is
+    non-increasing in j, so the minimum sits where they cross: a binary search instead of
+    a scan over every j."""
+    a, b = lo, i  # first j in [lo, i) with f[j] >= the last stage's load; i when none
+    while a < b:
+        m = (a + b) // 2
+        if f[m] >= prefix[i] - prefix[m]:
+            b = m
+        else:
+            a = m + 1
+    value = f[a] if a < i else float("inf")
+    return min(value, prefix[i] - prefix[a - 1]) if a > lo else value
+
+
 @lru_cache(maxsize=4096)
 def _balanced_partition(loads: tuple[float, ...], cut_bytes: tuple[float, ...],
                         num_stages: int) -> tuple[tuple[int, int], ...]:
@@ -60,20 +77,33 @@ def _balanced_partition(loads: tuple[float, ...], cut_bytes: tuple[float, ...],
     best[0][0] = 0.0
     for k in range(1, num_stages + 1):
         for i in range(k, n - (num_stages - k) + 1):
-            best[k][i] = min(max(best[k - 1][j], prefix[i] - prefix[j]) for j in range(k - 1, i))
+            best[k][i] = _min_max_split(best[k - 1], prefix, k - 1, i)
     limit = best[num_stages][n] * (1 + 1e-9) + 1e-12
     # Phase 2: among partitions whose every stage stays within that load, the cheapest cuts.
+    # The stage ending at layer i may start at any j from the first whose range stays
+    # within the limit up to i - 1: a window that only moves right as i grows, so a
+    # sliding-window minimum (a deque of candidates in index order with non-decreasing
+    # costs; of equal costs the earliest stays in front, as a scan would pick it).
     cost = [[inf] * (n + 1) for _ in range(num_stages + 1)]
     back = [[0] * (n + 1) for _ in range(num_stages + 1)]
     cost[0][0] = 0.0
     for k in range(1, num_stages + 1):
+        window: deque[tuple[float, int]] = deque()
+        start = k - 1  # the next j to enter the window
+        first = k - 1  # the first j whose range to i stays within the limit
         for i in range(k, n - (num_stages - k) + 1):
-            for j in range(k - 1, i):
-                if cost[k - 1][j] == inf or prefix[i] - prefix[j] > limit:
-                    continue
-                c = cost[k - 1][j] + (cut_bytes[j - 1] if j > 0 else 0.0)
-                if c < cost[k][i]:
-                    cost[k][i], back[k][i] = c, j
+            while start < i:
+                c = cost[k - 1][start] + (cut_bytes[start - 1] if start > 0 else 0.0)
+                while window and window[-1][0] > c:
+                    window.pop()
+                window.append((c, start))
+                start += 1
+            while first < i and prefix[i] - prefix[first] > limit:
+                first += 1
+            while window and window[0][1] < first:
+                window.popleft()
+            if window and window[0][0] < inf:
+                cost[k][i], back[k][i] = window[0]
     ranges = []
     i = n
     for k in range(num_stages, 0, -1):

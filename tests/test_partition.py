@@ -1,4 +1,5 @@
 import itertools
+import random
 
 import pytest
 
@@ -30,6 +31,22 @@ def test_balanced_partition_matches_brute_force(loads, k):
     assert all(a < b for a, b in ranges) and all(ranges[i][1] == ranges[i + 1][0] for i in range(k - 1))
     assert max(sum(loads[a:b]) for a, b in ranges) == pytest.approx(best_load)
     assert sum(cuts[b - 1] for _, b in ranges[:-1]) == pytest.approx(best_cut)
+
+
+def test_balanced_partition_matches_brute_force_on_random_layers():
+    # Zero-load layers and repeated loads and cut sizes make ties in both phases.
+    rng = random.Random(7)
+    for _ in range(300):
+        n = rng.randint(1, 9)
+        loads = [rng.choice([0.0, 1.0, 2.0, 0.5, rng.random()]) for _ in range(n)]
+        cuts = [rng.choice([0.0, 1.0, 3.0, rng.random()]) for _ in range(n)]
+        k = rng.randint(1, n)
+        ranges = balanced_partition(loads, cuts, k)
+        (best_load, best_cut), _ = brute_force(loads, cuts, k)
+        assert [a for a, _ in ranges[1:]] == [b for _, b in ranges[:-1]] and len(ranges) == k
+        assert ranges[0][0] == 0 and ranges[-1][1] == n and all(a < b for a, b in ranges)
+        assert max(sum(loads[a:b]) for a, b in ranges) == pytest.approx(best_load, abs=1e-12)
+        assert sum(cuts[b - 1] for _, b in ranges[:-1]) == pytest.approx(best_cut, abs=1e-12)
 
 
 def test_ties_prefer_cheaper_cuts():
