@@ -558,7 +558,8 @@ def _assemble(job: JobSpec, ctx: _Context, ranges, per_stage, default_ranges) ->
     costs = _choose_variants(per_stage_costs, ctx.micro_batches,
                              lambda a: not _padding_problem(pipeline_peak_gb(a, options.memory), cell, options.memory),
                              alike)
-    bad = next((c for c in costs if not c.feasible), None)
+    # Of the stages that do not fit, the one with the largest need speaks for the Cell.
+    bad = max((c for c in costs if not c.feasible), key=lambda c: c.peak_gb, default=None)
     t = pipeline_time_s(costs, ctx.micro_batches)
     source = _comm_label({c.comm_source for c in costs})
     peak = pipeline_peak_gb(costs, options.memory)

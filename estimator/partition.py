@@ -20,7 +20,9 @@ def stage_gpu_counts(num_gpus: int, num_stages: int) -> tuple[int, ...]:
         raise SpecError("num_stages", num_stages, f"must divide the GPU count {num_gpus}")
     per = num_gpus // num_stages
     if per & (per - 1):
-        raise SpecError("num_gpus", num_gpus, f"{num_stages} stages need a power of two GPUs each")
+        stages = f"{num_stages} stage{'s' if num_stages > 1 else ''}"
+        raise SpecError("num_gpus", num_gpus,
+                        f"each stage needs a power-of-two GPU count; {num_gpus} over {stages} gives {per}")
     return (per,) * num_stages
 
 

@@ -252,3 +252,35 @@ def test_simulate_refuses_restart_costs_that_are_no_runner_report(capsys, tmp_pa
     code, out, err = run(capsys, "simulate", "--trace", str(trace), "--cluster", "crius-1280", "--policy", "fcfs",
                          "--restart-costs", str(report))
     assert code == 2 and out == "" and "not a runner's measured.json" in err
+
+
+def test_infeasible_note_names_the_stage_that_needs_most(capsys):
+    # gpt-6.7b on two a10 in two stages: the last stage (with the head) needs the most.
+    code, out, err = run(capsys, "estimate", "--model", "gpt-6.7b", "--global-batch", "64",
+                         "--gpu-type", "a10", "--gpus", "4", "--max-stages", "2")
+    assert code == 0, err
+    (row,) = [line for line in out.splitlines() if "dp1tp1|dp1tp1 " in line and " 2   2 " in line]
+    figure = row.split("GB per GPU")[0].split("needs ")[-1].strip()
+    assert "stage 1 needs" in row and row.split()[8] == figure  # the GB/GPU column's figure
+
+
+def test_table_columns_hold_an_absurd_model(capsys, tmp_path):
+    spec = tmp_path / "huge.yaml"
+    spec.write_text("hidden: 65536\nlayers: 64\nheads: 64\nsequence: 65536\nvocab: 4194304\n")
+    code, out, err = run(capsys, "estimate", "--model", str(spec), "--global-batch", "8",
+                         "--gpu-type", "a100", "--gpus", "8")
+    assert code == 0, err
+    rows = out.splitlines()[2:-1]
+    assert all(len(r.split()[8]) <= 6 for r in rows) and any("e+" in r.split()[8] for r in rows)
+    head = out.splitlines()[1]
+    assert all(r.index(r.split()[8]) + len(r.split()[8]) == head.index("GB/GPU") + 6 for r in rows)
+
+
+def test_cells_without_a_power_of_two_split_say_so_and_show_no_memory(capsys):
+    code, out, err = run(capsys, "estimate", "--model", "gpt-760m", "--global-batch", "64",
+                         "--gpu-type", "a100", "--gpus", "3")
+    assert code == 0, err
+    refused = [line for line in out.splitlines() if "power-of-two" in line]
+    assert {line.split()[1] for line in refused} == {"3", "6"}
+    assert all(line.split()[8] == "-" for line in refused)
+    assert "3 over 1 stage gives 3" in out and "6 over 2 stages gives 3" in out

@@ -34,6 +34,13 @@ def _fit(text: str, width: int) -> str:
     return f"{text:{width}}" if len(text) <= width else text[:width - 1] + "…"
 
 
+def _number(value: float, width: int, decimals: int) -> str:
+    """``value`` right-aligned in ``width`` columns, in powers of ten when fixed point
+    would not fit (an absurd model's terabytes)."""
+    text = f"{value:{width}.{decimals}f}"
+    return text if len(text) <= width else f"{value:{width}.{max(0, width - 6)}e}"
+
+
 def _table(result: JobEstimate) -> str:
     head = (f"{'':1} {'type':5} {'gpus':>4} {'nodes':>5} {'/node':>5} {'stg':>3}  "
             f"{'plan (dp x tp per stage)':28} {'s/iter':>8} {'samples/s':>9} {'GB/GPU':>6}  note")
@@ -41,8 +48,10 @@ def _table(result: JobEstimate) -> str:
     for c in result.cells:
         plan = "|".join(s.label() for s in c.stages) or "-"
         mark = "*" if c is result.best else " "
-        t = f"{c.iteration_time_s:8.3f}" if c.feasible else f"{'-':>8}"
-        rate = f"{c.samples_per_s:9.2f}" if c.feasible else f"{'-':>9}"
+        t = _number(c.iteration_time_s, 8, 3) if c.feasible else f"{'-':>8}"
+        rate = _number(c.samples_per_s, 9, 2) if c.feasible else f"{'-':>9}"
+        # A Cell refused before any plan was costed (no power-of-two split) has no figure.
+        gb = _number(c.peak_memory_gb, 6, 1) if c.feasible or c.stages else f"{'-':>6}"
         notes = [c.reason] if not c.feasible else []
         if c.feasible and (c.zero_level or c.offload):
             notes.append(f"ZeRO-{c.zero_level}" + (f" + offload ({c.host_memory_gb:.0f} GB host/GPU)"
@@ -59,7 +68,7 @@ def _table(result: JobEstimate) -> str:
         cell = c.cell
         lines.append(f"{mark} {cell.gpu_type:5} {cell.num_gpus:4} {cell.num_nodes:5} "
                      f"{min(cell.gpus_per_node, cell.num_gpus):5} {cell.num_stages:3}  {_fit(plan, 28)} "
-                     f"{t} {rate} {c.peak_memory_gb:6.1f}  {note}")
+                     f"{t} {rate} {gb}  {note}")
     if result.best is None:
         lines.append("no Cell fits: try more GPUs, a larger-memory GPU type or a smaller global batch")
     else:
