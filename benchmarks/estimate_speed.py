@@ -2,9 +2,10 @@
 
 Prints JSON: the one-time load of the communication table; the time to estimate every Cell
 of one job for each built-in model on crius-1280 (with a requested count of 8 GPUs, and
-"serverless" without one); and `slurm-ext estimate --batch` over one request per row of the
-measured table (329 requests with GPU type, count and GPUs per node), run in-process from
-a cold start of the estimator's caches.
+"serverless" without one); the same for a deep transformer at the model file's layer limit
+(1,024 blocks: how the stage partitioning scales with depth); and `slurm-ext estimate
+--batch` over one request per row of the measured table (329 requests with GPU type, count
+and GPUs per node), run in-process from a cold start of the estimator's caches.
 
     python benchmarks/estimate_speed.py [--data ../shared/data/perf/measured_iter_time.csv]
 """
@@ -16,6 +17,7 @@ import io
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -55,6 +57,17 @@ def main() -> None:
             per_job[key].append(time.perf_counter() - t0)
             cells[key].append(len(est.cells))
 
+    # A model file at the layer limit: 1,026 layers to split into up to 64 stages.
+    deep_job = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        deep = Path(tmp) / "deep-1024.yaml"
+        deep.write_text("hidden: 2048\nlayers: 1024\nheads: 16\nsequence: 2048\nvocab: 50000\n")
+        for key, gpus in (("requested_8_gpus", 8), ("serverless", None)):
+            t0 = time.perf_counter()
+            est = estimate_job(JobSpec(str(deep), 256, gpus), cluster)
+            deep_job[key] = {"seconds": round(time.perf_counter() - t0, 2), "cells": len(est.cells),
+                             "feasible": sum(c.feasible for c in est.cells)}
+
     load_comm_table.cache_clear()
     requests = []
     with args.data.open() as f:
@@ -73,6 +86,7 @@ def main() -> None:
         "comm_table_load_s": round(table_s, 3),
         "all_cells_of_one_job": {k: {**_stats(v), "cells_median": statistics.median(cells[k]),
                                      "jobs": len(v)} for k, v in per_job.items()},
+        "deep_model_1024_layers": deep_job,
         "batch_measured_rows": {"requests": len(requests), "exit_code": code,
                                 "results": len(out.getvalue().splitlines()), "seconds": round(batch_s, 2)},
     }, indent=2))

@@ -286,14 +286,17 @@ def _compute_s(ctx: _Context, gpu, plan: StagePlan, micro: float, passes: float,
     model = ctx.model
     fp = ctx.fingerprint if use_profile else None
     total, timed = 0.0, fp is not None
+    seen: dict[int, float] = {}  # by layer class: a model's blocks repeat
     for i in range(plan.layer_start, plan.layer_end):
         timing = ctx.profile.layer_timing(ctx.cell.gpu_type, fp, i, plan.tp) if fp else None
         if timing is not None:
             total += profiled_layer_s(timing, micro, ctx.remat)
-        else:
-            timed = False
-            total += layer_time_s(model.layers[i], gpu, ctx.eff, model.dtype, micro, plan.tp, passes,
-                                  flops_scale)
+            continue
+        timed = False
+        k = model.layer_classes[i]
+        if k not in seen:
+            seen[k] = layer_time_s(model.layers[k], gpu, ctx.eff, model.dtype, micro, plan.tp, passes, flops_scale)
+        total += seen[k]
     return total, timed
 
 
@@ -390,7 +393,11 @@ def _layer_loads(model: ModelSpec, cell: Cell, options: EstimateOptions) -> list
     """Each layer's compute time for one sample on one GPU of the Cell's type."""
     gpu = _gpu_type(cell.gpu_type)
     eff = efficiency(gpu, options.efficiency)
-    return [layer_time_s(layer, gpu, eff, model.dtype, 1.0, 1, 1.0) for layer in model.layers]
+    seen: dict[int, float] = {}
+    for k in model.layer_classes:
+        if k not in seen:
+            seen[k] = layer_time_s(model.layers[k], gpu, eff, model.dtype, 1.0, 1, 1.0)
+    return [seen[k] for k in model.layer_classes]
 
 
 def partition_stages(model: ModelSpec, cell: Cell, options: EstimateOptions = EstimateOptions()

@@ -22,8 +22,8 @@ Model YAML (a transformer)::
     optimizer: adamw      # optional: adamw, adafactor, sgd
 """
 
-from dataclasses import dataclass
-from functools import lru_cache
+from dataclasses import dataclass, replace
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 import yaml
@@ -80,6 +80,13 @@ class ModelSpec:
     @property
     def params(self) -> int:
         return sum(layer.params for layer in self.layers)
+
+    @cached_property
+    def layer_classes(self) -> tuple[int, ...]:
+        """For each layer, the index of the first layer with the same costs (a model's
+        repeated blocks differ only by name): what to cost once and reuse."""
+        first: dict[LayerSpec, int] = {}
+        return tuple(first.setdefault(replace(layer, name=""), i) for i, layer in enumerate(self.layers))
 
     def flops_per_sample(self) -> float:
         """Forward + backward FLOPs of one sample, without rematerialization."""

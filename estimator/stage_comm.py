@@ -66,6 +66,15 @@ def stage_collectives_s(ctx, layers, plan: StagePlan, first_device: int, micro: 
     gpn = min(ctx.cell.gpus_per_node, ctx.cell.num_gpus)
     dp, tp = plan.dp, plan.tp
     comm_s = 0.0
+    # A model's blocks repeat: look each distinct collective up once.
+    seen: dict[tuple, tuple[float, str]] = {}
+
+    def once(*key) -> float:
+        if key not in seen:
+            seen[key] = collective_s(ctx, *key)
+            sources.add(seen[key][1])
+        return seen[key][0]
+
     if tp > 1 and compiled is not None:
         comm_s, srcs = compiled_collective_s(ctx, compiled, "tp", tp, span_nodes(first_device, tp, 1, gpn))
         sources |= srcs
@@ -74,22 +83,17 @@ def stage_collectives_s(ctx, layers, plan: StagePlan, first_device: int, micro: 
         group, span, share = alltoall_group(ctx, plan, first_device, gpn)
         for layer in layers:
             if layer.tp_allreduce_bytes and tp > 1:
-                t, src = collective_s(ctx, "all-reduce", tp, tp_span, layer.tp_allreduce_bytes * micro)
-                comm_s += comm_passes * t
-                sources.add(src)
+                comm_s += comm_passes * once("all-reduce", tp, tp_span, layer.tp_allreduce_bytes * micro)
             if layer.alltoall_bytes and group > 1:
-                t, src = collective_s(ctx, "all-to-all", group, span, layer.alltoall_bytes * micro * share)
-                comm_s += comm_passes * t
-                sources.add(src)
+                comm_s += comm_passes * once("all-to-all", group, span, layer.alltoall_bytes * micro * share)
     if dp > 1:
         # Batch statistics are global under SPMD data parallelism: every BatchNorm all-reduces
         # its per-channel sums across the data-parallel group, forward and backward.
         dp_span = span_nodes(first_device, dp, tp, gpn)
         for layer in layers:
             if layer.batch_stat_syncs:
-                t, src = collective_s(ctx, "all-reduce", dp, dp_span, layer.batch_stat_bytes)
-                comm_s += comm_passes * layer.batch_stat_syncs * t
-                sources.add(src)
+                comm_s += comm_passes * layer.batch_stat_syncs * once("all-reduce", dp, dp_span,
+                                                                     layer.batch_stat_bytes)
     return comm_s
 
 

@@ -67,3 +67,15 @@ def test_malformed_yaml_and_unknown_name(tmp_path):
         load_model(str(bad))
     with pytest.raises(SpecError, match="not a built-in"):
         load_model("gpt-9000")
+
+
+def test_layer_classes_group_layers_that_differ_only_by_name():
+    from estimator.models import BUILTIN_MODELS
+    gpt = BUILTIN_MODELS["gpt-760m"]  # embedding, 24 equal blocks, head
+    assert gpt.layer_classes == (0,) + (1,) * 24 + (25,)
+    moe = BUILTIN_MODELS["moe-690m"]  # MoE blocks on even indices, dense on odd
+    assert moe.layer_classes[1:9] == (1, 2, 1, 2, 1, 2, 1, 2)
+    for i, k in enumerate(moe.layer_classes):
+        assert moe.layers[k].flops_fwd == moe.layers[i].flops_fwd and moe.layers[k].kind == moe.layers[i].kind
+    wrn = BUILTIN_MODELS["wide_resnet-500m"]  # a stage's first block (projection, stride) differs
+    assert len(set(wrn.layer_classes)) < wrn.num_layers and wrn.layer_classes[1] != wrn.layer_classes[2]
