@@ -31,13 +31,15 @@ def balanced_partition(loads: Sequence[float], cut_bytes: Sequence[float],
     """Split layers into ``num_stages`` contiguous ranges [start, end).
 
     Args:
-        loads: per-layer load (seconds or FLOPs; any additive unit).
+        loads: per-layer load (seconds or FLOPs; any additive unit), each ≥ 0.
         cut_bytes: bytes crossing a cut placed after each layer.
         num_stages: how many ranges; at most ``len(loads)``.
 
     Returns:
         The ranges minimising the largest stage load, then the bytes over the cuts.
     """
+    if not all(x >= 0 for x in loads):  # also refuses nan: the search relies on order
+        raise SpecError("loads", list(loads), "layer loads must be numbers ≥ 0")
     return _balanced_partition(tuple(loads), tuple(cut_bytes), num_stages)
 
 

@@ -61,6 +61,10 @@ def test_stage_gpu_counts():
         stage_gpu_counts(12, 2)  # 6 GPUs per stage is not a power of two
     with pytest.raises(SpecError):
         balanced_partition([1, 1], [1, 1], 3)
+    with pytest.raises(SpecError):
+        balanced_partition([1, -1, 1], [1, 1, 1], 2)
+    with pytest.raises(SpecError):
+        balanced_partition([1, float("nan"), 1], [1, 1, 1], 2)
 
 
 def test_arena_gives_a_heavy_last_layer_more_gpus_by_hand():
