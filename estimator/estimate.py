@@ -295,7 +295,8 @@ def _compute_s(ctx: _Context, gpu, plan: StagePlan, micro: float, passes: float,
         timed = False
         k = model.layer_classes[i]
         if k not in seen:
-            seen[k] = layer_time_s(model.layers[k], gpu, ctx.eff, model.dtype, micro, plan.tp, passes, flops_scale)
+            seen[k] = layer_time_s(model.layers[k], gpu, ctx.eff, model.dtype, micro, plan.tp, passes,
+                                   flops_scale)
         total += seen[k]
     return total, timed
 

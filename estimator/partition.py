@@ -38,8 +38,9 @@ def balanced_partition(loads: Sequence[float], cut_bytes: Sequence[float],
     Returns:
         The ranges minimising the largest stage load, then the bytes over the cuts.
     """
-    if not all(x >= 0 for x in loads):  # also refuses nan: the search relies on order
-        raise SpecError("loads", list(loads), "layer loads must be numbers ≥ 0")
+    bad = [x for x in loads if not x >= 0]  # also nan: the split search relies on order
+    if bad:
+        raise SpecError("loads", bad[0], "layer loads must be numbers ≥ 0")
     return _balanced_partition(tuple(loads), tuple(cut_bytes), num_stages)
 
 
