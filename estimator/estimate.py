@@ -604,7 +604,7 @@ def _choose_variants(per_stage_costs: list[list[StageCost]], micro_batches: int,
     and one with large activations can overflow where either fits), the fastest that fits
     of the assemblies taking the same variant in every stage and each stage's smallest.
     ``alike``: only assemblies whose stages are split alike (the same variant in every
-    stage), the fastest that fits."""
+    stage), the fastest that fits, when there are any."""
     def assemble(key) -> tuple[StageCost, ...]:
         out = []
         for costs in per_stage_costs:
@@ -615,10 +615,10 @@ def _choose_variants(per_stage_costs: list[list[StageCost]], micro_batches: int,
     def time_s(costs) -> float:
         return pipeline_time_s(costs, micro_batches)
 
-    if alike:
-        same = [tuple(costs[k] for costs in per_stage_costs)
-                for k in range(min(len(costs) for costs in per_stage_costs))]
-        same = [a for a in same if len({(c.plan.dp, c.plan.tp, c.plan.ep) for c in a}) == 1]
+    same = [tuple(costs[k] for costs in per_stage_costs)
+            for k in range(min(len(costs) for costs in per_stage_costs))] if alike else []
+    same = [a for a in same if len({(c.plan.dp, c.plan.tp, c.plan.ep) for c in a}) == 1]
+    if same:  # stages of unequal GPU counts (Arena's, estimated only) are never split alike
         ok = [a for a in same if all(c.feasible for c in a) and fits(a)]
         return min(ok, key=time_s) if ok else same[0]
     by_micro = assemble(lambda c: c.micro_batch_s)

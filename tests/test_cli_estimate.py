@@ -284,3 +284,13 @@ def test_cells_without_a_power_of_two_split_say_so_and_show_no_memory(capsys):
     assert {line.split()[1] for line in refused} == {"3", "6"}
     assert all(line.split()[8] == "-" for line in refused)
     assert "3 over 1 stage gives 3" in out and "6 over 2 stages gives 3" in out
+
+
+def test_arena_stage_counts_with_zero2_retries_do_not_crash(capsys):
+    # gpt-6.7b does not fit some Cells as planned: they are retried under ZeRO-2, whose
+    # runner rule (stages split alike) no Arena plan of unequal counts can meet.
+    code, out, err = run(capsys, "estimate", "--model", "gpt-6.7b", "--global-batch", "256",
+                         "--gpu-type", "a10", "--stage-gpus", "arena", "--json")
+    assert code == 0, err
+    cells = json.loads(out)["cells"]
+    assert any(c["feasible"] for c in cells) and json.loads(out)["best"] is not None
