@@ -615,10 +615,11 @@ def _choose_variants(per_stage_costs: list[list[StageCost]], micro_batches: int,
     def time_s(costs) -> float:
         return pipeline_time_s(costs, micro_batches)
 
-    same = [tuple(costs[k] for costs in per_stage_costs)
-            for k in range(min(len(costs) for costs in per_stage_costs))] if alike else []
-    same = [a for a in same if len({(c.plan.dp, c.plan.tp, c.plan.ep) for c in a}) == 1]
-    if same:  # stages of unequal GPU counts (Arena's, estimated only) are never split alike
+    # The k-th variant of every stage, where all are split alike. Stages of unequal GPU
+    # counts (Arena's, estimated only) never are: they are chosen as without the rule.
+    same = [a for a in zip(*per_stage_costs)
+            if len({(c.plan.dp, c.plan.tp, c.plan.ep) for c in a}) == 1] if alike else []
+    if same:
         ok = [a for a in same if all(c.feasible for c in a) and fits(a)]
         return min(ok, key=time_s) if ok else same[0]
     by_micro = assemble(lambda c: c.micro_batch_s)
