@@ -45,7 +45,7 @@ class CommTime:
 class CommTable:
     """Measured collective curves, immutable after loading."""
 
-    def __init__(self, curves: dict[CurveKey, tuple[tuple[float, ...], tuple[float, ...]]],
+    def __init__(self, curves: dict[CurveKey, tuple[tuple[float, ...], tuple[float, ...], float]],
                  profiled_types: frozenset[str] = frozenset()):
         self._curves = curves
         self.profiled_types = profiled_types  # GPU types whose curves a site's profile gave
@@ -109,7 +109,7 @@ def with_profiled(base: CommTable, rows: list[dict]) -> CommTable:
     return CommTable(curves, base.profiled_types | profiled)
 
 
-def _curves(rows) -> dict[CurveKey, tuple[tuple[float, ...], tuple[float, ...]]]:
+def _curves(rows) -> dict[CurveKey, tuple[tuple[float, ...], tuple[float, ...], float]]:
     """Curves from rows of the CSV's columns (as text), in ``COLUMNS`` order."""
     points: dict[tuple, list[tuple[float, float]]] = {}
     group_cache: dict[tuple[str, str, str, str], int] = {}
@@ -129,20 +129,34 @@ def _curves(rows) -> dict[CurveKey, tuple[tuple[float, ...], tuple[float, ...]]]
         sizes = sorted(by_size)
         # Several layouts can share a curve: keep the median time at each size.
         times = [sorted(by_size[x])[len(by_size[x]) // 2] for x in sizes]
-        curves[CurveKey(gpu, net, op, int(size), span)] = (tuple(sizes), tuple(times))
+        curves[CurveKey(gpu, net, op, int(size), span)] = (tuple(sizes), tuple(times),
+                                                            _tail_s_per_byte(sizes, times))
     return curves
 
 
-def _interpolate(sizes: tuple[float, ...], times: tuple[float, ...], nbytes: float) -> float:
+def _tail_s_per_byte(sizes: list[float], times: list[float]) -> float:
+    """Seconds per byte past a curve's largest message: the least-squares slope over its
+    top quarter of sizes (the bandwidth-bound end). Two neighbouring points alone are too
+    noisy (a few % of jitter between sizes 0.4 % apart gives slopes from 0 to 3× the
+    curve's bandwidth); with fewer than two points there, the largest's time ÷ bytes."""
+    top = [(x, t) for x, t in zip(sizes, times) if x >= sizes[-1] / 4]
+    if len(top) >= 2:
+        mx = sum(x for x, _ in top) / len(top)
+        mt = sum(t for _, t in top) / len(top)
+        var = sum((x - mx) ** 2 for x, _ in top)
+        slope = sum((x - mx) * (t - mt) for x, t in top) / var if var > 0 else 0.0
+        if slope > 0:
+            return slope
+    return times[-1] / sizes[-1] if sizes[-1] > 0 else 0.0
+
+
+def _interpolate(sizes: tuple[float, ...], times: tuple[float, ...], tail_s_per_byte: float,
+                 nbytes: float) -> float:
     if nbytes <= sizes[0]:
         return times[0]
     if nbytes >= sizes[-1]:
-        # Past the largest message: time grows at the last measured bandwidth.
-        if len(sizes) > 1 and sizes[-1] > sizes[-2]:
-            slope = max(0.0, (times[-1] - times[-2]) / (sizes[-1] - sizes[-2]))
-        else:
-            slope = times[-1] / sizes[-1]
-        return times[-1] + slope * (nbytes - sizes[-1])
+        # Past the largest message: time grows at the curve's large-message rate.
+        return times[-1] + tail_s_per_byte * (nbytes - sizes[-1])
     i = bisect.bisect_right(sizes, nbytes)
     x0, x1 = math.log(max(sizes[i - 1], 1.0)), math.log(sizes[i])
     y0, y1 = math.log(max(times[i - 1], 1e-9)), math.log(max(times[i], 1e-9))

@@ -52,3 +52,23 @@ def test_errors(table):
         load_comm_table("/nonexistent/table.csv")
     assert collective_time(table, "all-reduce", 1, 1, 1e9, "a100", "default", 1.0).seconds == 0.0
     assert isinstance(table, CommTable) and table.curve(CurveKey("x", "y", "send", 2, 1)) is None
+
+
+def test_past_the_largest_message_time_grows_at_the_curves_bandwidth(tmp_path):
+    # A bandwidth-bound curve (1 GB/s) with a few % of jitter at its end: the last two
+    # points alone give a slope of 0 (a flat time for any larger buffer) on one curve
+    # and 3× the curve's rate on the other.
+    head = ("gpu_type,num_nodes,gpus_per_node,network,op,replica_groups,group_size,"
+            "num_elements,dtype,bytes,seconds\n")
+    lines = []
+    for gpu, last_s in (("flat", 1.00), ("steep", 1.03)):
+        sizes = [2.5e8 + k * 2.5e7 for k in range(29)] + [9.9e8, 1.0e9]
+        times = [x / 1e9 for x in sizes[:-2]] + [1.00, last_s]
+        lines += [f'{gpu},2,2,default,all-reduce,"[[0,1,2,3]]",4,1,float32,{x:.0f},{t}\n'
+                  for x, t in zip(sizes, times)]
+    f = tmp_path / "t.csv"
+    f.write_text(head + "".join(lines))
+    t = load_comm_table(str(f))
+    for gpu in ("flat", "steep"):
+        five_gb = collective_time(t, "all-reduce", 4, 2, 5e9, gpu, "default", 1.0).seconds
+        assert five_gb == pytest.approx(5.0, rel=0.05)
