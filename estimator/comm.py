@@ -36,6 +36,10 @@ class CurveKey:
     nodes_spanned: int
 
 
+# A measured curve: sizes (bytes), times (s), and seconds per byte past its largest size.
+Curve = tuple[tuple[float, ...], tuple[float, ...], float]
+
+
 @dataclass(frozen=True)
 class CommTime:
     seconds: float
@@ -45,7 +49,7 @@ class CommTime:
 class CommTable:
     """Measured collective curves, immutable after loading."""
 
-    def __init__(self, curves: dict[CurveKey, tuple[tuple[float, ...], tuple[float, ...], float]],
+    def __init__(self, curves: dict[CurveKey, dict[int, Curve]],
                  profiled_types: frozenset[str] = frozenset()):
         self._curves = curves
         self.profiled_types = profiled_types  # GPU types whose curves a site's profile gave
@@ -57,8 +61,14 @@ class CommTable:
     def gpu_types(self) -> tuple[str, ...]:
         return tuple(sorted(self._networks))
 
-    def curve(self, key: CurveKey):
-        return self._curves.get(key)
+    def curve(self, key: CurveKey, groups_per_node: int = 1) -> Curve | None:
+        """The curve of ``key`` measured with ``groups_per_node`` such groups sharing a
+        node's network, else the one measured with the nearest number."""
+        by_sharing = self._curves.get(key)
+        if not by_sharing:
+            return None
+        best = min(by_sharing, key=lambda k: (abs(math.log2(k / max(groups_per_node, 1))), k))
+        return by_sharing[best]
 
     def network_for(self, gpu_type_name: str, network: str) -> str | None:
         """The network column to read for a GPU type: the cluster's if profiled, else any."""
@@ -109,29 +119,44 @@ def with_profiled(base: CommTable, rows: list[dict]) -> CommTable:
     return CommTable(curves, base.profiled_types | profiled)
 
 
-def _curves(rows) -> dict[CurveKey, tuple[tuple[float, ...], tuple[float, ...], float]]:
-    """Curves from rows of the CSV's columns (as text), in ``COLUMNS`` order."""
+def _curves(rows) -> dict[CurveKey, dict[int, Curve]]:
+    """Curves from rows of the CSV's columns (as text), in ``COLUMNS`` order, by the
+    number of groups that share a node's network (``_groups_per_node``)."""
     points: dict[tuple, list[tuple[float, float]]] = {}
-    group_cache: dict[tuple[str, str, str, str], int] = {}
+    group_cache: dict[tuple[str, str, str, str], tuple[int, int]] = {}
     for gpu, nn, gpn, net, op, groups, size, nbytes, seconds in rows:
         if op not in OPS:
             continue
         gkey = (groups, gpn, nn, op)
-        span = group_cache.get(gkey)
-        if span is None:
-            span = group_cache[gkey] = _nodes_spanned(_parse_groups(groups), int(gpn), int(nn), op)
-        points.setdefault((gpu, net, op, size, span), []).append((float(nbytes), float(seconds)))
-    curves = {}
-    for (gpu, net, op, size, span), samples in points.items():
+        layout = group_cache.get(gkey)
+        if layout is None:
+            parsed = _parse_groups(groups) if op != "send" else []
+            layout = group_cache[gkey] = (_nodes_spanned(parsed, int(gpn), int(nn), op),
+                                          _groups_per_node(parsed, int(gpn)))
+        points.setdefault((gpu, net, op, size) + layout, []).append((float(nbytes), float(seconds)))
+    curves: dict[CurveKey, dict[int, Curve]] = {}
+    for (gpu, net, op, size, span, sharing), samples in points.items():
         by_size: dict[float, list[float]] = {}
         for nbytes, seconds in samples:
             by_size.setdefault(nbytes, []).append(seconds)
         sizes = sorted(by_size)
         # Several layouts can share a curve: keep the median time at each size.
         times = [sorted(by_size[x])[len(by_size[x]) // 2] for x in sizes]
-        curves[CurveKey(gpu, net, op, int(size), span)] = (tuple(sizes), tuple(times),
-                                                            _tail_s_per_byte(sizes, times))
+        curves.setdefault(CurveKey(gpu, net, op, int(size), span), {})[sharing] = (
+            tuple(sizes), tuple(times), _tail_s_per_byte(sizes, times))
     return curves
+
+
+def _groups_per_node(groups: list[list[int]], gpus_per_node: int) -> int:
+    """How many of the layout's groups that cross nodes have members on one node (the most
+    on any node): they share that node's network link (1 for sends and within a node)."""
+    per_node: dict[int, int] = {}
+    for g in groups:
+        nodes = {d // gpus_per_node for d in g}
+        if len(nodes) > 1:
+            for n in nodes:
+                per_node[n] = per_node.get(n, 0) + 1
+    return max(per_node.values(), default=1)
 
 
 def _tail_s_per_byte(sizes: list[float], times: list[float]) -> float:
@@ -192,7 +217,7 @@ def model_time(op: str, group_size: int, nodes_spanned: int, nbytes: float, gpu_
 
 def collective_time(table: CommTable | None, op: str, group_size: int, nodes_spanned: int,
                     nbytes: float, gpu_type_name: str, network: str,
-                    inter_node_gbytes_s: float) -> CommTime:
+                    inter_node_gbytes_s: float, groups_per_node: int = 1) -> CommTime:
     """Seconds for one collective over ``nbytes`` (the full buffer) among ``group_size`` GPUs.
 
     Reads the measured curve for this GPU type, op, group size and span when the table has
@@ -207,11 +232,11 @@ def collective_time(table: CommTable | None, op: str, group_size: int, nodes_spa
         net = table.network_for(gpu_type_name, network)
         if net is not None:
             source = "profile" if gpu_type_name in table.profiled_types else "table"
-            curve = table.curve(CurveKey(gpu_type_name, net, op, group_size, nodes_spanned))
+            curve = table.curve(CurveKey(gpu_type_name, net, op, group_size, nodes_spanned), groups_per_node)
             if curve is not None:
                 return CommTime(_interpolate(*curve, nbytes), source)
             if op != "send":
-                near = _nearest_group(table, gpu_type_name, net, op, group_size, nodes_spanned)
+                near = _nearest_group(table, gpu_type_name, net, op, group_size, nodes_spanned, groups_per_node)
                 if near is not None:
                     g, curve = near
                     scale = _algorithm_factor(op, group_size) / _algorithm_factor(op, g)
@@ -219,12 +244,13 @@ def collective_time(table: CommTable | None, op: str, group_size: int, nodes_spa
     return CommTime(model_time(op, group_size, nodes_spanned, nbytes, gpu_type_name, inter_node_gbytes_s), "model")
 
 
-def _nearest_group(table: CommTable, gpu: str, net: str, op: str, group_size: int, span: int):
+def _nearest_group(table: CommTable, gpu: str, net: str, op: str, group_size: int, span: int,
+                   groups_per_node: int):
     best = None
     for g in (group_size // 2, group_size * 2, group_size // 4, group_size * 4):
         if g < 2:
             continue
-        curve = table.curve(CurveKey(gpu, net, op, g, span))
+        curve = table.curve(CurveKey(gpu, net, op, g, span), groups_per_node)
         if curve is not None and (best is None or abs(math.log2(g / group_size)) < abs(math.log2(best[0] / group_size))):
             best = (g, curve)
     return best

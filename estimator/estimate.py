@@ -37,7 +37,8 @@ from estimator.partition import arena_stage_gpus, balanced_partition, stage_gpu_
 from estimator.plan_string import format_plan
 from estimator.profile_fit import profiled_layer_s
 from estimator.profile_store import ProfileView, collective_csv_rows, load_profile_view, model_fingerprint
-from estimator.stage_comm import collective_s, gradient_sync_s, span_nodes, stage_collectives_s, stage_send_s
+from estimator.stage_comm import (collective_s, dp_groups_per_node, gradient_sync_s, span_nodes,
+                                  stage_collectives_s, stage_send_s)
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +229,8 @@ def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan, co
         # recompute): per micro-batch, an all-gather of the stage's weights per pass. The
         # runner gathers in the forward and the recompute (its backward reuses those).
         gpn = min(ctx.cell.gpus_per_node, ctx.cell.num_gpus)
-        t, src = collective_s(ctx, "all-gather", dp, span_nodes(first_device, dp, tp, gpn), replicated * d)
+        t, src = collective_s(ctx, "all-gather", dp, span_nodes(first_device, dp, tp, gpn), replicated * d,
+                              dp_groups_per_node(plan, gpn))
         sources.add(src)
         comm_s += (2.0 if memory.runner_zero3 else comm_passes) * t
     # GPipe keeps every micro-batch's residuals until the backward passes start (the

@@ -22,21 +22,31 @@ def span_nodes(first_device: int, count: int, stride: int, gpus_per_node: int) -
     return len({(first_device + k * stride) // gpus_per_node for k in range(count)})
 
 
-def collective_s(ctx, op: str, group: int, span: int, nbytes: float) -> tuple[float, str]:
+def dp_groups_per_node(plan: StagePlan, gpus_per_node: int) -> int:
+    """A stage's data-parallel groups (one per tensor-parallel rank) with members on one
+    node: they run their collectives at once."""
+    return max(1, min(plan.tp, gpus_per_node))
+
+
+def collective_s(ctx, op: str, group: int, span: int, nbytes: float, groups_per_node: int = 1) -> tuple[float, str]:
+    """Seconds of one collective; ``groups_per_node``: how many such groups run at once
+    with members on one node (sharing its network when they cross nodes)."""
     t = collective_time(ctx.table, op, group, span, nbytes, ctx.cell.gpu_type,
-                        ctx.group.network.kind, ctx.group.network.bandwidth_gbytes_s)
+                        ctx.group.network.kind, ctx.group.network.bandwidth_gbytes_s, groups_per_node)
     if span > 1:
         return t.seconds / ctx.eff.inter_node_frac, t.source
     return t.seconds, t.source
 
 
-def compiled_collective_s(ctx, compiled, axis: str, group: int, span: int) -> tuple[float, set[str]]:
+def compiled_collective_s(ctx, compiled, axis: str, group: int, span: int,
+                          groups_per_node: int = 1) -> tuple[float, set[str]]:
     """Seconds of a compiled program's collectives over one mesh axis (table or model)."""
     total, sources = 0.0, set()
     for c in compiled.collectives:
         if c.axis != axis or not c.count:
             continue
-        t, src = collective_s(ctx, COMPILED_OPS.get(c.kind, "all-reduce"), group, span, c.bytes / c.count)
+        t, src = collective_s(ctx, COMPILED_OPS.get(c.kind, "all-reduce"), group, span, c.bytes / c.count,
+                              groups_per_node)
         total += c.count * t
         sources.add(src)
     return total, sources
@@ -93,7 +103,8 @@ def stage_collectives_s(ctx, layers, plan: StagePlan, first_device: int, micro: 
         for layer in layers:
             if layer.batch_stat_syncs:
                 comm_s += comm_passes * layer.batch_stat_syncs * once("all-reduce", dp, dp_span,
-                                                                     layer.batch_stat_bytes)
+                                                                     layer.batch_stat_bytes,
+                                                                     dp_groups_per_node(plan, gpn))
     return comm_s
 
 
@@ -121,25 +132,26 @@ def gradient_sync_s(ctx, plan: StagePlan, first_device: int, grad_bytes: float, 
         return 0.0
     gpn = min(ctx.cell.gpus_per_node, ctx.cell.num_gpus)
     dp_span = span_nodes(first_device, plan.dp, plan.tp, gpn)
+    sharing = dp_groups_per_node(plan, gpn)
     if compiled is not None:
-        sync_s, srcs = compiled_collective_s(ctx, compiled, "dp", plan.dp, dp_span)
+        sync_s, srcs = compiled_collective_s(ctx, compiled, "dp", plan.dp, dp_span, sharing)
         sources |= srcs
         return sync_s
     if ctx.options.memory.runner_zero2:
         # The runner's ZeRO-2 all-reduces every micro-batch's gradients and keeps its chunk
         # (a pipeline's idle ticks sum nothing), then all-gathers the new weights once
         # (``job_scripts.flat_optimizer``).
-        ar, src = collective_s(ctx, "all-reduce", plan.dp, dp_span, grad_bytes)
-        ag, src2 = collective_s(ctx, "all-gather", plan.dp, dp_span, grad_bytes)
+        ar, src = collective_s(ctx, "all-reduce", plan.dp, dp_span, grad_bytes, sharing)
+        ag, src2 = collective_s(ctx, "all-gather", plan.dp, dp_span, grad_bytes, sharing)
         sources.update((src, src2))
         return ctx.micro_batches * ar + ag
     if ctx.options.memory.runner_zero3:
         # The runner's ZeRO-3 reduce-scatters each micro-batch's gradients, layer by layer,
         # in float32; its weights stay split (``job_scripts.zero3``).
         rs, src = collective_s(ctx, "reduce-scatter", plan.dp, dp_span,
-                               grad_bytes * 4.0 / DTYPE_BYTES[ctx.model.dtype])
+                               grad_bytes * 4.0 / DTYPE_BYTES[ctx.model.dtype], sharing)
         sources.add(src)
         return ctx.micro_batches * rs
-    t, src = collective_s(ctx, "all-reduce", plan.dp, dp_span, grad_bytes)
+    t, src = collective_s(ctx, "all-reduce", plan.dp, dp_span, grad_bytes, sharing)
     sources.add(src)
     return t

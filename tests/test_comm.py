@@ -72,3 +72,31 @@ def test_past_the_largest_message_time_grows_at_the_curves_bandwidth(tmp_path):
     for gpu in ("flat", "steep"):
         five_gb = collective_time(t, "all-reduce", 4, 2, 5e9, gpu, "default", 1.0).seconds
         assert five_gb == pytest.approx(5.0, rel=0.05)
+
+
+def test_groups_sharing_a_nodes_network_read_their_own_curve(tmp_path):
+    # Two layouts of 2-GPU groups across 2 nodes: one group per node pair (fast) and two
+    # groups whose members share each node's network (slow). They are separate curves,
+    # not one curve of their medians.
+    f = tmp_path / "t.csv"
+    f.write_text(
+        "gpu_type,num_nodes,gpus_per_node,network,op,replica_groups,group_size,num_elements,dtype,bytes,seconds\n"
+        'a10,2,1,default,all-reduce,"[[0,1]]",2,1,float32,1000000,0.001\n'
+        'a10,2,2,default,all-reduce,"[[0,2],[1,3]]",2,1,float32,1000000,0.004\n')
+    t = load_comm_table(str(f))
+
+    def seconds(groups_per_node):
+        return collective_time(t, "all-reduce", 2, 2, 1e6, "a10", "default", 1.0, groups_per_node).seconds
+
+    assert seconds(1) == pytest.approx(0.001)
+    assert seconds(2) == pytest.approx(0.004)
+    assert seconds(4) == pytest.approx(0.004)  # the nearest measured sharing
+
+
+def test_a_stages_data_parallel_groups_share_a_node_per_tensor_parallel_rank():
+    from estimator.cells import StagePlan
+    from estimator.stage_comm import dp_groups_per_node
+    assert dp_groups_per_node(StagePlan(0, 4, 4, 1), 2) == 1
+    assert dp_groups_per_node(StagePlan(0, 4, 2, 2), 2) == 2
+    assert dp_groups_per_node(StagePlan(0, 4, 2, 4), 2) == 2  # tp across nodes: each node's 2 GPUs
+    assert dp_groups_per_node(StagePlan(0, 4, 2, 4), 8) == 4
