@@ -5,7 +5,8 @@ The measured plans are those `benchmarks/plan_measure.py` ran on one NVIDIA H200
 (``results_plan_measure_<gpu>_*.json``, ``results_profile_h200_plan_gpt-760m.json`` and the
 H200's remat=0 row quoted in ``docs/gpu-measurements.md``). The profile store is what
 ``job_scripts.profile`` measured on a GPU of the same kind (``benchmarks/profile_gpu_node.sh``;
-the stores kept are ``results_profile_<gpu>.sqlite``). Each plan is scored with
+the store kept is ``results_profile_h200.sqlite``: the H100's was not kept, and its
+``results_profile_accuracy_h100.json`` is the record). Each plan is scored with
 ``estimator.estimate.score_plan`` twice: analytic (the GPU's datasheet and the shared
 fitted efficiency) and with the store (``EstimateOptions.profile_db``: profiled layer
 times, the profile's fitted efficiency, profiled activation bytes). The model never grades
@@ -14,8 +15,8 @@ itself: the store holds one-layer timings, the reference is the whole training s
 Accuracy = 1 − |estimate − measured| / measured, floored at 0. Prints JSON
 (``benchmarks.bench_output.emit``)::
 
-    python benchmarks/profile_accuracy.py --gpu-type h100
     python benchmarks/profile_accuracy.py --gpu-type h200 --profile-db benchmarks/results_profile_h200.sqlite
+    python benchmarks/profile_accuracy.py --gpu-type h100 --profile-db STORE  # a store profiled on an H100
 """
 
 from __future__ import annotations
@@ -86,7 +87,13 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu-type", default="h200", help="the GPU type the plans were measured on (default h200)")
     ap.add_argument("--json", metavar="OUT", help="also write the JSON here")
     args = ap.parse_args(argv)
-    emit(compare(args.profile_db or str(HERE / f"results_profile_{args.gpu_type}.sqlite"), args.gpu_type), args.json)
+    from estimator.errors import SpecError
+    try:
+        result = compare(args.profile_db or str(HERE / f"results_profile_{args.gpu_type}.sqlite"), args.gpu_type)
+    except SpecError as e:
+        print(f"profile_accuracy: {e}", file=sys.stderr)
+        return 2
+    emit(result, args.json)
     return 0
 
 

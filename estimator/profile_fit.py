@@ -148,7 +148,9 @@ def _interpolate(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
     if x >= xs[-1]:
         if len(xs) == 1:
             return ys[0] * x / xs[0]
-        slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
+        # Timing jitter can flatten the last interval: at least the average cost per
+        # sample above the smallest measurement.
+        slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), (ys[-1] - ys[0]) / (xs[-1] - xs[0]), 0.0)
         return ys[-1] + slope * (x - xs[-1])
     return float(np.interp(x, xs, ys))
 

@@ -95,6 +95,10 @@ def test_profiled_layer_time_interpolates_and_extrapolates():
     assert profiled_layer_s(t, 0.5, remat=False) == pytest.approx(1.5)
     one = LayerTiming((2,), (1.0,), (3.0,))
     assert profiled_layer_s(one, 6, remat=False) == pytest.approx(9.0)
+    # A last interval flattened by jitter: past it, at least the average cost per sample
+    # above the smallest measurement ((6.1 − 3.0) / 15), not the last interval's 0.1 / 12.
+    flat = LayerTiming((1, 4, 16), (1.0, 2.0, 2.05), (3.0, 6.0, 6.1))
+    assert profiled_layer_s(flat, 32, remat=False) == pytest.approx(6.1 + 16 * 3.1 / 15)
 
 
 def _profile(tmp_path, gpu_name="a10", eff=TRUE, layers=True, collectives=True):
