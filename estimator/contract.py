@@ -71,6 +71,8 @@ class PlanComment:
     micro_batches: int | None = None
     remat: bool | None = None
     layers: str | None = None
+    zero_level: int = 0  # ``zero=``, written when not 0 (the ZeRO stage, 0–3)
+    offload: bool = False  # ``offload=1``: master weights and optimizer states on the host
     samples_per_s: float | None = None
     why: str | None = None
     error: str | None = None
@@ -109,6 +111,10 @@ def format_plan_comment(pc: PlanComment) -> str:
         parts.append(f"remat={int(pc.remat)}")
     if pc.layers:
         parts.append(f"layers={pc.layers}")
+    if pc.zero_level in (1, 2, 3):
+        parts.append(f"zero={pc.zero_level}")
+    if pc.offload:
+        parts.append("offload=1")
     if pc.plan_source in PLAN_SOURCES:
         parts.append(f"src={pc.plan_source}")
     if pc.samples_per_s is not None:
@@ -161,7 +167,8 @@ def parse_plan_comment(text: str | None) -> PlanComment:
     return PlanComment(requested=values.get("requested"), cell=values.get("cell"),
                        plan=values.get("plan"), micro_batches=as_int(values.get("mb")),
                        remat={"1": True, "0": False}.get(values.get("remat", "")),
-                       layers=values.get("layers"), samples_per_s=sps, why=values.get("why"),
+                       layers=values.get("layers"), zero_level={"1": 1, "2": 2, "3": 3}.get(values.get("zero", ""), 0),
+                       offload=values.get("offload") == "1", samples_per_s=sps, why=values.get("why"),
                        error=values.get("error"),
                        plan_source=values.get("src") if values.get("src") in PLAN_SOURCES else None,
                        sps_measured=values.get("measured") == "1" and sps is not None,

@@ -65,13 +65,14 @@ def _shift(shown_s: float | None, new_s: float | None) -> float:
 
 
 def start_update(assignment: Assignment, m: ManagedJob, steering: Steering,
-                 reason: str, policy_name: str, remat: bool = True) -> JobUpdate | None:
+                 reason: str, policy_name: str) -> JobUpdate | None:
     """The pending-job update that gives ``m`` its Cell (None: no partition has the type).
 
     The type is reached by partition, typed GRES or node features (``slurm_ext.steering``);
     CPUs and host memory per GPU come from the Cell's nodes and plan. The AdminComment
     carries the plan string the runner reads (``estimator.plan_string``: cell, per-stage
-    dp × tp, micro-batches, rematerialization, stage boundaries).
+    dp × tp, micro-batches, rematerialization, stage boundaries, and the ZeRO stage and
+    offload the estimate needed to fit), as the Cell's estimate chose them.
     """
     cell = assignment.cell
     how = steer(steering, m.slurm.partition, cell.gpu_type)
@@ -94,7 +95,8 @@ def start_update(assignment: Assignment, m: ManagedJob, steering: Steering,
         requested=pc.requested, cell=cell.label(),
         plan=plan_label(est.stages) if est else None,
         micro_batches=est.micro_batches if est else None,
-        remat=remat if est else None, layers=layers,
+        remat=est.remat if est else None, layers=layers,
+        zero_level=est.zero_level if est else 0, offload=bool(est and est.offload),
         samples_per_s=est.samples_per_s if est and est.feasible else None,
         why=m.why(reason or f"chosen by {policy_name}")))
     cpus, mem_mb = per_gpu_resources(steering, cell.gpu_type, per_node,

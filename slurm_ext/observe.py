@@ -296,14 +296,14 @@ def running_plan_comment(admin_comment: str, measured_text: str, allow_cpu: bool
         return None  # written by an earlier run of the job
     p = run.plan
     layers = ",".join(map(str, p.layer_bounds)) if p.layer_bounds is not None else None
-    tokens = (p.stages_label, p.micro_batches, p.remat, layers)
+    tokens = (p.stages_label, p.micro_batches, p.remat, layers, p.zero_level, p.offload)
     trusted = run.samples_per_s is not None and (run.platform == "gpu" or allow_cpu)
     new = pc
-    if tokens != (pc.plan, pc.micro_batches, pc.remat, pc.layers):
+    if tokens != (pc.plan, pc.micro_batches, pc.remat, pc.layers, pc.zero_level, pc.offload):
         # A plan read from the AdminComment keeps the source the AdminComment gave it.
         source = run.source if run.source in PLAN_SOURCES else pc.plan_source
         new = replace(pc, plan=p.stages_label, micro_batches=p.micro_batches, remat=p.remat, layers=layers,
-                      plan_source=source)
+                      zero_level=p.zero_level, offload=p.offload, plan_source=source)
         if trusted:
             new = replace(new, samples_per_s=run.samples_per_s, sps_measured=True)
     elif trusted and pc.sps_measured and pc.samples_per_s and \

@@ -5,8 +5,8 @@ Tables:
 - ``specs``: the elastic spec (or the spec error) seen for each job.
 - ``submit_times``: each job's original submit time; a requeue resets Slurm's.
 - ``progress``: iterations a job completed before its current run (kept across rescales).
-- ``estimates``: cached estimator results, by a key the caller builds
-  (:class:`EstimateCache` keeps them in memory too).
+- ``estimates``: cached estimator results, by a key the caller builds, with the
+  estimator's version that made them (:class:`EstimateCache` keeps them in memory too).
 - ``refit_observations``: running jobs' measured speeds, one row per job and plan that
   ran, newest kept per GPU type (``slurm_ext.refit``: the online refit fits them all).
 - ``refit_times``: when each GPU type was last refitted (the refit's rate limit).
@@ -21,6 +21,7 @@ Journal states: ``intended`` (written, maybe partly applied), ``done``, ``failed
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sqlite3
 import threading
@@ -347,23 +348,33 @@ def plan_recovery(entries: Iterable[JournalEntry],
     return tuple(steps)
 
 
+# CellEstimate's fields written as they are (the cell and stages have their own forms).
+_ESTIMATE_FIELDS = ("micro_batches", "iteration_time_s", "samples_per_s", "peak_memory_gb", "feasible",
+                    "reason", "fidelity", "comm_source", "memory_fidelity", "remat", "zero_level",
+                    "offload", "host_memory_gb", "runnable", "plan")
+
+
 def estimate_to_json(e: CellEstimate) -> dict:
     """A CellEstimate as plain JSON (every field, unlike the rounded CLI form)."""
     c = e.cell
     return {"cell": [c.gpu_type, c.num_gpus, c.gpus_per_node, c.num_stages],
-            "stages": [s.as_row() for s in e.stages],
-            "micro_batches": e.micro_batches, "iteration_time_s": e.iteration_time_s,
-            "samples_per_s": e.samples_per_s, "peak_memory_gb": e.peak_memory_gb,
-            "feasible": e.feasible, "reason": e.reason, "fidelity": e.fidelity,
-            "comm_source": e.comm_source}
+            "stages": [s.as_row() for s in e.stages], **{f: getattr(e, f) for f in _ESTIMATE_FIELDS}}
 
 
 def estimate_from_json(raw: dict) -> CellEstimate:
-    """The inverse of :func:`estimate_to_json`."""
+    """The inverse of :func:`estimate_to_json` (fields a row lacks take their defaults)."""
     return CellEstimate(Cell(*raw["cell"]), tuple(StagePlan(*s) for s in raw["stages"]),
-                        raw["micro_batches"], raw["iteration_time_s"], raw["samples_per_s"],
-                        raw["peak_memory_gb"], raw["feasible"], raw["reason"],
-                        raw["fidelity"], raw["comm_source"])
+                        **{f: raw[f] for f in _ESTIMATE_FIELDS if f in raw})
+
+
+def estimator_version(root: Path = Path(__file__).resolve().parent.parent / "estimator") -> str:
+    """A digest of the estimator's code and data: estimates cached by another version (an
+    upgrade, a new collectives table) are made anew rather than read back."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in (".py", ".csv", ".json", ".yaml")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 class EstimateCache:
@@ -373,8 +384,9 @@ class EstimateCache:
         store: the state store.
     """
 
-    def __init__(self, store: Store):
+    def __init__(self, store: Store, version: str | None = None):
         self.store = store
+        self.version = version or estimator_version()
         self._memo: dict[str, tuple[CellEstimate, ...]] = {}
         self.hits = 0
         self.misses = 0
@@ -385,12 +397,14 @@ class EstimateCache:
             self.hits += 1
             return self._memo[key]
         raw = self.store.get_estimate(key)
-        if raw is not None:
+        if isinstance(raw, dict) and raw.get("version") == self.version:
             self.hits += 1
-            value = tuple(estimate_from_json(r) for r in raw)
+            value = tuple(estimate_from_json(r) for r in raw["estimates"])
         else:
+            # Not cached, or cached by another version of the estimator.
             self.misses += 1
             value = tuple(compute())
-            self.store.put_estimate(key, [estimate_to_json(e) for e in value], now_s)
+            self.store.put_estimate(key, {"version": self.version,
+                                          "estimates": [estimate_to_json(e) for e in value]}, now_s)
         self._memo[key] = value
         return value

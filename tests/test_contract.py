@@ -77,3 +77,45 @@ def test_runner_report_round_trips_and_reads_bad_fields_as_unknown():
     assert read.cell == report.cell and read.restart_count == 2
     assert RunnerReport.from_text("[1, 2]") is None and RunnerReport.from_text("{not json") is None
     assert MEASURED_FILE == "measured.json"  # operators and docs name it
+
+
+def test_the_zero_stage_and_offload_reach_the_runner_and_back():
+    plan = parse_plan("cell=a100x8:s2 plan=[dp4tp1|dp4tp1] mb=8 remat=0 layers=0,17,34 zero=3")
+    written = format_plan_comment(PlanComment(requested="a100", cell=plan.cell_label, plan=plan.stages_label,
+                                              micro_batches=8, remat=False, layers="0,17,34", zero_level=3,
+                                              why="best"))
+    assert parse_plan(plan_tokens(written)) == plan
+    back = parse_plan_comment(written)
+    assert (back.zero_level, back.offload, back.remat) == (3, False, False)
+    offloaded = parse_plan_comment(format_plan_comment(PlanComment(cell="a100x1:s1", plan="[dp1tp1]",
+                                                                   micro_batches=4, offload=True)))
+    assert offloaded.offload and offloaded.zero_level == 0
+    assert "zero=" not in format_plan_comment(PlanComment(cell="a100x1:s1", plan="[dp1tp1]", micro_batches=4))
+
+
+def test_the_daemon_starts_a_job_with_the_plan_its_estimate_needs_to_fit():
+    """A Cell that fits only with its weights split over dp (ZeRO-3) is written with zero=3,
+    and with the estimate's own remat, so the runner runs the plan that was estimated."""
+    from estimator.cluster import load_cluster
+    from estimator.estimate import EstimateOptions, estimate_job
+    from estimator.jobs import JobSpec
+    from policy.interface import PENDING, Assignment, JobView
+    from slurm_ext.act import start_update
+    from slurm_ext.jobspec import ElasticSpec
+    from slurm_ext.observe import ManagedJob
+    from slurm_ext.slurm_client import SlurmJob
+    from slurm_ext.steering import Steering
+    job = JobSpec("gpt-6.7b", 256, 8, "a100")
+    cells = estimate_job(job, load_cluster("crius-1280"), EstimateOptions()).cells
+    est = next(e for e in cells if e.feasible and e.cell.gpu_type == "a100" and e.zero_level >= 1)
+    view = JobView("5", "alice", job, 0.0, PENDING, None, 0.0, 1000, 0, 0.0, estimates=(est,), dp_only_estimates=())
+    managed = ManagedJob(SlurmJob(5, "alice", "t", "PENDING", partition="a100", admin_comment="requested=a100"),
+                         ElasticSpec("gpt-6.7b", 256, 1000, 8, "a100"), view)
+    steering = Steering("partition", (22, 5, 0), {"a100": "a100"}, {"a100": frozenset({"a100"})}, {})
+    per_node = est.cell.gpus_per_node
+    nodes = tuple((f"a100-{i}", per_node) for i in range(est.cell.num_gpus // per_node))
+    update = start_update(Assignment(est.cell, nodes), managed, steering, "best", "cells-ilp")
+    written = parse_plan(plan_tokens(update.admin_comment))
+    estimated = parse_plan(est.plan)
+    assert (written.zero_level, written.remat, written.stages, written.micro_batches) == \
+           (estimated.zero_level, estimated.remat, estimated.stages, estimated.micro_batches)

@@ -161,3 +161,33 @@ def test_held_means_hold_reason_or_zero_priority(store):
     assert plan_recovery(es, {1: zero_prio})[0].step == REAPPLY
     store.close_entry(es[0].entry_id, ABANDONED, 2.0, "test")
     assert store.open_entries() == ()
+
+
+def test_cached_estimates_keep_every_field_and_a_new_estimator_makes_them_anew(store):
+    from dataclasses import fields, replace
+    from estimator.cells import Cell, CellEstimate, StagePlan
+    from slurm_ext.store import EstimateCache, estimate_from_json, estimate_to_json
+    est = CellEstimate(Cell("a100", 8, 4, 2), (StagePlan(0, 17, 4, 1), StagePlan(17, 34, 4, 1, True)), 8,
+                       12.5, 20.48, 38.2, True, "", "profiled", "profile", "compiled", remat=False,
+                       zero_level=3, offload=True, host_memory_gb=61.5, runnable=False,
+                       plan="cell=a100x8:s2 plan=[dp4tp1|dp4tp1ep] mb=8 remat=0 zero=3 offload=1")
+    back = estimate_from_json(estimate_to_json(est))
+    assert back == est
+    # Each field set apart from its default, so a field left out would fail the equality.
+    defaults = CellEstimate(est.cell, est.stages, 8, 12.5, 20.48, 38.2, True, "")
+    assert all(getattr(est, f.name) != getattr(defaults, f.name) for f in fields(CellEstimate)
+               if f.name not in ("cell", "stages", "micro_batches", "iteration_time_s", "samples_per_s",
+                                 "peak_memory_gb", "feasible", "reason"))
+    calls = []
+
+    def compute(value):
+        def run():
+            calls.append(value)
+            return [value]
+        return run
+
+    assert EstimateCache(store, version="v1").get("job", compute(est), 1.0) == (est,)
+    assert EstimateCache(store, version="v1").get("job", compute(None), 2.0) == (est,)  # read back
+    newer = replace(est, iteration_time_s=10.0)
+    assert EstimateCache(store, version="v2").get("job", compute(newer), 3.0) == (newer,)
+    assert calls == [est, newer]
