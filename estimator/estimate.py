@@ -29,7 +29,7 @@ from estimator.gpus import gpu_type as _gpu_type
 from estimator.jobs import JobSpec
 from estimator.host import HostSpec, default_host
 from estimator.memory import (
-    OPTIMIZER_STATE_BYTES, ZERO_LEVELS, MemoryOptions, StageMemory, host_memory_gb, runner_row_bytes,
+    GRADIENT_BYTES, OPTIMIZER_STATE_BYTES, ZERO_LEVELS, MemoryOptions, StageMemory, host_memory_gb, runner_row_bytes,
     stage_memory, stage_params,
 )
 from estimator.models import DTYPE_BYTES, ModelSpec, load_model
@@ -207,8 +207,11 @@ def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan, co
     replicated, experts = stage_params(layers, dp, tp, plan.ep)
     memory = ctx.options.memory
     d = DTYPE_BYTES[model.dtype]
+    # The runner keeps weights and gradients in float32 flat buffers and sums, scatters and
+    # gathers those (``job_scripts.flat_optimizer``); Alpa's gradients are in the model's dtype.
+    wire = GRADIENT_BYTES if memory.program == "runner" else d
     # Expert-parallel experts are each on one dp rank: no data-parallel sum of their grads.
-    sync_s = gradient_sync_s(ctx, plan, first_device, replicated * d, compiled, sources)
+    sync_s = gradient_sync_s(ctx, plan, first_device, replicated * wire, compiled, sources)
     # The update reads weights, grads, master and states, and writes weights, master,
     # states (a mixed-precision update's traffic; the time model predates the runner's
     # fp32-only weights and is kept as fitted).
@@ -229,7 +232,7 @@ def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan, co
         # recompute): per micro-batch, an all-gather of the stage's weights per pass. The
         # runner gathers in the forward and the recompute (its backward reuses those).
         gpn = min(ctx.cell.gpus_per_node, ctx.cell.num_gpus)
-        t, src = collective_s(ctx, "all-gather", dp, span_nodes(first_device, dp, tp, gpn), replicated * d,
+        t, src = collective_s(ctx, "all-gather", dp, span_nodes(first_device, dp, tp, gpn), replicated * wire,
                               dp_groups_per_node(plan, gpn))
         sources.add(src)
         comm_s += (2.0 if memory.runner_zero3 else comm_passes) * t

@@ -10,7 +10,6 @@ group, collectives table, efficiency and options.
 
 from estimator.cells import StagePlan
 from estimator.comm import collective_time
-from estimator.models import DTYPE_BYTES
 
 # Compiled collective kinds → the measured table's ops.
 COMPILED_OPS = {"all-reduce": "all-reduce", "all-gather": "all-gather", "reduce-scatter": "reduce-scatter",
@@ -127,7 +126,8 @@ def stage_send_s(ctx, index: int, layers, plan: StagePlan, first_device: int, mi
 
 def gradient_sync_s(ctx, plan: StagePlan, first_device: int, grad_bytes: float, compiled,
                     sources: set[str]) -> float:
-    """Seconds of a stage's data-parallel gradient all-reduce, once per iteration."""
+    """Seconds of a stage's data-parallel gradient all-reduce, once per iteration
+    (``grad_bytes``: one replica's gradients as the program sums them)."""
     if plan.dp <= 1:
         return 0.0
     gpn = min(ctx.cell.gpus_per_node, ctx.cell.num_gpus)
@@ -146,10 +146,9 @@ def gradient_sync_s(ctx, plan: StagePlan, first_device: int, grad_bytes: float, 
         sources.update((src, src2))
         return ctx.micro_batches * ar + ag
     if ctx.options.memory.runner_zero3:
-        # The runner's ZeRO-3 reduce-scatters each micro-batch's gradients, layer by layer,
-        # in float32; its weights stay split (``job_scripts.zero3``).
-        rs, src = collective_s(ctx, "reduce-scatter", plan.dp, dp_span,
-                               grad_bytes * 4.0 / DTYPE_BYTES[ctx.model.dtype], sharing)
+        # The runner's ZeRO-3 reduce-scatters each micro-batch's gradients, layer by layer;
+        # its weights stay split (``job_scripts.zero3``).
+        rs, src = collective_s(ctx, "reduce-scatter", plan.dp, dp_span, grad_bytes, sharing)
         sources.add(src)
         return ctx.micro_batches * rs
     t, src = collective_s(ctx, "all-reduce", plan.dp, dp_span, grad_bytes, sharing)

@@ -40,7 +40,7 @@ from slurm_ext.config import DaemonConfig
 from slurm_ext.errors import SlurmExtError
 from slurm_ext.metrics import Metrics
 from slurm_ext.observe import (
-    ManagedJob, best_estimate_for, is_held, kv, plan_comment, same_shape, type_partitions,
+    ManagedJob, best_estimate_for, is_held, kv, plan_comment, same_shape,
 )
 from slurm_ext.slurm_client import REQUEUE_SETTLE_S, JobUpdate, SlurmClient, SlurmJob
 from slurm_ext.squeue_view import plan_label

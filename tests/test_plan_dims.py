@@ -184,19 +184,19 @@ def test_expert_parallel_stages_are_estimated_where_faster_and_run_by_the_runner
 
 
 def test_expert_parallel_stages_with_tp_are_runnable():
-    """moe-1.3b at batch 2 on two nodes of two a100s: dp is capped at 2, so the experts
-    split over the stage's four GPUs need tp 2 (each tp rank's block of experts split over
-    its dp group). It is faster than the plain plans, runnable, and the runner takes its
-    plan string."""
+    """moe-1.3b at batch 6 on two nodes of two a100s: three micro-batches of two cap dp at
+    2, so the experts split over the stage's four GPUs need tp 2 (each tp rank's block of
+    experts split over its dp group). It is faster than the plain plans, runnable, and the
+    runner takes its plan string."""
     from estimator.jax_models import builtin_arch
     from estimator.models import load_model
     from job_scripts.plan import plan_from_string
-    job, cell = JobSpec("moe-1.3b", 2), Cell("a100", 4, 2, 1)
+    job, cell = JobSpec("moe-1.3b", 6), Cell("a100", 4, 2, 1)
     plain = estimate_cell(job, cell, CRIUS)
     ep = estimate_cell(job, cell, CRIUS, EstimateOptions(expert_parallel=True))
     assert [(s.dp, s.tp, s.ep) for s in ep.stages] == [(2, 2, True)] and ep.runnable and ep.feasible
     assert ep.iteration_time_s < plain.iteration_time_s
-    plan, text, _ = plan_from_string(ep.plan, load_model("moe-1.3b"), builtin_arch("moe-1.3b"), 2, 4, 2)
+    plan, text, _ = plan_from_string(ep.plan, load_model("moe-1.3b"), builtin_arch("moe-1.3b"), 6, 4, 2)
     assert plan.stages[0].ep and plan.stages[0].tp == 2 and text == ep.plan
 
 
@@ -205,7 +205,8 @@ def test_the_runners_moe_collectives_are_its_own_not_alpas():
     (the tp all-reduce sums the experts' outputs), and under ep with tp each tp rank's
     block over its dp group. Alpa's program keeps GShard's one all-to-all over the GPUs
     holding the experts. Where both layouts agree (ep without tp, dp alone) so do the
-    times; elsewhere the runner's is cheaper."""
+    micro-batch times (the gradient sums differ: the runner's are float32); elsewhere the
+    runner's is cheaper."""
     from estimator.cells import StagePlan
     from estimator.estimate import score_plan
     from estimator.models import load_model
@@ -214,7 +215,7 @@ def test_the_runners_moe_collectives_are_its_own_not_alpas():
 
     def seconds(dp, tp, ep, options):
         stage = StagePlan(0, load_model("moe-1.3b").num_layers, dp, tp, ep=ep)
-        return score_plan(job, cell, CRIUS, (stage,), 1, True, options).iteration_time_s
+        return score_plan(job, cell, CRIUS, (stage,), 1, True, options).stage_times_s[0]
 
     for dp, tp, ep in ((4, 1, True), (4, 1, False)):
         assert seconds(dp, tp, ep, EstimateOptions()) == pytest.approx(seconds(dp, tp, ep, alpa), rel=1e-9)
@@ -245,3 +246,23 @@ def test_the_runners_pipeline_pads_every_stage_to_the_largest_buffers():
     assert pipeline_peak_gb(costs, MemoryOptions()) == 10.0 + 8.0 + 1.0 + (1.0 + 12.0)
     assert pipeline_peak_gb(costs, MemoryOptions(program="alpa")) == 22.0
     assert pipeline_peak_gb(costs[:1], MemoryOptions()) == 22.0
+
+
+def test_the_runners_gradient_sums_are_float32_alpas_in_the_models_dtype():
+    """The runner sums float32 gradient buffers over dp: twice the bytes of an fp16 model's
+    gradients, which Alpa's program sums. Per-step time past the micro-batches (gradient
+    sum and update; the update's model is the same for both) is longer for the runner on
+    gpt, and the same on fp32 Wide-ResNet."""
+    from estimator.cells import StagePlan
+    from estimator.estimate import score_plan
+    from estimator.models import load_model
+    cell = Cell("a100", 8, 4, 1)
+    alpa = EstimateOptions(memory=MemoryOptions(program="alpa"))
+
+    def tail_s(model, options):
+        stage = StagePlan(0, load_model(model).num_layers, 8, 1)
+        s = score_plan(JobSpec(model, 64), cell, CRIUS, (stage,), 8, True, options)
+        return s.iteration_time_s - 8 * s.stage_times_s[0]
+
+    assert tail_s("gpt-1.3b", EstimateOptions()) > 1.5 * tail_s("gpt-1.3b", alpa)
+    assert tail_s("wide_resnet-500m", EstimateOptions()) == pytest.approx(tail_s("wide_resnet-500m", alpa))
