@@ -349,16 +349,17 @@ class LabCluster:
         if self.is_up():
             raise LabError(f"a lab is already up in {p.root}; "
                            f"run `slurm-ext lab down --dir {p.root}` first")
+        # A spec the lab can never run is refused before anything is checked on the machine.
+        if len(node_names(self.cluster)) > MAX_LAB_NODES:
+            raise LabError(f"cluster {self.cluster.name!r} has {len(node_names(self.cluster))} "
+                           f"nodes; a lab runs one slurmd per node, at most {MAX_LAB_NODES}: "
+                           "use a smaller cluster spec (the built-in `lab`)")
         install = self.install
         missing = install.missing() + ((MUNGED,) if not Path(MUNGED).exists() else ())
         if missing:
             how = ("run `make slurm-25.11` (or fix SLURM_EXT_SLURM_PREFIX)" if install.prefix
                    else "apt-get install slurmctld slurmd slurm-client munge")
             raise LabError(f"{', '.join(missing)} not installed: {how}")
-        if len(node_names(self.cluster)) > MAX_LAB_NODES:
-            raise LabError(f"cluster {self.cluster.name!r} has {len(node_names(self.cluster))} "
-                           f"nodes; a lab runs one slurmd per node, at most {MAX_LAB_NODES}: "
-                           "use a smaller cluster spec (the built-in `lab`)")
         if os.geteuid() != 0:
             raise LabError("the lab needs root (slurmd runs jobs as their users): "
                            "run `sudo slurm-ext lab up`")
