@@ -47,7 +47,7 @@ from slurm_ext.metrics import Metrics
 # The observe helpers are re-exported: callers and tests know them from here.
 from slurm_ext.observe import (  # noqa: F401
     ManagedJob, build_snapshot, cluster_spec, estimate_key, is_held, kv, measurement_from_text,
-    model_loader_for, node_type, partition_types, plan_comment, profile_version, requested_gpus, reserved_cell,
+    model_loader_for, node_type, partition_types, plan_comment, profile_db_if_written, profile_version, requested_gpus, reserved_cell,
     gpu_releases, running_assignment, running_plan_comment, runner_progress, type_partitions, update_cell,
 )
 from slurm_ext.profile_job import (
@@ -664,9 +664,8 @@ class Daemon:
         jspec = spec.job_spec()
         try:
             est = {}
-            # A store not yet written (no profile taken so far) leaves the estimates analytic.
             profile = profile_version(cfg.profile_db)
-            profile_db = cfg.profile_db if profile and not profile.endswith("@missing") else None
+            profile_db = profile_db_if_written(cfg.profile_db)
             for space in (cfg.plan_space, "dp-only"):
                 options = EstimateOptions(plan_space=space, micro_batches=cfg.micro_batches,
                                           max_gpus=cfg.max_gpus, profile_db=profile_db,

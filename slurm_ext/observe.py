@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import pwd
 import stat
 from collections import Counter
@@ -333,6 +334,16 @@ def estimate_key(spec: ElasticSpec, cluster: ClusterSpec, plan_space: str,
     if expert_parallel:
         key.append({"expert_parallel": True})
     return json.dumps(key)
+
+
+def profile_db_if_written(path: str | None) -> str | None:
+    """The configured profile store when it exists and can be read, else None: a store not
+    yet written (nothing profiled so far) or not readable by this user leaves the
+    estimates analytic (the daemon's rule, and ``explain``'s, which any user runs)."""
+    if path is None:
+        return None
+    p = Path(path)
+    return path if p.is_file() and os.access(p, os.R_OK) else None
 
 
 def profile_version(path: str | None) -> str | None:

@@ -1,4 +1,5 @@
-"""`slurm-ext explain`'s pure parts: why a job waits, why its Cell won, the text form."""
+"""`slurm-ext explain`: its pure parts (why a job waits, why its Cell won, the text form), and
+the command on a stand-in client."""
 
 from estimator.cells import Cell, CellEstimate
 from estimator.contract import PlanComment, format_plan_comment, parse_plan_comment
@@ -65,3 +66,44 @@ def test_text_form_has_every_part():
     assert "what you can do: nothing: it starts when the GPUs come free" in text
     assert "  2026-11-25T09:46:40Z rescale (done): " in text
     assert "* a10x2:s1       out of memory: 30 GB > 24 GB" in text
+
+
+def test_explain_lists_the_cells_while_the_configured_profile_store_is_not_yet_written(tmp_path, monkeypatch):
+    """As the daemon does, a profile store that nothing has written yet (or this user
+    cannot read) leaves the estimates analytic; it is not the job's spec error."""
+    import json as json_module
+
+    from click.testing import CliRunner
+
+    import slurm_ext.backend as backend
+    from slurm_ext.commands.explain import command
+    from slurm_ext.observe import profile_db_if_written
+    from slurm_ext.slurm_client import Gres, SlurmNode
+
+    nodes = tuple(SlurmNode(f"a100-{i}", "idle", ("a100",), (), (Gres("gpu", "a100", 4),), (), 64, 256000)
+                  for i in range(2))
+    job = SlurmJob(7, "alice", "train", "PENDING", reason="JobHeldAdmin", partition="a100",
+                   comment="elastic model=gpt-1.3b global_batch=64 iterations=1000", gpus_per_node=4,
+                   gpu_type_requested="a100", node_count=1, priority=0)
+
+    class Client:
+        def job(self, job_id):
+            return job
+
+        def nodes(self):
+            return nodes
+
+        def batch_script(self, job_id):
+            return "#!/bin/bash\n"
+
+    monkeypatch.setattr(backend, "make_client", lambda *args, **kwargs: Client())
+    missing = tmp_path / "profile.sqlite"
+    config = tmp_path / "slurm-ext.yaml"
+    config.write_text(f"profile_db: {missing}\nstate_db: {tmp_path / 'state.db'}\n")
+    assert profile_db_if_written(str(missing)) is None and profile_db_if_written(None) is None
+    out = CliRunner().invoke(command, ["7", "--json", "--config", str(config)])
+    assert out.exit_code == 0, out.output
+    doc = json_module.loads(out.output)
+    assert doc["spec_error"] is None and any(c["feasible"] for c in doc["cells"])
+    missing.write_bytes(b"")
+    assert profile_db_if_written(str(missing)) == str(missing)

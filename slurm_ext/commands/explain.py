@@ -46,7 +46,8 @@ def command(job_id, as_json, config_path, state_db, timeout_s):
     from slurm_ext.config import load_config
     from slurm_ext.errors import SlurmExtError
     from slurm_ext.jobspec import check_model, parse_spec
-    from slurm_ext.observe import cluster_spec, is_held, model_loader_for, partition_types, requested_gpus
+    from slurm_ext.observe import (cluster_spec, is_held, model_loader_for, partition_types,
+                                   profile_db_if_written, requested_gpus)
     from slurm_ext.store import Store
 
     cfg = load_config(config_path, {}, dict(os.environ))
@@ -74,7 +75,7 @@ def command(job_id, as_json, config_path, state_db, timeout_s):
             part_types = partition_types(nodes, cfg.partition_map())
             cluster = cluster_spec(nodes, part_types, cfg.cluster, cfg.network)
             options = EstimateOptions(plan_space=cfg.plan_space, micro_batches=cfg.micro_batches,
-                                      max_gpus=cfg.max_gpus, profile_db=cfg.profile_db,
+                                      max_gpus=cfg.max_gpus, profile_db=profile_db_if_written(cfg.profile_db),
                                       expert_parallel=cfg.expert_parallel)
             estimates = estimate_job(spec.job_spec(), cluster, options).cells
         except (ElasticSpecError, SpecError) as e:
