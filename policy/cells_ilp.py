@@ -217,6 +217,26 @@ class CellsIlpConfig:
     reserve_after_s: float | None = 6 * 3600.0
     solvers: tuple[str, ...] = SOLVERS
 
+    def __post_init__(self):
+        # Checked when the options are read (the daemon's config), not in a round.
+        positive = {"time_limit_s": self.time_limit_s, "aging_s": self.aging_s, "wait_cost_s": self.wait_cost_s}
+        at_least_zero = {"min_change_interval_s": self.min_change_interval_s, "resolve_s": self.resolve_s,
+                         "max_movable": self.max_movable,
+                         "reserve_after_s": 0.0 if self.reserve_after_s is None else self.reserve_after_s}
+        for name, value in positive.items():
+            if not value > 0 or value == math.inf:
+                raise ValueError(f"{name}={value!r} must be a number of seconds above 0")
+        for name, value in at_least_zero.items():
+            if not value >= 0 or value == math.inf:
+                raise ValueError(f"{name}={value!r} must be 0 or more")
+        if not 0 <= self.size_exponent <= 1:
+            raise ValueError(f"size_exponent={self.size_exponent!r} must be between 0 and 1")
+        if self.max_pending < 1:
+            raise ValueError(f"max_pending={self.max_pending!r} must be at least 1")
+        for name, share in [("max_share_frac", self.max_share_frac), *self.share_limits]:
+            if share is not None and not 0 < share <= 1:
+                raise ValueError(f"share of all GPUs for {name}={share!r} must be above 0 and at most 1")
+
 
 class CellsIlpPolicy:
     """The Cell ILP policy (see the module docstring for the formulation); its options are

@@ -242,7 +242,11 @@ def _coerce(key: str, raw: object, source: str) -> object:
             raise ConfigError(key, raw, f"({source}) give a positive number of seconds")
         return value
     if key in _INTS:
-        return _number(key, raw, source, int, False)
+        value = _number(key, raw, source, int, False)
+        if key == "max_new_specs_per_round" and value < 1:
+            raise ConfigError(key, raw, f"({source}) give at least 1: with 0 no elastic job's spec is ever "
+                                        "read, and every elastic job stays held")
+        return value
     if key in _OPTIONAL_INTS:
         value = _number(key, raw, source, int, True)
         if key == "metrics_port" and value is not None and not 0 < value < 65536:

@@ -71,6 +71,12 @@ def test_shipped_yaml_resolves_to_the_defaults():
     ({}, {"SLURM_EXT_POLICY_OPTIONS": "{a: "}, "policy_options"),
     ({"policy_options": {"no_such_option": 1}}, {}, "policy_options"),
     ({"policy_options": {"solvers": ["gurobi"]}}, {}, "policy_options"),
+    # Options that would fail every round (a division by zero) fail here instead.
+    ({"policy_options": {"wait_cost_s": 0}}, {}, "policy_options"),
+    ({"policy_options": {"aging_s": 0}}, {}, "policy_options"),
+    ({"policy_options": {"size_exponent": 1.5}}, {}, "policy_options"),
+    ({"policy_options": {"share_limits": {"bob": 0}}}, {}, "policy_options"),
+    ({"max_new_specs_per_round": 0}, {}, "max_new_specs_per_round"),
 ])
 def test_bad_config_names_key_and_source(file_values, env, field):
     with pytest.raises(ConfigError) as info:
