@@ -145,7 +145,8 @@ def read_trace(path: str | Path) -> tuple[TraceRecord, ...]:
     """The records of a trace CSV, in file order.
 
     Raises:
-        SpecError: missing file, missing column, or a row that does not parse.
+        SpecError: missing file, missing column, a row that does not parse, or a job id
+            given twice.
     """
     path = Path(path)
     if not path.is_file():
@@ -158,6 +159,7 @@ def read_trace(path: str | Path) -> tuple[TraceRecord, ...]:
 
 def _records(path: Path) -> tuple[TraceRecord, ...]:
     out = []
+    first_line: dict[str, int] = {}  # job id → the line that gave it
     with path.open(newline="") as f:
         reader = csv.DictReader(f)
         missing = [c for c in TRACE_COLUMNS[:4] if c not in (reader.fieldnames or ())]
@@ -176,6 +178,10 @@ def _records(path: Path) -> tuple[TraceRecord, ...]:
                 raise SpecError(f"{path.name} line {line}", dict(row),
                                 "submit_time_s must be finite and ≥ 0, duration_s finite and > 0, "
                                 "num_gpus ≥ 1")
+            if rec.job_id in first_line:
+                raise SpecError(f"{path.name} line {line}", rec.job_id,
+                                f"job_id already given on line {first_line[rec.job_id]}; each job needs its own id")
+            first_line[rec.job_id] = line
             out.append(rec)
     return tuple(out)
 

@@ -140,6 +140,11 @@ def test_read_trace_errors_quote_the_file(tmp_path):
     worse.write_text("job_id,submit_time_s,duration_s,num_gpus,gpu_type,status\n1,x,3,1,,\n")
     with pytest.raises(SpecError, match="line 2"):
         read_trace(worse)
+    # A second row with a job's id would replace the first job in a replay.
+    twice = tmp_path / "twice.csv"
+    twice.write_text("job_id,submit_time_s,duration_s,num_gpus\nj1,0,100,1\nj2,5,100,1\nj1,10,100,2\n")
+    with pytest.raises(SpecError, match="line 4.*already given on line 2"):
+        read_trace(twice)
 
 
 @pytest.mark.skipif(not (TRACES / "pai_1day_synthetic_sizes.csv").exists(), reason="shared trace data absent")
