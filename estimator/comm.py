@@ -199,14 +199,15 @@ def _algorithm_factor(op: str, n: int) -> float:
 
 
 def model_time(op: str, group_size: int, nodes_spanned: int, nbytes: float, gpu_type_name: str,
-               inter_node_gbytes_s: float) -> float:
+               inter_node_gbytes_s: float, groups_per_node: int = 1) -> float:
     """Latency-bandwidth estimate: ring algorithms over the slowest link a group crosses."""
     if group_size <= 1 or nbytes <= 0:
         return 0.0
     gpu = _gpu_type(gpu_type_name)
     if nodes_spanned > 1:
-        # A node's NIC is shared by the node's members of the group.
-        per_node = max(1, group_size // nodes_spanned)
+        # A node's NIC is shared by the node's members of the group, and by the members of
+        # the other groups that run at once with members there.
+        per_node = max(1, group_size // nodes_spanned) * max(1, groups_per_node)
         bw = min(gpu.intra_node_link_gbytes_s, inter_node_gbytes_s / (per_node if op != "send" else 1))
         latency = LATENCY_INTER_S
     else:
@@ -241,7 +242,8 @@ def collective_time(table: CommTable | None, op: str, group_size: int, nodes_spa
                     g, curve = near
                     scale = _algorithm_factor(op, group_size) / _algorithm_factor(op, g)
                     return CommTime(_interpolate(*curve, nbytes) * scale, source)
-    return CommTime(model_time(op, group_size, nodes_spanned, nbytes, gpu_type_name, inter_node_gbytes_s), "model")
+    return CommTime(model_time(op, group_size, nodes_spanned, nbytes, gpu_type_name, inter_node_gbytes_s,
+                               groups_per_node), "model")
 
 
 def _nearest_group(table: CommTable, gpu: str, net: str, op: str, group_size: int, span: int,

@@ -261,8 +261,9 @@ def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan, co
     host_usable = host.memory_gb_per_gpu * ctx.options.memory.usable_frac
     if not reason and peak_gb > usable:
         reason = f"stage {index} needs {peak_gb:.1f} GB per GPU, {gpu.name} has {usable:.1f} GB usable"
-    elif not reason and mem.host_gb > host_usable:
-        reason = (f"stage {index} needs {mem.host_gb:.1f} GB of host memory per GPU for offload, "
+    elif not reason and mem.host_gb and host_memory_gb(mem) > host_usable:
+        # What the plan reports it needs: the offloaded states, the process and the staging copy.
+        reason = (f"stage {index} needs {host_memory_gb(mem):.1f} GB of host memory per GPU with offload, "
                   f"the host has {host_usable:.1f} GB per GPU usable")
     return StageCost(plan, compute_s + comm_s + send_s, sync_s, update_s, mem, not reason, reason,
                      _comm_label(sources), compiled_peak_gb, compute_source,

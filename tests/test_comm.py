@@ -100,3 +100,12 @@ def test_a_stages_data_parallel_groups_share_a_node_per_tensor_parallel_rank():
     assert dp_groups_per_node(StagePlan(0, 4, 2, 2), 2) == 2
     assert dp_groups_per_node(StagePlan(0, 4, 2, 4), 2) == 2  # tp across nodes: each node's 2 GPUs
     assert dp_groups_per_node(StagePlan(0, 4, 2, 4), 8) == 4
+
+
+def test_the_model_shares_a_nodes_network_among_the_groups_that_cross_it(table):
+    # h100 has no curves: 8 data-parallel groups (one per tp rank) crossing two nodes at
+    # once each get an eighth of the node's link.
+    one = collective_time(table, "all-reduce", 2, 2, 1e9, "h100", "infiniband", 25.0, 1)
+    eight = collective_time(table, "all-reduce", 2, 2, 1e9, "h100", "infiniband", 25.0, 8)
+    assert one.source == eight.source == "model"
+    assert eight.seconds == pytest.approx(8 * one.seconds, rel=0.01)

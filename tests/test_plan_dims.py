@@ -54,6 +54,21 @@ def test_a_cell_that_fits_only_with_offload_says_so_and_what_it_needs():
     assert "offload=1" in what_if.plan and what_if.to_json()["host_memory_gb"] > 0
 
 
+def test_an_offloaded_plan_fits_only_where_the_host_holds_all_it_reports():
+    """The host memory an offloaded plan reports (the offloaded states, the runner's process
+    and the checkpoint's staging copy) is what must fit in the host's usable share."""
+    from estimator.cluster import load_cluster
+    from estimator.host import HostSpec
+    job, cell = JobSpec("gpt-6.7b", 8), Cell("h100", 1, 1, 1)
+    options = EstimateOptions(memory=MemoryOptions(offload=True), runnable_only=False)
+    e = estimate_cell(job, cell, load_cluster("lab"), options)
+    usable = HostSpec().memory_gb_per_gpu * options.memory.usable_frac
+    # gpt-6.7b's offloaded states alone fit (about 110 GB); with the process and the
+    # staging copy they do not.
+    assert not e.feasible and e.host_memory_gb > usable
+    assert f"needs {e.host_memory_gb:.1f} GB of host memory per GPU" in e.reason
+
+
 def test_zero_levels_fit_more_and_cost_communication():
     job, cell = JobSpec("gpt-760m", 64), Cell("a100", 8, 4, 1)
     opts = {z: EstimateOptions(memory=MemoryOptions(zero_level=z), plan_space="dp-only",
@@ -135,24 +150,24 @@ def test_admin_comment_passes_the_memory_tokens_to_the_runner():
 
 
 def test_arena_stage_counts_are_estimated_where_faster_and_refused_by_the_runner():
-    """wide_resnet-2b's layers are uneven: on 64 a100s (16 nodes of 4) in 4 stages, Arena's power-of-two
+    """wide_resnet-4b's layers are uneven: on 32 a40s (16 nodes of 2) in 4 stages, Arena's power-of-two
     counts beat equal ones; the plan string carries the counts and ranges, the Cell says
     the runner cannot run it, and the runner refuses it in one line."""
     from estimator.jax_models import builtin_arch
     from estimator.models import load_model
     from job_scripts.plan import plan_from_string
-    job = JobSpec("wide_resnet-2b", 64, 64, "a100")
-    cell = Cell("a100", 64, 4, 4)  # crius-1280's a100 nodes have 4 GPUs
+    job = JobSpec("wide_resnet-4b", 256, 32, "a40")
+    cell = Cell("a40", 32, 2, 4)  # crius-1280's a40 nodes have 2 GPUs
     equal = estimate_cell(job, cell, CRIUS)
     arena = estimate_cell(job, cell, CRIUS, EstimateOptions(stage_gpus="arena"))
     assert equal.feasible and equal.runnable and arena.feasible and not arena.runnable
     assert arena.iteration_time_s < equal.iteration_time_s
     counts = [s.num_gpus for s in arena.stages]
-    assert len(set(counts)) > 1 and sum(counts) == 64 and all(c & (c - 1) == 0 for c in counts)
+    assert len(set(counts)) > 1 and sum(counts) == 32 and all(c & (c - 1) == 0 for c in counts)
     ps = parse_plan(arena.plan)
     assert [dp * tp for dp, tp in ps.stages] == counts and ps.layer_bounds is not None
     with pytest.raises(SpecError, match="same power-of-two device count") as err:
-        plan_from_string(arena.plan, load_model("wide_resnet-2b"), builtin_arch("wide_resnet-2b"), 64, 64, 4)
+        plan_from_string(arena.plan, load_model("wide_resnet-4b"), builtin_arch("wide_resnet-4b"), 256, 32, 2)
     assert "\n" not in str(err.value)
 
 
