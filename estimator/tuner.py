@@ -154,8 +154,7 @@ def pruned_splits(num_gpus: int, favoured: str) -> tuple[tuple[int, int], ...]:
 
 def micro_batch_choices(cell: Cell, global_batch: int, factors: tuple[int, ...]) -> tuple[int, ...]:
     """Stages × each factor, or the largest count below it that divides the global batch."""
-    return tuple(sorted({micro_batch_count(global_batch, cell.num_stages * f) for f in factors
-                         if cell.num_stages * f <= global_batch}))
+    return tuple(sorted({micro_batch_count(global_batch, cell.num_stages * f) for f in factors}))
 
 
 def candidate_partitions(base: tuple[tuple[int, int], ...], num_layers: int,

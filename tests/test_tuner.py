@@ -215,12 +215,13 @@ def test_micro_batch_choices_divide_odd_global_batches():
 
     factors = TuneOptions().micro_batch_factors
     assert micro_batch_choices(Cell("a100", 4, 4, 2), 64, factors) == (2, 4, 8, 16, 32)
-    assert micro_batch_choices(Cell("a100", 4, 4, 1), 6, factors) == (1, 2, 3)
-    assert micro_batch_choices(Cell("a100", 4, 4, 2), 10, factors) == (2, 5)
+    # Targets past the global batch round down to it: one sample per micro-batch.
+    assert micro_batch_choices(Cell("a100", 4, 4, 1), 6, factors) == (1, 2, 3, 6)
+    assert micro_batch_choices(Cell("a100", 4, 4, 2), 10, factors) == (2, 5, 10)
     result = tune(JobSpec("gpt-1.3b", 10), Cell("a100", 4, 4, 2), load_cluster("crius-1280"),
                   TuneOptions(prune="none"))
     assert result.ranked and result.ranked[0].score.feasible
-    assert {r.candidate.micro_batches for r in result.ranked} == {2, 5}
+    assert {r.candidate.micro_batches for r in result.ranked} == {2, 5, 10}
 
 
 def test_the_tuner_tries_expert_parallel_splits_when_asked():
@@ -251,3 +252,14 @@ def test_the_tuner_tries_expert_parallel_splits_when_asked():
     without = space("cell=a100x4:s1 plan=[dp1tp4] mb=4 remat=1")
     assert any(s.ep for st in with_ep.structures for s in st)
     assert not any(s.ep for st in without.structures for s in st)
+
+
+def test_micro_batch_counts_past_the_global_batch_round_down_to_its_divisors():
+    """Stages × each factor, or the largest count below it that divides the global batch:
+    6 samples over 4 stages try 3 and 6 micro-batches (not 3 alone), and 3 samples over 4
+    stages still get a count, so a Cell of more stages than samples is tuned."""
+    from estimator.tuner import micro_batch_choices
+    assert micro_batch_choices(Cell("a100", 4, 4, 4), 6, (1, 2, 4, 8)) == (3, 6)
+    assert micro_batch_choices(Cell("a100", 4, 4, 4), 3, (1, 2)) == (3,)
+    result = tune(JobSpec("gpt-1.3b", 3), Cell("a100", 4, 4, 4), load_cluster("lab"))
+    assert result.best.candidate.micro_batches == 3 and result.best.score.feasible
