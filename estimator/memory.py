@@ -18,11 +18,11 @@ buffer, as its GPU-target compile shows them (``docs/estimator.md``, "Memory"):
   one momentum buffer in place (0); AdamW steps in up to 32 pieces, each piece's weights,
   gradients, μ and ν read into buffers of their own before its writes ((4 + 4 + 8) B/param
   over the pieces, ``flat_update_bytes``; under ZeRO-2 its chunk whole, a new μν buffer of
-  8 B/param). Under ZeRO-1 and 2 a device
-  steps only its 1/dp chunk and also holds the chunks of the summed gradients and of its
-  new weights (2·4 B/param over dp); the all-gathered weights reuse the old weights'
-  buffer. Adafactor steps layer by layer and packs new weight and state buffers, keeping a
-  copy of the old states: 4 + 2·(state bytes) per parameter.
+  8 B/param). Under ZeRO-1 and 2 a device steps only its 1/dp chunk and also holds the
+  chunks of the summed gradients and of its new weights (2·4 B/param over dp); the
+  all-gathered weights reuse the old weights' buffer. Adafactor steps layer by layer and
+  packs new weight and state buffers, keeping a copy of the old states: 4 + 2·(state
+  bytes) per parameter.
 - **activations**: Korthikanti et al. / Frenzy per layer (s·h·(10 + 24/t) + 5·a·s²/t
   bytes at fp16); under layer-level rematerialization only each layer's input is kept and
   one layer's full activations live during its recomputation.
