@@ -145,11 +145,15 @@ def stage_splits(num_gpus: int) -> tuple[tuple[int, int], ...]:
 
 
 def pruned_splits(num_gpus: int, favoured: str) -> tuple[tuple[int, int], ...]:
-    """Crius: the half of the dp↔tp range the Cell estimate favoured, √N×√N included."""
+    """Crius: the half of the dp↔tp range the Cell estimate favoured, the balanced hybrid
+    included: √N×√N, or where N is not a square (8, 32, …) both splits next to it (4×2 and
+    2×4 of 8), since the Cell's dp-only and tp-only estimates cannot tell which of the two
+    is faster."""
     root = math.sqrt(num_gpus)
+    near = {s for s in stage_splits(num_gpus) if root / 2 < s[0] < root * 2} if num_gpus >= 8 else set()
     if favoured == "dp":
-        return tuple(s for s in stage_splits(num_gpus) if s[1] <= root)
-    return tuple(s for s in stage_splits(num_gpus) if s[0] <= root)
+        return tuple(s for s in stage_splits(num_gpus) if s[1] <= root or s in near)
+    return tuple(s for s in stage_splits(num_gpus) if s[0] <= root or s in near)
 
 
 def micro_batch_choices(cell: Cell, global_batch: int, factors: tuple[int, ...]) -> tuple[int, ...]:

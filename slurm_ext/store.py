@@ -21,6 +21,7 @@ Journal states: ``intended`` (written, maybe partly applied), ``done``, ``failed
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import sqlite3
@@ -367,9 +368,11 @@ def estimate_from_json(raw: dict) -> CellEstimate:
                         **{f: raw[f] for f in _ESTIMATE_FIELDS if f in raw})
 
 
+@functools.lru_cache(maxsize=4)
 def estimator_version(root: Path = Path(__file__).resolve().parent.parent / "estimator") -> str:
     """A digest of the estimator's code and data: estimates cached by another version (an
-    upgrade, a new collectives table) are made anew rather than read back."""
+    upgrade, a new collectives table) are made anew rather than read back. Read once per
+    process: the version of the code this process runs."""
     digest = hashlib.sha256()
     for path in sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in (".py", ".csv", ".json", ".yaml")):
         digest.update(str(path.relative_to(root)).encode())
