@@ -26,8 +26,10 @@ def test_stage_splits_cover_every_power_of_two_factorisation():
         assert (n, 1) in dp_half and (1, n) in tp_half
         assert (n, 1) not in tp_half and (1, n) not in dp_half
         assert dp_half | tp_half == set(stage_splits(n))
-    # The √N × √N half-hybrid is in both halves.
+    # The √N × √N half-hybrid is in both halves; where N is not a square, both splits next to it.
     assert (4, 4) in pruned_splits(16, "dp") and (4, 4) in pruned_splits(16, "tp")
+    assert {(4, 2), (2, 4)} <= set(pruned_splits(8, "dp")) & set(pruned_splits(8, "tp"))
+    assert {(8, 4), (4, 8)} <= set(pruned_splits(32, "dp")) & set(pruned_splits(32, "tp"))
 
 
 def test_candidate_partitions_are_contiguous_and_include_the_balanced_one():
