@@ -272,7 +272,7 @@ def layer_kind(arch: Arch, index: int) -> str:
 
 def _wrn_block_geometry(arch: Arch, index: int) -> tuple[int, int, int, int, bool]:
     """(in_channels, f, stride, spatial_in, projection) of bottleneck ``index`` (1-based)."""
-    C, W = arch.base_channels, arch.width
+    C = arch.base_channels
     i, spatial, in_ch = index - 1, arch.image_size // 4, C
     for stage, nblocks in enumerate(WRN_STAGE_BLOCKS):
         f = C * 2 ** stage

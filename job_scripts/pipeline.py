@@ -468,7 +468,6 @@ class Pipeline:
         """Stage ``st``'s backward tick: micro-batch ``m``'s residuals from the stash,
         the cotangent through the stage, the input gradient passed back."""
         S, M = len(self.stages), self.plan.micro_batches
-        arrays = self.arrays
         res = self.residuals[st.index]
         last = st.index == S - 1
 
