@@ -47,8 +47,9 @@ from slurm_ext.metrics import Metrics
 # The observe helpers are re-exported: callers and tests know them from here.
 from slurm_ext.observe import (  # noqa: F401
     ManagedJob, build_snapshot, cluster_spec, estimate_key, is_held, kv, measurement_from_text,
-    model_loader_for, node_type, partition_types, plan_comment, profile_db_if_written, profile_version, requested_gpus, reserved_cell,
-    gpu_releases, running_assignment, running_plan_comment, runner_progress, type_partitions, update_cell,
+    model_loader_for, node_type, partition_types, plan_comment, profile_db_if_written, profile_version,
+    requested_gpus, reserved_cell, gpu_releases, running_assignment, running_plan_comment, runner_progress,
+    type_partitions, update_cell,
 )
 from slurm_ext.profile_job import (
     RETRY_AFTER_S, background_request, free_for_policy, is_background, next_background, parse_background,
