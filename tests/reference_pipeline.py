@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from estimator import jax_models as jm
+from estimator.cells import StagePlan
 from estimator.errors import SpecError
 from job_scripts.plan import ParallelPlan, check_plan
 
