@@ -7,6 +7,7 @@ Every key is documented in ``etc/slurm-ext.yaml``. :func:`resolve` is pure; only
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from slurm_ext.guarantees import GuaranteePolicy
+from estimator.cluster import NETWORK_DEFAULT_GBYTES_S, load_cluster
 from estimator.errors import SpecError, yaml_problem
 from estimator.gpus import CATALOG
 
@@ -197,8 +199,8 @@ def _number(key: str, raw: object, source: str, kind: type, optional: bool) -> f
         value = kind(raw)
     except (TypeError, ValueError):
         raise ConfigError(key, raw, f"({source}) give a {'whole ' if kind is int else ''}number") from None
-    if value < 0 or (kind is float and value != value):
-        raise ConfigError(key, raw, f"({source}) give a non-negative number")
+    if value < 0 or (kind is float and not math.isfinite(value)):
+        raise ConfigError(key, raw, f"({source}) give a non-negative, finite number")
     return value
 
 
@@ -243,6 +245,9 @@ def _coerce(key: str, raw: object, source: str) -> object:
         return value
     if key in _INTS:
         value = _number(key, raw, source, int, False)
+        if key == "max_gpus" and value < 1:
+            raise ConfigError(key, raw, f"({source}) give at least 1: with 0 no job has a Cell, and every "
+                                        "elastic job runs as submitted")
         if key == "max_new_specs_per_round" and value < 1:
             raise ConfigError(key, raw, f"({source}) give at least 1: with 0 no elastic job's spec is ever "
                                         "read, and every elastic job stays held")
@@ -251,6 +256,9 @@ def _coerce(key: str, raw: object, source: str) -> object:
         value = _number(key, raw, source, int, True)
         if key == "metrics_port" and value is not None and not 0 < value < 65536:
             raise ConfigError(key, raw, f"({source}) give a TCP port 1-65535 or null")
+        if key == "micro_batches" and value == 0:
+            raise ConfigError(key, raw, f"({source}) give a positive whole number, or null for the estimator's "
+                                        "default")
         return value
     if key in ("dry_run", "use_cpu_measurements", "background_profiling", "expert_parallel"):
         return _bool(key, raw, source)
@@ -291,9 +299,22 @@ def _coerce(key: str, raw: object, source: str) -> object:
         if raw not in SLURM_BACKENDS:
             raise ConfigError(key, raw, f"({source}) use one of {', '.join(SLURM_BACKENDS)}")
         return raw
-    if key in ("cluster", "checkpoint_root", "slurm_prefix", "profile_db"):
+    if key == "cluster":
+        if raw in (None, "", "none", "null"):
+            return None
+        try:  # every round reads it: a bad one is refused now, not in every round
+            load_cluster(str(raw))
+        except SpecError as e:
+            raise ConfigError(key, raw, f"({source}) {e.hint if e.field == key else e}") from None
+        return str(raw)
+    if key in ("checkpoint_root", "slurm_prefix", "profile_db"):
         return None if raw in (None, "", "none", "null") else str(raw)
-    if key in ("policy", "network", "state_db", "profile_mpi"):
+    if key == "network":
+        kind = str(raw).strip().lower()
+        if kind not in NETWORK_DEFAULT_GBYTES_S:
+            raise ConfigError(key, raw, f"({source}) use one of {', '.join(NETWORK_DEFAULT_GBYTES_S)}")
+        return kind
+    if key in ("policy", "state_db", "profile_mpi"):
         if not isinstance(raw, str) or not raw.strip():
             raise ConfigError(key, raw, f"({source}) give a non-empty string")
         return raw.strip()

@@ -48,8 +48,8 @@ from slurm_ext.metrics import Metrics
 from slurm_ext.observe import (  # noqa: F401
     ManagedJob, build_snapshot, cluster_spec, estimate_key, is_held, kv, measurement_from_text,
     model_loader_for, node_type, partition_types, plan_comment, profile_db_if_written, profile_version,
-    requested_gpus, reserved_cell, gpu_releases, running_assignment, running_plan_comment, runner_progress,
-    type_partitions, update_cell,
+    requested_gpus, rescale_pins, reserved_cell, gpu_releases, running_assignment, running_plan_comment,
+    runner_progress, type_partitions, update_cell,
 )
 from slurm_ext.profile_job import (
     RETRY_AFTER_S, background_request, free_for_policy, is_background, next_background, parse_background,
@@ -343,13 +343,22 @@ class Daemon:
         for job, message in errors:
             self.actor.handle_spec_error(job, message, acts)
         # Jobs Slurm is about to start hold their GPUs already, as far as the policy goes.
-        about_to_start = launching + [j for j, _ in errors if j.state == "PENDING"]
+        # A job with a spec error counts only while its release is recent: one Slurm does
+        # not start (a dependency, a limit) must not keep idle GPUs from the policy.
+        about_to_start = launching + [j for j, _ in errors
+                                      if j.state == "PENDING" and not self._launch_stale(j, now_s)]
         reserved = [c for c in (reserved_cell(j, part_types) for j in about_to_start) if c is not None]
-        reserved += [c for c in (update_cell(u) for u in in_rescale.values()) if c is not None]
+        # A rescale's new Cell holds its nodes from the signal on (the job may still be
+        # checkpointing on part of them).
+        by_id = {j.job_id: j for j in active}
+        pins = {job_id: rescale_pins(u, by_id.get(job_id)) for job_id, u in in_rescale.items()}
+        pinned = tuple(p for job_pins in pins.values() if job_pins for p in job_pins)
+        reserved += [c for c in (update_cell(u) for job_id, u in in_rescale.items() if pins[job_id] is None)
+                     if c is not None]
         background = [b for b in (parse_background(j, part_types) for j in active) if b is not None]
         policy_nodes = free_for_policy(nodes, background, {j.job_id: j for j in active}) if background else nodes
         snapshot = build_snapshot(now_s, policy_nodes, managed, reserved, part_types, trigger,
-                                  cfg.interval_s, cfg.restart_cost_s, self._policy_state, self._derived)
+                                  cfg.interval_s, cfg.restart_cost_s, self._policy_state, self._derived, pinned)
         if snapshot.policy_state is not None and (waiting := job_fitting_idle_gpus(snapshot)):
             # Work-conserving: a policy may skip a round it believes unchanged, but not
             # while a waiting job could run on GPUs that sit idle.
@@ -642,7 +651,7 @@ class Daemon:
         """``guaranteed=yes`` binds only where the admin's list grants it (config
         ``guarantees``); other such jobs run best effort, the reason shown with their plan."""
         claims = [GuaranteeClaim(m.slurm.job_id, m.slurm.user, m.slurm.account, m.slurm.qos,
-                                 m.spec.num_gpus or 0, float(m.slurm.submit_time_s))
+                                 m.spec.num_gpus or 0, m.view.submit_time_s)
                   for m in managed if m.spec.guaranteed]
         if not claims:
             return managed
@@ -686,11 +695,15 @@ class Daemon:
         """A released job Slurm will not start as planned: decide it afresh.
 
         Either Slurm says it never will (``BadConstraints``, ...), or it has waited more
-        than ``LAUNCH_TIMEOUT_ROUNDS`` rounds for GPUs the policy thought were free.
+        than ``LAUNCH_TIMEOUT_ROUNDS`` rounds for GPUs the policy thought were free, counted
+        from its release: the entry's close (a rescale's comes after its checkpoint). A job
+        the journal has no release of (a state file made anew, a job released by hand) is
+        stale too: nothing says Slurm is about to start it.
         """
         if job.reason in STUCK_REASONS:
             return True
-        starts = [e for e in self.store.entries(job.job_id) if e.kind in (journal.START, journal.RESCALE)]
+        released = [e for e in self.store.entries(job.job_id)
+                    if e.kind in (journal.START, journal.RESCALE, journal.RELEASE)]
         limit_s = max(LAUNCH_TIMEOUT_MIN_S, LAUNCH_TIMEOUT_ROUNDS * self.config.interval_s)
-        return bool(starts) and now_s - starts[-1].created_s > limit_s
+        return not released or now_s - max(released[-1].created_s, released[-1].updated_s) > limit_s
 

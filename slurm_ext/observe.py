@@ -363,8 +363,11 @@ def running_assignment(job: SlurmJob, pc: PlanComment, node_types: dict[str, str
     per_node = job.granted_gpus_per_node
     if not per_node or len(per_node) != len(job.nodes):
         return None
-    gtype = job.granted_gpu_type or part_types.get(job.partition)
-    if gtype is None or any(node_types.get(n) != gtype for n in job.nodes):
+    # Its nodes' type: Slurm's gres type may be a site name (``a100_sxm4_80gb``) that the
+    # admin's partition map translates; a catalog name it grants must agree.
+    types = {node_types.get(n) for n in job.nodes}
+    gtype = types.pop() if len(types) == 1 else None
+    if gtype is None or (job.granted_gpu_type in CATALOG and job.granted_gpu_type != gtype):
         return None
     parts = pc.cell_parts()
     stages = parts[2] if parts and parts[0] == gtype and parts[1] == sum(per_node) else 1
@@ -381,7 +384,8 @@ def reserved_cell(job: SlurmJob, part_types: dict[str, str]) -> Cell | None:
     parts = plan_comment(job.admin_comment).cell_parts()
     if parts is not None:
         return Cell(parts[0], parts[1], max(1, job.gpus_per_node or parts[1]), parts[2])
-    gtype = job.gpu_type_requested or part_types.get(job.partition)
+    requested = job.gpu_type_requested
+    gtype = requested if requested in CATALOG else part_types.get(job.partition)
     gpus = requested_gpus(job)
     if gtype is None or not gpus:
         return None
@@ -411,16 +415,28 @@ def update_cell(update: JobUpdate | None) -> Cell | None:
     return Cell(parts[0], parts[1], max(1, update.gpus_per_node or parts[1]), parts[2])
 
 
+def rescale_pins(update: JobUpdate | None, job: SlurmJob | None) -> tuple[tuple[str, int], ...] | None:
+    """The GPUs a rescale's new Cell takes on the nodes its update names, beyond what the
+    job's current run holds there (which show as used already): (node, GPUs) pairs. None
+    when the update names no nodes (a suspension, or Slurm picks them)."""
+    if update is None or not update.required_nodes or not update.gpus_per_node:
+        return None
+    held = dict(zip(job.nodes, job.granted_gpus_per_node)) if job is not None and job.is_running else {}
+    return tuple((name, update.gpus_per_node - held.get(name, 0)) for name in update.required_nodes
+                 if update.gpus_per_node > held.get(name, 0))
+
+
 def build_snapshot(now_s: float, nodes: tuple[SlurmNode, ...], managed: list[ManagedJob],
                    reserved: list[Cell], part_types: dict[str, str], trigger: str,
                    round_s: float, restart_cost_s: float, policy_state: object,
-                   derived: DerivedCache | None = None) -> Snapshot:
+                   derived: DerivedCache | None = None, pinned: tuple[tuple[str, int], ...] = ()) -> Snapshot:
     """The policy's input: typed nodes with what unmanaged jobs hold, and the managed jobs.
 
     GPUs in use that no managed running job accounts for (plain jobs, elastic jobs with a
     spec error, jobs completing) are unmanaged; so are GPUs on nodes that are down or
-    drained, and GPUs ``reserved`` for jobs Slurm is about to start (released by the
-    daemon, with a Cell or as submitted).
+    drained, GPUs ``pinned`` on named nodes (a rescale's new Cell, ``rescale_pins``), and
+    GPUs ``reserved`` for jobs Slurm is about to start (released by the daemon, with a
+    Cell or as submitted), placed where GPUs are free.
     """
     held_by_managed: Counter[str] = Counter()
     for m in managed:
@@ -433,6 +449,10 @@ def build_snapshot(now_s: float, nodes: tuple[SlurmNode, ...], managed: list[Man
     for n, _ in typed:
         used = n.gpus if not n.is_usable else n.gpus_used
         unmanaged[n.name] = min(n.gpus, max(0, used - held_by_managed[n.name]))
+    gpus_of = {n.name: n.gpus for n, _ in typed}
+    for name, gpus in pinned:
+        if name in unmanaged:
+            unmanaged[name] += max(0, min(gpus, gpus_of[name] - unmanaged[name] - held_by_managed[name]))
     free = FreeGpus([(n.name, t, n.gpus) for n, t in typed],
                     {n.name: n.gpus - unmanaged[n.name] - held_by_managed[n.name] for n, _ in typed})
     for cell in reserved:

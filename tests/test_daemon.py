@@ -77,6 +77,13 @@ def test_shipped_yaml_resolves_to_the_defaults():
     ({"policy_options": {"size_exponent": 1.5}}, {}, "policy_options"),
     ({"policy_options": {"share_limits": {"bob": 0}}}, {}, "policy_options"),
     ({"max_new_specs_per_round": 0}, {}, "max_new_specs_per_round"),
+    # Values every round would trip over (a traceback, or every job run as submitted).
+    ({"network": "infinband"}, {}, "network"),
+    ({"cluster": "/nonexistent/cluster.yaml"}, {}, "cluster"),
+    ({"micro_batches": 0}, {}, "micro_batches"),
+    ({"max_gpus": 0}, {}, "max_gpus"),
+    ({}, {"SLURM_EXT_INTERVAL_S": "inf"}, "interval_s"),
+    ({"rescale_timeout_s": float("nan")}, {}, "rescale_timeout_s"),
 ])
 def test_bad_config_names_key_and_source(file_values, env, field):
     with pytest.raises(ConfigError) as info:

@@ -1,0 +1,181 @@
+"""The daemon's rounds at the edges, without Slurm (``FakeSlurm``): a requeue that resets
+Slurm's submit time, a rescale whose checkpoint is slow, a growing rescale still on its
+old node, an elastic job with a spec error that Slurm does not start, and a site whose
+gres type names are not the catalog's.
+
+The same daemon against the real lab is in tests/test_daemon.py.
+"""
+
+import time
+from dataclasses import replace
+
+from estimator.contract import PlanComment, format_plan_comment
+from policy.clock import SimulatedClock
+from policy.interface import RESIZE, Action
+from slurm_ext.act import Acts
+from slurm_ext.config import resolve
+from slurm_ext.daemon import Daemon
+from slurm_ext.slurm_client import Gres, JobUpdate, SlurmJob, SlurmNode
+from slurm_ext.store import Store
+from test_daemon import TRAINER, node
+from test_daemon_rounds import FakeSlurm
+
+NOW = 1_800_000_000
+SPEC = "elastic model=gpt-760m gpus=4 global_batch=64 iterations=1000000"
+STARTED = format_plan_comment(PlanComment(requested="any", cell="a100x4:s1", plan="[dp4tp1]", why="started"))
+
+
+def daemon_for(tmp_path, jobs, nodes, clock=None, **config):
+    client = FakeSlurm(jobs, nodes, TRAINER)
+    cfg = resolve({"state_db": str(tmp_path / "state.db"), "forecast_every_s": 0, **config}, {}, {})
+    daemon = Daemon(cfg, client, Store(cfg.state_db), clock=clock or SimulatedClock(float(NOW)),
+                    out=lambda line: None)
+    return daemon, client
+
+
+def seen_by_policy(daemon):
+    """Every snapshot the policy is given, and every decision's managed jobs as act saw them."""
+    seen = {"snapshots": [], "views": []}
+    decide, act = daemon.policy.decide, daemon.actor.act
+    daemon.policy.decide = lambda s: seen["snapshots"].append(s) or decide(s)
+
+    def spy_act(snapshot, decision, views, *args, **kw):
+        seen["views"].append(views)
+        return act(snapshot, decision, views, *args, **kw)
+    daemon.actor.act = spy_act
+    return seen
+
+
+def running(job_id=70, nodes=("a100-1",), gpu_type="a100", **kw):
+    return SlurmJob(job_id, "alice", "t", "RUNNING", partition="a100", priority=1, comment=SPEC,
+                    admin_comment=STARTED, gpus_per_node=4, node_count=len(nodes),
+                    granted_gpus_per_node=(4,) * len(nodes), granted_gpu_type=gpu_type, nodes=nodes,
+                    submit_time_s=NOW - 2000, start_time_s=NOW - 1000, **kw)
+
+
+def held(job_id, submit_time_s, comment=SPEC, **kw):
+    return SlurmJob(job_id, "alice", "t", "PENDING", reason="JobHeldAdmin", partition="a100", priority=0,
+                    comment=comment, admin_comment="requested=any", gpus_per_node=4, node_count=1,
+                    submit_time_s=submit_time_s, **kw)
+
+
+def start_rescale(daemon, views, job_id, update):
+    """The policy's rescale of ``job_id`` as the actor takes it: journaled, USR1 sent."""
+    view = views[str(job_id)]
+    daemon.actor.start_rescales([(Action(RESIZE, str(job_id), view.view.assignment, None, "grow"), update)],
+                                views, Acts())
+
+
+def test_guarantees_go_by_the_original_submission_after_a_requeue(tmp_path):
+    """A rescale requeues the job and Slurm resets its SubmitTime: the older job keeps its
+    guarantee (granted in submission order), not the job submitted after it."""
+    now = int(time.time())
+    jobs = [held(60, now - 3600, SPEC + " guaranteed=yes"), held(61, now - 600, SPEC + " guaranteed=yes")]
+    daemon, client = daemon_for(tmp_path, jobs, [node("a100-1", "a100", 4, used=4)],
+                                clock=SimulatedClock(float(now)), guarantees={"users": {"alice": 4}})
+    seen = seen_by_policy(daemon)
+    daemon.round()
+    assert {v.job_id: v.guaranteed for v in seen["snapshots"][-1].jobs} == {"60": True, "61": False}
+    client._jobs[60] = replace(client._jobs[60], submit_time_s=now - 5, restart_count=1)
+    daemon.round()
+    assert {v.job_id: v.guaranteed for v in seen["snapshots"][-1].jobs} == {"60": True, "61": False}
+
+
+def test_a_rescale_whose_checkpoint_was_slow_is_not_stale_once_released(tmp_path):
+    """The launch timeout counts from the release, not from the signal: a checkpoint that
+    took five minutes (within ``rescale_timeout_s``) does not make the job, released a
+    moment ago, look stuck and get decided afresh."""
+    clock = SimulatedClock(float(NOW))
+    daemon, client = daemon_for(tmp_path, [running()], [node("a100-1", "a100", 4, used=4), node("a100-2", "a100", 4)],
+                                clock=clock, rescale_timeout_s=900)
+    seen = seen_by_policy(daemon)
+    daemon.round()
+    grown = format_plan_comment(PlanComment(requested="any", cell="a100x8:s1", plan="[dp8tp1]", why="grow"))
+    start_rescale(daemon, seen["views"][-1], 70,
+                  JobUpdate(partition="a100", gpus_per_node=4, num_nodes=2, admin_comment=grown))
+    clock.advance_to(NOW + 300)  # checkpointed, requeued held
+    client._jobs[70] = replace(client._jobs[70], state="SPECIAL_EXIT", reason="JobHeldAdmin", priority=0,
+                               granted_gpus_per_node=(), nodes=(), start_time_s=0, restart_count=1)
+    jobs = lambda: {j.job_id: j for j in client.jobs()}  # noqa: E731
+    daemon.actor.advance_rescales(jobs(), Acts())  # seen back
+    clock.advance_to(NOW + 302)
+    acts = Acts()
+    daemon.actor.advance_rescales(jobs(), acts)  # updated and released
+    assert acts.rescaled == [70]
+    client._jobs[70] = replace(client._jobs[70], state="PENDING", reason="Resources", priority=100,
+                               admin_comment=grown, node_count=2)
+    client._nodes = (node("a100-1", "a100", 4), node("a100-2", "a100", 4))
+    clock.advance_to(NOW + 310)
+    assert not daemon._launch_stale(client._jobs[70], clock.now_s())
+    client.calls.clear()
+    report = daemon.round()
+    assert report.actions == () and [c for c in client.calls if c[0] != "hold_nodes"] == []
+    # Its 8 GPUs count as taken while Slurm starts it.
+    assert sum(n.unmanaged_gpus for n in seen["snapshots"][-1].nodes) == 8
+    # Still waiting three rounds after its release: decided afresh.
+    clock.advance_to(NOW + 302 + 3 * 60 + 1)
+    assert daemon._launch_stale(client._jobs[70], clock.now_s())
+
+
+def test_a_growing_rescale_holds_its_new_node_while_the_job_checkpoints(tmp_path):
+    """A job grows from a100-1 to a100-1 + a100-2. While it checkpoints on a100-1, a100-2
+    is its new Cell's: another job is not started there."""
+    clock = SimulatedClock(float(NOW))
+    daemon, client = daemon_for(tmp_path, [running()], [node("a100-1", "a100", 4, used=4), node("a100-2", "a100", 4)],
+                                clock=clock)
+    seen = seen_by_policy(daemon)
+    daemon.round()
+    grown = format_plan_comment(PlanComment(requested="any", cell="a100x8:s1", plan="[dp8tp1]", why="grow"))
+    start_rescale(daemon, seen["views"][-1], 70,
+                  JobUpdate(partition="a100", gpus_per_node=4, num_nodes=2, admin_comment=grown,
+                            required_nodes=("a100-1", "a100-2")))
+    clock.advance_to(NOW + 5)
+    client._jobs[71] = held(71, NOW + 4)
+    client.calls.clear()
+    report = daemon.round()
+    assert report.rescaling == (70,)
+    assert {n.name: n.unmanaged_gpus for n in seen["snapshots"][-1].nodes} == {"a100-1": 4, "a100-2": 4}
+    assert ("start", 71) not in report.actions
+    assert not [c for c in client.calls if c[0] == "update" and c[1] == 71 and c[2].required_nodes]
+
+
+def test_a_spec_error_job_slurm_does_not_start_leaves_the_idle_gpus_to_the_policy(tmp_path):
+    """An elastic job with a bad spec, released as submitted, waits on a dependency: its
+    GPUs are not kept from the policy beyond the launch timeout; a held one just released
+    counts until then."""
+    clock = SimulatedClock(float(NOW))
+    waiting = SlurmJob(50, "bob", "x", "PENDING", reason="Dependency", partition="a100", priority=100,
+                       comment="elastic model=no-such-model gpus=4 global_batch=64 iterations=100",
+                       admin_comment="requested=any", gpus_per_node=4, node_count=1, submit_time_s=NOW - 3600)
+    daemon, client = daemon_for(tmp_path, [waiting, held(51, NOW - 30)], [node("a100-1", "a100", 4)], clock=clock)
+    seen = seen_by_policy(daemon)
+    report = daemon.round()  # never released by the daemon: its GPUs stay the policy's
+    assert ("annotate", 50) in report.actions and ("start", 51) in report.actions
+    assert [n.unmanaged_gpus for n in seen["snapshots"][-1].nodes] == [0]
+
+    client._jobs[52] = replace(held(52, NOW - 20), comment="elastic model=no-such-model gpus=4",
+                               reason="JobHeldAdmin")
+    daemon.round()  # released as submitted now: about to start, its 4 GPUs are reserved
+    assert ("release", 52) in client.calls
+    assert [n.unmanaged_gpus for n in seen["snapshots"][-1].nodes] == [4]
+    client._jobs[52] = replace(client._jobs[52], reason="Dependency", priority=100)
+    clock.advance_to(NOW + 3 * 60 + 1)
+    daemon.round()  # not started three rounds on: no longer reserved
+    assert [n.unmanaged_gpus for n in seen["snapshots"][-1].nodes] == [0]
+
+
+def test_a_running_job_on_a_site_named_gres_type_stays_managed(tmp_path):
+    """gres.conf's type is ``a100_sxm4_80gb``; the admin maps the partition to the catalog's
+    a100. The running elastic job is the policy's, on a100."""
+    def site_node(name, used=0):
+        return SlurmNode(name, "mixed" if used else "idle", partitions=("a100",),
+                         gres=(Gres("gpu", "a100_sxm4_80gb", 4),),
+                         gres_used=(Gres("gpu", "a100_sxm4_80gb", used),) if used else ())
+    job = running(gpu_type="a100_sxm4_80gb")
+    daemon, _ = daemon_for(tmp_path, [job], [site_node("a100-1", used=4), site_node("a100-2")],
+                           partitions={"a100": "a100"})
+    seen = seen_by_policy(daemon)
+    report = daemon.round()
+    assert report.managed == 1
+    (view,) = seen["snapshots"][-1].jobs
+    assert view.assignment.cell.gpu_type == "a100" and view.assignment.placement == (("a100-1", 4),)
