@@ -437,8 +437,9 @@ class Actor:
                 kind = journal.SUSPEND
             else:
                 kind = journal.RESCALE
-            entries[job_id] = (self.store.intend(job_id, kind, update, now_s), action)
-            self.store.add_progress(job_id, view.run_iterations(now_s), now_s)
+            entry = self.store.intend(job_id, kind, update, now_s)
+            entries[job_id] = (entry, action)
+            self.store.add_progress(job_id, view.run_iterations(now_s), now_s, entry)
         self._signal(sorted(entries))
         now_s = self.clock.now_s()
         for job_id, (entry, action) in sorted(entries.items()):
@@ -491,6 +492,7 @@ class Actor:
             elif e.note == journal.FORCED:
                 if now_s >= e.updated_s + REQUEUE_HOLD_WAIT_S:
                     self.store.close_entry(e.entry_id, journal.FAILED, now_s, "never came back held")
+                    self.store.take_back_progress(e.entry_id, now_s)  # the same run goes on
                     log.error(kv("rescale_failed", job_id=e.job_id, error="never came back held"))
                     del out[e.job_id]
             elif now_s >= e.updated_s + self.config.rescale_timeout_s:

@@ -60,6 +60,8 @@ CREATE TABLE IF NOT EXISTS submit_times (
     job_id INTEGER PRIMARY KEY, submit_s REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS progress (
     job_id INTEGER PRIMARY KEY, iterations_done REAL NOT NULL, updated_s REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS progress_credits (
+    entry_id INTEGER PRIMARY KEY, job_id INTEGER NOT NULL, iterations REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS estimates (
     key TEXT PRIMARY KEY, value_json TEXT NOT NULL, created_s REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS journal (
@@ -196,11 +198,23 @@ class Store:
         return {j: known.get(j, float(s)) for j, s in jobs.items()}
 
     # -- progress -----------------------------------------------------------------------
-    def add_progress(self, job_id: int, iterations: float, now_s: float) -> None:
-        """Add iterations a run completed (called when the run is stopped for a rescale)."""
+    def add_progress(self, job_id: int, iterations: float, now_s: float, entry_id: int | None = None) -> None:
+        """Add iterations a run completed (called when the run is stopped for a rescale,
+        the journal ``entry_id`` of which can take them back: ``take_back_progress``)."""
         self._exec("INSERT INTO progress VALUES (?, ?, ?) ON CONFLICT(job_id) DO UPDATE SET "
                    "iterations_done = iterations_done + excluded.iterations_done, "
                    "updated_s = excluded.updated_s", (job_id, float(iterations), now_s))
+        if entry_id is not None:
+            self._exec("INSERT OR REPLACE INTO progress_credits VALUES (?, ?, ?)",
+                       (entry_id, job_id, float(iterations)))
+
+    def take_back_progress(self, entry_id: int, now_s: float) -> None:
+        """A rescale failed and the run it meant to stop goes on: the iterations credited
+        when it was signalled are counted by that run again, not as an earlier run's."""
+        row = self._exec("SELECT job_id, iterations FROM progress_credits WHERE entry_id = ?", (entry_id,)).fetchone()
+        if row is not None:
+            self.add_progress(row[0], -row[1], now_s)
+            self._exec("DELETE FROM progress_credits WHERE entry_id = ?", (entry_id,))
 
     def progress(self) -> dict[int, float]:
         """Job id → iterations completed in earlier runs."""
@@ -249,7 +263,7 @@ class Store:
         """
         keep = set(active_job_ids)
         dropped = 0
-        for table in ("specs", "submit_times", "progress"):
+        for table in ("specs", "submit_times", "progress", "progress_credits"):
             ids = [r[0] for r in self._exec(f"SELECT job_id FROM {table}").fetchall() if r[0] not in keep]
             if ids:
                 self._many(f"DELETE FROM {table} WHERE job_id = ?", [(i,) for i in ids])

@@ -179,3 +179,28 @@ def test_a_running_job_on_a_site_named_gres_type_stays_managed(tmp_path):
     assert report.managed == 1
     (view,) = seen["snapshots"][-1].jobs
     assert view.assignment.cell.gpu_type == "a100" and view.assignment.placement == (("a100-1", 4),)
+
+
+def test_a_rescale_that_never_happened_does_not_count_the_run_twice(tmp_path):
+    """The job ignores USR1 and its forced requeue fails too: it keeps running the same
+    run, whose iterations count once (from its start), not also as an earlier run's."""
+    from slurm_ext.act import REQUEUE_HOLD_WAIT_S
+    clock = SimulatedClock(float(NOW))
+    daemon, client = daemon_for(tmp_path, [running()], [node("a100-1", "a100", 4, used=4), node("a100-2", "a100", 4)],
+                                clock=clock, policy="fcfs")
+    seen = seen_by_policy(daemon)
+    daemon.round()
+    managed = seen["views"][-1]["70"]
+    start_rescale(daemon, seen["views"][-1], 70,
+                  JobUpdate(partition="a100", gpus_per_node=4, num_nodes=2, admin_comment="cell=a100x8:s1 why=grow"))
+    assert daemon.store.progress()[70] == managed.run_iterations(NOW) > 0  # credited at the signal
+    jobs = lambda: {j.job_id: j for j in client.jobs()}  # noqa: E731
+    clock.advance_to(NOW + daemon.config.rescale_timeout_s)
+    daemon.actor.advance_rescales(jobs(), Acts())  # requeue forced
+    clock.advance_to(NOW + daemon.config.rescale_timeout_s + REQUEUE_HOLD_WAIT_S)
+    daemon.actor.advance_rescales(jobs(), Acts())  # never came back held
+    assert [(e.kind, e.state) for e in daemon.store.entries()] == [("rescale", "failed")]
+    daemon.round()
+    after = seen["views"][-1]["70"].view
+    estimate = next(e for e in after.estimates if e.cell == after.assignment.cell)
+    assert abs(after.iterations_done - (clock.now_s() - (NOW - 1000)) / estimate.iteration_time_s) < 1e-6
