@@ -340,6 +340,9 @@ class Daemon:
         managed, launching, more_errors = self._managed(
             [j for j in elastic if j.job_id not in in_rescale], specs, nodes, part_types, cluster, now_s)
         errors += more_errors
+        # Jobs in a rescale or about to start keep their place in their quota's order.
+        holding = [j for j in elastic if (j.job_id in in_rescale or j in launching) and j.job_id in specs]
+        managed = self._apply_guarantees(managed, [(j, specs[j.job_id]) for j in holding])
         for job, message in errors:
             self.actor.handle_spec_error(job, message, acts)
         # Jobs Slurm is about to start hold their GPUs already, as far as the policy goes.
@@ -572,7 +575,7 @@ class Daemon:
                 m = replace(m, view=replace(view, iterations_done=min(
                     float(spec.iterations), view.iterations_done + m.run_iterations(now_s))))
             managed.append(m)
-        return self._apply_guarantees(managed), launching, errors
+        return managed, launching, errors
 
     def _steering(self, nodes: tuple[SlurmNode, ...], part_types: dict[str, str]) -> Steering:
         """How this round's starts reach their GPU types (``slurm_ext.steering``)."""
@@ -647,14 +650,20 @@ class Daemon:
         log.info(kv("nodes_held" if nodes else "nodes_unheld", nodes=",".join(nodes) or "-",
                     jobs=",".join(jobs) or "-", reservation=HOLD_RESERVATION))
 
-    def _apply_guarantees(self, managed: list[ManagedJob]) -> list[ManagedJob]:
+    def _apply_guarantees(self, managed: list[ManagedJob], holding: list[tuple[SlurmJob, ElasticSpec]]
+                          ) -> list[ManagedJob]:
         """``guaranteed=yes`` binds only where the admin's list grants it (config
-        ``guarantees``); other such jobs run best effort, the reason shown with their plan."""
+        ``guarantees``); other such jobs run best effort, the reason shown with their plan.
+        ``holding``: guaranteed jobs the policy does not see this round (in a rescale, about
+        to start), which claim their quota in their turn all the same."""
         claims = [GuaranteeClaim(m.slurm.job_id, m.slurm.user, m.slurm.account, m.slurm.qos,
                                  m.spec.num_gpus or 0, m.view.submit_time_s)
                   for m in managed if m.spec.guaranteed]
         if not claims:
             return managed
+        claims += [GuaranteeClaim(j.job_id, j.user, j.account, j.qos, spec.num_gpus or 0,
+                                  self._submit_s.get(j.job_id, float(j.submit_time_s)))
+                   for j, spec in holding if spec.guaranteed]
         refused = {j: why for j, why in grant_guarantees(self.config.guarantees, claims).items() if why}
         return [replace(m, view=replace(m.view, guaranteed=False), guarantee_note=refused[m.slurm.job_id])
                 if m.slurm.job_id in refused else m for m in managed]

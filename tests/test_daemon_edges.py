@@ -204,3 +204,23 @@ def test_a_rescale_that_never_happened_does_not_count_the_run_twice(tmp_path):
     after = seen["views"][-1]["70"].view
     estimate = next(e for e in after.estimates if e.cell == after.assignment.cell)
     assert abs(after.iterations_done - (clock.now_s() - (NOW - 1000)) / estimate.iteration_time_s) < 1e-6
+
+
+def test_a_guaranteed_job_in_a_rescale_keeps_its_quota(tmp_path):
+    """alice may hold 4 guaranteed GPUs. Her older job holds them and is being rescaled:
+    for the rounds its rescale takes, her newer job is not granted the quota in its place."""
+    clock = SimulatedClock(float(NOW))
+    older = replace(running(), comment=SPEC + " guaranteed=yes")
+    daemon, client = daemon_for(tmp_path, [older, held(61, NOW - 600, SPEC + " guaranteed=yes")],
+                                [node("a100-1", "a100", 4, used=4), node("a100-2", "a100", 4, used=4)],
+                                clock=clock, guarantees={"users": {"alice": 4}})
+    seen = seen_by_policy(daemon)
+    daemon.round()
+    assert {v.job_id: v.guaranteed for v in seen["snapshots"][-1].jobs} == {"70": True, "61": False}
+    start_rescale(daemon, seen["views"][-1], 70,
+                  JobUpdate(partition="a100", gpus_per_node=4, num_nodes=1, admin_comment=STARTED,
+                            required_nodes=("a100-2",)))
+    clock.advance_to(NOW + 5)
+    report = daemon.round()
+    assert report.rescaling == (70,)
+    assert {v.job_id: v.guaranteed for v in seen["snapshots"][-1].jobs} == {"61": False}
