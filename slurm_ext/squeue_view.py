@@ -117,7 +117,8 @@ def job_row(job: SlurmJob) -> JobRow:
         why = f"spec error, runs as submitted: {pc.error}"
     elif pc.why:
         why = pc.why
-        if job.state == "PENDING" and reason and reason not in why:
+        # The daemon's own hold is what its why explains; any other reason is Slurm's.
+        if job.state == "PENDING" and reason and reason not in why and not job.is_held:
             why = f"{why} (slurm: {reason})"
     elif job.is_elastic and job.state == "PENDING" and job.is_held:
         why = "waiting for the slurm-ext daemon"

@@ -76,9 +76,12 @@ def test_rows_for_each_kind_of_job():
     waiting = SlurmJob(16, "erin", "t", "PENDING", reason="Priority", priority=1, comment="elastic",
                        admin_comment="why=waiting for 8 a100", gpus_per_node=4, node_count=2)
     done = SlurmJob(11, "x", "t", "COMPLETED")
-    table = rows([bad, held, running_elastic(), pending_plain, waiting, done])
-    assert [r.job_id for r in table] == [12, 13, 14, 15, 16]
-    r12, r13, r14, r15, r16 = table
+    planned = SlurmJob(17, "fay", "t", "PENDING", reason="JobHeldUser", priority=0, comment="elastic",
+                       admin_comment="why=waiting: not chosen this round", gpus_per_node=4, node_count=1)
+    table = rows([bad, held, running_elastic(), pending_plain, waiting, done, planned])
+    assert [r.job_id for r in table] == [12, 13, 14, 15, 16, 17]
+    r12, r13, r14, r15, r16, r17 = table
+    assert r17.why == "waiting: not chosen this round"  # held by the daemon, which says why
     assert (r12.gpus, r12.gpu_type, r12.nodes, r12.elastic) == (8, "a100", 2, True)
     assert (r12.cell, r12.plan, r12.samples_per_s, r12.micro_batches) == ("a100x8:s2", "[dp2tp2|dp4tp1]", 412.5, 16)
     assert (r13.gpus, r13.gpu_type, r13.elastic, r13.why, r13.cell) == (2, "v100", False, "Resources", None)
