@@ -22,13 +22,7 @@ Exit status: 0 done, 86 checkpointed for a rescale, 143 checkpointed on SIGTERM,
 
 from __future__ import annotations
 
-import argparse
-import logging
-import sys
-import time
-
-from estimator.contract import ADMIN_COMMENT_PLAN, EXIT_BAD_INPUT
-from job_scripts.runtime import StopSignal
+from job_scripts.stop_signal import StopSignal  # the standard library only
 
 # Installed before anything else is imported: a rescale request that arrives while the
 # runner starts up is recorded, not fatal (SIGUSR1's default action ends the process).
@@ -36,6 +30,12 @@ _STOP = StopSignal()
 if __name__ == "__main__":
     _STOP.install()
 
+import argparse  # noqa: E402
+import logging  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+from estimator.contract import EXIT_BAD_INPUT  # noqa: E402
 from estimator.errors import SpecError  # noqa: E402
 from job_scripts import runtime  # noqa: E402
 from job_scripts.checkpoint import CheckpointError  # noqa: E402
@@ -86,7 +86,7 @@ def choose_plan(job: runtime.Job, model_spec, arch, remaining: int):
     """The plan to train with (``job_scripts.tuning.Tuned``): given, else tuned here from
     the AdminComment's, else the AdminComment's as is when tuning is off."""
     from estimator.plan_string import parse_plan
-    from job_scripts.tuning import TuneRequest, Tuned, best_estimated, tune_plan
+    from job_scripts.tuning import TuneRequest, Tuned, tune_plan, untuned
 
     cfg = job.config
     start = job.plan_text
@@ -107,7 +107,7 @@ def choose_plan(job: runtime.Job, model_spec, arch, remaining: int):
                       job.alloc.gpus_per_node or len(job.devices), job.devices, stages, start,
                       remaining, cfg.platform)
     if not cfg.tune.enabled:
-        return Tuned(start, None, ADMIN_COMMENT_PLAN) if start else Tuned(best_estimated(req), None, "tuned")
+        return untuned(req)
     return tune_plan(req, cfg.tune, job.agree_max, lambda: job.stop_requested() is not None, job.writer)
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from estimator.errors import SpecError
-from job_scripts.slurm_env import SlurmAllocation
+from job_scripts.slurm_env import SlurmAllocation, int_var
 
 PLAN_ENV = "SLURM_EXT_PLAN"
 CHECKPOINT_ROOT_ENV = "SLURM_EXT_CHECKPOINT_ROOT"
@@ -90,6 +90,19 @@ def _float_env(env: dict[str, str], name: str, default: float) -> float:
     return value
 
 
+def _non_negative(key: str, value: float) -> float:
+    if not value >= 0:  # NaN too
+        raise SpecError(key, value, "give a non-negative number")
+    return value
+
+
+def _whole(key: str, value: int, least: int, what: str) -> int:
+    """``value`` when it is a whole number ≥ ``least``; ``what`` says what it counts."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise SpecError(key, value, f"give a whole number ≥ {least} ({what})")
+    return value
+
+
 def resolve_config(given: dict, env: dict[str, str], alloc: SlurmAllocation,
                    settings: dict[str, str], gpu_available: bool,
                    require: tuple[str, ...] = ()) -> RunConfig:
@@ -113,15 +126,15 @@ def resolve_config(given: dict, env: dict[str, str], alloc: SlurmAllocation,
         return given.get(key) if given.get(key) is not None else None
 
     model = pick("model") or settings.get("model")
-    batch = pick("global_batch") or _number(settings, "global_batch")
+    batch = pick("global_batch") if pick("global_batch") is not None else _number(settings, "global_batch")
     iterations = pick("iterations") if pick("iterations") is not None else _number(settings, "iterations")
     for name, value in (("global_batch", batch), *((k, {"model": model, "iterations": iterations}[k])
                                                       for k in require)):
         if value is None:
             raise SpecError(name, None, f"give --{name.replace('_', '-')} or an #ELASTIC {name}=... line")
-    if batch <= 0 or (iterations is not None and iterations < 0):
-        raise SpecError("global_batch" if batch <= 0 else "iterations", batch if batch <= 0 else iterations,
-                        "give a positive batch and a non-negative iteration count")
+    _whole("global_batch", batch, 1, "samples per step")
+    if iterations is not None:
+        _whole("iterations", iterations, 0, "steps to train")
     default_cache, tuned_dir = "", None
     root = pick("checkpoint_root") or env.get(CHECKPOINT_ROOT_ENV) or (
         str(Path(alloc.submit_dir) / "checkpoints") if alloc.submit_dir else "checkpoints")
@@ -136,17 +149,17 @@ def resolve_config(given: dict, env: dict[str, str], alloc: SlurmAllocation,
         platform = "gpu" if gpu_available else "cpu"
     if platform not in ("cpu", "gpu"):
         raise SpecError("platform", platform, "give auto, cpu or gpu")
-    devices = pick("devices") or alloc.num_gpus or 1
+    devices = pick("devices")
+    devices = (alloc.num_gpus or 1) if devices is None else _whole("devices", devices, 1, "devices to use")
     # Shared by the jobs under one root: a job restarted on a plan seen before (its own
     # or another job's) skips most of XLA's compile.
     cache = given.get("compile_cache")
     cache = env.get(COMPILE_CACHE_ENV, default_cache) if cache is None else cache
-    checkpoint_every = given.get("checkpoint_every")
-    if checkpoint_every is None:
-        checkpoint_every = int(_float_env(env, CHECKPOINT_EVERY_ENV, 0))
-    keep = given.get("keep") or 2
-    if checkpoint_every < 0 or keep < 1:
-        raise SpecError("checkpoint_every", checkpoint_every, "give K ≥ 0 and --keep ≥ 1")
+    checkpoint_every = pick("checkpoint_every")
+    checkpoint_every = int_var(env, CHECKPOINT_EVERY_ENV, 0) if checkpoint_every is None else \
+        _whole("checkpoint_every", checkpoint_every, 0, "steps between checkpoints; 0: on signals and at the end")
+    keep = pick("keep")
+    keep = 2 if keep is None else _whole("keep", keep, 1, "checkpoints kept")
     launch = pick("launch") or env.get(LAUNCH_ENV) or "auto"
     if launch not in ("auto", "srun", "single"):
         raise SpecError(LAUNCH_ENV, launch, "give auto, srun or single")
@@ -157,12 +170,13 @@ def resolve_config(given: dict, env: dict[str, str], alloc: SlurmAllocation,
     tune_flag = given.get("tune")
     if tune_flag is None:
         tune_flag = env.get(TUNE_ENV, "1").strip().lower() not in ("0", "no", "off", "false")
+    budget_s, budget_frac = pick("tune_budget_s"), pick("tune_budget_frac")
     tune = TuneConfig(
         enabled=bool(tune_flag),
-        budget_s=given.get("tune_budget_s") if given.get("tune_budget_s") is not None
-        else _float_env(env, TUNE_BUDGET_ENV, DEFAULT_TUNE_BUDGET_S),
-        budget_frac=given.get("tune_budget_frac") if given.get("tune_budget_frac") is not None
-        else _float_env(env, TUNE_FRAC_ENV, DEFAULT_TUNE_FRAC),
+        budget_s=_float_env(env, TUNE_BUDGET_ENV, DEFAULT_TUNE_BUDGET_S) if budget_s is None
+        else _non_negative("tune_budget_s", budget_s),
+        budget_frac=_float_env(env, TUNE_FRAC_ENV, DEFAULT_TUNE_FRAC) if budget_frac is None
+        else _non_negative("tune_budget_frac", budget_frac),
         cache_dir=tuned_dir)
     return RunConfig(model=model, global_batch=batch, iterations=iterations,
                      plan_text=pick("plan") or env.get(PLAN_ENV) or None, checkpoint_dir=ckpt,

@@ -31,9 +31,9 @@ checkpoints of any pytree restored into any shardings, the SIGUSR1 → checkpoin
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -49,6 +49,7 @@ from job_scripts.checkpoint import Checkpoints, CheckpointError, Saved, write_js
 from job_scripts.run_config import SCRIPT_ENV, RunConfig, resolve_config
 from job_scripts.slurm_env import (COORDINATOR_ENV, SlurmAllocation, admin_comment_from_scontrol,
                                    allocation_from_env, comment_from_scontrol, coordinator_address)
+from job_scripts.stop_signal import STOP_RANK, StopSignal
 
 log = logging.getLogger(__name__)
 
@@ -57,21 +58,6 @@ PROGRESS_EVERY_S = 30.0  # the daemon's view of the current step is at most this
 # the small models they use spend most of their time compiling, not computing.
 CPU_FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0",
                           "--xla_llvm_disable_expensive_passes=true")
-
-
-class StopSignal:
-    """Records SIGUSR1 (rescale) and SIGTERM; the training loop acts between steps."""
-
-    def __init__(self):
-        self.name: str | None = None
-
-    def install(self) -> "StopSignal":
-        signal.signal(signal.SIGUSR1, self._handler)
-        signal.signal(signal.SIGTERM, self._handler)
-        return self
-
-    def _handler(self, signum, frame):
-        self.name = signal.Signals(signum).name
 
 
 def scontrol_job_text(job_id: str) -> str | None:
@@ -157,7 +143,8 @@ def start(*, stop: StopSignal | None = None, identity: dict | None = None,
     Args:
         stop: a signal recorder installed earlier (else one is installed now).
         identity: more of what a checkpoint must match to be resumed (e.g. a model
-            version); the global batch, the seed and the model (when known) always are.
+            version), as JSON values (a tuple is compared as the list it is saved as);
+            the global batch, the seed and the model (when known) always are.
         require: settings that must be known (``model``, ``iterations``).
         relaunch_argv: the command ``srun`` starts on each node (default: this one).
         env: the environment (default ``os.environ``).
@@ -203,7 +190,16 @@ def start(*, stop: StopSignal | None = None, identity: dict | None = None,
         source = ADMIN_COMMENT_PLAN if plan_text else None
     known = {"model": cfg.model} if cfg.model else {}
     return Job(cfg, alloc, devices, stop, plan_text, source,
-               {"global_batch": cfg.global_batch, "seed": cfg.seed, **known, **(identity or {})})
+               _as_saved({"global_batch": cfg.global_batch, "seed": cfg.seed, **known, **(identity or {})}))
+
+
+def _as_saved(identity: dict) -> dict:
+    """``identity`` as a checkpoint's JSON metadata reads it back (a tuple becomes a list),
+    so that the same job finds its own checkpoints equal."""
+    try:
+        return json.loads(json.dumps(identity, allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise SpecError("identity", identity, f"give JSON values (strings, numbers, lists, dicts): {e}") from None
 
 
 @dataclass
@@ -281,7 +277,9 @@ class Job:
 
         Raises:
             SpecError: the plan has pipeline stages (a script's own model runs
-                single-stage plans: submit it with ``max_stages=1``) or does not fit.
+                single-stage plans: submit it with ``max_stages=1``), splits states or
+                experts (``zero``, ``offload``, ``ep``: the mesh replicates them), or
+                does not fit.
         """
         import numpy as np
         from jax.sharding import Mesh
@@ -293,6 +291,14 @@ class Job:
             raise SpecError("plan", self.plan_text, f"has {plan.num_stages} pipeline stages; a script "
                             "with its own model runs single-stage plans: submit it with max_stages=1")
         else:
+            asks = [what for what, asked in (
+                (f"zero={plan.zero_level} (states split over dp)", plan.zero_level),
+                ("offload=1 (states on the host)", plan.offload),
+                ("ep (experts split over a stage's devices)", any(plan.stage_ep))) if asked]
+            if asks:
+                raise SpecError("plan", self.plan_text, f"asks for {' and '.join(asks)}; a script with its own "
+                                "model runs replicated states on a (dp, tp) mesh: give it a plan without "
+                                "zero, offload or ep")
             dp, tp = plan.stages[0]
         if dp * tp != n or self.global_batch % (dp * self.micro_batches):
             raise SpecError("plan", self.plan_text, f"needs {dp * tp} devices (the job has {n}) and a global "
@@ -426,9 +432,8 @@ class Job:
 
     def stop_requested(self) -> str | None:
         """``SIGUSR1`` or ``SIGTERM`` when any process got one (all processes agree), else None."""
-        codes = {None: 0, "SIGUSR1": 1, "SIGTERM": 2}
-        top = int(self.agree_max(codes.get(self._stop.name, 2)))
-        return {0: None, 1: "SIGUSR1", 2: "SIGTERM"}[top]
+        top = int(self.agree_max(STOP_RANK[self._stop.name]))
+        return next(name for name, rank in STOP_RANK.items() if rank == top)
 
     def set_running(self, plan_text: str | None, cell: str | None, source: str | None,
                     tuning_s: float = 0.0, candidates_measured: int = 0) -> None:
@@ -450,8 +455,9 @@ class Job:
         self._step, self._step_at_s = step, time.time()
         # Early and then ever rarer speed updates (1, 2, 4, 8, ... timed steps): the daemon
         # learns the real speed of a new plan within a few steps, at little cost; the
-        # current step at least every PROGRESS_EVERY_S.
-        if self._meter.add(seconds) or self._step_at_s - self._written_at_s >= PROGRESS_EVERY_S:
+        # current step at least every PROGRESS_EVERY_S once a speed is known (checkpoints
+        # and the exit write it in any case).
+        if self._meter.add(seconds) or (self._meter.timed and self._step_at_s - self._written_at_s >= PROGRESS_EVERY_S):
             self._write_measured()
 
     @property
@@ -475,15 +481,17 @@ class Job:
         return round(max(peaks) / 1e9, 4) if peaks else None
 
     def _write_measured(self) -> None:
-        mean = self._meter.mean_s
-        if not self.writer or mean is None:
+        """Write ``measured.json``: this run's plan and step always (a report of an earlier
+        run must not stand), its speed once a step after warm-up was timed."""
+        if not self.writer:
             return
+        mean = self._meter.mean_s
         self._written_at_s = time.time()
         report = RunnerReport(
             **self._running, job_id=self.alloc.job_id, global_batch=self.global_batch,
             num_devices=len(self.devices), platform=self.config.platform,
             restart_count=self.alloc.restart_count, iteration_time_s=mean,
-            steps_measured=self._meter.timed, samples_per_s=self.global_batch / mean,
+            steps_measured=self._meter.timed, samples_per_s=self.global_batch / mean if mean else None,
             step=self._step, step_at_s=self._step_at_s, updated_at_s=self._written_at_s,
             peak_memory_gb=self.peak_memory_gb(), **self._phases)
         write_json_atomic(self.config.checkpoint_dir / MEASURED_FILE, report.to_json())

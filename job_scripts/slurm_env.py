@@ -9,8 +9,9 @@ own. The plan the daemon chose sits in the job's AdminComment, read from
 
 GPUs per node come from, in order: ``SLURM_GPUS_ON_NODE`` (a count), ``SLURM_JOB_GPUS``
 or ``SLURM_STEP_GPUS`` (index lists), ``CUDA_VISIBLE_DEVICES`` (index or UUID list),
-``SLURM_GPUS_PER_NODE`` (``4`` or ``a100:4``). The GPU type is the partition's name when
-that names a catalog GPU type (slurm-ext keeps one partition per type).
+``SLURM_GPUS_PER_NODE`` (``4``, ``a100:4``, or summed over types: ``volta:3,kepler:1``).
+The GPU type is the partition's name when that names a catalog GPU type (slurm-ext keeps
+one partition per type).
 """
 
 from __future__ import annotations
@@ -130,7 +131,12 @@ def expand_nodelist(nodelist: str) -> tuple[str, ...]:
     return tuple(names)
 
 
-def _int_var(env: Mapping[str, str], name: str, default: int) -> int:
+def int_var(env: Mapping[str, str], name: str, default: int) -> int:
+    """The whole number ≥ 0 in variable ``name``, ``default`` when unset or blank.
+
+    Raises:
+        SpecError: anything else (quoted).
+    """
     raw = env.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -152,18 +158,24 @@ def _count_list(raw: str) -> int:
 def gpus_per_node_from_env(env: Mapping[str, str]) -> int:
     """GPUs on this node, from the first variable that says (see the module docstring)."""
     if env.get("SLURM_GPUS_ON_NODE", "").strip():
-        return _int_var(env, "SLURM_GPUS_ON_NODE", 0)
+        return int_var(env, "SLURM_GPUS_ON_NODE", 0)
     for name in ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "CUDA_VISIBLE_DEVICES"):
         raw = env.get(name)
         if raw is not None and raw.strip():
             return _count_list(raw)
     raw = env.get("SLURM_GPUS_PER_NODE", "").strip()
-    if raw:
-        count = raw.rsplit(":", 1)[-1].split("(")[0]
-        if not count.isdigit():
-            raise SpecError("SLURM_GPUS_PER_NODE", raw, "expected N or TYPE:N")
+    return sum(_gpus_of_item(raw, item) for item in raw.split(",")) if raw else 0
+
+
+def _gpus_of_item(raw: str, item: str) -> int:
+    """GPUs of one item of ``--gpus-per-node``: ``N``, ``TYPE:N`` or ``TYPE`` (Slurm's
+    count defaults to 1)."""
+    count = item.strip().rsplit(":", 1)[-1].split("(")[0]
+    if count.isdigit():
         return int(count)
-    return 0
+    if re.fullmatch(r"[A-Za-z][\w.-]*", count):
+        return 1
+    raise SpecError("SLURM_GPUS_PER_NODE", raw, "expected N, TYPE:N or TYPE, comma-separated")
 
 
 def gpu_type_of_partition(partition: str | None) -> str | None:
@@ -192,7 +204,7 @@ def allocation_from_env(env: Mapping[str, str]) -> SlurmAllocation:
     job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or None
     nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
     nodes = expand_nodelist(nodelist) if nodelist.strip() else ()
-    num_nodes = _int_var(env, "SLURM_JOB_NUM_NODES", 0) or _int_var(env, "SLURM_NNODES", 0)
+    num_nodes = int_var(env, "SLURM_JOB_NUM_NODES", 0) or int_var(env, "SLURM_NNODES", 0)
     if nodes and num_nodes and num_nodes != len(nodes):
         raise SpecError("SLURM_NNODES", num_nodes,
                         f"disagrees with SLURM_JOB_NODELIST={nodelist!r} ({len(nodes)} nodes)")
@@ -206,9 +218,9 @@ def allocation_from_env(env: Mapping[str, str]) -> SlurmAllocation:
         gpus_per_node=gpus_per_node_from_env(env),
         partition=partition,
         gpu_type=gpu_type_of_partition(partition),
-        restart_count=_int_var(env, "SLURM_RESTART_COUNT", 0),
-        process_id=_int_var(env, "SLURM_PROCID", 0) if in_step else 0,
-        num_processes=max(1, _int_var(env, "SLURM_NTASKS", 1)) if in_step else 1,
+        restart_count=int_var(env, "SLURM_RESTART_COUNT", 0),
+        process_id=int_var(env, "SLURM_PROCID", 0) if in_step else 0,
+        num_processes=max(1, int_var(env, "SLURM_NTASKS", 1)) if in_step else 1,
         in_step=in_step,
         submit_dir=env.get("SLURM_SUBMIT_DIR") or None,
         launch_host=(env.get("SLURM_LAUNCH_NODE_IPADDR") or None) if in_step else None,

@@ -9,8 +9,10 @@ the fastest *measured* plan trains: the model prunes and orders, it never decide
 
 Measuring stops when the budget is spent: at most ``budget_s`` seconds and at most
 ``budget_frac`` of the job's expected remaining run time (remaining iterations × the
-starting plan's measured step time). The result is cached per (model, global batch,
-Cell, node layout, platform), so a job resumed on a Cell it has tuned does not tune again.
+starting plan's measured step time); a stop request (SIGUSR1, SIGTERM) ends it, and one
+before the first measurement keeps the starting plan unmeasured. The result is cached per
+(model, global batch, Cell, node layout, platform, the start's ZeRO level and ep), so a job
+resumed on a Cell it has tuned does not tune again.
 Every process of a multi-process job measures the same candidates in the same order and
 agrees on times (their maximum), so all take the same decision.
 """
@@ -91,6 +93,14 @@ class TuneRequest:
     platform: str
 
 
+def start_options(req: TuneRequest) -> tuple[int, bool]:
+    """The starting plan's ZeRO level and whether it splits a stage's experts (``ep``):
+    what every plan searched keeps (0 and False without a start)."""
+    from estimator.plan_string import parse_plan
+    start = parse_plan(req.start) if req.start else None
+    return (start.zero_level, any(start.stage_ep)) if start else (0, False)
+
+
 def _runnable(req: TuneRequest, text: str):
     from job_scripts.plan import plan_from_string
     return plan_from_string(text, req.model_spec, req.arch, req.global_batch, len(req.devices),
@@ -113,7 +123,6 @@ class PlanSpace:
         from estimator.estimate import EstimateOptions, partition_stages, stage_counts
         from estimator.jobs import JobSpec
         from estimator.memory import MemoryOptions
-        from estimator.plan_string import parse_plan
         from estimator.tuner import TuneOptions, micro_batch_choices, tune
 
         self.req = req
@@ -122,10 +131,9 @@ class PlanSpace:
         # every plan of the search keeps its level (under ZeRO-2 and 3 the runner refuses
         # stages split differently, under ZeRO-3 no remat). A daemon that split a stage's
         # experts over its GPUs (expert_parallel) lets the search try such splits too.
-        start = parse_plan(req.start) if req.start else None
-        self.zero_level = start.zero_level if start else 0
+        self.zero_level, expert_parallel = start_options(req)
         self.estimate = EstimateOptions(memory=MemoryOptions(zero_level=self.zero_level),
-                                        expert_parallel=bool(start and any(start.stage_ep)))
+                                        expert_parallel=expert_parallel)
         n = len(req.devices)
         per_node = max(1, min(req.gpus_per_node or n, n))
         self.cluster = cluster_from_dict({"name": "allocation", "node_groups": [
@@ -181,6 +189,11 @@ def best_estimated(req: TuneRequest) -> str:
         raise SpecError("plan", None, f"no runnable plan of {len(req.devices)} devices for this model "
                                       f"and global batch {req.global_batch}")
     return space.text(space.structures[0], *space.best_of[space.structures[0]])
+
+
+def untuned(req: TuneRequest) -> Tuned:
+    """The plan without measuring: the starting (AdminComment's) plan, else the best estimated."""
+    return Tuned(req.start, None, ADMIN_COMMENT_PLAN) if req.start else Tuned(best_estimated(req), None, "tuned")
 
 
 STRUCTURES = 6  # structures measured at the starting micro-batch count
@@ -284,10 +297,13 @@ def measure_plan(req: TuneRequest, text: str, agree: Callable[[float], float]) -
 
 def cache_key(req: TuneRequest) -> dict:
     import jax
+    # Every plan searched keeps the start's ZeRO level and ep: another start, other plans.
+    zero_level, expert_parallel = start_options(req)
     return {"arch": repr(req.arch), "global_batch": req.global_batch, "gpu_type": req.gpu_type,
             "devices": len(req.devices), "gpus_per_node": req.gpus_per_node,
-            "num_stages": req.num_stages, "platform": req.platform,
-            "device_kind": req.devices[0].device_kind, "jax": jax.__version__}
+            "num_stages": req.num_stages, "platform": req.platform, "zero_level": zero_level,
+            "expert_parallel": expert_parallel, "device_kind": req.devices[0].device_kind,
+            "jax": jax.__version__}
 
 
 def _cache_path(cache_dir: Path, key: dict) -> Path:
@@ -325,7 +341,7 @@ def tune_plan(req: TuneRequest, cfg: TuneConfig, agree: Callable[[float], float]
                  cached.iteration_time_s)
         return cached
     t_begin = time.perf_counter()
-    budget_s, costs = cfg.budget_s, []
+    budget_s, costs, stopped = cfg.budget_s, [], False
 
     def measure(text: str) -> Measured:
         nonlocal budget_s
@@ -339,13 +355,21 @@ def tune_plan(req: TuneRequest, cfg: TuneConfig, agree: Callable[[float], float]
         return m
 
     def more() -> bool:
-        """Another measurement fits the budget (every process gets the same answer)."""
+        """No stop was requested and another measurement fits the budget (every process
+        gets the same answer)."""
+        nonlocal stopped
+        stopped = stopped or stop()
+        if stopped:
+            return False  # a rescale or the job's end waits for no compile
         if not costs:
             return True
         spent = agree(time.perf_counter() - t_begin)
-        return not stop() and spent + sum(costs) / len(costs) <= budget_s
+        return spent + sum(costs) / len(costs) <= budget_s
 
     measured = search_plans(req, measure, more)
+    if not measured and stopped:
+        log.info("a stop was requested before tuning measured a plan: %s as is", req.start or "the best estimate")
+        return untuned(req)
     if not measured:
         raise SpecError("plan", req.start, f"no runnable plan of {len(req.devices)} devices for this model "
                                            f"and global batch {req.global_batch}")

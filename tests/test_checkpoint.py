@@ -193,6 +193,39 @@ def test_checkpoints_keep_the_newest_reshard_logical_arrays_and_fall_back(tmp_pa
     assert json.loads(json.dumps(out))  # plain data crossed the process boundary
 
 
+def _resume_with_identity(directory: str) -> dict:
+    """A job whose identity holds a tuple saves, restarts and looks for its checkpoint."""
+    import jax.numpy as jnp
+
+    from estimator.errors import SpecError
+    from job_scripts import runtime
+
+    def start(identity):
+        # The recorder left uninstalled: the pool ends its worker with SIGTERM.
+        return runtime.start(stop=runtime.StopSignal(), env={}, global_batch=8, iterations=4, devices=1,
+                             platform="cpu", checkpoint_dir=directory, compile_cache="", identity=identity)
+
+    job = start({"model_version": (3, 1)})
+    job.save(1, {"w": jnp.ones(3)})
+    job.close()
+    out = {"same_job": start({"model_version": (3, 1)}).latest().step}
+    for name, identity in (("other_version", {"model_version": (3, 2)}), ("not_json", {"model_version": {3, 1}})):
+        try:
+            start(identity).latest()
+            out[name] = None
+        except SpecError as e:
+            out[name] = str(e)
+    return out
+
+
+def test_a_restarted_job_finds_its_checkpoint_when_its_identity_holds_a_tuple(tmp_path):
+    out = in_jax_child(1, _resume_with_identity, str(tmp_path / "ckpt"))
+    assert out["same_job"] == 1  # saved as JSON, where (3, 1) reads back as [3, 1]
+    assert out["other_version"].startswith("model_version=[3, 2]: the checkpoint ")
+    assert out["not_json"].startswith("identity=") and "give JSON values" in out["not_json"]
+    assert "\n" not in out["other_version"] + out["not_json"]
+
+
 def _experts_reshard(directory: str, saved_stages: list, targets: list) -> dict:
     """In a spawn child with 8 CPU devices: train a tiny MoE under ``saved_stages``, with
     its experts split over its stages' devices (each device saves its own), and restore

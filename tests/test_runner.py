@@ -263,3 +263,129 @@ def test_config_precedence_flag_env_comment_script(tmp_path):
         _config({"model": "gpt-760m", "global_batch": 8}, {}, alloc)
     with pytest.raises(SpecError, match="SLURM_EXT_TUNE_BUDGET_S"):
         _config({}, {"SLURM_EXT_TUNE_BUDGET_S": "ten"}, alloc, str(script))
+
+
+@pytest.mark.parametrize("given, env, wrong", [
+    ({"global_batch": 0}, {}, "global_batch=0"),  # not the #ELASTIC line's 128
+    ({"keep": 0}, {}, "keep=0"),
+    ({"devices": 0}, {}, "devices=0"),  # not the 8 GPUs granted
+    ({"checkpoint_every": -1}, {}, "checkpoint_every=-1"),
+    ({}, {"SLURM_EXT_CHECKPOINT_EVERY": "0.5"}, "SLURM_EXT_CHECKPOINT_EVERY='0.5'"),  # not 0: never
+    ({"tune_budget_s": -1.0}, {}, "tune_budget_s=-1.0"),
+    ({"tune_budget_frac": -0.1}, {}, "tune_budget_frac=-0.1"),
+])
+def test_a_zero_or_malformed_flag_is_refused_not_replaced(tmp_path, given, env, wrong):
+    from job_scripts.slurm_env import SlurmAllocation
+
+    script = tmp_path / "job.sbatch"
+    script.write_text("#ELASTIC model=gpt-760m global_batch=128 iterations=1000\n")
+    alloc = SlurmAllocation(job_id="17", node_names=("a100-1", "a100-2"), gpus_per_node=4,
+                            partition="a100", gpu_type="a100", restart_count=0)
+    with pytest.raises(SpecError) as e:
+        _config(given, env, alloc, str(script))
+    assert str(e.value).startswith(wrong) and "\n" not in str(e.value)
+    # Values that are allowed stay as given.
+    cfg = _config({"checkpoint_every": 0, "tune_budget_s": 0.0}, {"SLURM_EXT_CHECKPOINT_EVERY": "5"}, alloc,
+                  str(script))
+    assert (cfg.checkpoint_every, cfg.tune.budget_s, cfg.keep, cfg.num_devices) == (0, 0.0, 2, 8)
+    assert _config({}, {"SLURM_EXT_CHECKPOINT_EVERY": "5"}, alloc, str(script)).checkpoint_every == 5
+
+
+def _start(ckpt: str, devices: int, env: dict | None = None, **given):
+    """A job in a pool worker, whose SIGTERM stays the pool's (a recorder left uninstalled)."""
+    from job_scripts import runtime
+    return runtime.start(stop=runtime.StopSignal(), env=env or {}, global_batch=16, devices=devices,
+                         platform="cpu", checkpoint_dir=ckpt, compile_cache="", **given)
+
+
+def _meshes(ckpt: str) -> dict:
+    from estimator.errors import SpecError
+    out = {}
+    for tail in ("", " zero=1", " offload=1", " zero=3 offload=1"):
+        for stage in ("dp2tp2", "dp4tp1ep"):
+            plan = f"cell=a100x4:s1 plan=[{stage}] mb=2 remat=1{tail}"
+            try:
+                out[plan] = dict(_start(ckpt, 4, plan=plan).mesh().shape)
+            except SpecError as e:
+                out[plan] = str(e)
+    return out
+
+
+def test_the_mesh_refuses_plans_that_split_states_or_experts(tmp_path):
+    from conftest import in_jax_child
+
+    out = in_jax_child(4, _meshes, str(tmp_path))
+    plain = "cell=a100x4:s1 plan=[dp2tp2] mb=2 remat=1"
+    assert out.pop(plain) == {"dp": 2, "tp": 2}
+    for plan, refusal in out.items():
+        assert isinstance(refusal, str) and refusal.startswith(f"plan={plan!r}: asks for "), refusal
+        assert "\n" not in refusal and "a script with its own model" in refusal
+        for token, named in (("zero=", "zero="), ("offload=1", "offload=1"), ("ep]", "ep (experts")):
+            assert (token in plan) == (named in refusal), (plan, refusal)
+
+
+def _reports_in_warm_up(ckpt: str) -> list[dict]:
+    """Two runs of one job that stop within their warm-up (2 steps): the second is a
+    restart under another plan."""
+    import jax.numpy as jnp
+    reports = []
+    for restart, plan, step in ((0, None, 1), (1, "cell=a100x1:s1 plan=[dp1tp1] mb=2 remat=1", 2)):
+        job = _start(ckpt, 1, {"SLURM_RESTART_COUNT": str(restart)}, plan=plan, warmup_steps=2)
+        job.record_step(step, 1.0, 0.1)
+        assert job.finish(step, {"w": jnp.ones(3)}) == 0
+        reports.append(json.loads((Path(ckpt) / MEASURED_FILE).read_text()))
+    return reports
+
+
+def test_measured_json_is_written_at_exit_before_any_step_is_timed(tmp_path):
+    from conftest import in_jax_child
+
+    first, second = (RunnerReport.from_text(json.dumps(r))
+                     for r in in_jax_child(1, _reports_in_warm_up, str(tmp_path / "ckpt")))
+    assert (first.restart_count, first.step, first.plan) == (0, 1, None)
+    assert first.final_save_s > 0 and first.startup_s is not None
+    # No speed before a timed step: left out, not made up.
+    assert first.iteration_time_s is None and first.samples_per_s is None and first.steps_measured == 0
+    # The restart's own report replaced the earlier run's.
+    assert (second.restart_count, second.step) == (1, 2)
+    assert second.plan == "cell=a100x1:s1 plan=[dp1tp1] mb=2 remat=1" and second.iteration_time_s is None
+
+
+def test_the_stop_handler_is_installed_before_anything_heavy_is_imported():
+    # A SIGUSR1 while the runner imports JAX, Orbax or the estimator must be recorded, not
+    # fatal: the first such import must find the handler in place.
+    probe = (
+        "import importlib.abc, runpy, signal, sys\n"
+        "first = []\n"
+        "class Probe(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if not first and name.split('.')[0] in ('estimator', 'numpy', 'jax', 'orbax'):\n"
+        "            first.append((name, signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL))\n"
+        "sys.meta_path.insert(0, Probe())\n"
+        "sys.argv = ['job_scripts.run', '--help']\n"
+        "try:\n"
+        "    runpy.run_module('job_scripts.run', run_name='__main__', alter_sys=True)\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print(first, file=sys.stderr)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "XLA_", "JAX_"))}
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=WAIT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first = proc.stderr.strip().splitlines()[-1]
+    assert first.startswith("[(") and first.endswith(", False)]"), first  # imported, handler in place
+
+
+@pytest.mark.parametrize("order", [(signal.SIGTERM, signal.SIGUSR1), (signal.SIGUSR1, signal.SIGTERM)])
+def test_sigterm_wins_over_sigusr1_whatever_the_order(order):
+    from job_scripts.runtime import StopSignal
+
+    before = {s: signal.getsignal(s) for s in order}
+    try:
+        stop = StopSignal().install()
+        for s in order:
+            signal.raise_signal(s)
+        assert stop.name == "SIGTERM"  # the job ends (143), not a held requeue (86)
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)

@@ -61,6 +61,20 @@ def test_gpu_count_fallbacks_in_order():
     assert gpus_per_node_from_env({}) == 0
 
 
+@pytest.mark.parametrize("raw, gpus", [("volta:3,kepler:1", 4), ("a100:2,a100", 3), ("2", 2),
+                                        ("gpu:a100:4", 4), ("h100", 1)])
+def test_gpus_per_node_sums_every_type_and_a_bare_type_is_one(raw, gpus):
+    # Slurm's --gpus-per-node takes a comma-separated list of [type:]count; a count left
+    # out is 1, as in --gres.
+    assert gpus_per_node_from_env({"SLURM_GPUS_PER_NODE": raw}) == gpus
+
+
+@pytest.mark.parametrize("raw", ["volta:3,", "a100:x y", "4,?"])
+def test_gpus_per_node_malformed_is_quoted(raw):
+    with pytest.raises(SpecError, match="SLURM_GPUS_PER_NODE"):
+        gpus_per_node_from_env({"SLURM_GPUS_PER_NODE": raw})
+
+
 def test_outside_slurm_is_one_node_without_job():
     alloc = allocation_from_env({"CUDA_VISIBLE_DEVICES": "0"})
     assert alloc.job_id is None and alloc.num_nodes == 1 and alloc.gpus_per_node == 1

@@ -5,6 +5,7 @@ decision is checked against the measurements themselves (the fastest measured pl
 chosen), never against the analytic model.
 """
 
+import json
 from pathlib import Path
 
 import pytest
@@ -64,8 +65,8 @@ def test_tuning_measures_from_the_daemons_plan_keeps_the_fastest_and_caches_it(t
     # The same model, batch and Cell again: the cached plan, nothing measured.
     assert out["again"] == {"plan": first["plan"], "source": "cached", "measured": 0}
     assert len(list(tmp_path.glob("*.json"))) == 1
-    # Another global batch is another key; a stop request ends tuning after the first.
-    assert out["other_batch"] == {"source": ADMIN_COMMENT_PLAN, "measured": 1}
+    # Another global batch is another key; a stop request leaves the start plan unmeasured.
+    assert out["other_batch"] == {"source": ADMIN_COMMENT_PLAN, "measured": 0}
     assert out["short"] == {"plan": START, "source": ADMIN_COMMENT_PLAN, "measured": 1}
 
 
@@ -77,3 +78,46 @@ def test_a_tuning_budget_below_zero_is_refused():
     alloc = SlurmAllocation(None, (), 0, None, None, 0)
     with pytest.raises(SpecError, match="SLURM_EXT_TUNE_BUDGET_FRAC"):
         resolve_config({"global_batch": 8}, {"SLURM_EXT_TUNE_BUDGET_FRAC": "-1"}, alloc, {}, False)
+
+
+class _Device:
+    device_kind = "cpu"
+
+
+def _request(start: str | None):
+    from estimator import jax_models as jm
+    from estimator.models import load_model
+    from job_scripts.tuning import TuneRequest
+
+    spec = load_model(TINY_GPT)
+    return TuneRequest(TINY_GPT, spec, jm.arch_from_model(spec), 16, "a100", 4, [_Device()] * 4, 2, start,
+                       10**6, "cpu")
+
+
+@pytest.mark.parametrize("start", [START, None])
+def test_a_stop_requested_before_tuning_measures_nothing(monkeypatch, start):
+    from job_scripts import tuning
+    from job_scripts.run_config import TuneConfig
+
+    measured = []
+
+    def measure(req, text, agree):
+        measured.append(text)
+        return tuning.Measured(text, 0.1, 1.0)
+
+    monkeypatch.setattr(tuning, "measure_plan", measure)
+    tuned = tuning.tune_plan(_request(start), TuneConfig(True, 600, 1.0, None), agree=lambda x: x,
+                             stop=lambda: True, writer=False)
+    assert measured == []  # no compile while the daemon waits for the checkpoint
+    if start:
+        assert (tuned.plan, tuned.source, tuned.measured) == (START, ADMIN_COMMENT_PLAN, ())
+    else:
+        assert tuned.plan == tuning.best_estimated(_request(None)) and tuned.source == "tuned"
+
+
+def test_the_tuned_plans_cache_keeps_the_zero_level_and_expert_parallelism_apart():
+    from job_scripts.tuning import cache_key
+
+    keys = [cache_key(_request(p)) for p in (START, START + " zero=2", START.replace("dp2tp1|", "dp2tp1ep|"))]
+    assert [(k["zero_level"], k["expert_parallel"]) for k in keys] == [(0, False), (2, False), (0, True)]
+    assert len({json.dumps(k, sort_keys=True) for k in keys}) == 3
