@@ -280,7 +280,8 @@ def running_plan_comment(admin_comment: str, measured_text: str, allow_cpu: bool
     the plan tokens become the running plan's, ``src`` says where it came from, and
     ``sps`` becomes the measured samples/s when the measurement is trusted (GPU, or CPU
     with ``allow_cpu``); ``requested``, ``cell`` and ``why`` are kept. A measured ``sps``
-    already shown is refreshed when it moved by more than ``SPS_REFRESH_FRAC``. The
+    already shown is refreshed when it moved by more than ``SPS_REFRESH_FRAC``; the
+    runner's plan shown before it had a speed (written during its warm-up) gets its first. The
     daemon's own plan running as planned leaves its estimated ``sps``: nothing to write.
 
     Args:
@@ -310,6 +311,10 @@ def running_plan_comment(admin_comment: str, measured_text: str, allow_cpu: bool
     elif trusted and pc.sps_measured and pc.samples_per_s and \
             abs(run.samples_per_s - pc.samples_per_s) > SPS_REFRESH_FRAC * pc.samples_per_s:
         new = replace(pc, samples_per_s=run.samples_per_s)
+    elif trusted and not pc.sps_measured and pc.plan_source in PLAN_SOURCES:
+        # The runner's plan was shown before its speed was measured (a checkpoint in
+        # its warm-up): its first measured speed replaces the estimate.
+        new = replace(pc, samples_per_s=run.samples_per_s, sps_measured=True)
     if new == pc:
         return None
     text = format_plan_comment(new)

@@ -115,6 +115,18 @@ def test_measured_speed_is_refreshed_only_when_it_moved():
                                                               samples_per_s=10.0), False, 0) is None
 
 
+def test_a_tuned_plan_shown_before_its_speed_gets_its_first_measured_speed():
+    """The runner checkpointed during its warm-up: its plan is shown with the daemon's
+    estimate; the report with a measured speed that follows replaces the estimate."""
+    early = measured_json(iteration_time_s=None, samples_per_s=None, steps_measured=0)
+    shown = running_plan_comment(DAEMON_COMMENT, early, False, 0)
+    pc = parse_plan_comment(shown)
+    assert (pc.plan, pc.plan_source, pc.samples_per_s, pc.sps_measured) == ("[dp2tp1|dp1tp2]", "tuned", 80.0, False)
+    assert running_plan_comment(shown, early, False, 0) is None
+    later = parse_plan_comment(running_plan_comment(shown, measured_json(), False, 0))
+    assert (later.plan, later.samples_per_s, later.sps_measured) == ("[dp2tp1|dp1tp2]", 95.5, True)
+
+
 def test_plan_without_layers_and_comments_without_a_plan():
     text = running_plan_comment(DAEMON_COMMENT, measured_json("cell=a100x4:s2 plan=[dp2tp1|dp2tp1] mb=16 remat=1"),
                                 False, 0)
