@@ -104,9 +104,12 @@ def _relaunch_under_srun(alloc: SlurmAllocation, argv: list[str]) -> None:
     so the rescale protocol works unchanged. ``--kill-on-bad-exit=0`` keeps srun from
     killing the others when the first one exits 86 (a killed task would turn the step's
     86 into a failure, and the job would not be requeued); a task that crashes ends the
-    others through jax.distributed's heartbeat timeout.
+    others through jax.distributed's heartbeat timeout. The task count is given: srun
+    would otherwise take the job's own (``SLURM_NTASKS``, from ``sbatch --ntasks``), which
+    outranks ``--ntasks-per-node``.
     """
-    full = ["srun", f"--nodes={alloc.num_nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=0", *argv]
+    full = ["srun", f"--nodes={alloc.num_nodes}", f"--ntasks={alloc.num_nodes}", "--ntasks-per-node=1",
+            "--kill-on-bad-exit=0", *argv]
     log.info("starting one task per node: %s", " ".join(full))
     os.execvp("srun", full)
 

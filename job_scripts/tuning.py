@@ -381,7 +381,8 @@ def tune_plan(req: TuneRequest, cfg: TuneConfig, agree: Callable[[float], float]
     tuning_s = time.perf_counter() - t_begin
     start_s = measured[0].iteration_time_s if req.start and measured[0].plan == req.start else None
     source = ADMIN_COMMENT_PLAN if best.plan == req.start and len(measured) == 1 else "tuned"
-    if writer and cfg.cache_dir is not None and len(measured) > 1:
+    # A search a stop cut short is not kept: the next run on this Cell searches afresh.
+    if writer and cfg.cache_dir is not None and len(measured) > 1 and not stopped:
         key = cache_key(req)
         write_json_atomic(_cache_path(cfg.cache_dir, key), {
             "key": key, "plan": best.plan, "iteration_time_s": best.iteration_time_s,

@@ -389,3 +389,19 @@ def test_sigterm_wins_over_sigusr1_whatever_the_order(order):
     finally:
         for s, handler in before.items():
             signal.signal(s, handler)
+
+
+def test_the_relaunch_starts_one_task_per_node_whatever_the_job_asked(monkeypatch):
+    # sbatch --ntasks=8 leaves SLURM_NTASKS=8, which srun reads as its own count and which
+    # outranks --ntasks-per-node: the relaunch names its count.
+    from job_scripts import runtime
+    from job_scripts.slurm_env import SlurmAllocation
+
+    calls = []
+    monkeypatch.setattr(runtime.os, "execvp", lambda file, args: calls.append((file, args)))
+    alloc = SlurmAllocation(job_id="7", node_names=("n1", "n2"), gpus_per_node=4, partition="a100",
+                            gpu_type="a100", restart_count=0)
+    runtime._relaunch_under_srun(alloc, ["python", "-m", "job_scripts.run"])
+    ((file, args),) = calls
+    assert file == "srun" and args[:4] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1"]
+    assert args[-3:] == ["python", "-m", "job_scripts.run"]

@@ -121,3 +121,23 @@ def test_the_tuned_plans_cache_keeps_the_zero_level_and_expert_parallelism_apart
     keys = [cache_key(_request(p)) for p in (START, START + " zero=2", START.replace("dp2tp1|", "dp2tp1ep|"))]
     assert [(k["zero_level"], k["expert_parallel"]) for k in keys] == [(0, False), (2, False), (0, True)]
     assert len({json.dumps(k, sort_keys=True) for k in keys}) == 3
+
+
+def test_a_search_cut_short_by_a_stop_is_not_cached(monkeypatch, tmp_path):
+    from job_scripts import tuning
+    from job_scripts.run_config import TuneConfig
+
+    measured = []
+
+    def measure(req, text, agree):
+        measured.append(text)
+        return tuning.Measured(text, 0.1 * len(measured), 1.0)
+
+    monkeypatch.setattr(tuning, "measure_plan", measure)
+    monkeypatch.setattr(tuning, "cache_key", lambda req: {"key": "k"})  # no device kind to read
+    for stop_after, files in ((2, 0), (None, 1)):
+        measured.clear()
+        tuned = tuning.tune_plan(_request(START), TuneConfig(True, 600, 1.0, tmp_path), agree=lambda x: x,
+                                 stop=lambda: stop_after is not None and len(measured) >= stop_after, writer=True)
+        assert tuned.plan == START and len(measured) == (2 if stop_after else len(tuned.measured)) > 1
+        assert len(list(tmp_path.glob("*.json"))) == files  # only the whole search is kept
