@@ -335,7 +335,8 @@ class Daemon:
         acts = Acts()
         # Rescales go on first, a step each, without waiting; the jobs in one are left to it
         # this round (their GPUs are busy, or about to be, on their new Cell).
-        in_rescale = self.actor.advance_rescales({j.job_id: j for j in active}, acts)
+        active_by_id = {j.job_id: j for j in active}
+        in_rescale = self.actor.advance_rescales(active_by_id, acts)
         specs, errors = self._specs(elastic, now_s)
         managed, launching, more_errors = self._managed(
             [j for j in elastic if j.job_id not in in_rescale], specs, nodes, part_types, cluster, now_s)
@@ -353,13 +354,12 @@ class Daemon:
         reserved = [c for c in (reserved_cell(j, part_types) for j in about_to_start) if c is not None]
         # A rescale's new Cell holds its nodes from the signal on (the job may still be
         # checkpointing on part of them).
-        by_id = {j.job_id: j for j in active}
-        pins = {job_id: rescale_pins(u, by_id.get(job_id)) for job_id, u in in_rescale.items()}
+        pins = {job_id: rescale_pins(u, active_by_id.get(job_id)) for job_id, u in in_rescale.items()}
         pinned = tuple(p for job_pins in pins.values() if job_pins for p in job_pins)
         reserved += [c for c in (update_cell(u) for job_id, u in in_rescale.items() if pins[job_id] is None)
                      if c is not None]
         background = [b for b in (parse_background(j, part_types) for j in active) if b is not None]
-        policy_nodes = free_for_policy(nodes, background, {j.job_id: j for j in active}) if background else nodes
+        policy_nodes = free_for_policy(nodes, background, active_by_id) if background else nodes
         snapshot = build_snapshot(now_s, policy_nodes, managed, reserved, part_types, trigger,
                                   cfg.interval_s, cfg.restart_cost_s, self._policy_state, self._derived, pinned)
         if snapshot.policy_state is not None and (waiting := job_fitting_idle_gpus(snapshot)):
