@@ -42,8 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from estimator.contract import (ADMIN_COMMENT_PLAN, EXIT_BAD_INPUT, EXIT_DONE, EXIT_RESCALE, EXIT_TERMINATED,
-                                MEASURED_FILE, RunnerReport, comment_settings, merge_settings, plan_tokens,
-                                script_settings)
+                                MEASURED_FILE, ElasticSpecError, RunnerReport, comment_settings, merge_settings,
+                                plan_tokens, script_settings)
 from estimator.errors import SpecError
 from job_scripts.checkpoint import Checkpoints, CheckpointError, Saved, write_json_atomic
 from job_scripts.run_config import SCRIPT_ENV, RunConfig, resolve_config
@@ -70,15 +70,28 @@ def scontrol_job_text(job_id: str) -> str | None:
         return None
 
 
-def _elastic_settings(path: str | None, comment: str | None) -> dict[str, str]:
-    """The job's ``#ELASTIC`` settings, overridden by its Comment's (as the daemon reads them)."""
+def _elastic_settings(path: str | None, comment: str | None, given: dict | None = None,
+                      require: tuple[str, ...] = ()) -> dict[str, str]:
+    """The job's ``#ELASTIC`` settings, overridden by its Comment's (as the daemon reads them).
+
+    A malformed Comment or ``#ELASTIC`` line stops the job, unless the ``given`` flags set
+    every setting it is read for (the global batch and ``require``): the daemon released
+    such a job to run as submitted, and then it runs on its flags, with a warning.
+    """
     text = ""
     if path:
         try:
             text = Path(path).read_text(errors="replace")
         except OSError as e:
             raise SpecError("elastic_script", path, f"cannot read it: {e.strerror}") from None
-    return merge_settings(script_settings(text), comment_settings(comment))
+    try:
+        return merge_settings(script_settings(text), comment_settings(comment))
+    except ElasticSpecError as e:
+        given = given or {}
+        if any(given.get(key) is None for key in ("global_batch", *require)):
+            raise
+        log.warning("the job's elastic settings are ignored (%s): the flags set every one", e)
+        return {}
 
 
 def gpu_available() -> bool:
@@ -169,7 +182,7 @@ def start(*, stop: StopSignal | None = None, identity: dict | None = None,
     job_text = scontrol_job_text(alloc.job_id) if alloc.job_id else None
     comment = comment_from_scontrol(job_text) if job_text else None
     script = given.pop("elastic_script", None) or env.get(SCRIPT_ENV)
-    settings = _elastic_settings(script, comment)
+    settings = _elastic_settings(script, comment, given, require)
     cfg = resolve_config(given, env, alloc, settings, gpu_available(), require)
     if cfg.launch == "srun" and alloc.num_nodes > 1 and not alloc.in_step:
         _relaunch_under_srun(alloc, relaunch_argv or [sys.executable, *sys.orig_argv[1:]])

@@ -265,6 +265,27 @@ def test_config_precedence_flag_env_comment_script(tmp_path):
         _config({}, {"SLURM_EXT_TUNE_BUDGET_S": "ten"}, alloc, str(script))
 
 
+def test_a_malformed_comment_stops_the_job_unless_the_flags_set_every_setting(tmp_path, caplog):
+    from job_scripts.runtime import _elastic_settings
+
+    bad = "elastic global_batch=64 colour=blue"  # the daemon released it to run as submitted
+    with pytest.raises(SpecError, match="colour"):
+        _elastic_settings(None, bad, {"global_batch": 32, "model": "gpt-760m"}, ("model", "iterations"))
+    with pytest.raises(SpecError, match="colour"):
+        _elastic_settings(None, bad)
+    flags = {"global_batch": 32, "model": "gpt-760m", "iterations": 10}
+    with caplog.at_level("WARNING"):
+        assert _elastic_settings(None, bad, flags, ("model", "iterations")) == {}
+    assert "colour" in caplog.text
+    script = tmp_path / "job.sbatch"
+    script.write_text("#ELASTIC model gpt-760m\n")
+    assert _elastic_settings(str(script), None, flags, ("model", "iterations")) == {}
+    with pytest.raises(SpecError, match="cannot read"):  # a script that cannot be read still stops it
+        _elastic_settings(str(tmp_path / "missing.sbatch"), None, flags, ("model", "iterations"))
+    # A well-formed spec is still read under the flags (they win later, in resolve_config).
+    assert _elastic_settings(None, "elastic global_batch=64", flags)["global_batch"] == "64"
+
+
 @pytest.mark.parametrize("given, env, wrong", [
     ({"global_batch": 0}, {}, "global_batch=0"),  # not the #ELASTIC line's 128
     ({"keep": 0}, {}, "keep=0"),
