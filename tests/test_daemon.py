@@ -617,6 +617,7 @@ CHECKPOINT_40_S = SLOW_CHECKPOINT.replace("sleep 6;", "sleep 40;")
 
 
 @pytest.mark.slurm
+@pytest.mark.scenario
 def test_a_new_job_starts_while_another_checkpoints_for_its_rescale(slurm_lab, slurm_client, tmp_path):
     """A rescale never holds up a round: while one job takes 40 s to checkpoint, a new
     elastic job that fits on free GPUs starts within 12 s of its submission."""

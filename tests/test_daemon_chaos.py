@@ -54,6 +54,7 @@ def _settled(client, store, alive):
 
 
 @pytest.mark.slurm
+@pytest.mark.scenario
 def test_every_job_ends_on_its_cell_after_twenty_daemon_kills(slurm_lab, slurm_client, tmp_path):
     rng = random.Random(0)
     chaos_env = {**os.environ, **slurm_lab.env(), "SLURM_EXT_POLL_S": "0.5",

@@ -31,6 +31,7 @@ def _squeue_json(env) -> dict:
 
 
 @pytest.mark.slurm
+@pytest.mark.scenario
 def test_a_waiting_job_starts_within_90_s_of_its_forecast(slurm_lab, slurm_client, tmp_path):
     plain = [slurm_client.submit(SubmitRequest(script=PLAIN, name="plain", partition=p, gres=f"gpu:{g}",
                                                output="/dev/null", workdir=str(tmp_path),

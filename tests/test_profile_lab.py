@@ -22,6 +22,7 @@ def _cli(args, env, cwd, timeout_s=900):
                           capture_output=True, text=True, timeout=timeout_s)
 
 
+@pytest.mark.scenario
 def test_profile_two_nodes_then_estimate_prefers_it(slurm_lab, slurm_client, tmp_path):
     pytest.importorskip("mpi4py", reason="the extra `mpi` (mpi4py and MPICH) is not installed")
     env = {**os.environ, **slurm_lab.env()}

@@ -40,6 +40,7 @@ def _uninterrupted_losses(tmp_path, cache, iterations: int) -> dict[int, float]:
     return {int(s): float(v) for s, v in re.findall(r"step (\d+) loss ([0-9.]+)", proc.stderr)}
 
 
+@pytest.mark.scenario
 def test_daemon_rescales_training_job_which_resumes_at_next_step(slurm_lab, slurm_client, tmp_path,
                                                                  tmp_path_factory):
     # JAX's compilation cache is shared with test_runner's runs of the same plan.
