@@ -53,13 +53,16 @@ function slurm_job_submit(job_desc, part_list, submit_uid)
    return slurm.SUCCESS
 end
 
+-- A held elastic job's priority is the daemon's: its owner's release, hold or priority
+-- change is refused with "Access/permission denied" (Slurm shows no message of a modify
+-- hook's own, so the reason goes to slurmctld's log).
 function slurm_job_modify(job_desc, job_rec, part_list, modify_uid)
    if modify_uid ~= 0 and job_rec ~= nil and is_elastic(job_rec.comment)
          and job_rec.priority == 0 and job_desc.priority ~= nil
          and job_desc.priority ~= slurm.NO_VAL then
-      slurm.log_user("elastic job %u is held for the slurm-ext daemon; it releases the job",
-                     job_rec.job_id)
-      return slurm.ERROR
+      slurm.log_info("slurm-ext: uid %u may not change the priority of elastic job %u: the daemon holds and releases it",
+                     modify_uid, job_rec.job_id)
+      return slurm.ESLURM_ACCESS_DENIED or slurm.ERROR
    end
    return slurm.SUCCESS
 end
