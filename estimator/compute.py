@@ -5,7 +5,8 @@ rate, plus the bytes its memory-bound kernels (elementwise, normalisation, softm
 weight reads move at the attained fraction of memory bandwidth, plus a fixed launch
 overhead per layer pass. Small kernels reach less of the peak: the attained rate falls off
 as work / (work + half_rate_gflop), and the work that half-fills a GPU grows with its SM
-count.
+count. Convolutions (``LayerSpec.kernels``) are costed kernel by kernel, their occupancy
+from their output elements (the thread blocks that tile the output), not their FLOPs.
 
 The per-type parameters (``Efficiency``) are not fitted per type: ``datasheet_efficiency``
 derives them from the GPU's datasheet (peaks, memory bandwidth, SM count, fp32 issue rate,
@@ -36,6 +37,9 @@ class Efficiency:
     # Attained fraction of the profiled inter-node collective bandwidth during training
     # (microbenchmarks run alone; training shares PCIe and the NIC with everything else).
     inter_node_frac: float = 1.0
+    # Convolutions (layers with ``LayerSpec.kernels``): the output elements of one kernel
+    # that half-fill the GPU (0: their FLOPs against ``half_rate_gflop``, as matmuls).
+    conv_half_outputs: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,9 @@ class SharedPhysics:
     half_rate_gflop_per_sm: float  # kernel work that half-fills the GPU, per SM
     inter_node_frac_nvlink: float  # training's share of the profiled inter-node bandwidth
     inter_node_frac_pcie: float  # the same where the node's GPUs, NIC and host share PCIe
+    # Convolution output elements that half-fill the GPU, thousands per SM (a thread block's
+    # output tile is 64×64 to 128×128 elements).
+    conv_half_outputs_k_per_sm: float = 0.0
 
 
 def datasheet_efficiency(gpu: GpuType, physics: "SharedPhysics | None" = None) -> Efficiency:
@@ -57,14 +64,15 @@ def datasheet_efficiency(gpu: GpuType, physics: "SharedPhysics | None" = None) -
     p = FITTED_PHYSICS if physics is None else physics
     return Efficiency(p.matmul_frac, p.fp32_issue_frac * gpu.fp32_issue_frac, p.memory_frac,
                       p.layer_overhead_s, p.half_rate_gflop_per_sm * gpu.sm_count,
-                      p.inter_node_frac_pcie if gpu.pcie_only else p.inter_node_frac_nvlink)
+                      p.inter_node_frac_pcie if gpu.pcie_only else p.inter_node_frac_nvlink,
+                      p.conv_half_outputs_k_per_sm * 1e3 * gpu.sm_count)
 
 
 # Fitted with `python benchmarks/estimator_accuracy.py --fit` on its fixed fit subset (a
 # third of the measured table, chosen by a hash of each row's key) of all four measured
 # types at once; the other rows measure accuracy, and leaving one type out of the fit
 # measures what a type nobody measured gets.
-FITTED_PHYSICS = SharedPhysics(0.6807, 0.6289, 0.829, 59.5e-6, 0.3929, 0.9777, 0.2005)
+FITTED_PHYSICS = SharedPhysics(0.6784, 0.7941, 0.9123, 0.17e-6, 0.6688, 1.0, 0.2061, 19.3459)
 
 # What every catalog type gets without a profile or a refit.
 FITTED_EFFICIENCY: dict[str, Efficiency] = {name: datasheet_efficiency(g) for name, g in CATALOG.items()}
@@ -91,8 +99,17 @@ def layer_time_s(layer: LayerSpec, gpu: GpuType, eff: Efficiency, dtype: str, sa
     else:
         rate = gpu.peak_tflops(dtype) * 1e12 * eff.matmul_frac
     work_flop = layer.flops_fwd * samples / tp * flops_scale
-    occupancy = work_flop / (work_flop + eff.half_rate_gflop * 1e9) if work_flop > 0 else 1.0
-    flops_s = work_flop / (rate * occupancy)
+    if layer.kernels and eff.conv_half_outputs > 0:
+        # Convolutions, kernel by kernel: a kernel fills the GPU with its output tiles, so
+        # its occupancy is its output elements e / (e + half), not its FLOPs; a late 3×3
+        # convolution of a wide network has many FLOPs per output and few outputs per sample.
+        flops_s = 0.0
+        for kernel_flop, outputs in layer.kernels:
+            e = outputs * samples / tp
+            flops_s += kernel_flop * samples / tp * flops_scale / rate * (1.0 + eff.conv_half_outputs / e)
+    else:
+        occupancy = work_flop / (work_flop + eff.half_rate_gflop * 1e9) if work_flop > 0 else 1.0
+        flops_s = work_flop / (rate * occupancy)
     shared = layer.activation_bytes_tp_shared / max(layer.activation_bytes, 1.0)
     moved = layer.elementwise_bytes * samples * (shared + (1.0 - shared) / tp)
     # Every pass reads the layer's weights (its tp shard) once; the backward pass also writes

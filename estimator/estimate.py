@@ -257,7 +257,7 @@ def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan, co
             row = micro * sum(x.output_bytes if ctx.remat else x.activation_bytes for x in layers)
         compiled_peak_gb = (compiled.memory_bytes + (in_flight - 1) * row) / 1e9 + memory.reserve_gb
     peak_gb = mem.peak_gb if compiled_peak_gb is None else compiled_peak_gb
-    usable = gpu.memory_gb * ctx.options.memory.usable_frac
+    usable = gpu.device_memory_gb * ctx.options.memory.usable_frac
     host_usable = host.memory_gb_per_gpu * ctx.options.memory.usable_frac
     if not reason and peak_gb > usable:
         reason = f"stage {index} needs {peak_gb:.1f} GB per GPU, {gpu.name} has {usable:.1f} GB usable"
@@ -432,7 +432,7 @@ def score_plan(job: JobSpec, cell: Cell, cluster: ClusterSpec, stages: tuple[Sta
 def _padding_problem(peak: float, cell: Cell, memory: MemoryOptions) -> str:
     """Why a plan whose stages each fit does not fit once every stage's buffers are padded
     to the largest stage's (``peak``, ``pipeline_peak_gb``; "" if it fits)."""
-    usable = _gpu_type(cell.gpu_type).memory_gb * memory.usable_frac
+    usable = _gpu_type(cell.gpu_type).device_memory_gb * memory.usable_frac
     if peak <= usable:
         return ""
     return (f"stages padded to the largest stage's buffers, as one program, need {peak:.1f} GB per GPU, "

@@ -22,6 +22,8 @@ share their datapath with integer work (NVIDIA Ampere GA102 whitepaper, "2x FP32
 datasheet counts all 128, while fp32 convolutions and matmuls, whose address and loop
 arithmetic is integer work, issue on about half: ``fp32_issue_frac`` 0.5. GA100, GV100 and
 GH100 have separate integer units (1.0).
+Memory sizes are the datasheets' binary gigabytes (GiB); the GDDR6 boards (a40, a10, l20)
+lose a sixteenth of theirs to inline ECC (``GpuType.device_memory_gb``).
 Link bandwidths are the unidirectional per-GPU figures (half the bidirectional totals
 vendors print). Usual GPUs per node follow the clusters the measured tables come from
 (a100 4, v100 16 in a DGX-2, a40 and a10 2) and common servers for the rest (8).
@@ -47,6 +49,18 @@ class GpuType:
     pcie_only: bool  # no NVLink/NVSwitch between all GPUs of a node
     sm_count: int  # streaming multiprocessors: how much parallel work fills the GPU
     fp32_issue_frac: float  # share of the datasheet fp32 rate fp32 convs/matmuls can issue
+    # GDDR6 boards (a40, a10, l20) keep ECC inline in the memory itself: with ECC on (data
+    # centre default) 1/16 of it holds check bits. HBM carries ECC beside the data.
+    ecc_inline: bool = False
+
+    @property
+    def device_memory_gb(self) -> float:
+        """Bytes (in GB, 1e9) the device offers a program: datasheets count memory in
+        binary units (40 GB = 40 GiB), less inline ECC's sixteenth where the board has it.
+        Matches the totals the measured clusters' devices report (MODELS.md,
+        ``device_infos.json``: a100 40,370 MiB, v100 32,501, a40 45,487) to within 1.5 %,
+        the rest being the driver's reserve."""
+        return self.memory_gb * 2**30 / 1e9 * (15 / 16 if self.ecc_inline else 1.0)
 
     def peak_tflops(self, dtype: str) -> float:
         """Peak dense rate for matmul-class work in ``dtype`` (fp16, bf16, fp32)."""
@@ -62,10 +76,10 @@ CATALOG: dict[str, GpuType] = {
     for g in (
         GpuType("a100", 40, 312.0, 156.0, 19.5, 1555, 300, 4, False, 108, 1.0),
         GpuType("v100", 32, 125.0, 15.7, 15.7, 900, 150, 16, False, 80, 1.0),
-        GpuType("a40", 48, 149.7, 74.8, 37.4, 696, 32, 2, True, 84, 0.5),
-        GpuType("a10", 24, 125.0, 62.5, 31.2, 600, 32, 2, True, 72, 0.5),
+        GpuType("a40", 48, 149.7, 74.8, 37.4, 696, 32, 2, True, 84, 0.5, True),
+        GpuType("a10", 24, 125.0, 62.5, 31.2, 600, 32, 2, True, 72, 0.5, True),
         GpuType("h100", 80, 989.0, 494.7, 67.0, 3350, 450, 8, False, 132, 1.0),
-        GpuType("l20", 48, 119.5, 59.8, 59.8, 864, 32, 8, True, 92, 0.5),
+        GpuType("l20", 48, 119.5, 59.8, 59.8, 864, 32, 8, True, 92, 0.5, True),
         GpuType("h200", 141, 989.0, 494.7, 67.0, 4800, 450, 8, False, 132, 1.0),
     )
 }

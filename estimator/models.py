@@ -59,6 +59,10 @@ class LayerSpec:
     residual_bytes: float = 0.0
     residual_bytes_tp_shared: float = 0.0
     input_bytes: float = 0.0  # the layer's input: what the runner keeps of it under remat
+    # Convolutions: each kernel's (forward FLOPs, output elements) per sample. Its output
+    # elements are its parallel work (thread blocks over output tiles), what fills the GPU;
+    # its FLOPs per element (2·k²·c_in) set how long each takes (``compute.layer_time_s``).
+    kernels: tuple[tuple[float, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -204,7 +208,7 @@ def wide_resnet(name: str, base_channels: int, width: int, image: int = 224,
         return LayerSpec(lname, kind, params, flops, moved, kept, in_elems * d, out_elems * d, tp_bytes,
                          batch_stat_syncs=len(convs), batch_stat_bytes=stat_bytes,
                          residual_bytes=residual, residual_bytes_tp_shared=in_elems * d,
-                         input_bytes=in_elems * d)
+                         input_bytes=in_elems * d, kernels=tuple((c[1], c[2]) for c in convs))
 
     stem_conv = conv(image // 2, 7, 3, C)
     hw = image // 4  # after the 3x3/2 max-pool
@@ -223,7 +227,7 @@ def wide_resnet(name: str, base_channels: int, width: int, image: int = 224,
     head_params = cin * classes + classes
     layers.append(LayerSpec("classifier", "classifier", head_params, 2.0 * cin * classes,
                             hw * hw * cin * d * 2, hw * hw * cin * d, 0.0, classes * d, classes * d,
-                            input_bytes=hw * hw * cin * d))
+                            input_bytes=hw * hw * cin * d, kernels=((2.0 * cin * classes, float(classes)),)))
     return ModelSpec(name, "wide_resnet", tuple(layers), "fp32", "sgd")
 
 

@@ -181,6 +181,9 @@ LATER_LAYER_FIELDS = ("experts", "expert_params")
 # Fields that model what the runner keeps for its backward pass, added after stores were
 # first written: always left out, so refining that model keeps every store's models matching.
 RUNNER_MEMORY_FIELDS = ("residual_bytes", "residual_bytes_tp_shared", "input_bytes")
+# Fields derived from a layer's shape for the cost model, added later: left out too (the
+# shape is in the other fields), so a store profiled before still matches.
+COST_MODEL_FIELDS = ("kernels",)
 
 
 def model_fingerprint(model) -> str:
@@ -195,7 +198,7 @@ def model_fingerprint(model) -> str:
 def _layer_text(layer) -> str:
     """The layer's dataclass repr without the later fields that are at their defaults."""
     shown = [f"{f.name}={getattr(layer, f.name)!r}" for f in fields(layer)
-             if f.name not in RUNNER_MEMORY_FIELDS
+             if f.name not in RUNNER_MEMORY_FIELDS and f.name not in COST_MODEL_FIELDS
              and not (f.name in LATER_LAYER_FIELDS and getattr(layer, f.name) == f.default)]
     return f"{type(layer).__name__}({', '.join(shown)})"
 

@@ -357,16 +357,17 @@ def test_a_job_rescaled_this_round_keeps_its_new_admin_comment(tmp_path):
 
 
 def test_expert_parallel_reaches_the_estimates_and_their_cache_key(tmp_path):
-    """``expert_parallel: true`` offers moe-2.4b on two 2-GPU a100 nodes a Cell whose stage
-    splits the experts over dp (far faster than tp over both nodes), runnable, and keys
-    its estimates apart; off, no stage is marked and the key is as before."""
+    """``expert_parallel: true`` offers moe-2.4b at batch 1024 on two 2-GPU a100 nodes a
+    Cell whose stage splits the experts over dp (far faster than tp over both nodes, the
+    only plan there whose replicated experts fit), runnable, and keys its estimates apart;
+    off, no stage is marked and the key is as before."""
     from dataclasses import replace as dc_replace
     from estimator.cluster import cluster_from_dict
     from slurm_ext.jobspec import ElasticSpec
     from slurm_ext.observe import estimate_key
     from slurm_ext.store import estimate_from_json, estimate_to_json
     cluster = cluster_from_dict({"name": "two", "node_groups": [{"gpu_type": "a100", "nodes": 2, "gpus_per_node": 2}]})
-    spec = ElasticSpec("moe-2.4b", 512, 10, num_gpus=4, gpu_type="a100", max_stages=1)
+    spec = ElasticSpec("moe-2.4b", 1024, 10, num_gpus=4, gpu_type="a100", max_stages=1)
     best = {}
     for ep in (False, True):
         cfg = dc_replace(resolve({"state_db": str(tmp_path / f"state{ep}.db")}, {}, {}), expert_parallel=ep)

@@ -150,37 +150,38 @@ def test_admin_comment_passes_the_memory_tokens_to_the_runner():
 
 
 def test_arena_stage_counts_are_estimated_where_faster_and_refused_by_the_runner():
-    """wide_resnet-4b's layers are uneven: on 32 a40s (16 nodes of 2) in 4 stages, Arena's power-of-two
+    """wide_resnet-4b's layers are uneven: on 16 a40s (8 nodes of 2) in 4 stages, Arena's power-of-two
     counts beat equal ones; the plan string carries the counts and ranges, the Cell says
     the runner cannot run it, and the runner refuses it in one line."""
     from estimator.jax_models import builtin_arch
     from estimator.models import load_model
     from job_scripts.plan import plan_from_string
-    job = JobSpec("wide_resnet-4b", 256, 32, "a40")
-    cell = Cell("a40", 32, 2, 4)  # crius-1280's a40 nodes have 2 GPUs
+    job = JobSpec("wide_resnet-4b", 256, 16, "a40")
+    cell = Cell("a40", 16, 2, 4)  # crius-1280's a40 nodes have 2 GPUs
     equal = estimate_cell(job, cell, CRIUS)
     arena = estimate_cell(job, cell, CRIUS, EstimateOptions(stage_gpus="arena"))
     assert equal.feasible and equal.runnable and arena.feasible and not arena.runnable
     assert arena.iteration_time_s < equal.iteration_time_s
     counts = [s.num_gpus for s in arena.stages]
-    assert len(set(counts)) > 1 and sum(counts) == 32 and all(c & (c - 1) == 0 for c in counts)
+    assert len(set(counts)) > 1 and sum(counts) == 16 and all(c & (c - 1) == 0 for c in counts)
     ps = parse_plan(arena.plan)
     assert [dp * tp for dp, tp in ps.stages] == counts and ps.layer_bounds is not None
     with pytest.raises(SpecError, match="same power-of-two device count") as err:
-        plan_from_string(arena.plan, load_model("wide_resnet-4b"), builtin_arch("wide_resnet-4b"), 256, 32, 2)
+        plan_from_string(arena.plan, load_model("wide_resnet-4b"), builtin_arch("wide_resnet-4b"), 256, 16, 2)
     assert "\n" not in str(err.value)
 
 
 def test_expert_parallel_stages_are_estimated_where_faster_and_run_by_the_runner():
-    """moe-2.4b at batch 512 on two nodes of two a100s: with experts replicated over dp
-    only tp over all four GPUs fits, its all-reduces crossing the nodes; with the experts
-    split over the stage's GPUs, dp 4 with ep fits and is far faster. The plan string marks
+    """moe-2.4b at batch 1024 on two nodes of two a100s: with experts replicated over dp
+    only tp over all four GPUs fits (at 512 dp 4 fits the a100's 40 GiB), its all-reduces
+    crossing the nodes; with the experts split over the stage's GPUs, dp 4 with ep fits and
+    is far faster. The plan string marks
     the stage and the runner takes it; experts that do not split evenly over the stage's
     GPUs it refuses in one line."""
     from estimator.jax_models import builtin_arch
     from estimator.models import load_model
     from job_scripts.plan import plan_from_string
-    job, cell = JobSpec("moe-2.4b", 512), Cell("a100", 4, 2, 1)
+    job, cell = JobSpec("moe-2.4b", 1024), Cell("a100", 4, 2, 1)
     plain = estimate_cell(job, cell, CRIUS)
     ep = estimate_cell(job, cell, CRIUS, EstimateOptions(expert_parallel=True))
     assert plain.feasible and plain.runnable and not any(s.ep for s in plain.stages)
@@ -188,7 +189,7 @@ def test_expert_parallel_stages_are_estimated_where_faster_and_run_by_the_runner
     assert ep.iteration_time_s < plain.iteration_time_s / 3
     assert "dp4tp1ep" in ep.plan and parse_plan(ep.plan).format() == ep.plan
     spec, arch = load_model("moe-2.4b"), builtin_arch("moe-2.4b")
-    plan, text, _ = plan_from_string(ep.plan, spec, arch, 512, 4, 2)
+    plan, text, _ = plan_from_string(ep.plan, spec, arch, 1024, 4, 2)
     assert plan.stages[0].ep and text == ep.plan
     with pytest.raises(SpecError, match="must divide the 16 experts") as err:
         plan_from_string("cell=a100x32:s1 plan=[dp16tp2ep] mb=4 remat=1", spec, arch, 512, 32, 8)

@@ -445,16 +445,20 @@ def test_restart_costs_are_the_medians_the_runtime_reported():
 
 
 def test_estimates_count_the_memory_of_the_program_the_rates_came_from():
-    """The shipped table ran Alpa (ZeRO-2 style states): a gpt-1.3b replica fits one 32 GB
-    v100 there, as the table ran it; the runner's replicated fp32 states would not, and
-    estimating them against Alpa's rates made data-parallel policies refuse it."""
+    """The shipped table ran Alpa, whose runtime keeps every micro-batch's layer inputs
+    until the backward (GPipe): gpt-1.3b at batch 256 does not fit one 40 GB a100 there,
+    while the runner's program, with fewer micro-batches in flight, does. The memory an
+    estimate counts is the program's whose rates the simulator replays (Alpa's by
+    default); a policy estimating one against the other's rates would start jobs that
+    could not run, or refuse ones that could."""
     from estimator.cluster import load_cluster
     cluster = load_cluster("crius-1280")
-    spec = JobSpec("gpt-1.3b", 64, 1, "v100")
+    spec = JobSpec("gpt-1.3b", 256, 1, "a100")
 
     def one_gpu(program):
         cells = EstimateCache(cluster, _table(), program=program)._analytic(spec, "dp-only")
-        return next(e for e in cells if e.cell.gpu_type == "v100" and e.cell.num_gpus == 1)
+        return next(e for e in cells if e.cell.gpu_type == "a100" and e.cell.num_gpus == 1)
 
-    assert one_gpu("alpa").feasible and EstimateCache(cluster, _table()).program == "alpa"
-    assert not one_gpu("runner").feasible
+    alpa, runner = one_gpu("alpa"), one_gpu("runner")
+    assert EstimateCache(cluster, _table()).program == "alpa"
+    assert not alpa.feasible and runner.feasible and alpa.peak_memory_gb > runner.peak_memory_gb
