@@ -14,7 +14,6 @@ those of the estimate recorded when the plan was measured.
 import argparse
 import glob
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -22,14 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_output import emit  # noqa: E402
-from plan_measure import accuracy, estimate_plan, runner_plan  # noqa: E402
+from plan_measure import accuracy, estimate_plan, runner_plan, summarize  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-
-
-def _summary(values: list[float]) -> dict:
-    return {"plans": len(values), "median": round(statistics.median(values), 4),
-            "mean": round(statistics.mean(values), 4), "worst": round(min(values), 4)} if values else {"plans": 0}
 
 
 def main() -> None:
@@ -52,8 +46,8 @@ def main() -> None:
                          "estimate_then_s": p["estimate"].get("iteration_time_s"),
                          "accuracy_then": accuracy(p["estimate"].get("iteration_time_s"), measured_s)})
     emit({"plans": rows,
-          "now": _summary([r["accuracy"] for r in rows if r["accuracy"] is not None]),
-          "when_measured": _summary([r["accuracy_then"] for r in rows if r["accuracy_then"] is not None]),
+          "now": summarize([r["accuracy"] for r in rows]),
+          "when_measured": summarize([r["accuracy_then"] for r in rows]),
           "command": "python benchmarks/gpu_step_accuracy.py"}, args.out)
 
 

@@ -99,7 +99,6 @@ def layer_time_s(layer: LayerSpec, gpu: GpuType, eff: Efficiency, dtype: str, sa
         rate = gpu.fp32_tflops * 1e12 * eff.conv_frac
     else:
         rate = gpu.peak_tflops(dtype) * 1e12 * eff.matmul_frac
-    work_flop = layer.flops_fwd * samples / tp * flops_scale
     if layer.kernels and eff.conv_half_outputs > 0:
         # Convolutions, kernel by kernel: a kernel fills the GPU with its output tiles, so
         # its occupancy is its output elements e / (e + half), not its FLOPs; a late 3×3
@@ -109,6 +108,7 @@ def layer_time_s(layer: LayerSpec, gpu: GpuType, eff: Efficiency, dtype: str, sa
             e = outputs * samples / tp
             flops_s += kernel_flop * samples / tp * flops_scale / rate * (1.0 + eff.conv_half_outputs / e)
     else:
+        work_flop = layer.flops_fwd * samples / tp * flops_scale
         occupancy = work_flop / (work_flop + eff.half_rate_gflop * 1e9) if work_flop > 0 else 1.0
         flops_s = work_flop / (rate * occupancy)
     shared = layer.activation_bytes_tp_shared / max(layer.activation_bytes, 1.0)
