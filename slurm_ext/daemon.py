@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from dataclasses import dataclass, replace
 
+from estimator.cells import Cell
 from estimator.cluster import ClusterSpec
 from estimator.contract import MEASURED_FILE, ElasticSpecError
 from estimator.estimate import EstimateOptions, estimate_job
@@ -30,7 +31,7 @@ from estimator.jobs import JobSpec
 from estimator.models import BUILTIN_MODELS
 from estimator.refine import refine
 from policy.clock import Clock, WallClock
-from policy.forecast import forecast
+from policy.forecast import GpuRelease, forecast
 from policy.interface import (
     DROPPED_PREFIX, PENDING, RUNNING, TRIGGER_ARRIVAL, TRIGGER_COMPLETION, TRIGGER_ROUND, Decision,
     DecisionError, DerivedCache, JobView, Policy, Snapshot, validate_decision,
@@ -49,7 +50,7 @@ from slurm_ext.observe import (  # noqa: F401
     ManagedJob, build_snapshot, cluster_spec, estimate_key, is_held, kv, measurement_from_text,
     model_loader_for, node_type, partition_types, plan_comment, profile_db_if_written, profile_version,
     requested_gpus, rescale_pins, reserved_cell, gpu_releases, running_assignment, running_plan_comment,
-    runner_progress, type_partitions, update_cell,
+    runner_progress, type_partitions, update_cell, finish_on_s, rescale_releases,
 )
 from slurm_ext.profile_job import (
     RETRY_AFTER_S, background_request, free_for_policy, is_background, next_background, parse_background,
@@ -351,17 +352,30 @@ class Daemon:
         # not start (a dependency, a limit) must not keep idle GPUs from the policy.
         about_to_start = launching + [j for j, _ in errors
                                       if j.state == "PENDING" and not self._launch_stale(j, now_s)]
-        reserved = [c for c in (reserved_cell(j, part_types) for j in about_to_start) if c is not None]
+        # A forecast sees their GPUs come free when they would finish on their Cells.
+        progress = self.store.progress()
+
+        def until_s(job_id: int, cell: Cell | None) -> float | None:
+            if cell is None:
+                return None
+            return self._finish_on_s(specs.get(job_id), job_id, cell, progress, cluster, now_s)
+
+        reserved = [(c, until_s(j.job_id, c)) for j in about_to_start
+                    if (c := reserved_cell(j, part_types)) is not None]
         # A rescale's new Cell holds its nodes from the signal on (the job may still be
         # checkpointing on part of them).
         pins = {job_id: rescale_pins(u, active_by_id.get(job_id)) for job_id, u in in_rescale.items()}
         pinned = tuple(p for job_pins in pins.values() if job_pins for p in job_pins)
-        reserved += [c for c in (update_cell(u) for job_id, u in in_rescale.items() if pins[job_id] is None)
-                     if c is not None]
+        reserved += [(c, until_s(job_id, c)) for job_id, u in in_rescale.items()
+                     if pins[job_id] is None and (c := update_cell(u)) is not None]
+        rescaling = tuple(r for job_id, u in in_rescale.items()
+                          for r in rescale_releases(u, active_by_id.get(job_id), pins[job_id] is not None, now_s,
+                                                    until_s(job_id, update_cell(u))))
         background = [b for b in (parse_background(j, part_types) for j in active) if b is not None]
         policy_nodes = free_for_policy(nodes, background, active_by_id) if background else nodes
-        snapshot = build_snapshot(now_s, policy_nodes, managed, reserved, part_types, trigger,
-                                  cfg.interval_s, cfg.restart_cost_s, self._policy_state, self._derived, pinned)
+        snapshot, reserved_releases = build_snapshot(
+            now_s, policy_nodes, managed, reserved, part_types, trigger, cfg.interval_s, cfg.restart_cost_s,
+            self._policy_state, self._derived, pinned)
         if snapshot.policy_state is not None and (waiting := job_fitting_idle_gpus(snapshot)):
             # Work-conserving: a policy may skip a round it believes unchanged, but not
             # while a waiting job could run on GPUs that sit idle.
@@ -379,7 +393,8 @@ class Daemon:
         self._policy_state = decision.policy_state
         decision, snapshot, managed = self._release_dropped(decision, snapshot, managed, acts, now_s)
         forecasts = self.forecasts.take()  # one finished since the last round, if any
-        self._start_forecast(snapshot, decision, managed, active, now_s)
+        self._start_forecast(snapshot, decision, managed, [j for j in active if j.job_id not in in_rescale],
+                             reserved_releases + rescaling, now_s)
         t3 = time.perf_counter()
         held = None if decision.holds is None else \
             tuple(sorted({n for _, names in decision.holds for n in names}))
@@ -434,15 +449,17 @@ class Daemon:
                 [m for m in managed if m.view.job_id not in dropped])
 
     def _start_forecast(self, snapshot, decision: Decision, managed: list[ManagedJob], active: list[SlurmJob],
-                        now_s: float) -> None:
+                        reserved: tuple[GpuRelease, ...], now_s: float) -> None:
         """When one is due and none runs: the same policy run forward from this snapshot,
-        starting from this round's decision, in the background (a round never waits)."""
+        starting from this round's decision, in the background (a round never waits).
+        GPUs of plain ``active`` jobs come free at their Slurm end times, ``reserved`` ones
+        (jobs about to start, in a rescale) as given."""
         cfg = self.config
         if cfg.forecast_every_s <= 0 or now_s - self._forecast_s < cfg.forecast_every_s or not snapshot.jobs \
                 or self.forecasts.running:
             return
         managed_ids = {m.slurm.job_id for m in managed}
-        releases = gpu_releases([j for j in active if j.job_id not in managed_ids], now_s)
+        releases = gpu_releases([j for j in active if j.job_id not in managed_ids], now_s) + reserved
         # A job whose runner reported a step of its current run is past its start-up.
         progressing = {m.view.job_id: m.runner.at_s for m in managed if m.runner is not None}
         self.forecasts.start(lambda: forecast(snapshot, self.policy, releases, cfg.forecast_max_decisions,
@@ -699,6 +716,18 @@ class Daemon:
         except (SpecError, ValueError, KeyError, ArithmeticError) as e:
             return jspec, f"cannot estimate: {e}"
         return jspec, est
+
+    def _finish_on_s(self, spec: ElasticSpec | None, job_id: int, cell: Cell, progress: dict[int, float],
+                     cluster: ClusterSpec, now_s: float) -> float | None:
+        """When a job about to (re)start on ``cell`` would finish there: a restart, then its
+        remaining iterations at its estimate of the Cell (None: not known)."""
+        if spec is None:
+            return None
+        _, est = self._estimate(spec, cluster, now_s)
+        if isinstance(est, str):
+            return None
+        left = spec.iterations - progress.get(job_id, 0.0)
+        return finish_on_s(tuple(est[self.config.plan_space]), cell, left, now_s + self.config.restart_cost_s)
 
     def _launch_stale(self, job: SlurmJob, now_s: float) -> bool:
         """A released job Slurm will not start as planned: decide it afresh.

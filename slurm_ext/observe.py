@@ -409,6 +409,35 @@ def gpu_releases(jobs: list[SlurmJob], now_s: float) -> tuple[GpuRelease, ...]:
     return tuple(out)
 
 
+def finish_on_s(estimates: tuple[CellEstimate, ...], cell: Cell, iterations_left: float,
+                start_s: float) -> float | None:
+    """When a job that starts on ``cell`` at ``start_s`` would finish: its remaining
+    iterations at its fastest feasible estimate of a Cell of that shape (None: none)."""
+    shape = (cell.gpu_type, cell.num_gpus, cell.num_stages)
+    times = [e.iteration_time_s for e in estimates if e.feasible and e.iteration_time_s > 0
+             and (e.cell.gpu_type, e.cell.num_gpus, e.cell.num_stages) == shape]
+    return start_s + max(0.0, iterations_left) * min(times) if times else None
+
+
+def rescale_releases(update: JobUpdate | None, job: SlurmJob | None, pinned: bool,
+                     now_s: float, until_s: float | None) -> tuple[GpuRelease, ...]:
+    """When a forecast sees the GPUs of a job in a rescale come free.
+
+    Its current run is checkpointing and leaving: what it holds beyond its new Cell's share
+    of each node comes free now. Where its new Cell is ``pinned`` to the nodes its update
+    names, those GPUs come free at ``until_s``, when it would finish on them (never, when
+    not known). A new Cell on nodes Slurm picks is a reservation (``build_snapshot``).
+    """
+    held = dict(zip(job.nodes, job.granted_gpus_per_node)) if job is not None and job.is_running else {}
+    new = {name: update.gpus_per_node for name in (update.required_nodes or ())} \
+        if pinned and update is not None and update.gpus_per_node else {}
+    out = [GpuRelease(now_s, name, gpus - new.get(name, 0)) for name, gpus in held.items()
+           if gpus > new.get(name, 0)]
+    if until_s is not None:
+        out += [GpuRelease(until_s, name, gpus) for name, gpus in new.items()]
+    return tuple(out)
+
+
 def update_cell(update: JobUpdate | None) -> Cell | None:
     """The Cell a pending-job update gives its job (its AdminComment's), or None (a
     suspension's update names none)."""
@@ -432,16 +461,20 @@ def rescale_pins(update: JobUpdate | None, job: SlurmJob | None) -> tuple[tuple[
 
 
 def build_snapshot(now_s: float, nodes: tuple[SlurmNode, ...], managed: list[ManagedJob],
-                   reserved: list[Cell], part_types: dict[str, str], trigger: str,
+                   reserved: list[tuple[Cell, float | None]], part_types: dict[str, str], trigger: str,
                    round_s: float, restart_cost_s: float, policy_state: object,
-                   derived: DerivedCache | None = None, pinned: tuple[tuple[str, int], ...] = ()) -> Snapshot:
-    """The policy's input: typed nodes with what unmanaged jobs hold, and the managed jobs.
+                   derived: DerivedCache | None = None, pinned: tuple[tuple[str, int], ...] = ()
+                   ) -> tuple[Snapshot, tuple[GpuRelease, ...]]:
+    """The policy's input: typed nodes with what unmanaged jobs hold, and the managed jobs;
+    and when the ``reserved`` GPUs come free, for a forecast.
 
     GPUs in use that no managed running job accounts for (plain jobs, elastic jobs with a
     spec error, jobs completing) are unmanaged; so are GPUs on nodes that are down or
     drained, GPUs ``pinned`` on named nodes (a rescale's new Cell, ``rescale_pins``), and
     GPUs ``reserved`` for jobs Slurm is about to start (released by the daemon, with a
-    Cell or as submitted), placed where GPUs are free.
+    Cell or as submitted, or a rescale's new Cell on nodes Slurm picks), placed where GPUs
+    are free. Each reserved Cell comes with when its job would finish on it (None: not
+    known), which becomes a release of the GPUs it was placed on.
     """
     held_by_managed: Counter[str] = Counter()
     for m in managed:
@@ -460,12 +493,15 @@ def build_snapshot(now_s: float, nodes: tuple[SlurmNode, ...], managed: list[Man
             unmanaged[name] += max(0, min(gpus, gpus_of[name] - unmanaged[name] - held_by_managed[name]))
     free = FreeGpus([(n.name, t, n.gpus) for n, t in typed],
                     {n.name: n.gpus - unmanaged[n.name] - held_by_managed[n.name] for n, _ in typed})
-    for cell in reserved:
+    releases: list[GpuRelease] = []
+    for cell, until_s in reserved:
         placement = free.place(cell, strict=False)
         if placement is not None:
             free.take(placement)
             for name, gpus in placement:
                 unmanaged[name] += gpus
+                if until_s is not None:
+                    releases.append(GpuRelease(until_s, name, gpus))
     views = tuple(NodeView(n.name, t, n.gpus, unmanaged[n.name]) for n, t in typed)
     jobs = tuple(sorted((m.view for m in managed), key=lambda v: (v.submit_time_s, int(v.job_id))))
-    return Snapshot(now_s, views, jobs, trigger, round_s, restart_cost_s, policy_state, derived)
+    return Snapshot(now_s, views, jobs, trigger, round_s, restart_cost_s, policy_state, derived), tuple(releases)

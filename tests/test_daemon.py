@@ -26,7 +26,11 @@ from slurm_ext.daemon import (  # noqa: I001
     Daemon, build_snapshot, cluster_spec, model_loader_for, partition_types, requested_gpus,
     reserved_cell, running_assignment,
 )
-from slurm_ext.observe import type_partitions
+from dataclasses import replace
+
+from slurm_ext.observe import finish_on_s, rescale_releases, type_partitions
+from policy.forecast import GpuRelease
+from estimator.cells import CellEstimate
 from slurm_ext.slurm_parse import parse_pending_listing
 from slurm_ext.slurm_client import Gres, JobUpdate, SlurmJob, SlurmNode, SubmitRequest
 from estimator.contract import MEASURED_FILE, RunnerReport, parse_plan_comment
@@ -223,12 +227,53 @@ def test_snapshot_counts_unmanaged_and_launching_gpus():
                             admin_comment="error=model: missing", gpus_per_node=1, node_count=1)
     reserved = [reserved_cell(j, part_types) for j in (launching, as_submitted)]
     assert reserved == [Cell("v100", 2, 2, 1), Cell("v100", 1, 1, 1)]
-    snap = build_snapshot(100.0, NODES, managed, reserved, part_types, "round", 60.0, 30.0, None)
+    # The released job would finish at 900 s; when the one as submitted ends is not known.
+    snap, releases = build_snapshot(100.0, NODES, managed, list(zip(reserved, (900.0, None))), part_types,
+                                    "round", 60.0, 30.0, None)
     unmanaged = {n.name: n.unmanaged_gpus for n in snap.nodes}
     # a100-1: 4 used, 2 of them by the managed job; a100-2: 2 used, all managed;
     # v100-1: 3 reserved for jobs about to start; h100-1 is down; cpu-1 has no GPUs.
     assert unmanaged == {"a100-1": 2, "a100-2": 0, "v100-1": 3, "h100-1": 8}
     assert snap.now_s == 100.0 and snap.restart_cost_s == 30.0
+    # A forecast frees the released job's two GPUs where they were reserved, when it ends.
+    assert releases == (GpuRelease(900.0, "v100-1", 2),)
+
+
+def _estimate(cell: Cell, iteration_time_s: float, feasible: bool = True) -> CellEstimate:
+    return CellEstimate(cell, (), 4, iteration_time_s, 1.0, 10.0, feasible, "")
+
+
+def test_finish_on_a_reserved_cell_uses_the_fastest_feasible_estimate_of_its_shape():
+    estimates = (_estimate(Cell("v100", 4, 4, 1), 2.0), _estimate(Cell("v100", 4, 2, 1), 1.5),
+                 _estimate(Cell("v100", 4, 4, 2), 0.5, feasible=False), _estimate(Cell("a100", 4, 4, 1), 0.2))
+    # 100 iterations left at 1.5 s (the 2 × 2 layout), from a start at 130 s.
+    assert finish_on_s(estimates, Cell("v100", 4, 4, 1), 100, 130.0) == 130.0 + 150.0
+    assert finish_on_s(estimates, Cell("v100", 4, 4, 2), 100, 130.0) is None  # infeasible only
+    assert finish_on_s(estimates, Cell("v100", 8, 4, 1), 100, 130.0) is None  # never estimated
+    assert finish_on_s(estimates, Cell("a100", 4, 4, 1), -5, 130.0) == 130.0  # done already
+
+
+def test_gpus_of_a_job_in_a_rescale_come_free_in_a_forecast():
+    running = SlurmJob(7, "u", "t", "RUNNING", partition="a100", comment="elastic",
+                       granted_gpus_per_node=(4, 2), nodes=("a100-1", "a100-2"), node_count=2)
+    # Shrinking onto a100-1, pinned: its 2 GPUs on a100-2 go now, the new Cell's 2 on a100-1
+    # when the job would finish on it; the 2 it holds beyond them on a100-1 go now too.
+    shrink = JobUpdate(gpus_per_node=2, required_nodes=("a100-1",))
+    assert rescale_releases(shrink, running, True, 100.0, 5000.0) == (
+        GpuRelease(100.0, "a100-1", 2), GpuRelease(100.0, "a100-2", 2), GpuRelease(5000.0, "a100-1", 2))
+    # Growing to 4 on each: nothing goes now; all eight at its end (unknown: never).
+    grow = JobUpdate(gpus_per_node=4, required_nodes=("a100-1", "a100-2"))
+    assert rescale_releases(grow, running, True, 100.0, 5000.0) == (
+        GpuRelease(5000.0, "a100-1", 4), GpuRelease(5000.0, "a100-2", 4))
+    assert rescale_releases(grow, running, True, 100.0, None) == ()
+    # A suspension, or a new Cell on nodes Slurm picks (a reservation): all it holds goes now.
+    for update, pinned in ((None, False), (shrink, False)):
+        assert rescale_releases(update, running, pinned, 100.0, 5000.0) == (
+            GpuRelease(100.0, "a100-1", 4), GpuRelease(100.0, "a100-2", 2))
+    # Requeued already: it holds nothing.
+    requeued = replace(running, state="PENDING", granted_gpus_per_node=(), nodes=())
+    assert rescale_releases(grow, requeued, True, 100.0, 5000.0) == (
+        GpuRelease(5000.0, "a100-1", 4), GpuRelease(5000.0, "a100-2", 4))
 
 
 def test_metrics_are_served_when_a_port_is_configured():

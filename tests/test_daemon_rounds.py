@@ -236,6 +236,46 @@ def test_a_waiting_job_is_forecast_to_start_when_the_plain_job_ends(tmp_path):
     assert min(abs(pc.expected_end_s - end) for end in ends) <= 1.0
 
 
+def test_gpus_reserved_for_a_job_about_to_start_come_free_in_the_forecast_when_it_would_end(tmp_path):
+    """The daemon released one job onto the only node's GPUs and Slurm has not started it
+    yet: the job waiting behind it is forecast to start when the first would finish there,
+    not never."""
+    now = int(time.time())
+    spec = "elastic model=gpt-760m gpus=4 global_batch=64 iterations=1000"
+    first, second = (SlurmJob(job_id, "alice", "train", "PENDING", reason="JobHeldAdmin", partition="a100",
+                              comment=spec, admin_comment="requested=any", gpus_per_node=4, node_count=1,
+                              submit_time_s=now - 60 + job_id) for job_id in (41, 42))
+    client = FakeSlurm([first], [node("a100-1", "a100", 4)], "#!/bin/bash\n")
+    cfg = resolve({"state_db": str(tmp_path / "state.db")}, {}, {})
+    daemon = Daemon(cfg, client, Store(cfg.state_db), out=lambda line: None)
+    seen = []
+    decide = daemon.policy.decide
+    daemon.policy.decide = lambda snapshot: seen.append(snapshot) or decide(snapshot)
+    assert daemon.round().actions == (("start", 41),)
+    daemon.forecasts.wait(30)
+    # As Slurm shows it once released: pending for resources, its Cell in its AdminComment.
+    released = client.jobs()[0]
+    cell = parse_plan_comment(released.admin_comment).cell
+    assert cell == "a100x4:s1"  # alone, it takes the whole node
+    client._jobs[41] = replace(released, reason="Resources", priority=1)
+    client._jobs[42] = second
+    round_s = time.time()
+    for _ in range(4):  # rewritten AdminComments wait a round; forecasts come every 60 s
+        daemon._forecast_s -= cfg.forecast_every_s
+        report = daemon.round()
+        daemon.forecasts.wait(30)
+        if 42 in report.forecasts_shown:
+            break
+    assert 42 in report.forecasts_shown and time.time() - round_s < 5.0
+    # Job 41 is no longer the policy's (its GPUs are reserved): only 42 is.
+    assert [v.job_id for v in seen[-1].jobs] == ["42"]
+    first_view = [v for v in seen[0].jobs if v.job_id == "41"][0]
+    (t_s,) = {e.iteration_time_s for e in first_view.feasible_estimates() if e.cell.label() == cell}
+    ends_s = round_s + cfg.restart_cost_s + 1000 * t_s
+    pc = parse_plan_comment(client.jobs()[1].admin_comment)
+    assert pc.expected_start_s is not None and abs(pc.expected_start_s - ends_s) <= 5.0
+
+
 def test_a_job_crius_ddl_drops_runs_as_submitted_and_says_why(tmp_path):
     """No Cell finishes it by its deadline: it is released as submitted, not held forever."""
     now = int(time.time())
