@@ -259,21 +259,23 @@ def test_gpus_reserved_for_a_job_about_to_start_come_free_in_the_forecast_when_i
     assert cell == "a100x4:s1"  # alone, it takes the whole node
     client._jobs[41] = replace(released, reason="Resources", priority=1)
     client._jobs[42] = second
-    round_s = time.time()
+    forecast_at_s = []  # the clock of each round that started a forecast
+    start_forecast = daemon._start_forecast
+    daemon._start_forecast = lambda *args: forecast_at_s.append(args[-1]) or start_forecast(*args)
     for _ in range(4):  # rewritten AdminComments wait a round; forecasts come every 60 s
         daemon._forecast_s -= cfg.forecast_every_s
         report = daemon.round()
         daemon.forecasts.wait(30)
         if 42 in report.forecasts_shown:
             break
-    assert 42 in report.forecasts_shown and time.time() - round_s < 5.0
+    assert 42 in report.forecasts_shown
     # Job 41 is no longer the policy's (its GPUs are reserved): only 42 is.
     assert [v.job_id for v in seen[-1].jobs] == ["42"]
     first_view = [v for v in seen[0].jobs if v.job_id == "41"][0]
     (t_s,) = {e.iteration_time_s for e in first_view.feasible_estimates() if e.cell.label() == cell}
-    ends_s = round_s + cfg.restart_cost_s + 1000 * t_s
-    pc = parse_plan_comment(client.jobs()[1].admin_comment)
-    assert pc.expected_start_s is not None and abs(pc.expected_start_s - ends_s) <= 5.0
+    ends_s = [now_s + cfg.restart_cost_s + 1000 * t_s for now_s in forecast_at_s]
+    pc = parse_plan_comment(client.jobs()[1].admin_comment)  # times in whole seconds
+    assert pc.expected_start_s is not None and min(ends_s) - 1 <= pc.expected_start_s <= max(ends_s) + 1
 
 
 def test_a_job_crius_ddl_drops_runs_as_submitted_and_says_why(tmp_path):
