@@ -339,8 +339,9 @@ class Daemon:
         active_by_id = {j.job_id: j for j in active}
         in_rescale = self.actor.advance_rescales(active_by_id, acts)
         specs, errors = self._specs(elastic, now_s)
+        progress = self.store.progress()
         managed, launching, more_errors = self._managed(
-            [j for j in elastic if j.job_id not in in_rescale], specs, nodes, part_types, cluster, now_s)
+            [j for j in elastic if j.job_id not in in_rescale], specs, progress, nodes, part_types, cluster, now_s)
         errors += more_errors
         # Jobs in a rescale or about to start keep their place in their quota's order.
         holding = [j for j in elastic if (j.job_id in in_rescale or j in launching) and j.job_id in specs]
@@ -353,7 +354,6 @@ class Daemon:
         about_to_start = launching + [j for j, _ in errors
                                       if j.state == "PENDING" and not self._launch_stale(j, now_s)]
         # A forecast sees their GPUs come free when they would finish on their Cells.
-        progress = self.store.progress()
 
         def until_s(job_id: int, cell: Cell | None) -> float | None:
             if cell is None:
@@ -516,17 +516,17 @@ class Daemon:
             return None, str(e)
         return spec.to_json(), None
 
-    def _managed(self, elastic: list[SlurmJob], specs: dict[int, ElasticSpec],
+    def _managed(self, elastic: list[SlurmJob], specs: dict[int, ElasticSpec], progress: dict[int, float],
                  nodes: tuple[SlurmNode, ...], part_types: dict[str, str], cluster: ClusterSpec,
                  now_s: float) -> tuple[list[ManagedJob], list[SlurmJob], list[tuple[SlurmJob, str]]]:
-        """Managed jobs with their estimates; jobs Slurm is about to start; estimation errors."""
+        """Managed jobs with their estimates; jobs Slurm is about to start; estimation errors.
+        ``progress``: the journal's iterations done in earlier runs, per job."""
         cfg = self.config
         candidates = [j for j in elastic if j.job_id in specs]
         new = {j.job_id: float(j.submit_time_s) for j in candidates if j.job_id not in self._submit_s}
         if new:  # the original submit time survives requeues (which reset Slurm's)
             self._submit_s.update(self.store.submit_times(new) if not cfg.dry_run else new)
         submit_s = self._submit_s
-        progress = self.store.progress()
         suspended_s = self.store.suspended_times()
         node_types = {n.name: node_type(n, part_types) for n in nodes}
         managed: list[ManagedJob] = []

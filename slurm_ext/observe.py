@@ -409,13 +409,17 @@ def gpu_releases(jobs: list[SlurmJob], now_s: float) -> tuple[GpuRelease, ...]:
     return tuple(out)
 
 
+def held_by_run(job: SlurmJob | None) -> dict[str, int]:
+    """The GPUs a job's current run holds, per node (none unless it runs)."""
+    return dict(zip(job.nodes, job.granted_gpus_per_node)) if job is not None and job.is_running else {}
+
+
 def finish_on_s(estimates: tuple[CellEstimate, ...], cell: Cell, iterations_left: float,
                 start_s: float) -> float | None:
     """When a job that starts on ``cell`` at ``start_s`` would finish: its remaining
     iterations at its fastest feasible estimate of a Cell of that shape (None: none)."""
-    shape = (cell.gpu_type, cell.num_gpus, cell.num_stages)
-    times = [e.iteration_time_s for e in estimates if e.feasible and e.iteration_time_s > 0
-             and (e.cell.gpu_type, e.cell.num_gpus, e.cell.num_stages) == shape]
+    times = [e.iteration_time_s for e in estimates
+             if e.feasible and e.iteration_time_s > 0 and same_shape(e.cell, cell)]
     return start_s + max(0.0, iterations_left) * min(times) if times else None
 
 
@@ -428,7 +432,7 @@ def rescale_releases(update: JobUpdate | None, job: SlurmJob | None, pinned: boo
     names, those GPUs come free at ``until_s``, when it would finish on them (never, when
     not known). A new Cell on nodes Slurm picks is a reservation (``build_snapshot``).
     """
-    held = dict(zip(job.nodes, job.granted_gpus_per_node)) if job is not None and job.is_running else {}
+    held = held_by_run(job)
     new = {name: update.gpus_per_node for name in (update.required_nodes or ())} \
         if pinned and update is not None and update.gpus_per_node else {}
     out = [GpuRelease(now_s, name, gpus - new.get(name, 0)) for name, gpus in held.items()
@@ -455,7 +459,7 @@ def rescale_pins(update: JobUpdate | None, job: SlurmJob | None) -> tuple[tuple[
     when the update names no nodes (a suspension, or Slurm picks them)."""
     if update is None or not update.required_nodes or not update.gpus_per_node:
         return None
-    held = dict(zip(job.nodes, job.granted_gpus_per_node)) if job is not None and job.is_running else {}
+    held = held_by_run(job)
     return tuple((name, update.gpus_per_node - held.get(name, 0)) for name in update.required_nodes
                  if update.gpus_per_node > held.get(name, 0))
 
