@@ -40,7 +40,7 @@ from slurm_ext.config import DaemonConfig
 from slurm_ext.errors import SlurmExtError
 from slurm_ext.metrics import Metrics
 from slurm_ext.observe import (
-    ManagedJob, best_estimate_for, is_held, kv, plan_comment, same_shape,
+    ManagedJob, best_estimate_for, finish_on_s, is_held, kv, plan_comment, same_shape,
 )
 from slurm_ext.slurm_client import REQUEUE_SETTLE_S, JobUpdate, SlurmClient, SlurmJob
 from slurm_ext.squeue_view import plan_label
@@ -65,14 +65,19 @@ def _shift(shown_s: float | None, new_s: float | None) -> float:
 
 
 def start_update(assignment: Assignment, m: ManagedJob, steering: Steering,
-                 reason: str, policy_name: str) -> JobUpdate | None:
+                 reason: str, policy_name: str, now_s: float | None = None,
+                 restart_cost_s: float = 0.0) -> JobUpdate | None:
     """The pending-job update that gives ``m`` its Cell (None: no partition has the type).
 
     The type is reached by partition, typed GRES or node features (``slurm_ext.steering``);
     CPUs and host memory per GPU come from the Cell's nodes and plan. The AdminComment
     carries the plan string the runner reads (``estimator.plan_string``: cell, per-stage
     dp × tp, micro-batches, rematerialization, stage boundaries, and the ZeRO stage and
-    offload the estimate needed to fit), as the Cell's estimate chose them.
+    offload the estimate needed to fit), as the Cell's estimate chose them. Given the
+    decision's ``now_s``, it also carries the job's forecast on that Cell, so that a job
+    about to (re)start shows one before the next forecast: its start now, its progress,
+    and its end after ``restart_cost_s`` and its remaining iterations at its estimate
+    (``finish_on_s``, the same time at which a forecast sees its GPUs come free).
     """
     cell = assignment.cell
     how = steer(steering, m.slurm.partition, cell.gpu_type)
@@ -88,6 +93,11 @@ def start_update(assignment: Assignment, m: ManagedJob, steering: Steering,
         num_nodes = -(-cell.num_gpus // per_node)
     est = best_estimate_for(m.view, cell)
     pc = plan_comment(m.slurm.admin_comment)
+    forecast = {}
+    if now_s is not None:
+        left = m.view.iterations_total - m.view.iterations_done
+        forecast = {"expected_start_s": now_s, "progress_frac": round(m.view.progress_frac, 3),
+                    "expected_end_s": finish_on_s(m.view.estimates, cell, left, now_s + restart_cost_s)}
     layers = None
     if est and est.stages:
         layers = ",".join(str(b) for b in (est.stages[0].layer_start, *(s.layer_end for s in est.stages)))
@@ -98,7 +108,7 @@ def start_update(assignment: Assignment, m: ManagedJob, steering: Steering,
         remat=est.remat if est else None, layers=layers,
         zero_level=est.zero_level if est else 0, offload=bool(est and est.offload),
         samples_per_s=est.samples_per_s if est and est.feasible else None,
-        why=m.why(reason or f"chosen by {policy_name}")))
+        why=m.why(reason or f"chosen by {policy_name}"), **forecast))
     cpus, mem_mb = per_gpu_resources(steering, cell.gpu_type, per_node,
                                      est.host_memory_gb if est else None)
     features = how.features
@@ -279,7 +289,8 @@ class Actor:
             update = None
             if action.after is not None:
                 steering = steering or steering_of()
-                update = start_update(action.after, view, steering, action.reason, policy_name)
+                update = start_update(action.after, view, steering, action.reason, policy_name,
+                                      self.clock.now_s(), self.config.restart_cost_s)
                 if update is None:
                     log.warning(kv("no_partition", job_id=job.job_id, gpu_type=action.after.cell.gpu_type))
                     continue

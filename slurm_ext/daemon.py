@@ -50,7 +50,7 @@ from slurm_ext.observe import (  # noqa: F401
     ManagedJob, build_snapshot, cluster_spec, estimate_key, is_held, kv, measurement_from_text,
     model_loader_for, node_type, partition_types, plan_comment, profile_db_if_written, profile_version,
     requested_gpus, rescale_pins, reserved_cell, gpu_releases, running_assignment, running_plan_comment,
-    runner_progress, type_partitions, update_cell, finish_on_s, rescale_releases,
+    runner_progress, type_partitions, update_cell, finish_on_s, held_by_run, rescale_layover, rescale_releases,
 )
 from slurm_ext.profile_job import (
     RETRY_AFTER_S, background_request, free_for_policy, is_background, next_background, parse_background,
@@ -363,14 +363,22 @@ class Daemon:
         reserved = [(c, until_s(j.job_id, c)) for j in about_to_start
                     if (c := reserved_cell(j, part_types)) is not None]
         # A rescale's new Cell holds its nodes from the signal on (the job may still be
-        # checkpointing on part of them).
+        # checkpointing on part of them). One on nodes Slurm picks most likely lands on the
+        # GPUs its run leaves; the rest of it is a reservation.
         pins = {job_id: rescale_pins(u, active_by_id.get(job_id)) for job_id, u in in_rescale.items()}
         pinned = tuple(p for job_pins in pins.values() if job_pins for p in job_pins)
-        reserved += [(c, until_s(job_id, c)) for job_id, u in in_rescale.items()
-                     if pins[job_id] is None and (c := update_cell(u)) is not None]
-        rescaling = tuple(r for job_id, u in in_rescale.items()
-                          for r in rescale_releases(u, active_by_id.get(job_id), pins[job_id] is not None, now_s,
-                                                    until_s(job_id, update_cell(u))))
+        types = {n.name: node_type(n, part_types) for n in nodes}
+        rescaling: tuple[GpuRelease, ...] = ()
+        for job_id, u in in_rescale.items():
+            job, cell = active_by_id.get(job_id), update_cell(u)
+            end_s = until_s(job_id, cell)
+            if pins[job_id] is not None:
+                new = {name: u.gpus_per_node for name in u.required_nodes}
+            else:
+                new = rescale_layover(cell, held_by_run(job), types)
+                if cell is not None and (rest := cell.num_gpus - sum(new.values())) > 0:
+                    reserved.append((replace(cell, num_gpus=rest, gpus_per_node=min(cell.gpus_per_node, rest)), end_s))
+            rescaling += rescale_releases(job, new, now_s, end_s)
         background = [b for b in (parse_background(j, part_types) for j in active) if b is not None]
         policy_nodes = free_for_policy(nodes, background, active_by_id) if background else nodes
         snapshot, reserved_releases = build_snapshot(
@@ -393,7 +401,9 @@ class Daemon:
         self._policy_state = decision.policy_state
         decision, snapshot, managed = self._release_dropped(decision, snapshot, managed, acts, now_s)
         forecasts = self.forecasts.take()  # one finished since the last round, if any
-        self._start_forecast(snapshot, decision, managed, [j for j in active if j.job_id not in in_rescale],
+        # Background profiling jobs' GPUs are free in the snapshot already: no release.
+        self._start_forecast(snapshot, decision, managed,
+                             [j for j in active if j.job_id not in in_rescale and not is_background(j)],
                              reserved_releases + rescaling, now_s)
         t3 = time.perf_counter()
         held = None if decision.holds is None else \

@@ -423,22 +423,36 @@ def finish_on_s(estimates: tuple[CellEstimate, ...], cell: Cell, iterations_left
     return start_s + max(0.0, iterations_left) * min(times) if times else None
 
 
-def rescale_releases(update: JobUpdate | None, job: SlurmJob | None, pinned: bool,
-                     now_s: float, until_s: float | None) -> tuple[GpuRelease, ...]:
+def rescale_layover(cell: Cell | None, held: dict[str, int], types: dict[str, str | None]) -> dict[str, int]:
+    """Where a rescale's new Cell on nodes Slurm picks most likely lands: on the GPUs its
+    run is leaving (``held``, per node), on nodes of the Cell's type, at most its GPUs per
+    node, the nodes it holds most of first. Per node; what is not there is placed anew."""
+    out: dict[str, int] = {}
+    left = cell.num_gpus if cell is not None else 0
+    for name, gpus in sorted(held.items(), key=lambda item: (-item[1], item[0])):
+        if left <= 0:
+            break
+        if types.get(name) == cell.gpu_type:
+            out[name] = min(gpus, cell.gpus_per_node, left)
+            left -= out[name]
+    return out
+
+
+def rescale_releases(job: SlurmJob | None, new: dict[str, int], now_s: float,
+                     until_s: float | None) -> tuple[GpuRelease, ...]:
     """When a forecast sees the GPUs of a job in a rescale come free.
 
-    Its current run is checkpointing and leaving: what it holds beyond its new Cell's share
-    of each node comes free now. Where its new Cell is ``pinned`` to the nodes its update
-    names, those GPUs come free at ``until_s``, when it would finish on them (never, when
-    not known). A new Cell on nodes Slurm picks is a reservation (``build_snapshot``).
+    Its current run is checkpointing and leaving: what it holds beyond its new Cell's
+    share of each node (``new``: on the nodes its update names, ``rescale_pins``, or where
+    it most likely lands, ``rescale_layover``; empty for a suspension) comes free now. The
+    new Cell's GPUs there come free at ``until_s``, when it would finish on them (never,
+    when not known). The rest of a new Cell is a reservation (``build_snapshot``).
     """
     held = held_by_run(job)
-    new = {name: update.gpus_per_node for name in (update.required_nodes or ())} \
-        if pinned and update is not None and update.gpus_per_node else {}
     out = [GpuRelease(now_s, name, gpus - new.get(name, 0)) for name, gpus in held.items()
            if gpus > new.get(name, 0)]
     if until_s is not None:
-        out += [GpuRelease(until_s, name, gpus) for name, gpus in new.items()]
+        out += [GpuRelease(until_s, name, gpus) for name, gpus in new.items() if gpus > 0]
     return tuple(out)
 
 

@@ -28,7 +28,7 @@ from slurm_ext.daemon import (  # noqa: I001
 )
 from dataclasses import replace
 
-from slurm_ext.observe import finish_on_s, rescale_releases, type_partitions
+from slurm_ext.observe import finish_on_s, rescale_layover, rescale_releases, type_partitions
 from policy.forecast import GpuRelease
 from estimator.cells import CellEstimate
 from slurm_ext.slurm_parse import parse_pending_listing
@@ -256,24 +256,35 @@ def test_finish_on_a_reserved_cell_uses_the_fastest_feasible_estimate_of_its_sha
 def test_gpus_of_a_job_in_a_rescale_come_free_in_a_forecast():
     running = SlurmJob(7, "u", "t", "RUNNING", partition="a100", comment="elastic",
                        granted_gpus_per_node=(4, 2), nodes=("a100-1", "a100-2"), node_count=2)
-    # Shrinking onto a100-1, pinned: its 2 GPUs on a100-2 go now, the new Cell's 2 on a100-1
-    # when the job would finish on it; the 2 it holds beyond them on a100-1 go now too.
-    shrink = JobUpdate(gpus_per_node=2, required_nodes=("a100-1",))
-    assert rescale_releases(shrink, running, True, 100.0, 5000.0) == (
+    # Shrinking onto a100-1 (2 GPUs there): its 2 GPUs on a100-2 go now, the new Cell's 2 on
+    # a100-1 when the job would finish on it; the 2 it holds beyond them on a100-1 go now too.
+    assert rescale_releases(running, {"a100-1": 2}, 100.0, 5000.0) == (
         GpuRelease(100.0, "a100-1", 2), GpuRelease(100.0, "a100-2", 2), GpuRelease(5000.0, "a100-1", 2))
     # Growing to 4 on each: nothing goes now; all eight at its end (unknown: never).
-    grow = JobUpdate(gpus_per_node=4, required_nodes=("a100-1", "a100-2"))
-    assert rescale_releases(grow, running, True, 100.0, 5000.0) == (
+    grow = {"a100-1": 4, "a100-2": 4}
+    assert rescale_releases(running, grow, 100.0, 5000.0) == (
         GpuRelease(5000.0, "a100-1", 4), GpuRelease(5000.0, "a100-2", 4))
-    assert rescale_releases(grow, running, True, 100.0, None) == ()
-    # A suspension, or a new Cell on nodes Slurm picks (a reservation): all it holds goes now.
-    for update, pinned in ((None, False), (shrink, False)):
-        assert rescale_releases(update, running, pinned, 100.0, 5000.0) == (
-            GpuRelease(100.0, "a100-1", 4), GpuRelease(100.0, "a100-2", 2))
+    assert rescale_releases(running, grow, 100.0, None) == ()
+    # A suspension: all it holds goes now.
+    assert rescale_releases(running, {}, 100.0, 5000.0) == (
+        GpuRelease(100.0, "a100-1", 4), GpuRelease(100.0, "a100-2", 2))
     # Requeued already: it holds nothing.
     requeued = replace(running, state="PENDING", granted_gpus_per_node=(), nodes=())
-    assert rescale_releases(grow, requeued, True, 100.0, 5000.0) == (
+    assert rescale_releases(requeued, grow, 100.0, 5000.0) == (
         GpuRelease(5000.0, "a100-1", 4), GpuRelease(5000.0, "a100-2", 4))
+
+
+def test_a_rescale_on_nodes_slurm_picks_is_laid_over_the_gpus_its_run_leaves():
+    held = {"a100-1": 4, "a100-2": 2, "v100-1": 4}
+    types = {"a100-1": "a100", "a100-2": "a100", "a100-3": "a100", "v100-1": "v100"}
+    # Six a100s, four per node: the node it holds most of, then the next.
+    assert rescale_layover(Cell("a100", 6, 4, 1), held, types) == {"a100-1": 4, "a100-2": 2}
+    # Two per node at most, three in all.
+    assert rescale_layover(Cell("a100", 3, 2, 1), held, types) == {"a100-1": 2, "a100-2": 1}
+    # Growing past what it holds: the rest is placed anew; another type: none laid over.
+    assert rescale_layover(Cell("a100", 16, 4, 1), held, types) == {"a100-1": 4, "a100-2": 2}
+    assert rescale_layover(Cell("h100", 8, 8, 1), held, types) == {}
+    assert rescale_layover(None, held, types) == {}
 
 
 def test_metrics_are_served_when_a_port_is_configured():

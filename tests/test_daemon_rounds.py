@@ -16,10 +16,11 @@ from estimator.contract import (
     ADMIN_COMMENT_PLAN, MEASURED_FILE, PLAN_KEYS, PlanComment, RunnerReport, format_plan_comment, parse_plan_comment,
 )
 from estimator.plan_string import parse_plan
+from policy.clock import SimulatedClock
 from slurm_ext.config import resolve
 from slurm_ext.daemon import HOLD_RESERVATION, Daemon
 from slurm_ext.observe import running_plan_comment
-from slurm_ext.slurm_client import SlurmJob
+from slurm_ext.slurm_client import JobUpdate, SlurmJob
 from slurm_ext.steering import Steering
 from slurm_ext.store import Store
 from test_daemon import TRAINER, node
@@ -276,6 +277,99 @@ def test_gpus_reserved_for_a_job_about_to_start_come_free_in_the_forecast_when_i
     ends_s = [now_s + cfg.restart_cost_s + 1000 * t_s for now_s in forecast_at_s]
     pc = parse_plan_comment(client.jobs()[1].admin_comment)  # times in whole seconds
     assert pc.expected_start_s is not None and min(ends_s) - 1 <= pc.expected_start_s <= max(ends_s) + 1
+
+
+def test_a_job_the_daemon_starts_shows_its_forecast_at_once(tmp_path):
+    """The update that releases a job carries its forecast on the new Cell: it starts now,
+    and ends after a start's cost and its remaining iterations at its estimate there (the
+    time a forecast frees its GPUs), without waiting for the job to run and the next
+    forecast."""
+    now = 1_800_000_000.0
+    job = SlurmJob(41, "alice", "train", "PENDING", reason="JobHeldAdmin", partition="a100",
+                   comment="elastic model=gpt-760m gpus=4 global_batch=64 iterations=1000",
+                   admin_comment="requested=any", gpus_per_node=4, node_count=1, submit_time_s=now - 60)
+    client = FakeSlurm([job], [node("a100-1", "a100", 4)], "#!/bin/bash\n")
+    cfg = resolve({"state_db": str(tmp_path / "state.db"), "forecast_every_s": 0}, {}, {})
+    store = Store(cfg.state_db)
+    store.add_progress(41, 250.0, now - 120)  # an earlier run's iterations
+    daemon = Daemon(cfg, client, store, out=lambda line: None, clock=SimulatedClock(now))
+    seen = []
+    decide = daemon.policy.decide
+    daemon.policy.decide = lambda snapshot: seen.append(snapshot) or decide(snapshot)
+    assert daemon.round().actions == (("start", 41),)
+    pc = parse_plan_comment(client.jobs()[0].admin_comment)
+    assert pc.cell == "a100x4:s1" and pc.plan and pc.why
+    (view,) = seen[0].jobs
+    (t_s,) = {e.iteration_time_s for e in view.feasible_estimates() if e.cell.label() == pc.cell}
+    assert pc.expected_start_s == now and pc.progress_frac == 0.25
+    assert abs(pc.expected_end_s - (now + cfg.restart_cost_s + 750 * t_s)) <= 1.0  # whole seconds
+
+
+def test_a_rescale_on_nodes_slurm_picks_holds_its_new_cell_where_its_run_leaves_gpus(tmp_path):
+    """Job 7 holds both nodes and is checkpointing for a shrink to 4 GPUs on nodes Slurm
+    picks (its update names none, as for a placement uneven over nodes). No GPU is free for
+    its new Cell elsewhere, so the forecast must see it land on the GPUs its run leaves:
+    one node's 4 come free now and the other's when it would finish there, not all 8 now
+    (and the new Cell's GPUs never held)."""
+    now = 1_800_000_000.0
+    spec = "elastic model=gpt-760m gpus=8 global_batch=64 iterations=1000"
+    running = SlurmJob(7, "alice", "train", "RUNNING", partition="a100", comment=spec,
+                       admin_comment="requested=any cell=a100x8:s1", gpus_per_node=4, granted_gpus_per_node=(4, 4),
+                       granted_gpu_type="a100", nodes=("a100-1", "a100-2"), node_count=2,
+                       submit_time_s=now - 3600, start_time_s=now - 3000, priority=1)
+    waiting = SlurmJob(8, "bob", "train", "PENDING", reason="JobHeldAdmin", partition="a100",
+                       comment="elastic model=gpt-760m gpus=2 global_batch=64 iterations=1000",
+                       admin_comment="requested=any", gpus_per_node=2, node_count=1, submit_time_s=now - 60)
+    client = FakeSlurm([running, waiting], [node("a100-1", "a100", 4, used=4), node("a100-2", "a100", 4, used=4)],
+                       "#!/bin/bash\n")
+    cfg = resolve({"state_db": str(tmp_path / "state.db")}, {}, {})
+    store = Store(cfg.state_db)
+    update = JobUpdate(gpus_per_node=4, num_nodes=1, admin_comment="requested=any cell=a100x4:s1 plan=[dp4tp1]",
+                       start_now=True)
+    store.mark_entry(store.intend(7, "rescale", update, now - 10), "signalled", now - 10)
+    daemon = Daemon(cfg, client, store, out=lambda line: None, clock=SimulatedClock(now))
+    given = []
+    start_forecast = daemon._start_forecast
+    daemon._start_forecast = lambda *args: given.append(args[-2]) or start_forecast(*args)
+    daemon.round()
+    daemon.forecasts.wait(30)
+    (releases,) = given
+    at_now = {(r.node, r.gpus) for r in releases if r.at_s == now}
+    later = {r.at_s for r in releases if r.at_s > now}
+    assert at_now == {("a100-2", 4)}
+    assert len(later) == 1  # when job 7 would finish on its new Cell
+    assert [(r.node, r.gpus) for r in releases if r.at_s > now] == [("a100-1", 4)]
+
+
+def test_a_background_profiling_jobs_gpus_are_not_freed_twice_in_a_forecast(tmp_path, monkeypatch):
+    """A running background profiling job's GPUs are free in the policy's snapshot (the
+    daemon cancels it when it places a job there), so its Slurm end time is no release:
+    it would free GPUs a job the forecast placed there holds."""
+    from slurm_ext.profile_job import BACKGROUND_COMMENT, JOB_NAME
+    now = 1_800_000_000.0
+    profiling = SlurmJob(40, "slurm", JOB_NAME, "RUNNING", partition="a100", comment=f"{BACKGROUND_COMMENT} model=gpt-760m",
+                         gpus_per_node=4, granted_gpus_per_node=(4,), granted_gpu_type="a100", nodes=("a100-1",),
+                         node_count=1, submit_time_s=now - 60, start_time_s=now - 60, end_time_s=now + 600,
+                         priority=1)
+    plain = replace(profiling, job_id=39, user="bob", name="plain", comment="", nodes=("a100-2",))
+    waiting = SlurmJob(41, "alice", "train", "PENDING", reason="JobHeldAdmin", partition="a100",
+                       comment="elastic model=gpt-760m gpus=4 global_batch=64 iterations=1000",
+                       admin_comment="requested=any", gpus_per_node=4, node_count=1, submit_time_s=now - 30)
+    client = FakeSlurm([profiling, plain, waiting],
+                       [node("a100-1", "a100", 4, used=4), node("a100-2", "a100", 4, used=4)], "#!/bin/bash\n")
+    cfg = resolve({"state_db": str(tmp_path / "state.db")}, {}, {})
+    daemon = Daemon(cfg, client, Store(cfg.state_db), out=lambda line: None, clock=SimulatedClock(now))
+    given = []
+    import slurm_ext.daemon
+    forecast = slurm_ext.daemon.forecast
+    monkeypatch.setattr(slurm_ext.daemon, "forecast",
+                        lambda snapshot, policy, releases, *args, **kw: given.append(releases)
+                        or forecast(snapshot, policy, releases, *args, **kw))
+    daemon.round()
+    daemon.forecasts.wait(30)
+    (releases,) = given
+    # Only the plain job's GPUs come free, at its Slurm end time.
+    assert [(r.at_s, r.node, r.gpus) for r in releases] == [(now + 600, "a100-2", 4)]
 
 
 def test_a_job_crius_ddl_drops_runs_as_submitted_and_says_why(tmp_path):
