@@ -9,7 +9,7 @@ measurement ran that pipeline, where the estimator finds a faster plan.
 
     python benchmarks/estimator_stage_counts.py [--gpu-type v100] [--out FILE]
 
-Shipped shared physics; about a minute on 2 cores.
+Shipped shared physics; a few seconds on 2 cores.
 """
 
 from __future__ import annotations
