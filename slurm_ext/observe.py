@@ -417,9 +417,12 @@ def held_by_run(job: SlurmJob | None) -> dict[str, int]:
 def finish_on_s(estimates: tuple[CellEstimate, ...], cell: Cell, iterations_left: float,
                 start_s: float) -> float | None:
     """When a job that starts on ``cell`` at ``start_s`` would finish: its remaining
-    iterations at its fastest feasible estimate of a Cell of that shape (None: none)."""
-    times = [e.iteration_time_s for e in estimates
-             if e.feasible and e.iteration_time_s > 0 and same_shape(e.cell, cell)]
+    iterations at its estimate of that Cell, else at its fastest feasible estimate of a
+    Cell of that shape (another layout over nodes; None: none), as ``policy.forecast``
+    runs a started job."""
+    usable = [e for e in estimates if e.feasible and e.iteration_time_s > 0]
+    times = [e.iteration_time_s for e in usable if e.cell == cell] or \
+        [e.iteration_time_s for e in usable if same_shape(e.cell, cell)]
     return start_s + max(0.0, iterations_left) * min(times) if times else None
 
 

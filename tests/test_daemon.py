@@ -243,11 +243,13 @@ def _estimate(cell: Cell, iteration_time_s: float, feasible: bool = True) -> Cel
     return CellEstimate(cell, (), 4, iteration_time_s, 1.0, 10.0, feasible, "")
 
 
-def test_finish_on_a_reserved_cell_uses_the_fastest_feasible_estimate_of_its_shape():
+def test_finish_on_a_reserved_cell_uses_its_estimate_else_the_fastest_feasible_of_its_shape():
     estimates = (_estimate(Cell("v100", 4, 4, 1), 2.0), _estimate(Cell("v100", 4, 2, 1), 1.5),
                  _estimate(Cell("v100", 4, 4, 2), 0.5, feasible=False), _estimate(Cell("a100", 4, 4, 1), 0.2))
-    # 100 iterations left at 1.5 s (the 2 × 2 layout), from a start at 130 s.
-    assert finish_on_s(estimates, Cell("v100", 4, 4, 1), 100, 130.0) == 130.0 + 150.0
+    # 100 iterations left at the Cell's own 2.0 s, from a start at 130 s (as a forecast runs it).
+    assert finish_on_s(estimates, Cell("v100", 4, 4, 1), 100, 130.0) == 130.0 + 200.0
+    # A layout never estimated (4 × 1): the fastest of its shape, 1.5 s (the 2 × 2 layout).
+    assert finish_on_s(estimates, Cell("v100", 4, 1, 1), 100, 130.0) == 130.0 + 150.0
     assert finish_on_s(estimates, Cell("v100", 4, 4, 2), 100, 130.0) is None  # infeasible only
     assert finish_on_s(estimates, Cell("v100", 8, 4, 1), 100, 130.0) is None  # never estimated
     assert finish_on_s(estimates, Cell("a100", 4, 4, 1), -5, 130.0) == 130.0  # done already
