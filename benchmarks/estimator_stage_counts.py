@@ -22,9 +22,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from estimator_accuracy import (  # noqa: E402
-    DEFAULT_DATA, MEASURED_CLUSTER, Cell, FITTED_PHYSICS, JobSpec, accuracy, estimate_cell, load_model,
-    load_rows, physics_options, stage_counts)
+from estimator_accuracy import DEFAULT_DATA, MEASURED_CLUSTER, accuracy, load_rows, physics_options  # noqa: E402
+
+from estimator.cells import Cell  # noqa: E402
+from estimator.compute import FITTED_PHYSICS  # noqa: E402
+from estimator.estimate import estimate_cell, stage_counts  # noqa: E402
+from estimator.jobs import JobSpec  # noqa: E402
+from estimator.models import load_model  # noqa: E402
 
 
 def by_layout(rows, gpu_type: str | None) -> dict[str, dict]:

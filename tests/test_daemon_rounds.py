@@ -18,8 +18,10 @@ from estimator.contract import (
 from estimator.plan_string import parse_plan
 from policy.clock import SimulatedClock
 from slurm_ext.config import resolve
+import slurm_ext.daemon as daemon_module
 from slurm_ext.daemon import HOLD_RESERVATION, Daemon
 from slurm_ext.observe import running_plan_comment
+from slurm_ext.profile_job import BACKGROUND_COMMENT, JOB_NAME
 from slurm_ext.slurm_client import JobUpdate, SlurmJob
 from slurm_ext.steering import Steering
 from slurm_ext.store import Store
@@ -345,7 +347,6 @@ def test_a_background_profiling_jobs_gpus_are_not_freed_twice_in_a_forecast(tmp_
     """A running background profiling job's GPUs are free in the policy's snapshot (the
     daemon cancels it when it places a job there), so its Slurm end time is no release:
     it would free GPUs a job the forecast placed there holds."""
-    from slurm_ext.profile_job import BACKGROUND_COMMENT, JOB_NAME
     now = 1_800_000_000.0
     profiling = SlurmJob(40, "slurm", JOB_NAME, "RUNNING", partition="a100", comment=f"{BACKGROUND_COMMENT} model=gpt-760m",
                          gpus_per_node=4, granted_gpus_per_node=(4,), granted_gpu_type="a100", nodes=("a100-1",),
@@ -360,9 +361,8 @@ def test_a_background_profiling_jobs_gpus_are_not_freed_twice_in_a_forecast(tmp_
     cfg = resolve({"state_db": str(tmp_path / "state.db")}, {}, {})
     daemon = Daemon(cfg, client, Store(cfg.state_db), out=lambda line: None, clock=SimulatedClock(now))
     given = []
-    import slurm_ext.daemon
-    forecast = slurm_ext.daemon.forecast
-    monkeypatch.setattr(slurm_ext.daemon, "forecast",
+    forecast = daemon_module.forecast
+    monkeypatch.setattr(daemon_module, "forecast",
                         lambda snapshot, policy, releases, *args, **kw: given.append(releases)
                         or forecast(snapshot, policy, releases, *args, **kw))
     daemon.round()
