@@ -93,6 +93,17 @@ def _int(settings: dict[str, str], key: str, low: int, high: int) -> int | None:
     return value
 
 
+def check_power_of_two_gpus(count: int, what: str, advice: str) -> None:
+    """A Cell's stages each run on a power-of-two GPU count, so its count is one too: any
+    other count has no Cell. Raises ElasticSpecError; ``advice`` is formatted with the
+    powers of two on either side (``below``, ``above``)."""
+    if count & (count - 1):
+        below = 1 << (count.bit_length() - 1)
+        raise ElasticSpecError("gpus", str(count), f"{what}; Cells run on power-of-two GPU counts (each pipeline "
+                                                   f"stage on 1, 2, 4, 8, ...): "
+                                                   + advice.format(below=below, above=2 * below))
+
+
 def parse_deadline(raw: str) -> float:
     """ISO 8601 date or date-time → Unix seconds; a time without zone is taken as UTC."""
     text = raw[:-1] + "+00:00" if raw.endswith(("Z", "z")) else raw
@@ -124,11 +135,15 @@ def spec_from_settings(settings: dict[str, str]) -> ElasticSpec:
     if guaranteed_raw not in _YES | _NO:
         raise ElasticSpecError("guaranteed", settings["guaranteed"], "write yes or no")
     deadline = settings.get("deadline")
+    num_gpus = _int(settings, "gpus", 1, MAX_GPUS)
+    if num_gpus is not None:
+        check_power_of_two_gpus(num_gpus, "not a power of two",
+                                "ask for {below} or {above}, or leave gpus= out to let the scheduler choose")
     return ElasticSpec(
         model=model,
         global_batch=_int(settings, "global_batch", 1, MAX_GLOBAL_BATCH),
         iterations=_int(settings, "iterations", 1, MAX_ITERATIONS),
-        num_gpus=_int(settings, "gpus", 1, MAX_GPUS),
+        num_gpus=num_gpus,
         gpu_type=gpu,
         deadline_s=parse_deadline(deadline) if deadline is not None else None,
         guaranteed=guaranteed_raw in _YES,
@@ -157,7 +172,10 @@ def parse_spec(comment: str | None, script: str | None = None,
     settings = merge_settings(script_settings(script), comment_settings(comment))
     spec = spec_from_settings(settings)
     if spec.num_gpus is None and requested_gpus:
-        spec = replace(spec, num_gpus=min(int(requested_gpus), MAX_GPUS))
+        count = min(int(requested_gpus), MAX_GPUS)
+        check_power_of_two_gpus(count, f"the job asks Slurm for {count} GPUs and sets no gpus=",
+                                "set gpus={below} or gpus={above}, or submit without a GPU count")
+        spec = replace(spec, num_gpus=count)
     if spec.gpu_type is None and requested_type and requested_type.lower() in CATALOG:
         spec = replace(spec, gpu_type=requested_type.lower())
     return spec

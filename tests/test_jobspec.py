@@ -63,6 +63,20 @@ def test_requested_gpus_and_type_fill_gaps_only():
     assert (spec.num_gpus, spec.gpu_type) == (2, "a10")
 
 
+def test_a_gpu_count_that_is_not_a_power_of_two_is_refused_with_the_counts_to_ask_for():
+    # No Cell has 6 GPUs (each stage runs on a power of two): said at once, with 4 and 8.
+    with pytest.raises(ElasticSpecError) as info:
+        parse_spec("elastic gpus=6", SCRIPT)
+    assert info.value.field == "gpus" and "ask for 4 or 8" in str(info.value)
+    # The same from the job's own Slurm request (--gres=gpu:3 -N4), unless gpus= says otherwise.
+    with pytest.raises(ElasticSpecError) as info:
+        parse_spec("elastic", SCRIPT, requested_gpus=12)
+    assert info.value.field == "gpus" and "asks Slurm for 12 GPUs" in str(info.value)
+    assert "gpus=8 or gpus=16" in str(info.value)
+    assert parse_spec("elastic gpus=8", SCRIPT, requested_gpus=12).num_gpus == 8
+    assert [parse_spec(f"elastic gpus={n}", SCRIPT).num_gpus for n in (1, 2, 64)] == [1, 2, 64]
+
+
 def test_deadline_without_zone_is_utc_and_offsets_apply():
     a = parse_spec("elastic deadline=2026-01-01T00:00:00", SCRIPT).deadline_s
     b = parse_spec("elastic deadline=2026-01-01T01:00:00+01:00", SCRIPT).deadline_s
