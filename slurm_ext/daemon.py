@@ -50,7 +50,7 @@ from slurm_ext.observe import (  # noqa: F401
     ManagedJob, build_snapshot, cluster_spec, estimate_key, is_held, kv, measurement_from_text,
     model_loader_for, node_type, partition_types, plan_comment, profile_db_if_written, profile_version,
     requested_gpus, rescale_pins, reserved_cell, gpu_releases, running_assignment, running_plan_comment,
-    runner_progress, type_partitions, update_cell, finish_on_s, held_by_run, rescale_layover, rescale_releases,
+    runner_progress, type_partitions, update_cell, finish_on_s, rescale_new_cell, rescale_releases,
 )
 from slurm_ext.profile_job import (
     RETRY_AFTER_S, background_request, free_for_policy, is_background, next_background, parse_background,
@@ -340,8 +340,10 @@ class Daemon:
         in_rescale = self.actor.advance_rescales(active_by_id, acts)
         specs, errors = self._specs(elastic, now_s)
         progress = self.store.progress()
+        node_types = {n.name: node_type(n, part_types) for n in nodes}
         managed, launching, more_errors = self._managed(
-            [j for j in elastic if j.job_id not in in_rescale], specs, progress, nodes, part_types, cluster, now_s)
+            [j for j in elastic if j.job_id not in in_rescale], specs, progress, node_types, part_types, cluster,
+            now_s)
         errors += more_errors
         # Jobs in a rescale or about to start keep their place in their quota's order.
         holding = [j for j in elastic if (j.job_id in in_rescale or j in launching) and j.job_id in specs]
@@ -367,17 +369,13 @@ class Daemon:
         # GPUs its run leaves; the rest of it is a reservation.
         pins = {job_id: rescale_pins(u, active_by_id.get(job_id)) for job_id, u in in_rescale.items()}
         pinned = tuple(p for job_pins in pins.values() if job_pins for p in job_pins)
-        types = {n.name: node_type(n, part_types) for n in nodes}
         rescaling: tuple[GpuRelease, ...] = ()
         for job_id, u in in_rescale.items():
-            job, cell = active_by_id.get(job_id), update_cell(u)
-            end_s = until_s(job_id, cell)
-            if pins[job_id] is not None:
-                new = {name: u.gpus_per_node for name in u.required_nodes}
-            else:
-                new = rescale_layover(cell, held_by_run(job), types)
-                if cell is not None and (rest := cell.num_gpus - sum(new.values())) > 0:
-                    reserved.append((replace(cell, num_gpus=rest, gpus_per_node=min(cell.gpus_per_node, rest)), end_s))
+            job = active_by_id.get(job_id)
+            end_s = until_s(job_id, update_cell(u))
+            new, rest = rescale_new_cell(u, job, node_types)
+            if rest is not None:
+                reserved.append((rest, end_s))
             rescaling += rescale_releases(job, new, now_s, end_s)
         background = [b for b in (parse_background(j, part_types) for j in active) if b is not None]
         policy_nodes = free_for_policy(nodes, background, active_by_id) if background else nodes
@@ -527,10 +525,11 @@ class Daemon:
         return spec.to_json(), None
 
     def _managed(self, elastic: list[SlurmJob], specs: dict[int, ElasticSpec], progress: dict[int, float],
-                 nodes: tuple[SlurmNode, ...], part_types: dict[str, str], cluster: ClusterSpec,
+                 node_types: dict[str, str | None], part_types: dict[str, str], cluster: ClusterSpec,
                  now_s: float) -> tuple[list[ManagedJob], list[SlurmJob], list[tuple[SlurmJob, str]]]:
         """Managed jobs with their estimates; jobs Slurm is about to start; estimation errors.
-        ``progress``: the journal's iterations done in earlier runs, per job."""
+        ``progress``: the journal's iterations done in earlier runs, per job; ``node_types``:
+        each node's GPU type."""
         cfg = self.config
         candidates = [j for j in elastic if j.job_id in specs]
         new = {j.job_id: float(j.submit_time_s) for j in candidates if j.job_id not in self._submit_s}
@@ -538,7 +537,6 @@ class Daemon:
             self._submit_s.update(self.store.submit_times(new) if not cfg.dry_run else new)
         submit_s = self._submit_s
         suspended_s = self.store.suspended_times()
-        node_types = {n.name: node_type(n, part_types) for n in nodes}
         managed: list[ManagedJob] = []
         launching: list[SlurmJob] = []
         errors: list[tuple[SlurmJob, str]] = []

@@ -441,6 +441,19 @@ def rescale_layover(cell: Cell | None, held: dict[str, int], types: dict[str, st
     return out
 
 
+def rescale_new_cell(update: JobUpdate | None, job: SlurmJob | None, types: dict[str, str | None]
+                     ) -> tuple[dict[str, int], Cell | None]:
+    """A rescale's new Cell: its GPUs per node on the nodes its update names, else where it
+    most likely lands on the GPUs its run leaves (``rescale_layover``); and the rest of it,
+    to reserve where GPUs are free (None: nothing; a suspension has no new Cell)."""
+    if update is not None and update.required_nodes and update.gpus_per_node:
+        return {name: update.gpus_per_node for name in update.required_nodes}, None
+    cell = update_cell(update)
+    new = rescale_layover(cell, held_by_run(job), types)
+    rest = cell.num_gpus - sum(new.values()) if cell is not None else 0
+    return new, (replace(cell, num_gpus=rest, gpus_per_node=min(cell.gpus_per_node, rest)) if rest > 0 else None)
+
+
 def rescale_releases(job: SlurmJob | None, new: dict[str, int], now_s: float,
                      until_s: float | None) -> tuple[GpuRelease, ...]:
     """When a forecast sees the GPUs of a job in a rescale come free.
