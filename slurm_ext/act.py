@@ -281,6 +281,7 @@ class Actor:
         steering: Steering | None = None
         rescales: list[tuple[Action, JobUpdate | None]] = []
         starts: list[tuple[SlurmJob, JobUpdate]] = []
+        now_s = self.clock.now_s()  # the decision's time, one for all: identical starts stay identical
         for action in implied_actions(snapshot, decision):
             view = views_by_id[action.job_id]
             job: SlurmJob = view.slurm
@@ -290,7 +291,7 @@ class Actor:
             if action.after is not None:
                 steering = steering or steering_of()
                 update = start_update(action.after, view, steering, action.reason, policy_name,
-                                      self.clock.now_s(), self.config.restart_cost_s)
+                                      now_s, self.config.restart_cost_s)
                 if update is None:
                     log.warning(kv("no_partition", job_id=job.job_id, gpu_type=action.after.cell.gpu_type))
                     continue
