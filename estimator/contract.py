@@ -123,9 +123,9 @@ def format_plan_comment(pc: PlanComment) -> str:
             parts.append("measured=1")
     if pc.progress_frac is not None:
         parts.append(f"progress={min(1.0, max(0.0, pc.progress_frac)):.3f}")
-    if pc.expected_start_s is not None:
+    if shown_time(pc.expected_start_s):
         parts.append(f"start={format_utc(pc.expected_start_s)}")
-    if pc.expected_end_s is not None:
+    if shown_time(pc.expected_end_s):
         parts.append(f"end={format_utc(pc.expected_end_s)}")
     cells = [c for c in pc.expected_cells if _CELL.fullmatch(c)][:MAX_FORECAST_CELLS]
     if cells:
@@ -175,6 +175,16 @@ def parse_plan_comment(text: str | None) -> PlanComment:
                        expected_start_s=parse_utc(values.get("start")), expected_end_s=parse_utc(values.get("end")),
                        progress_frac=progress if progress is not None and 0.0 <= progress <= 1.0 else None,
                        expected_cells=tuple(c for c in values.get("via", "").split(",") if _CELL.fullmatch(c)))
+
+
+# The latest time a forecast shows: a datetime's last year. A job whose estimate puts its
+# end past it (a billion iterations of a slow model) shows none rather than a wrong one.
+LATEST_SHOWN_S = datetime(9999, 12, 31, tzinfo=timezone.utc).timestamp()
+
+
+def shown_time(t_s: float | None) -> bool:
+    """Whether ``t_s`` is a time the AdminComment can show (:func:`format_utc`)."""
+    return t_s is not None and 0.0 <= t_s <= LATEST_SHOWN_S
 
 
 def format_utc(t_s: float) -> str:

@@ -119,3 +119,10 @@ def test_the_daemon_starts_a_job_with_the_plan_its_estimate_needs_to_fit():
     estimated = parse_plan(est.plan)
     assert (written.zero_level, written.remat, written.stages, written.micro_batches) == \
            (estimated.zero_level, estimated.remat, estimated.stages, estimated.micro_batches)
+
+
+def test_a_time_no_utc_text_can_show_is_left_out_of_the_admin_comment():
+    far = format_plan_comment(PlanComment(cell="a100x4:s1", expected_start_s=1.8e9, expected_end_s=1e13))
+    assert "start=" in far and "end=" not in far
+    assert parse_plan_comment(far).expected_start_s == 1.8e9
+    assert "start=" not in format_plan_comment(PlanComment(cell="a100x4:s1", expected_start_s=float("nan")))
