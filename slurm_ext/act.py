@@ -261,7 +261,7 @@ class Actor:
     def handle_spec_error(self, job: SlurmJob, message: str, acts: Acts) -> None:
         pc = plan_comment(job.admin_comment)
         wanted = format_plan_comment(PlanComment(requested=pc.requested, error=message))
-        held = is_held(job) and job.state == "PENDING"
+        held = is_held(job)  # requeued held (SPECIAL_EXIT) too: a suspended job must not stay held
         if job.admin_comment == wanted and not held:
             return
         update = JobUpdate(admin_comment=wanted, start_now=False) if job.admin_comment != wanted else None

@@ -394,6 +394,23 @@ def test_a_job_crius_ddl_drops_runs_as_submitted_and_says_why(tmp_path):
     assert report.managed == 0 and not any(c[0] in ("hold", "update") for c in client.calls)
 
 
+def test_a_suspended_job_crius_ddl_drops_is_released_too(tmp_path):
+    """A job an earlier round suspended waits requeued held (``SPECIAL_EXIT``), not
+    ``PENDING``: dropped, it is released as submitted all the same, not left held."""
+    now = int(time.time())
+    deadline = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now + 3600))
+    suspended = SlurmJob(41, "alice", "train", "SPECIAL_EXIT", reason="JobHeldUser", partition="a100", priority=0,
+                         comment=f"elastic model=gpt-760m gpus=4 global_batch=64 iterations=100000000 "
+                                 f"deadline={deadline}",
+                         admin_comment="requested=any", gpus_per_node=4, node_count=1, submit_time_s=now - 30,
+                         restart_count=1)
+    client = FakeSlurm([suspended], [node("a100-1", "a100", 4)], "#!/bin/bash\n")
+    cfg = resolve({"state_db": str(tmp_path / "state.db"), "policy": "crius-ddl", "forecast_every_s": 0}, {}, {})
+    report = Daemon(cfg, client, Store(cfg.state_db), out=lambda line: None).round()
+    assert ("release", 41) in report.actions
+    assert ("release", [41]) in client.calls or ("release", 41) in client.calls
+
+
 @pytest.mark.parametrize("restart_count,reported", [(0, True), (1, False)])
 def test_a_running_job_progresses_by_the_step_its_runner_reports(tmp_path, restart_count, reported):
     """The policy sees the runner's real step (``measured.json``), not one derived from the
