@@ -70,6 +70,10 @@ HOLD_RESERVATION = "slurm-ext-hold"
 # A released job waiting for one of these will never start as it is: decide it afresh.
 # So is one still waiting after LAUNCH_TIMEOUT_ROUNDS rounds (at least LAUNCH_TIMEOUT_MIN_S).
 LAUNCH_TIMEOUT_ROUNDS = 3
+# A spec that needs the batch script is read again next round when Slurm did not give the
+# script (a timeout under load), this many rounds in a row before its error is kept.
+SCRIPT_READ_TRIES = 3
+SCRIPT_UNREAD = " (its batch script could not be read)"
 LAUNCH_TIMEOUT_MIN_S = 60.0
 STUCK_REASONS = frozenset({"BadConstraints", "PartitionNodeLimit", "PartitionConfig",
                            "InvalidQOS", "PartitionDown", "PartitionInactive"})
@@ -185,6 +189,7 @@ class Daemon:
         self._spec_cache: dict[int, tuple[ElasticSpec | None, str | None]] | None = None
         self._submit_s: dict[int, float] = {}
         self._new_specs = 0
+        self._script_read_failures: dict[int, int] = {}  # job: rounds in a row its script was unreadable
         self._pruned_s = 0.0
         self._forecast_s = -math.inf
         self._held: tuple[str, ...] | None = None  # nodes the hold reservation has; None: unknown
@@ -495,6 +500,11 @@ class Daemon:
                 budget -= 1
                 self._new_specs += 1
                 spec_json, error = self._parse(job)
+                if error is None or not error.endswith(SCRIPT_UNREAD):
+                    self._script_read_failures.pop(job.job_id, None)
+                elif self._script_read_failures.get(job.job_id, 0) + 1 < SCRIPT_READ_TRIES:
+                    self._script_read_failures[job.job_id] = self._script_read_failures.get(job.job_id, 0) + 1
+                    continue  # read again next round: nothing is kept
                 if error is not None:
                     self.metrics.error("spec")
                 if not self.config.dry_run:
@@ -521,7 +531,8 @@ class Daemon:
             check_model(spec, model_loader_for(job.user))
         except ElasticSpecError as e:
             log.warning(kv("spec_error", job_id=job.job_id, user=job.user, error=e))
-            return None, str(e)
+            # Its #ELASTIC lines were not read: the error may be only that.
+            return None, str(e) + (SCRIPT_UNREAD if job.batch and script is None else "")
         return spec.to_json(), None
 
     def _managed(self, elastic: list[SlurmJob], specs: dict[int, ElasticSpec], progress: dict[int, float],

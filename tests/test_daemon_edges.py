@@ -239,3 +239,29 @@ def test_a_forecast_end_past_the_last_printable_year_shows_none_and_the_round_ac
     endless_comment, short_comment = client._jobs[70].admin_comment, client._jobs[71].admin_comment
     assert "start=" in endless_comment and "end=" not in endless_comment
     assert "end=" in short_comment
+
+
+def test_a_batch_script_slurm_does_not_give_is_read_again_before_its_spec_is_refused(tmp_path):
+    """A spec in ``#ELASTIC`` lines needs the batch script. When Slurm does not give it (a
+    timeout under load), the job is read again next round rather than run as submitted;
+    only when it stays unreadable is the error kept, and it says why."""
+    from slurm_ext.daemon import SCRIPT_READ_TRIES
+    from slurm_ext.errors import CommandTimeoutError
+
+    daemon, client = daemon_for(tmp_path, [held(70, NOW - 100, comment="elastic")], [node("a100-1", "a100", 4)])
+    script = "#!/bin/bash\n#ELASTIC model=gpt-760m global_batch=64 iterations=1000\nsrun x\n"
+
+    def timing_out(job_id):
+        raise CommandTimeoutError(["scontrol", "write", "batch_script", str(job_id), "-"], 30)
+
+    client.batch_script = timing_out
+    assert daemon.round().actions == ()
+    client.batch_script = lambda job_id: script  # slurmctld answers again
+    assert daemon.round().actions == (("start", 70),)
+
+    daemon, client = daemon_for(tmp_path / "never", [held(71, NOW - 100, comment="elastic")],
+                                [node("a100-1", "a100", 4)])
+    client.batch_script = timing_out
+    actions = [daemon.round().actions for _ in range(SCRIPT_READ_TRIES)]
+    assert actions[:-1] == [()] * (SCRIPT_READ_TRIES - 1) and actions[-1] == (("release", 71),)
+    assert client._jobs[71].admin_comment.endswith("(its batch script could not be read)")
