@@ -85,11 +85,14 @@ def model_loader_for(user: str) -> Callable[[str], object]:
 
 
 def partition_types(nodes: tuple[SlurmNode, ...], configured: dict[str, str]) -> dict[str, str]:
-    """Partition → GPU type: the configured map, else each partition whose nodes share a type."""
+    """Partition → GPU type: the configured map, else each partition whose GPU nodes share
+    a type (a node without GPUs, a login or CPU node, does not make it mixed)."""
     if configured:
         return dict(configured)
     seen: dict[str, set] = {}
     for n in nodes:
+        if n.gpus <= 0:
+            continue
         for p in n.partitions:
             seen.setdefault(p, set()).add(n.gpu_type)
     return {p: next(iter(t)) for p, t in sorted(seen.items())

@@ -151,6 +151,8 @@ def test_partition_types_derived_from_gres_and_config_wins():
     mixed = NODES + (node("x-1", "a10", 2, partition="a100"),)
     assert partition_types(mixed, {}) == {"v100": "v100", "h100": "h100"}
     assert partition_types(NODES, {"gpu": "a100"}) == {"gpu": "a100"}
+    with_cpu_node = NODES + (SlurmNode("cpu-2", "idle", partitions=("v100",)),)
+    assert partition_types(with_cpu_node, {})["v100"] == "v100"
     assert type_partitions({"big": "a100", "a100": "a100", "old": "v100"}) == {"a100": "a100", "v100": "old"}
 
 
