@@ -74,6 +74,8 @@ LAUNCH_TIMEOUT_ROUNDS = 3
 # script (a timeout under load), this many rounds in a row before its error is kept.
 SCRIPT_READ_TRIES = 3
 SCRIPT_UNREAD = " (its batch script could not be read)"
+ARRAY_REFUSED = ("a job array cannot be elastic: one Cell would be chosen for all its tasks and each task "
+                 "would run on it; submit the tasks as separate jobs")
 LAUNCH_TIMEOUT_MIN_S = 60.0
 STUCK_REASONS = frozenset({"BadConstraints", "PartitionNodeLimit", "PartitionConfig",
                            "InvalidQOS", "PartitionDown", "PartitionInactive"})
@@ -519,6 +521,9 @@ class Daemon:
         return specs, errors
 
     def _parse(self, job: SlurmJob) -> tuple[dict | None, str | None]:
+        if job.array_job_id is not None:
+            log.warning(kv("spec_error", job_id=job.job_id, user=job.user, error="job array"))
+            return None, ARRAY_REFUSED
         try:
             script = self.client.batch_script(job.job_id) if job.batch else None
         except SlurmExtError as e:

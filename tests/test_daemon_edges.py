@@ -265,3 +265,19 @@ def test_a_batch_script_slurm_does_not_give_is_read_again_before_its_spec_is_ref
     actions = [daemon.round().actions for _ in range(SCRIPT_READ_TRIES)]
     assert actions[:-1] == [()] * (SCRIPT_READ_TRIES - 1) and actions[-1] == (("release", 71),)
     assert client._jobs[71].admin_comment.endswith("(its batch script could not be read)")
+
+
+def test_an_elastic_job_array_runs_as_submitted_and_says_why(tmp_path):
+    """One Cell for an array would reach every task: an array is not managed. Its pending
+    record (22.05's listing, tasks 0-7, two at a time) is released with the reason."""
+    from slurm_ext.daemon import ARRAY_REFUSED
+    from slurm_ext.slurm_parse import parse_job_listing
+
+    main = (f"4|4|0-7%2|PENDING|JobHeldAdmin|a100|alice|gres:gpu:4|N/A||1|0|{NOW - 30}|N/A|N/A|0|1|1|0|(null)|"
+            f"(null)|{SPEC}|\n")
+    (array,) = parse_job_listing(main, "4|requested=any|\n", "4|arr|\n")
+    assert array.array_task_spec == "0-7%2"
+    daemon, client = daemon_for(tmp_path, [array], [node("a100-1", "a100", 4), node("a100-2", "a100", 4)])
+    result = daemon.round()
+    assert result.actions == (("release", 4),) and result.managed == 0
+    assert client._jobs[4].admin_comment == f"requested=any error={ARRAY_REFUSED}"
