@@ -191,6 +191,7 @@ class Daemon:
         self._spec_cache: dict[int, tuple[ElasticSpec | None, str | None]] | None = None
         self._submit_s: dict[int, float] = {}
         self._new_specs = 0
+        self._claimed_gpus: dict[int, int] = {}  # guaranteed job without a count: GPUs charged to its quota
         self._script_read_failures: dict[int, int] = {}  # job: rounds in a row its script was unreadable
         self._pruned_s = 0.0
         self._forecast_s = -math.inf
@@ -431,6 +432,8 @@ class Daemon:
                 self._pruned_s = now_s
         self._spec_cache = {j: v for j, v in self._spec_cache.items() if j in active_ids}
         self._submit_s = {j: v for j, v in self._submit_s.items() if j in active_ids}
+        self._claimed_gpus = {j: v for j, v in self._claimed_gpus.items() if j in active_ids}
+        self._script_read_failures = {j: v for j, v in self._script_read_failures.items() if j in active_ids}
         t4 = time.perf_counter()
         report = RoundReport(trigger, len(active), len(elastic), len(snapshot.jobs), len(errors),
                              tuple(acts.taken), t1 - t0, t2 - t1, t3 - t2, t4 - t3,
@@ -697,12 +700,20 @@ class Daemon:
         ``guarantees``); other such jobs run best effort, the reason shown with their plan.
         ``holding``: guaranteed jobs the policy does not see this round (in a rescale, about
         to start), which claim their quota in their turn all the same."""
+        # A job that named no count is guaranteed its smallest feasible one (the policy's
+        # reference, ``requested_count``), and charged it; a job the policy does not see
+        # this round, what it was charged when it did (else the Cell it holds).
+        for m in managed:
+            if m.spec.guaranteed and not m.spec.num_gpus:
+                self._claimed_gpus[m.slurm.job_id] = min(
+                    (e.cell.num_gpus for e in m.view.estimates if e.feasible), default=0)
         claims = [GuaranteeClaim(m.slurm.job_id, m.slurm.user, m.slurm.account, m.slurm.qos,
-                                 m.spec.num_gpus or 0, m.view.submit_time_s)
+                                 m.spec.num_gpus or self._claimed_gpus[m.slurm.job_id], m.view.submit_time_s)
                   for m in managed if m.spec.guaranteed]
         if not claims:
             return managed
-        claims += [GuaranteeClaim(j.job_id, j.user, j.account, j.qos, spec.num_gpus or 0,
+        claims += [GuaranteeClaim(j.job_id, j.user, j.account, j.qos,
+                                  spec.num_gpus or self._claimed_gpus.get(j.job_id) or _cell_gpus(j),
                                   self._submit_s.get(j.job_id, float(j.submit_time_s)))
                    for j, spec in holding if spec.guaranteed]
         refused = {j: why for j, why in grant_guarantees(self.config.guarantees, claims).items() if why}
@@ -769,3 +780,8 @@ class Daemon:
         limit_s = max(LAUNCH_TIMEOUT_MIN_S, LAUNCH_TIMEOUT_ROUNDS * self.config.interval_s)
         return not released or now_s - max(released[-1].created_s, released[-1].updated_s) > limit_s
 
+
+def _cell_gpus(job: SlurmJob) -> int:
+    """GPUs of the Cell the daemon gave ``job`` (its AdminComment), 0 when none."""
+    parts = plan_comment(job.admin_comment).cell_parts()
+    return parts[1] if parts else 0

@@ -53,9 +53,9 @@ def running(job_id=70, nodes=("a100-1",), gpu_type="a100", **kw):
                     submit_time_s=NOW - 2000, start_time_s=NOW - 1000, **kw)
 
 
-def held(job_id, submit_time_s, comment=SPEC, **kw):
+def held(job_id, submit_time_s, comment=SPEC, gpus_per_node=4, **kw):
     return SlurmJob(job_id, "alice", "t", "PENDING", reason="JobHeldAdmin", partition="a100", priority=0,
-                    comment=comment, admin_comment="requested=any", gpus_per_node=4, node_count=1,
+                    comment=comment, admin_comment="requested=any", gpus_per_node=gpus_per_node, node_count=1,
                     submit_time_s=submit_time_s, **kw)
 
 
@@ -281,3 +281,18 @@ def test_an_elastic_job_array_runs_as_submitted_and_says_why(tmp_path):
     result = daemon.round()
     assert result.actions == (("release", 4),) and result.managed == 0
     assert client._jobs[4].admin_comment == f"requested=any error={ARRAY_REFUSED}"
+
+
+def test_a_guaranteed_job_that_names_no_count_is_charged_its_smallest_cell(tmp_path):
+    """Without ``gpus=`` the policy still guarantees a job its smallest feasible count, so
+    the quota is charged that count: two such jobs (gpt-760m fits on one GPU) do not both
+    fit in alice's 1 GPU."""
+    count_free = SPEC.replace(" gpus=4", "") + " guaranteed=yes"
+    jobs = [held(60, NOW - 3600, count_free, gpus_per_node=0), held(61, NOW - 600, count_free, gpus_per_node=0)]
+    daemon, client = daemon_for(tmp_path, jobs, [node("a100-1", "a100", 4, used=4)],
+                                guarantees={"users": {"alice": 1}})
+    seen = seen_by_policy(daemon)
+    daemon.round()
+    smallest = min(e.cell.num_gpus for e in seen["views"][-1]["60"].view.estimates if e.feasible)
+    assert smallest == 1
+    assert {v.job_id: v.guaranteed for v in seen["snapshots"][-1].jobs} == {"60": True, "61": False}
