@@ -79,6 +79,16 @@ ARRAY_REFUSED = ("a job array cannot be elastic: one Cell would be chosen for al
 LAUNCH_TIMEOUT_MIN_S = 60.0
 STUCK_REASONS = frozenset({"BadConstraints", "PartitionNodeLimit", "PartitionConfig",
                            "InvalidQOS", "PartitionDown", "PartitionInactive"})
+# Slurm keeps a released job back for a condition of its own: a dependency, a begin time,
+# an association or QOS limit (``AssocGrpGRES``, ``QOSMaxGRESPerUser``, ...).
+OWN_CONDITION_REASONS = frozenset({"Dependency", "DependencyNeverSatisfied", "BeginTime"})
+
+
+def waits_on_its_own_condition(job: SlurmJob) -> bool:
+    """Released, and kept back by Slurm for the job's own condition, not for GPUs: it holds
+    none meanwhile, and it is not decided afresh (and released again) while it waits."""
+    return job.reason in OWN_CONDITION_REASONS or (
+        job.reason.startswith(("Assoc", "QOS")) and job.reason not in STUCK_REASONS)
 
 
 def job_fitting_idle_gpus(snapshot: Snapshot) -> str | None:
@@ -361,8 +371,8 @@ class Daemon:
         # Jobs Slurm is about to start hold their GPUs already, as far as the policy goes.
         # A job with a spec error counts only while its release is recent: one Slurm does
         # not start (a dependency, a limit) must not keep idle GPUs from the policy.
-        about_to_start = launching + [j for j, _ in errors
-                                      if j.state == "PENDING" and not self._launch_stale(j, now_s)]
+        about_to_start = launching + [j for j, _ in errors if j.state == "PENDING"
+                                      and not waits_on_its_own_condition(j) and not self._launch_stale(j, now_s)]
         # A forecast sees their GPUs come free when they would finish on their Cells.
 
         def until_s(job_id: int, cell: Cell | None) -> float | None:
@@ -573,6 +583,8 @@ class Daemon:
                 state = RUNNING
             elif is_held(job):
                 assignment, state = None, PENDING
+            elif job.state == "PENDING" and pc.cell is not None and waits_on_its_own_condition(job):
+                continue  # Slurm starts it on its Cell once the condition holds
             elif job.state == "PENDING" and pc.cell is not None and not self._launch_stale(job, now_s):
                 launching.append(job)  # released by us; Slurm starts it when it can
                 continue

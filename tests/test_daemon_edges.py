@@ -296,3 +296,23 @@ def test_a_guaranteed_job_that_names_no_count_is_charged_its_smallest_cell(tmp_p
     smallest = min(e.cell.num_gpus for e in seen["views"][-1]["60"].view.estimates if e.feasible)
     assert smallest == 1
     assert {v.job_id: v.guaranteed for v in seen["snapshots"][-1].jobs} == {"60": True, "61": False}
+
+
+def test_a_released_job_slurm_keeps_for_its_dependency_holds_no_gpus_and_is_not_started_again(tmp_path):
+    """Started by the daemon, the job then waits on its dependency (``afterok`` on a long
+    job). It is neither counted on the GPUs of its Cell nor decided afresh and released
+    again every few rounds: Slurm starts it on its Cell once the dependency holds."""
+    clock = SimulatedClock(float(NOW))
+    daemon, client = daemon_for(tmp_path, [held(80, NOW - 100)], [node("a100-1", "a100", 4), node("a100-2", "a100", 4)],
+                                clock=clock)
+    seen = seen_by_policy(daemon)
+    assert daemon.round().actions == (("start", 80),)
+    for minute in range(1, 12):
+        client._jobs[80] = replace(client._jobs[80], reason="Dependency", priority=100)
+        clock.advance_to(NOW + 60 * minute)
+        client.calls.clear()
+        report = daemon.round()
+        assert report.actions == () and report.managed == 0
+        assert len(seen["snapshots"]) == minute + 1  # the policy saw this round's nodes
+        assert [n.unmanaged_gpus for n in seen["snapshots"][-1].nodes] == [0, 0]
+        assert not any(c[0] in ("hold", "update", "release") for c in client.calls)
