@@ -19,6 +19,9 @@ CHECKPOINT_ROOT_ENV = "SLURM_EXT_CHECKPOINT_ROOT"
 COMPILE_CACHE_ENV = "SLURM_EXT_COMPILE_CACHE"
 LAUNCH_ENV = "SLURM_EXT_LAUNCH"
 SCRIPT_ENV = "SLURM_EXT_ELASTIC_SCRIPT"
+# The job's elastic settings as the batch process read them, passed to the tasks srun
+# starts on every node: Slurm's copy of the batch script is on the batch node only.
+SETTINGS_ENV = "SLURM_EXT_ELASTIC_SETTINGS"
 CHECKPOINT_EVERY_ENV = "SLURM_EXT_CHECKPOINT_EVERY"
 TUNE_ENV = "SLURM_EXT_TUNE"
 TUNE_BUDGET_ENV = "SLURM_EXT_TUNE_BUDGET_S"

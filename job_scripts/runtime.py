@@ -46,7 +46,7 @@ from estimator.contract import (ADMIN_COMMENT_PLAN, EXIT_BAD_INPUT, EXIT_DONE, E
                                 plan_tokens, script_settings)
 from estimator.errors import SpecError
 from job_scripts.checkpoint import Checkpoints, CheckpointError, Saved, write_json_atomic
-from job_scripts.run_config import SCRIPT_ENV, RunConfig, resolve_config
+from job_scripts.run_config import SCRIPT_ENV, SETTINGS_ENV, RunConfig, resolve_config
 from job_scripts.slurm_env import (COORDINATOR_ENV, SlurmAllocation, admin_comment_from_scontrol,
                                    allocation_from_env, comment_from_scontrol, coordinator_address)
 from job_scripts.stop_signal import STOP_RANK, StopSignal
@@ -94,6 +94,20 @@ def _elastic_settings(path: str | None, comment: str | None, given: dict | None 
         return {}
 
 
+def _job_settings(script: str | None, comment: str | None, given: dict, require: tuple[str, ...],
+                  env: dict[str, str], alloc: SlurmAllocation) -> dict[str, str]:
+    """The job's elastic settings. A task srun started on each node takes those its batch
+    process read and passed on (:func:`_relaunch_under_srun`): Slurm's copy of the batch
+    script is on the batch node only."""
+    try:
+        passed = json.loads(env.get(SETTINGS_ENV) or "null") if alloc.in_step else None
+    except ValueError:
+        passed = None
+    if isinstance(passed, dict) and passed.get("job_id") == alloc.job_id and isinstance(passed.get("settings"), dict):
+        return {str(k): str(v) for k, v in passed["settings"].items()}
+    return _elastic_settings(script, comment, given, require)
+
+
 def gpu_available() -> bool:
     # Only the top-level names: find_spec of a dotted name imports its parent package.
     plugins = ("jax_cuda12_plugin", "jax_cuda13_plugin")
@@ -110,7 +124,7 @@ def host_resolves(host: str) -> bool:
         return False
 
 
-def _relaunch_under_srun(alloc: SlurmAllocation, argv: list[str]) -> None:
+def _relaunch_under_srun(alloc: SlurmAllocation, argv: list[str], settings: dict[str, str]) -> None:
     """Replace this batch process by ``srun`` starting the same command once per node.
 
     srun forwards SIGUSR1 and SIGTERM to its tasks and exits with their highest status,
@@ -119,8 +133,10 @@ def _relaunch_under_srun(alloc: SlurmAllocation, argv: list[str]) -> None:
     86 into a failure, and the job would not be requeued); a task that crashes ends the
     others through jax.distributed's heartbeat timeout. The task count is given: srun
     would otherwise take the job's own (``SLURM_NTASKS``, from ``sbatch --ntasks``), which
-    outranks ``--ntasks-per-node``.
+    outranks ``--ntasks-per-node``. The job's ``settings`` go with the environment srun
+    passes on (with the job id, so that a job submitted from inside this one ignores them).
     """
+    os.environ[SETTINGS_ENV] = json.dumps({"job_id": alloc.job_id, "settings": settings})
     full = ["srun", f"--nodes={alloc.num_nodes}", f"--ntasks={alloc.num_nodes}", "--ntasks-per-node=1",
             "--kill-on-bad-exit=0", *argv]
     log.info("starting one task per node: %s", " ".join(full))
@@ -182,10 +198,12 @@ def start(*, stop: StopSignal | None = None, identity: dict | None = None,
     job_text = scontrol_job_text(alloc.job_id) if alloc.job_id else None
     comment = comment_from_scontrol(job_text) if job_text else None
     script = given.pop("elastic_script", None) or env.get(SCRIPT_ENV)
-    settings = _elastic_settings(script, comment, given, require)
+    # A task srun started takes the settings its batch process read (the script's copy
+    # is on that node only); the batch process reads them.
+    settings = _job_settings(script, comment, given, require, env, alloc)
     cfg = resolve_config(given, env, alloc, settings, gpu_available(), require)
     if cfg.launch == "srun" and alloc.num_nodes > 1 and not alloc.in_step:
-        _relaunch_under_srun(alloc, relaunch_argv or [sys.executable, *sys.orig_argv[1:]])
+        _relaunch_under_srun(alloc, relaunch_argv or [sys.executable, *sys.orig_argv[1:]], settings)
     _configure_jax(cfg, alloc)
     import jax
     if alloc.num_processes > 1:

@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -420,9 +421,33 @@ def test_the_relaunch_starts_one_task_per_node_whatever_the_job_asked(monkeypatc
 
     calls = []
     monkeypatch.setattr(runtime.os, "execvp", lambda file, args: calls.append((file, args)))
+    monkeypatch.delenv(runtime.SETTINGS_ENV, raising=False)
     alloc = SlurmAllocation(job_id="7", node_names=("n1", "n2"), gpus_per_node=4, partition="a100",
                             gpu_type="a100", restart_count=0)
-    runtime._relaunch_under_srun(alloc, ["python", "-m", "job_scripts.run"])
+    runtime._relaunch_under_srun(alloc, ["python", "-m", "job_scripts.run"], {"model": "gpt-760m"})
     ((file, args),) = calls
     assert file == "srun" and args[:4] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1"]
     assert args[-3:] == ["python", "-m", "job_scripts.run"]
+
+
+def test_a_task_on_another_node_takes_the_settings_its_batch_process_read(monkeypatch, tmp_path):
+    """Slurm's copy of the batch script (``$0``) is on the batch node only: a task srun
+    starts elsewhere finds no file there, and runs on the settings passed to it."""
+    from job_scripts import runtime
+    from job_scripts.slurm_env import SlurmAllocation
+
+    script = tmp_path / "slurm_script"
+    script.write_text("#!/bin/bash\n#ELASTIC model=gpt-760m global_batch=128 iterations=1000\n")
+    batch = SlurmAllocation(job_id="7", node_names=("n1", "n2"), gpus_per_node=4, partition="a100",
+                            gpu_type="a100", restart_count=0)
+    read = runtime._job_settings(str(script), "elastic global_batch=64", {}, (), {}, batch)
+    assert read == {"model": "gpt-760m", "global_batch": "64", "iterations": "1000"}
+    monkeypatch.setattr(runtime.os, "execvp", lambda file, args: None)
+    monkeypatch.delenv(runtime.SETTINGS_ENV, raising=False)
+    runtime._relaunch_under_srun(batch, ["python"], read)
+    env = {runtime.SETTINGS_ENV: runtime.os.environ[runtime.SETTINGS_ENV]}
+    task = replace(batch, in_step=True, process_id=1, num_processes=2)
+    missing = str(tmp_path / "elsewhere" / "slurm_script")
+    assert runtime._job_settings(missing, None, {}, (), env, task) == read
+    with pytest.raises(SpecError, match="cannot read"):  # another job's settings are not taken
+        runtime._job_settings(missing, None, {}, (), env, replace(task, job_id="8"))
