@@ -105,12 +105,16 @@ class Checkpoints:
         import orbax.checkpoint as ocp
         self._ocp = ocp
         self.directory = Path(directory).absolute()
+        if self.directory.exists() and not self.directory.is_dir():
+            raise CheckpointError(f"{self.directory}: not a directory; give a directory for the job's checkpoints")
         options = ocp.CheckpointManagerOptions(max_to_keep=max(1, keep), create=True,
                                                cleanup_tmp_directories=True)
         try:
             self.manager = ocp.CheckpointManager(self.directory, options=options)
         except OSError as e:
             raise CheckpointError(f"{self.directory}: cannot use it for checkpoints ({e.strerror})") from None
+        if not os.access(self.directory, os.W_OK | os.X_OK):
+            raise CheckpointError(f"{self.directory}: cannot write there; give a directory this job may write")
 
     def steps(self) -> list[int]:
         """Complete checkpoints, newest first."""
@@ -131,16 +135,50 @@ class Checkpoints:
         Raises:
             CheckpointError: checkpoints exist but none can be read.
         """
-        problems = []
+        problems, damaged = [], []
         for step in self.steps():
             try:
-                return Saved(step, self._meta(step), self.directory / str(step))
+                saved = Saved(step, self._meta(step), self.directory / str(step))
             except Exception as e:  # noqa: BLE001 - a damaged step falls back to the previous one
                 log.warning("skipping checkpoint of step %d: %s", step, e)
                 problems.append(f"step {step}: {e}")
+                damaged.append(step)
+                continue
+            self._set_aside(damaged)
+            return saved
         if problems:
             raise CheckpointError(f"no readable checkpoint in {self.directory}: " + "; ".join(problems))
         return None
+
+    def _set_aside(self, steps: list[int]) -> None:
+        """Rename the damaged ``steps`` newer than the one resumed (``7`` → ``7.unreadable``):
+        kept for a look, and out of the way of the run's own save when it reaches that step
+        again. The first process renames, between two barriers that every process passes
+        (as Orbax's own saves do); then each lists the steps afresh."""
+        import jax
+        from jax.experimental import multihost_utils
+        several = jax.process_count() > 1
+        if several:
+            multihost_utils.sync_global_devices("slurm-ext checkpoints listed")
+        failed = None
+        for step in steps if jax.process_index() == 0 else ():
+            aside, n = self.directory / f"{step}.unreadable", 1
+            while aside.exists():
+                n += 1
+                aside = self.directory / f"{step}.unreadable.{n}"
+            try:
+                (self.directory / str(step)).rename(aside)
+                log.warning("checkpoint of step %d set aside as %s", step, aside.name)
+            except OSError as e:
+                failed = f"{self.directory / str(step)}: unreadable, and cannot be set aside ({e.strerror}): " \
+                         "move it away by hand"
+                break
+        if several:
+            multihost_utils.sync_global_devices("slurm-ext checkpoints set aside")
+        if failed:
+            raise CheckpointError(failed)
+        if steps or several:
+            self.manager.reload()
 
     def save(self, step: int, arrays, meta: dict) -> None:
         """Start writing step ``step`` (asynchronously: :meth:`wait` before exiting)."""

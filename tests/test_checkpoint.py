@@ -177,7 +177,15 @@ def _orbax_basics(directory: str) -> dict:
     ckpt.close()
     # A damaged newest step falls back to the one before; nothing readable is an error.
     (root / "ckpt" / "3" / "meta" / "metadata").write_text("{not json")
-    out["fallback"] = Checkpoints(root / "ckpt").latest().step
+    resumed = Checkpoints(root / "ckpt")
+    out["fallback"] = resumed.latest().step
+    # The run reaches step 3 again and saves it: the damaged one was set aside, not in the way.
+    resumed.save(3, {"w": jax.device_put(np.arange(32.0, dtype=np.float32).reshape(4, 8))}, {"note": 33})
+    resumed.wait()
+    out["saved_again"] = resumed.latest().meta["note"]
+    out["aside"] = sorted(p.name for p in (root / "ckpt").iterdir() if "unreadable" in p.name)
+    resumed.close()
+    (root / "ckpt" / "3" / "meta" / "metadata").write_text("{not json")
     (root / "ckpt" / "2" / "meta" / "metadata").write_text("[]")
     out["none"] = _refusal(lambda: Checkpoints(root / "ckpt").latest())
     return out
@@ -188,7 +196,7 @@ def test_checkpoints_keep_the_newest_reshard_logical_arrays_and_fall_back(tmp_pa
     assert out["steps"] == [3, 2] and out["latest"] == 3
     assert out["meta"]["note"] == 3 and out["meta"]["step"] == 3 and out["meta"]["format"] == 2
     assert out["restored_ok"] and "tp" in out["restored_spec"]
-    assert out["fallback"] == 2
+    assert out["fallback"] == 2 and out["saved_again"] == 33 and out["aside"] == ["3.unreadable"]
     assert out["none"] is not None and "no readable checkpoint" in out["none"]
     assert json.loads(json.dumps(out))  # plain data crossed the process boundary
 
@@ -354,3 +362,12 @@ def test_zero_checkpoints_restore_into_any_plan(tmp_path, saved, targets):
     zero3 = "zero=3" in saved
     assert all(seg is not None and seg["float32"]["regions"] for seg in out["weight_segments"]) == zero3
     assert all(seg is None for seg in out["weight_segments"]) != zero3
+
+
+def test_a_checkpoint_path_that_is_a_file_is_refused_before_any_training(tmp_path):
+    """Found at the start, not at the first save after hours of training."""
+    from job_scripts.checkpoint import Checkpoints
+
+    (tmp_path / "afile").write_text("x")
+    message = _refusal(lambda: Checkpoints(tmp_path / "afile"))
+    assert message is not None and "not a directory" in message and "\n" not in message
