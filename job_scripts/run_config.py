@@ -181,9 +181,12 @@ def resolve_config(given: dict, env: dict[str, str], alloc: SlurmAllocation,
         budget_frac=_float_env(env, TUNE_FRAC_ENV, DEFAULT_TUNE_FRAC) if budget_frac is None
         else _non_negative("tune_budget_frac", budget_frac),
         cache_dir=tuned_dir)
+    seed = 0 if given.get("seed") is None else _whole("seed", given["seed"], 0, "seed of the weights and data")
+    if seed >= 2**32:
+        raise SpecError("seed", seed, "give a whole number below 2**32 (seed of the weights and data)")
     return RunConfig(model=model, global_batch=batch, iterations=iterations,
                      plan_text=pick("plan") or env.get(PLAN_ENV) or None, checkpoint_dir=ckpt,
-                     checkpoint_every=checkpoint_every, keep=keep, seed=given.get("seed") or 0,
+                     checkpoint_every=checkpoint_every, keep=keep, seed=seed,
                      num_devices=devices, platform=platform,
                      warmup_steps=max(0, given.get("warmup_steps") if given.get("warmup_steps") is not None else 2),
                      compile_cache_dir=cache or None, launch=launch, tune=tune)

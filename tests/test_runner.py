@@ -295,6 +295,8 @@ def test_a_malformed_comment_stops_the_job_unless_the_flags_set_every_setting(tm
     ({}, {"SLURM_EXT_CHECKPOINT_EVERY": "0.5"}, "SLURM_EXT_CHECKPOINT_EVERY='0.5'"),  # not 0: never
     ({"tune_budget_s": -1.0}, {}, "tune_budget_s=-1.0"),
     ({"tune_budget_frac": -0.1}, {}, "tune_budget_frac=-0.1"),
+    ({"seed": -1}, {}, "seed=-1"),  # not at the first batch of data
+    ({"seed": 2**32}, {}, "seed=4294967296"),
 ])
 def test_a_zero_or_malformed_flag_is_refused_not_replaced(tmp_path, given, env, wrong):
     from job_scripts.slurm_env import SlurmAllocation
