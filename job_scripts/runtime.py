@@ -7,16 +7,18 @@ script is another::
 
     job = runtime.start()                  # first, before any JAX computation
     mesh = job.mesh()                      # the granted plan: devices as ("dp", "tp")
-    state, step = job.resume(abstract_state_with_shardings)   # None, 1 on a fresh start
-    for step in range(step, job.iterations + 1):
+    state, first = job.resume(abstract_state_with_shardings)  # None, 1 on a fresh start
+    step = first - 1                       # the last step done
+    while step < job.iterations:
         if job.stop_requested():           # the daemon asked to rescale (SIGUSR1)
             break
+        step += 1
         batch = job.put_batch(loader.batch_at(job.sample_of(step)))
         ...                                # your step; job.micro_batches for accumulation
         job.record_step(step, loss, seconds)
         if job.checkpoint_due(step):
             job.save(step, state)
-    sys.exit(job.finish(step, state))      # checkpoint, then 86 (rescale), 143 or 0
+    sys.exit(job.finish(step, state))      # checkpoint the last step done, then 86, 143 or 0
 
 :func:`start` reads what Slurm granted (nodes, GPUs, the partition's GPU type, the restart
 count), the job's settings (``#ELASTIC`` lines and Comment: global batch, iterations),
@@ -167,6 +169,11 @@ def _configure_jax(cfg: RunConfig, alloc: SlurmAllocation) -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
+GIVEN_SETTINGS = ("model", "global_batch", "iterations", "plan", "checkpoint_root", "checkpoint_dir",
+                  "checkpoint_every", "keep", "seed", "devices", "platform", "warmup_steps", "launch",
+                  "compile_cache", "elastic_script", "tune", "tune_budget_s", "tune_budget_frac")
+
+
 def start(*, stop: StopSignal | None = None, identity: dict | None = None,
           require: tuple[str, ...] = (), relaunch_argv: list[str] | None = None,
           env: dict[str, str] | None = None, **given) -> "Job":
@@ -180,14 +187,19 @@ def start(*, stop: StopSignal | None = None, identity: dict | None = None,
         require: settings that must be known (``model``, ``iterations``).
         relaunch_argv: the command ``srun`` starts on each node (default: this one).
         env: the environment (default ``os.environ``).
-        **given: explicit settings, which win over the environment and the job's spec:
-            ``model, global_batch, iterations, plan, checkpoint_root, checkpoint_dir,
-            checkpoint_every, keep, seed, devices, platform, warmup_steps, launch,
-            compile_cache, elastic_script, tune, tune_budget_s, tune_budget_frac``.
+        **given: explicit settings, which win over the environment and the job's spec
+            (``GIVEN_SETTINGS``; another name is refused): ``model, global_batch,
+            iterations, plan, checkpoint_root, checkpoint_dir, checkpoint_every, keep, seed,
+            devices, platform, warmup_steps, launch, compile_cache, elastic_script, tune,
+            tune_budget_s, tune_budget_frac``.
 
     Raises:
         SpecError: a setting that is missing or malformed (one line: what and how to fix).
     """
+    unknown = sorted(set(given) - set(GIVEN_SETTINGS))
+    if unknown:
+        raise SpecError(unknown[0], given[unknown[0]], f"not a setting of runtime.start(); give one of "
+                                                       f"{', '.join(GIVEN_SETTINGS)}")
     stop = stop or StopSignal().install()
     # Orbax reports each save in dozens of INFO lines (through absl's logger): the job's log
     # keeps its warnings, unless the script set that logger's level itself.
@@ -225,6 +237,16 @@ def start(*, stop: StopSignal | None = None, identity: dict | None = None,
     known = {"model": cfg.model} if cfg.model else {}
     return Job(cfg, alloc, devices, stop, plan_text, source,
                _as_saved({"global_batch": cfg.global_batch, "seed": cfg.seed, **known, **(identity or {})}))
+
+
+def _cell_of(plan_text: str | None) -> str | None:
+    """The Cell label of a plan string, None without one or when it does not parse (the
+    plan's first use says why)."""
+    from estimator.plan_string import parse_plan
+    try:
+        return parse_plan(plan_text).cell_label if plan_text else None
+    except SpecError:
+        return None
 
 
 def _as_saved(identity: dict) -> dict:
@@ -276,7 +298,9 @@ class Job:
         self._step: int | None = None  # the last step done, and when
         self._step_at_s: float | None = None
         self._written_at_s = 0.0
-        self._running = {"cell": None, "plan": plan_text, "plan_source": plan_source,
+        # The daemon takes a measured speed for the Cell the report names: a script of its
+        # own (which never calls set_running) runs the starting plan's.
+        self._running = {"cell": _cell_of(plan_text), "plan": plan_text, "plan_source": plan_source,
                          "tuning_s": 0.0, "candidates_measured": 0}
         self._started_s = time.monotonic()
         self._phases: dict[str, float] = {}  # startup_s, init_s or restore_s, final_save_s

@@ -373,6 +373,8 @@ def test_measured_json_is_written_at_exit_before_any_step_is_timed(tmp_path):
     # The restart's own report replaced the earlier run's.
     assert (second.restart_count, second.step) == (1, 2)
     assert second.plan == "cell=a100x1:s1 plan=[dp1tp1] mb=2 remat=1" and second.iteration_time_s is None
+    # A script of its own reports its plan's Cell: the daemon takes a speed for that Cell only.
+    assert first.cell is None and second.cell == "a100x1:s1"
 
 
 def test_the_stop_handler_is_installed_before_anything_heavy_is_imported():
@@ -453,3 +455,11 @@ def test_a_task_on_another_node_takes_the_settings_its_batch_process_read(monkey
     assert runtime._job_settings(missing, None, {}, (), env, task) == read
     with pytest.raises(SpecError, match="cannot read"):  # another job's settings are not taken
         runtime._job_settings(missing, None, {}, (), env, replace(task, job_id="8"))
+
+
+def test_a_misspelt_setting_of_start_is_refused_not_ignored():
+    """``checkpoint_evry=5`` would run with no periodic checkpoints at all."""
+    from job_scripts import runtime
+
+    with pytest.raises(SpecError, match=r"checkpoint_evry=5: not a setting of runtime.start\(\)"):
+        runtime.start(env={}, global_batch=8, iterations=4, checkpoint_evry=5)
