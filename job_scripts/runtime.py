@@ -231,12 +231,28 @@ def start(*, stop: StopSignal | None = None, identity: dict | None = None,
                                                  f"{cfg.num_devices}; check CUDA_VISIBLE_DEVICES, or call "
                                                  "runtime.start() before any JAX computation")
     plan_text, source = cfg.plan_text, "given" if cfg.plan_text else None
-    if plan_text is None and job_text:
-        plan_text = plan_tokens(admin_comment_from_scontrol(job_text))
-        source = ADMIN_COMMENT_PLAN if plan_text else None
+    admin_plan = plan_tokens(admin_comment_from_scontrol(job_text)) if job_text else None
+    if plan_text is not None and admin_plan and alloc.restart_count and _plan_gpus(plan_text) not in (
+            None, len(devices)):
+        # The daemon rescaled the job: the plan given for its first shape cannot run on
+        # this one (failing here would end the job, not requeue it).
+        log.warning("the given plan %s is for %d GPUs and this run of the job has %d (it was rescaled): "
+                    "running the AdminComment's plan", plan_text, _plan_gpus(plan_text), len(devices))
+        plan_text = None
+    if plan_text is None and admin_plan:
+        plan_text, source = admin_plan, ADMIN_COMMENT_PLAN
     known = {"model": cfg.model} if cfg.model else {}
     return Job(cfg, alloc, devices, stop, plan_text, source,
                _as_saved({"global_batch": cfg.global_batch, "seed": cfg.seed, **known, **(identity or {})}))
+
+
+def _plan_gpus(plan_text: str) -> int | None:
+    """The GPU count of a plan string's Cell (None when it does not parse)."""
+    from estimator.plan_string import parse_plan
+    try:
+        return parse_plan(plan_text).num_gpus
+    except SpecError:
+        return None
 
 
 def _cell_of(plan_text: str | None) -> str | None:

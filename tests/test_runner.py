@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from estimator.contract import EXIT_RESCALE, MEASURED_FILE, RunnerReport
+from estimator.contract import ADMIN_COMMENT_PLAN, EXIT_RESCALE, MEASURED_FILE, RunnerReport
 from estimator.errors import SpecError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -463,3 +463,30 @@ def test_a_misspelt_setting_of_start_is_refused_not_ignored():
 
     with pytest.raises(SpecError, match=r"checkpoint_evry=5: not a setting of runtime.start\(\)"):
         runtime.start(env={}, global_batch=8, iterations=4, checkpoint_evry=5)
+
+
+def _plans_after_a_rescale(ckpt: str) -> dict:
+    """A job started with a given 4-GPU plan, then rescaled to 2 GPUs by the daemon."""
+    from job_scripts import runtime
+
+    admin = "requested=any cell=a100x2:s1 plan=[dp2tp1] mb=1 remat=1 why=shrink"
+    runtime.scontrol_job_text = lambda job_id: f"JobId={job_id} JobName=t\n   AdminComment={admin}\n"
+    given = "cell=a100x4:s1 plan=[dp4tp1] mb=1 remat=1"
+    out = {}
+    for restarts in (1, 0):
+        env = {"SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": str(restarts), "SLURM_EXT_PLAN": given}
+        job = _start(ckpt, 2, env)
+        out[restarts] = (job.plan_text, job.plan_source)
+    return out
+
+
+def test_a_given_plan_gives_way_to_the_daemons_after_a_rescale(tmp_path):
+    """A plan given for the job's first shape cannot run after the daemon rescaled it:
+    the run takes the AdminComment's plan (refusing would fail the job, not requeue it).
+    A first run keeps the given plan, whose errors are the user's to see."""
+    from conftest import in_jax_child
+
+    out = in_jax_child(2, _plans_after_a_rescale, str(tmp_path / "ckpt"))
+    after, first = out[1], out[0]
+    assert tuple(after) == ("cell=a100x2:s1 plan=[dp2tp1] mb=1 remat=1", ADMIN_COMMENT_PLAN)
+    assert tuple(first) == ("cell=a100x4:s1 plan=[dp4tp1] mb=1 remat=1", "given")
