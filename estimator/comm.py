@@ -2,8 +2,9 @@
 
 The table is a CSV of measured NCCL collectives (columns ``gpu_type, num_nodes,
 gpus_per_node, network, op, replica_groups, group_size, bytes, seconds``, the format of the
-profiles the product ships in ``estimator/data/``). A site replaces it with its own profile
-(``comm_table`` in the config, ``--comm-table`` on the command line). Each row is filed
+profiles the product ships in ``estimator/data/``). A site replaces it with its own table
+(``--comm-table`` on the command line) or, through ``slurm-ext profile``, its own profile
+store (``profile_db`` in the daemon's config). Each row is filed
 under a *curve*: (GPU type, network, op, group size, nodes one group spans); a query
 interpolates its curve log-log in bytes. GPU types, group sizes or layouts the table does
 not cover fall back to a latency-bandwidth model built from the GPU catalog and the
@@ -107,7 +108,31 @@ def load_comm_table(path: str | None = None) -> CommTable:
         if not set(COLUMNS) <= set(header):
             raise SpecError("comm_table", str(p), f"CSV needs columns {', '.join(COLUMNS)}")
         col = [header.index(name) for name in COLUMNS]
-        return CommTable(_curves([row[i] for i in col] for row in reader))
+        return CommTable(_curves(_checked_rows(reader, col, p)))
+
+
+def _checked_rows(reader, col: list[int], path: Path):
+    """The CSV's rows as ``COLUMNS`` texts, each checked: a short row, a count that is
+    not a whole number ≥ 1, or a size or time that is not a positive finite number stops
+    the load with the line that has it (a negative time would win every comparison)."""
+    for line, row in enumerate(reader, start=2):
+        if not row:
+            continue
+        if len(row) <= max(col):
+            raise SpecError("comm_table", str(path), f"line {line}: {len(row)} fields, the header has {max(col) + 1}")
+        values = [row[i] for i in col]
+        named = dict(zip(COLUMNS, values))
+        for key in ("num_nodes", "gpus_per_node", "group_size"):
+            if not named[key].strip().isdigit() or int(named[key]) < 1:
+                raise SpecError("comm_table", str(path), f"line {line}: {key}={named[key]!r} is not a whole number ≥ 1")
+        for key in ("bytes", "seconds"):
+            try:
+                number = float(named[key])
+            except ValueError:
+                number = math.nan
+            if not (math.isfinite(number) and number > 0):
+                raise SpecError("comm_table", str(path), f"line {line}: {key}={named[key]!r} is not a positive number")
+        yield values
 
 
 def with_profiled(base: CommTable, rows: list[dict]) -> CommTable:

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from estimator.comm import (CommTable, CurveKey, collective_time, load_comm_table, model_time)
@@ -52,6 +54,23 @@ def test_errors(table):
         load_comm_table("/nonexistent/table.csv")
     assert collective_time(table, "all-reduce", 1, 1, 1e9, "a100", "default", 1.0).seconds == 0.0
     assert isinstance(table, CommTable) and table.curve(CurveKey("x", "y", "send", 2, 1)) is None
+
+
+@pytest.mark.parametrize("row, says", [
+    ('a100,1,4,default,all-reduce,"[[0,1,2,3]]",4,1,float32,1000,-1', "line 3: seconds='-1'"),
+    ('a100,1,4,default,all-reduce,"[[0,1,2,3]]",4,1,float32,1000,abc', "line 3: seconds='abc'"),
+    ('a100,1,4,default,all-reduce,"[[0,1,2,3]]",4,1,float32,nan,0.1', "line 3: bytes='nan'"),
+    ('a100,1,x,default,all-reduce,"[[0,1,2,3]]",4,1,float32,1000,0.1', "line 3: gpus_per_node='x'"),
+    ('a100,1,4,default,all-reduce', "line 3: 5 fields"),
+])
+def test_a_site_table_with_a_bad_row_is_refused_with_its_line(tmp_path, row, says):
+    """A negative time would make every Cell that crosses it the fastest; a malformed one
+    was a traceback."""
+    f = tmp_path / "bad.csv"
+    f.write_text("gpu_type,num_nodes,gpus_per_node,network,op,replica_groups,group_size,num_elements,dtype,"
+                 'bytes,seconds\na100,1,4,default,all-reduce,"[[0,1,2,3]]",4,1,float32,1000,0.001\n' + row + "\n")
+    with pytest.raises(SpecError, match=re.escape(says)):
+        load_comm_table(str(f))
 
 
 def test_past_the_largest_message_time_grows_at_the_curves_bandwidth(tmp_path):
