@@ -12,6 +12,7 @@ from estimator.estimate import EstimateOptions, JobEstimate, estimate_job
 from estimator.jobs import JobSpec
 from estimator.memory import MemoryOptions
 from slurm_ext.commands import check_writable
+from slurm_ext.jobspec import check_power_of_two_gpus
 
 DEFAULT_CLUSTER = "crius-1280"
 BATCH_KEYS = {"model", "global_batch", "gpu_type", "num_gpus", "gpus_per_node", "max_stages"}
@@ -23,6 +24,10 @@ def _estimate(model: str, global_batch: int, gpu_type: str | None, gpus: int | N
               options: EstimateOptions) -> JobEstimate:
     if gpus_per_node is not None and gpus_per_node < 1:
         raise SpecError("gpus_per_node", gpus_per_node, "give a positive integer")
+    if gpus is not None:
+        if gpus < 1:
+            raise SpecError("gpus", gpus, "give a positive power of two, or leave it out to see every count")
+        check_power_of_two_gpus(gpus, "not a power of two", "ask for {below} or {above}")
     cluster = load_cluster(cluster_name)
     job = JobSpec(model, global_batch, gpus, gpu_type, max_stages)
     types = (job.gpu_type,) if job.gpu_type else None
@@ -69,7 +74,10 @@ def _table(result: JobEstimate) -> str:
         lines.append(f"{mark} {cell.gpu_type:5} {cell.num_gpus:4} {cell.num_nodes:5} "
                      f"{min(cell.gpus_per_node, cell.num_gpus):5} {cell.num_stages:3}  {_fit(plan, 28)} "
                      f"{t} {rate} {gb}  {note}")
-    if result.best is None:
+    if not result.cells:
+        lines.append("no Cell: the cluster has no GPU type with that many GPUs (or none of the type asked for); "
+                     "ask for fewer GPUs, another type or another --cluster")
+    elif result.best is None:
         lines.append("no Cell fits: try more GPUs, a larger-memory GPU type or a smaller global batch")
     else:
         b = result.best
@@ -77,10 +85,20 @@ def _table(result: JobEstimate) -> str:
     return "\n".join(lines)
 
 
-def _read_batch(source) -> list[dict]:
-    """Parse and validate every request before anything is estimated or printed."""
+def _read_batch(source) -> list[tuple[int, dict]]:
+    """Parse and validate every request before anything is estimated or printed: (line
+    number, request) for each."""
     requests = []
-    for lineno, line in enumerate(source, 1):
+    lines = iter(source)
+    lineno = 0
+    while True:
+        try:
+            line = next(lines)
+        except StopIteration:
+            break
+        except UnicodeDecodeError:
+            raise SpecError(f"line {lineno + 1}", "…", "not UTF-8 text") from None
+        lineno += 1
         if not line.strip():
             continue
         where = f"line {lineno}"
@@ -107,9 +125,15 @@ def _read_batch(source) -> list[dict]:
             else:
                 right, kind = isinstance(value, int) and not isinstance(value, bool), "a whole number"
             if not right:
-                raise SpecError(f"request {len(requests) + 1}: {key}", value, kind)
-        requests.append(req)
+                raise SpecError(f"{where}.{key}", value, kind)
+        requests.append((lineno, req))
     return requests
+
+
+def _check_micro_batches(micro_batches: int | None, global_batch: int) -> None:
+    if micro_batches and global_batch > 0 and global_batch % micro_batches:
+        raise SpecError("micro_batches", micro_batches, f"must divide the global batch {global_batch}: every "
+                        "micro-batch holds the same number of samples")
 
 
 @click.command("estimate")
@@ -170,8 +194,10 @@ def _read_batch(source) -> list[dict]:
 def command(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, cluster, micro_batches,
             comm_table, fidelity, compile_cache, gpu_specs_dir, profile_db, remat, zero_level, offload, what_if,
             stage_gpus, expert_parallel, batch_file, as_json):
-    """The Cells of one job: for each GPU type × GPU count × stage count, the best per-stage
-    plan, seconds per iteration, samples/s and peak memory per GPU, or why it does not fit.
+    """The Cells of one job: for each GPU type × GPU count × stage count, its estimated plan
+    (per stage, data parallelism as wide as the batch allows or tensor parallelism only,
+    the faster: Crius's agile estimate; `slurm-ext tune` searches the plans inside one Cell),
+    seconds per iteration, samples/s and peak memory per GPU, or why it does not fit.
 
     JSON: {"model", "global_batch", "cells": [...], "best": {...} | null}.
 
@@ -193,20 +219,22 @@ def command(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, clus
             raise click.UsageError("--batch reads model and global_batch from each line; drop --model/--global-batch")
         requests = _read_batch(batch_file)
         results = []
-        for i, req in enumerate(requests, 1):
+        for lineno, req in requests:
+            # --gpu-type, --gpus, --gpus-per-node and --max-stages: for lines without their own
+            # (or with it given as null).
+            def given(key, flag):
+                return flag if req.get(key) is None else req[key]
             try:
-                # --gpu-type, --gpus, --gpus-per-node and --max-stages: for lines without their own.
-                results.append(_estimate(req["model"], req["global_batch"], req.get("gpu_type", gpu_type),
-                                         req.get("num_gpus", gpus), req.get("gpus_per_node", gpus_per_node),
-                                         req.get("max_stages", max_stages), cluster, options))
+                _check_micro_batches(micro_batches, req["global_batch"])
+                results.append(_estimate(req["model"], req["global_batch"], given("gpu_type", gpu_type),
+                                         given("num_gpus", gpus), given("gpus_per_node", gpus_per_node),
+                                         given("max_stages", max_stages), cluster, options))
             except SpecError as e:
-                raise SpecError(f"request {i}: {e.field}", e.value, e.hint) from None
+                raise SpecError(f"line {lineno}.{e.field}", e.value, e.hint) from None
         sys.stdout.write("".join(json.dumps(r.to_json()) + "\n" for r in results))
         return
     if not model or global_batch is None:
         raise click.UsageError("give --model and --global-batch (or --batch FILE)")
-    if micro_batches and global_batch > 0 and global_batch % micro_batches:
-        raise SpecError("micro_batches", micro_batches, f"must divide the global batch {global_batch}: every "
-                        "micro-batch holds the same number of samples")
+    _check_micro_batches(micro_batches, global_batch)
     result = _estimate(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, cluster, options)
     click.echo(json.dumps(result.to_json(), indent=2) if as_json else _table(result))
