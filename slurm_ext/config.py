@@ -195,9 +195,11 @@ def _number(key: str, raw: object, source: str, kind: type, optional: bool) -> f
         return None
     if isinstance(raw, bool):
         raise ConfigError(key, raw, f"({source}) give a number")
+    if kind is int and isinstance(raw, float) and not raw.is_integer():
+        raise ConfigError(key, raw, f"({source}) give a whole number")  # int(2.7) would say 2
     try:
         value = kind(raw)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ConfigError(key, raw, f"({source}) give a {'whole ' if kind is int else ''}number") from None
     if value < 0 or (kind is float and not math.isfinite(value)):
         raise ConfigError(key, raw, f"({source}) give a non-negative, finite number")
@@ -251,6 +253,8 @@ def _coerce(key: str, raw: object, source: str) -> object:
         if key == "max_new_specs_per_round" and value < 1:
             raise ConfigError(key, raw, f"({source}) give at least 1: with 0 no elastic job's spec is ever "
                                         "read, and every elastic job stays held")
+        if key == "background_profile_time_min" and value < 1:
+            raise ConfigError(key, raw, f"({source}) give at least 1 (minutes): Slurm takes no shorter time limit")
         return value
     if key in _OPTIONAL_INTS:
         value = _number(key, raw, source, int, True)

@@ -88,6 +88,10 @@ def test_shipped_yaml_resolves_to_the_defaults():
     ({"max_gpus": 0}, {}, "max_gpus"),
     ({}, {"SLURM_EXT_INTERVAL_S": "inf"}, "interval_s"),
     ({"rescale_timeout_s": float("nan")}, {}, "rescale_timeout_s"),
+    ({"max_gpus": float("inf")}, {}, "max_gpus"),  # was an OverflowError traceback
+    ({"metrics_port": float("inf")}, {}, "metrics_port"),
+    ({"max_gpus": 2.7}, {}, "max_gpus"),  # not cut to 2 (the environment's "2.7" is refused too)
+    ({"background_profile_time_min": 0}, {}, "background_profile_time_min"),
 ])
 def test_bad_config_names_key_and_source(file_values, env, field):
     with pytest.raises(ConfigError) as info:
