@@ -16,7 +16,7 @@ Model YAML (a transformer)::
     heads: 32
     sequence: 1024
     vocab: 51200
-    ffn_ratio: 4          # optional, default 4
+    ffn_ratio: 4          # optional, default 4 (a MoE model's dense layers: 8, the only value)
     experts: 0            # optional; >0 makes every other layer a top-2 MoE layer
     dtype: fp16           # optional: fp16, bf16, fp32
     optimizer: adamw      # optional: adamw, adafactor, sgd
@@ -33,6 +33,7 @@ from estimator.errors import SpecError, yaml_problem
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 OPTIMIZERS = ("adamw", "adafactor", "sgd")
 MOE_GROUP_TOKENS = 2048  # GShard expert group size S of the measured MoE models
+MOE_FFN_RATIO = 8  # the dense layers of a MoE model (GShard's; the runner's too)
 
 
 @dataclass(frozen=True)
@@ -171,7 +172,7 @@ def transformer_model(name: str, family: str, *, hidden: int, layers: int, heads
         if experts and i % 2 == 0:
             blocks.append(_moe_layer(i, s, h, a, experts, d))
         else:
-            blocks.append(_transformer_layer(i, s, h, a, 8 if experts else ffn_ratio, d))
+            blocks.append(_transformer_layer(i, s, h, a, MOE_FFN_RATIO if experts else ffn_ratio, d))
     # Untied head: logits in the compute dtype plus an fp32 log-softmax for the loss.
     logits_bytes = s * vocab * (d + 4)
     head = LayerSpec("head", "head", vocab * h + vocab, 2 * s * h * vocab,
@@ -279,6 +280,10 @@ def model_from_dict(raw: object, source: str = "<dict>") -> ModelSpec:
         raise SpecError("heads", values["heads"], f"must divide hidden={values['hidden']}")
     if values.get("experts", 0) == 1:
         raise SpecError("experts", 1, "use 0 (dense) or at least 2 experts")
+    if values.get("experts") and values.get("ffn_ratio", MOE_FFN_RATIO) != MOE_FFN_RATIO:
+        raise SpecError("ffn_ratio", values["ffn_ratio"], f"a MoE model's dense layers have FFN ratio "
+                                                         f"{MOE_FFN_RATIO} (GShard's, as the runner builds them): "
+                                                         "leave ffn_ratio out")
     dtype = str(raw.get("dtype", "fp16")).lower()
     if dtype not in DTYPE_BYTES:
         raise SpecError("dtype", dtype, f"use one of {', '.join(DTYPE_BYTES)}")

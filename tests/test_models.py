@@ -53,6 +53,8 @@ def test_yaml_transformer(tmp_path):
     ({"hidden": 64, "layers": 2, "heads": 4, "sequence": 32, "vocab": 8, "dtype": "int8"}, "dtype"),
     ({"hidden": 64, "layers": 2, "heads": 4, "sequence": 32, "vocab": 8, "colour": 1}, "colour"),
     ({"hidden": "big", "layers": 2, "heads": 4, "sequence": 32, "vocab": 8}, "hidden"),
+    # A MoE model's dense layers have the runner's ratio 8: another was silently ignored.
+    ({"hidden": 64, "layers": 4, "heads": 4, "sequence": 32, "vocab": 8, "experts": 4, "ffn_ratio": 4}, "ffn_ratio"),
 ])
 def test_yaml_errors_name_the_field(raw, field):
     with pytest.raises(SpecError) as e:
