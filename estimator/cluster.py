@@ -12,6 +12,7 @@ Errors name the bad field (``node_groups[1].nodes``).
 """
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,6 +84,10 @@ def _network(raw: object, where: str) -> Network:
         return Network()
     if not isinstance(raw, dict):
         raise SpecError(where, raw, "give a mapping {kind: ..., bandwidth_gbytes_s: ...}")
+    unknown = set(raw) - {"kind", "bandwidth_gbytes_s", "bandwidth_gbps"}
+    if unknown:
+        first = sorted(unknown, key=str)[0]
+        raise SpecError(f"{where}.{first}", raw[first], "unknown key; known: kind, bandwidth_gbytes_s")
     kind = str(raw.get("kind", "default")).lower()
     if kind not in NETWORK_DEFAULT_GBYTES_S:
         raise SpecError(f"{where}.kind", kind, f"use one of {', '.join(NETWORK_DEFAULT_GBYTES_S)}")
@@ -91,7 +96,7 @@ def _network(raw: object, where: str) -> Network:
     if key == "bandwidth_gbps":
         log.warning("%s.bandwidth_gbps is deprecated: it is read as GB/s; rename it bandwidth_gbytes_s", where)
     bw = raw.get(key, NETWORK_DEFAULT_GBYTES_S[kind])
-    if not isinstance(bw, (int, float)) or isinstance(bw, bool) or bw <= 0:
+    if not isinstance(bw, (int, float)) or isinstance(bw, bool) or not 0 < bw < math.inf:
         raise SpecError(f"{where}.{key}", bw, "give a positive number of GB/s (gigabytes per second)")
     return Network(kind, float(bw))
 
@@ -107,6 +112,10 @@ def cluster_from_dict(raw: object, source: str = "<dict>") -> ClusterSpec:
     """Validate a parsed YAML mapping into a ClusterSpec."""
     if not isinstance(raw, dict):
         raise SpecError(source, raw, "a cluster spec is a mapping with name and node_groups")
+    unknown = set(raw) - {"name", "network", "node_groups"}
+    if unknown:
+        first = sorted(unknown, key=str)[0]
+        raise SpecError(str(first), raw[first], "unknown cluster key; known: name, network, node_groups")
     name = raw.get("name")
     if not isinstance(name, str) or not name:
         raise SpecError("name", name, "give the cluster a name")

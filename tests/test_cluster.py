@@ -31,6 +31,15 @@ def test_lab_has_four_types():
     ({"name": "x", "node_groups": [{"gpu_type": "a100", "nodes": 1, "gpus_per_node": 4, "ram": 3}]}, "node_groups[0].ram"),
     ({"name": "x", "network": {"kind": "carrier-pigeon"},
       "node_groups": [{"gpu_type": "a100", "nodes": 1, "gpus_per_node": 4}]}, "network.kind"),
+    # Misspelt keys and a bandwidth that is not a number were taken as the defaults or infinite.
+    ({"name": "x", "network": {"kind": "infiniband", "bandwith_gbytes_s": 0.001},
+      "node_groups": [{"gpu_type": "a100", "nodes": 1, "gpus_per_node": 4}]}, "network.bandwith_gbytes_s"),
+    ({"name": "x", "netwrok": {"kind": "infiniband"},
+      "node_groups": [{"gpu_type": "a100", "nodes": 1, "gpus_per_node": 4}]}, "netwrok"),
+    ({"name": "x", "network": {"kind": "infiniband", "bandwidth_gbytes_s": float("nan")},
+      "node_groups": [{"gpu_type": "a100", "nodes": 1, "gpus_per_node": 4}]}, "network.bandwidth_gbytes_s"),
+    ({"name": "x", "network": {"kind": "infiniband", "bandwidth_gbytes_s": float("inf")},
+      "node_groups": [{"gpu_type": "a100", "nodes": 1, "gpus_per_node": 4}]}, "network.bandwidth_gbytes_s"),
 ])
 def test_yaml_errors_name_the_bad_field(raw, field):
     with pytest.raises(SpecError) as e:
