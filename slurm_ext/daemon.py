@@ -51,6 +51,7 @@ from slurm_ext.observe import (  # noqa: F401
     model_loader_for, node_type, partition_types, plan_comment, profile_db_if_written, profile_version,
     requested_gpus, rescale_pins, reserved_cell, gpu_releases, running_assignment, running_plan_comment,
     runner_progress, type_partitions, update_cell, finish_on_s, rescale_new_cell, rescale_releases,
+    STUCK_REASONS, cell_gpus, waits_on_its_own_condition,
 )
 from slurm_ext.profile_job import (
     RETRY_AFTER_S, background_request, free_for_policy, is_background, next_background, parse_background,
@@ -77,18 +78,6 @@ SCRIPT_UNREAD = " (its batch script could not be read)"
 ARRAY_REFUSED = ("a job array cannot be elastic: one Cell would be chosen for all its tasks and each task "
                  "would run on it; submit the tasks as separate jobs")
 LAUNCH_TIMEOUT_MIN_S = 60.0
-STUCK_REASONS = frozenset({"BadConstraints", "PartitionNodeLimit", "PartitionConfig",
-                           "InvalidQOS", "PartitionDown", "PartitionInactive"})
-# Slurm keeps a released job back for a condition of its own: a dependency, a begin time,
-# an association or QOS limit (``AssocGrpGRES``, ``QOSMaxGRESPerUser``, ...).
-OWN_CONDITION_REASONS = frozenset({"Dependency", "DependencyNeverSatisfied", "BeginTime"})
-
-
-def waits_on_its_own_condition(job: SlurmJob) -> bool:
-    """Released, and kept back by Slurm for the job's own condition, not for GPUs: it holds
-    none meanwhile, and it is not decided afresh (and released again) while it waits."""
-    return job.reason in OWN_CONDITION_REASONS or (
-        job.reason.startswith(("Assoc", "QOS")) and job.reason not in STUCK_REASONS)
 
 
 def job_fitting_idle_gpus(snapshot: Snapshot) -> str | None:
@@ -725,7 +714,7 @@ class Daemon:
         if not claims:
             return managed
         claims += [GuaranteeClaim(j.job_id, j.user, j.account, j.qos,
-                                  spec.num_gpus or self._claimed_gpus.get(j.job_id) or _cell_gpus(j),
+                                  spec.num_gpus or self._claimed_gpus.get(j.job_id) or cell_gpus(j),
                                   self._submit_s.get(j.job_id, float(j.submit_time_s)))
                    for j, spec in holding if spec.guaranteed]
         refused = {j: why for j, why in grant_guarantees(self.config.guarantees, claims).items() if why}
@@ -791,9 +780,3 @@ class Daemon:
                     if e.kind in (journal.START, journal.RESCALE, journal.RELEASE)]
         limit_s = max(LAUNCH_TIMEOUT_MIN_S, LAUNCH_TIMEOUT_ROUNDS * self.config.interval_s)
         return not released or now_s - max(released[-1].created_s, released[-1].updated_s) > limit_s
-
-
-def _cell_gpus(job: SlurmJob) -> int:
-    """GPUs of the Cell the daemon gave ``job`` (its AdminComment), 0 when none."""
-    parts = plan_comment(job.admin_comment).cell_parts()
-    return parts[1] if parts else 0

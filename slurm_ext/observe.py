@@ -50,6 +50,27 @@ def kv(event: str, **fields: object) -> str:
     return " ".join(parts)
 
 
+# Slurm will never start a released job as planned (it is decided afresh).
+STUCK_REASONS = frozenset({"BadConstraints", "PartitionNodeLimit", "PartitionConfig",
+                           "InvalidQOS", "PartitionDown", "PartitionInactive"})
+# Slurm keeps a released job back for a condition of its own: a dependency, a begin time,
+# an association or QOS limit (``AssocGrpGRES``, ``QOSMaxGRESPerUser``, ...).
+OWN_CONDITION_REASONS = frozenset({"Dependency", "DependencyNeverSatisfied", "BeginTime"})
+
+
+def waits_on_its_own_condition(job: SlurmJob) -> bool:
+    """Released, and kept back by Slurm for the job's own condition, not for GPUs: it holds
+    none meanwhile, and it is not decided afresh (and released again) while it waits."""
+    return job.reason in OWN_CONDITION_REASONS or (
+        job.reason.startswith(("Assoc", "QOS")) and job.reason not in STUCK_REASONS)
+
+
+def cell_gpus(job: SlurmJob) -> int:
+    """GPUs of the Cell the daemon gave ``job`` (its AdminComment), 0 when none."""
+    parts = plan_comment(job.admin_comment).cell_parts()
+    return parts[1] if parts else 0
+
+
 def is_held(job: SlurmJob) -> bool:
     """Held, including requeued-held after a rescale signal (``SPECIAL_EXIT``)."""
     return job.is_held or job.state in HELD_FOR_RESCALE
