@@ -273,7 +273,7 @@ def write_profile(path: str | Path, profile: Profile) -> int:
 def write_refit(path: str | Path, gpu_type: str, eff: Efficiency, measurements: int,
                 median_error_before: float, median_error_after: float, trigger: str,
                 created_utc: str) -> None:
-    """Record an online refit; the estimator prefers it over the profile's own fit."""
+    """Record an online refit; the estimator prefers it over the fit of a profile taken before it."""
     with connect(path, create=True) as conn:
         conn.execute("INSERT INTO refits (gpu_type, created_utc, params_json, measurements, "
                      "median_error_before, median_error_after, trigger) VALUES (?,?,?,?,?,?,?)",
@@ -332,41 +332,65 @@ def read_profile(path: str | Path, profile_id: int) -> Profile:
 def load_profile_view(path: str | Path) -> ProfileView:
     """The newest measurements of each GPU type in the store, for the estimator.
 
-    Efficiency: the newest online refit of the type, else the newest profile's fit.
-    Collectives: the newest profile of the type that has any. Layers: per model, the
-    newest profile of the type that measured it.
+    - Efficiency: the newest profile's fit of the type, or an online refit made after it.
+    - Collectives: per node count, the newest profile of the type with that many nodes
+      that has any (a one-node profile does not hide the cross-node curves of an earlier
+      two-node one).
+    - Layers: per model, layer and tp degree, the newest profile of the type that timed
+      it (a profile cut short by its budget after tp 1 keeps an earlier one's tp 2 to 8);
+      a sample count timed twice in one profile (a model named twice) is averaged.
     """
     conn = connect(path)
     try:
-        effs: dict[str, Efficiency] = {}
-        for gpu, params in conn.execute(
-                "SELECT p.gpu_type, e.params_json FROM efficiency e JOIN profiles p ON p.id=e.profile_id "
-                "ORDER BY e.profile_id"):
-            effs[gpu] = Efficiency(**json.loads(params))
-        for gpu, params in conn.execute("SELECT gpu_type, params_json FROM refits ORDER BY id"):
-            effs[gpu] = Efficiency(**json.loads(params))
-        newest_coll = dict(conn.execute(
-            "SELECT p.gpu_type, MAX(p.id) FROM profiles p WHERE EXISTS "
-            "(SELECT 1 FROM collectives c WHERE c.profile_id=p.id) GROUP BY p.gpu_type"))
-        coll = {gpu: tuple(CollectiveRow(*r) for r in conn.execute(
-            "SELECT op, group_size, num_nodes, gpus_per_node, replica_groups, bytes, seconds "
-            "FROM collectives WHERE profile_id=?", (pid,))) for gpu, pid in newest_coll.items()}
-        points: dict[tuple[str, str, int, int], list[tuple[int, float, float, int | None]]] = {}
-        for gpu, fp, idx, tp, samples, f, fb, temp in conn.execute(
-                "SELECT p.gpu_type, l.model_fingerprint, l.layer_index, l.tp, l.samples, l.forward_s, "
-                "l.forward_backward_s, l.backward_temp_bytes FROM layers l JOIN profiles p ON p.id=l.profile_id "
-                "WHERE l.profile_id = (SELECT MAX(l2.profile_id) FROM layers l2 JOIN profiles p2 "
-                "ON p2.id=l2.profile_id WHERE p2.gpu_type=p.gpu_type "
-                "AND l2.model_fingerprint=l.model_fingerprint)"):
-            points.setdefault((gpu, fp, idx, tp), []).append((samples, f, fb, temp))
+        profiles = {pid: (gpu, nodes, created) for pid, gpu, nodes, created in conn.execute(
+            "SELECT id, gpu_type, num_nodes, created_utc FROM profiles")}
+        fitted: dict[str, tuple[str, Efficiency]] = {}  # newest profile fit per type, by id
+        for pid, params in conn.execute("SELECT profile_id, params_json FROM efficiency ORDER BY profile_id"):
+            gpu, _, created = profiles[pid]
+            fitted[gpu] = (created, Efficiency(**json.loads(params)))
+        effs = {gpu: eff for gpu, (_, eff) in fitted.items()}
+        for gpu, created, params in conn.execute("SELECT gpu_type, created_utc, params_json FROM refits ORDER BY id"):
+            if gpu not in fitted or _utc_key(created) >= _utc_key(fitted[gpu][0]):
+                effs[gpu] = Efficiency(**json.loads(params))
+        newest_coll: dict[tuple[str, int], int] = {}
+        for (pid,) in conn.execute("SELECT DISTINCT profile_id FROM collectives ORDER BY profile_id"):
+            gpu, nodes, _ = profiles[pid]
+            newest_coll[(gpu, nodes)] = pid
+        coll: dict[str, tuple[CollectiveRow, ...]] = {}
+        for (gpu, _), pid in sorted(newest_coll.items()):
+            coll[gpu] = coll.get(gpu, ()) + tuple(CollectiveRow(*r) for r in conn.execute(
+                "SELECT op, group_size, num_nodes, gpus_per_node, replica_groups, bytes, seconds "
+                "FROM collectives WHERE profile_id=?", (pid,)))
+        newest_layer: dict[tuple[str, str, int, int], int] = {}
+        for pid, fp, idx, tp in conn.execute(
+                "SELECT DISTINCT profile_id, model_fingerprint, layer_index, tp FROM layers ORDER BY profile_id"):
+            newest_layer[(profiles[pid][0], fp, idx, tp)] = pid
+        points: dict[tuple[str, str, int, int], dict[int, list[tuple[float, float, int | None]]]] = {}
+        for pid, fp, idx, tp, samples, f, fb, temp in conn.execute(
+                "SELECT profile_id, model_fingerprint, layer_index, tp, samples, forward_s, forward_backward_s, "
+                "backward_temp_bytes FROM layers"):
+            key = (profiles[pid][0], fp, idx, tp)
+            if newest_layer[key] == pid:
+                points.setdefault(key, {}).setdefault(samples, []).append((f, fb, temp))
     finally:
         conn.close()
     layers = {}
-    for key, pts in points.items():
-        pts.sort(key=lambda p: p[0])
-        layers[key] = LayerTiming(tuple(p[0] for p in pts), tuple(p[1] for p in pts),
-                                  tuple(p[2] for p in pts), tuple(p[3] for p in pts))
+    for key, by_samples in points.items():
+        counts = sorted(by_samples)
+        means = [tuple(_mean(v) for v in zip(*by_samples[n])) for n in counts]
+        layers[key] = LayerTiming(tuple(counts), tuple(m[0] for m in means), tuple(m[1] for m in means),
+                                  tuple(None if m[2] is None else int(m[2]) for m in means))
     return ProfileView(str(path), effs, coll, layers)
+
+
+def _utc_key(text: str) -> str:
+    """``YYYY-MM-DDTHH:MM:SS`` of a stored UTC time (written with ``Z`` or ``+00:00``)."""
+    return text[:19]
+
+
+def _mean(values: tuple) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
 
 
 def collective_csv_rows(gpu_type: str, rows: Iterable[CollectiveRow]) -> list[dict]:

@@ -129,6 +129,40 @@ def test_store_round_trip_and_summary(tmp_path):
     assert view.layer_timing("a10", fp, 5, 4) is None
 
 
+def test_the_view_keeps_the_newest_of_each_measurement_not_of_each_type(tmp_path):
+    """Later profiles replace what they measured again, and only that: a one-node profile
+    keeps an earlier two-node one's cross-node curves, a profile cut short after tp 1 keeps
+    an earlier one's tp 2, a model timed twice in one profile is averaged (it divided by
+    zero), and an online refit counts only if made after the type's newest profile."""
+    from estimator.profile_store import write_refit
+
+    gpu, spec = gpu_type("a10"), load_model("gpt-760m")
+    fp, db = model_fingerprint(spec), tmp_path / "p.sqlite"
+
+    def info(nodes, when):
+        return ProfileInfo("a10", nodes, 2, "gpu", when, "7", "a10", ("n1",), "dev", {"jax": "x"})
+
+    cross = tuple(CollectiveRow("all-reduce", 4, 2, 2, "[[0, 1, 2, 3]]", n, 1e-3 + n / 1e8) for n in (1 << 16, 1 << 20))
+    within = tuple(CollectiveRow("all-reduce", 2, 1, 2, "[[0, 1]]", n, 1e-3 + n / 1e9) for n in (1 << 16, 1 << 20))
+    full = tuple(_layers(spec, gpu, TRUE, tps=(1, 2), samples=(1, 4, 16)))
+    write_profile(db, Profile(info(2, "2026-11-01T00:00:00+00:00"), cross, tuple(_kernels(gpu, TRUE)), full, TRUE, 0.01))
+    write_refit(db, "a10", replace(TRUE, matmul_frac=0.4), 12, 0.2, 0.05, "test", "2026-11-02T00:00:00Z")
+    newer = replace(TRUE, matmul_frac=0.7)
+    tp1 = tuple(replace(r, forward_s=2 * r.forward_s) for r in _layers(spec, gpu, TRUE, tps=(1,), samples=(1, 4, 16)))
+    write_profile(db, Profile(info(1, "2026-11-03T00:00:00+00:00"), within, tuple(_kernels(gpu, newer)),
+                              tp1 + tp1, newer, 0.01))
+    view = load_profile_view(db)
+    assert view.efficiencies["a10"] == newer  # the refit predates this profile
+    assert {(r.num_nodes, r.group_size) for r in view.collectives["a10"]} == {(2, 4), (1, 2)}
+    again, kept = view.layer_timing("a10", fp, 5, 1), view.layer_timing("a10", fp, 5, 2)
+    assert again.samples == (1, 4, 16) and kept.samples == (1, 4, 16)
+    first = next(r for r in full if (r.layer_index, r.tp, r.samples) == (5, 1, 4))
+    assert again.forward_s[1] == pytest.approx(2 * first.forward_s)
+    assert kept.forward_s[1] == pytest.approx(next(r for r in full if (r.layer_index, r.tp, r.samples) == (5, 2, 4)).forward_s)
+    write_refit(db, "a10", replace(TRUE, matmul_frac=0.45), 12, 0.2, 0.05, "test", "2026-11-04T00:00:00Z")
+    assert load_profile_view(db).efficiencies["a10"].matmul_frac == 0.45
+
+
 def test_not_a_store_is_one_clear_error(tmp_path):
     bad = tmp_path / "bad.sqlite"
     bad.write_text("not sqlite at all, just text" * 10)
