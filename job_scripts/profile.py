@@ -93,6 +93,9 @@ def _progress(world: World, text: str) -> None:
         print(f"profile: {text}", flush=True)
 
 
+NVIDIA_DEVICE = "/dev/nvidiactl"
+
+
 def _configure(world: World, env, devices_per_node: int | None) -> str:
     """Platform, CPU device count and jax.distributed, before any computation."""
     import jax
@@ -101,6 +104,10 @@ def _configure(world: World, env, devices_per_node: int | None) -> str:
     from job_scripts.slurm_env import allocation_from_env, coordinator_address
     alloc = allocation_from_env(env)
     platform = "gpu" if gpu_available() else "cpu"
+    if platform == "cpu" and os.path.exists(NVIDIA_DEVICE):
+        # A CPU profile would be stored as the GPU type's, 10^4 times too slow.
+        raise SpecError("platform", "cpu", "this node has NVIDIA GPUs but JAX here has no CUDA plugin: install "
+                                           "jax[cuda12] into the Python that runs the profile (SLURM_EXT_PYTHON)")
     if platform == "cpu":
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", devices_per_node or alloc.gpus_per_node or 1)
@@ -327,11 +334,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def unique_models(names: list[str]) -> list[str]:
+    """``names`` without repeats of one model (the same name, or another file of the same
+    architecture): each would be timed again for nothing."""
+    from estimator.models import load_model
+    from estimator.profile_store import model_fingerprint
+    seen, out = set(), []
+    for name in names:
+        fp = model_fingerprint(load_model(name))
+        if fp not in seen:
+            seen.add(fp)
+            out.append(name)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if os.environ.get("SLURM_EXT_DEBUG") else logging.WARNING,
                         stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
     try:
+        args.model = unique_models(args.model)
         run(args, dict(os.environ))
     except SpecError as e:
         print(f"profile: error: {e}", file=sys.stderr, flush=True)

@@ -7,6 +7,7 @@ cleanly to the analytic model for types and layers the store lacks.
 
 import math
 from dataclasses import replace
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -348,3 +349,21 @@ def test_kept_gpu_store_still_matches_its_models():
         spec = load_model(name)
         fp = model_fingerprint(spec)
         assert view.layer_timing("h200", fp, 1, 1) is not None, name
+
+
+def test_a_model_named_twice_is_profiled_once():
+    from job_scripts.profile import unique_models
+
+    assert unique_models(["gpt-760m", "GPT-760M", "moe-690m", "gpt-760m"]) == ["gpt-760m", "moe-690m"]
+
+
+def test_a_gpu_node_whose_jax_has_no_cuda_plugin_is_not_profiled_as_cpu(monkeypatch, tmp_path):
+    """The profile would be stored as the GPU type's efficiency, ten thousand times slow."""
+    from job_scripts import profile, runtime
+
+    device = tmp_path / "nvidiactl"
+    device.write_text("")
+    monkeypatch.setattr(profile, "NVIDIA_DEVICE", str(device))
+    monkeypatch.setattr(runtime, "gpu_available", lambda: False)
+    with pytest.raises(SpecError, match="NVIDIA GPUs but JAX here has no CUDA plugin"):
+        profile._configure(SimpleNamespace(rank=0, size=1), {}, 2)
