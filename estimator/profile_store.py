@@ -224,6 +224,10 @@ def connect(path: str | Path, create: bool = False) -> sqlite3.Connection:
     except sqlite3.DatabaseError as e:
         conn.close()
         raise SpecError("profile_db", str(p), f"not a profile store ({e})") from None
+    if version is not None and not str(version[0]).strip().isdigit():
+        conn.close()
+        raise SpecError("profile_db", str(p), f"schema version {version[0]!r} is not a number: not a profile store "
+                                              "this program wrote")
     if version is not None and int(version[0]) == 1:
         try:  # version 1 → 2: the layers' temporary bytes, unknown for old rows
             conn.execute("ALTER TABLE layers ADD COLUMN backward_temp_bytes INTEGER")

@@ -135,15 +135,20 @@ class Store:
 
     Args:
         path: the database file (created with its parent directory), or ``:memory:``.
+        read_only: open an existing file for reading only (no schema is written).
     """
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, read_only: bool = False):
+        self._lock = threading.Lock()
+        if read_only:  # a reader (``slurm-ext explain``) that may not write the daemon's file
+            self._db = sqlite3.connect(f"{Path(path).absolute().as_uri()}?mode=ro", uri=True,
+                                       check_same_thread=False)
+            return
         if str(path) != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
         # isolation_level=None: autocommit; each write is durable once the call returns,
         # which is what write-ahead journaling needs.
         self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
-        self._lock = threading.Lock()
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)

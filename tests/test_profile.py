@@ -6,9 +6,10 @@ cleanly to the analytic model for types and layers the store lacks.
 """
 
 import math
+import sqlite3
 from dataclasses import replace
-from types import SimpleNamespace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -171,6 +172,12 @@ def test_not_a_store_is_one_clear_error(tmp_path):
         connect(bad)
     with pytest.raises(SpecError, match="run `slurm-ext profile` first"):
         connect(tmp_path / "missing.sqlite")
+    odd = tmp_path / "odd.sqlite"
+    connect(odd, create=True).close()
+    with sqlite3.connect(odd) as conn:
+        conn.execute("UPDATE meta SET value='2.1' WHERE key='schema_version'")
+    with pytest.raises(SpecError, match="schema version '2.1' is not a number"):
+        connect(odd)
 
 
 def test_profiled_collectives_replace_the_shipped_curves_of_their_type(tmp_path):

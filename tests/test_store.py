@@ -48,6 +48,25 @@ def test_journal_is_durable_across_reopen(tmp_path):
     reopened.close()
 
 
+def test_a_reader_opens_the_journal_without_writing_it(tmp_path):
+    """``slurm-ext explain`` runs as any user: it reads the daemon's file and writes
+    nothing, neither the schema nor its journal mode (which needed write access)."""
+    path = tmp_path / "j.db"
+    writer = Store(path)
+    writer.intend(7, START, UPDATE, now_s=100.0)
+    writer.close()
+    reader = Store(path, read_only=True)
+    assert [e.kind for e in reader.entries(7)] == [START]
+    with pytest.raises(sqlite3.OperationalError, match="readonly"):
+        reader.intend(8, START, UPDATE, now_s=101.0)
+    reader.close()
+    other = tmp_path / "other.db"
+    sqlite3.connect(other).execute("CREATE TABLE t (x)").connection.close()
+    with pytest.raises(sqlite3.Error):  # not the daemon's file: an error explain reports, no schema written
+        Store(other, read_only=True).entries(7)
+    assert [r[0] for r in sqlite3.connect(other).execute("SELECT name FROM sqlite_master")] == ["t"]
+
+
 def test_rejects_unknown_kinds_and_states(store):
     with pytest.raises(ValueError, match="kind 'explode'"):
         store.intend(1, "explode", None, 0.0)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -77,17 +79,27 @@ def command(job_id, as_json, config_path, state_db, timeout_s):
             options = EstimateOptions(plan_space=cfg.plan_space, micro_batches=cfg.micro_batches,
                                       max_gpus=cfg.max_gpus, profile_db=profile_db_if_written(cfg.profile_db),
                                       expert_parallel=cfg.expert_parallel)
-            estimates = estimate_job(spec.job_spec(), cluster, options).cells
+            try:
+                estimates = estimate_job(spec.job_spec(), cluster, options).cells
+            except SpecError as e:
+                if e.field != "profile_db":
+                    raise
+                # The site's profile store, not the job, is at fault: the analytic estimates.
+                click.echo(f"slurm-ext: warning: {e}; estimates without it", err=True)
+                estimates = estimate_job(spec.job_spec(), cluster, replace(options, profile_db=None)).cells
         except (ElasticSpecError, SpecError) as e:
             spec_error = str(e)
     history = []
     path = state_db or cfg.state_db
     if path and Path(path).is_file() and os.access(path, os.R_OK):
-        store = Store(path)
         try:
-            history = explain.history(store.entries(job_id))
-        finally:
-            store.close()
+            store = Store(path, read_only=True)
+            try:
+                history = explain.history(store.entries(job_id))
+            finally:
+                store.close()
+        except sqlite3.Error as e:  # not the daemon's state file, or one this user cannot open
+            click.echo(f"slurm-ext: warning: the rescale history is unavailable ({path}: {e})", err=True)
     chosen = explain.chosen_estimate(pc, estimates or ())
     doc = {
         "job_id": job.job_id, "state": job.state, "elastic": job.is_elastic,
