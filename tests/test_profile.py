@@ -374,3 +374,15 @@ def test_a_gpu_node_whose_jax_has_no_cuda_plugin_is_not_profiled_as_cpu(monkeypa
     monkeypatch.setattr(runtime, "gpu_available", lambda: False)
     with pytest.raises(SpecError, match="NVIDIA GPUs but JAX here has no CUDA plugin"):
         profile._configure(SimpleNamespace(rank=0, size=1), {}, 2)
+
+
+def test_waiting_on_a_profile_reads_whole_lines_only(tmp_path):
+    """The job may be half-way through writing its summary line when the log is read."""
+    from slurm_ext.commands.profile import _follow
+
+    log = tmp_path / "job.out"
+    log.write_text('profile: calibration kernels 17 in 24 s\nprofile: done {"profile_id": 3, "lay')
+    ended = SimpleNamespace(job=lambda job_id: None)
+    assert _follow(ended, 5, log, quiet=True) == ("UNKNOWN", None)
+    log.write_text(log.read_text() + 'ers": 520}\n')
+    assert _follow(ended, 5, log, quiet=True) == ("UNKNOWN", {"profile_id": 3, "layers": 520})

@@ -36,7 +36,8 @@ def _follow(client, job_id: int, log_path: Path, quiet: bool) -> tuple[str, dict
             click.echo(f"job {job_id}: {state.lower()}{reason}", err=True)
             announced = state
         if log_path.is_file():
-            lines = log_path.read_text(errors="replace").splitlines()
+            # Whole lines only: the job may be writing the last one.
+            lines = log_path.read_text(errors="replace").split("\n")[:-1]
             for line in lines[seen:]:
                 if line.startswith("profile: done "):
                     summary = json.loads(line[len("profile: done "):])
@@ -91,6 +92,7 @@ def command(partition, nodes, models, wait, as_json, profile_db, samples, time_l
     `slurm-ext estimate --profile-db FILE` prefers these measurements (fidelity: profiled).
     """
     from estimator.models import load_model
+    from estimator.profile_store import connect
     from slurm_ext.backend import make_client
     from slurm_ext.config import load_config
     from slurm_ext.errors import SlurmExtError
@@ -100,6 +102,7 @@ def command(partition, nodes, models, wait, as_json, profile_db, samples, time_l
     for m in models:
         load_model(m)  # a clear error now, not in the job's log
     db = str(Path(profile_db).resolve())
+    connect(db, create=True).close()  # likewise a file that is not a store, before minutes of measuring
     cfg = load_config(None, {}, dict(os.environ))
     try:
         client = make_client(cfg.slurm_backend, cfg.slurm_prefix, cfg.slurm_timeout_s)
