@@ -569,7 +569,9 @@ class CellsIlpPolicy:
                 reasons[j.job_id] = f"waiting: {o.cell.label()} does not fit on free nodes"
         # Backfill: GPUs the packing left free go to pending jobs by weight, on Cells no
         # larger than they asked for — also Cells slower than the job would wait for
-        # (Crius's opportunistic execution) — so nothing idles while jobs wait.
+        # (Crius's opportunistic execution) — so nothing idles while jobs wait. A job with
+        # no Cell that small (its model fits only on more GPUs) may take its larger ones:
+        # else a long one, which the packing leaves waiting, would never start.
         spare = _free_total(free)
         for j in pending[: 4 * self.config.max_pending]:
             if spare <= 0:
@@ -577,7 +579,8 @@ class CellsIlpPolicy:
             if j.job_id in tried or final.get(j.job_id) is not None:
                 continue
             opts = self.options(snapshot, j, idle=True)[0]
-            small = [o for o in opts if o.cell is not None and o.cell.num_gpus <= (j.spec.num_gpus or o.cell.num_gpus)]
+            cells = [o for o in opts if o.cell is not None]
+            small = [o for o in cells if o.cell.num_gpus <= (j.spec.num_gpus or o.cell.num_gpus)] or cells
             got = _place_first(free, [], small, min(spare, left.get(j.user, math.inf)))
             if got is not None:
                 final[j.job_id] = got

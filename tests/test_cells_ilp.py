@@ -346,3 +346,24 @@ def test_the_starvation_bound_never_suspends_a_guaranteed_job():
     s = snap([wide, *small], nodes(a100=2, v100=0), now=36_000.0)
     final = final_assignments(s, CellsIlpPolicy().decide(s))
     assert final["wide"] is None and all(final[j.job_id] is not None for j in small)
+
+
+def test_a_long_job_whose_model_fits_only_on_more_gpus_than_it_asked_starts_on_an_idle_cluster():
+    """gpt-1.3b at batch 128 asks for one a100 and fits only on two. With 30 hours of work
+    its start is worth less than waiting to the packing (the restart it costs outweighs a
+    long job's weight), and backfill offered only Cells of at most one GPU: it never
+    started, on an idle cluster. It now takes its larger Cell, as crius does."""
+    from estimator.cluster import load_cluster
+    from policy.measured import load_measured
+    from policy.simulator import EstimateCache, SimConfig, simulate
+    from policy.trace import TraceJob
+
+    cluster, table = load_cluster("lab"), load_measured()
+    cache = EstimateCache(cluster, table)
+    spec = JobSpec("gpt-1.3b", 128, 1, "a100")
+    feasible = [e for e in cache.get(spec)[0] if e.feasible]
+    assert feasible and min(e.cell.num_gpus for e in feasible) == 2
+    step_s = min(e.iteration_time_s for e in feasible)
+    job = TraceJob("J", 0.0, spec, int(30 * 3600 / step_s), step_s, None)
+    (outcome,) = simulate(CellsIlpPolicy(), (job,), cluster, table, SimConfig(), cache).jobs
+    assert outcome.status == "finished" and outcome.first_start_s == 0.0
