@@ -139,6 +139,10 @@ def cluster_from_dict(raw: object, source: str = "<dict>") -> ClusterSpec:
         nodes = _positive_int(g, "nodes", where)
         per_node = _positive_int(g, "gpus_per_node", where)
         partition = str(g.get("partition", gt.name))
+        taken = next((j for j, other in enumerate(groups) if other.partition == partition), None)
+        if taken is not None:  # its nodes would be named as the other group's (partition-1, ...)
+            raise SpecError(f"{where}.partition", partition, f"node_groups[{taken}] has it too: give each node "
+                                                             "group its own partition (e.g. a100-8 for the nodes of 8)")
         net = _network(g["network"], f"{where}.network") if "network" in g else default_net
         groups.append(NodeGroup(gt.name, nodes, per_node, partition, net))
     return ClusterSpec(name, tuple(groups))

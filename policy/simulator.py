@@ -365,7 +365,9 @@ def never_runnable_reason(estimates: tuple[CellEstimate, ...], dp_only: tuple[Ce
     Runnable means measured (the platform can run it) and within the cluster's capacity
     and node size; whether the estimator thinks it fits is the policies' business.
     """
-    sizes = {g.gpu_type: g.gpus_per_node for g in cluster.node_groups}
+    sizes: dict[str, int] = {}  # the largest node of each type
+    for g in cluster.node_groups:
+        sizes[g.gpu_type] = max(sizes.get(g.gpu_type, 0), g.gpus_per_node)
     for cell in runnable:
         if cell.gpu_type in sizes and cell.num_gpus <= cluster.total_gpus(cell.gpu_type) \
                 and cell_layout(cell)[1] <= sizes[cell.gpu_type]:

@@ -31,6 +31,9 @@ def test_lab_has_four_types():
     ({"name": "x", "node_groups": [{"gpu_type": "a100", "nodes": 1, "gpus_per_node": 4, "ram": 3}]}, "node_groups[0].ram"),
     ({"name": "x", "network": {"kind": "carrier-pigeon"},
       "node_groups": [{"gpu_type": "a100", "nodes": 1, "gpus_per_node": 4}]}, "network.kind"),
+    # Two groups of one type in one partition: their nodes got the same names.
+    ({"name": "x", "node_groups": [{"gpu_type": "a100", "nodes": 2, "gpus_per_node": 4},
+                                   {"gpu_type": "a100", "nodes": 1, "gpus_per_node": 8}]}, "node_groups[1].partition"),
     # Misspelt keys and a bandwidth that is not a number were taken as the defaults or infinite.
     ({"name": "x", "network": {"kind": "infiniband", "bandwith_gbytes_s": 0.001},
       "node_groups": [{"gpu_type": "a100", "nodes": 1, "gpus_per_node": 4}]}, "network.bandwith_gbytes_s"),
