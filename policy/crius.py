@@ -204,7 +204,10 @@ class _Round:
         reclaim_budget = self.p.reclaim_heads
         for job_id in self.order:
             job = self.jobs[job_id]
-            if self.assign[job_id] is not None or job_id in self.dropped:
+            if job_id in self.dropped and self.assign[job_id] is None:
+                self.reasons[job_id] = f"{DROPPED_PREFIX}: no Cell finishes it by its deadline"  # every round
+                continue
+            if self.assign[job_id] is not None:
                 continue
             cands = self._candidates(job)
             if not cands:

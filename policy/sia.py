@@ -28,8 +28,8 @@ Every round Sia re-plans every job's configuration with one integer linear progr
   ``preserve_ckpt_allocs``).
 * **Rounds of 60 s**: Sia solves when the snapshot's trigger is a round or at least
   ``round_s`` has passed since its last solve; other events change nothing until then.
-  The simulator's ``--round-s`` (300 s by default) sets its rounds for every policy:
-  ``--round-s 60`` gives Sia its own.
+  The simulator wakes it every 60 s (``round_s``, which it declares); ``--rounds-for-all``
+  gives it the simulator's ``--round-s`` (300 s by default) instead, as every policy.
 
 The ILP goes through ``policy.binary_program`` (HiGHS, CBC as fallback) with Sia's
 relative gap of 1e-4, a deterministic budget of ``node_budget`` branch-and-bound nodes

@@ -3,6 +3,7 @@ with known answers (Gavel's own rounds: tests/test_gavel.py)."""
 
 import copy
 import itertools
+from dataclasses import replace
 
 import pytest
 
@@ -13,7 +14,7 @@ from policy.elasticflow import ElasticFlowPolicy
 from policy.gavel import GavelPolicy
 from policy.gavel_greedy import GavelGreedyPolicy
 from policy.interface import (
-    PENDING, RUNNING, TRIGGER_ARRIVAL, TRIGGER_COMPLETION, Assignment, JobView, NodeView, Snapshot,
+    PENDING, RUNNING, TRIGGER_ARRIVAL, TRIGGER_COMPLETION, TRIGGER_ROUND, Assignment, JobView, NodeView, Snapshot,
     validate_decision,
 )
 from policy.sia import SiaPolicy
@@ -247,6 +248,9 @@ def test_crius_ddl_refuses_a_job_that_cannot_meet_its_deadline():
     assert cell_of(d, "late") is None and d.for_job("late").reason.startswith("dropped")
     assert cell_of(d, "ok") == ("a100", 4)
     assert "late" in d.policy_state.dropped
+    # The next round says so again (a report's last reason was "" before).
+    later = run(CriusDdlPolicy(), replace(s, policy_state=d.policy_state, trigger=TRIGGER_ROUND))
+    assert cell_of(later, "late") is None and later.for_job("late").reason.startswith("dropped")
     # Plain crius starts both.
     d = run(CriusPolicy(), s)
     assert cell_of(d, "late") == ("a100", 4) and cell_of(d, "ok") == ("a100", 4)
