@@ -232,12 +232,12 @@ def start(*, stop: StopSignal | None = None, identity: dict | None = None,
                                                  "runtime.start() before any JAX computation")
     plan_text, source = cfg.plan_text, "given" if cfg.plan_text else None
     admin_plan = plan_tokens(admin_comment_from_scontrol(job_text)) if job_text else None
-    if plan_text is not None and admin_plan and alloc.restart_count and _plan_gpus(plan_text) not in (
-            None, len(devices)):
+    given_plan = _parsed(plan_text)
+    if given_plan is not None and admin_plan and alloc.restart_count and given_plan.num_gpus != len(devices):
         # The daemon rescaled the job: the plan given for its first shape cannot run on
         # this one (failing here would end the job, not requeue it).
         log.warning("the given plan %s is for %d GPUs and this run of the job has %d (it was rescaled): "
-                    "running the AdminComment's plan", plan_text, _plan_gpus(plan_text), len(devices))
+                    "running the AdminComment's plan", plan_text, given_plan.num_gpus, len(devices))
         plan_text = None
     if plan_text is None and admin_plan:
         plan_text, source = admin_plan, ADMIN_COMMENT_PLAN
@@ -246,21 +246,12 @@ def start(*, stop: StopSignal | None = None, identity: dict | None = None,
                _as_saved({"global_batch": cfg.global_batch, "seed": cfg.seed, **known, **(identity or {})}))
 
 
-def _plan_gpus(plan_text: str) -> int | None:
-    """The GPU count of a plan string's Cell (None when it does not parse)."""
+def _parsed(plan_text: str | None):
+    """The plan string parsed (``PlanString``), None without one or when it does not parse
+    (the plan's first use says why)."""
     from estimator.plan_string import parse_plan
     try:
-        return parse_plan(plan_text).num_gpus
-    except SpecError:
-        return None
-
-
-def _cell_of(plan_text: str | None) -> str | None:
-    """The Cell label of a plan string, None without one or when it does not parse (the
-    plan's first use says why)."""
-    from estimator.plan_string import parse_plan
-    try:
-        return parse_plan(plan_text).cell_label if plan_text else None
+        return parse_plan(plan_text) if plan_text else None
     except SpecError:
         return None
 
@@ -316,7 +307,8 @@ class Job:
         self._written_at_s = 0.0
         # The daemon takes a measured speed for the Cell the report names: a script of its
         # own (which never calls set_running) runs the starting plan's.
-        self._running = {"cell": _cell_of(plan_text), "plan": plan_text, "plan_source": plan_source,
+        plan = _parsed(plan_text)
+        self._running = {"cell": plan.cell_label if plan else None, "plan": plan_text, "plan_source": plan_source,
                          "tuning_s": 0.0, "candidates_measured": 0}
         self._started_s = time.monotonic()
         self._phases: dict[str, float] = {}  # startup_s, init_s or restore_s, final_save_s

@@ -68,16 +68,16 @@ JOURNAL_KEEP_S = 7 * 86400.0  # closed journal entries are kept this long for in
 PRUNE_EVERY_S = 3600.0
 # The Slurm reservation that protects the nodes a policy holds for a waiting job.
 HOLD_RESERVATION = "slurm-ext-hold"
-# A released job waiting for one of these will never start as it is: decide it afresh.
-# So is one still waiting after LAUNCH_TIMEOUT_ROUNDS rounds (at least LAUNCH_TIMEOUT_MIN_S).
+# A released job Slurm says will never start as it is (``STUCK_REASONS``) is decided afresh;
+# so is one still waiting after LAUNCH_TIMEOUT_ROUNDS rounds (at least LAUNCH_TIMEOUT_MIN_S).
 LAUNCH_TIMEOUT_ROUNDS = 3
+LAUNCH_TIMEOUT_MIN_S = 60.0
 # A spec that needs the batch script is read again next round when Slurm did not give the
 # script (a timeout under load), this many rounds in a row before its error is kept.
 SCRIPT_READ_TRIES = 3
 SCRIPT_UNREAD = " (its batch script could not be read)"
 ARRAY_REFUSED = ("a job array cannot be elastic: one Cell would be chosen for all its tasks and each task "
                  "would run on it; submit the tasks as separate jobs")
-LAUNCH_TIMEOUT_MIN_S = 60.0
 
 
 def job_fitting_idle_gpus(snapshot: Snapshot) -> str | None:
