@@ -1,5 +1,5 @@
 --[[
-slurm-ext: normalize elastic submissions (comment starting with "elastic").
+slurm-ext: normalize elastic submissions (comment whose first word is "elastic").
 
 Slurm 22.05 cannot change a pending job's GPU type, so an elastic job must carry an
 untyped GPU count; the daemon then picks the type by partition (one partition per GPU
@@ -12,8 +12,26 @@ is held for the daemon (priority 0), and the user's requested type is kept in Ad
 re-prioritize a held elastic job. Install beside slurm.conf with JobSubmitPlugins=lua.
 ]]
 
+-- The first word is "elastic", in any case (as the daemon reads it): "elasticsearch" is not.
 local function is_elastic(comment)
-   return comment ~= nil and string.find(string.lower(comment), "^%s*elastic") ~= nil
+   if comment == nil then return false end
+   local rest = string.match(string.lower(comment), "^%s*elastic(.*)$")
+   return rest ~= nil and (rest == "" or string.find(rest, "^%s") ~= nil)
+end
+
+-- A GPU request's type, its count (1 when it names none) and the request without the type:
+-- "gres/gpu:a100:4" -> "a100", "4", "gres/gpu:4"; "gres/gpu:a100" -> "a100", "1",
+-- "gres/gpu:1"; nil when untyped ("gres/gpu:4"). Plain string slicing, no pattern built
+-- from the type (a type such as a100-sxm4-80gb holds pattern characters).
+local function untyped(tres)
+   local first, last, gtype = string.find(tres, "gpu:(%a[%w_%-]*)")
+   if first == nil then return nil end
+   local count = string.match(tres, "^:(%d+)", last + 1)
+   local after = last + 1 + (count and #count + 1 or 0)
+   local following = string.sub(tres, after, after)
+   if following ~= "" and following ~= "," and following ~= "(" then return nil end
+   count = count or "1"
+   return gtype, count, string.sub(tres, 1, first - 1) .. "gpu:" .. count .. string.sub(tres, after)
 end
 
 local function has_partition(part_list, name)
@@ -32,13 +50,13 @@ function slurm_job_submit(job_desc, part_list, submit_uid)
    -- "gres:gpu:a100:4" (22.05 adds the "gres:" prefix) or "gpu:a100:4".
    for _, field in ipairs({"tres_per_node", "tres_per_job"}) do
       local tres = job_desc[field]
-      local gtype, count = nil, nil
+      local gtype, count, rest = nil, nil, nil
       if tres ~= nil then
-         gtype, count = string.match(tres, "gpu:(%a[%w_%-]*):(%d+)")
+         gtype, count, rest = untyped(tres)
       end
       if gtype ~= nil then
          requested = gtype
-         job_desc[field] = string.gsub(tres, "gpu:" .. gtype .. ":" .. count, "gpu:" .. count, 1)
+         job_desc[field] = rest
          -- A partition the user named (a mixed one, say) is kept: the daemon steers there.
          if job_desc.partition == nil and has_partition(part_list, gtype) then
             job_desc.partition = gtype
@@ -56,11 +74,19 @@ end
 -- A held elastic job's priority is the daemon's: its owner's release, hold or priority
 -- change is refused with "Access/permission denied" (Slurm shows no message of a modify
 -- hook's own, so the reason goes to slurmctld's log).
+-- Nor may the owner turn a held elastic job into a plain one by changing its comment (it
+-- could then release it, running outside the daemon with the request it was given).
 function slurm_job_modify(job_desc, job_rec, part_list, modify_uid)
-   if modify_uid ~= 0 and job_rec ~= nil and is_elastic(job_rec.comment)
-         and job_rec.priority == 0 and job_desc.priority ~= nil
-         and job_desc.priority ~= slurm.NO_VAL then
+   if modify_uid == 0 or job_rec == nil or not is_elastic(job_rec.comment) or job_rec.priority ~= 0 then
+      return slurm.SUCCESS
+   end
+   if job_desc.priority ~= nil and job_desc.priority ~= slurm.NO_VAL then
       slurm.log_info("slurm-ext: uid %u may not change the priority of elastic job %u: the daemon holds and releases it",
+                     modify_uid, job_rec.job_id)
+      return slurm.ESLURM_ACCESS_DENIED or slurm.ERROR
+   end
+   if job_desc.comment ~= nil and not is_elastic(job_desc.comment) then
+      slurm.log_info("slurm-ext: uid %u may not make held elastic job %u a plain one: cancel and resubmit it",
                      modify_uid, job_rec.job_id)
       return slurm.ESLURM_ACCESS_DENIED or slurm.ERROR
    end

@@ -8,7 +8,9 @@ integration tests that run on both). Actions are RPCs on ``pyslurm.Job``.
 Where pyslurm cannot do a thing, this backend runs the command the CLI backend runs:
 
 - a pending job's **node count**: ``JobSubmitDescription`` writes ``min_nodes`` only when
-  submitting, never in an update, so ``NumNodes`` goes through ``scontrol update``;
+  submitting, never in an update, so ``NumNodes`` goes through ``scontrol update``; so
+  does **clearing its node features** (pyslurm sends an empty constraint as unset, which
+  Slurm reads as no change);
 - a job's **GPUs per job** (``--gpus``, ``tres_per_job``): pyslurm 25.11.2 reads TRES
   strings as ``name=count`` and Slurm writes this one ``gres/gpu:6``, so it reads nothing;
   one cheap ``squeue -O JobID,tres-per-job`` listing gives them;
@@ -234,8 +236,9 @@ class PyslurmClient:
         if update.gpus_per_node is not None:
             typed = f"{_name('gpu_type', update.gpu_type)}:" if update.gpu_type is not None else ""
             changes["gres_per_node"] = f"gpu:{typed}{_positive('gpus_per_node', update.gpus_per_node)}"
-        if update.features is not None:
-            changes["constraints"] = _name("features", update.features) if update.features else ""
+        if update.features:
+            changes["constraints"] = _name("features", update.features)
+        clear_features = update.features == ""
         if (update.cpus_per_gpu is not None or update.mem_per_gpu_mb is not None) and update.gpus_per_node is None:
             raise SlurmArgumentError("gpus_per_node", None, "CPUs and memory per GPU need the GPUs per node")
         # Per node, as the CLI backend writes them (see update_pending_argv for why).
@@ -249,10 +252,15 @@ class PyslurmClient:
             changes["required_nodes"] = _node_list(update.required_nodes).split(",")
         if update.num_nodes is not None:
             _positive("num_nodes", update.num_nodes)
-        elif not changes:
+        elif not changes and not clear_features:
             raise SlurmArgumentError("update", update, "set at least one of partition, gpus_per_node, "
                                      "num_nodes, admin_comment, required_nodes, features, cpus_per_gpu, "
                                      "mem_per_gpu_mb")
+        if clear_features:
+            # pyslurm sends an empty constraint as "unset", which Slurm reads as "no change";
+            # scontrol's Features= clears. First, so that a retype below does not meet the
+            # old type's constraint.
+            self._cli.update_pending(ids, JobUpdate(features="", start_now=False))
         if changes or update.start_now:
             if update.start_now:
                 # After a requeue Slurm adds BeginTime = now + 121 s unless told otherwise.

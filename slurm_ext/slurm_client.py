@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from estimator.contract import is_elastic
+
 # Job states as Slurm names them (base state, without flags).
 PENDING = "PENDING"
 RUNNING = "RUNNING"
@@ -126,8 +128,9 @@ class SlurmJob:
 
     @property
     def is_elastic(self) -> bool:
-        """The job asked for elastic scheduling (comment starts with ``elastic``)."""
-        return self.comment.strip().lower().startswith("elastic")
+        """The job asked for elastic scheduling (its comment's first word is ``elastic``,
+        as the job spec and the submit hook read it: ``elasticsearch ...`` is not)."""
+        return is_elastic(self.comment)
 
     @property
     def is_pending(self) -> bool:

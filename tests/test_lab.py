@@ -89,6 +89,23 @@ def test_typed_gpus_per_job_of_an_elastic_job_become_untyped_too(slurm_client, t
 
 
 @pytest.mark.slurm
+def test_a_typed_request_without_a_count_becomes_one_untyped_gpu(slurm_client, tmp_path):
+    job_id = slurm_client.submit(request(tmp_path, name="elastic-one", gres="gpu:a100", comment="elastic"))
+    job = slurm_client.job(job_id)
+    assert (job.partition, job.gpus_per_node, job.gpu_type_requested) == ("a100", 1, None)
+    assert job.admin_comment == "requested=a100" and job.is_held
+
+
+@pytest.mark.slurm
+def test_a_comment_that_only_starts_with_the_word_is_not_elastic(slurm_client, tmp_path):
+    job_id = slurm_client.submit(request(tmp_path, name="search", partition="v100", gres="gpu:v100:1",
+                                         comment="elasticsearch reindex"))
+    job = slurm_client.job(job_id)
+    assert not job.is_elastic and not job.is_held and job.admin_comment == ""
+    assert job.gpu_type_requested == "v100" and job.gpus_per_node == 1
+
+
+@pytest.mark.slurm
 def test_plain_job_is_untouched(slurm_client, tmp_path):
     job_id = slurm_client.submit(request(tmp_path, name="plain", partition="v100",
                                          gres="gpu:v100:2"))
@@ -119,7 +136,9 @@ def test_owner_cannot_release_a_held_elastic_job(slurm_lab, slurm_client):
     job_id = int(out.stdout.strip())
     assert slurm_client.job(job_id).user == "nobody"
     for argv in (["scontrol", "release", str(job_id)], ["scontrol", "hold", str(job_id)],
-                 ["scontrol", "update", f"JobId={job_id}", "Priority=100"]):
+                 ["scontrol", "update", f"JobId={job_id}", "Priority=100"],
+                 # a plain job's comment, and the release after it, would leave the daemon out
+                 ["scontrol", "update", f"JobId={job_id}", "Comment=plain"]):
         with pytest.raises(SlurmCommandError, match="(?i)permission denied"):  # not "Unspecified error"
             run_command([*as_nobody, *argv], timeout_s=20, env=slurm_lab.env())
     assert slurm_client.job(job_id).is_held

@@ -75,3 +75,29 @@ def test_without_pyslurm_the_error_says_how_to_install_it(monkeypatch):
     monkeypatch.delitem(__import__("sys").modules, "pyslurm", raising=False)
     with pytest.raises(Exception, match="pip install -e '.\\[pyslurm\\]'.*slurm_backend: cli"):
         PyslurmClient(env={})
+
+
+def test_clearing_a_jobs_features_goes_through_scontrol_before_the_rest():
+    """pyslurm sends an empty constraint as unset (Slurm: no change); a job retyped in a
+    mixed partition would keep the old type's constraint and never start."""
+    from slurm_ext.slurm_client import JobUpdate
+
+    calls = []
+
+    class Job:
+        def __init__(self, job_id):
+            self.job_id = job_id
+
+        def modify(self, desc):
+            calls.append(("modify", self.job_id, desc))
+
+    client = object.__new__(PyslurmClient)  # no Slurm here: the two halves are recorded
+    client._cli = SimpleNamespace(update_pending=lambda ids, update: calls.append(("scontrol", ids, update)))
+    client._pyslurm = SimpleNamespace(Job=Job, JobSubmitDescription=lambda **kw: kw, RPCError=RuntimeError)
+    client.update_pending([5], JobUpdate(partition="h100", gpus_per_node=4, features="", start_now=False))
+    assert calls[0] == ("scontrol", [5], JobUpdate(features="", start_now=False))
+    assert calls[1][:2] == ("modify", 5) and "constraints" not in calls[1][2]
+    assert calls[1][2]["partitions"] == "h100" and calls[1][2]["gres_per_node"] == "gpu:4"
+    calls.clear()
+    client.update_pending([5], JobUpdate(features="a100", start_now=False))
+    assert calls == [("modify", 5, {"constraints": "a100"})]
