@@ -72,6 +72,7 @@ HOLD_RESERVATION = "slurm-ext-hold"
 # so is one still waiting after LAUNCH_TIMEOUT_ROUNDS rounds (at least LAUNCH_TIMEOUT_MIN_S).
 LAUNCH_TIMEOUT_ROUNDS = 3
 LAUNCH_TIMEOUT_MIN_S = 60.0
+RESTART_KEYS = ("state_db", "slurm_backend", "slurm_prefix", "slurm_timeout_s", "metrics_port", "log_level")
 # A spec that needs the batch script is read again next round when Slurm did not give the
 # script (a timeout under load), this many rounds in a row before its error is kept.
 SCRIPT_READ_TRIES = 3
@@ -233,9 +234,12 @@ class Daemon:
         if (new.policy, new.policy_options) != (self.config.policy, self.config.policy_options):
             self.policy = make_policy(new.policy, **dict(new.policy_options))
             self._policy_state = None
-        if new.state_db != self.config.state_db:
-            log.warning(kv("config_reload_ignored", key="state_db", why="restart to move the state file"))
-            new = replace(new, state_db=self.config.state_db)
+        # What the service built once at its start (the state file, the Slurm client, the
+        # metrics server, the log) keeps its old setting until a restart, and says so.
+        for key in RESTART_KEYS:
+            if getattr(new, key) != getattr(self.config, key):
+                log.warning(kv("config_reload_ignored", key=key, why="takes effect at the next restart"))
+                new = replace(new, **{key: getattr(self.config, key)})
         self.config = new
         log.info(kv("config_reloaded", policy=new.policy, interval_s=new.interval_s, dry_run=new.dry_run))
 

@@ -316,3 +316,19 @@ def test_a_released_job_slurm_keeps_for_its_dependency_holds_no_gpus_and_is_not_
         assert len(seen["snapshots"]) == minute + 1  # the policy saw this round's nodes
         assert [n.unmanaged_gpus for n in seen["snapshots"][-1].nodes] == [0, 0]
         assert not any(c[0] in ("hold", "update", "release") for c in client.calls)
+
+
+def test_a_reload_applies_the_policy_and_keeps_what_needs_a_restart(tmp_path, caplog):
+    """The Slurm client, the metrics server and the log were built at the start: a reload
+    that changes them keeps the old settings and says so, rather than log them reloaded."""
+    daemon, _ = daemon_for(tmp_path, [], [node("a100-1", "a100", 4)])
+    old = daemon.config
+    daemon._reload = lambda: replace(old, policy="crius", slurm_timeout_s=99.0, metrics_port=9999,
+                                     slurm_backend="pyslurm")
+    with caplog.at_level("WARNING"):
+        daemon._apply_reload()
+    assert daemon.config.policy == "crius" and daemon.policy.name == "crius"
+    assert (daemon.config.slurm_timeout_s, daemon.config.metrics_port, daemon.config.slurm_backend) == \
+        (old.slurm_timeout_s, old.metrics_port, old.slurm_backend)
+    for key in ("slurm_timeout_s", "metrics_port", "slurm_backend"):
+        assert f"key={key}" in caplog.text
