@@ -28,7 +28,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from estimator.contract import MAX_FORECAST_CELLS, PlanComment, format_plan_comment
+from estimator.contract import MAX_FORECAST_CELLS, PlanComment, format_plan_comment, shown_time
 from policy.clock import Clock
 from policy.forecast import JobForecast
 from policy.interface import (
@@ -357,13 +357,15 @@ class Actor:
             f = forecasts.get(m.view.job_id)
             if pc.error is not None or f is None:
                 continue
-            start = f.start_s if m.view.assignment is None else None
+            # A time no text can show (past year 9999) is shown as none, and stays so.
+            start = f.start_s if m.view.assignment is None and shown_time(f.start_s) else None
+            end = f.end_s if shown_time(f.end_s) else None
             progress = round(m.view.progress_frac, 3)
-            shift = max(_shift(pc.expected_start_s, start), _shift(pc.expected_end_s, f.end_s))
+            shift = max(_shift(pc.expected_start_s, start), _shift(pc.expected_end_s, end))
             if shift <= FORECAST_SHIFT_S and pc.progress_frac is not None and abs(pc.progress_frac - progress) < 0.01 \
                     and pc.expected_cells == f.cells[:MAX_FORECAST_CELLS]:
                 continue
-            new = replace(pc, expected_start_s=start, expected_end_s=f.end_s, progress_frac=progress,
+            new = replace(pc, expected_start_s=start, expected_end_s=end, progress_frac=progress,
                           expected_cells=f.cells)
             todo.append((-shift, m.slurm.job_id, format_plan_comment(new)))
         for _, job_id, text in sorted(todo)[:max(0, budget)]:

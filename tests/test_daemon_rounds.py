@@ -533,3 +533,38 @@ def test_expert_parallel_reaches_the_estimates_and_their_cache_key(tmp_path):
     keys = {ep: estimate_key(spec, cluster, "cell", None, 64, None, ep) for ep in (False, True)}
     assert keys[False] != keys[True] and keys[False] == estimate_key(spec, cluster, "cell", None, 64)
     assert resolve({}, {"SLURM_EXT_EXPERT_PARALLEL": "true"}, {}).expert_parallel
+
+
+def test_a_forecast_end_no_text_can_show_is_not_rewritten_every_forecast(tmp_path, monkeypatch):
+    """A forecast end past year 9999 (a billion iterations of a slow model): the
+    AdminComment shows no end, and a later forecast with the same start does not count
+    that as a change."""
+    import dataclasses
+
+    from slurm_ext import daemon as daemon_module
+
+    real = daemon_module.forecast
+    monkeypatch.setattr(daemon_module, "forecast", lambda *a, **kw: {
+        job_id: dataclasses.replace(f, end_s=1e13) for job_id, f in real(*a, **kw).items()})
+    now = int(time.time())
+    plain = SlurmJob(40, "bob", "plain", "RUNNING", partition="a100", gpus_per_node=4,
+                     granted_gpus_per_node=(4,), granted_gpu_type="a100", nodes=("a100-1",), node_count=1,
+                     submit_time_s=now - 60, start_time_s=now - 60, end_time_s=now + 600, priority=1)
+    waiting = SlurmJob(41, "alice", "train", "PENDING", reason="JobHeldAdmin", partition="a100",
+                       comment="elastic model=gpt-760m gpus=4 global_batch=64 iterations=1000",
+                       admin_comment="requested=any", gpus_per_node=4, node_count=1, submit_time_s=now - 30)
+    client = FakeSlurm([plain, waiting], [node("a100-1", "a100", 4, used=4)], "#!/bin/bash\n")
+    cfg = resolve({"state_db": str(tmp_path / "state.db")}, {}, {})
+    daemon = Daemon(cfg, client, Store(cfg.state_db), out=lambda line: None)
+    daemon.round()  # its why; the first forecast, which this round's rewrite makes wait
+    daemon.forecasts.wait(30)
+    daemon.round()
+    shown = []
+    for _ in range(2):
+        daemon._forecast_s -= cfg.forecast_every_s
+        daemon.round()
+        daemon.forecasts.wait(30)
+        shown.append(daemon.round().forecasts_shown)
+    assert shown == [(41,), ()]
+    pc = parse_plan_comment(client.jobs()[1].admin_comment)
+    assert pc.expected_start_s == now + 600 and pc.expected_end_s is None
