@@ -203,10 +203,9 @@ def test_daemon_shows_the_tuned_plan_of_a_running_job_and_does_nothing_else(tmp_
     assert report.managed == 1
 
 
-def test_a_waiting_job_is_forecast_to_start_when_the_plain_job_ends(tmp_path):
-    """Every GPU is held by a plain job that Slurm ends in 10 minutes: the waiting elastic
-    job's AdminComment says it starts then, and ends when its iterations are done."""
-    now = int(time.time())
+def _waiting_behind_a_plain_job(tmp_path, now: int):
+    """A daemon over one a100 node whose 4 GPUs a plain job holds until ``now`` + 600 s,
+    and elastic job 41 waiting behind it: (daemon, client, config)."""
     plain = SlurmJob(40, "bob", "plain", "RUNNING", partition="a100", gpus_per_node=4,
                      granted_gpus_per_node=(4,), granted_gpu_type="a100", nodes=("a100-1",), node_count=1,
                      submit_time_s=now - 60, start_time_s=now - 60, end_time_s=now + 600, priority=1)
@@ -215,7 +214,14 @@ def test_a_waiting_job_is_forecast_to_start_when_the_plain_job_ends(tmp_path):
                        admin_comment="requested=any", gpus_per_node=4, node_count=1, submit_time_s=now - 30)
     client = FakeSlurm([plain, waiting], [node("a100-1", "a100", 4, used=4)], "#!/bin/bash\n")
     cfg = resolve({"state_db": str(tmp_path / "state.db")}, {}, {})
-    daemon = Daemon(cfg, client, Store(cfg.state_db), out=lambda line: None)
+    return Daemon(cfg, client, Store(cfg.state_db), out=lambda line: None), client, cfg
+
+
+def test_a_waiting_job_is_forecast_to_start_when_the_plain_job_ends(tmp_path):
+    """Every GPU is held by a plain job that Slurm ends in 10 minutes: the waiting elastic
+    job's AdminComment says it starts then, and ends when its iterations are done."""
+    now = int(time.time())
+    daemon, client, cfg = _waiting_behind_a_plain_job(tmp_path, now)
     seen = []
     decide = daemon.policy.decide
     daemon.policy.decide = lambda snapshot: seen.append(snapshot) or decide(snapshot)
@@ -547,15 +553,7 @@ def test_a_forecast_end_no_text_can_show_is_not_rewritten_every_forecast(tmp_pat
     monkeypatch.setattr(daemon_module, "forecast", lambda *a, **kw: {
         job_id: dataclasses.replace(f, end_s=1e13) for job_id, f in real(*a, **kw).items()})
     now = int(time.time())
-    plain = SlurmJob(40, "bob", "plain", "RUNNING", partition="a100", gpus_per_node=4,
-                     granted_gpus_per_node=(4,), granted_gpu_type="a100", nodes=("a100-1",), node_count=1,
-                     submit_time_s=now - 60, start_time_s=now - 60, end_time_s=now + 600, priority=1)
-    waiting = SlurmJob(41, "alice", "train", "PENDING", reason="JobHeldAdmin", partition="a100",
-                       comment="elastic model=gpt-760m gpus=4 global_batch=64 iterations=1000",
-                       admin_comment="requested=any", gpus_per_node=4, node_count=1, submit_time_s=now - 30)
-    client = FakeSlurm([plain, waiting], [node("a100-1", "a100", 4, used=4)], "#!/bin/bash\n")
-    cfg = resolve({"state_db": str(tmp_path / "state.db")}, {}, {})
-    daemon = Daemon(cfg, client, Store(cfg.state_db), out=lambda line: None)
+    daemon, client, cfg = _waiting_behind_a_plain_job(tmp_path, now)
     daemon.round()  # its why; the first forecast, which this round's rewrite makes wait
     daemon.forecasts.wait(30)
     daemon.round()
