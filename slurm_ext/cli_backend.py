@@ -100,7 +100,9 @@ def retry_stale_errno(update: Callable[[], None], attempts: int = PARTITION_UPDA
             if STALE_ERRNO_TEXT not in e.stderr or attempt == attempts:
                 raise
             log.debug("partition update refused with a stale errno (attempt %d); again", attempt)
-            time.sleep(0.01)
+            # A growing wait (at most 0.2 s, 2.5 s in all): quick retries can meet the same
+            # RPC thread's errno again and again.
+            time.sleep(min(0.2, 0.01 * attempt))
 
 
 # ---- command builders (pure) --------------------------------------------------------------
