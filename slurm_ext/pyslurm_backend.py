@@ -11,9 +11,11 @@ Where pyslurm cannot do a thing, this backend runs the command the CLI backend r
   submitting, never in an update, so ``NumNodes`` goes through ``scontrol update``; so
   does **clearing its node features** (pyslurm sends an empty constraint as unset, which
   Slurm reads as no change);
-- a job's **GPUs per job** (``--gpus``, ``tres_per_job``): pyslurm 25.11.2 reads TRES
-  strings as ``name=count`` and Slurm writes this one ``gres/gpu:6``, so it reads nothing;
-  one cheap ``squeue -O JobID,tres-per-job`` listing gives them;
+- a job's **GPU request** (``tres_per_job``, ``tres_per_node``): pyslurm 25.11.2 reads TRES
+  strings as ``name=count``, and Slurm writes ``--gpus=6`` as ``gres/gpu:6``, so it reads
+  nothing of it; it reads ``--gres=gpu:a100`` (a type, no count) as nothing too, a job of
+  no GPUs. One cheap ``squeue -O JobID,tres-per-node,tres-per-job`` listing gives both raw
+  strings, as the CLI backend reads them;
 - **submitting** (tests and the demo; users submit with sbatch, the daemon never does):
   a ``JobSubmitDescription`` is not what sbatch sends. It fixes the task count (a job
   submitted on one node then cannot be moved to two: "Resources" for ever), it drops the
@@ -22,10 +24,15 @@ Where pyslurm cannot do a thing, this backend runs the command the CLI backend r
 
 pyslurm reads ``SLURM_CONF`` from the process environment when it is first imported, so
 the client sets it (from ``env``) before that import; one process talks to one cluster.
+Slurm ends the importing process when it finds no configuration (``fatal: Could not
+establish a configuration source``; a ``SLURM_CONF`` that names no file is first retried
+for a minute), so the first import is tried in a child process (`check_importable`) and
+its failure becomes a one-line error.
 """
 
 import logging
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -41,7 +48,7 @@ from slurm_ext.slurm_parse import expand_hostlist, is_elastic, listing_records, 
 
 log = logging.getLogger(__name__)
 
-TRES_PER_JOB_FIELDS = ("JobID", "tres-per-job")
+RAW_TRES_FIELDS = ("JobID", "tres-per-node", "tres-per-job")
 # pyslurm takes no "unlimited" duration: ten years, in minutes.
 RESERVATION_DURATION_MIN = 10 * 365 * 24 * 60
 # Job states (as pyslurm names them) in which a job holds its nodes' resources.
@@ -51,6 +58,43 @@ HOLDING_STATES = frozenset({"RUNNING", "SUSPENDED", "COMPLETING", "CONFIGURING",
 
 class PyslurmUnavailable(SlurmExtError):
     """pyslurm is not installed, or was built for another Slurm than the one configured."""
+
+
+IMPORT_PROBE = "try:\n import pyslurm\nexcept ImportError as e:\n print(e)\n raise SystemExit(3)\n"
+IMPORT_PROBE_TIMEOUT_S = 90.0  # Slurm retries an unreadable configuration for 60 s
+
+
+def check_importable(environ: Mapping[str, str]) -> None:
+    """Import pyslurm in a child process with ``environ`` first: Slurm's library ends the
+    process that imports it without a configuration, so a parent learns it here.
+
+    Where the child cannot be started, the import is left to the caller.
+
+    Raises:
+        PyslurmUnavailable: ``SLURM_CONF`` names no file, pyslurm is not installed, or
+            Slurm found no configuration (its own last line of error).
+    """
+    conf = environ.get("SLURM_CONF")
+    if conf is not None and not os.path.isfile(conf):
+        raise PyslurmUnavailable(f"SLURM_CONF={conf} is not a file: set it to the cluster's "
+                                 "slurm.conf, or set slurm_backend: cli")
+    try:
+        probe = subprocess.run([sys.executable, "-c", IMPORT_PROBE], env=dict(environ),
+                               capture_output=True, text=True, timeout=IMPORT_PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise PyslurmUnavailable(f"importing pyslurm took over {IMPORT_PROBE_TIMEOUT_S:.0f} s "
+                                 "(Slurm could not reach its configuration)") from None
+    except OSError as e:  # this interpreter cannot be started again (e.g. its path not
+        log.debug("pyslurm import not tried first: %s", e)  # traversable for this user)
+        return
+    if probe.returncode == 3:
+        raise ImportError(probe.stdout.strip())
+    if probe.returncode != 0:
+        lines = [line.strip() for line in probe.stderr.splitlines() if line.strip()]
+        why = next((line for line in reversed(lines) if "fatal" in line), lines[-1] if lines else
+                   f"exit status {probe.returncode}")
+        raise PyslurmUnavailable(f"pyslurm cannot load Slurm ({why}); set SLURM_CONF to the "
+                                 "cluster's slurm.conf, or set slurm_backend: cli")
 
 
 def _gres_text(gres: Mapping | None) -> str:
@@ -66,9 +110,11 @@ def _hostlist(value: object) -> str:
     return ",".join(value) if isinstance(value, (list, tuple)) else str(value)
 
 
-def job_record(job, tres_per_job: str = "") -> dict:
+def job_record(job, tres_per_job: str = "", tres_per_node: str | None = None) -> dict:
     """A ``pyslurm.Job`` as the job object of ``squeue --json`` (the keys `parse_job` reads);
-    ``tres_per_job`` is its raw ``tres_per_job`` (which pyslurm cannot read)."""
+    ``tres_per_job`` and ``tres_per_node`` are its raw TRES strings from squeue (which
+    pyslurm misreads; module docstring). Without ``tres_per_node`` (a job the listing did
+    not have yet) pyslurm's reading of it is taken."""
     state = job.state
     layout = job.get_resource_layout_per_node() if state in HOLDING_STATES else {}
     exit_status = job.exit_code
@@ -89,7 +135,7 @@ def job_record(job, tres_per_job: str = "") -> dict:
         "partition": job.partition or "",
         "comment": job.comment or "",
         "admin_comment": job.admin_comment or "",
-        "tres_per_node": _gres_text(job.gres_per_node),
+        "tres_per_node": _gres_text(job.gres_per_node) if tres_per_node is None else tres_per_node,
         "tres_per_job": tres_per_job,
         "gres_detail": [_gres_text(layout[n]["gres"]) for n in layout],
         "nodes": _hostlist(job.allocated_nodes),
@@ -170,6 +216,8 @@ class PyslurmClient:
         if conf:
             os.environ["SLURM_CONF"] = conf
         try:
+            if "pyslurm" not in sys.modules:
+                check_importable(os.environ)
             import pyslurm
         except ImportError as e:
             raise PyslurmUnavailable(
@@ -190,16 +238,18 @@ class PyslurmClient:
             raise SlurmCommandError(("pyslurm", *what.split()), getattr(e, "errno", 1) or 1,
                                     str(e)) from None
 
-    def _tres_per_job(self, job_ids: Sequence[int] | None = None) -> dict[int, str]:
-        """Job id → raw ``tres_per_job`` ('' when unset), from squeue (module docstring)."""
-        out = self._cli.output(job_listing_argv(TRES_PER_JOB_FIELDS, job_ids))
-        return {job_id: "" if f[1].strip() in ("", "N/A", "(null)") else f[1].strip()
-                for job_id, f in listing_records(out, len(TRES_PER_JOB_FIELDS)).items()}
+    def _raw_tres(self, job_ids: Sequence[int] | None = None) -> dict[int, dict[str, str]]:
+        """Job id → its raw ``tres_per_node`` and ``tres_per_job`` ('' when unset), from
+        squeue (module docstring): the keyword arguments of `job_record`."""
+        out = self._cli.output(job_listing_argv(RAW_TRES_FIELDS, job_ids))
+        return {job_id: {key: "" if value.strip() in ("", "N/A", "(null)") else value.strip()
+                         for key, value in zip(("tres_per_node", "tres_per_job"), f[1:])}
+                for job_id, f in listing_records(out, len(RAW_TRES_FIELDS)).items()}
 
     def jobs(self) -> tuple[SlurmJob, ...]:
         loaded = self._rpc("load jobs", self._pyslurm.Jobs.load)
-        per_job = self._tres_per_job()
-        return tuple(parse_job(job_record(j, per_job.get(j.id, "")), f"job {j.id}")
+        raw = self._raw_tres()
+        return tuple(parse_job(job_record(j, **raw.get(j.id, {})), f"job {j.id}")
                      for j in loaded.values())
 
     def job(self, job_id: int) -> SlurmJob | None:
@@ -210,7 +260,7 @@ class PyslurmClient:
             if "Invalid job id" in str(e):
                 return None
             raise SlurmCommandError(("pyslurm", "load job", str(job_id)), 1, str(e)) from None
-        return parse_job(job_record(job, self._tres_per_job([job_id]).get(job_id, "")), f"job {job_id}")
+        return parse_job(job_record(job, **self._raw_tres([job_id]).get(job_id, {})), f"job {job_id}")
 
     def nodes(self) -> tuple[SlurmNode, ...]:
         loaded = self._rpc("load nodes", self._pyslurm.Nodes.load)

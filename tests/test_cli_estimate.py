@@ -327,3 +327,13 @@ def test_arena_stage_counts_with_zero2_retries_do_not_crash(capsys):
     assert code == 0, err
     cells = json.loads(out)["cells"]
     assert any(c["feasible"] for c in cells) and json.loads(out)["best"] is not None
+
+
+def test_a_profile_store_from_the_environment_is_named_as_such_when_it_is_missing(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_EXT_PROFILE_DB", str(tmp_path / "missing.db"))
+    code, out, err = run(capsys, "estimate", "--model", "gpt-760m", "--global-batch", "64")
+    assert code == 2 and out == "" and "env var: 'SLURM_EXT_PROFILE_DB'" in err and "missing.db" in err
+    monkeypatch.setenv("SLURM_EXT_PROFILE_DB", "")  # set but empty: no store
+    code, out, err = run(capsys, "estimate", "--model", "gpt-760m", "--global-batch", "64", "--gpus", "4",
+                         "--gpu-type", "a100", "--json")
+    assert code == 0 and json.loads(out)["cells"]

@@ -3,13 +3,17 @@ the same jobs and nodes the CLI backend read at the same moment (recorded by
 ``tests/fixtures/record_pyslurm.py``). The live parity runs in the integration tests."""
 
 import dataclasses
+import importlib.util
 import json
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from slurm_ext.pyslurm_backend import PyslurmClient, gres_in_use, job_record, node_record
+from slurm_ext import pyslurm_backend
+from slurm_ext.pyslurm_backend import (
+    PyslurmClient, PyslurmUnavailable, check_importable, gres_in_use, job_record, node_record,
+)
 from slurm_ext.slurm_parse import parse_job, parse_node
 
 RECORDED = json.loads((Path(__file__).parent / "fixtures" / "slurm-25.11" / "pyslurm.json").read_text())
@@ -32,11 +36,16 @@ def plain(value) -> object:
 
 
 def test_every_job_reads_as_the_cli_read_it():
-    jobs = [parse_job(job_record(FakeJob(r), r["tres_per_job"])) for r in RECORDED["jobs"]]
+    jobs = [parse_job(job_record(FakeJob(r), **r["raw_tres"])) for r in RECORDED["jobs"]]
     assert [plain(j) for j in jobs] == RECORDED["cli_jobs"]
     by_name = {j.name: j for j in jobs}
     # The situations the recording set out to catch.
     assert by_name["elastic-gpus"].gpus_per_job == 6  # tres_per_job, which pyslurm cannot read
+    # A type without a count is one GPU of it; pyslurm's own reading of it is no GPUs.
+    no_count = by_name["typed-no-count"]
+    assert (no_count.gpus_per_node, no_count.gpu_type_requested) == (1, "a10")
+    recorded = next(r for r in RECORDED["jobs"] if r["attributes"]["name"] == "typed-no-count")
+    assert parse_job(job_record(FakeJob(recorded))).gpus_per_node == 0
     two = by_name["running-2node"]
     assert two.granted_gpus_per_node == (1, 1) and two.granted_gpu_type == "v100"
     assert by_name["rescale"].exit_code == 86 and by_name["rescale"].is_held
@@ -73,8 +82,28 @@ def test_without_pyslurm_the_error_says_how_to_install_it(monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", no_pyslurm)
     monkeypatch.delitem(__import__("sys").modules, "pyslurm", raising=False)
+    # The child process that tries the import first finds no such module either.
+    monkeypatch.setattr(pyslurm_backend, "IMPORT_PROBE",
+                        pyslurm_backend.IMPORT_PROBE.replace("import pyslurm", "import no_such_pyslurm"))
     with pytest.raises(Exception, match="pip install -e '.\\[pyslurm\\]'.*slurm_backend: cli"):
         PyslurmClient(env={})
+
+
+def test_a_slurm_conf_that_names_no_file_is_refused_before_slurm_retries_it_for_a_minute(tmp_path):
+    missing = tmp_path / "slurm.conf"
+    with pytest.raises(PyslurmUnavailable, match=f"SLURM_CONF={missing} is not a file"):
+        check_importable({"SLURM_CONF": str(missing)})
+    with pytest.raises(PyslurmUnavailable, match="SLURM_CONF= is not a file"):
+        check_importable({"SLURM_CONF": ""})
+
+
+@pytest.mark.skipif(importlib.util.find_spec("pyslurm") is None, reason="pyslurm is not installed")
+def test_without_a_slurm_configuration_the_import_is_an_error_not_the_end_of_the_process():
+    """Slurm's library ends the process that imports pyslurm without a configuration; the
+    child process takes that, and its last line of error becomes the message."""
+    environ = {"PATH": "/usr/bin:/bin"}  # the built Slurm's default file is absent, no configless daemon
+    with pytest.raises(PyslurmUnavailable, match="pyslurm cannot load Slurm \\(.*fatal.*slurm_backend: cli"):
+        check_importable(environ)
 
 
 def test_clearing_a_jobs_features_goes_through_scontrol_before_the_rest():

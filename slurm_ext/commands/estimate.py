@@ -163,8 +163,7 @@ def _check_micro_batches(micro_batches: int | None, global_batch: int) -> None:
 @click.option("--gpu-specs-dir", type=click.Path(file_okay=False, exists=True),
               help="XLA GPU target specs, for compiled memory of the Cell's GPU type.")
 @click.option("--profile-db", type=click.Path(dir_okay=False, exists=True),
-              default=lambda: os.environ.get("SLURM_EXT_PROFILE_DB") or None,
-              show_default="$SLURM_EXT_PROFILE_DB",
+              envvar="SLURM_EXT_PROFILE_DB", show_envvar=True,
               help="Profile store of `slurm-ext profile`: profiled GPU types use its fitted "
                    "efficiency and collectives, and its timed layers (fidelity: profiled).")
 @click.option("--batch", "batch_file", type=click.File("r"),

@@ -71,8 +71,7 @@ def _measurements(db: str, profile_id: int) -> tuple[list[dict], list[dict], dic
               help='Print {"job_id", "partition", "gpu_type", "nodes", "collectives", "compute", '
                    '"profile_db", ...}; with --wait the measurements as lists, else null.')
 @click.option("--profile-db", type=click.Path(dir_okay=False),
-              default=lambda: os.environ.get("SLURM_EXT_PROFILE_DB") or DEFAULT_DB,
-              show_default=f"$SLURM_EXT_PROFILE_DB or ./{DEFAULT_DB}",
+              envvar="SLURM_EXT_PROFILE_DB", show_envvar=True, default=DEFAULT_DB, show_default=True,
               help="The profile store (SQLite; created when missing). It must be on a file system "
                    "the job's first node can write.")
 @click.option("--samples", type=click.IntRange(1), multiple=True,
