@@ -273,10 +273,11 @@ class Actor:
 
     def act(self, snapshot: Snapshot, decision: Decision, views_by_id: dict[str, ManagedJob],
             steering_of: Callable[[], Steering], policy_name: str, acts: Acts,
-            forecasts: dict[str, JobForecast] | None = None) -> None:
+            forecasts: dict[str, JobForecast] | None = None, kept_back: list[SlurmJob] = ()) -> None:
         """Apply the decision's implied actions: rescales first, then starts, then holds;
         then, within what is left of the AdminComment budget, the running plans tuned in
-        allocations and the ``forecasts`` (None: none this round). ``steering_of`` is
+        allocations, the times of released jobs Slurm keeps ``kept_back`` for a condition
+        of their own, and the ``forecasts`` (None: none this round). ``steering_of`` is
         asked only when a job is given a Cell."""
         steering: Steering | None = None
         rescales: list[tuple[Action, JobUpdate | None]] = []
@@ -312,6 +313,7 @@ class Actor:
         rescaled = {int(action.job_id) for action, _ in rescales}
         budget = self._show_running_plans([m for m in views_by_id.values() if m.running_comment
                                            and m.slurm.job_id not in rescaled], budget, acts)
+        budget = self._show_kept_back(kept_back, now_s, budget, acts)
         if forecasts:
             # A job whose AdminComment this round rewrote is shown its forecast next time.
             touched = {j for _, j in acts.taken} | set(acts.plans_shown) | set(acts.annotated)
@@ -330,6 +332,26 @@ class Actor:
             if self._show(m.slurm.job_id, m.running_comment, "running plan", "show_plan_failed", "running_plan_shown"):
                 acts.plans_shown.append(m.slurm.job_id)
         return budget - len(jobs)
+
+    def _show_kept_back(self, jobs: list[SlurmJob], now_s: float, budget: int, acts: Acts) -> int:
+        """Released jobs Slurm keeps back for a dependency, a begin time or a limit: the
+        start shown at their release has passed. Show Slurm's expected start when it has
+        one (a begin time), else none, and an end that far after it (they have not run
+        since). Returns what is left of the budget."""
+        todo = []
+        for job in jobs:
+            pc = plan_comment(job.admin_comment)
+            start = float(job.start_time_s) if job.start_time_s > now_s and shown_time(job.start_time_s) else None
+            end = None
+            if start is not None and pc.expected_start_s is not None and pc.expected_end_s is not None:
+                end = start + max(0.0, pc.expected_end_s - pc.expected_start_s)
+                end = end if shown_time(end) else None
+            if max(_shift(pc.expected_start_s, start), _shift(pc.expected_end_s, end)) > FORECAST_SHIFT_S:
+                todo.append((job.job_id, format_plan_comment(replace(pc, expected_start_s=start, expected_end_s=end))))
+        for job_id, text in todo[:max(0, budget)]:
+            if self._show(job_id, text, "start kept back by slurm", "show_forecast_failed", "forecast_shown"):
+                acts.forecasts_shown.append(job_id)
+        return budget - len(todo[:max(0, budget)])
 
     def _show(self, job_id: int, text: str, what: str, failed_event: str, shown_event: str) -> bool:
         """Write ``text`` as the job's AdminComment and nothing else (the job may run:

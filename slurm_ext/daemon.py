@@ -51,7 +51,7 @@ from slurm_ext.observe import (  # noqa: F401
     model_loader_for, node_type, partition_types, plan_comment, profile_db_if_written, profile_version,
     requested_gpus, rescale_pins, reserved_cell, gpu_releases, running_assignment, running_plan_comment,
     runner_progress, type_partitions, update_cell, finish_on_s, rescale_new_cell, rescale_releases,
-    STUCK_REASONS, cell_gpus, waits_on_its_own_condition,
+    STUCK_REASONS, cell_gpus, kept_back_by_slurm, waits_on_its_own_condition,
 )
 from slurm_ext.profile_job import (
     RETRY_AFTER_S, background_request, free_for_policy, is_background, next_background, parse_background,
@@ -423,7 +423,8 @@ class Daemon:
         if held == ():  # free them before the round's starts (the held job's among them)
             self._hold(held, decision)
         self.actor.act(snapshot, decision, {m.view.job_id: m for m in managed},
-                       lambda: self._steering(nodes, part_types), self.policy.name, acts, forecasts)
+                       lambda: self._steering(nodes, part_types), self.policy.name, acts, forecasts,
+                       [j for j in elastic if j.job_id in specs and kept_back_by_slurm(j)])
         if held:  # after the starts, which never use held GPUs
             self._hold(held, decision)
         if cfg.profile_db and not cfg.dry_run:  # online refit, after the actions: never delays them
@@ -576,7 +577,7 @@ class Daemon:
                 state = RUNNING
             elif is_held(job):
                 assignment, state = None, PENDING
-            elif job.state == "PENDING" and pc.cell is not None and waits_on_its_own_condition(job):
+            elif kept_back_by_slurm(job):
                 continue  # Slurm starts it on its Cell once the condition holds
             elif job.state == "PENDING" and pc.cell is not None and not self._launch_stale(job, now_s):
                 launching.append(job)  # released by us; Slurm starts it when it can

@@ -65,6 +65,12 @@ def waits_on_its_own_condition(job: SlurmJob) -> bool:
         job.reason.startswith(("Assoc", "QOS")) and job.reason not in STUCK_REASONS)
 
 
+def kept_back_by_slurm(job: SlurmJob) -> bool:
+    """Released onto a Cell, pending, and kept back by Slurm for its own condition."""
+    return job.state == "PENDING" and not is_held(job) and plan_comment(job.admin_comment).cell is not None \
+        and waits_on_its_own_condition(job)
+
+
 def cell_gpus(job: SlurmJob) -> int:
     """GPUs of the Cell the daemon gave ``job`` (its AdminComment), 0 when none."""
     parts = plan_comment(job.admin_comment).cell_parts()

@@ -15,6 +15,7 @@ from policy.interface import RESIZE, Action
 from slurm_ext.act import Acts
 from slurm_ext.config import resolve
 from slurm_ext.daemon import Daemon
+from slurm_ext.observe import plan_comment
 from slurm_ext.slurm_client import Gres, JobUpdate, SlurmJob, SlurmNode
 from slurm_ext.store import Store
 from test_daemon import TRAINER, node
@@ -307,6 +308,8 @@ def test_a_released_job_slurm_keeps_for_its_dependency_holds_no_gpus_and_is_not_
                                 clock=clock)
     seen = seen_by_policy(daemon)
     assert daemon.round().actions == (("start", 80),)
+    released = plan_comment(client._jobs[80].admin_comment)
+    assert released.expected_start_s == NOW and released.expected_end_s > NOW
     for minute in range(1, 12):
         client._jobs[80] = replace(client._jobs[80], reason="Dependency", priority=100)
         clock.advance_to(NOW + 60 * minute)
@@ -315,7 +318,36 @@ def test_a_released_job_slurm_keeps_for_its_dependency_holds_no_gpus_and_is_not_
         assert report.actions == () and report.managed == 0
         assert len(seen["snapshots"]) == minute + 1  # the policy saw this round's nodes
         assert [n.unmanaged_gpus for n in seen["snapshots"][-1].nodes] == [0, 0]
-        assert not any(c[0] in ("hold", "update", "release") for c in client.calls)
+        assert not any(c[0] in ("hold", "release") for c in client.calls)
+        updates = [c[2] for c in client.calls if c[0] == "update"]
+        if minute == 1:
+            # Its start is the dependency's: the start and end shown at its release are
+            # taken back, once; the Cell and plan stay.
+            (update,) = updates
+            assert update == JobUpdate(admin_comment=update.admin_comment, start_now=False)
+            shown = plan_comment(update.admin_comment)
+            assert (shown.expected_start_s, shown.expected_end_s) == (None, None)
+            assert (shown.cell, shown.plan) == (released.cell, released.plan)
+        else:
+            assert updates == []
+
+
+def test_a_released_job_slurm_keeps_for_its_begin_time_shows_that_start_and_an_end_as_far_after_it(tmp_path):
+    clock = SimulatedClock(float(NOW))
+    daemon, client = daemon_for(tmp_path, [held(81, NOW - 100)], [node("a100-1", "a100", 4)], clock=clock)
+    assert daemon.round().actions == (("start", 81),)
+    released = plan_comment(client._jobs[81].admin_comment)
+    run_s = released.expected_end_s - released.expected_start_s
+    begin_s = NOW + 3 * 3600
+    client._jobs[81] = replace(client._jobs[81], reason="BeginTime", priority=100, start_time_s=begin_s)
+    clock.advance_to(NOW + 60)
+    assert daemon.round().actions == ()
+    shown = plan_comment(client._jobs[81].admin_comment)
+    assert (shown.expected_start_s, shown.expected_end_s) == (begin_s, begin_s + run_s)
+    client.calls.clear()
+    clock.advance_to(NOW + 120)
+    daemon.round()
+    assert not [c for c in client.calls if c[0] == "update"]  # shown once
 
 
 def test_a_reload_applies_the_policy_and_keeps_what_needs_a_restart(tmp_path, caplog):
