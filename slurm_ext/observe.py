@@ -549,7 +549,7 @@ def build_snapshot(now_s: float, nodes: tuple[SlurmNode, ...], managed: list[Man
     typed = [(n, t) for n, t in typed if t is not None and n.gpus > 0]
     unmanaged: dict[str, int] = {}
     for n, _ in typed:
-        used = n.gpus if not n.is_usable else n.gpus_used
+        used = n.gpus - n.gpus_free
         unmanaged[n.name] = min(n.gpus, max(0, used - held_by_managed[n.name]))
     gpus_of = {n.name: n.gpus for n, _ in typed}
     for name, gpus in pinned:

@@ -160,7 +160,7 @@ def next_background(models: Iterable[str], profiled: set[tuple[str, str]], nodes
     idle: dict[str, tuple[SlurmNode, str]] = {}
     for n in sorted(nodes, key=lambda n: n.name):
         part = next((p for p in n.partitions if p in part_types), None)
-        if part is None or not n.is_usable or n.gpus == 0 or n.gpus_used or n.name in busy_nodes:
+        if part is None or n.gpus == 0 or n.gpus_free < n.gpus or n.name in busy_nodes:
             continue
         t = part_types[part]
         if t not in waiting_types and t not in idle:

@@ -194,6 +194,14 @@ class SlurmNode:
         return sum(g.count for g in self.gres_used if g.name == "gpu")
 
     @property
+    def gpus_free(self) -> int:
+        """GPUs a new job could be given: none on a node that is not usable, or whose CPUs
+        are all allocated (state ``allocated``; a job needs CPUs beside its GPUs)."""
+        if not self.is_usable or self.state == "allocated":
+            return 0
+        return max(0, self.gpus - self.gpus_used)
+
+    @property
     def gpu_type(self) -> str | None:
         """The (first) GPU type of the node, None if it has no typed GPUs."""
         for g in self.gres:
@@ -203,9 +211,11 @@ class SlurmNode:
 
     @property
     def is_usable(self) -> bool:
-        """Up and schedulable (not down, drained, failing or not responding)."""
+        """Up or powered down, and schedulable (not down, drained, failing or not responding)."""
+        # A node power saving turned off (``idle~``, POWERED_DOWN) is usable: Slurm powers
+        # it up for a job given it. One being turned off (POWER_DOWN, POWERING_DOWN) is not.
         bad = {"down", "drained", "draining", "drain", "fail", "failing", "future",
-               "unknown", "inval", "maint", "reboot", "power_down", "powered_down"}
+               "unknown", "inval", "maint", "reboot", "power_down", "powering_down"}
         flags = {f.lower() for f in self.state_flags}
         return self.state not in bad and not flags & (bad | {"not_responding"})
 

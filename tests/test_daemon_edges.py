@@ -6,8 +6,10 @@ gres type names are not the catalog's.
 The same daemon against the real lab is in tests/test_daemon.py.
 """
 
+import tempfile
 import time
 from dataclasses import replace
+from pathlib import Path
 
 from estimator.contract import PlanComment, format_plan_comment
 from policy.clock import SimulatedClock
@@ -364,3 +366,26 @@ def test_a_reload_applies_the_policy_and_keeps_what_needs_a_restart(tmp_path, ca
         (old.slurm_timeout_s, old.metrics_port, old.slurm_backend)
     for key in ("slurm_timeout_s", "metrics_port", "slurm_backend"):
         assert f"key={key}" in caplog.text
+
+
+def test_a_gpu_node_whose_cpus_are_all_taken_and_one_power_saving_turned_off():
+    """A node in state ``allocated`` has no CPU left for a job, whatever its free GPUs: a
+    job placed there would never start, and would be placed there again each time its
+    launch went stale. A node power saving turned off (``idle~``) is one Slurm powers up
+    for the job it is given."""
+    cpu_job = SlurmJob(7, "dave", "cpu-only", "RUNNING", partition="a100", priority=1, nodes=("a100-1",),
+                       node_count=1, submit_time_s=NOW - 9000, start_time_s=NOW - 9000)
+    for first, second, where in ((node("a100-1", "a100", 4, state="allocated"), node("a100-2", "a100", 4), "a100-2"),
+                                 (node("a100-1", "a100", 4, state="allocated"),
+                                  replace(node("a100-2", "a100", 4), state_flags=("POWERED_DOWN",)), "a100-2"),
+                                 (node("a100-1", "a100", 4), replace(node("a100-2", "a100", 4, state="allocated")),
+                                  "a100-1")):
+        with tempfile.TemporaryDirectory() as tmp:
+            daemon, client = daemon_for(Path(tmp), [cpu_job, held(80, NOW - 100)], [first, second], policy="fcfs")
+            assert daemon.round().actions == (("start", 80),)
+            (update,) = [c[2] for c in client.calls if c[0] == "update" and c[1] == 80]
+            assert update.required_nodes == (where,)
+    with tempfile.TemporaryDirectory() as tmp:  # the only free GPUs have no CPU: it waits
+        daemon, client = daemon_for(Path(tmp), [cpu_job, held(80, NOW - 100)],
+                                    [node("a100-1", "a100", 4, state="allocated")], policy="fcfs")
+        assert ("start", 80) not in daemon.round().actions
