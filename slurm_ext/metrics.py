@@ -43,7 +43,11 @@ class Metrics:
         self._actions = prom.Counter("slurm_ext_actions", "Actions applied", ["kind"], registry=registry)
         self._errors = prom.Counter("slurm_ext_errors", "Errors by kind", ["kind"], registry=registry)
         self._jobs = prom.Gauge("slurm_ext_jobs", "Jobs seen in the last round", ["kind"], registry=registry)
-        prom.start_http_server(port, registry=registry)
+        try:
+            prom.start_http_server(port, registry=registry)
+        except OSError as e:  # the port is taken: scheduling matters more than its metrics
+            log.warning("event=metrics_disabled reason=cannot_listen port=%d error=%r", port, str(e))
+            return
         self.enabled = True
         log.info("event=metrics_listening port=%d", port)
 

@@ -317,6 +317,19 @@ def test_metrics_are_served_when_a_port_is_configured():
     assert not off.enabled
 
 
+def test_a_metrics_port_in_use_disables_the_metrics_not_the_daemon(caplog):
+    pytest.importorskip("prometheus_client")
+    import socket
+    from slurm_ext.metrics import Metrics
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        sock.listen()
+        with caplog.at_level("WARNING"):
+            busy = Metrics(sock.getsockname()[1])
+    assert not busy.enabled and "event=metrics_disabled reason=cannot_listen" in caplog.text
+    busy.round_done(1.0, "ok")
+
+
 # ------------------------------------------------------------------- the real lab
 
 TRAINER = """#!/bin/bash
