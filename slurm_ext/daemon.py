@@ -284,6 +284,8 @@ class Daemon:
                 return 0 if ok else 1
             next_s = started_s + (backoff_s or self.config.interval_s)
             trigger = self._wait_for_next(next_s, poll=ok)
+        if self._held:  # no daemon keeps them for their job any more: Slurm may use them
+            self._hold((), Decision((), holds=None))
         log.info(kv("daemon_stopped"))
         return 0
 

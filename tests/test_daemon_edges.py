@@ -389,3 +389,15 @@ def test_a_gpu_node_whose_cpus_are_all_taken_and_one_power_saving_turned_off():
         daemon, client = daemon_for(Path(tmp), [cpu_job, held(80, NOW - 100)],
                                     [node("a100-1", "a100", 4, state="allocated")], policy="fcfs")
         assert ("start", 80) not in daemon.round().actions
+
+
+def test_a_daemon_that_stops_frees_the_nodes_it_held(tmp_path):
+    """No daemon keeps held nodes for their waiting job once it is gone: Slurm may use them."""
+    from policy.interface import Decision
+    from slurm_ext.daemon import HOLD_RESERVATION
+    daemon, client = daemon_for(tmp_path, [], [node("a100-1", "a100", 4)])
+    daemon._hold(("a100-1",), Decision((), holds=(("80", ("a100-1",)),)))
+    assert client.calls == [("hold_nodes", HOLD_RESERVATION, ("a100-1",))]
+    daemon.request_stop()
+    assert daemon.run() == 0
+    assert client.calls[-1] == ("hold_nodes", HOLD_RESERVATION, ())
