@@ -57,8 +57,10 @@ class DaemonConfig:
         expert_parallel: MoE jobs' Cells may split their experts over all of a stage's
             GPUs (``estimator.estimate.EstimateOptions.expert_parallel``; the runner runs
             it with and without tensor parallelism), kept where faster.
-        max_gpus: the largest GPU count the estimator considers for one job.
-        micro_batches: micro-batches per iteration; None: the estimator's default.
+        max_gpus: the largest GPU count offered to a job that names no count (one that
+            asks for N GPUs is offered N/2, N and 2N).
+        micro_batches: micro-batches per iteration for jobs whose global batch it
+            divides (`micro_batches_for`); None: the estimator's default.
         log_level: DEBUG, INFO, WARNING or ERROR.
         slurm_timeout_s: time limit of each Slurm command.
         backoff_max_s: longest wait between retries while slurmctld does not answer.
@@ -142,6 +144,13 @@ class DaemonConfig:
 
     def partition_map(self) -> dict[str, str]:
         return dict(self.partitions)
+
+    def micro_batches_for(self, global_batch: int) -> int | None:
+        """``micro_batches`` where it divides the job's global batch, else None (the
+        estimator's default, which divides every batch): a site-wide count must not make
+        the jobs it does not divide fail as if their spec were wrong."""
+        m = self.micro_batches
+        return m if m is not None and global_batch % m == 0 else None
 
 
 KEYS = tuple(f.name for f in fields(DaemonConfig))

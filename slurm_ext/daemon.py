@@ -746,11 +746,11 @@ class Daemon:
             profile = profile_version(cfg.profile_db)
             profile_db = profile_db_if_written(cfg.profile_db)
             for space in (cfg.plan_space, "dp-only"):
-                options = EstimateOptions(plan_space=space, micro_batches=cfg.micro_batches,
+                options = EstimateOptions(plan_space=space, micro_batches=cfg.micro_batches_for(spec.global_batch),
                                           max_gpus=cfg.max_gpus, profile_db=profile_db,
                                           expert_parallel=cfg.expert_parallel)
                 est[space] = self._estimates.get(
-                    estimate_key(spec, cluster, space, cfg.micro_batches, cfg.max_gpus, profile,
+                    estimate_key(spec, cluster, space, options.micro_batches, cfg.max_gpus, profile,
                                  cfg.expert_parallel),
                     lambda o=options: estimate_job(jspec, cluster, o).cells, now_s)
             if not any(e.feasible for e in est[cfg.plan_space]):

@@ -401,3 +401,14 @@ def test_a_daemon_that_stops_frees_the_nodes_it_held(tmp_path):
     daemon.request_stop()
     assert daemon.run() == 0
     assert client.calls[-1] == ("hold_nodes", HOLD_RESERVATION, ())
+
+
+def test_a_site_wide_micro_batch_count_applies_where_it_divides_the_batch(tmp_path):
+    """``micro_batches: 3`` cannot split a batch of 64: that job takes the estimator's
+    count rather than failing as if its own spec were wrong; one of 48 takes 3."""
+    daemon, client = daemon_for(tmp_path, [held(80, NOW - 100), held(81, NOW - 90, comment=SPEC.replace("64", "48"))],
+                                [node(f"a100-{i}", "a100", 4) for i in range(1, 5)], micro_batches=3)
+    assert daemon.round().spec_errors == 0
+    shown = {j: plan_comment(client._jobs[j].admin_comment) for j in (80, 81)}
+    assert shown[80].error is None and shown[80].cell is not None and shown[80].micro_batches != 3
+    assert shown[81].error is None and shown[81].micro_batches == 3

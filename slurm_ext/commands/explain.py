@@ -76,7 +76,7 @@ def command(job_id, as_json, config_path, state_db, timeout_s):
             check_model(spec, model_loader_for(job.user))
             part_types = partition_types(nodes, cfg.partition_map())
             cluster = cluster_spec(nodes, part_types, cfg.cluster, cfg.network)
-            options = EstimateOptions(plan_space=cfg.plan_space, micro_batches=cfg.micro_batches,
+            options = EstimateOptions(plan_space=cfg.plan_space, micro_batches=cfg.micro_batches_for(spec.global_batch),
                                       max_gpus=cfg.max_gpus, profile_db=profile_db_if_written(cfg.profile_db),
                                       expert_parallel=cfg.expert_parallel)
             try:
