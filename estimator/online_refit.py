@@ -83,6 +83,7 @@ class RefitObservation:
         iteration_time_s: measured seconds per iteration.
         job_id: the job that measured it (for logs).
         observed_s: when it was measured (Unix seconds); newer ones are kept first.
+        zero_level: the plan's ZeRO stage (its collectives and memory are the estimate's).
     """
 
     model: str
@@ -94,10 +95,12 @@ class RefitObservation:
     iteration_time_s: float
     job_id: str = ""
     observed_s: float = 0.0
+    zero_level: int = 0
 
     def plan_key(self) -> tuple:
         """What the estimate depends on (observations with equal keys share one score)."""
-        return (self.model, self.global_batch, self.cell, self.stages, self.micro_batches, self.remat)
+        return (self.model, self.global_batch, self.cell, self.stages, self.micro_batches, self.remat,
+                self.zero_level)
 
     def to_json(self) -> dict:
         return {"model": self.model, "global_batch": self.global_batch,
@@ -105,7 +108,7 @@ class RefitObservation:
                 "stages": [s.as_row() for s in self.stages],
                 "micro_batches": self.micro_batches, "remat": self.remat,
                 "iteration_time_s": self.iteration_time_s, "job_id": self.job_id,
-                "observed_s": self.observed_s}
+                "observed_s": self.observed_s, "zero_level": self.zero_level}
 
     @classmethod
     def from_json(cls, raw: dict) -> "RefitObservation":
@@ -118,7 +121,7 @@ class RefitObservation:
             return cls(str(raw["model"]), int(raw["global_batch"]), Cell(*raw["cell"]),
                        tuple(StagePlan(*s) for s in raw["stages"]), int(raw["micro_batches"]),
                        bool(raw["remat"]), float(raw["iteration_time_s"]), str(raw.get("job_id", "")),
-                       float(raw.get("observed_s", 0.0)))
+                       float(raw.get("observed_s", 0.0)), int(raw.get("zero_level", 0)))
         except (KeyError, TypeError, ValueError) as e:
             raise SpecError("refit_observation", raw, f"not an observation ({e!r})") from None
 
@@ -173,7 +176,9 @@ class _Scorer:
     def __call__(self, eff: Efficiency) -> np.ndarray:
         opts = replace(self.options, efficiency={self.gpu_type: eff})
         return np.array([score_plan(JobSpec(p.model, p.global_batch), p.cell, self.cluster, p.stages,
-                                    p.micro_batches, p.remat, opts).iteration_time_s for p in self.plans])
+                                    p.micro_batches, p.remat,
+                                    replace(opts, memory=replace(opts.memory, zero_level=p.zero_level))
+                                    ).iteration_time_s for p in self.plans])
 
 
 def _usable(gpu_type: str, cluster: ClusterSpec, options: EstimateOptions,

@@ -68,22 +68,22 @@ def observation_from_report(job_id: int, model: str, global_batch: int,
     est = next((e for e in estimates if e.cell.label() == measurement.cell_label and e.stages), None)
     if est is None:
         return None
-    stages, micro_batches, remat = est.stages, est.micro_batches, EstimateOptions().remat
+    stages, micro_batches, remat, zero_level = est.stages, est.micro_batches, est.remat, est.zero_level
     run = running_plan_from_text(measured_text)
     if run is not None and run.plan.cell_label == measurement.cell_label:
         try:
             stages = run.plan.stage_plans(tuple((s.layer_start, s.layer_end) for s in est.stages))
         except SpecError:
             return None
-        micro_batches, remat = run.plan.micro_batches, run.plan.remat
+        micro_batches, remat, zero_level = run.plan.micro_batches, run.plan.remat, run.plan.zero_level
     return RefitObservation(model, global_batch, est.cell, stages, micro_batches, remat,
-                            measurement.iteration_time_s, str(job_id), now_s)
+                            measurement.iteration_time_s, str(job_id), now_s, zero_level)
 
 
 def plan_key(obs: RefitObservation) -> str:
     """The plan string of an observation (with its layer ranges): one stored row per job
     and plan."""
-    return format_plan(obs.cell, obs.stages, obs.micro_batches, obs.remat)
+    return format_plan(obs.cell, obs.stages, obs.micro_batches, obs.remat, zero_level=obs.zero_level)
 
 
 def off_by_text(job_id: str, error_frac: float) -> str:

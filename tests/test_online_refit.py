@@ -141,6 +141,21 @@ def test_observation_round_trips_through_json(observations):
     assert RefitObservation.from_json(json.loads(json.dumps(o.to_json()))) == o
 
 
+def test_a_zero_3_plan_measured_at_its_own_estimate_refits_nothing():
+    """The observation carries its plan's ZeRO stage: scored as ZeRO-0 (no per-micro-batch
+    gathers), a ZeRO-3 run looked 5× slow and the refit cut a100's inter-node share 8×."""
+    from estimator.memory import MemoryOptions
+    job, cell, stages = JobSpec("gpt-1.3b", 64), Cell("a100", 8, 4, 1), (StagePlan(0, 26, 8, 1),)
+    zero3 = score_plan(job, cell, CLUSTER, stages, 4, True, EstimateOptions(memory=MemoryOptions(zero_level=3)))
+    assert zero3.feasible
+    obs = [RefitObservation("gpt-1.3b", 64, cell, stages, 4, True, zero3.iteration_time_s, f"j{i}", float(i),
+                            zero_level=3) for i in range(6)]
+    r = refit_efficiency("a100", START, CLUSTER, obs)
+    assert r.median_error_before_frac < 1e-6
+    assert vars(r.efficiency) == pytest.approx(vars(START), rel=1e-6)
+    assert RefitObservation.from_json(json.loads(json.dumps(obs[0].to_json()))) == obs[0]
+
+
 # ------------------------------------------------------------- the daemon's side
 
 def test_gate_refits_a_type_only_past_the_threshold_and_at_most_once_per_interval():
@@ -175,6 +190,9 @@ def test_observation_is_the_plan_that_ran_else_the_cell_estimate():
     assert [(s.layer_start, s.layer_end, s.dp, s.tp) for s in tuned.stages] == [(*ranges[0], 2, 2)]
     assert (tuned.micro_batches, tuned.remat, tuned.iteration_time_s, tuned.cell) == (8, False, 2.0, est.cell)
     assert plan_key(tuned) == "cell=a100x4:s1 plan=[dp2tp2] mb=8 remat=0 layers=0,26"
+    zero1 = observation_from_report(41, "gpt-760m", 64, (est,), m,
+                                    measured_json("cell=a100x4:s1 plan=[dp4tp1] mb=8 remat=1 zero=1", 2.0), 5.0)
+    assert zero1.zero_level == 1 and plan_key(zero1).endswith("zero=1")
     fallback = observation_from_report(41, "gpt-760m", 64, (est,), m, "{}", 5.0)
     assert (fallback.stages, fallback.micro_batches, fallback.remat) == (est.stages, est.micro_batches, True)
     assert observation_from_report(41, "gpt-760m", 64, (est,), Measurement("a100x8:s1", 2.0, 8), "{}", 5.0) is None
