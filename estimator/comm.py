@@ -8,7 +8,9 @@ store (``profile_db`` in the daemon's config). Each row is filed
 under a *curve*: (GPU type, network, op, group size, nodes one group spans); a query
 interpolates its curve log-log in bytes. GPU types, group sizes or layouts the table does
 not cover fall back to a latency-bandwidth model built from the GPU catalog and the
-cluster's network, and the answer says which one it used.
+cluster's network, and the answer says which one it used. So do collectives across nodes
+on a network kind the shipped table was not measured on (its ``default`` is the
+artifact's clusters' own network; a site's table or profile is its own network).
 """
 
 import ast
@@ -51,9 +53,12 @@ class CommTable:
     """Measured collective curves, immutable after loading."""
 
     def __init__(self, curves: dict[CurveKey, dict[int, Curve]],
-                 profiled_types: frozenset[str] = frozenset()):
+                 profiled_types: frozenset[str] = frozenset(), shipped: bool = False):
         self._curves = curves
         self.profiled_types = profiled_types  # GPU types whose curves a site's profile gave
+        # The product's own table, measured on the clusters of the Crius/Arena artifact:
+        # its curves across nodes hold for a cluster on the network they were measured on.
+        self.shipped = shipped
         self._networks: dict[str, set[str]] = {}
         for key in curves:
             self._networks.setdefault(key.gpu_type, set()).add(key.network)
@@ -71,13 +76,18 @@ class CommTable:
         best = min(by_sharing, key=lambda k: (abs(math.log2(k / max(groups_per_node, 1))), k))
         return by_sharing[best]
 
-    def network_for(self, gpu_type_name: str, network: str) -> str | None:
-        """The network column to read for a GPU type: the cluster's if profiled, else any."""
+    def network_for(self, gpu_type_name: str, network: str, nodes_spanned: int = 1) -> str | None:
+        """The network column to read for a GPU type: the cluster's network kind where the
+        table has it; else, within a node (no network crossed), a site's own table or
+        profile, any (``default`` first). Across nodes the shipped table's curves of
+        another network kind do not say what the cluster's does (None: the model)."""
         nets = self._networks.get(gpu_type_name)
         if not nets:
             return None
         if network in nets:
             return network
+        if self.shipped and nodes_spanned > 1 and gpu_type_name not in self.profiled_types:
+            return None
         return "default" if "default" in nets else sorted(nets)[0]
 
 
@@ -108,7 +118,7 @@ def load_comm_table(path: str | None = None) -> CommTable:
         if not set(COLUMNS) <= set(header):
             raise SpecError("comm_table", str(p), f"CSV needs columns {', '.join(COLUMNS)}")
         col = [header.index(name) for name in COLUMNS]
-        return CommTable(_curves(_checked_rows(reader, col, p)))
+        return CommTable(_curves(_checked_rows(reader, col, p)), shipped=p.resolve() == DEFAULT_TABLE.resolve())
 
 
 def _checked_rows(reader, col: list[int], path: Path):
@@ -141,7 +151,7 @@ def with_profiled(base: CommTable, rows: list[dict]) -> CommTable:
     profiled = frozenset(r["gpu_type"] for r in rows)
     curves = {k: v for k, v in base._curves.items() if k.gpu_type not in profiled}
     curves.update(_curves([str(r[c]) for c in COLUMNS] for r in rows))
-    return CommTable(curves, base.profiled_types | profiled)
+    return CommTable(curves, base.profiled_types | profiled, base.shipped)
 
 
 def _curves(rows) -> dict[CurveKey, dict[int, Curve]]:
@@ -255,7 +265,7 @@ def collective_time(table: CommTable | None, op: str, group_size: int, nodes_spa
     if group_size <= 1 or nbytes <= 0:
         return CommTime(0.0, "none")
     if table is not None:
-        net = table.network_for(gpu_type_name, network)
+        net = table.network_for(gpu_type_name, network, nodes_spanned)
         if net is not None:
             source = "profile" if gpu_type_name in table.profiled_types else "table"
             curve = table.curve(CurveKey(gpu_type_name, net, op, group_size, nodes_spanned), groups_per_node)

@@ -47,6 +47,25 @@ def test_unprofiled_type_uses_the_latency_bandwidth_model(table):
     assert t.seconds == pytest.approx(model_time("all-reduce", 8, 1, 1e9, "h100", 25.0))
 
 
+def test_the_shipped_curves_across_nodes_hold_only_on_the_network_they_were_measured_on(table, tmp_path):
+    """a100's curves were measured on the artifact's `default` network: a cluster on
+    another kind gets its own bandwidth across nodes (the model), and the same curves
+    within a node. A site's own table is its own network, whatever its column says."""
+    args = ("all-reduce", 8, 2, 1e9, "a100")
+    assert collective_time(table, *args, "default", 25.0).source == "table"
+    slow, fast = (collective_time(table, *args, "infiniband", bw) for bw in (0.5, 400.0))
+    assert slow.source == fast.source == "model" and slow.seconds > 50 * fast.seconds
+    within = ("all-reduce", 4, 1, 1e9, "a100")
+    assert collective_time(table, *within, "infiniband", 25.0) == collective_time(table, *within, "default", 25.0)
+    assert collective_time(table, *within, "infiniband", 25.0).source == "table"
+    assert collective_time(table, "all-reduce", 4, 2, 1e9, "a40", "infiniband", 25.0).source == "table"
+    f = tmp_path / "site.csv"
+    f.write_text("gpu_type,num_nodes,gpus_per_node,network,op,replica_groups,group_size,bytes,seconds\n"
+                 'a100,2,4,default,all-reduce,"[[0,1,2,3,4,5,6,7]]",8,1000000000,0.2\n')
+    site = load_comm_table(str(f))
+    assert collective_time(site, *args, "infiniband", 0.5).seconds == pytest.approx(0.2)
+
+
 def test_errors(table):
     with pytest.raises(SpecError):
         collective_time(table, "broadcast", 2, 1, 1, "a100", "default", 1.0)
