@@ -51,7 +51,7 @@ from slurm_ext.observe import (  # noqa: F401
     model_loader_for, node_type, partition_types, plan_comment, profile_db_if_written, profile_version,
     requested_gpus, rescale_pins, reserved_cell, gpu_releases, running_assignment, running_plan_comment,
     runner_progress, type_partitions, update_cell, finish_on_s, rescale_new_cell, rescale_releases,
-    STUCK_REASONS, cell_gpus, kept_back_by_slurm, waits_on_its_own_condition,
+    STUCK_REASONS, cell_gpus, kept_back_by_slurm, required_placement, waits_on_its_own_condition,
 )
 from slurm_ext.profile_job import (
     RETRY_AFTER_S, background_request, free_for_policy, is_background, next_background, parse_background,
@@ -375,8 +375,8 @@ class Daemon:
                 return None
             return self._finish_on_s(specs.get(job_id), job_id, cell, progress, cluster, now_s)
 
-        reserved = [(c, until_s(j.job_id, c)) for j in about_to_start
-                    if (c := reserved_cell(j, part_types)) is not None]
+        reserved = [(c, until_s(j.job_id, c), required_placement(self.store.entries(j.job_id)))
+                    for j in about_to_start if (c := reserved_cell(j, part_types)) is not None]
         # A rescale's new Cell holds its nodes from the signal on (the job may still be
         # checkpointing on part of them). One on nodes Slurm picks most likely lands on the
         # GPUs its run leaves; the rest of it is a reservation.
@@ -388,7 +388,7 @@ class Daemon:
             end_s = until_s(job_id, update_cell(u))
             new, rest = rescale_new_cell(u, job, node_types)
             if rest is not None:
-                reserved.append((rest, end_s))
+                reserved.append((rest, end_s, None))
             rescaling += rescale_releases(job, new, now_s, end_s)
         background = [b for b in (parse_background(j, part_types) for j in active) if b is not None]
         policy_nodes = free_for_policy(nodes, background, active_by_id) if background else nodes

@@ -29,6 +29,7 @@ from estimator.refine import Measurement
 from policy.forecast import GpuRelease
 from policy.interface import Assignment, DerivedCache, JobView, NodeView, Snapshot
 from policy.placement import FreeGpus
+from slurm_ext import store as journal
 from slurm_ext.jobspec import ElasticSpec
 from slurm_ext.slurm_client import HELD_FOR_RESCALE, JobUpdate, SlurmJob, SlurmNode
 
@@ -427,6 +428,17 @@ def reserved_cell(job: SlurmJob, part_types: dict[str, str]) -> Cell | None:
     return Cell(gtype, gpus, max(1, job.gpus_per_node or gpus), 1)
 
 
+def required_placement(entries) -> tuple[tuple[str, int], ...] | None:
+    """Where the job's last release (a start, rescale or release entry of the journal)
+    required it to run: each node of its ``ReqNodeList`` with the GPUs per node it asked
+    for (None: no node named, Slurm picks)."""
+    last = next((e for e in reversed(entries) if e.kind in (journal.START, journal.RESCALE, journal.RELEASE)), None)
+    update = last.update if last is not None else None
+    if update is None or not update.required_nodes or not update.gpus_per_node:
+        return None
+    return tuple((name, update.gpus_per_node) for name in update.required_nodes)
+
+
 def gpu_releases(jobs: list[SlurmJob], now_s: float) -> tuple[GpuRelease, ...]:
     """When the GPUs of running jobs the policy does not manage come free: at each job's
     end time in Slurm (start plus time limit), per node. Jobs without one are left out."""
@@ -525,7 +537,8 @@ def rescale_pins(update: JobUpdate | None, job: SlurmJob | None) -> tuple[tuple[
 
 
 def build_snapshot(now_s: float, nodes: tuple[SlurmNode, ...], managed: list[ManagedJob],
-                   reserved: list[tuple[Cell, float | None]], part_types: dict[str, str], trigger: str,
+                   reserved: list[tuple[Cell, float | None, tuple[tuple[str, int], ...] | None]],
+                   part_types: dict[str, str], trigger: str,
                    round_s: float, restart_cost_s: float, policy_state: object,
                    derived: DerivedCache | None = None, pinned: tuple[tuple[str, int], ...] = ()
                    ) -> tuple[Snapshot, tuple[GpuRelease, ...]]:
@@ -537,8 +550,9 @@ def build_snapshot(now_s: float, nodes: tuple[SlurmNode, ...], managed: list[Man
     drained, GPUs ``pinned`` on named nodes (a rescale's new Cell, ``rescale_pins``), and
     GPUs ``reserved`` for jobs Slurm is about to start (released by the daemon, with a
     Cell or as submitted, or a rescale's new Cell on nodes Slurm picks), placed where GPUs
-    are free. Each reserved Cell comes with when its job would finish on it (None: not
-    known), which becomes a release of the GPUs it was placed on.
+    are free, or on the nodes its release required (``required_placement``). Each reserved
+    Cell comes with when its job would finish on it (None: not known), which becomes a
+    release of the GPUs it was placed on.
     """
     held_by_managed: Counter[str] = Counter()
     for m in managed:
@@ -558,8 +572,9 @@ def build_snapshot(now_s: float, nodes: tuple[SlurmNode, ...], managed: list[Man
     free = FreeGpus([(n.name, t, n.gpus) for n, t in typed],
                     {n.name: n.gpus - unmanaged[n.name] - held_by_managed[n.name] for n, _ in typed})
     releases: list[GpuRelease] = []
-    for cell, until_s in reserved:
-        placement = free.place(cell, strict=False)
+    for cell, until_s, required in reserved:
+        placement = free.place(cell, strict=False) if not required else \
+            tuple((name, min(gpus, free.free[name])) for name, gpus in required if name in free.free)
         if placement is not None:
             free.take(placement)
             for name, gpus in placement:

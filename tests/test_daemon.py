@@ -234,7 +234,7 @@ def test_snapshot_counts_unmanaged_and_launching_gpus():
     reserved = [reserved_cell(j, part_types) for j in (launching, as_submitted)]
     assert reserved == [Cell("v100", 2, 2, 1), Cell("v100", 1, 1, 1)]
     # The released job would finish at 900 s; when the one as submitted ends is not known.
-    snap, releases = build_snapshot(100.0, NODES, managed, list(zip(reserved, (900.0, None))), part_types,
+    snap, releases = build_snapshot(100.0, NODES, managed, list(zip(reserved, (900.0, None), (None, None))), part_types,
                                     "round", 60.0, 30.0, None)
     unmanaged = {n.name: n.unmanaged_gpus for n in snap.nodes}
     # a100-1: 4 used, 2 of them by the managed job; a100-2: 2 used, all managed;

@@ -412,3 +412,29 @@ def test_a_site_wide_micro_batch_count_applies_where_it_divides_the_batch(tmp_pa
     shown = {j: plan_comment(client._jobs[j].admin_comment) for j in (80, 81)}
     assert shown[80].error is None and shown[80].cell is not None and shown[80].micro_batches != 3
     assert shown[81].error is None and shown[81].micro_batches == 3
+
+
+def test_a_released_job_slurm_has_not_started_holds_the_nodes_its_release_required(tmp_path):
+    """Released onto a100-2 (ReqNodeList), the job is not started yet when a plain job on
+    a100-2 ends and a 4-GPU job arrives: its GPUs are counted on a100-2, not wherever
+    they fit best, so the newcomer is not given a100-2 too (6 GPUs on a 4-GPU node)."""
+    clock = SimulatedClock(float(NOW))
+    two, four = (SPEC.replace("gpus=4", f"gpus={n}") for n in (2, 4))
+    plain = SlurmJob(5, "carol", "plain", "RUNNING", partition="a100", priority=1, gpus_per_node=2,
+                     nodes=("a100-2",), node_count=1, granted_gpus_per_node=(2,), granted_gpu_type="a100",
+                     submit_time_s=NOW - 9000, start_time_s=NOW - 9000)
+    daemon, client = daemon_for(tmp_path, [plain, held(80, NOW - 100, comment=two, gpus_per_node=2)],
+                                [node("a100-1", "a100", 4), node("a100-2", "a100", 4, used=2)],
+                                clock=clock, policy="fcfs")
+    assert daemon.round().actions == (("start", 80),)
+    (first,) = [c[2] for c in client.calls if c[0] == "update" and c[1] == 80]
+    assert first.required_nodes == ("a100-2",)
+    client._jobs[80] = replace(client._jobs[80], reason="Priority", priority=100)
+    client._jobs[5] = replace(plain, state="COMPLETED")
+    client._nodes = (node("a100-1", "a100", 4), node("a100-2", "a100", 4))
+    client._jobs[81] = held(81, NOW + 20, comment=four)
+    clock.advance_to(NOW + 22)
+    client.calls.clear()
+    assert daemon.round().actions == (("start", 81),)
+    (second,) = [c[2] for c in client.calls if c[0] == "update" and c[1] == 81]
+    assert second.required_nodes == ("a100-1",)
