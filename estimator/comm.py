@@ -102,6 +102,17 @@ def _parse_groups(text: str) -> list[list[int]]:
     return ast.literal_eval(cleaned)
 
 
+@lru_cache(maxsize=4096)  # a table repeats a few layouts over thousands of rows
+def _valid_groups(text: str) -> bool:
+    """Whether ``text`` reads as replica groups: a non-empty list of non-empty lists of ints."""
+    try:
+        groups = _parse_groups(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return False
+    return isinstance(groups, list) and bool(groups) and all(
+        isinstance(g, list) and g and all(isinstance(d, int) and d >= 0 for d in g) for g in groups)
+
+
 COLUMNS = ("gpu_type", "num_nodes", "gpus_per_node", "network", "op", "replica_groups",
            "group_size", "bytes", "seconds")
 
@@ -112,7 +123,7 @@ def load_comm_table(path: str | None = None) -> CommTable:
     p = Path(path) if path else DEFAULT_TABLE
     if not p.is_file():
         raise SpecError("comm_table", str(p), "give a readable CSV of measured collectives")
-    with p.open(newline="") as f:
+    with p.open(newline="", encoding="utf-8-sig") as f:  # a BOM (spreadsheets) is not a column
         reader = csv.reader(f)
         header = next(reader, [])
         if not set(COLUMNS) <= set(header):
@@ -135,6 +146,9 @@ def _checked_rows(reader, col: list[int], path: Path):
         for key in ("num_nodes", "gpus_per_node", "group_size"):
             if not named[key].strip().isdigit() or int(named[key]) < 1:
                 raise SpecError("comm_table", str(path), f"line {line}: {key}={named[key]!r} is not a whole number ≥ 1")
+        if named["op"] != "send" and not _valid_groups(named["replica_groups"]):
+            raise SpecError("comm_table", str(path), f"line {line}: replica_groups={named['replica_groups']!r} is "
+                                                     "not a list of lists of device numbers")
         for key in ("bytes", "seconds"):
             try:
                 number = float(named[key])

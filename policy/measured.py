@@ -129,7 +129,7 @@ def load_measured(path: str | Path | None = None) -> MeasuredTable:
 
 def _points(path: Path) -> tuple[MeasuredPoint, ...]:
     points = []
-    with path.open(newline="") as f:
+    with path.open(newline="", encoding="utf-8-sig") as f:  # a BOM (spreadsheets) is not a column
         reader = csv.DictReader(f)
         missing = [c for c in _COLUMNS if c not in (reader.fieldnames or ())]
         if missing:

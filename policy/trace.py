@@ -160,7 +160,7 @@ def read_trace(path: str | Path) -> tuple[TraceRecord, ...]:
 def _records(path: Path) -> tuple[TraceRecord, ...]:
     out = []
     first_line: dict[str, int] = {}  # job id → the line that gave it
-    with path.open(newline="") as f:
+    with path.open(newline="", encoding="utf-8-sig") as f:  # a BOM (spreadsheets) is not a column
         reader = csv.DictReader(f)
         missing = [c for c in TRACE_COLUMNS[:4] if c not in (reader.fieldnames or ())]
         if missing:

@@ -81,6 +81,10 @@ def test_errors(table):
     ('a100,1,4,default,all-reduce,"[[0,1,2,3]]",4,1,float32,nan,0.1', "line 3: bytes='nan'"),
     ('a100,1,x,default,all-reduce,"[[0,1,2,3]]",4,1,float32,1000,0.1', "line 3: gpus_per_node='x'"),
     ('a100,1,4,default,all-reduce', "line 3: 5 fields"),
+    ('a100,1,4,default,all-reduce,foo,4,1,float32,1000,0.1', "line 3: replica_groups='foo'"),
+    ('a100,1,4,default,all-reduce,"[]",4,1,float32,1000,0.1', "line 3: replica_groups='[]'"),
+    ('a100,1,4,default,all-reduce,"[[0,1],[2,",4,1,float32,1000,0.1', "line 3: replica_groups='[[0,1],[2,'"),
+    ('a100,1,4,default,all-reduce,5,4,1,float32,1000,0.1', "line 3: replica_groups='5'"),
 ])
 def test_a_site_table_with_a_bad_row_is_refused_with_its_line(tmp_path, row, says):
     """A negative time would make every Cell that crosses it the fastest; a malformed one

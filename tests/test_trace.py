@@ -147,6 +147,16 @@ def test_read_trace_errors_quote_the_file(tmp_path):
         read_trace(twice)
 
 
+def test_a_csv_saved_with_a_byte_order_mark_reads_as_without(tmp_path):
+    """Spreadsheets save "CSV UTF-8" with a BOM before the first column's name."""
+    text = "job_id,submit_time_s,duration_s,num_gpus\nj1,0,100,1\n"
+    plain, marked = tmp_path / "plain.csv", tmp_path / "marked.csv"
+    plain.write_text(text)
+    marked.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    assert read_trace(marked) == read_trace(plain)
+    assert len(read_trace(marked)) == 1
+
+
 @pytest.mark.skipif(not (TRACES / "pai_1day_synthetic_sizes.csv").exists(), reason="shared trace data absent")
 def test_real_trace_maps_every_record(table):
     recs = read_trace(TRACES / "pai_1day_synthetic_sizes.csv")
