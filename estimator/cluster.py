@@ -71,12 +71,17 @@ class ClusterSpec:
             if gpu_type_name is None or g.gpu_type == gpu_type_name
         )
 
-    def group(self, gpu_type_name: str) -> NodeGroup:
-        """The (first) node group of a GPU type."""
-        for g in self.node_groups:
-            if g.gpu_type == gpu_type_name:
-                return g
-        raise SpecError("gpu_type", gpu_type_name, f"cluster {self.name} has {', '.join(self.gpu_types)}")
+    def group(self, gpu_type_name: str, gpus_per_node: int | None = None) -> NodeGroup:
+        """The (first) node group of a GPU type; with ``gpus_per_node``, the first of the
+        type's groups whose nodes have that many GPUs, if any."""
+        groups = [g for g in self.node_groups if g.gpu_type == gpu_type_name]
+        if not groups:
+            raise SpecError("gpu_type", gpu_type_name, f"cluster {self.name} has {', '.join(self.gpu_types)}")
+        return next((g for g in groups if g.gpus_per_node == gpus_per_node), groups[0])
+
+    def node_sizes(self, gpu_type_name: str) -> tuple[int, ...]:
+        """The GPUs per node of a type's node groups, distinct, in the groups' order."""
+        return tuple(dict.fromkeys(g.gpus_per_node for g in self.node_groups if g.gpu_type == gpu_type_name))
 
 
 def _network(raw: object, where: str) -> Network:

@@ -353,7 +353,7 @@ def pipeline_time_s(costs: tuple[StageCost, ...], micro_batches: int) -> float:
 def _context(job: JobSpec, cell: Cell, cluster: ClusterSpec, options: EstimateOptions,
              micro_batches: int | None = None, remat: bool | None = None) -> _Context:
     model = load_model(job.model)
-    group = cluster.group(cell.gpu_type)
+    group = cluster.group(cell.gpu_type, cell.gpus_per_node)
     gpu = _gpu_type(cell.gpu_type)
     B = micro_batches or options.micro_batches or \
         micro_batch_count(replica_batch(job.global_batch, cell), 4 * cell.num_stages)
@@ -708,7 +708,7 @@ def enumerate_cells(job: JobSpec, cluster: ClusterSpec, options: EstimateOptions
     types = gpu_types or cluster.gpu_types
     cells = []
     for t in types:
-        group = cluster.group(t)
+        cluster.group(t)  # a clear error for a type the cluster lacks
         capacity = cluster.total_gpus(t)
         if job.num_gpus:
             counts = sorted({max(1, job.num_gpus // 2), job.num_gpus, 2 * job.num_gpus})
@@ -717,9 +717,13 @@ def enumerate_cells(job: JobSpec, cluster: ClusterSpec, options: EstimateOptions
         for n in counts:
             if n > capacity:
                 continue
-            gpn = min(n, gpus_per_node or group.gpus_per_node)
             spaces = [1] if options.plan_space == "dp-only" else stage_counts(n, model.num_layers, job.max_stages)
-            cells.extend(Cell(t, n, gpn, s) for s in spaces)
+            # Each node size the type comes in lays the count out its own way, where the
+            # type has enough nodes that large.
+            for gpn in dict.fromkeys(min(n, gpus_per_node or size) for size in cluster.node_sizes(t)):
+                if -(-n // gpn) <= sum(g.nodes for g in cluster.node_groups
+                                       if g.gpu_type == t and g.gpus_per_node >= gpn):
+                    cells.extend(Cell(t, n, gpn, s) for s in spaces)
     return tuple(cells)
 
 

@@ -73,3 +73,18 @@ def test_network_bandwidth_is_in_gigabytes_per_second_under_either_key_name(capl
     with pytest.raises(SpecError) as e:
         cluster_from_dict({"name": "x", "network": {"bandwidth_gbytes_s": -1}, "node_groups": [group]})
     assert e.value.field == "network.bandwidth_gbytes_s"
+
+
+def test_a_type_in_two_node_sizes_gets_the_layouts_each_allows():
+    """a100 on one node of 4 and two of 8: 16 GPUs fit only as 2 nodes of 8; 8 GPUs as
+    one node of 8 or two of 4 (each estimated on its own group's network)."""
+    from estimator.estimate import enumerate_cells
+    from estimator.jobs import JobSpec
+    cluster = cluster_from_dict({"name": "two-sizes", "node_groups": [
+        {"gpu_type": "a100", "nodes": 1, "gpus_per_node": 4},
+        {"gpu_type": "a100", "nodes": 2, "gpus_per_node": 8, "partition": "a100-8",
+         "network": {"kind": "infiniband"}}]})
+    layouts = {(c.num_gpus, c.gpus_per_node) for c in enumerate_cells(JobSpec("gpt-760m", 64, num_gpus=8), cluster)}
+    assert layouts == {(4, 4), (8, 4), (8, 8), (16, 8)}
+    assert cluster.group("a100", 8).network.kind == "infiniband" and cluster.group("a100", 4).partition == "a100"
+    assert cluster.group("a100", 2) == cluster.group("a100")  # a part of a node: the first group
