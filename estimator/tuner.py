@@ -99,6 +99,7 @@ class TuneResult:
     ranked: tuple[ScoredPlan, ...]  # best first
     default_ranges: tuple[tuple[int, int], ...]
     measured: bool = False
+    zero_level: int = 0  # the ZeRO stage every plan was scored under
 
     @property
     def best(self) -> ScoredPlan | None:
@@ -107,7 +108,8 @@ class TuneResult:
     def plan_string(self, plan: ScoredPlan | None = None) -> str:
         p = plan or self.best
         c = p.candidate
-        return format_plan(self.cell, c.stages, c.micro_batches, c.remat, self.default_ranges)
+        return format_plan(self.cell, c.stages, c.micro_batches, c.remat, self.default_ranges,
+                           zero_level=self.zero_level)
 
     def to_json(self) -> dict:
         best = None
@@ -118,6 +120,7 @@ class TuneResult:
                 "stages": [s.to_json() for s in b.candidate.stages],
                 "micro_batches": b.candidate.micro_batches,
                 "remat": b.candidate.remat,
+                "zero_level": self.zero_level,
                 "iteration_time_s": round(b.score.iteration_time_s, 6) if b.score.feasible else None,
                 "peak_memory_gb": round(b.score.peak_memory_gb, 3),
                 "feasible": b.score.feasible,
@@ -250,7 +253,8 @@ def tune(job: JobSpec, cell: Cell, cluster: ClusterSpec, options: TuneOptions = 
     ranked = tuple(sorted(scorer.seen.values(), key=ScoredPlan.rank_key))
     log.info("tuned %s: %d candidates (%s), best %s", cell.label(), len(scorer.seen),
              options.prune, ranked[0].score.iteration_time_s if ranked else None)
-    return TuneResult(cell, options.prune, len(scorer.seen), ranked, base)
+    return TuneResult(cell, options.prune, len(scorer.seen), ranked, base,
+                      zero_level=est_opts.memory.zero_level)
 
 
 def _fit(scorer: _Scorer, stages, mb: int) -> ScoredPlan:

@@ -117,6 +117,21 @@ def test_tune_cli_json_contract():
     assert every["best"]["iteration_time_s"] <= best["iteration_time_s"]
 
 
+def test_tune_finds_the_zero_plan_that_estimate_finds_where_nothing_fits_without_it():
+    """gpt-2.6b on 4 a100s in 2 stages fits only with its optimizer states split (ZeRO-1):
+    `estimate` said so and `tune` said "no feasible plan"."""
+    args = ["--model", "gpt-2.6b", "--global-batch", "256", "--gpu-type", "a100", "--gpus", "4"]
+    rc, out, _ = _cli(["estimate", *args, "--json"])
+    (cell,) = [c for c in json.loads(out)["cells"] if (c["num_gpus"], c["num_stages"]) == (4, 2)]
+    assert cell["feasible"] and cell["zero_level"] == 1
+    rc, out, _ = _cli(["tune", *args, "--stages", "2", "--json"])
+    best = json.loads(out)["best"]
+    assert rc == 0 and best["feasible"] and best["zero_level"] == 1 and parse_plan(best["plan"]).zero_level == 1
+    assert best["iteration_time_s"] <= cell["iteration_time_s"] * 1.0001
+    rc, out, _ = _cli(["tune", *args, "--stages", "2", "--zero", "0", "--json"])
+    assert rc == 0 and not json.loads(out)["best"]["feasible"]  # as asked: ZeRO-0 only
+
+
 def test_tune_cli_errors_are_one_line_with_exit_2():
     rc, out, err = _cli(["tune", "--model", "gpt-1.3b", "--global-batch", "256", "--gpu-type",
                          "h100", "--gpus", "8", "--cluster", "crius-1280"])

@@ -18,6 +18,7 @@ from estimator.cluster import load_cluster
 from estimator.errors import SpecError
 from estimator.estimate import EstimateOptions, stage_counts
 from estimator.jobs import JobSpec
+from estimator.memory import ZERO_LEVELS, MemoryOptions
 from estimator.models import load_model
 from estimator.tuner import PRUNE_MODES, TuneOptions, TuneResult, tune
 
@@ -82,6 +83,16 @@ def rank_measured(ranked: tuple, seconds: dict[int, float]) -> tuple:
     return tuple(timed) + tuple(p for p in ranked if id(p) not in seconds)
 
 
+def _runnable_only(result: TuneResult, memory: MemoryOptions, optimizer: str) -> TuneResult:
+    """The result's plans the runner can run under ``memory`` (ZeRO-2 and 3: every stage
+    split alike; ZeRO-3: remat; none of them expert-parallel or for Adafactor)."""
+    def runnable(p) -> bool:
+        stages = p.candidate.stages
+        return memory.runnable(optimizer, expert_parallel=any(s.ep for s in stages),
+                               stages_alike=len({(s.dp, s.tp) for s in stages}) <= 1, remat=p.candidate.remat)
+    return replace(result, ranked=tuple(p for p in result.ranked if runnable(p)))
+
+
 def _text(result: TuneResult, top: int = 5) -> str:
     lines = [f"cell {result.cell.label()}  prune={result.prune}  "
              f"candidates evaluated: {result.candidates_evaluated}"]
@@ -112,19 +123,30 @@ def _text(result: TuneResult, top: int = 5) -> str:
               help="Cluster name or YAML (its network and node size).")
 @click.option("--micro-batches", type=int,
               help="Micro-batch count the search starts from (default: the Cell estimate's).")
+@click.option("--zero", "zero_level", type=click.IntRange(0, 3),
+              help="ZeRO stage of every plan (default: 0, else the first of 1 to 3 under which "
+                   "a plan the runner runs fits, as `estimate` does).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 def command(model, global_batch, gpu_type, gpus, gpus_per_node, stages, prune, measure, cluster,
-            micro_batches, as_json):
+            micro_batches, zero_level, as_json):
     """The best parallel plan inside one Cell (per stage dp x tp, micro-batches, remat)."""
     if stages is not None and stages < 1:
         raise SpecError("stages", stages, "give a positive integer")
     job = JobSpec(model, global_batch, gpus, gpu_type)
-    options = TuneOptions(prune=prune, estimate=EstimateOptions(micro_batches=micro_batches))
     cluster_spec = load_cluster(cluster)
-    results = [tune(job, cell, cluster_spec, options)
-               for cell in _cells(job, cluster, gpus_per_node, stages)]
-    evaluated = sum(r.candidates_evaluated for r in results)
-    best = min(results, key=lambda r: r.best.rank_key() if r.best else (True, float("inf")))
+    cells = _cells(job, cluster, gpus_per_node, stages)
+    optimizer = load_model(model).optimizer
+    evaluated, best = 0, None
+    for level in (zero_level,) if zero_level is not None else ZERO_LEVELS:
+        memory = MemoryOptions(zero_level=level)
+        options = TuneOptions(prune=prune, estimate=EstimateOptions(micro_batches=micro_batches, memory=memory))
+        results = [_runnable_only(tune(job, cell, cluster_spec, options), memory, optimizer) for cell in cells]
+        evaluated += sum(r.candidates_evaluated for r in results)
+        found = min(results, key=lambda r: r.best.rank_key() if r.best else (True, float("inf")))
+        if found.best is not None and found.best.score.feasible:
+            best = found
+            break
+        best = best or found  # nothing fits at any level: show the first level's plans
     best = replace(best, candidates_evaluated=evaluated)
     if measure:
         best = _measure(job, best, min(gpus, gpus_per_node or best.cell.gpus_per_node))
