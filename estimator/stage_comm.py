@@ -133,7 +133,9 @@ def gradient_sync_s(ctx, plan: StagePlan, first_device: int, grad_bytes: float, 
     gpn = min(ctx.cell.gpus_per_node, ctx.cell.num_gpus)
     dp_span = span_nodes(first_device, plan.dp, plan.tp, gpn)
     sharing = dp_groups_per_node(plan, gpn)
-    if compiled is not None:
+    # The compiled stage is one micro-batch's program: the runner's ZeRO-2 and 3 collectives
+    # per micro-batch are not in it, so they are counted here whatever the fidelity.
+    if compiled is not None and not (ctx.options.memory.runner_zero2 or ctx.options.memory.runner_zero3):
         sync_s, srcs = compiled_collective_s(ctx, compiled, "dp", plan.dp, dp_span, sharing)
         sources |= srcs
         return sync_s
