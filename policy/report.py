@@ -176,7 +176,8 @@ def markdown_table(report: dict) -> str:
     for name, s in report["policies"].items():
         rows.append(f"| {name} | {s['jobs']} | " + " | ".join(_cell(s.get(k), f) for k, _, f in MARKDOWN_COLUMNS) + " |")
     load = report.get("offered_load")
-    note = f"\nTrace {report['trace']} on {report['cluster']}, seed {report['seed']}"
+    kind = f" ({report['trace_kind']} mapping)" if report.get("trace_kind") else ""
+    note = f"\nTrace {report['trace']}{kind} on {report['cluster']}, seed {report['seed']}"
     if load is not None:
         note += f", offered load {load:.3f} (GPU-hours asked ÷ GPU-hours offered while jobs arrive)"
     return "\n".join(rows) + note + ".\n"

@@ -239,6 +239,19 @@ def test_simulate_refuses_a_trace_row_it_cannot_replay(capsys, tmp_path, row, fi
     assert code == 2 and out == "" and "t.csv line 2" in err and field in err
 
 
+def test_simulate_says_which_trace_mapping_it_took_and_takes_the_one_asked_for(capsys, tmp_path):
+    """The mapping followed the file's name: a trace renamed itp_* lost every record to
+    ITP's submit filter with no word of why."""
+    trace = tmp_path / "itp_mine.csv"
+    trace.write_text("job_id,submit_time_s,duration_s,num_gpus,gpu_type,status\na,0,3600,2,,\n")
+    code, out, err = run(capsys, "simulate", "--trace", str(trace), "--cluster", "crius-1280", "--policy", "fcfs")
+    assert code == 2 and "--trace-kind itp skips records submitted before 1,945,572 s" in err
+    code, out, err = run(capsys, "simulate", "--trace", str(trace), "--trace-kind", "philly", "--cluster",
+                         "crius-1280", "--policy", "fcfs", "--quiet", "--json", "-")
+    report = json.loads(out)
+    assert code == 0 and report["trace_kind"] == "philly" and report["policies"]["fcfs"]["jobs"] == 1
+
+
 def test_simulate_checks_its_outputs_before_it_simulates(capsys, tmp_path):
     trace = tmp_path / "t.csv"
     trace.write_text("job_id,submit_time_s,duration_s,num_gpus,gpu_type,status\na,0,100,2,,\n")

@@ -89,6 +89,10 @@ def _measured_costs(paths: tuple[str, ...]):
 @click.option("--cluster", "cluster_name", required=True, help="Built-in cluster name or cluster YAML.")
 @click.option("--policy", "policies", multiple=True, required=True,
               help=f"Policy, repeated to compare: {', '.join(policy_names())}.")
+@click.option("--trace-kind", type=click.Choice(["itp", "philly", "helios", "pai"]),
+              help="How durations become iterations: itp (Philly's mapping, records before 1,945,572 s "
+                   "skipped), philly, helios (iterations kept in 2,000-10,000), pai (1,000-5,000). Default: from "
+                   "the file name (itp*, *helios* or *venus*, pai*, else philly); the report says which.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the trace-to-job mapping.")
 @click.option("--density", default=1.0, show_default=True, type=float, help="Share of trace records kept, (0, 1].")
 @click.option("--oracle", is_flag=True, help="Policies see measured iteration times instead of estimates.")
@@ -118,7 +122,8 @@ def _measured_costs(paths: tuple[str, ...]):
 @click.option("--forecast-every", "forecast_every", default=0, show_default=True, type=int,
               help="Forecast the start and end of every N-th job at its arrival (the policy run forward, "
                    "as the daemon does) and report the forecasts' error; 0: none.")
-def command(trace_path, cluster_name, policies, seed, density, oracle, round_s, rounds_for_all, measured_path,
+def command(trace_path, cluster_name, policies, trace_kind, seed, density, oracle, round_s, rounds_for_all,
+            measured_path,
             measured_program,
             json_out, markdown_out, plots_dir, plan_search, restart_reports, quiet, forecast_every):
     """Replay a job trace on a cluster under one or more policies."""
@@ -126,7 +131,7 @@ def command(trace_path, cluster_name, policies, seed, density, oracle, round_s, 
     from policy.registry import make_policy, policy_class
     from policy.report import markdown_table, report_json, summarize, write_plots
     from policy.simulator import EstimateCache, SimConfig, SimulationError, simulate, start_costs
-    from policy.trace import map_trace, offered_load, read_trace, trace_kind_for
+    from policy.trace import TRACE_KINDS, map_trace, offered_load, read_trace, trace_kind_for
 
     if not math.isfinite(round_s) or round_s <= 0:
         raise SpecError("round_s", round_s, "give a positive number of seconds")
@@ -145,10 +150,14 @@ def command(trace_path, cluster_name, policies, seed, density, oracle, round_s, 
         raise SpecError("cluster", cluster_name, f"none of its GPU types ({', '.join(cluster.gpu_types)}) has a "
                         f"measured rate in {table.source} (it has {', '.join(sorted(measured_types)) or 'none'}), "
                         "so no job could run; give --measured with rates of these types")
-    jobs = map_trace(read_trace(trace_path), table, seed, density, trace_kind_for(trace_path))
+    kind_name = trace_kind or next(k for k, v in TRACE_KINDS.items() if v == trace_kind_for(trace_path))
+    kind = TRACE_KINDS[kind_name]
+    jobs = map_trace(read_trace(trace_path), table, seed, density, kind)
     if not jobs:
-        raise SpecError("trace", trace_path, "no job left after the submit filter and density; "
-                        "raise --density or use another trace")
+        skipped = f" (--trace-kind {kind_name} skips records submitted before {kind.min_submit_s:,.0f} s)" \
+            if kind.min_submit_s else ""
+        raise SpecError("trace", trace_path, f"no job left after the submit filter{skipped} and density; "
+                        "raise --density, give another --trace-kind or use another trace")
     load = offered_load(jobs, cluster.total_gpus())
     config = SimConfig(round_s=round_s, oracle=oracle, forecast_every_jobs=forecast_every,
                        plan_search=plan_search, costs=_measured_costs(restart_reports))
@@ -165,7 +174,7 @@ def command(trace_path, cluster_name, policies, seed, density, oracle, round_s, 
             raise click.ClickException(str(e)) from None
         results.append(result)
         per_policy[name] = summarize(result, load) | {"costs": start_costs(policy, config)}
-    report = report_json(Path(trace_path).name, cluster.name, seed, per_policy, density=density,
+    report = report_json(Path(trace_path).name, cluster.name, seed, per_policy, trace_kind=kind_name, density=density,
                          oracle=oracle, offered_load=round(load, 4), round_s=round_s, rounds_for_all=rounds_for_all,
                          plan_search=plan_search)
     log.info("estimates took %.1f s", cache.estimate_seconds)
