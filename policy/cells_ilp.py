@@ -244,6 +244,7 @@ class CellsIlpPolicy:
     """
 
     name = "cells-ilp"
+    config_class = CellsIlpConfig  # its options' names and types (the daemon's config check)
     plan_tuning = "pruned"  # Cells come with estimates, so the plan search is Cell-guided
     extra_start_s = 0.0  # added to every (re)start by the simulator, beside the costs every policy pays
     extra_start_reason = "none: its Cell-guided plan search is the runtime's own, charged to every policy"

@@ -364,16 +364,74 @@ def resolve(flags: Mapping[str, object] | None = None, env: Mapping[str, str] | 
 
 
 def _check_policy(config: DaemonConfig, source: str) -> None:
-    """The policy can be built with its options (a typo fails here, not in a round)."""
-    from policy.registry import make_policy
+    """The policy can be built with its options, each of the type it declares (a typo or
+    a ``2.5`` for a count fails here, not in every round)."""
+    from policy.registry import make_policy, policy_class
 
+    options = dict(config.policy_options)
+    hints = _option_types(policy_class(config.policy))
+    for name, value in options.items():
+        if name in hints and not _accepts(hints[name], value):
+            raise ConfigError(f"policy_options.{name}", value, f"({source}) policy {config.policy} takes "
+                                                               f"{_hint_text(hints[name])} here")
     try:
-        make_policy(config.policy, **dict(config.policy_options))
+        make_policy(config.policy, **options)
     except SpecError:
         raise
     except (TypeError, ValueError) as e:
-        raise ConfigError("policy_options", dict(config.policy_options),
+        raise ConfigError("policy_options", options,
                           f"({source}) not accepted by policy {config.policy}: {e}") from None
+
+
+def _option_types(cls: type) -> dict[str, object]:
+    """A policy's options and their declared types: its constructor's keywords, and the
+    fields of its ``config_class`` where it has one ({} where they cannot be read)."""
+    import typing
+
+    hints: dict[str, object] = {}
+    for source in (getattr(cls, "config_class", None), cls.__init__):
+        if source is None:
+            continue
+        try:
+            hints.update(typing.get_type_hints(source))
+        except (NameError, TypeError):
+            continue
+    return {k: v for k, v in hints.items() if k not in ("return", "config")}
+
+
+def _accepts(hint: object, value: object) -> bool:
+    """Whether a YAML ``value`` is of the declared type (numbers: ints for floats too;
+    tuples: any list or mapping, which the policy turns into one; others: unchecked)."""
+    import types
+    import typing
+
+    if typing.get_origin(hint) in (types.UnionType, typing.Union):
+        return any(_accepts(a, value) for a in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if hint is str:
+        return isinstance(value, str)
+    if hint is tuple or typing.get_origin(hint) is tuple:
+        return isinstance(value, (list, tuple, dict))
+    return True
+
+
+def _hint_text(hint: object) -> str:
+    """``a whole number``, ``a number or null`` …: a declared type as a config user reads it."""
+    import types
+    import typing
+
+    words = {bool: "true or false", int: "a whole number", float: "a number", str: "a text",
+             type(None): "null"}
+    if typing.get_origin(hint) in (types.UnionType, typing.Union):
+        return " or ".join(_hint_text(a) for a in typing.get_args(hint))
+    return words.get(hint, "a list")
 
 
 def load_config(config_path: str | None, flags: Mapping[str, object] | None,

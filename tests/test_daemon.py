@@ -92,6 +92,12 @@ def test_shipped_yaml_resolves_to_the_defaults():
     ({"metrics_port": float("inf")}, {}, "metrics_port"),
     ({"max_gpus": 2.7}, {}, "max_gpus"),  # not cut to 2 (the environment's "2.7" is refused too)
     ({"background_profile_time_min": 0}, {}, "background_profile_time_min"),
+    # Options of the wrong type, which every round then failed on (a TypeError).
+    ({"policy_options": {"max_pending": 2.5}}, {}, "policy_options.max_pending"),
+    ({"policy": "gavel-greedy", "policy_options": {"max_moves": None}}, {}, "policy_options.max_moves"),
+    ({"policy": "elasticflow", "policy_options": {"min_gain_frac": "10%"}}, {}, "policy_options.min_gain_frac"),
+    ({"policy": "sia", "policy_options": {"fairness_p": "x"}}, {}, "policy_options.fairness_p"),
+    ({"policy_options": {"deadlines": "yes"}}, {}, "policy_options.deadlines"),
 ])
 def test_bad_config_names_key_and_source(file_values, env, field):
     with pytest.raises(ConfigError) as info:
