@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from estimator.cells import CellEstimate
 from estimator.contract import PlanComment, format_utc
+from slurm_ext.observe import waits_on_its_own_condition
 from slurm_ext.slurm_client import SlurmJob
 from slurm_ext.squeue_view import job_row
 from slurm_ext.store import JournalEntry
@@ -32,6 +33,7 @@ NO_CELL_FITS = "no Cell fits"
 NOT_PLANNED = "not planned yet"
 WAITING_FOR_GPUS = "waiting for GPUs"
 STARTING = "starting"
+KEPT_BACK = "kept back by Slurm"
 _WHAT_TO_DO = {
     NOT_ELASTIC: "Slurm schedules it as submitted; add --comment=elastic to let slurm-ext size it",
     SPEC_ERROR: "fix the #ELASTIC line or the comment (the error says what), then resubmit",
@@ -39,6 +41,8 @@ _WHAT_TO_DO = {
     NOT_PLANNED: "wait for the daemon's next round; if it stays so, ask the admin whether slurm-ext runs",
     WAITING_FOR_GPUS: "nothing: it starts when the GPUs come free; fewer GPUs (gpus=) may start it sooner",
     STARTING: "nothing: Slurm starts it as soon as the GPUs it was given are free",
+    KEPT_BACK: "nothing for slurm-ext: Slurm starts it on its Cell once its own condition holds (a dependency, "
+               "a begin time, a limit of its account or QOS; `scontrol show job` says which)",
 }
 
 
@@ -76,8 +80,9 @@ def why_chosen(pc: PlanComment, chosen: CellEstimate | None, estimates: tuple[Ce
 
 def waiting(job: SlurmJob, pc: PlanComment, estimates: tuple[CellEstimate, ...] | None,
             spec_error: str | None, is_held: bool) -> Waiting | None:
-    """Why a pending job waits (None when it runs or has ended)."""
-    if job.state != "PENDING":
+    """Why a pending job waits (None when it runs or has ended); a job suspended by a
+    rescale (requeued held) waits too."""
+    if job.state != "PENDING" and "PENDING" not in job.state_flags and not is_held:
         return None
     if not job.is_elastic:
         return Waiting(NOT_ELASTIC, f"slurm: {job.reason or 'pending'}")
@@ -86,6 +91,8 @@ def waiting(job: SlurmJob, pc: PlanComment, estimates: tuple[CellEstimate, ...] 
     if estimates is not None and not any(e.feasible for e in estimates):
         reasons = sorted({e.reason for e in estimates if e.reason})
         return Waiting(NO_CELL_FITS, "; ".join(reasons[:3]) or "no Cell enumerated")
+    if not is_held and pc.cell is not None and waits_on_its_own_condition(job):
+        return Waiting(KEPT_BACK, f"released on {pc.cell}; slurm: {job.reason}")
     if not is_held and pc.cell is not None:
         return Waiting(STARTING, f"released on {pc.cell} (slurm: {job.reason or 'pending'})")
     if pc.why is None:

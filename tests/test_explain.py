@@ -107,3 +107,84 @@ def test_explain_lists_the_cells_while_the_configured_profile_store_is_not_yet_w
     assert doc["spec_error"] is None and any(c["feasible"] for c in doc["cells"])
     missing.write_bytes(b"")
     assert profile_db_if_written(str(missing)) == str(missing)
+
+
+def test_a_suspended_job_and_one_kept_back_by_its_dependency_say_why_they_wait():
+    released = "requested=any cell=a100x4:s1 plan=[dp4tp1] mb=4 remat=1 why=started"
+    kept = pending(released, reason="Dependency")
+    w = explain.waiting(kept, parse_plan_comment(released), ESTIMATES, None, False)
+    assert w.category == explain.KEPT_BACK and "Dependency" in w.detail
+    assert "dependency" in w.to_json()["what_to_do"]
+    suspended = SlurmJob(7, "alice", "t", "SPECIAL_EXIT", reason="JobHeldAdmin", comment="elastic",
+                         admin_comment=format_plan_comment(PlanComment(requested="any", why="suspended: preempted")),
+                         state_flags=("PENDING",))
+    w = explain.waiting(suspended, parse_plan_comment(suspended.admin_comment), ESTIMATES, None, True)
+    assert w is not None and w.category == explain.WAITING_FOR_GPUS
+
+
+def _explain_on(tmp_path, monkeypatch, job, script, stored=None):
+    """`slurm-ext explain 7 --json` on a stand-in client, with the daemon's state file
+    holding ``stored`` (spec JSON, error) for the job when given."""
+    import json as json_module
+
+    from click.testing import CliRunner
+
+    import slurm_ext.backend as backend
+    from slurm_ext.commands.explain import command
+    from slurm_ext.slurm_client import Gres, SlurmNode
+    from slurm_ext.store import Store
+
+    nodes = tuple(SlurmNode(f"a100-{i}", "idle", ("a100",), (), (Gres("gpu", "a100", 4),), (), 64, 256000)
+                  for i in range(4))
+
+    class Client:
+        def job(self, job_id):
+            return job
+
+        def nodes(self):
+            return nodes
+
+        def batch_script(self, job_id):
+            if script is None:
+                from slurm_ext.errors import SlurmCommandError
+                raise SlurmCommandError(("scontrol", "write", "batch_script"), 1, "Access/permission denied")
+            return script
+
+    monkeypatch.setattr(backend, "make_client", lambda *args, **kwargs: Client())
+    state = tmp_path / "state.db"
+    if stored is not None:
+        store = Store(str(state))
+        store.put_spec(7, *stored, 0.0)
+        store.close()
+    config = tmp_path / "slurm-ext.yaml"
+    config.write_text(f"state_db: {state}\n")
+    out = CliRunner().invoke(command, ["7", "--json", "--config", str(config)])
+    assert out.exit_code == 0, out.output
+    return json_module.loads(out.stdout), out.stderr
+
+
+def test_explain_takes_the_spec_the_daemon_read_and_not_the_request_it_rewrote(tmp_path, monkeypatch):
+    """Submitted with --gres=gpu:4 and started on 8 GPUs: the job now asks Slurm for 8,
+    but its Cells are those of the 4 it asked for (4/2 to 4×2), as the daemon's."""
+    started = "requested=any cell=a100x8:s1 plan=[dp8tp1] mb=4 remat=1 why=started"
+    job = SlurmJob(7, "alice", "train", "RUNNING", partition="a100", admin_comment=started,
+                   comment="elastic model=gpt-1.3b global_batch=64 iterations=1000", gpus_per_node=4,
+                   node_count=2, priority=1)
+    from slurm_ext.jobspec import parse_spec
+    asked = parse_spec(job.comment, "#!/bin/bash\n", 4, "any").to_json()
+    doc, _ = _explain_on(tmp_path, monkeypatch, job, "#!/bin/bash\n", (asked, None))
+    assert doc["spec"]["num_gpus"] == 4 and {c["num_gpus"] for c in doc["cells"]} == {2, 4, 8}
+    (tmp_path / "without").mkdir()
+    doc, _ = _explain_on(tmp_path / "without", monkeypatch, job, "#!/bin/bash\n")
+    assert doc["spec"]["num_gpus"] == 8  # without the state file: what Slurm holds now
+
+
+def test_a_job_whose_script_this_user_cannot_read_is_not_a_spec_error(tmp_path, monkeypatch):
+    """The daemon read the owner's #ELASTIC lines and planned the job; another user (or
+    one without the state file) cannot read them, which is not the job's error."""
+    started = "requested=any cell=a100x4:s1 plan=[dp4tp1] mb=4 remat=1 why=started"
+    job = SlurmJob(7, "alice", "train", "PENDING", reason="JobHeldAdmin", partition="a100", admin_comment=started,
+                   comment="elastic", gpus_per_node=4, node_count=1, priority=0)
+    doc, err = _explain_on(tmp_path, monkeypatch, job, None)
+    assert doc["spec_error"] is None and doc["chosen"]["cell"] == "a100x4:s1"
+    assert "readable only by its owner" in err

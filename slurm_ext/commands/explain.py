@@ -47,10 +47,9 @@ def command(job_id, as_json, config_path, state_db, timeout_s):
     from slurm_ext.backend import make_client
     from slurm_ext.config import load_config
     from slurm_ext.errors import SlurmExtError
-    from slurm_ext.jobspec import check_model, parse_spec
+    from slurm_ext.jobspec import ElasticSpec, check_model, parse_spec
     from slurm_ext.observe import (cluster_spec, is_held, model_loader_for, partition_types,
                                    profile_db_if_written, requested_gpus)
-    from slurm_ext.store import Store
 
     cfg = load_config(config_path, {}, dict(os.environ))
     try:
@@ -68,11 +67,20 @@ def command(job_id, as_json, config_path, state_db, timeout_s):
     except SlurmExtError as e:
         raise click.ClickException(str(e)) from None
     pc = parse_plan_comment(job.admin_comment) if job.is_elastic else parse_plan_comment("")
+    history, stored = _journal(job_id, state_db or cfg.state_db)
     spec = spec_error = None
     estimates = None
-    if job.is_elastic:
+    if job.is_elastic and stored is None and script is None and pc.cell is not None and pc.error is None:
+        # Planned by the daemon, which read the script; this user cannot (its owner's).
+        click.echo("slurm-ext: warning: the job's batch script is readable only by its owner and root, "
+                   "so its Cells are not estimated here", err=True)
+    elif job.is_elastic and stored is not None and stored[1]:
+        spec_error = stored[1]  # the daemon's own verdict
+    elif job.is_elastic:
         try:
-            spec = parse_spec(job.comment, script, requested_gpus(job), pc.requested)
+            # The settings the daemon read before it rewrote the job's request, else the job's.
+            spec = ElasticSpec.from_json(stored[0]) if stored is not None and stored[0] else \
+                parse_spec(job.comment, script, requested_gpus(job), pc.requested)
             check_model(spec, model_loader_for(job.user))
             part_types = partition_types(nodes, cfg.partition_map())
             cluster = cluster_spec(nodes, part_types, cfg.cluster, cfg.network)
@@ -89,17 +97,6 @@ def command(job_id, as_json, config_path, state_db, timeout_s):
                 estimates = estimate_job(spec.job_spec(), cluster, replace(options, profile_db=None)).cells
         except (ElasticSpecError, SpecError) as e:
             spec_error = str(e)
-    history = []
-    path = state_db or cfg.state_db
-    if path and Path(path).is_file() and os.access(path, os.R_OK):
-        try:
-            store = Store(path, read_only=True)
-            try:
-                history = explain.history(store.entries(job_id))
-            finally:
-                store.close()
-        except sqlite3.Error as e:  # not the daemon's state file, or one this user cannot open
-            click.echo(f"slurm-ext: warning: the rescale history is unavailable ({path}: {e})", err=True)
     chosen = explain.chosen_estimate(pc, estimates or ())
     doc = {
         "job_id": job.job_id, "state": job.state, "elastic": job.is_elastic,
@@ -115,3 +112,22 @@ def command(job_id, as_json, config_path, state_db, timeout_s):
     w = explain.waiting(job, pc, estimates, spec_error, is_held(job))
     doc["waiting"] = w.to_json() if w else None
     click.echo(json.dumps(doc, indent=1) if as_json else explain.format_text(doc))
+
+
+def _journal(job_id: int, path: str | None) -> tuple[list[dict], tuple[dict | None, str | None] | None]:
+    """The job's history and the spec the daemon read (JSON, error), from its state file
+    when this user can read it; else none."""
+    from slurm_ext import explain
+    from slurm_ext.store import Store
+
+    if not (path and Path(path).is_file() and os.access(path, os.R_OK)):
+        return [], None
+    try:
+        store = Store(path, read_only=True)
+        try:
+            return explain.history(store.entries(job_id)), store.spec(job_id)
+        finally:
+            store.close()
+    except (sqlite3.Error, ValueError) as e:  # not the daemon's state file, or one this user cannot open
+        click.echo(f"slurm-ext: warning: the daemon's state is unavailable ({path}: {e})", err=True)
+        return [], None
