@@ -71,39 +71,14 @@ def test_text_form_has_every_part():
 def test_explain_lists_the_cells_while_the_configured_profile_store_is_not_yet_written(tmp_path, monkeypatch):
     """As the daemon does, a profile store that nothing has written yet (or this user
     cannot read) leaves the estimates analytic; it is not the job's spec error."""
-    import json as json_module
-
-    from click.testing import CliRunner
-
-    import slurm_ext.backend as backend
-    from slurm_ext.commands.explain import command
     from slurm_ext.observe import profile_db_if_written
-    from slurm_ext.slurm_client import Gres, SlurmNode
 
-    nodes = tuple(SlurmNode(f"a100-{i}", "idle", ("a100",), (), (Gres("gpu", "a100", 4),), (), 64, 256000)
-                  for i in range(2))
     job = SlurmJob(7, "alice", "train", "PENDING", reason="JobHeldAdmin", partition="a100",
                    comment="elastic model=gpt-1.3b global_batch=64 iterations=1000", gpus_per_node=4,
                    gpu_type_requested="a100", node_count=1, priority=0)
-
-    class Client:
-        def job(self, job_id):
-            return job
-
-        def nodes(self):
-            return nodes
-
-        def batch_script(self, job_id):
-            return "#!/bin/bash\n"
-
-    monkeypatch.setattr(backend, "make_client", lambda *args, **kwargs: Client())
     missing = tmp_path / "profile.sqlite"
-    config = tmp_path / "slurm-ext.yaml"
-    config.write_text(f"profile_db: {missing}\nstate_db: {tmp_path / 'state.db'}\n")
     assert profile_db_if_written(str(missing)) is None and profile_db_if_written(None) is None
-    out = CliRunner().invoke(command, ["7", "--json", "--config", str(config)])
-    assert out.exit_code == 0, out.output
-    doc = json_module.loads(out.output)
+    doc, _ = _explain_on(tmp_path, monkeypatch, job, "#!/bin/bash\n", config=f"profile_db: {missing}\n")
     assert doc["spec_error"] is None and any(c["feasible"] for c in doc["cells"])
     missing.write_bytes(b"")
     assert profile_db_if_written(str(missing)) == str(missing)
@@ -122,9 +97,10 @@ def test_a_suspended_job_and_one_kept_back_by_its_dependency_say_why_they_wait()
     assert w is not None and w.category == explain.WAITING_FOR_GPUS
 
 
-def _explain_on(tmp_path, monkeypatch, job, script, stored=None):
+def _explain_on(tmp_path, monkeypatch, job, script, stored=None, config=""):
     """`slurm-ext explain 7 --json` on a stand-in client, with the daemon's state file
-    holding ``stored`` (spec JSON, error) for the job when given."""
+    holding ``stored`` (spec JSON, error) for the job when given, and ``config`` added to
+    the daemon's configuration."""
     import json as json_module
 
     from click.testing import CliRunner
@@ -156,9 +132,9 @@ def _explain_on(tmp_path, monkeypatch, job, script, stored=None):
         store = Store(str(state))
         store.put_spec(7, *stored, 0.0)
         store.close()
-    config = tmp_path / "slurm-ext.yaml"
-    config.write_text(f"state_db: {state}\n")
-    out = CliRunner().invoke(command, ["7", "--json", "--config", str(config)])
+    config_file = tmp_path / "slurm-ext.yaml"
+    config_file.write_text(f"state_db: {state}\n{config}")
+    out = CliRunner().invoke(command, ["7", "--json", "--config", str(config_file)])
     assert out.exit_code == 0, out.output
     return json_module.loads(out.stdout), out.stderr
 
