@@ -233,11 +233,15 @@ def start(*, stop: StopSignal | None = None, identity: dict | None = None,
     plan_text, source = cfg.plan_text, "given" if cfg.plan_text else None
     admin_plan = plan_tokens(admin_comment_from_scontrol(job_text)) if job_text else None
     given_plan = _parsed(plan_text)
-    if given_plan is not None and admin_plan and alloc.restart_count and given_plan.num_gpus != len(devices):
-        # The daemon rescaled the job: the plan given for its first shape cannot run on
-        # this one (failing here would end the job, not requeue it).
-        log.warning("the given plan %s is for %d GPUs and this run of the job has %d (it was rescaled): "
-                    "running the AdminComment's plan", plan_text, given_plan.num_gpus, len(devices))
+    moved = given_plan is not None and (given_plan.num_gpus != len(devices) or (
+        alloc.gpu_type is not None and given_plan.gpu_type != alloc.gpu_type))
+    if moved and admin_plan and alloc.restart_count:
+        # The daemon rescaled the job: the plan given for its first Cell cannot run on this
+        # one (another count), or was sized for another GPU's memory and speed (another
+        # type); failing here would end the job, not requeue it.
+        log.warning("the given plan %s is for %d %s GPUs and this run of the job has %d %s (it was rescaled): "
+                    "running the AdminComment's plan", plan_text, given_plan.num_gpus, given_plan.gpu_type,
+                    len(devices), alloc.gpu_type or "GPUs")
         plan_text = None
     if plan_text is None and admin_plan:
         plan_text, source = admin_plan, ADMIN_COMMENT_PLAN

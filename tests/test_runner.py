@@ -465,16 +465,17 @@ def test_a_misspelt_setting_of_start_is_refused_not_ignored():
         runtime.start(env={}, global_batch=8, iterations=4, checkpoint_evry=5)
 
 
-def _plans_after_a_rescale(ckpt: str) -> dict:
-    """A job started with a given 4-GPU plan, then rescaled to 2 GPUs by the daemon."""
+def _plans_after_a_rescale(ckpt: str, given: str = "cell=a100x4:s1 plan=[dp4tp1] mb=1 remat=1",
+                           admin_cell: str = "a100x2:s1", partition: str = "a100") -> dict:
+    """A job started with a given plan (4 GPUs), then rescaled by the daemon (to 2)."""
     from job_scripts import runtime
 
-    admin = "requested=any cell=a100x2:s1 plan=[dp2tp1] mb=1 remat=1 why=shrink"
+    admin = f"requested=any cell={admin_cell} plan=[dp2tp1] mb=1 remat=1 why=shrink"
     runtime.scontrol_job_text = lambda job_id: f"JobId={job_id} JobName=t\n   AdminComment={admin}\n"
-    given = "cell=a100x4:s1 plan=[dp4tp1] mb=1 remat=1"
     out = {}
     for restarts in (1, 0):
-        env = {"SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": str(restarts), "SLURM_EXT_PLAN": given}
+        env = {"SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": str(restarts), "SLURM_EXT_PLAN": given,
+               "SLURM_JOB_PARTITION": partition}
         job = _start(ckpt, 2, env)
         out[restarts] = (job.plan_text, job.plan_source)
     return out
@@ -490,3 +491,9 @@ def test_a_given_plan_gives_way_to_the_daemons_after_a_rescale(tmp_path):
     after, first = out[1], out[0]
     assert tuple(after) == ("cell=a100x2:s1 plan=[dp2tp1] mb=1 remat=1", ADMIN_COMMENT_PLAN)
     assert tuple(first) == ("cell=a100x4:s1 plan=[dp4tp1] mb=1 remat=1", "given")
+    # Moved to another GPU type with as many GPUs: the a100 plan was sized for a100s, and
+    # its report named an a100 Cell the daemon then could not match to the job.
+    out = in_jax_child(2, _plans_after_a_rescale, str(tmp_path / "moved"),
+                       "cell=a100x2:s1 plan=[dp1tp2] mb=1 remat=1", "a10x2:s1", "a10")
+    assert tuple(out[1]) == ("cell=a10x2:s1 plan=[dp2tp1] mb=1 remat=1", ADMIN_COMMENT_PLAN)
+    assert tuple(out[0]) == ("cell=a100x2:s1 plan=[dp1tp2] mb=1 remat=1", "given")
