@@ -153,8 +153,14 @@ def arch_from_model(spec) -> Arch:
     and expert count are recovered from its layers' parameter counts, so the two views of
     a model can never disagree on its size.
     """
+    from estimator.models import BUILTIN_MODELS
+
     optimizer = {"sgd": "sgd_nesterov"}.get(spec.optimizer, spec.optimizer)
-    if spec.name.lower() in BUILTIN_ARCHS:
+    builtin = BUILTIN_MODELS.get(spec.name.lower())
+    # A built-in by its name, or a YAML that is the same model; a YAML that only shares
+    # the name (its file stem, say) is built from its own fields.
+    if spec.name.lower() in BUILTIN_ARCHS and builtin is not None and \
+            (builtin.layers, builtin.sequence) == (spec.layers, spec.sequence):
         return replace(BUILTIN_ARCHS[spec.name.lower()], compute_dtype=spec.dtype,
                        optimizer=optimizer)
     if spec.family == "wide_resnet":

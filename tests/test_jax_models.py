@@ -7,6 +7,7 @@ compile-friendly CPU flags of compile workers (small programs compile 2-3x faste
 
 import math
 import multiprocessing
+from dataclasses import replace
 
 import pytest
 
@@ -43,6 +44,19 @@ def test_yaml_transformers_map_to_the_same_sizes():
         assert (arch.vocab, arch.pos_rows, arch.compute_dtype) == (100, 32, spec.dtype)
         assert arch.experts == raw.get("experts", 0)
         assert jm.count_params(arch) == spec.params
+
+
+def test_a_yaml_model_named_like_a_built_in_is_its_own_model():
+    """A file gpt-760m.yaml (its stem the name) with a longer context and a smaller
+    vocabulary trained as the built-in gpt-760m, while the daemon planned for the YAML."""
+    from estimator import jax_models as jm
+    from estimator.models import load_model
+    raw = {"name": "gpt-760m", "hidden": 1536, "layers": 24, "heads": 16, "sequence": 2048, "vocab": 32000}
+    arch = jm.arch_from_model(model_from_dict(raw))
+    assert (arch.seq_len, arch.vocab) == (2048, 32000)
+    assert jm.count_params(arch) == model_from_dict(raw).params
+    assert jm.arch_from_model(load_model("gpt-760m")) == replace(jm.builtin_arch("gpt-760m"), optimizer="adamw",
+                                                                 compute_dtype="fp16")
 
 
 @pytest.mark.parametrize("name", ["gpt-760m", "gpt-15b", "moe-690m", "moe-27b", "wide_resnet-500m",
