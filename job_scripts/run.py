@@ -55,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-root", help="checkpoints go to ROOT/<job id> (else $SLURM_EXT_CHECKPOINT_ROOT, "
                                              "$SLURM_SUBMIT_DIR/checkpoints, ./checkpoints)")
     p.add_argument("--checkpoint-dir", help="exact checkpoint directory (overrides the root)")
-    p.add_argument("--checkpoint-every", type=int, help="also checkpoint every K steps (else $SLURM_EXT_CHECKPOINT_EVERY; 0: never)")
+    p.add_argument("--checkpoint-every", type=int, help="also checkpoint every K steps (else $SLURM_EXT_CHECKPOINT_EVERY, else 50; 0: never)")
     p.add_argument("--keep", type=int, default=2, help="checkpoints kept (default 2)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data stream")
     p.add_argument("--devices", type=int, help="device count (default: the GPUs Slurm granted)")

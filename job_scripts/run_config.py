@@ -23,6 +23,7 @@ SCRIPT_ENV = "SLURM_EXT_ELASTIC_SCRIPT"
 # starts on every node: Slurm's copy of the batch script is on the batch node only.
 SETTINGS_ENV = "SLURM_EXT_ELASTIC_SETTINGS"
 CHECKPOINT_EVERY_ENV = "SLURM_EXT_CHECKPOINT_EVERY"
+DEFAULT_CHECKPOINT_EVERY = 50  # steps between periodic checkpoints unless set (0: none)
 TUNE_ENV = "SLURM_EXT_TUNE"
 TUNE_BUDGET_ENV = "SLURM_EXT_TUNE_BUDGET_S"
 TUNE_FRAC_ENV = "SLURM_EXT_TUNE_BUDGET_FRAC"
@@ -159,7 +160,9 @@ def resolve_config(given: dict, env: dict[str, str], alloc: SlurmAllocation,
     cache = given.get("compile_cache")
     cache = env.get(COMPILE_CACHE_ENV, default_cache) if cache is None else cache
     checkpoint_every = pick("checkpoint_every")
-    checkpoint_every = int_var(env, CHECKPOINT_EVERY_ENV, 0) if checkpoint_every is None else \
+    # A hard kill (a node lost, the time limit) loses the steps since the last checkpoint:
+    # without a setting, every DEFAULT_CHECKPOINT_EVERY steps, as the wrapper does.
+    checkpoint_every = int_var(env, CHECKPOINT_EVERY_ENV, DEFAULT_CHECKPOINT_EVERY) if checkpoint_every is None else \
         _whole("checkpoint_every", checkpoint_every, 0, "steps between checkpoints; 0: on signals and at the end")
     keep = pick("keep")
     keep = 2 if keep is None else _whole("keep", keep, 1, "checkpoints kept")

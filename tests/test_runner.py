@@ -313,6 +313,9 @@ def test_a_zero_or_malformed_flag_is_refused_not_replaced(tmp_path, given, env, 
                   str(script))
     assert (cfg.checkpoint_every, cfg.tune.budget_s, cfg.keep, cfg.num_devices) == (0, 0.0, 2, 8)
     assert _config({}, {"SLURM_EXT_CHECKPOINT_EVERY": "5"}, alloc, str(script)).checkpoint_every == 5
+    # Unset, a script of its own still checkpoints periodically (it never did: a lost
+    # node cost everything since the job's last start).
+    assert _config({}, {}, alloc, str(script)).checkpoint_every == 50
 
 
 def _start(ckpt: str, devices: int, env: dict | None = None, **given):
