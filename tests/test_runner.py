@@ -500,3 +500,38 @@ def test_a_given_plan_gives_way_to_the_daemons_after_a_rescale(tmp_path):
                        "cell=a100x2:s1 plan=[dp1tp2] mb=1 remat=1", "a10x2:s1", "a10")
     assert tuple(out[1]) == ("cell=a10x2:s1 plan=[dp2tp1] mb=1 remat=1", ADMIN_COMMENT_PLAN)
     assert tuple(out[0]) == ("cell=a100x2:s1 plan=[dp1tp2] mb=1 remat=1", "given")
+
+
+def test_an_fp16_model_trains_in_bf16_whose_gradients_do_not_underflow():
+    """With the built-in head and loss over 8,192 tokens (the loss a mean over them, as the
+    runner's seeds make it), fp16 without loss scaling zeroes a large share of the head's
+    weight gradients; bf16 keeps them all, close to fp32's. The runner trains bf16."""
+    import jax
+    import numpy as np
+    from dataclasses import replace
+
+    from estimator import jax_models as jm
+    from estimator.models import model_from_dict
+    from job_scripts.run import training_arch
+
+    a32 = jm.arch_from_model(model_from_dict({"name": "g", "hidden": 64, "layers": 1, "heads": 4,
+                                              "sequence": 512, "vocab": 8192, "dtype": "fp32"}))
+    assert training_arch(replace(a32, compute_dtype="fp16")).compute_dtype == "bf16"
+    assert training_arch(a32) is a32 and training_arch(replace(a32, compute_dtype="bf16")).compute_dtype == "bf16"
+    head = a32.num_layers - 1
+    params = jm.init_layer_params(a32, head, jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (16, 512, 64))
+    y = jax.random.randint(jax.random.key(2), (16, 512), 0, 8192)
+
+    def weight_grad(dtype):
+        arch = replace(a32, compute_dtype=dtype)
+
+        def loss(p):
+            out, _ = jm.apply_layer(arch, head, p, {}, x.astype(jm.DTYPES[dtype]))
+            return jm.loss_fn(out, y) / 16  # the seed of one of 16 micro-batch shards
+        return np.asarray(jax.grad(loss)(params)["w"], np.float64)
+
+    exact, half, brain = weight_grad("fp32"), weight_grad("fp16"), weight_grad("bf16")
+    assert np.mean((half == 0) & (exact != 0)) > 0.2  # what fp16 loses
+    assert np.mean((brain == 0) & (exact != 0)) == 0.0
+    assert np.linalg.norm(brain - exact) / np.linalg.norm(exact) < 0.01
