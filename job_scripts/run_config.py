@@ -72,6 +72,7 @@ class RunConfig:
     compile_cache_dir: str | None
     launch: str  # single | srun (one process per node, joined by jax.distributed)
     tune: TuneConfig = TuneConfig()
+    job_checkpoint_dir: bool = False  # checkpoint_dir is ROOT/<job id>, not one given
 
 
 def _number(settings: dict[str, str], key: str) -> int | None:
@@ -192,4 +193,5 @@ def resolve_config(given: dict, env: dict[str, str], alloc: SlurmAllocation,
                      checkpoint_every=checkpoint_every, keep=keep, seed=seed,
                      num_devices=devices, platform=platform,
                      warmup_steps=max(0, given.get("warmup_steps") if given.get("warmup_steps") is not None else 2),
-                     compile_cache_dir=cache or None, launch=launch, tune=tune)
+                     compile_cache_dir=cache or None, launch=launch, tune=tune,
+                     job_checkpoint_dir=not pick("checkpoint_dir") and bool(alloc.job_id))

@@ -439,9 +439,17 @@ class Job:
         """The newest complete checkpoint, checked against this job's identity.
 
         Raises:
-            SpecError: the checkpoint was written by another model, batch or seed.
+            SpecError: the checkpoint was written by another model, batch or seed, or, in
+                the job's own directory on its first run, by an earlier job of that id.
         """
         saved = self.checkpoints.latest()
+        if saved is not None and self.config.job_checkpoint_dir and not self.alloc.restart_count:
+            # The job's first run, yet its own directory holds a checkpoint: an earlier job
+            # with this id (Slurm reuses ids once its state is reset) would be resumed.
+            raise SpecError("checkpoint_dir", str(self.config.checkpoint_dir),
+                            f"holds step {saved.step} of an earlier job with id {self.alloc.job_id}, and this is "
+                            "the job's first run: move it away, or name it with --checkpoint-dir "
+                            "(checkpoint_dir=) to continue from it")
         if saved is not None:
             for key, value in self.identity.items():
                 if saved.meta.get(key) != value:

@@ -535,3 +535,41 @@ def test_an_fp16_model_trains_in_bf16_whose_gradients_do_not_underflow():
     assert np.mean((half == 0) & (exact != 0)) > 0.2  # what fp16 loses
     assert np.mean((brain == 0) & (exact != 0)) == 0.0
     assert np.linalg.norm(brain - exact) / np.linalg.norm(exact) < 0.01
+
+
+def _resumes_of_a_reused_id(root: str) -> dict:
+    """Job 77 saves step 3 under the root; later runs with id 77 look for it."""
+    import jax.numpy as jnp
+
+    from job_scripts import runtime
+
+    def job(restart_count, **given):
+        env = {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": str(restart_count)}
+        return runtime.start(stop=runtime.StopSignal(), env=env, global_batch=16, iterations=8, devices=1,
+                             platform="cpu", checkpoint_root=root, compile_cache="", **given)
+
+    first = job(0)
+    first.save(3, {"w": jnp.ones(4)})
+    first.close()
+    out = {}
+    for name, restart_count, given in (("new job, same id", 0, {}), ("requeued", 1, {}),
+                                       ("named outright", 0, {"checkpoint_dir": f"{root}/77"})):
+        j = job(restart_count, **given)
+        try:
+            saved = j.latest()
+            out[name] = saved.step if saved else None
+        except SpecError as e:
+            out[name] = str(e)
+        j.close()
+    return out
+
+
+def test_a_first_run_does_not_resume_an_earlier_jobs_checkpoint_of_the_same_id(tmp_path):
+    """Slurm reuses job ids once its state is reset: a new job's first run found the old
+    job's checkpoint in ROOT/<id>, resumed it, and with as many iterations trained nothing."""
+    from conftest import in_jax_child
+
+    out = in_jax_child(1, _resumes_of_a_reused_id, str(tmp_path))
+    assert "holds step 3 of an earlier job with id 77" in out["new job, same id"]
+    assert "--checkpoint-dir" in out["new job, same id"]
+    assert out["requeued"] == 3 and out["named outright"] == 3
