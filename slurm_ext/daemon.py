@@ -38,7 +38,6 @@ from policy.interface import (
 )
 from policy.placement import FreeGpus
 from policy.registry import make_policy
-from slurm_ext import store as journal
 from slurm_ext.act import Actor, Acts
 from slurm_ext.config import DaemonConfig
 from slurm_ext.errors import SlurmExtError
@@ -51,7 +50,8 @@ from slurm_ext.observe import (  # noqa: F401
     model_loader_for, node_type, partition_types, plan_comment, profile_db_if_written, profile_version,
     requested_gpus, rescale_pins, reserved_cell, gpu_releases, running_assignment, running_plan_comment,
     runner_progress, type_partitions, update_cell, finish_on_s, rescale_new_cell, rescale_releases,
-    STUCK_REASONS, cell_gpus, kept_back_by_slurm, required_placement, waits_on_its_own_condition,
+    cell_gpus, kept_back_by_slurm, launch_is_stale, per_job_limit, required_placement,
+    waits_on_its_own_condition,
 )
 from slurm_ext.profile_job import (
     RETRY_AFTER_S, background_request, free_for_policy, is_background, next_background, parse_background,
@@ -68,10 +68,6 @@ JOURNAL_KEEP_S = 7 * 86400.0  # closed journal entries are kept this long for in
 PRUNE_EVERY_S = 3600.0
 # The Slurm reservation that protects the nodes a policy holds for a waiting job.
 HOLD_RESERVATION = "slurm-ext-hold"
-# A released job Slurm says will never start as it is (``STUCK_REASONS``) is decided afresh;
-# so is one still waiting after LAUNCH_TIMEOUT_ROUNDS rounds (at least LAUNCH_TIMEOUT_MIN_S).
-LAUNCH_TIMEOUT_ROUNDS = 3
-LAUNCH_TIMEOUT_MIN_S = 60.0
 RESTART_KEYS = ("state_db", "slurm_backend", "slurm_prefix", "slurm_timeout_s", "metrics_port", "log_level")
 # A spec that needs the batch script is read again next round when Slurm did not give the
 # script (a timeout under load), this many rounds in a row before its error is kept.
@@ -192,6 +188,7 @@ class Daemon:
         self._submit_s: dict[int, float] = {}
         self._new_specs = 0
         self._claimed_gpus: dict[int, int] = {}  # guaranteed job without a count: GPUs charged to its quota
+        self._gpu_caps: dict[int, int] = {}  # job: most GPUs a per-job limit lets it have (Slurm refused more)
         self._script_read_failures: dict[int, int] = {}  # job: rounds in a row its script was unreadable
         self._pruned_s = 0.0
         self._forecast_s = -math.inf
@@ -439,6 +436,7 @@ class Daemon:
         self._spec_cache = {j: v for j, v in self._spec_cache.items() if j in active_ids}
         self._submit_s = {j: v for j, v in self._submit_s.items() if j in active_ids}
         self._claimed_gpus = {j: v for j, v in self._claimed_gpus.items() if j in active_ids}
+        self._gpu_caps = {j: v for j, v in self._gpu_caps.items() if j in active_ids}
         self._script_read_failures = {j: v for j, v in self._script_read_failures.items() if j in active_ids}
         t4 = time.perf_counter()
         report = RoundReport(trigger, len(active), len(elastic), len(snapshot.jobs), len(errors),
@@ -598,7 +596,13 @@ class Daemon:
                 self._spec_cache[job.job_id] = (None, message)
                 errors.append((job, message))
                 continue
-            estimates = est[cfg.plan_space]
+            estimates, dp_only = est[cfg.plan_space], est["dp-only"]
+            if (cap := self._gpu_caps.get(job.job_id)) is not None:  # Slurm refused more (a per-job limit)
+                estimates, dp_only = ([e for e in x if e.cell.num_gpus <= cap] for x in (estimates, dp_only))
+                if not any(e.feasible for e in estimates):
+                    errors.append((job, f"no Cell of {cap} GPUs or fewer fits, and Slurm refuses more (a "
+                                        f"per-job limit of its account or QOS: {job.reason or 'as before'})"))
+                    continue
             running_comment = None
             measured_text = self._measured_text(job) if state == RUNNING and cfg.checkpoint_root else None
             if measured_text is not None:
@@ -620,7 +624,7 @@ class Daemon:
                 iterations_total=spec.iterations, restarts=job.restart_count,
                 last_change_s=started_s if state == RUNNING else waiting_since_s,
                 deadline_s=spec.deadline_s, guaranteed=spec.guaranteed,
-                estimates=estimates, dp_only_estimates=est["dp-only"])
+                estimates=tuple(estimates), dp_only_estimates=tuple(dp_only))
             runner = runner_progress(measured_text, job) if measured_text is not None else None
             m = ManagedJob(job, spec, view, running_comment, view.iterations_done, runner)
             if state == RUNNING:
@@ -773,17 +777,8 @@ class Daemon:
         return finish_on_s(tuple(est[self.config.plan_space]), cell, left, now_s + self.config.restart_cost_s)
 
     def _launch_stale(self, job: SlurmJob, now_s: float) -> bool:
-        """A released job Slurm will not start as planned: decide it afresh.
-
-        Either Slurm says it never will (``BadConstraints``, ...), or it has waited more
-        than ``LAUNCH_TIMEOUT_ROUNDS`` rounds for GPUs the policy thought were free, counted
-        from its release: the entry's close (a rescale's comes after its checkpoint). A job
-        the journal has no release of (a state file made anew, a job released by hand) is
-        stale too: nothing says Slurm is about to start it.
-        """
-        if job.reason in STUCK_REASONS:
-            return True
-        released = [e for e in self.store.entries(job.job_id)
-                    if e.kind in (journal.START, journal.RESCALE, journal.RELEASE)]
-        limit_s = max(LAUNCH_TIMEOUT_MIN_S, LAUNCH_TIMEOUT_ROUNDS * self.config.interval_s)
-        return not released or now_s - max(released[-1].created_s, released[-1].updated_s) > limit_s
+        """A released job Slurm will not start as planned (``launch_is_stale``): decide it
+        afresh; one over a per-job limit, on fewer GPUs than Slurm refused."""
+        if per_job_limit(job) and (refused := cell_gpus(job)):
+            self._gpu_caps[job.job_id] = min(self._gpu_caps.get(job.job_id, refused), refused) - 1
+        return launch_is_stale(job, self.store.entries(job.job_id), now_s, self.config.interval_s)

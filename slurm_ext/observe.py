@@ -59,11 +59,39 @@ STUCK_REASONS = frozenset({"BadConstraints", "PartitionNodeLimit", "PartitionCon
 OWN_CONDITION_REASONS = frozenset({"Dependency", "DependencyNeverSatisfied", "BeginTime"})
 
 
+# A released job Slurm says will never start as it is (``STUCK_REASONS``, a per-job limit)
+# is decided afresh; so is one still waiting after LAUNCH_TIMEOUT_ROUNDS rounds (at least
+# LAUNCH_TIMEOUT_MIN_S).
+LAUNCH_TIMEOUT_ROUNDS = 3
+LAUNCH_TIMEOUT_MIN_S = 60.0
+
+
+def per_job_limit(job: SlurmJob) -> bool:
+    """Kept back by a limit on one job's size (``QOSMaxGRESPerJob``, ``AssocMaxNodesPerJob``,
+    ``QOSMaxGRESPerNode`` ...; not its time): its Cell never starts, whatever frees up."""
+    r = job.reason
+    return r.startswith(("Assoc", "QOS")) and "Max" in r and ("PerJob" in r or "PerNode" in r) and "Wall" not in r
+
+
 def waits_on_its_own_condition(job: SlurmJob) -> bool:
     """Released, and kept back by Slurm for the job's own condition, not for GPUs: it holds
     none meanwhile, and it is not decided afresh (and released again) while it waits."""
     return job.reason in OWN_CONDITION_REASONS or (
-        job.reason.startswith(("Assoc", "QOS")) and job.reason not in STUCK_REASONS)
+        job.reason.startswith(("Assoc", "QOS")) and job.reason not in STUCK_REASONS and not per_job_limit(job))
+
+
+def launch_is_stale(job: SlurmJob, entries, now_s: float, interval_s: float) -> bool:
+    """A released job Slurm will not start as planned: Slurm says it never will
+    (``STUCK_REASONS``, a per-job limit), or it has waited more than
+    ``LAUNCH_TIMEOUT_ROUNDS`` rounds for GPUs the policy thought were free, counted from
+    its release in the journal ``entries``: the entry's close (a rescale's comes after its
+    checkpoint). A job the journal has no release of (a state file made anew, a job
+    released by hand) is stale too: nothing says Slurm is about to start it."""
+    if job.reason in STUCK_REASONS or per_job_limit(job):
+        return True
+    released = [e for e in entries if e.kind in (journal.START, journal.RESCALE, journal.RELEASE)]
+    limit_s = max(LAUNCH_TIMEOUT_MIN_S, LAUNCH_TIMEOUT_ROUNDS * interval_s)
+    return not released or now_s - max(released[-1].created_s, released[-1].updated_s) > limit_s
 
 
 def kept_back_by_slurm(job: SlurmJob) -> bool:

@@ -438,3 +438,36 @@ def test_a_released_job_slurm_has_not_started_holds_the_nodes_its_release_requir
     assert daemon.round().actions == (("start", 81),)
     (second,) = [c[2] for c in client.calls if c[0] == "update" and c[1] == 81]
     assert second.required_nodes == ("a100-1",)
+
+
+def test_a_cell_over_a_per_job_limit_is_given_up_for_one_slurm_takes(tmp_path):
+    """Released on 8 GPUs, the job meets its QOS's limit of GPUs per job: Slurm will never
+    start it so, whatever frees up. It is decided afresh on fewer GPUs than were refused
+    (it had waited for ever, with 8 GPUs idle)."""
+    clock = SimulatedClock(float(NOW))
+    nodes = [node(f"a100-{i}", "a100", 4) for i in range(1, 5)]
+    daemon, client = daemon_for(tmp_path, [held(80, NOW - 100)], nodes, clock=clock)
+    assert daemon.round().actions == (("start", 80),)
+    (first,) = [c[2] for c in client.calls if c[0] == "update" and c[1] == 80]
+    refused = plan_comment(first.admin_comment).cell_parts()[1]
+    assert refused == 8  # gpus=4 asked: 2, 4 and 8 offered, 8 the fastest
+    client._jobs[80] = replace(client._jobs[80], reason="QOSMaxGRESPerJob", priority=100)
+    clock.advance_to(NOW + 60)
+    client.calls.clear()
+    assert daemon.round().actions == (("start", 80),)
+    (again,) = [c[2] for c in client.calls if c[0] == "update" and c[1] == 80]
+    assert plan_comment(again.admin_comment).cell_parts()[1] < refused
+    # Limits that clear with time still keep it waiting on its Cell (its shown times aside).
+    client._jobs[80] = replace(client._jobs[80], reason="QOSMaxGRESPerUser", admin_comment=again.admin_comment)
+    clock.advance_to(NOW + 120)
+    client.calls.clear()
+    assert daemon.round().actions == () and not [c for c in client.calls if c[0] == "release"]
+    assert all(c[2] == JobUpdate(admin_comment=c[2].admin_comment, start_now=False)
+               and plan_comment(c[2].admin_comment).cell == plan_comment(again.admin_comment).cell
+               for c in client.calls if c[0] == "update")
+    # Refused down to no GPU at all: the job says so rather than wait unexplained.
+    client._jobs[80] = replace(client._jobs[80], reason="QOSMaxGRESPerJob", admin_comment=STARTED.replace(
+        "a100x4", "a100x1").replace("dp4tp1", "dp1tp1"))
+    clock.advance_to(NOW + 180)
+    daemon.round()
+    assert "Slurm refuses more (a per-job limit" in plan_comment(client._jobs[80].admin_comment).error
