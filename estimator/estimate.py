@@ -589,9 +589,7 @@ def _assemble(job: JobSpec, ctx: _Context, ranges, per_stage, default_ranges) ->
     plan = format_plan(cell, plans, ctx.micro_batches, ctx.remat, default_ranges,
                        zero_level=memory.zero_level, offload=memory.offload)
     dims = dict(remat=ctx.remat, zero_level=memory.zero_level, offload=memory.offload,
-                host_memory_gb=host_gb, runnable=memory.runnable(ctx.model.optimizer, any(p.ep for p in plans),
-                                                                 len({(p.dp, p.tp) for p in plans}) == 1,
-                                                                 ctx.remat),
+                host_memory_gb=host_gb, runnable=memory.runs_plan(ctx.model.optimizer, plans, ctx.remat),
                 plan=plan)
     if bad is not None:
         return CellEstimate(cell, plans, ctx.micro_batches, math.inf, 0.0, peak, False, bad.reason,

@@ -131,6 +131,10 @@ class MemoryOptions:
             return False
         return (optimizer is None or optimizer in ELEMENTWISE_OPTIMIZERS) and not expert_parallel
 
+    def runs_plan(self, optimizer: str | None, stages, remat: bool) -> bool:
+        """`runnable` for a plan's stages (``StagePlan``s): any expert-parallel, all split alike."""
+        return self.runnable(optimizer, any(s.ep for s in stages), len({(s.dp, s.tp) for s in stages}) <= 1, remat)
+
 
 @dataclass(frozen=True)
 class StageMemory:

@@ -348,10 +348,15 @@ class Actor:
                 end = end if shown_time(end) else None
             if max(_shift(pc.expected_start_s, start), _shift(pc.expected_end_s, end)) > FORECAST_SHIFT_S:
                 todo.append((job.job_id, format_plan_comment(replace(pc, expected_start_s=start, expected_end_s=end))))
-        for job_id, text in todo[:max(0, budget)]:
-            if self._show(job_id, text, "start kept back by slurm", "show_forecast_failed", "forecast_shown"):
+        shown = todo[:max(0, budget)]
+        self._show_times(shown, "start kept back by slurm", acts)
+        return budget - len(shown)
+
+    def _show_times(self, todo: list[tuple[int, str]], what: str, acts: Acts) -> None:
+        """Write each (job, AdminComment with its times) of ``todo``."""
+        for job_id, text in todo:
+            if self._show(job_id, text, what, "show_forecast_failed", "forecast_shown"):
                 acts.forecasts_shown.append(job_id)
-        return budget - len(todo[:max(0, budget)])
 
     def _show(self, job_id: int, text: str, what: str, failed_event: str, shown_event: str) -> bool:
         """Write ``text`` as the job's AdminComment and nothing else (the job may run:
@@ -390,9 +395,7 @@ class Actor:
             new = replace(pc, expected_start_s=start, expected_end_s=end, progress_frac=progress,
                           expected_cells=f.cells)
             todo.append((-shift, m.slurm.job_id, format_plan_comment(new)))
-        for _, job_id, text in sorted(todo)[:max(0, budget)]:
-            if self._show(job_id, text, "forecast", "show_forecast_failed", "forecast_shown"):
-                acts.forecasts_shown.append(job_id)
+        self._show_times([(job_id, text) for _, job_id, text in sorted(todo)[:max(0, budget)]], "forecast", acts)
 
     def _annotate_waiting(self, snapshot, decision: Decision, views_by_id: dict, acts: Acts) -> int:
         """Hold pending elastic jobs the policy leaves waiting and say why, within a budget.

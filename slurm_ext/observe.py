@@ -89,9 +89,14 @@ def launch_is_stale(job: SlurmJob, entries, now_s: float, interval_s: float) -> 
     released by hand) is stale too: nothing says Slurm is about to start it."""
     if job.reason in STUCK_REASONS or per_job_limit(job):
         return True
-    released = [e for e in entries if e.kind in (journal.START, journal.RESCALE, journal.RELEASE)]
+    last = last_release(entries)
     limit_s = max(LAUNCH_TIMEOUT_MIN_S, LAUNCH_TIMEOUT_ROUNDS * interval_s)
-    return not released or now_s - max(released[-1].created_s, released[-1].updated_s) > limit_s
+    return last is None or now_s - max(last.created_s, last.updated_s) > limit_s
+
+
+def last_release(entries):
+    """The journal's last start, rescale or release of a job (None: there is none)."""
+    return next((e for e in reversed(entries) if e.kind in (journal.START, journal.RESCALE, journal.RELEASE)), None)
 
 
 def kept_back_by_slurm(job: SlurmJob) -> bool:
@@ -460,7 +465,7 @@ def required_placement(entries) -> tuple[tuple[str, int], ...] | None:
     """Where the job's last release (a start, rescale or release entry of the journal)
     required it to run: each node of its ``ReqNodeList`` with the GPUs per node it asked
     for (None: no node named, Slurm picks)."""
-    last = next((e for e in reversed(entries) if e.kind in (journal.START, journal.RESCALE, journal.RELEASE)), None)
+    last = last_release(entries)
     update = last.update if last is not None else None
     if update is None or not update.required_nodes or not update.gpus_per_node:
         return None

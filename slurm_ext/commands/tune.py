@@ -86,11 +86,8 @@ def rank_measured(ranked: tuple, seconds: dict[int, float]) -> tuple:
 def _runnable_only(result: TuneResult, memory: MemoryOptions, optimizer: str) -> TuneResult:
     """The result's plans the runner can run under ``memory`` (ZeRO-2 and 3: every stage
     split alike; ZeRO-3: remat; none of them expert-parallel or for Adafactor)."""
-    def runnable(p) -> bool:
-        stages = p.candidate.stages
-        return memory.runnable(optimizer, expert_parallel=any(s.ep for s in stages),
-                               stages_alike=len({(s.dp, s.tp) for s in stages}) <= 1, remat=p.candidate.remat)
-    return replace(result, ranked=tuple(p for p in result.ranked if runnable(p)))
+    return replace(result, ranked=tuple(p for p in result.ranked
+                                        if memory.runs_plan(optimizer, p.candidate.stages, p.candidate.remat)))
 
 
 def _text(result: TuneResult, top: int = 5) -> str:
