@@ -188,7 +188,7 @@ class Daemon:
         self._submit_s: dict[int, float] = {}
         self._new_specs = 0
         self._claimed_gpus: dict[int, int] = {}  # guaranteed job without a count: GPUs charged to its quota
-        self._gpu_caps: dict[int, int] = {}  # job: most GPUs a per-job limit lets it have (Slurm refused more)
+        self._gpu_caps = store.gpu_caps()  # job: most GPUs a per-job limit lets it have (Slurm refused more)
         self._script_read_failures: dict[int, int] = {}  # job: rounds in a row its script was unreadable
         self._pruned_s = 0.0
         self._forecast_s = -math.inf
@@ -781,4 +781,6 @@ class Daemon:
         afresh; one over a per-job limit, on fewer GPUs than Slurm refused."""
         if per_job_limit(job) and (refused := cell_gpus(job)):
             self._gpu_caps[job.job_id] = min(self._gpu_caps.get(job.job_id, refused), refused) - 1
+            if not self.config.dry_run:
+                self.store.put_gpu_cap(job.job_id, self._gpu_caps[job.job_id])
         return launch_is_stale(job, self.store.entries(job.job_id), now_s, self.config.interval_s)

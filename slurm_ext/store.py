@@ -73,6 +73,7 @@ CREATE TABLE IF NOT EXISTS refit_observations (
     job_id INTEGER NOT NULL, plan TEXT NOT NULL, gpu_type TEXT NOT NULL,
     observation_json TEXT NOT NULL, seen_s REAL NOT NULL, PRIMARY KEY (job_id, plan));
 CREATE TABLE IF NOT EXISTS refit_times (gpu_type TEXT PRIMARY KEY, refit_s REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS gpu_caps (job_id INTEGER PRIMARY KEY, gpus INTEGER NOT NULL);
 """
 
 
@@ -260,15 +261,24 @@ class Store:
         """GPU type → when it was last refitted (Unix seconds)."""
         return dict(self._exec("SELECT gpu_type, refit_s FROM refit_times").fetchall())
 
+    def put_gpu_cap(self, job_id: int, gpus: int) -> None:
+        """The most GPUs a per-job limit of its account or QOS lets the job have."""
+        self._exec("INSERT OR REPLACE INTO gpu_caps VALUES (?, ?)", (job_id, gpus))
+
+    def gpu_caps(self) -> dict[int, int]:
+        """Job → the most GPUs Slurm lets it have (it refused more)."""
+        return dict(self._exec("SELECT job_id, gpus FROM gpu_caps").fetchall())
+
     # -- forgetting finished jobs --------------------------------------------------------
     def forget_jobs_except(self, active_job_ids: Iterable[int]) -> int:
-        """Drop specs, submit times and progress of jobs no longer active; returns rows dropped.
+        """Drop specs, submit times, progress and GPU caps of jobs no longer active; returns
+        rows dropped.
 
         Open journal entries are kept: recovery closes them.
         """
         keep = set(active_job_ids)
         dropped = 0
-        for table in ("specs", "submit_times", "progress", "progress_credits"):
+        for table in ("specs", "submit_times", "progress", "progress_credits", "gpu_caps"):
             ids = [r[0] for r in self._exec(f"SELECT job_id FROM {table}").fetchall() if r[0] not in keep]
             if ids:
                 self._many(f"DELETE FROM {table} WHERE job_id = ?", [(i,) for i in ids])

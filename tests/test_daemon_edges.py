@@ -440,6 +440,30 @@ def test_a_released_job_slurm_has_not_started_holds_the_nodes_its_release_requir
     assert second.required_nodes == ("a100-1",)
 
 
+def test_a_per_job_limit_learned_outlives_a_daemon_restart(tmp_path):
+    """The GPU count Slurm refused under a per-job limit is kept in the state file: a
+    restarted daemon deciding the job afresh does not offer the refused count again."""
+    clock = SimulatedClock(float(NOW))
+    nodes = [node(f"a100-{i}", "a100", 4) for i in range(1, 5)]
+    daemon, client = daemon_for(tmp_path, [held(80, NOW - 100)], nodes, clock=clock)
+    assert daemon.round().actions == (("start", 80),)
+    (first,) = [c[2] for c in client.calls if c[0] == "update" and c[1] == 80]
+    refused = plan_comment(first.admin_comment).cell_parts()[1]
+    assert refused == 8
+    client._jobs[80] = replace(client._jobs[80], reason="QOSMaxGRESPerJob", priority=100)
+    clock.advance_to(NOW + 60)
+    daemon.round()
+    daemon.store.close()
+    restarted = Daemon(daemon.config, client, Store(daemon.config.state_db), clock=clock, out=lambda line: None)
+    # Waited too long on its new Cell for some other reason: decided afresh after the restart.
+    client._jobs[80] = replace(client._jobs[80], reason="Priority")
+    clock.advance_to(NOW + 7200)
+    client.calls.clear()
+    assert restarted.round().actions == (("start", 80),)
+    (after,) = [c[2] for c in client.calls if c[0] == "update" and c[1] == 80]
+    assert plan_comment(after.admin_comment).cell_parts()[1] < refused
+
+
 def test_a_cell_over_a_per_job_limit_is_given_up_for_one_slurm_takes(tmp_path):
     """Released on 8 GPUs, the job meets its QOS's limit of GPUs per job: Slurm will never
     start it so, whatever frees up. It is decided afresh on fewer GPUs than were refused
