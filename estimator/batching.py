@@ -1,7 +1,15 @@
 """How a global batch splits: micro-batches (gradient accumulation, pipeline
 micro-batches) and the data parallelism a Cell's stages can use."""
 
+import math
+
 from estimator.cells import Cell
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n`` ≥ 1, ascending (found up to its square root)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def micro_batch_count(global_batch: int, target: int) -> int:
@@ -14,7 +22,7 @@ def micro_batch_count(global_batch: int, target: int) -> int:
 def more_micro_batches(global_batch: int, micro_batches: int) -> int | None:
     """The smallest count of at least twice as many micro-batches that divides the global
     batch (None: there is none)."""
-    return next((d for d in range(2 * micro_batches, global_batch + 1) if global_batch % d == 0), None)
+    return next((d for d in divisors(global_batch) if d >= 2 * micro_batches), None)
 
 
 def dp_cap(global_batch: int, cell: Cell) -> int:

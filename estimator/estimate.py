@@ -177,6 +177,15 @@ class _Context:
     fingerprint: str | None = None  # the model's, when the profile timed any layers
 
 
+def tp_problem(layers, tp: int) -> str:
+    """Why ``tp`` cannot split a stage of these layers ("" if it can): it must divide each
+    layer's heads, FFN width, vocabulary, experts or channels, as the runner shards them."""
+    bad = next((layer for layer in layers if layer.tp_split and layer.tp_split % tp), None)
+    if bad is None:
+        return ""
+    return f"tp {tp} does not divide the {bad.tp_split} that {bad.name} splits over tensor parallelism"
+
+
 def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan, compiled=None) -> StageCost:
     """Cost one stage: compute, tensor-parallel collectives, send to the next stage.
 
@@ -193,6 +202,8 @@ def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan, co
     if ctx.global_batch % (B * dp):
         reason = f"global batch {ctx.global_batch} does not split into {B} micro-batches × dp {dp}"
     elif (why := moe_shard_problem(model, int(micro))):
+        reason = why
+    elif (why := tp_problem(layers, tp)):
         reason = why
     passes = 3.0 + (1.0 if ctx.remat else 0.0)
     comm_passes = 2.0 + (1.0 if ctx.remat else 0.0)
@@ -229,10 +240,11 @@ def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan, co
         update_s = update_bytes / (gpu.memory_bandwidth_gbytes_s * 1e9 * ctx.eff.memory_frac)
     if memory.zero_level >= 3 and dp > 1:
         # ZeRO-3 gathers each layer's weights before its forward and backward (and its
-        # recompute): per micro-batch, an all-gather of the stage's weights per pass. The
-        # runner gathers in the forward and the recompute (its backward reuses those).
+        # recompute): per micro-batch, an all-gather of the stage's weights per pass, in
+        # the compute dtype (``job_scripts.zero3``). The runner gathers in the forward and
+        # the recompute (its backward reuses those).
         gpn = min(ctx.cell.gpus_per_node, ctx.cell.num_gpus)
-        t, src = collective_s(ctx, "all-gather", dp, span_nodes(first_device, dp, tp, gpn), replicated * wire,
+        t, src = collective_s(ctx, "all-gather", dp, span_nodes(first_device, dp, tp, gpn), replicated * d,
                               dp_groups_per_node(plan, gpn))
         sources.add(src)
         comm_s += (2.0 if memory.runner_zero3 else comm_passes) * t

@@ -260,7 +260,8 @@ def stage_memory(model: ModelSpec, layers: tuple[LayerSpec, ...], dp: int, tp: i
             (``StagePlan.ep``); ZeRO's dp sharding then applies to the other weights only.
     """
     replicated, experts = stage_params(layers, dp, tp, expert_parallel)
-    z, d = options.zero_level, float(DTYPE_BYTES[model.dtype])
+    # ZeRO splits over data parallelism: without it the runner runs ZeRO-0's program.
+    z, d = (options.zero_level if dp > 1 else 0), float(DTYPE_BYTES[model.dtype])
     pipeline = options.program == "runner" and in_flight > 1  # the runner's residual rows
     opt_b = OPTIMIZER_STATE_BYTES[model.optimizer]
 
@@ -329,7 +330,8 @@ def stage_memory(model: ModelSpec, layers: tuple[LayerSpec, ...], dp: int, tp: i
         # states). The pipeline runs its stages' updates there unless they are one
         # program (``estimate.pipeline_peak_gb``); the others' layer-by-layer update
         # always is.
-        flat_update = model.optimizer in ELEMENTWISE_OPTIMIZERS and not expert_parallel
+        # Offloaded, the update runs on the host: no optimizer temporaries on the GPU.
+        flat_update = model.optimizer in ELEMENTWISE_OPTIMIZERS and not expert_parallel and not options.offload
         extra = (grads if dp > 1 else 0.0) + (
             max(0.0, (replicated + experts) * WHOLE_UPDATE_BYTES[model.optimizer] - update) if flat_update else 0.0)
         if flat_update:

@@ -22,6 +22,7 @@ Model YAML (a transformer)::
     optimizer: adamw      # optional: adamw, adafactor, sgd
 """
 
+import math
 from dataclasses import dataclass, replace
 from functools import cached_property, lru_cache
 from pathlib import Path
@@ -64,6 +65,10 @@ class LayerSpec:
     # elements are its parallel work (thread blocks over output tiles), what fills the GPU;
     # its FLOPs per element (2·k²·c_in) set how long each takes (``compute.layer_time_s``).
     kernels: tuple[tuple[float, float], ...] = ()
+    # The greatest common divisor of the sizes tensor parallelism splits in this layer
+    # (heads, FFN width, vocabulary, experts, channels: ``jax_models.layer_param_specs``);
+    # a tp degree must divide it. 0: the layer splits nothing.
+    tp_split: int = 0
 
 
 @dataclass(frozen=True)
@@ -112,7 +117,7 @@ def _transformer_layer(i: int, s: int, h: int, a: int, ffn_ratio: int, d: int) -
     return LayerSpec(f"layer{i}", "transformer", params, flops, elementwise, shared + split,
                      shared, s * h * d, 2 * s * h * d,
                      residual_bytes=res_shared + res_split, residual_bytes_tp_shared=res_shared,
-                     input_bytes=s * h * d)
+                     input_bytes=s * h * d, tp_split=math.gcd(a, r * h))
 
 
 def _attention_residuals(s: int, h: int, a: int, d: int) -> tuple[float, float]:
@@ -153,7 +158,7 @@ def _moe_layer(i: int, s: int, h: int, a: int, experts: int, d: int) -> LayerSpe
     return LayerSpec(f"layer{i}", "moe", params, flops, elementwise, shared + split, shared,
                      s * h * d, 2 * s * h * d, alltoall, experts=experts, expert_params=expert_params,
                      residual_bytes=res_shared + res_split, residual_bytes_tp_shared=res_shared,
-                     input_bytes=s * h * d)
+                     input_bytes=s * h * d, tp_split=math.gcd(a, experts))
 
 
 def transformer_model(name: str, family: str, *, hidden: int, layers: int, heads: int,
@@ -166,7 +171,7 @@ def transformer_model(name: str, family: str, *, hidden: int, layers: int, heads
     embed = LayerSpec("embedding", "embedding", vocab * h + rows * h + 2 * h, 0.0,
                       4 * s * h * d, 2 * s * h * d, 2 * s * h * d, s * h * d, 0.0,
                       residual_bytes=(8 + 2 * d) * s * h, residual_bytes_tp_shared=(8 + 2 * d) * s * h,
-                      input_bytes=4 * s)  # int32 tokens
+                      input_bytes=4 * s, tp_split=vocab)  # int32 tokens
     blocks = []
     for i in range(layers):
         if experts and i % 2 == 0:
@@ -178,7 +183,7 @@ def transformer_model(name: str, family: str, *, hidden: int, layers: int, heads
     head = LayerSpec("head", "head", vocab * h + vocab, 2 * s * h * vocab,
                      2 * logits_bytes, logits_bytes + s * h * d, s * h * d, 4.0 * s, 0.0,
                      residual_bytes=s * h * d + 4.0 * s * vocab,
-                     residual_bytes_tp_shared=s * h * d, input_bytes=s * h * d)
+                     residual_bytes_tp_shared=s * h * d, input_bytes=s * h * d, tp_split=vocab)
     return ModelSpec(name, family, (embed, *blocks, head), dtype, optimizer, s, h, a,
                      MOE_GROUP_TOKENS if experts else 0)
 
@@ -194,7 +199,7 @@ def wide_resnet(name: str, base_channels: int, width: int, image: int = 224,
         return k * k * cin * cout + 2 * cout, 2.0 * hw * hw * k * k * cin * cout, float(hw * hw * cout), cout
 
     def layer(lname: str, kind: str, convs: list[tuple[int, float, float, int]], in_elems: float,
-              out_elems: float) -> LayerSpec:
+              out_elems: float, tp_split: int = 0) -> LayerSpec:
         params = sum(c[0] for c in convs)
         flops = sum(c[1] for c in convs)
         # Each conv keeps its output, the BN output and the ReLU mask; plus the input.
@@ -209,7 +214,8 @@ def wide_resnet(name: str, base_channels: int, width: int, image: int = 224,
         return LayerSpec(lname, kind, params, flops, moved, kept, in_elems * d, out_elems * d, tp_bytes,
                          batch_stat_syncs=len(convs), batch_stat_bytes=stat_bytes,
                          residual_bytes=residual, residual_bytes_tp_shared=in_elems * d,
-                         input_bytes=in_elems * d, kernels=tuple((c[1], c[2]) for c in convs))
+                         input_bytes=in_elems * d, kernels=tuple((c[1], c[2]) for c in convs),
+                         tp_split=tp_split)
 
     stem_conv = conv(image // 2, 7, 3, C)
     hw = image // 4  # after the 3x3/2 max-pool
@@ -223,12 +229,14 @@ def wide_resnet(name: str, base_channels: int, width: int, image: int = 224,
             convs = [conv(hw, 1, cin, f), conv(out_hw, 3, f, f * W), conv(out_hw, 1, f * W, 4 * f)]
             if b == 0:
                 convs.append(conv(out_hw, 1, cin, 4 * f))  # projection shortcut
-            layers.append(layer(f"block{stage}.{b}", "block", convs, hw * hw * cin, out_hw * out_hw * 4.0 * f))
+            # tp splits the block's bottleneck width f (and its 4f outputs).
+            layers.append(layer(f"block{stage}.{b}", "block", convs, hw * hw * cin, out_hw * out_hw * 4.0 * f, f))
             cin, hw = 4 * f, out_hw
     head_params = cin * classes + classes
     layers.append(LayerSpec("classifier", "classifier", head_params, 2.0 * cin * classes,
                             hw * hw * cin * d * 2, hw * hw * cin * d, 0.0, classes * d, classes * d,
-                            input_bytes=hw * hw * cin * d, kernels=((2.0 * cin * classes, float(classes)),)))
+                            input_bytes=hw * hw * cin * d, kernels=((2.0 * cin * classes, float(classes)),),
+                            tp_split=classes))
     return ModelSpec(name, "wide_resnet", tuple(layers), "fp32", "sgd")
 
 

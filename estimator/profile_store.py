@@ -183,7 +183,7 @@ LATER_LAYER_FIELDS = ("experts", "expert_params")
 RUNNER_MEMORY_FIELDS = ("residual_bytes", "residual_bytes_tp_shared", "input_bytes")
 # Fields derived from a layer's shape for the cost model, added later: left out too (the
 # shape is in the other fields), so a store profiled before still matches.
-COST_MODEL_FIELDS = ("kernels",)
+COST_MODEL_FIELDS = ("kernels", "tp_split")
 
 
 def model_fingerprint(model) -> str:

@@ -8,6 +8,7 @@ compile-friendly CPU flags of compile workers (small programs compile 2-3x faste
 import math
 import multiprocessing
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -212,3 +213,22 @@ def test_optimizer_updates_follow_their_formulas():
     assert bool(jnp.isfinite(new["w"]).all()) and bool(jnp.isfinite(new["b"]).all())
     assert jnp.allclose(new["w"][0], p["w"][0])  # no gradient, no move
     assert float(new["w"][1, 0]) < float(p["w"][1, 0]) < float(new["w"][1, 1]) + 1.0
+
+
+def test_the_estimator_refuses_exactly_the_tp_degrees_the_runner_cannot_shard():
+    """``estimate.tp_problem`` (from ``LayerSpec.tp_split``) agrees with the runner's own
+    shapes, layer by layer: a plan the estimator calls feasible is one the runner can run
+    (charlm's 4 heads at tp 8 were estimated, then refused by the runner)."""
+    from estimator import jax_models as jm
+    from estimator.estimate import tp_problem
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    specs = list(BUILTIN_MODELS.values()) + [load_model(str(p)) for p in examples.glob("*/model.yaml")]
+    assert any(tp_problem(s.layers, 8) for s in specs) and any(not tp_problem(s.layers, 8) for s in specs)
+    for spec in specs:
+        arch = jm.arch_from_model(spec)
+        for i, layer in enumerate(spec.layers):
+            shapes, specs_of = jm.layer_param_shapes(arch, i), jm.layer_param_specs(arch, i)
+            for tp in (2, 3, 4, 8, 16, 32, 64):
+                runner_ok = all(shapes[name].shape[dim] % tp == 0 for name, spec_p in specs_of.items()
+                                for dim, axis in enumerate(spec_p) if axis == "tp")
+                assert runner_ok == (not tp_problem((layer,), tp)), (spec.name, i, tp)

@@ -81,3 +81,10 @@ def test_layer_classes_group_layers_that_differ_only_by_name():
         assert moe.layers[k].flops_fwd == moe.layers[i].flops_fwd and moe.layers[k].kind == moe.layers[i].kind
     wrn = BUILTIN_MODELS["wide_resnet-500m"]  # a stage's first block (projection, stride) differs
     assert len(set(wrn.layer_classes)) < wrn.num_layers and wrn.layer_classes[1] != wrn.layer_classes[2]
+
+
+def test_divisors_are_every_divisor_in_order():
+    from estimator.batching import divisors, more_micro_batches
+    assert all(divisors(n) == [d for d in range(1, n + 1) if n % d == 0] for n in range(1, 500))
+    assert more_micro_batches(16_777_213, 1) == 16_777_213  # a large prime: found by its root
+    assert more_micro_batches(96, 4) == 8 and more_micro_batches(97, 4) == 97

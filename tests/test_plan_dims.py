@@ -298,3 +298,53 @@ def test_the_runners_zero_collectives_per_micro_batch_count_at_compiled_fidelity
     analytic = gradient_sync_s(ctx, plan, 0, 3e9, None, set())
     compiled_stage = object()  # not read: nothing of it is the runner's ZeRO collectives
     assert gradient_sync_s(ctx, plan, 0, 3e9, compiled_stage, set()) == analytic > 0
+
+
+def test_zero_without_data_parallelism_holds_what_zero0_holds():
+    """ZeRO splits over data parallelism: on one GPU the runner runs ZeRO-0's program, so
+    every level has ZeRO-0's peak (ZeRO-1 had 5.5 GB more of chunk copies, ZeRO-2 its whole
+    update, and a ZeRO-2 request was escalated to ZeRO-3)."""
+    job, cell = JobSpec("gpt-1.3b", 8), Cell("a100", 1, 1, 1)
+    e = {z: estimate_cell(job, cell, CRIUS, EstimateOptions(memory=MemoryOptions(zero_level=z),
+                                                            runnable_only=False)) for z in (0, 1, 2, 3)}
+    assert all(x.feasible for x in e.values())
+    assert [x.peak_memory_gb for x in e.values()] == [e[0].peak_memory_gb] * 4
+    assert e[2].zero_level == 2
+
+
+def test_an_offloaded_update_holds_no_optimizer_temporaries_on_the_gpu():
+    """Offloaded, the update runs on the host: stages split differently (each in its own
+    branch) hold no more than stages split alike (the branch was charged AdamW's whole
+    update on the GPU: 11.2 GB against 5.0)."""
+    from estimator.cells import StagePlan
+    from estimator.estimate import partition_stages, score_plan
+    from estimator.models import load_model
+    cell = Cell("a100", 8, 4, 2)
+    (a, b), (c, d) = partition_stages(load_model("gpt-1.3b"), cell)
+    options = EstimateOptions(memory=MemoryOptions(zero_level=2, offload=True), runnable_only=False)
+    alike = score_plan(JobSpec("gpt-1.3b", 64), cell, CRIUS, (StagePlan(a, b, 4, 1), StagePlan(c, d, 4, 1)),
+                       8, True, options)
+    unlike = score_plan(JobSpec("gpt-1.3b", 64), cell, CRIUS, (StagePlan(a, b, 4, 1), StagePlan(c, d, 2, 2)),
+                        8, True, options)
+    assert unlike.peak_memory_gb < 1.25 * alike.peak_memory_gb
+
+
+def test_zero3_gathers_weights_in_the_compute_dtype(monkeypatch):
+    """The runner gathers each layer's weights cast to the compute dtype
+    (``job_scripts.zero3``): an fp16 model's all-gathers move 2 bytes a parameter, not 4."""
+    from estimator import estimate as est_mod
+    from estimator.cells import StagePlan
+    from estimator.models import load_model
+    seen = []
+    real = est_mod.collective_s
+
+    def spy(ctx, op, n, nodes, nbytes, *args):
+        seen.append((op, nbytes))
+        return real(ctx, op, n, nodes, nbytes, *args)
+    monkeypatch.setattr(est_mod, "collective_s", spy)
+    model = load_model("gpt-760m")
+    options = EstimateOptions(memory=MemoryOptions(zero_level=3))
+    est_mod.score_plan(JobSpec("gpt-760m", 16), Cell("a100", 4, 4, 1), CRIUS,
+                       (StagePlan(0, model.num_layers, 4, 1),), 4, True, options)
+    gathers = [b for op, b in seen if op == "all-gather"]
+    assert gathers and gathers[0] == pytest.approx(model.params * 2, rel=1e-9)
