@@ -2,6 +2,7 @@
 micro-batches) and the data parallelism a Cell's stages can use."""
 
 import math
+from collections.abc import Callable
 
 from estimator.cells import Cell
 
@@ -12,11 +13,18 @@ def divisors(n: int) -> list[int]:
     return small + [n // d for d in reversed(small) if d * d != n]
 
 
-def micro_batch_count(global_batch: int, target: int) -> int:
+def micro_batch_count(global_batch: int, target: int, fits: Callable[[int], bool] | None = None) -> int:
     """The largest micro-batch count of at most ``target`` that divides the global batch:
     the target itself for a global batch of 64 and 4 × stages, 3 for 6 samples and one
-    stage, 1 for one sample."""
-    return max(d for d in range(1, min(target, global_batch) + 1) if global_batch % d == 0)
+    stage, 1 for one sample. With ``fits`` (samples per micro-batch → whether they can
+    run, e.g. as whole MoE expert groups): the largest such count whose micro-batch fits,
+    else the smallest larger one, else the largest."""
+    counts = divisors(global_batch)
+    below = [d for d in counts if d <= target]
+    if fits is None:
+        return below[-1]
+    return next((d for d in reversed(below) if fits(global_batch // d)), None) or \
+        next((d for d in counts if d > target and fits(global_batch // d)), below[-1])
 
 
 def more_micro_batches(global_batch: int, micro_batches: int) -> int | None:

@@ -367,8 +367,8 @@ def _context(job: JobSpec, cell: Cell, cluster: ClusterSpec, options: EstimateOp
     model = load_model(job.model)
     group = cluster.group(cell.gpu_type, cell.gpus_per_node)
     gpu = _gpu_type(cell.gpu_type)
-    B = micro_batches or options.micro_batches or \
-        micro_batch_count(replica_batch(job.global_batch, cell), 4 * cell.num_stages)
+    B = micro_batches or options.micro_batches or micro_batch_count(
+        replica_batch(job.global_batch, cell), 4 * cell.num_stages, lambda n: not moe_shard_problem(model, n))
     table, eff = load_comm_table(options.comm_table), efficiency(gpu, options.efficiency)
     profile, eff_source = None, "analytic"
     if options.profile_db:

@@ -36,8 +36,8 @@ from estimator.batching import micro_batch_count
 from estimator.cells import Cell, StagePlan
 from estimator.cluster import ClusterSpec
 from estimator.errors import SpecError
-from estimator.estimate import (EstimateOptions, PlanScore, estimate_cell, expert_parallel_fits, partition_stages,
-                                score_plan)
+from estimator.estimate import (EstimateOptions, PlanScore, estimate_cell, expert_parallel_fits, moe_shard_problem,
+                                partition_stages, score_plan)
 from estimator.jobs import JobSpec
 from estimator.models import ModelSpec, load_model
 from estimator.partition import stage_gpu_counts
@@ -159,9 +159,13 @@ def pruned_splits(num_gpus: int, favoured: str) -> tuple[tuple[int, int], ...]:
     return tuple(s for s in stage_splits(num_gpus) if s[0] <= root or s in near)
 
 
-def micro_batch_choices(cell: Cell, global_batch: int, factors: tuple[int, ...]) -> tuple[int, ...]:
-    """Stages × each factor, or the largest count below it that divides the global batch."""
-    return tuple(sorted({micro_batch_count(global_batch, cell.num_stages * f) for f in factors}))
+def micro_batch_choices(cell: Cell, global_batch: int, factors: tuple[int, ...],
+                        model: ModelSpec | None = None) -> tuple[int, ...]:
+    """Stages × each factor, or the largest count below it that divides the global batch
+    (with ``model``, one whose micro-batch its MoE layers can route without data
+    parallelism: ``batching.micro_batch_count``)."""
+    fits = None if model is None else (lambda n: not moe_shard_problem(model, n))
+    return tuple(sorted({micro_batch_count(global_batch, cell.num_stages * f, fits) for f in factors}))
 
 
 def candidate_partitions(base: tuple[tuple[int, int], ...], num_layers: int,
@@ -239,7 +243,7 @@ def tune(job: JobSpec, cell: Cell, cluster: ClusterSpec, options: TuneOptions = 
     est_opts = options.estimate
     base = partition_stages(model, cell, est_opts)
     partitions = candidate_partitions(base, model.num_layers, options.partition_radius)
-    mbs = micro_batch_choices(cell, job.global_batch, options.micro_batch_factors)
+    mbs = micro_batch_choices(cell, job.global_batch, options.micro_batch_factors, model)
     if not mbs:
         raise SpecError("global_batch", job.global_batch, f"needs at least {cell.num_stages} samples")
     scorer = _Scorer(job, cell, cluster, est_opts)

@@ -150,7 +150,8 @@ class PlanSpace:
                 continue
             self.cells[stages] = cell
             self.defaults[stages] = partition_stages(req.model_spec, cell)
-            self.mbs[stages] = micro_batch_choices(cell, req.global_batch, TuneOptions().micro_batch_factors)
+            self.mbs[stages] = micro_batch_choices(cell, req.global_batch, TuneOptions().micro_batch_factors,
+                                                    req.model_spec)
             ranked.extend((p.score.iteration_time_s, p.candidate) for p in result.ranked if p.score.feasible)
         # Each structure once, with the micro-batches and remat of its best estimate.
         self.structures: list[tuple] = []

@@ -348,3 +348,21 @@ def test_zero3_gathers_weights_in_the_compute_dtype(monkeypatch):
                        (StagePlan(0, model.num_layers, 4, 1),), 4, True, options)
     gathers = [b for op, b in seen if op == "all-gather"]
     assert gathers and gathers[0] == pytest.approx(model.params * 2, rel=1e-9)
+
+
+@pytest.mark.parametrize("global_batch", [7, 25, 97])
+def test_moe_batches_with_odd_factors_get_micro_batches_their_experts_can_route(global_batch):
+    """A MoE micro-batch shard must hold whole expert groups or fewer tokens than one: the
+    micro-batch count is chosen so (97 samples in one micro-batch are 99,328 tokens, not
+    whole groups of 2,048, and no Cell fitted)."""
+    from estimator.estimate import moe_shard_problem
+    from estimator.models import load_model
+    from estimator.tuner import micro_batch_choices
+    model = load_model("moe-690m")
+    est = estimate_job(JobSpec("moe-690m", global_batch, num_gpus=4), CRIUS, gpu_types=("a100",))
+    feasible = [c for c in est.cells if c.feasible]
+    assert feasible
+    for c in feasible:
+        assert all(not moe_shard_problem(model, global_batch // c.micro_batches // s.dp) for s in c.stages)
+    choices = micro_batch_choices(Cell("a100", 4, 4, 1), global_batch, (1, 2, 4), model)
+    assert choices and all(not moe_shard_problem(model, global_batch // b) for b in choices)
