@@ -473,7 +473,8 @@ def estimate_cell(job: JobSpec, cell: Cell, cluster: ClusterSpec,
     ZeRO-Offload (``memory_alternatives``): the first that fits is returned when the runner
     can run it or ``options.runnable_only`` is False; otherwise the Cell stays infeasible
     with its own figures and its reason says what would fit, how fast, with how much GPU
-    and host memory.
+    and host memory. A Cell that fits on narrower data parallelism than its batch allows is
+    tried under ZeRO 1–3 too, and the fastest kept (``_faster_split``).
     """
     remats = (False, True) if options.remat is None else (bool(options.remat),)
     best = None
@@ -481,7 +482,9 @@ def estimate_cell(job: JobSpec, cell: Cell, cluster: ClusterSpec,
         est = _with_accumulation(job, cell, cluster, replace(options, remat=remat))
         if best is None or _better(est, best):
             best = est
-    if best.feasible or not best.stages or "GB" not in best.reason:
+    if best.feasible:
+        return _faster_split(job, cell, cluster, options, best)
+    if not best.stages or "GB" not in best.reason:
         return best
     for memory in memory_alternatives(options.memory):
         alt_opts = replace(options, memory=memory, remat=True if options.remat is None else options.remat)
@@ -495,6 +498,30 @@ def estimate_cell(job: JobSpec, cell: Cell, cluster: ClusterSpec,
                                     f"({alt.iteration_time_s:.3g} s/iteration, {alt.peak_memory_gb:.1f} GB "
                                     f"per GPU, {alt.host_memory_gb:.0f} GB host memory per GPU), which the "
                                     "runner cannot run yet")
+    return best
+
+
+def _faster_split(job: JobSpec, cell: Cell, cluster: ClusterSpec, options: EstimateOptions,
+                  best: CellEstimate) -> CellEstimate:
+    """A feasible estimate whose stages use less data parallelism than the batch allows
+    (tensor parallelism where the wider split did not fit, or was slower) against the same
+    Cell under ZeRO 1–3: splitting the states may let the faster split fit (more memory
+    must never make a Cell slower). The fastest runnable one is kept; the levels stop at
+    the first whose stages all take the widest split (more only adds communication)."""
+    cap = dp_cap(job.global_batch, cell)
+
+    def widest(e: CellEstimate) -> bool:
+        return all(s.dp >= min(s.num_gpus, cap) for s in e.stages)
+    if options.plan_space != "cell" or widest(best):
+        return best
+    for memory in memory_alternatives(options.memory):
+        if memory.offload:
+            continue
+        alt = _with_accumulation(job, cell, cluster, replace(options, memory=memory, remat=best.remat))
+        if alt.feasible and (alt.runnable or not options.runnable_only):
+            best = alt if _better(alt, best) else best
+            if widest(alt):
+                break
     return best
 
 
@@ -615,7 +642,7 @@ def _choose_variants(per_stage_costs: list[list[StageCost]], micro_batches: int,
     """One variant per stage: of two assemblies — each stage's fastest micro-batch, and
     each stage's least time as the pipeline's slowest stage (B micro-batches plus its
     gradient sync and update) — the faster pipeline. A stage with no feasible variant
-    takes its smallest. When that pipeline does not ``fit`` as a whole (the runner pads
+    takes its smallest (of those short only of memory, if any). When that pipeline does not ``fit`` as a whole (the runner pads
     every stage's buffers to the largest stage's, so mixing a stage with large weights
     and one with large activations can overflow where either fits), the fastest that fits
     of the assemblies taking the same variant in every stage and each stage's smallest.
@@ -625,7 +652,9 @@ def _choose_variants(per_stage_costs: list[list[StageCost]], micro_batches: int,
         out = []
         for costs in per_stage_costs:
             ok = [c for c in costs if c.feasible]
-            out.append(min(ok, key=key) if ok else min(costs, key=lambda c: c.peak_gb))
+            # No variant fits: the smallest of those short only of memory (more micro-batches
+            # or ZeRO may fit it), else the smallest.
+            out.append(min(ok, key=key) if ok else min(costs, key=lambda c: ("GB" not in c.reason, c.peak_gb)))
         return tuple(out)
 
     def time_s(costs) -> float:

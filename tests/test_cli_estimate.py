@@ -126,7 +126,7 @@ def test_plan_dimension_flags_reach_the_plan_and_the_memory(capsys):
         return {" ".join(c["plan"].split()[:3]): c for c in json.loads(out)["cells"] if c["feasible"]}
 
     base, no_remat = cells(), cells("--remat", "off")
-    assert base and all(c["plan"].endswith("remat=1") and c["runnable"] for c in base.values())
+    assert base and all("remat=1" in c["plan"].split() and c["runnable"] for c in base.values())
     # Without remat some Cells fit only with AdamW's states split over dp (ZeRO-1), which
     # the runner runs.
     assert no_remat and all("remat=0" in c["plan"].split() and c["runnable"] for c in no_remat.values())

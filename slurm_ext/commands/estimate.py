@@ -174,7 +174,8 @@ def _check_micro_batches(micro_batches: int | None, global_batch: int) -> None:
               help="ZeRO stage: 0 replicated states, 1 optimizer states sharded over dp, 2 also gradients, "
                    "3 also weights. The runner runs 0, and 1 to 3 for AdamW and SGD outside --expert-parallel "
                    "stages, 2 and 3 where every stage is split alike, 3 under remat (each Cell's \"runnable\" "
-                   "says). With 0, a Cell that fits only with ZeRO-1, 2 or 3 is estimated with it.")
+                   "says). A level is the least tried: a Cell that fits only with a higher one, or whose wider "
+                   "data-parallel split fits only with one and is faster, is estimated with it.")
 @click.option("--offload", is_flag=True,
               help="ZeRO-Offload: optimizer states and the update on the host (its memory and PCIe are in the "
                    "estimate, host_memory_gb per GPU). Estimated only; the runner does not run it.")
