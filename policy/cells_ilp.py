@@ -322,10 +322,12 @@ class CellsIlpPolicy:
         if self.config.deadlines and job.deadline_s is not None and candidates:
             meets = [x for x in candidates
                      if snapshot.now_s + (0.0 if x[4] else snapshot.restart_cost_s) + x[3] <= job.deadline_s]
-            if meets:
-                candidates = meets
-            else:
+            if not meets:
                 note = "cannot meet its deadline on any Cell; runs best effort"
+            elif not idle:
+                # Its own Cell stays a choice: the job is not suspended for a deadline
+                # nobody else's GPUs would help it meet (backfill offers every Cell).
+                candidates = meets + [x for x in candidates if x[4] and x not in meets]
         # Waiting is worth 0 to a pending job. A running job on a Cell worth less than that
         # (a slow Cell it was given because nothing else used it) is not suspended for
         # nothing: suspending it is worth a restart less than staying, so it only

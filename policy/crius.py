@@ -187,11 +187,16 @@ class _Round:
         return value
 
     def _candidates(self, job: JobView) -> tuple[CellEstimate, ...]:
-        """The job's feasible Cells (deadline-meeting in crius-ddl), fastest first."""
+        """The job's feasible Cells (deadline-meeting in crius-ddl), fastest first. A first
+        start is not charged a restart (its launch is not a checkpoint and resume); a job
+        that has run is never dropped: with no Cell meeting its deadline, it runs best
+        effort on any."""
         every = self.tables[job.job_id].fastest
         if not self.p.deadline_aware or job.deadline_s is None:
             return every
-        return tuple(e for e in every if self._meets_deadline(job, e))
+        ran = _has_run(job)
+        meets = tuple(e for e in every if self._meets_deadline(job, e, restart=ran))
+        return meets if meets or not ran else every
 
     # ---- the round ----------------------------------------------------------------------
 
@@ -278,7 +283,9 @@ class _Round:
     def _start_by_reclaiming(self, job: JobView, cands) -> bool:
         """Opportunistic execution: later jobs running on GPUs this job waits for yield."""
         rank = self.rank[job.job_id]  # the few running jobs, not all queued ones, in order
-        later = sorted((i for i in self.assign.holding if self.rank[i] > rank and i not in self.dropped),
+        # A job admitted for its deadline does not yield: suspended, it could miss it.
+        later = sorted((i for i in self.assign.holding if self.rank[i] > rank and i not in self.dropped
+                        and not (self.p.deadline_aware and self.jobs[i].deadline_s is not None)),
                        key=self.rank.__getitem__)
         if not later:
             return False
@@ -509,3 +516,8 @@ class _Round:
                     break
             else:
                 self.free.take(a.placement)
+
+
+def _has_run(job: JobView) -> bool:
+    """The job has started before (it runs, made progress, or was restarted)."""
+    return job.assignment is not None or job.iterations_done > 0 or job.restarts > 0

@@ -173,11 +173,12 @@ def _records(path: Path) -> tuple[TraceRecord, ...]:
             except (TypeError, ValueError):
                 raise SpecError(f"{path.name} line {line}", dict(row),
                                 "submit_time_s, duration_s and num_gpus must be numbers") from None
+            # A job that ended at once (duration 0) or asked for no GPU is still an arrival:
+            # the mapping draws its own GPU count and gives it at least one iteration.
             if not (math.isfinite(rec.submit_time_s) and rec.submit_time_s >= 0
-                    and math.isfinite(rec.duration_s) and rec.duration_s > 0 and rec.num_gpus >= 1):
+                    and math.isfinite(rec.duration_s) and rec.duration_s >= 0 and rec.num_gpus >= 0):
                 raise SpecError(f"{path.name} line {line}", dict(row),
-                                "submit_time_s must be finite and ≥ 0, duration_s finite and > 0, "
-                                "num_gpus ≥ 1")
+                                "submit_time_s and duration_s must be finite and ≥ 0, num_gpus ≥ 0")
             if rec.job_id in first_line:
                 raise SpecError(f"{path.name} line {line}", rec.job_id,
                                 f"job_id already given on line {first_line[rec.job_id]}; each job needs its own id")

@@ -252,6 +252,16 @@ def test_simulate_says_which_trace_mapping_it_took_and_takes_the_one_asked_for(c
     assert code == 0 and report["trace_kind"] == "philly" and report["policies"]["fcfs"]["jobs"] == 1
 
 
+def test_simulate_refuses_rounds_shorter_than_a_second(capsys, tmp_path):
+    """A round of 1e-12 s never let the replay advance (it ran until killed, printing nothing)."""
+    trace = tmp_path / "t.csv"
+    trace.write_text("job_id,submit_time_s,duration_s,num_gpus,gpu_type,status\na,0,100,2,,\n")
+    for value in ("1e-12", "0.5", "0", "nan"):
+        code, out, err = run(capsys, "simulate", "--trace", str(trace), "--cluster", "crius-1280",
+                             "--policy", "fcfs", "--round-s", value)
+        assert code == 2 and "round_s" in err and "at least 1 s" in err and len(err.strip().splitlines()) == 1
+
+
 def test_simulate_checks_its_outputs_before_it_simulates(capsys, tmp_path):
     trace = tmp_path / "t.csv"
     trace.write_text("job_id,submit_time_s,duration_s,num_gpus,gpu_type,status\na,0,100,2,,\n")

@@ -256,6 +256,30 @@ def test_crius_ddl_refuses_a_job_that_cannot_meet_its_deadline():
     assert cell_of(d, "late") == ("a100", 4) and cell_of(d, "ok") == ("a100", 4)
 
 
+def test_crius_ddl_charges_a_first_start_no_restart_and_never_drops_a_job_that_ran():
+    """A new job whose run fits its deadline with less slack than a restart costs is
+    started (it was dropped, though its first start is no checkpoint and resume); a job
+    that has run and can no longer meet its deadline runs best effort, not dropped with
+    its progress."""
+    fresh = job("fresh", {("a100", 4): 64.0}, gpus=4, deadline=1100.0)  # 1000 s of work
+    s = snap([a100(1)], [fresh], now=0.0, restart_cost_s=210.0)
+    assert cell_of(run(CriusDdlPolicy(), s), "fresh") == ("a100", 4)
+    ran = job("ran", {("a100", 4): 64.0}, gpus=4, deadline=700.0, done=100.0)  # 900 s left
+    d = run(CriusDdlPolicy(), snap([a100(1)], [ran], now=0.0, restart_cost_s=210.0))
+    assert cell_of(d, "ran") == ("a100", 4) and "ran" not in d.policy_state.dropped
+
+
+def test_crius_ddl_does_not_make_a_job_admitted_for_its_deadline_yield():
+    """Opportunistic reclaim suspended later jobs without their deadlines in view: one
+    admitted for its deadline was suspended 14 s from its end and then dropped."""
+    head = job("head", {("a100", 4): 64.0}, gpus=4)
+    later = job("later", {("a100", 4): 64.0}, gpus=4, submit=1.0, deadline=1500.0, done=900.0,
+                running=("a100", 4, (("a100-1", 4),)))
+    s = snap([a100(1)], [head, later], now=10.0, trigger=TRIGGER_ROUND)
+    assert cell_of(run(CriusDdlPolicy(), s), "later") == ("a100", 4)
+    assert cell_of(run(CriusPolicy(), s), "later") is None  # plain crius reclaims for its head
+
+
 def test_crius_ddl_picks_a_cell_that_meets_the_deadline_over_a_faster_one_that_does_not_fit():
     j = job("j", {("a100", 2): 64.0, ("a100", 4): 128.0, ("a100", 1): 16.0}, gpus=2, deadline=1200.0)
     s = snap([a100(1, unmanaged=2)], [j], now=0.0)

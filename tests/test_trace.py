@@ -163,3 +163,17 @@ def test_real_trace_maps_every_record(table):
     jobs = map_trace(recs, table, seed=0, kind=trace_kind_for("pai_1day_synthetic_sizes.csv"))
     assert len(jobs) == len(recs)
     assert [j.submit_time_s for j in jobs] == sorted(j.submit_time_s for j in jobs)
+
+
+def test_a_record_of_no_duration_or_no_gpu_is_an_arrival_not_an_error(tmp_path, table):
+    """One zero-duration record ended the whole replay with an error; the mapping draws its
+    own GPU count and gives every job at least one iteration. A negative duration is still
+    refused."""
+    trace = tmp_path / "t.csv"
+    trace.write_text("job_id,submit_time_s,duration_s,num_gpus\nj1,100,0,4\nj2,200,50,0\nj3,300,60,1\n")
+    jobs = map_trace(read_trace(trace), table, seed=0)
+    assert [j.job_id for j in jobs] == ["j1", "j2", "j3"] and all(j.iterations >= 1 for j in jobs)
+    bad = tmp_path / "bad.csv"
+    bad.write_text("job_id,submit_time_s,duration_s,num_gpus\nj1,100,-1,4\n")
+    with pytest.raises(SpecError, match="line 2"):
+        read_trace(bad)

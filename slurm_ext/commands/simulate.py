@@ -22,6 +22,8 @@ from slurm_ext.commands import check_writable
 
 log = logging.getLogger(__name__)
 
+MIN_ROUND_S = 1.0  # a round is a policy decision: sub-second ones only slow the replay down
+
 
 class _Progress:
     """A one-line progress bar on stderr (a line every 30 s when stderr is not a terminal)."""
@@ -133,8 +135,9 @@ def command(trace_path, cluster_name, policies, trace_kind, seed, density, oracl
     from policy.simulator import EstimateCache, SimConfig, SimulationError, simulate, start_costs
     from policy.trace import TRACE_KINDS, map_trace, offered_load, read_trace, trace_kind_for
 
-    if not math.isfinite(round_s) or round_s <= 0:
-        raise SpecError("round_s", round_s, "give a positive number of seconds")
+    if not math.isfinite(round_s) or round_s < MIN_ROUND_S:
+        raise SpecError("round_s", round_s, f"give at least {MIN_ROUND_S:g} s (shorter rounds only make the "
+                                            "replay take longer)")
     if forecast_every < 0:
         raise SpecError("forecast_every", forecast_every, "give 0 (no forecasts) or a positive job count")
     names = list(dict.fromkeys(p.strip().lower() for p in policies))
