@@ -51,7 +51,7 @@ TAIL_KEYS = ("why", "error")
 # The plan string's tokens: what the runner reads from the AdminComment.
 PLAN_KEYS = ("cell", "plan", "mb", "remat", "layers", "zero", "offload")
 # Where a plan that runs came from when it is not the daemon's (the ``src`` token).
-PLAN_SOURCES = ("tuned", "cached", "given")
+PLAN_SOURCES = ("tuned", "cached", "given", "estimated")  # estimated: ranked first, not measured
 # The runner's report says ADMIN_COMMENT_PLAN when it runs the AdminComment's plan as is.
 ADMIN_COMMENT_PLAN = "AdminComment"
 RUNNER_PLAN_SOURCES = (ADMIN_COMMENT_PLAN, *PLAN_SOURCES)

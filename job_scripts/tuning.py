@@ -194,7 +194,7 @@ def best_estimated(req: TuneRequest) -> str:
 
 def untuned(req: TuneRequest) -> Tuned:
     """The plan without measuring: the starting (AdminComment's) plan, else the best estimated."""
-    return Tuned(req.start, None, ADMIN_COMMENT_PLAN) if req.start else Tuned(best_estimated(req), None, "tuned")
+    return Tuned(req.start, None, ADMIN_COMMENT_PLAN) if req.start else Tuned(best_estimated(req), None, "estimated")
 
 
 STRUCTURES = 6  # structures measured at the starting micro-batch count

@@ -97,6 +97,8 @@ def check_power_of_two_gpus(count: int, what: str, advice: str) -> None:
     """A Cell's stages each run on a power-of-two GPU count, so its count is one too: any
     other count has no Cell. Raises ElasticSpecError; ``advice`` is formatted with the
     powers of two on either side (``below``, ``above``)."""
+    if count > MAX_GPUS:
+        raise ElasticSpecError("gpus", str(count), f"{what}; give at most {MAX_GPUS}")
     if count & (count - 1):
         below = 1 << (count.bit_length() - 1)
         raise ElasticSpecError("gpus", str(count), f"{what}; Cells run on power-of-two GPU counts (each pipeline "

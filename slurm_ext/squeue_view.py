@@ -31,7 +31,7 @@ otherwise), ``gpu_type`` (str or null), ``nodes`` (int), ``elastic`` (bool), ``c
 (str or null), ``plan`` (str or null), ``micro_batches`` (int or null),
 ``samples_per_s`` (float or null: ``sps``, measured or estimated), ``requested`` (str or
 null), ``why`` (str), ``spec_error`` (str or null), ``plan_source`` (``daemon``, ``tuned``,
-``cached``, ``given``, or null when there is no plan), ``measured_samples_per_s``
+``cached``, ``given``, ``estimated``, or null when there is no plan), ``measured_samples_per_s``
 (float, or null unless ``sps`` was measured), ``expected_start`` and ``expected_end``
 (ISO 8601 UTC or null: a running job's start is Slurm's, a waiting elastic job's the
 daemon's forecast, ``start=``; the end is the forecast, ``end=``) and ``progress_frac``
@@ -52,7 +52,8 @@ from slurm_ext.slurm_client import SlurmJob
 DAEMON_PLAN = "daemon"  # plan_source in the view when no ``src`` token says otherwise
 _SOURCE_NOTES = {"tuned": "plan tuned in this allocation",
                  "cached": "plan tuned in an earlier run on this Cell",
-                 "given": "plan given by the user"}
+                 "given": "plan given by the user",
+                 "estimated": "plan the estimate ranks first, not measured"}
 
 
 def plan_label(stages: Sequence[StagePlan]) -> str:

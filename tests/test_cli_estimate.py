@@ -214,6 +214,9 @@ def test_batch_errors_name_the_input_line_and_check_what_one_request_would(capsy
 def test_a_gpu_count_with_no_cell_is_an_error_or_says_why(capsys):
     code, out, err = run(capsys, "estimate", "--model", "gpt-1.3b", "--global-batch", "8", "--gpus", "6")
     assert code == 2 and out == "" and "gpus='6': not a power of two" in err and "ask for 4 or 8" in err
+    # Past the largest count no power of two above is offered (131072 was, then refused).
+    code, out, err = run(capsys, "estimate", "--model", "gpt-1.3b", "--global-batch", "8", "--gpus", "100000")
+    assert code == 2 and "give at most 65536" in err and "131072" not in err
     code, out, err = run(capsys, "estimate", "--model", "gpt-760m", "--global-batch", "8", "--gpus", "1024")
     assert code == 0 and "the cluster has no GPU type with that many GPUs" in out and "try more GPUs" not in out
 
@@ -231,7 +234,7 @@ def test_batch_lines_take_the_flags_where_they_lack_the_key(capsys, monkeypatch)
 
 
 @pytest.mark.parametrize("row, field", [("a,nan,100,2,,", "submit_time_s"), ("a,0,inf,2,,", "duration_s"),
-                                        ("a,0,100,0,,", "num_gpus")])
+                                        ("a,0,100,-1,,", "num_gpus")])
 def test_simulate_refuses_a_trace_row_it_cannot_replay(capsys, tmp_path, row, field):
     trace = tmp_path / "t.csv"
     trace.write_text("job_id,submit_time_s,duration_s,num_gpus,gpu_type,status\n" + row + "\n")

@@ -137,6 +137,14 @@ def test_tune_cli_errors_are_one_line_with_exit_2():
                          "h100", "--gpus", "8", "--cluster", "crius-1280"])
     assert rc == 2 and out == ""
     assert err.count("\n") == 1 and "h100" in err
+    # More GPUs than the cluster has of the type (it tuned a 512-GPU Cell of 320 a100s, or
+    # ran for minutes without a word), and micro-batches that do not divide the batch (a
+    # worse plan came back without one).
+    for flags, word in ((["--gpus", "512", "--stages", "1"], "crius-1280 has 320 a100 GPUs"),
+                        (["--gpus", "8", "--micro-batches", "3"], "must divide the global batch 64")):
+        rc, out, err = _cli(["tune", "--model", "gpt-1.3b", "--global-batch", "64", "--gpu-type", "a100",
+                             "--cluster", "crius-1280", *flags])
+        assert rc == 2 and out == "" and err.count("\n") == 1 and word in err
 
 
 # --------------------------------------------------------------------------- running plans

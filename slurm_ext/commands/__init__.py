@@ -21,3 +21,10 @@ def check_writable(field: str, path: str | None, directory: bool = False) -> Non
             raise PermissionError(13, "Permission denied")
     except OSError as e:
         raise SpecError(field, path, f"cannot write: {e.strerror or e}") from None
+
+
+def check_micro_batches(micro_batches: int | None, global_batch: int) -> None:
+    """A micro-batch count must divide the global batch (None: chosen per Cell)."""
+    if micro_batches and global_batch > 0 and global_batch % micro_batches:
+        raise SpecError("micro_batches", micro_batches, f"must divide the global batch {global_batch}: every "
+                        "micro-batch holds the same number of samples")

@@ -11,7 +11,7 @@ from estimator.errors import SpecError
 from estimator.estimate import EstimateOptions, JobEstimate, estimate_job
 from estimator.jobs import JobSpec
 from estimator.memory import MemoryOptions
-from slurm_ext.commands import check_writable
+from slurm_ext.commands import check_micro_batches, check_writable
 from slurm_ext.jobspec import check_power_of_two_gpus
 
 DEFAULT_CLUSTER = "crius-1280"
@@ -130,12 +130,6 @@ def _read_batch(source) -> list[tuple[int, dict]]:
     return requests
 
 
-def _check_micro_batches(micro_batches: int | None, global_batch: int) -> None:
-    if micro_batches and global_batch > 0 and global_batch % micro_batches:
-        raise SpecError("micro_batches", micro_batches, f"must divide the global batch {global_batch}: every "
-                        "micro-batch holds the same number of samples")
-
-
 @click.command("estimate")
 @click.option("--model", help="Built-in model name (e.g. gpt-1.3b) or a model YAML file.")
 @click.option("--global-batch", type=int, help="Samples per iteration.")
@@ -225,7 +219,7 @@ def command(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, clus
             def given(key, flag):
                 return flag if req.get(key) is None else req[key]
             try:
-                _check_micro_batches(micro_batches, req["global_batch"])
+                check_micro_batches(micro_batches, req["global_batch"])
                 results.append(_estimate(req["model"], req["global_batch"], given("gpu_type", gpu_type),
                                          given("num_gpus", gpus), given("gpus_per_node", gpus_per_node),
                                          given("max_stages", max_stages), cluster, options))
@@ -235,6 +229,6 @@ def command(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, clus
         return
     if not model or global_batch is None:
         raise click.UsageError("give --model and --global-batch (or --batch FILE)")
-    _check_micro_batches(micro_batches, global_batch)
+    check_micro_batches(micro_batches, global_batch)
     result = _estimate(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, cluster, options)
     click.echo(json.dumps(result.to_json(), indent=2) if as_json else _table(result))

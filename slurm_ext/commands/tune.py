@@ -21,6 +21,7 @@ from estimator.jobs import JobSpec
 from estimator.memory import ZERO_LEVELS, MemoryOptions
 from estimator.models import load_model
 from estimator.tuner import PRUNE_MODES, TuneOptions, TuneResult, tune
+from slurm_ext.commands import check_micro_batches
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,8 @@ def _cells(job: JobSpec, cluster_name: str, gpus_per_node: int | None, stages: i
     group = cluster.group(job.gpu_type)
     if gpus_per_node is not None and gpus_per_node < 1:
         raise SpecError("gpus_per_node", gpus_per_node, "give a positive integer")
+    if job.num_gpus > (capacity := cluster.total_gpus(job.gpu_type)):
+        raise SpecError("gpus", job.num_gpus, f"{cluster.name} has {capacity} {job.gpu_type} GPUs")
     gpn = min(job.num_gpus, gpus_per_node or group.gpus_per_node)
     model = load_model(job.model)
     counts = [stages] if stages else stage_counts(job.num_gpus, model.num_layers, job.max_stages)
@@ -130,6 +133,7 @@ def command(model, global_batch, gpu_type, gpus, gpus_per_node, stages, prune, m
     if stages is not None and stages < 1:
         raise SpecError("stages", stages, "give a positive integer")
     job = JobSpec(model, global_batch, gpus, gpu_type)
+    check_micro_batches(micro_batches, job.global_batch)
     cluster_spec = load_cluster(cluster)
     cells = _cells(job, cluster, gpus_per_node, stages)
     optimizer = load_model(model).optimizer
