@@ -24,6 +24,14 @@ class Cell:
         return f"{self.gpu_type}x{self.num_gpus}:s{self.num_stages}"
 
 
+def gpus_per_node_of(num_gpus: int, node_size: int) -> int:
+    """GPUs per node of a Cell of ``num_gpus`` (a power of two) on nodes of ``node_size``:
+    the largest power of two up to both, so that the count lays out on whole such groups
+    (8 GPUs on 6-GPU nodes: 2 nodes of 4, not 2 of 6)."""
+    most = max(1, min(num_gpus, node_size))
+    return 1 << (most.bit_length() - 1)
+
+
 def stage_label(dp: int, tp: int, ep: bool = False) -> str:
     """One stage as plan strings write it: ``dp2tp2``, ``dp4tp1ep``."""
     return f"dp{dp}tp{tp}{'ep' if ep else ''}"

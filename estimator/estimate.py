@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from estimator.batching import dp_cap, micro_batch_count, more_micro_batches, replica_batch
-from estimator.cells import Cell, CellEstimate, StagePlan
+from estimator.cells import Cell, CellEstimate, StagePlan, gpus_per_node_of
 from estimator.cluster import ClusterSpec, NodeGroup
 from estimator.comm import CommTable, load_comm_table, with_profiled
 from estimator.compute import Efficiency, efficiency, layer_time_s
@@ -759,7 +759,7 @@ def enumerate_cells(job: JobSpec, cluster: ClusterSpec, options: EstimateOptions
             spaces = [1] if options.plan_space == "dp-only" else stage_counts(n, model.num_layers, job.max_stages)
             # Each node size the type comes in lays the count out its own way, where the
             # type has enough nodes that large.
-            for gpn in dict.fromkeys(min(n, gpus_per_node or size) for size in cluster.node_sizes(t)):
+            for gpn in dict.fromkeys(gpus_per_node_of(n, gpus_per_node or size) for size in cluster.node_sizes(t)):
                 if -(-n // gpn) <= sum(g.nodes for g in cluster.node_groups
                                        if g.gpu_type == t and g.gpus_per_node >= gpn):
                     cells.extend(Cell(t, n, gpn, s) for s in spaces)

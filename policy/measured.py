@@ -192,7 +192,7 @@ def measured_estimates(spec, cluster, table: MeasuredTable, plan_space: str = "c
     without a measurement is infeasible. ``plan_space`` is accepted for the estimator's
     signature; the table has one best plan per allocation whatever the plan space.
     """
-    from estimator.cells import Cell, CellEstimate
+    from estimator.cells import Cell, CellEstimate, gpus_per_node_of
 
     del plan_space
     out = []
@@ -200,7 +200,7 @@ def measured_estimates(spec, cluster, table: MeasuredTable, plan_space: str = "c
         counts = (sorted({max(1, spec.num_gpus // 2), spec.num_gpus, 2 * spec.num_gpus})
                   if spec.num_gpus else [1, 2, 4, 8, 16])
         for n in counts:
-            cell = Cell(group.gpu_type, n, min(n, group.gpus_per_node), 1)
+            cell = Cell(group.gpu_type, n, gpus_per_node_of(n, group.gpus_per_node), 1)
             t = table.iter_time_s(spec.model, spec.global_batch, cell.gpu_type, *cell_layout(cell))
             if t is None:
                 out.append(CellEstimate(cell, (), 1, math.inf, 0.0, 0.0, False,

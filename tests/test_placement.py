@@ -101,3 +101,18 @@ def test_snapshot_placement_respects_running_jobs_and_unmanaged_gpus():
     snap = Snapshot(0.0, nodes, (running,))
     assert place_cell(snap, Cell("a100", 4, 4, 1)) is None
     assert place_cell(snap, Cell("a100", 2, 4, 1)) == (("a100-1", 2),)
+
+
+def test_cells_on_nodes_of_no_power_of_two_size_lay_out_on_whole_groups():
+    """8 GPUs on 6-GPU nodes are 2 nodes of 4 (they were '2 x 6', 12 GPUs, which no rate
+    and no placement matched, so such jobs were never runnable)."""
+    from estimator.cells import gpus_per_node_of
+    from estimator.cluster import cluster_from_dict
+    from estimator.estimate import enumerate_cells
+    cluster = cluster_from_dict({"name": "six", "node_groups": [{"gpu_type": "v100", "nodes": 4, "gpus_per_node": 6}]})
+    assert [gpus_per_node_of(n, 6) for n in (1, 2, 4, 8, 16)] == [1, 2, 4, 4, 4]
+    cells = enumerate_cells(JobSpec("gpt-1.3b", 64, num_gpus=8), cluster)
+    assert cells and {(c.num_gpus, c.gpus_per_node) for c in cells} == {(4, 4), (8, 4), (16, 4)}
+    free = FreeGpus([(f"v{i}", "v100", 6) for i in range(4)])
+    eight = next(c for c in cells if c.num_gpus == 8)
+    assert sorted(g for _, g in free.place(eight)) == [4, 4]

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import click
 
-from estimator.cells import Cell
+from estimator.cells import Cell, gpus_per_node_of
 from estimator.cluster import load_cluster
 from estimator.errors import SpecError
 from estimator.estimate import EstimateOptions, stage_counts
@@ -36,7 +36,7 @@ def _cells(job: JobSpec, cluster_name: str, gpus_per_node: int | None, stages: i
         raise SpecError("gpus_per_node", gpus_per_node, "give a positive integer")
     if job.num_gpus > (capacity := cluster.total_gpus(job.gpu_type)):
         raise SpecError("gpus", job.num_gpus, f"{cluster.name} has {capacity} {job.gpu_type} GPUs")
-    gpn = min(job.num_gpus, gpus_per_node or group.gpus_per_node)
+    gpn = gpus_per_node_of(job.num_gpus, gpus_per_node or group.gpus_per_node)
     model = load_model(job.model)
     counts = [stages] if stages else stage_counts(job.num_gpus, model.num_layers, job.max_stages)
     if not counts:
