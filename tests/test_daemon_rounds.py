@@ -400,9 +400,11 @@ def test_a_job_crius_ddl_drops_runs_as_submitted_and_says_why(tmp_path):
     assert report.managed == 0 and not any(c[0] in ("hold", "update") for c in client.calls)
 
 
-def test_a_suspended_job_crius_ddl_drops_is_released_too(tmp_path):
+def test_a_suspended_job_crius_ddl_can_no_longer_finish_in_time_runs_best_effort(tmp_path):
     """A job an earlier round suspended waits requeued held (``SPECIAL_EXIT``), not
-    ``PENDING``: dropped, it is released as submitted all the same, not left held."""
+    ``PENDING``. It has run, so crius-ddl does not drop it for a deadline it can no longer
+    meet (its admission was at its first start): it is started best effort, on the Cell the
+    policy picks, not left held (it was dropped and released as submitted)."""
     now = int(time.time())
     deadline = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now + 3600))
     suspended = SlurmJob(41, "alice", "train", "SPECIAL_EXIT", reason="JobHeldUser", partition="a100", priority=0,
@@ -413,8 +415,9 @@ def test_a_suspended_job_crius_ddl_drops_is_released_too(tmp_path):
     client = FakeSlurm([suspended], [node("a100-1", "a100", 4)], "#!/bin/bash\n")
     cfg = resolve({"state_db": str(tmp_path / "state.db"), "policy": "crius-ddl", "forecast_every_s": 0}, {}, {})
     report = Daemon(cfg, client, Store(cfg.state_db), out=lambda line: None).round()
-    assert ("release", 41) in report.actions
+    assert report.actions == (("start", 41),)
     assert ("release", [41]) in client.calls or ("release", 41) in client.calls
+    assert "cell=a100x4:s1" in client._jobs[41].admin_comment
 
 
 @pytest.mark.parametrize("restart_count,reported", [(0, True), (1, False)])
