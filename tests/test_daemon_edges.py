@@ -440,18 +440,25 @@ def test_a_released_job_slurm_has_not_started_holds_the_nodes_its_release_requir
     assert second.required_nodes == ("a100-1",)
 
 
-def test_a_per_job_limit_learned_outlives_a_daemon_restart(tmp_path):
-    """The GPU count Slurm refused under a per-job limit is kept in the state file: a
-    restarted daemon deciding the job afresh does not offer the refused count again."""
+def _refused_by_a_per_job_limit(tmp_path):
+    """A job released on 8 GPUs of four a100 nodes that its QOS's per-job limit refuses;
+    a minute later. Returns (daemon, client, clock, the GPU count refused)."""
     clock = SimulatedClock(float(NOW))
     nodes = [node(f"a100-{i}", "a100", 4) for i in range(1, 5)]
     daemon, client = daemon_for(tmp_path, [held(80, NOW - 100)], nodes, clock=clock)
     assert daemon.round().actions == (("start", 80),)
     (first,) = [c[2] for c in client.calls if c[0] == "update" and c[1] == 80]
     refused = plan_comment(first.admin_comment).cell_parts()[1]
-    assert refused == 8
+    assert refused == 8  # gpus=4 asked: 2, 4 and 8 offered, 8 the fastest
     client._jobs[80] = replace(client._jobs[80], reason="QOSMaxGRESPerJob", priority=100)
     clock.advance_to(NOW + 60)
+    return daemon, client, clock, refused
+
+
+def test_a_per_job_limit_learned_outlives_a_daemon_restart(tmp_path):
+    """The GPU count Slurm refused under a per-job limit is kept in the state file: a
+    restarted daemon deciding the job afresh does not offer the refused count again."""
+    daemon, client, clock, refused = _refused_by_a_per_job_limit(tmp_path)
     daemon.round()
     daemon.store.close()
     restarted = Daemon(daemon.config, client, Store(daemon.config.state_db), clock=clock, out=lambda line: None)
@@ -468,15 +475,7 @@ def test_a_cell_over_a_per_job_limit_is_given_up_for_one_slurm_takes(tmp_path):
     """Released on 8 GPUs, the job meets its QOS's limit of GPUs per job: Slurm will never
     start it so, whatever frees up. It is decided afresh on fewer GPUs than were refused
     (it had waited for ever, with 8 GPUs idle)."""
-    clock = SimulatedClock(float(NOW))
-    nodes = [node(f"a100-{i}", "a100", 4) for i in range(1, 5)]
-    daemon, client = daemon_for(tmp_path, [held(80, NOW - 100)], nodes, clock=clock)
-    assert daemon.round().actions == (("start", 80),)
-    (first,) = [c[2] for c in client.calls if c[0] == "update" and c[1] == 80]
-    refused = plan_comment(first.admin_comment).cell_parts()[1]
-    assert refused == 8  # gpus=4 asked: 2, 4 and 8 offered, 8 the fastest
-    client._jobs[80] = replace(client._jobs[80], reason="QOSMaxGRESPerJob", priority=100)
-    clock.advance_to(NOW + 60)
+    daemon, client, clock, refused = _refused_by_a_per_job_limit(tmp_path)
     client.calls.clear()
     assert daemon.round().actions == (("start", 80),)
     (again,) = [c[2] for c in client.calls if c[0] == "update" and c[1] == 80]
