@@ -32,7 +32,7 @@ from estimator.memory import (
     GRADIENT_BYTES, OPTIMIZER_STATE_BYTES, ZERO_LEVELS, MemoryOptions, StageMemory, host_memory_gb, runner_row_bytes,
     stage_memory, stage_params,
 )
-from estimator.models import DTYPE_BYTES, ModelSpec, load_model
+from estimator.models import DTYPE_BYTES, ModelSpec, load_model, tp_problem
 from estimator.partition import arena_stage_gpus, balanced_partition, stage_gpu_counts
 from estimator.plan_string import format_plan
 from estimator.profile_fit import profiled_layer_s
@@ -177,15 +177,6 @@ class _Context:
     fingerprint: str | None = None  # the model's, when the profile timed any layers
 
 
-def tp_problem(layers, tp: int) -> str:
-    """Why ``tp`` cannot split a stage of these layers ("" if it can): it must divide each
-    layer's heads, FFN width, vocabulary, experts or channels, as the runner shards them."""
-    bad = next((layer for layer in layers if layer.tp_split and layer.tp_split % tp), None)
-    if bad is None:
-        return ""
-    return f"tp {tp} does not divide the {bad.tp_split} that {bad.name} splits over tensor parallelism"
-
-
 def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan, compiled=None) -> StageCost:
     """Cost one stage: compute, tensor-parallel collectives, send to the next stage.
 
@@ -282,6 +273,12 @@ def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan, co
                      PROFILED if profiled_acts is not None else "analytic")
 
 
+def moe_routes(model: ModelSpec):
+    """Samples per micro-batch shard → whether the model's MoE layers route them
+    (``moe_shard_problem``): what a micro-batch count must allow."""
+    return lambda samples: not moe_shard_problem(model, samples)
+
+
 def moe_shard_problem(model: ModelSpec, samples: int) -> str:
     """Why a device's share of a micro-batch cannot be routed by the MoE layers ("" if it
     can). As the runner: an expert group is min(S, tokens), so fewer tokens than S run as
@@ -368,7 +365,7 @@ def _context(job: JobSpec, cell: Cell, cluster: ClusterSpec, options: EstimateOp
     group = cluster.group(cell.gpu_type, cell.gpus_per_node)
     gpu = _gpu_type(cell.gpu_type)
     B = micro_batches or options.micro_batches or micro_batch_count(
-        replica_batch(job.global_batch, cell), 4 * cell.num_stages, lambda n: not moe_shard_problem(model, n))
+        replica_batch(job.global_batch, cell), 4 * cell.num_stages, moe_routes(model))
     table, eff = load_comm_table(options.comm_table), efficiency(gpu, options.efficiency)
     profile, eff_source = None, "analytic"
     if options.profile_db:
@@ -642,10 +639,11 @@ def _choose_variants(per_stage_costs: list[list[StageCost]], micro_batches: int,
     """One variant per stage: of two assemblies — each stage's fastest micro-batch, and
     each stage's least time as the pipeline's slowest stage (B micro-batches plus its
     gradient sync and update) — the faster pipeline. A stage with no feasible variant
-    takes its smallest (of those short only of memory, if any). When that pipeline does not ``fit`` as a whole (the runner pads
-    every stage's buffers to the largest stage's, so mixing a stage with large weights
-    and one with large activations can overflow where either fits), the fastest that fits
-    of the assemblies taking the same variant in every stage and each stage's smallest.
+    takes its smallest (of those short only of memory, if any). When that pipeline does
+    not ``fit`` as a whole (the runner pads every stage's buffers to the largest stage's,
+    so mixing a stage with large weights and one with large activations can overflow where
+    either fits), the fastest that fits of the assemblies taking the same variant in every
+    stage and each stage's smallest.
     ``alike``: only assemblies whose stages are split alike (the same variant in every
     stage), the fastest that fits, when there are any."""
     def assemble(key) -> tuple[StageCost, ...]:

@@ -71,6 +71,15 @@ class LayerSpec:
     tp_split: int = 0
 
 
+def tp_problem(layers, tp: int) -> str:
+    """Why ``tp`` cannot split a stage of these layers ("" if it can): it must divide each
+    layer's heads, FFN width, vocabulary, experts or channels, as the runner shards them."""
+    bad = next((layer for layer in layers if layer.tp_split and layer.tp_split % tp), None)
+    if bad is None:
+        return ""
+    return f"tp {tp} does not divide the {bad.tp_split} that {bad.name} splits over tensor parallelism"
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     name: str

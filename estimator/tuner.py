@@ -36,7 +36,7 @@ from estimator.batching import micro_batch_count
 from estimator.cells import Cell, StagePlan
 from estimator.cluster import ClusterSpec
 from estimator.errors import SpecError
-from estimator.estimate import (EstimateOptions, PlanScore, estimate_cell, expert_parallel_fits, moe_shard_problem,
+from estimator.estimate import (EstimateOptions, PlanScore, estimate_cell, expert_parallel_fits, moe_routes,
                                 partition_stages, score_plan)
 from estimator.jobs import JobSpec
 from estimator.models import ModelSpec, load_model
@@ -164,7 +164,7 @@ def micro_batch_choices(cell: Cell, global_batch: int, factors: tuple[int, ...],
     """Stages × each factor, or the largest count below it that divides the global batch
     (with ``model``, one whose micro-batch its MoE layers can route without data
     parallelism: ``batching.micro_batch_count``)."""
-    fits = None if model is None else (lambda n: not moe_shard_problem(model, n))
+    fits = None if model is None else moe_routes(model)
     return tuple(sorted({micro_batch_count(global_batch, cell.num_stages * f, fits) for f in factors}))
 
 

@@ -216,11 +216,11 @@ def test_optimizer_updates_follow_their_formulas():
 
 
 def test_the_estimator_refuses_exactly_the_tp_degrees_the_runner_cannot_shard():
-    """``estimate.tp_problem`` (from ``LayerSpec.tp_split``) agrees with the runner's own
+    """``models.tp_problem`` (from ``LayerSpec.tp_split``) agrees with the runner's own
     shapes, layer by layer: a plan the estimator calls feasible is one the runner can run
     (charlm's 4 heads at tp 8 were estimated, then refused by the runner)."""
     from estimator import jax_models as jm
-    from estimator.estimate import tp_problem
+    from estimator.models import tp_problem
     examples = Path(__file__).resolve().parent.parent / "examples"
     specs = list(BUILTIN_MODELS.values()) + [load_model(str(p)) for p in examples.glob("*/model.yaml")]
     assert any(tp_problem(s.layers, 8) for s in specs) and any(not tp_problem(s.layers, 8) for s in specs)
