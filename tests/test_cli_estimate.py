@@ -363,3 +363,17 @@ def test_a_profile_store_from_the_environment_is_named_as_such_when_it_is_missin
     code, out, err = run(capsys, "estimate", "--model", "gpt-760m", "--global-batch", "64", "--gpus", "4",
                          "--gpu-type", "a100", "--json")
     assert code == 0 and json.loads(out)["cells"]
+
+
+def test_a_profile_that_submits_nothing_leaves_no_empty_store(capsys, tmp_path, monkeypatch):
+    """The store is made first (a path that is no store fails before minutes of measuring);
+    when Slurm cannot be reached and nothing is submitted, the new empty file is removed.
+    A store that was there stays."""
+    monkeypatch.setenv("SLURM_EXT_SLURM_PREFIX", str(tmp_path / "no-slurm"))
+    db = tmp_path / "profiles.sqlite"
+    code, out, err = run(capsys, "profile", "--partition", "gpu", "--profile-db", str(db))
+    assert code != 0 and "not found" in err and not db.exists()
+    from estimator.profile_store import connect
+    connect(str(db), create=True).close()
+    code, out, err = run(capsys, "profile", "--partition", "gpu", "--profile-db", str(db))
+    assert code != 0 and db.exists()

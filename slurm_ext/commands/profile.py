@@ -101,8 +101,10 @@ def command(partition, nodes, models, wait, as_json, profile_db, samples, time_l
     for m in models:
         load_model(m)  # a clear error now, not in the job's log
     db = str(Path(profile_db).resolve())
+    made = not Path(db).exists()
     connect(db, create=True).close()  # likewise a file that is not a store, before minutes of measuring
     cfg = load_config(None, {}, dict(os.environ))
+    job_id = None
     try:
         client = make_client(cfg.slurm_backend, cfg.slurm_prefix, cfg.slurm_timeout_s)
         gpu, gpus_per_node, available = partition_layout(client.nodes(), partition, dict(cfg.partitions))
@@ -138,6 +140,9 @@ def command(partition, nodes, models, wait, as_json, profile_db, samples, time_l
             out["seconds"] = summary["seconds"]
     except SlurmExtError as e:
         raise click.ClickException(str(e)) from None
+    finally:
+        if made and job_id is None:
+            Path(db).unlink(missing_ok=True)  # nothing was submitted: leave no empty store behind
     if as_json:
         click.echo(json.dumps(out, indent=1))
     elif wait:
