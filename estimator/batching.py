@@ -44,3 +44,19 @@ def replica_batch(global_batch: int, cell: Cell) -> int:
     """Samples per iteration of one replica at the Cell's largest data parallelism:
     micro-batch counts are its divisors, so every dp up to it splits every micro-batch."""
     return global_batch // dp_cap(global_batch, cell)
+
+
+def moe_routes(model):  # model: an estimator.models.ModelSpec
+    """Samples per micro-batch shard → whether the model's MoE layers route them
+    (``moe_shard_problem``): what a micro-batch count must allow."""
+    return lambda samples: not moe_shard_problem(model, samples)
+
+
+def moe_shard_problem(model, samples: int) -> str:
+    """Why a device's share of a micro-batch cannot be routed by the MoE layers ("" if it
+    can). As the runner: an expert group is min(S, tokens), so fewer tokens than S run as
+    one smaller group and more must be whole groups of S."""
+    group, tokens = model.min_tokens_per_shard, samples * model.sequence
+    if group and tokens > group and tokens % group:
+        return f"{tokens} tokens per micro-batch shard: MoE routing needs a multiple of {group}"
+    return ""

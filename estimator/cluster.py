@@ -18,6 +18,7 @@ from pathlib import Path
 
 import yaml
 
+from estimator.cells import gpus_per_node_of
 from estimator.errors import SpecError, yaml_problem
 from estimator.gpus import gpu_type
 
@@ -71,13 +72,23 @@ class ClusterSpec:
             if gpu_type_name is None or g.gpu_type == gpu_type_name
         )
 
-    def group(self, gpu_type_name: str, gpus_per_node: int | None = None) -> NodeGroup:
+    def group(self, gpu_type_name: str, gpus_per_node: int | None = None, num_gpus: int | None = None
+              ) -> NodeGroup:
         """The (first) node group of a GPU type; with ``gpus_per_node``, the first of the
-        type's groups whose nodes have that many GPUs, if any."""
+        type's groups whose nodes have that many GPUs, else (with ``num_gpus``) the first
+        whose nodes lay that count out so (``cells.gpus_per_node_of``: 8 GPUs as 2 × 4 on
+        6-GPU nodes), if any."""
         groups = [g for g in self.node_groups if g.gpu_type == gpu_type_name]
         if not groups:
             raise SpecError("gpu_type", gpu_type_name, f"cluster {self.name} has {', '.join(self.gpu_types)}")
-        return next((g for g in groups if g.gpus_per_node == gpus_per_node), groups[0])
+        return next((g for g in groups if g.gpus_per_node == gpus_per_node), None) or next(
+            (g for g in groups if num_gpus and gpus_per_node_of(num_gpus, g.gpus_per_node) == gpus_per_node),
+            groups[0])
+
+    def holds_layout(self, gpu_type_name: str, num_gpus: int, gpus_per_node: int) -> bool:
+        """The type has enough nodes of at least ``gpus_per_node`` GPUs for the count."""
+        return -(-num_gpus // gpus_per_node) <= sum(g.nodes for g in self.node_groups
+                                                    if g.gpu_type == gpu_type_name and g.gpus_per_node >= gpus_per_node)
 
     def node_sizes(self, gpu_type_name: str) -> tuple[int, ...]:
         """The GPUs per node of a type's node groups, distinct, in the groups' order."""

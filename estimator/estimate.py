@@ -19,7 +19,8 @@ import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from estimator.batching import dp_cap, micro_batch_count, more_micro_batches, replica_batch
+from estimator.batching import (dp_cap, micro_batch_count, moe_routes, moe_shard_problem, more_micro_batches,
+                                replica_batch)
 from estimator.cells import Cell, CellEstimate, StagePlan, gpus_per_node_of
 from estimator.cluster import ClusterSpec, NodeGroup
 from estimator.comm import CommTable, load_comm_table, with_profiled
@@ -273,22 +274,6 @@ def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan, co
                      PROFILED if profiled_acts is not None else "analytic")
 
 
-def moe_routes(model: ModelSpec):
-    """Samples per micro-batch shard → whether the model's MoE layers route them
-    (``moe_shard_problem``): what a micro-batch count must allow."""
-    return lambda samples: not moe_shard_problem(model, samples)
-
-
-def moe_shard_problem(model: ModelSpec, samples: int) -> str:
-    """Why a device's share of a micro-batch cannot be routed by the MoE layers ("" if it
-    can). As the runner: an expert group is min(S, tokens), so fewer tokens than S run as
-    one smaller group and more must be whole groups of S."""
-    group, tokens = model.min_tokens_per_shard, samples * model.sequence
-    if group and tokens > group and tokens % group:
-        return f"{tokens} tokens per micro-batch shard: MoE routing needs a multiple of {group}"
-    return ""
-
-
 def _comm_label(sources: set[str]) -> str:
     """One word for where a stage's collectives came from: any guess makes it ``model``."""
     return "model" if "model" in sources else "profile" if "profile" in sources else "table"
@@ -359,13 +344,19 @@ def pipeline_time_s(costs: tuple[StageCost, ...], micro_batches: int) -> float:
     return sum(per_micro) + (micro_batches - 1) * max(per_micro) + tail
 
 
+def default_micro_batches(job: JobSpec, cell: Cell, options: EstimateOptions, model: ModelSpec) -> int:
+    """The options' count, else the largest up to 4 × stages that divides a replica's batch
+    and whose shards the model's MoE layers route (``batching.micro_batch_count``)."""
+    return options.micro_batches or micro_batch_count(
+        replica_batch(job.global_batch, cell), 4 * cell.num_stages, moe_routes(model))
+
+
 def _context(job: JobSpec, cell: Cell, cluster: ClusterSpec, options: EstimateOptions,
              micro_batches: int | None = None, remat: bool | None = None) -> _Context:
     model = load_model(job.model)
-    group = cluster.group(cell.gpu_type, cell.gpus_per_node)
+    group = cluster.group(cell.gpu_type, cell.gpus_per_node, cell.num_gpus)
     gpu = _gpu_type(cell.gpu_type)
-    B = micro_batches or options.micro_batches or micro_batch_count(
-        replica_batch(job.global_batch, cell), 4 * cell.num_stages, moe_routes(model))
+    B = micro_batches or default_micro_batches(job, cell, options, model)
     table, eff = load_comm_table(options.comm_table), efficiency(gpu, options.efficiency)
     profile, eff_source = None, "analytic"
     if options.profile_db:
@@ -501,14 +492,18 @@ def estimate_cell(job: JobSpec, cell: Cell, cluster: ClusterSpec,
 def _faster_split(job: JobSpec, cell: Cell, cluster: ClusterSpec, options: EstimateOptions,
                   best: CellEstimate) -> CellEstimate:
     """A feasible estimate whose stages use less data parallelism than the batch allows
-    (tensor parallelism where the wider split did not fit, or was slower) against the same
-    Cell under ZeRO 1–3: splitting the states may let the faster split fit (more memory
-    must never make a Cell slower). The fastest runnable one is kept; the levels stop at
-    the first whose stages all take the widest split (more only adds communication)."""
+    (tensor parallelism where the wider split did not fit, or was slower), or more
+    micro-batches than the default (to fit), against the same Cell under higher ZeRO
+    levels: splitting the states may let the faster split fit (more memory must never
+    make a Cell slower). The fastest runnable one is kept; the levels stop at the first
+    whose stages all take the widest split at the default micro-batch count (a higher
+    level then only adds communication; one that needed more micro-batches may need fewer
+    with more memory freed)."""
     cap = dp_cap(job.global_batch, cell)
+    default_mb = default_micro_batches(job, cell, options, load_model(job.model))
 
     def widest(e: CellEstimate) -> bool:
-        return all(s.dp >= min(s.num_gpus, cap) for s in e.stages)
+        return all(s.dp >= min(s.num_gpus, cap) for s in e.stages) and e.micro_batches <= default_mb
     if options.plan_space != "cell" or widest(best):
         return best
     for memory in memory_alternatives(options.memory):
@@ -758,8 +753,7 @@ def enumerate_cells(job: JobSpec, cluster: ClusterSpec, options: EstimateOptions
             # Each node size the type comes in lays the count out its own way, where the
             # type has enough nodes that large.
             for gpn in dict.fromkeys(gpus_per_node_of(n, gpus_per_node or size) for size in cluster.node_sizes(t)):
-                if -(-n // gpn) <= sum(g.nodes for g in cluster.node_groups
-                                       if g.gpu_type == t and g.gpus_per_node >= gpn):
+                if cluster.holds_layout(t, n, gpn):
                     cells.extend(Cell(t, n, gpn, s) for s in spaces)
     return tuple(cells)
 

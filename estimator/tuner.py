@@ -32,12 +32,12 @@ import math
 from dataclasses import dataclass, field
 from itertools import product
 
-from estimator.batching import micro_batch_count
+from estimator.batching import micro_batch_count, moe_routes
 from estimator.cells import Cell, StagePlan
 from estimator.cluster import ClusterSpec
 from estimator.errors import SpecError
-from estimator.estimate import (EstimateOptions, PlanScore, estimate_cell, expert_parallel_fits, moe_routes,
-                                partition_stages, score_plan)
+from estimator.estimate import (EstimateOptions, PlanScore, estimate_cell, expert_parallel_fits, partition_stages,
+                                score_plan)
 from estimator.jobs import JobSpec
 from estimator.models import ModelSpec, load_model
 from estimator.partition import stage_gpu_counts

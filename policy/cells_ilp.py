@@ -324,9 +324,9 @@ class CellsIlpPolicy:
                      if snapshot.now_s + (0.0 if x[4] else snapshot.restart_cost_s) + x[3] <= job.deadline_s]
             if not meets:
                 note = "cannot meet its deadline on any Cell; runs best effort"
-            elif not idle:
-                # Its own Cell stays a choice: the job is not suspended for a deadline
-                # nobody else's GPUs would help it meet (backfill offers every Cell).
+            else:
+                # Its own Cell stays a choice: a running job is not suspended for a
+                # deadline that only busy Cells would meet.
                 candidates = meets + [x for x in candidates if x[4] and x not in meets]
         # Waiting is worth 0 to a pending job. A running job on a Cell worth less than that
         # (a slow Cell it was given because nothing else used it) is not suspended for

@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from estimator.cells import gpus_per_node_of
 from estimator.errors import SpecError
 
 DEFAULT_MEASURED_PATH = Path(__file__).parent / "data" / "measured_iter_time.csv"
@@ -100,8 +101,8 @@ class MeasuredTable:
         Only the exact layout counts here (no nearest-layout rule), as in the papers' trace
         generator: a request is accepted only when this very allocation was measured.
         """
-        per_node = min(num_gpus, node_size)
-        if per_node <= 0 or num_gpus % per_node:
+        per_node = gpus_per_node_of(num_gpus, node_size)
+        if node_size <= 0 or num_gpus % per_node:
             return None
         return self._exact.get((model, global_batch, gpu_type, num_gpus // per_node, per_node))
 
@@ -192,7 +193,7 @@ def measured_estimates(spec, cluster, table: MeasuredTable, plan_space: str = "c
     without a measurement is infeasible. ``plan_space`` is accepted for the estimator's
     signature; the table has one best plan per allocation whatever the plan space.
     """
-    from estimator.cells import Cell, CellEstimate, gpus_per_node_of
+    from estimator.cells import Cell, CellEstimate
 
     del plan_space
     out = []

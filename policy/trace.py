@@ -235,7 +235,8 @@ def map_record(record: TraceRecord, measured: MeasuredTable, seed: int, kind: Tr
             iters_pre = rng.randint(low, high)
     iterations = max(1, iters_pre // SIM_ITER_DIVISOR)
     submit_s = record.submit_time_s - submit_offset_s
-    pre_duration_s = (record.duration_s if kind.name == "philly" else iters_pre * t_req)
+    # At least the iterations it was given (a record of no duration runs one).
+    pre_duration_s = max(record.duration_s if kind.name == "philly" else iters_pre * t_req, iterations * t_req)
     deadline_s = submit_s + DEADLINE_STRETCH * DEADLINE_FACTOR * pre_duration_s
     spec = JobSpec(model, batch, num_gpus, gpu)
     return TraceJob(record.job_id, submit_s, spec, iterations, t_req, deadline_s, draws)

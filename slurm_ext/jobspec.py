@@ -98,7 +98,7 @@ def check_power_of_two_gpus(count: int, what: str, advice: str) -> None:
     other count has no Cell. Raises ElasticSpecError; ``advice`` is formatted with the
     powers of two on either side (``below``, ``above``)."""
     if count > MAX_GPUS:
-        raise ElasticSpecError("gpus", str(count), f"{what}; give at most {MAX_GPUS}")
+        raise ElasticSpecError("gpus", str(count), f"give at most {MAX_GPUS} GPUs")
     if count & (count - 1):
         below = 1 << (count.bit_length() - 1)
         raise ElasticSpecError("gpus", str(count), f"{what}; Cells run on power-of-two GPU counts (each pipeline "

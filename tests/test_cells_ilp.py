@@ -384,3 +384,16 @@ def test_a_running_job_that_will_miss_its_deadline_is_not_suspended_for_nothing(
     d = CellsIlpPolicy().decide(s)
     validate_decision(s, d)
     assert final_assignments(s, d)["x"] == x.assignment
+
+
+def test_a_waiting_job_is_not_backfilled_on_a_cell_that_misses_its_deadline_when_one_meets_it():
+    """The busy a100s would meet the deadline: the job waits for them rather than starting
+    on a v100 that cannot finish it in time."""
+    p = job("p", {("v100", 1): 1.0, ("a100", 4): 40.0}, gpus=1, gpu_type="v100", iterations=1000,
+            deadline=10_000.0 + 3000.0)
+    ys = [job(f"y{k}", {("a100", 2): 20.0}, gpus=2, iterations=10**7, user=f"w{k}", guaranteed=True,
+              running=("a100", 2, (("a100-0", 2),))) for k in range(2)]
+    s = snap([p, *ys], nodes(a100=1, v100=1), restart_cost_s=10.0)
+    d = CellsIlpPolicy().decide(s)
+    validate_decision(s, d)
+    assert final_assignments(s, d)["p"] is None

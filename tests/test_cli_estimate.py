@@ -217,6 +217,8 @@ def test_a_gpu_count_with_no_cell_is_an_error_or_says_why(capsys):
     # Past the largest count no power of two above is offered (131072 was, then refused).
     code, out, err = run(capsys, "estimate", "--model", "gpt-1.3b", "--global-batch", "8", "--gpus", "100000")
     assert code == 2 and "give at most 65536" in err and "131072" not in err
+    code, out, err = run(capsys, "estimate", "--model", "gpt-1.3b", "--global-batch", "8", "--gpus", "131072")
+    assert code == 2 and "give at most 65536 GPUs" in err and "not a power of two" not in err
     code, out, err = run(capsys, "estimate", "--model", "gpt-760m", "--global-batch", "8", "--gpus", "1024")
     assert code == 0 and "the cluster has no GPU type with that many GPUs" in out and "try more GPUs" not in out
 

@@ -88,3 +88,17 @@ def test_a_type_in_two_node_sizes_gets_the_layouts_each_allows():
     assert layouts == {(4, 4), (8, 4), (8, 8), (16, 8)}
     assert cluster.group("a100", 8).network.kind == "infiniband" and cluster.group("a100", 4).partition == "a100"
     assert cluster.group("a100", 2) == cluster.group("a100")  # a part of a node: the first group
+
+
+def test_a_cell_laid_out_for_its_nodes_is_costed_on_their_group():
+    """8 GPUs laid out 2 x 4 exist only because of the 6-GPU nodes: their group (and its
+    network) is the one the estimate uses, not the first a100 group (8-GPU nodes)."""
+    from estimator.cluster import cluster_from_dict
+    cluster = cluster_from_dict({"name": "mixed", "node_groups": [
+        {"gpu_type": "a100", "nodes": 2, "gpus_per_node": 8, "partition": "a100-8",
+         "network": {"kind": "infiniband", "bandwidth_gbytes_s": 50}},
+        {"gpu_type": "a100", "nodes": 2, "gpus_per_node": 6, "partition": "a100-6",
+         "network": {"kind": "default", "bandwidth_gbytes_s": 1}}]})
+    assert cluster.group("a100", 4, 8).gpus_per_node == 6
+    assert cluster.group("a100", 8, 8).gpus_per_node == 8 and cluster.group("a100", 4).gpus_per_node == 8
+    assert cluster.holds_layout("a100", 8, 4) and not cluster.holds_layout("a100", 32, 8)

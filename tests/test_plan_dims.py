@@ -381,3 +381,14 @@ def test_a_gpu_with_more_memory_is_never_given_a_slower_plan():
     assert h100.feasible and h200.feasible and h200.runnable
     assert h200.iteration_time_s <= h100.iteration_time_s
     assert all(s.dp == 8 for s in h200.stages) and h200.zero_level >= 1
+
+
+def test_a_higher_zero_level_that_needs_fewer_micro_batches_is_tried_too():
+    """gpt-2.6b on 8 a10 in 2 stages: ZeRO-2 fits the wide split only with 16 micro-batches
+    (218 s); ZeRO-3 fits it with the default 8 (114 s). The retry stopped at ZeRO-2's wide
+    split and kept the tensor-parallel plan (165 s); asked for ZeRO-2, the 218 s plan."""
+    job, cell = JobSpec("gpt-2.6b", 128), Cell("a10", 8, 2, 2)
+    for zero in (0, 2):
+        e = estimate_cell(job, cell, CRIUS, EstimateOptions(memory=MemoryOptions(zero_level=zero)))
+        assert e.feasible and e.runnable and e.zero_level == 3 and e.micro_batches == 8
+        assert all(s.dp == 4 for s in e.stages)

@@ -173,6 +173,8 @@ def test_a_record_of_no_duration_or_no_gpu_is_an_arrival_not_an_error(tmp_path, 
     trace.write_text("job_id,submit_time_s,duration_s,num_gpus\nj1,100,0,4\nj2,200,50,0\nj3,300,60,1\n")
     jobs = map_trace(read_trace(trace), table, seed=0)
     assert [j.job_id for j in jobs] == ["j1", "j2", "j3"] and all(j.iterations >= 1 for j in jobs)
+    # Its deadline leaves time for the iteration it was given (it was its submit time).
+    assert all(j.deadline_s >= j.submit_time_s + j.iterations * j.requested_iter_time_s for j in jobs)
     bad = tmp_path / "bad.csv"
     bad.write_text("job_id,submit_time_s,duration_s,num_gpus\nj1,100,-1,4\n")
     with pytest.raises(SpecError, match="line 2"):

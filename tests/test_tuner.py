@@ -141,6 +141,7 @@ def test_tune_cli_errors_are_one_line_with_exit_2():
     # ran for minutes without a word), and micro-batches that do not divide the batch (a
     # worse plan came back without one).
     for flags, word in ((["--gpus", "512", "--stages", "1"], "crius-1280 has 320 a100 GPUs"),
+                        (["--gpus", "64", "--stages", "1", "--gpus-per-node", "16"], "too few a100 nodes of 16"),
                         (["--gpus", "8", "--micro-batches", "3"], "must divide the global batch 64")):
         rc, out, err = _cli(["tune", "--model", "gpt-1.3b", "--global-batch", "64", "--gpu-type", "a100",
                              "--cluster", "crius-1280", *flags])

@@ -37,6 +37,9 @@ def _cells(job: JobSpec, cluster_name: str, gpus_per_node: int | None, stages: i
     if job.num_gpus > (capacity := cluster.total_gpus(job.gpu_type)):
         raise SpecError("gpus", job.num_gpus, f"{cluster.name} has {capacity} {job.gpu_type} GPUs")
     gpn = gpus_per_node_of(job.num_gpus, gpus_per_node or group.gpus_per_node)
+    if not cluster.holds_layout(job.gpu_type, job.num_gpus, gpn):
+        raise SpecError("gpus", job.num_gpus, f"{cluster.name} has too few {job.gpu_type} nodes of "
+                        f"{gpn} or more GPUs for {job.num_gpus} laid out {gpn} a node")
     model = load_model(job.model)
     counts = [stages] if stages else stage_counts(job.num_gpus, model.num_layers, job.max_stages)
     if not counts:
@@ -150,5 +153,5 @@ def command(model, global_batch, gpu_type, gpus, gpus_per_node, stages, prune, m
         best = best or found  # nothing fits at any level: show the first level's plans
     best = replace(best, candidates_evaluated=evaluated)
     if measure:
-        best = _measure(job, best, min(gpus, gpus_per_node or best.cell.gpus_per_node))
+        best = _measure(job, best, best.cell.gpus_per_node)
     click.echo(json.dumps(best.to_json()) if as_json else _text(best))
