@@ -109,16 +109,19 @@ def test_pipeline_formula():
 
 
 def test_cell_estimate_equals_the_best_assembled_plan():
-    """The per-stage choice is the optimum over all 2^S dp-only/tp-only assemblies."""
+    """The per-stage choice is the optimum over all 2^S dp-only/tp-only assemblies, under
+    the memory settings the estimate chose (here ZeRO, which lets the wide split fit)."""
     import itertools
+    from estimator.memory import MemoryOptions
     job, cell = JobSpec("gpt-2.6b", 256), Cell("a100", 8, 4, 2)
     est = estimate_cell(job, cell, CRIUS)
+    options = EstimateOptions(memory=MemoryOptions(zero_level=est.zero_level, offload=est.offload))
     ranges = [(s.layer_start, s.layer_end) for s in est.stages]
     scores = []
     for choice in itertools.product((0, 1), repeat=2):
         stages = tuple(StagePlan(a, b, 4, 1) if c == 0 else StagePlan(a, b, 1, 4)
                        for (a, b), c in zip(ranges, choice))
-        s = score_plan(job, cell, CRIUS, stages, est.micro_batches, True)
+        s = score_plan(job, cell, CRIUS, stages, est.micro_batches, True, options)
         if s.feasible:
             scores.append(s.iteration_time_s)
     assert est.iteration_time_s == pytest.approx(min(scores))
