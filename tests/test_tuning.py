@@ -112,7 +112,8 @@ def test_a_stop_requested_before_tuning_measures_nothing(monkeypatch, start):
     if start:
         assert (tuned.plan, tuned.source, tuned.measured) == (START, ADMIN_COMMENT_PLAN, ())
     else:
-        assert tuned.plan == tuning.best_estimated(_request(None)) and tuned.source == "estimated"  # nothing measured: not "tuned"
+        # Nothing measured: not "tuned".
+        assert tuned.plan == tuning.best_estimated(_request(None)) and tuned.source == "estimated"
 
 
 def test_the_tuned_plans_cache_keeps_the_zero_level_and_expert_parallelism_apart():
