@@ -14,7 +14,7 @@ from dataclasses import replace
 import click
 
 from estimator.cells import Cell, gpus_per_node_of
-from estimator.cluster import load_cluster
+from estimator.cluster import ClusterSpec, load_cluster
 from estimator.errors import SpecError
 from estimator.estimate import EstimateOptions, stage_counts
 from estimator.jobs import JobSpec
@@ -29,8 +29,7 @@ DEFAULT_CLUSTER = "crius-1280"
 MEASURE_TOP = 3
 
 
-def _cells(job: JobSpec, cluster_name: str, gpus_per_node: int | None, stages: int | None) -> list[Cell]:
-    cluster = load_cluster(cluster_name)
+def _cells(job: JobSpec, cluster: ClusterSpec, gpus_per_node: int | None, stages: int | None) -> list[Cell]:
     group = cluster.group(job.gpu_type)
     if gpus_per_node is not None and gpus_per_node < 1:
         raise SpecError("gpus_per_node", gpus_per_node, "give a positive integer")
@@ -138,7 +137,7 @@ def command(model, global_batch, gpu_type, gpus, gpus_per_node, stages, prune, m
     job = JobSpec(model, global_batch, gpus, gpu_type)
     check_micro_batches(micro_batches, job.global_batch)
     cluster_spec = load_cluster(cluster)
-    cells = _cells(job, cluster, gpus_per_node, stages)
+    cells = _cells(job, cluster_spec, gpus_per_node, stages)
     optimizer = load_model(model).optimizer
     evaluated, best = 0, None
     for level in (zero_level,) if zero_level is not None else ZERO_LEVELS:
