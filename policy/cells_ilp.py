@@ -320,8 +320,10 @@ class CellsIlpPolicy:
             candidates.append((e, c, alts, t_s, is_cur, value))
         note = ""
         if self.config.deadlines and job.deadline_s is not None and candidates:
+            # A first start is not charged a restart (its launch is not a checkpoint and resume).
+            start_s = snapshot.restart_cost_s if job.has_run else 0.0
             meets = [x for x in candidates
-                     if snapshot.now_s + (0.0 if x[4] else snapshot.restart_cost_s) + x[3] <= job.deadline_s]
+                     if snapshot.now_s + (0.0 if x[4] else start_s) + x[3] <= job.deadline_s]
             if not meets:
                 note = "cannot meet its deadline on any Cell; runs best effort"
             else:

@@ -194,7 +194,7 @@ class _Round:
         every = self.tables[job.job_id].fastest
         if not self.p.deadline_aware or job.deadline_s is None:
             return every
-        ran = _has_run(job)
+        ran = job.has_run
         meets = tuple(e for e in every if self._meets_deadline(job, e, restart=ran))
         return meets if meets or not ran else every
 
@@ -517,7 +517,3 @@ class _Round:
             else:
                 self.free.take(a.placement)
 
-
-def _has_run(job: JobView) -> bool:
-    """The job has started before (it runs, made progress, or was restarted)."""
-    return job.assignment is not None or job.iterations_done > 0 or job.restarts > 0

@@ -2,7 +2,8 @@
 
 What the Crius/Arena papers ran as their FCFS baseline: no scaling, no type change, no
 preemption. Jobs wait in one FIFO queue per requested GPU type; the head of a queue that
-does not fit blocks the jobs behind it (of that type only). The Cell is the requested
+does not fit blocks the jobs behind it (of that type only), unless it could not fit even
+on an empty cluster. The Cell is the requested
 type and count in the most local layout, with the stage count the estimator found
 fastest there; placement is whole nodes first, then best fit.
 
@@ -72,6 +73,9 @@ class FcfsPolicy:
 
     def decide(self, snapshot: Snapshot) -> Decision:
         free = FreeGpus.from_snapshot(snapshot)
+        # Every GPU free: a request that does not fit even so never will, and must not
+        # block the jobs behind it.
+        empty = FreeGpus([(n.name, n.gpu_type, n.total_gpus) for n in snapshot.nodes])
         types = set(free.by_type)
         blocked: set[str] = set()
         decisions: list[JobDecision] = []
@@ -91,6 +95,12 @@ class FcfsPolicy:
             if gtype in blocked:
                 continue
             placement = free.place(want.cell)
+            if placement is None and empty.place(want.cell) is None:
+                decisions.append(JobDecision(
+                    job.job_id, None, f"requested {want.cell.num_gpus} {gtype} ({want.cell.num_nodes} node(s) of "
+                    f"{min(want.cell.gpus_per_node, want.cell.num_gpus)}) never fit here "
+                    f"({empty.free_of_type(gtype)} {gtype} in all)"))
+                continue
             if placement is None:
                 if self.strict_fifo:
                     blocked.add(gtype)

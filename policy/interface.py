@@ -156,6 +156,12 @@ class JobView:
         return self.assignment.cell if self.assignment else None
 
     @property
+    def has_run(self) -> bool:
+        """The job has started before (it runs, made progress, or was restarted): a start
+        now is a checkpoint and resume, not its first launch."""
+        return self.assignment is not None or self.iterations_done > 0 or self.restarts > 0
+
+    @property
     def remaining_iterations(self) -> float:
         return max(0.0, self.iterations_total - self.iterations_done)
 

@@ -397,3 +397,19 @@ def test_a_waiting_job_is_not_backfilled_on_a_cell_that_misses_its_deadline_when
     d = CellsIlpPolicy().decide(s)
     validate_decision(s, d)
     assert final_assignments(s, d)["p"] is None
+
+
+def test_a_first_start_is_not_charged_a_restart_against_the_deadline():
+    """The v100 finishes the job 100 s before its deadline; a restart (200 s) would miss it,
+    but the job has never run, so its start is a launch, not a checkpoint and resume: it
+    starts there rather than waiting for the busy a100s."""
+    p = job("p", {("v100", 1): 64 / 2.5, ("a100", 4): 40.0}, gpus=1, gpu_type="v100", iterations=1000,
+            deadline=10_000.0 + 2600.0)
+    ys = [job(f"y{k}", {("a100", 2): 20.0}, gpus=2, iterations=10**7, user=f"w{k}", guaranteed=True,
+              running=("a100", 2, (("a100-0", 2),))) for k in range(2)]
+    s = snap([p, *ys], nodes(a100=1, v100=1), restart_cost_s=200.0)
+    d = CellsIlpPolicy().decide(s)
+    validate_decision(s, d)
+    a = final_assignments(s, d)["p"]
+    assert a is not None and a.cell.gpu_type == "v100"
+    assert "deadline" not in d.for_job("p").reason

@@ -372,3 +372,21 @@ def test_elasticflow_deadline_mode_sizes_the_minimum_share_by_the_deadline():
     assert cell_of(d, "j") == ("a100", 2) and cell_of(d, "o") is None
     d = run(ElasticFlowPolicy(), s)  # throughput mode: both get one GPU
     assert cell_of(d, "j") == ("a100", 1) and cell_of(d, "o") == ("a100", 1)
+
+
+# ---- fcfs ------------------------------------------------------------------------------
+
+def test_fcfs_a_request_larger_than_the_type_does_not_block_its_queue():
+    """16 a100 on a cluster of 8 never fit: the job is told so, and the 4-GPU job behind it
+    starts; a head that only waits for busy GPUs still blocks."""
+    from policy.fcfs import FcfsPolicy
+    big = job("big", {("a100", 16): 10.0}, gpus=16)
+    small = job("small", {("a100", 4): 10.0}, gpus=4, submit=1.0)
+    s = snap([a100(0), a100(1)], [big, small])
+    d = run(FcfsPolicy(), s)
+    assert "never fit" in d.for_job("big").reason and d.for_job("big").assignment is None
+    assert cell_of(d, "small") == ("a100", 4)
+    head = job("head", {("a100", 8): 10.0}, gpus=8)
+    s = snap([a100(0, unmanaged=2), a100(1)], [head, small])
+    d = run(FcfsPolicy(), s)
+    assert d.for_job("head").reason.startswith("waiting for 8 a100") and d.for_job("small") is None
