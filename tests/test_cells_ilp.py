@@ -369,17 +369,20 @@ def test_a_long_job_whose_model_fits_only_on_more_gpus_than_it_asked_starts_on_a
     assert outcome.status == "finished" and outcome.first_start_s == 0.0
 
 
+def busy_a100_jobs():
+    """Two guaranteed jobs holding a100-0's four GPUs for a long time."""
+    return [job(f"y{k}", {("a100", 2): 20.0}, gpus=2, iterations=10**7, user=f"w{k}", guaranteed=True,
+                running=("a100", 2, (("a100-0", 2),))) for k in range(2)]
+
+
 def test_a_running_job_that_will_miss_its_deadline_is_not_suspended_for_nothing():
     """Its own Cell misses the deadline and the Cells that would meet it are busy: the job
     keeps running (it was suspended with no taker for its GPUs, and waited beside them).
     The busy jobs are guaranteed theirs."""
     x_rates = {("v100", 1): 1.0, ("a100", 4): 40.0}
-    y_rates = {("a100", 2): 20.0}
     x = job("x", x_rates, gpus=1, gpu_type="v100", iterations=1000, deadline=10_000.0 + 3000.0,
             running=("v100", 1, (("v100-0", 1),)))
-    ys = [job(f"y{k}", y_rates, gpus=2, iterations=10**7, user=f"w{k}", guaranteed=True,
-              running=("a100", 2, (("a100-0", 2),)))
-          for k in range(2)]
+    ys = busy_a100_jobs()
     s = snap([x, *ys], nodes(a100=1, v100=1), restart_cost_s=10.0)
     d = CellsIlpPolicy().decide(s)
     validate_decision(s, d)
@@ -391,8 +394,7 @@ def test_a_waiting_job_is_not_backfilled_on_a_cell_that_misses_its_deadline_when
     on a v100 that cannot finish it in time."""
     p = job("p", {("v100", 1): 1.0, ("a100", 4): 40.0}, gpus=1, gpu_type="v100", iterations=1000,
             deadline=10_000.0 + 3000.0)
-    ys = [job(f"y{k}", {("a100", 2): 20.0}, gpus=2, iterations=10**7, user=f"w{k}", guaranteed=True,
-              running=("a100", 2, (("a100-0", 2),))) for k in range(2)]
+    ys = busy_a100_jobs()
     s = snap([p, *ys], nodes(a100=1, v100=1), restart_cost_s=10.0)
     d = CellsIlpPolicy().decide(s)
     validate_decision(s, d)
@@ -405,8 +407,7 @@ def test_a_first_start_is_not_charged_a_restart_against_the_deadline():
     starts there rather than waiting for the busy a100s."""
     p = job("p", {("v100", 1): 64 / 2.5, ("a100", 4): 40.0}, gpus=1, gpu_type="v100", iterations=1000,
             deadline=10_000.0 + 2600.0)
-    ys = [job(f"y{k}", {("a100", 2): 20.0}, gpus=2, iterations=10**7, user=f"w{k}", guaranteed=True,
-              running=("a100", 2, (("a100-0", 2),))) for k in range(2)]
+    ys = busy_a100_jobs()
     s = snap([p, *ys], nodes(a100=1, v100=1), restart_cost_s=200.0)
     d = CellsIlpPolicy().decide(s)
     validate_decision(s, d)
