@@ -286,8 +286,8 @@ def read_job_record(job_id: str, timeout_s: float = 30.0) -> str:
     Raises:
         OSError, subprocess.SubprocessError: scontrol is missing, fails or times out.
     """
-    return subprocess.run(scontrol_show_job_argv(job_id), capture_output=True, text=True,
-                          timeout=timeout_s, check=True).stdout
+    return subprocess.run(scontrol_show_job_argv(job_id), capture_output=True, encoding="utf-8",
+                          errors="replace", timeout=timeout_s, check=True).stdout
 
 
 def line_field_from_scontrol(text: str, name: str) -> str | None:

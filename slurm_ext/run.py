@@ -16,6 +16,10 @@ from slurm_ext.errors import CommandNotFoundError, CommandTimeoutError, SlurmCom
 
 log = logging.getLogger(__name__)
 
+# Slurm stores job names, comments and scripts as the user's bytes: one that is not UTF-8
+# must not make a listing of everybody's jobs unreadable (U+FFFD stands in for it).
+TEXT = {"encoding": "utf-8", "errors": "replace"}
+
 # Background children by PID, kept so that their exit status can be collected (`reap`).
 _CHILDREN: dict[int, subprocess.Popen] = {}
 
@@ -77,7 +81,7 @@ def run_command(argv: Sequence[str], timeout_s: float, input_text: str | None = 
     log.debug("run %s", args)
     try:
         proc = subprocess.run(
-            args, shell=False, input=input_text, capture_output=True, text=True,
+            args, shell=False, input=input_text, capture_output=True, **TEXT,
             timeout=timeout_s, env=_merged_env(env),
             stdin=subprocess.DEVNULL if input_text is None else None)
     except subprocess.TimeoutExpired:
@@ -110,7 +114,7 @@ def run_commands(argvs: Sequence[Sequence[str]], timeout_s: float,
             log.debug("run %s", args)
             procs.append(subprocess.Popen(args, shell=False, stdin=subprocess.DEVNULL,
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                          text=True, env=_merged_env(env)))
+                                          **TEXT, env=_merged_env(env)))
         deadline = time.monotonic() + timeout_s
         outputs = []
         for args, proc in zip(all_args, procs):

@@ -183,6 +183,15 @@ def test_output_input_and_environment():
     assert "PATH=" in env  # the rest of the environment is kept
 
 
+def test_output_that_is_not_utf8_is_read_with_a_stand_in():
+    """A job comment or script in Latin-1 (or any byte Slurm stored as given) must not make
+    the whole listing unreadable."""
+    latin1 = ["printf", "Autor: M\\374ller|a\\377b\\n"]
+    assert run_command(latin1, timeout_s=5).stdout == "Autor: M\ufffdller|a\ufffdb\n"
+    (out,) = run_commands([latin1], timeout_s=5)
+    assert out.stdout == "Autor: M\ufffdller|a\ufffdb\n"
+
+
 def test_failure_carries_argv_status_and_stderr():
     argv = ["sh", "-c", "echo 'scontrol: error: Invalid job id specified' >&2; exit 3"]
     with pytest.raises(SlurmCommandError) as info:
