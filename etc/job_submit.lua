@@ -76,8 +76,18 @@ end
 -- hook's own, so the reason goes to slurmctld's log).
 -- Nor may the owner turn a held elastic job into a plain one by changing its comment (it
 -- could then release it, running outside the daemon with the request it was given).
+-- Nor may the owner forbid an elastic job's requeue, held or running: the daemon rescales
+-- and suspends by requeueing, and Slurm ends a job with Requeue=0 on exit 86 instead.
 function slurm_job_modify(job_desc, job_rec, part_list, modify_uid)
-   if modify_uid == 0 or job_rec == nil or not is_elastic(job_rec.comment) or job_rec.priority ~= 0 then
+   if modify_uid == 0 or job_rec == nil or not is_elastic(job_rec.comment) then
+      return slurm.SUCCESS
+   end
+   if job_desc.requeue == 0 then
+      slurm.log_info("slurm-ext: uid %u may not forbid the requeue of elastic job %u: the daemon rescales it by requeueing",
+                     modify_uid, job_rec.job_id)
+      return slurm.ESLURM_ACCESS_DENIED or slurm.ERROR
+   end
+   if job_rec.priority ~= 0 then
       return slurm.SUCCESS
    end
    if job_desc.priority ~= nil and job_desc.priority ~= slurm.NO_VAL then

@@ -569,6 +569,9 @@ class Daemon:
             pc = plan_comment(job.admin_comment)
             if job.state == "RUNNING":
                 assignment = running_assignment(job, pc, node_types, part_types)
+                if not job.requeue:  # Slurm would end it on exit 86, not requeue it held
+                    log.info(kv("running_job_not_requeueable", job_id=job.job_id, nodes=",".join(job.nodes)))
+                    continue  # counted as unmanaged usage: never rescaled or suspended
                 if assignment is None:  # counted as unmanaged usage through the nodes' gres
                     log.info(kv("running_job_not_managed", job_id=job.job_id, nodes=",".join(job.nodes),
                                 granted=",".join(map(str, job.granted_gpus_per_node)),

@@ -11,6 +11,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from estimator.contract import PlanComment, format_plan_comment
 from policy.clock import SimulatedClock
 from policy.interface import RESIZE, Action
@@ -50,6 +52,7 @@ def seen_by_policy(daemon):
 
 
 def running(job_id=70, nodes=("a100-1",), gpu_type="a100", **kw):
+    kw.setdefault("requeue", True)
     return SlurmJob(job_id, "alice", "t", "RUNNING", partition="a100", priority=1, comment=SPEC,
                     admin_comment=STARTED, gpus_per_node=4, node_count=len(nodes),
                     granted_gpus_per_node=(4,) * len(nodes), granted_gpu_type=gpu_type, nodes=nodes,
@@ -494,3 +497,20 @@ def test_a_cell_over_a_per_job_limit_is_given_up_for_one_slurm_takes(tmp_path):
     clock.advance_to(NOW + 180)
     daemon.round()
     assert "Slurm refuses more (a per-job limit" in plan_comment(client._jobs[80].admin_comment).error
+
+
+@pytest.mark.parametrize("requeue", [True, False])
+def test_a_running_job_slurm_may_not_requeue_is_never_the_policys_to_rescale(tmp_path, requeue):
+    """Slurm ignores RequeueExitHold for a job with Requeue=0 (its owner may set it): exit 86
+    would end it. Such a job is left alone, its GPUs counted as unmanaged."""
+    daemon, _ = daemon_for(tmp_path, [running(requeue=requeue)],
+                           [node("a100-1", "a100", 4, used=4), node("a100-2", "a100", 4)])
+    seen = seen_by_policy(daemon)
+    daemon.round()
+    snapshot = seen["snapshots"][-1]
+    if requeue:
+        assert [(v.job_id, v.state) for v in snapshot.jobs] == [("70", "running")]
+        assert {n.name: n.unmanaged_gpus for n in snapshot.nodes} == {"a100-1": 0, "a100-2": 0}
+    else:
+        assert snapshot.jobs == ()
+        assert {n.name: n.unmanaged_gpus for n in snapshot.nodes} == {"a100-1": 4, "a100-2": 0}

@@ -175,7 +175,7 @@ def test_daemon_shows_the_tuned_plan_of_a_running_job_and_does_nothing_else(tmp_
     job = SlurmJob(41, "alice", "train", "RUNNING", partition="a100", comment="elastic model=gpt-760m",
                    admin_comment=comment, gpus_per_node=4, granted_gpus_per_node=(4,),
                    granted_gpu_type="a100", nodes=("a100-1",), node_count=1,
-                   submit_time_s=1000, start_time_s=1000, priority=1)
+                   submit_time_s=1000, start_time_s=1000, priority=1, requeue=True)
     client = FakeSlurm([job], [node("a100-1", "a100", 4, used=4)], TRAINER)
     (tmp_path / "41").mkdir()
     (tmp_path / "41" / MEASURED_FILE).write_text(measured_json(
@@ -324,7 +324,8 @@ def test_a_rescale_on_nodes_slurm_picks_holds_its_new_cell_where_its_run_leaves_
     running = SlurmJob(7, "alice", "train", "RUNNING", partition="a100", comment=spec,
                        admin_comment="requested=any cell=a100x8:s1", gpus_per_node=4, granted_gpus_per_node=(4, 4),
                        granted_gpu_type="a100", nodes=("a100-1", "a100-2"), node_count=2,
-                       submit_time_s=now - 3600, start_time_s=now - 3000, priority=1)
+                       submit_time_s=now - 3600, start_time_s=now - 3000, priority=1,
+                       requeue=True)
     waiting = SlurmJob(8, "bob", "train", "PENDING", reason="JobHeldAdmin", partition="a100",
                        comment="elastic model=gpt-760m gpus=2 global_batch=64 iterations=1000",
                        admin_comment="requested=any", gpus_per_node=2, node_count=1, submit_time_s=now - 60)
@@ -428,7 +429,7 @@ def test_a_running_job_progresses_by_the_step_its_runner_reports(tmp_path, resta
                    admin_comment="requested=any cell=a100x4:s1 plan=[dp4tp1] mb=4 remat=1 why=started",
                    gpus_per_node=4, granted_gpus_per_node=(4,), granted_gpu_type="a100", nodes=("a100-1",),
                    node_count=1, submit_time_s=int(time.time()) - 3600, start_time_s=int(time.time()) - 3600,
-                   priority=1, restart_count=restart_count)
+                   priority=1, restart_count=restart_count, requeue=True)
     client = FakeSlurm([job], [node("a100-1", "a100", 4, used=4)], TRAINER)
     (tmp_path / "41").mkdir()
     (tmp_path / "41" / MEASURED_FILE).write_text(measured_json(

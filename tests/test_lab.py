@@ -138,12 +138,20 @@ def test_owner_cannot_release_a_held_elastic_job(slurm_lab, slurm_client):
     for argv in (["scontrol", "release", str(job_id)], ["scontrol", "hold", str(job_id)],
                  ["scontrol", "update", f"JobId={job_id}", "Priority=100"],
                  # a plain job's comment, and the release after it, would leave the daemon out
-                 ["scontrol", "update", f"JobId={job_id}", "Comment=plain"]):
+                 ["scontrol", "update", f"JobId={job_id}", "Comment=plain"],
+                 # exit 86 would end a job Slurm may not requeue, not requeue it held
+                 ["scontrol", "update", f"JobId={job_id}", "Requeue=0"]):
         with pytest.raises(SlurmCommandError, match="(?i)permission denied"):  # not "Unspecified error"
             run_command([*as_nobody, *argv], timeout_s=20, env=slurm_lab.env())
     assert slurm_client.job(job_id).is_held
     slurm_client.release(job_id)  # root (the daemon) may
     assert not slurm_client.job(job_id).is_held
+    wait_for("the released job to run", job_where(slurm_client, job_id, lambda j: j.is_running))
+    with pytest.raises(SlurmCommandError, match="(?i)permission denied"):  # running, the daemon may rescale it
+        run_command([*as_nobody, "scontrol", "update", f"JobId={job_id}", "Requeue=0"],
+                    timeout_s=20, env=slurm_lab.env())
+    assert slurm_client.job(job_id).requeue
+    slurm_client.cancel(job_id)
 
 
 @pytest.mark.slurm

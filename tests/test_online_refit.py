@@ -251,7 +251,7 @@ def test_daemon_writes_a_refit_when_a_running_job_is_far_off_its_estimate(tmp_pa
                    admin_comment=f"requested=any {plan} why=started",
                    gpus_per_node=4, granted_gpus_per_node=(4,), granted_gpu_type="a100", nodes=("a100-1",),
                    node_count=1, submit_time_s=int(time.time()) - 60, start_time_s=int(time.time()) - 60,
-                   priority=1)
+                   priority=1, requeue=True)
     nodes = [SlurmNode("a100-1", "mixed", partitions=("a100",), features=("a100",),
                        gres=(Gres("gpu", "a100", 4),), gres_used=(Gres("gpu", "a100", 4),))]
     cfg = resolve({"state_db": str(tmp_path / "state.db"), "checkpoint_root": str(tmp_path),
