@@ -215,12 +215,18 @@ def start(*, stop: StopSignal | None = None, identity: dict | None = None,
     settings = _job_settings(script, comment, given, require, env, alloc)
     cfg = resolve_config(given, env, alloc, settings, gpu_available(), require)
     if cfg.launch == "srun" and alloc.num_nodes > 1 and not alloc.in_step:
+        if stop.name is not None:  # exec would forget it: the last checkpoint stands
+            log.info("%s before the tasks started; exiting", stop.name)
+            raise SystemExit(EXIT_RESCALE if stop.name == "SIGUSR1" else EXIT_TERMINATED)
         _relaunch_under_srun(alloc, relaunch_argv or [sys.executable, *sys.orig_argv[1:]], settings)
     _configure_jax(cfg, alloc)
     import jax
     if alloc.num_processes > 1:
         address = coordinator_address(alloc, env.get(COORDINATOR_ENV),
                                       host_resolves(alloc.node_names[0] if alloc.node_names else ""))
+        # JAX's preemption service would take SIGTERM for itself (a C++ handler that
+        # replaces ours): the runner's own checkpoint-and-exit-143 must see it.
+        jax.config.update("jax_enable_preemption_service", False)
         jax.distributed.initialize(address, alloc.num_processes, alloc.process_id)
         log.info("jax.distributed: process %d of %d (coordinator %s), %d local and %d global devices",
                  jax.process_index(), jax.process_count(), address, jax.local_device_count(),

@@ -437,6 +437,38 @@ def test_the_relaunch_starts_one_task_per_node_whatever_the_job_asked(monkeypatc
     assert args[-3:] == ["python", "-m", "job_scripts.run"]
 
 
+@pytest.mark.parametrize("name, code", [("SIGUSR1", 86), ("SIGTERM", 143)])
+def test_a_stop_before_the_relaunch_ends_the_batch_process_instead_of_being_forgotten(monkeypatch, name, code):
+    """The exec that starts the tasks would drop a signal the batch process already took:
+    a rescale asked for then would be ignored until the daemon forced the requeue."""
+    from job_scripts import runtime
+    from job_scripts.stop_signal import StopSignal
+
+    calls = []
+
+    class Execed(Exception):
+        pass
+
+    def execvp(file, args):  # as exec would, nothing after it runs here
+        calls.append((file, args))
+        raise Execed
+    monkeypatch.setattr(runtime.os, "execvp", execvp)
+    monkeypatch.delenv(runtime.SETTINGS_ENV, raising=False)
+    env = {"SLURM_JOB_NODELIST": "a100-[1-2]", "SLURM_JOB_NUM_NODES": "2", "SLURM_GPUS_ON_NODE": "2",
+           "SLURM_JOB_PARTITION": "a100"}
+    stop = StopSignal()
+    stop.name = name
+    with pytest.raises(SystemExit) as info:
+        runtime.start(stop=stop, env=env, model="gpt-760m", global_batch=8, iterations=4, launch="srun",
+                      platform="cpu")
+    assert info.value.code == code and calls == []
+    stop.name = None  # no signal: the tasks are started
+    with pytest.raises(Execed):
+        runtime.start(stop=stop, env=env, model="gpt-760m", global_batch=8, iterations=4, launch="srun",
+                      platform="cpu")
+    assert [file for file, _ in calls] == ["srun"]
+
+
 def test_a_task_on_another_node_takes_the_settings_its_batch_process_read(monkeypatch, tmp_path):
     """Slurm's copy of the batch script (``$0``) is on the batch node only: a task srun
     starts elsewhere finds no file there, and runs on the settings passed to it."""

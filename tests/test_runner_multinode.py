@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from estimator.contract import EXIT_RESCALE, EXIT_TERMINATED
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY_GPT = ROOT / "tests" / "fixtures" / "runner" / "tiny-gpt.yaml"
 GLOBAL_BATCH = 16
@@ -93,8 +95,11 @@ def _wait_all(procs: list[subprocess.Popen], logs: list[Path]) -> list[int]:
         pytest.fail("runner did not exit:\n" + "\n".join(log.read_text()[-2000:] for log in logs))
 
 
-@pytest.mark.parametrize("plan", [PLAN, ZERO3_PLAN])
-def test_two_processes_join_jax_distributed_and_train_like_one(tmp_path, tmp_path_factory, plan):
+# SIGTERM (scancel, the time limit) must reach the runner in every process: JAX's
+# preemption service would otherwise take it, and the job would train on until killed.
+@pytest.mark.parametrize("plan, stop", [(PLAN, signal.SIGUSR1), (ZERO3_PLAN, signal.SIGTERM)],
+                         ids=["usr1-pipeline", "term-zero3"])
+def test_two_processes_join_jax_distributed_and_train_like_one(tmp_path, tmp_path_factory, plan, stop):
     cache = tmp_path_factory.getbasetemp() / "runner-jax-cache"
     cache.mkdir(exist_ok=True)
     ref_log = tmp_path / "single.log"
@@ -108,7 +113,7 @@ def test_two_processes_join_jax_distributed_and_train_like_one(tmp_path, tmp_pat
     procs = []
     for rank, log_path in enumerate(logs):
         with open(log_path, "w") as out:
-            # Far more iterations than it will run: SIGUSR1 ends it.
+            # Far more iterations than it will run: the signal ends it.
             procs.append(subprocess.Popen(_runner_argv(tmp_path / "ckpt", cache, None, 10_000, plan),
                                           cwd=ROOT, env=_task_env(job_id, rank), stdout=out,
                                           stderr=subprocess.STDOUT))
@@ -120,10 +125,11 @@ def test_two_processes_join_jax_distributed_and_train_like_one(tmp_path, tmp_pat
         time.sleep(0.1)
     for p in procs:
         if p.poll() is None:
-            p.send_signal(signal.SIGUSR1)
+            p.send_signal(stop)
     codes = _wait_all(procs, logs)
     texts = [p.read_text() for p in logs]
-    assert codes == [86, 86], "\n".join(t[-3000:] for t in texts)
+    code = EXIT_RESCALE if stop == signal.SIGUSR1 else EXIT_TERMINATED
+    assert codes == [code, code], "\n".join(t[-3000:] for t in texts)
 
     for rank, text in enumerate(texts):
         assert re.search(rf"jax.distributed: process {rank} of 2 \(coordinator 127\.0\.0\.1:"
@@ -131,7 +137,7 @@ def test_two_processes_join_jax_distributed_and_train_like_one(tmp_path, tmp_pat
     # Both took the same steps with the same losses and stopped after the same one.
     steps = [_losses(t) for t in texts]
     assert steps[0] == steps[1] and len(steps[0]) >= ITERATIONS
-    saved = [int(re.search(r"SIGUSR1: checkpointed step (\d+); exiting 86", t).group(1)) for t in texts]
+    saved = [int(re.search(rf"{stop.name}: checkpointed step (\d+); exiting {code}", t).group(1)) for t in texts]
     assert saved[0] == saved[1] == max(steps[0])
     # One checkpoint, to which each process wrote its own stage's shards.
     arrays = tmp_path / "ckpt" / str(saved[0]) / "arrays"
