@@ -17,9 +17,11 @@ straight from the files (for the pipeline's flat buffers, whose layout is its ow
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,16 +48,25 @@ class Saved:
 
 
 def write_json_atomic(path: Path, obj: object) -> None:
-    """Write JSON to ``path`` through a temporary file, fsync and rename."""
+    """Write JSON to ``path`` through a temporary file, fsync and rename. The temporary
+    file's name is the writer's own: two jobs writing one shared file (a tuned plan) each
+    rename a whole file, and the last one stands."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    # O_EXCL: a name no one else holds; the mode is open()'s, under the umask.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 class ArrayReader:

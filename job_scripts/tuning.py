@@ -385,7 +385,10 @@ def tune_plan(req: TuneRequest, cfg: TuneConfig, agree: Callable[[float], float]
     # A search a stop cut short is not kept: the next run on this Cell searches afresh.
     if writer and cfg.cache_dir is not None and len(measured) > 1 and not stopped:
         key = cache_key(req)
-        write_json_atomic(_cache_path(cfg.cache_dir, key), {
-            "key": key, "plan": best.plan, "iteration_time_s": best.iteration_time_s,
-            "tuned_at_s": time.time(), "measured": [m.__dict__ for m in measured]})
+        try:  # a cache: the job trains on its tuned plan whether or not others can reuse it
+            write_json_atomic(_cache_path(cfg.cache_dir, key), {
+                "key": key, "plan": best.plan, "iteration_time_s": best.iteration_time_s,
+                "tuned_at_s": time.time(), "measured": [m.__dict__ for m in measured]})
+        except OSError as e:
+            log.warning("tuned plan not cached in %s: %s", cfg.cache_dir, e)
     return Tuned(best.plan, best.iteration_time_s, source, tuning_s, tuple(measured), start_s)

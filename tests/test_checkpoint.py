@@ -371,3 +371,31 @@ def test_a_checkpoint_path_that_is_a_file_is_refused_before_any_training(tmp_pat
     (tmp_path / "afile").write_text("x")
     message = _refusal(lambda: Checkpoints(tmp_path / "afile"))
     assert message is not None and "not a directory" in message and "\n" not in message
+
+
+def test_writers_of_one_json_file_at_once_each_write_a_whole_file():
+    """Jobs of one model, batch and Cell share a tuned-plan file: concurrent writers must
+    neither fail (a shared temporary name was renamed away under one) nor leave parts."""
+    import tempfile
+    import threading
+
+    from job_scripts.checkpoint import write_json_atomic
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "plan.json"
+        errors = []
+
+        def write(k):
+            try:
+                for i in range(40):
+                    write_json_atomic(path, {"writer": k, "i": i, "pad": "x" * 4096})
+            except OSError as e:
+                errors.append(e)
+        threads = [threading.Thread(target=write, args=(k,)) for k in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        assert json.loads(path.read_text())["pad"] == "x" * 4096
+        assert [p.name for p in Path(d).iterdir()] == ["plan.json"]  # no temporary left behind
