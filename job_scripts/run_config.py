@@ -25,6 +25,8 @@ SETTINGS_ENV = "SLURM_EXT_ELASTIC_SETTINGS"
 CHECKPOINT_EVERY_ENV = "SLURM_EXT_CHECKPOINT_EVERY"
 DEFAULT_CHECKPOINT_EVERY = 50  # steps between periodic checkpoints unless set (0: none)
 TUNE_ENV = "SLURM_EXT_TUNE"
+TUNE_WORDS = {"1": True, "yes": True, "on": True, "true": True, "0": False, "no": False, "off": False,
+              "false": False}
 TUNE_BUDGET_ENV = "SLURM_EXT_TUNE_BUDGET_S"
 TUNE_FRAC_ENV = "SLURM_EXT_TUNE_BUDGET_FRAC"
 COMPILE_CACHE_DIR = "jax-cache"  # beside the jobs' checkpoint directories
@@ -90,7 +92,7 @@ def _float_env(env: dict[str, str], name: str, default: float) -> float:
         value = float(raw)
     except ValueError:
         raise SpecError(name, raw, "give a number") from None
-    if value < 0:
+    if not value >= 0:  # NaN too
         raise SpecError(name, raw, "give a non-negative number")
     return value
 
@@ -176,7 +178,10 @@ def resolve_config(given: dict, env: dict[str, str], alloc: SlurmAllocation,
         raise SpecError("devices", devices, f"cannot be split evenly over {alloc.num_processes} processes")
     tune_flag = given.get("tune")
     if tune_flag is None:
-        tune_flag = env.get(TUNE_ENV, "1").strip().lower() not in ("0", "no", "off", "false")
+        word = env.get(TUNE_ENV, "1").strip().lower()
+        if word not in TUNE_WORDS:
+            raise SpecError(TUNE_ENV, word, f"give one of {', '.join(sorted(TUNE_WORDS))}")
+        tune_flag = TUNE_WORDS[word]
     budget_s, budget_frac = pick("tune_budget_s"), pick("tune_budget_frac")
     tune = TuneConfig(
         enabled=bool(tune_flag),
@@ -192,6 +197,7 @@ def resolve_config(given: dict, env: dict[str, str], alloc: SlurmAllocation,
                      plan_text=pick("plan") or env.get(PLAN_ENV) or None, checkpoint_dir=ckpt,
                      checkpoint_every=checkpoint_every, keep=keep, seed=seed,
                      num_devices=devices, platform=platform,
-                     warmup_steps=max(0, given.get("warmup_steps") if given.get("warmup_steps") is not None else 2),
+                     warmup_steps=2 if given.get("warmup_steps") is None else _whole(
+                         "warmup_steps", given["warmup_steps"], 0, "steps not timed after each start"),
                      compile_cache_dir=cache or None, launch=launch, tune=tune,
                      job_checkpoint_dir=not pick("checkpoint_dir") and bool(alloc.job_id))

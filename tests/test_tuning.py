@@ -142,3 +142,30 @@ def test_a_search_cut_short_by_a_stop_is_not_cached(monkeypatch, tmp_path):
                                  stop=lambda: stop_after is not None and len(measured) >= stop_after, writer=True)
         assert tuned.plan == START and len(measured) == (2 if stop_after else len(tuned.measured)) > 1
         assert len(list(tmp_path.glob("*.json"))) == files  # only the whole search is kept
+
+
+@pytest.mark.parametrize("env, given, key", [
+    ({"SLURM_EXT_TUNE_BUDGET_S": "nan"}, {}, "SLURM_EXT_TUNE_BUDGET_S"),
+    ({"SLURM_EXT_TUNE_BUDGET_FRAC": "nan"}, {}, "SLURM_EXT_TUNE_BUDGET_FRAC"),
+    ({"SLURM_EXT_TUNE": "maybe"}, {}, "SLURM_EXT_TUNE"),
+    ({}, {"warmup_steps": -5}, "warmup_steps"),
+])
+def test_a_malformed_tuning_or_warm_up_setting_is_refused_not_taken(env, given, key):
+    """NaN budgets (tuning stopped after one plan, or the fraction ignored), an unknown word
+    for on/off (tuning turned on) and a negative warm-up (read as 0) were all taken."""
+    from estimator.errors import SpecError
+    from job_scripts.run_config import resolve_config
+    from job_scripts.slurm_env import SlurmAllocation
+
+    alloc = SlurmAllocation(None, (), 0, None, None, 0)
+    with pytest.raises(SpecError, match=key):
+        resolve_config({"global_batch": 8, **given}, env, alloc, {}, False)
+
+
+@pytest.mark.parametrize("word, enabled", [("off", False), ("No", False), ("yes", True), (" 1 ", True)])
+def test_tuning_is_turned_on_and_off_by_the_words_for_it(word, enabled):
+    from job_scripts.run_config import resolve_config
+    from job_scripts.slurm_env import SlurmAllocation
+
+    alloc = SlurmAllocation(None, (), 0, None, None, 0)
+    assert resolve_config({"global_batch": 8}, {"SLURM_EXT_TUNE": word}, alloc, {}, False).tune.enabled is enabled
