@@ -75,6 +75,9 @@ class RunConfig:
     launch: str  # single | srun (one process per node, joined by jax.distributed)
     tune: TuneConfig = TuneConfig()
     job_checkpoint_dir: bool = False  # checkpoint_dir is ROOT/<job id>, not one given
+    # Where the runner's report (measured.json) goes: ROOT/<job id>, where the daemon reads
+    # it, even when the checkpoints are an earlier job's (--checkpoint-dir); None: beside them.
+    report_dir: Path | None = None
 
 
 def _number(settings: dict[str, str], key: str) -> int | None:
@@ -200,4 +203,5 @@ def resolve_config(given: dict, env: dict[str, str], alloc: SlurmAllocation,
                      warmup_steps=2 if given.get("warmup_steps") is None else _whole(
                          "warmup_steps", given["warmup_steps"], 0, "steps not timed after each start"),
                      compile_cache_dir=cache or None, launch=launch, tune=tune,
-                     job_checkpoint_dir=not pick("checkpoint_dir") and bool(alloc.job_id))
+                     job_checkpoint_dir=not pick("checkpoint_dir") and bool(alloc.job_id),
+                     report_dir=Path(root) / alloc.job_id if alloc.job_id else None)

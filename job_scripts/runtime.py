@@ -578,7 +578,7 @@ class Job:
             steps_measured=self._meter.timed, samples_per_s=self.global_batch / mean if mean else None,
             step=self._step, step_at_s=self._step_at_s, updated_at_s=self._written_at_s,
             peak_memory_gb=self.peak_memory_gb(), **self._phases)
-        write_json_atomic(self.config.checkpoint_dir / MEASURED_FILE, report.to_json())
+        write_json_atomic((self.config.report_dir or self.config.checkpoint_dir) / MEASURED_FILE, report.to_json())
 
     def finish(self, step: int, arrays, meta: dict | None = None) -> int:
         """Checkpoint the state after ``step`` (unless already), leave jax.distributed

@@ -259,6 +259,10 @@ def test_config_precedence_flag_env_comment_script(tmp_path):
     assert cfg.global_batch == 32 and cfg.plan_text == env["SLURM_EXT_PLAN"]
     assert cfg.checkpoint_dir == tmp_path / "shared" / "17"
     assert not cfg.tune.enabled and cfg.tune.budget_s == 90
+    # Continuing an earlier job's checkpoints: the report still goes where the daemon reads
+    # this job's (ROOT/<job id>/measured.json).
+    old = _config({"checkpoint_dir": str(tmp_path / "shared" / "9")}, env, alloc, str(script))
+    assert old.checkpoint_dir == tmp_path / "shared" / "9" and old.report_dir == tmp_path / "shared" / "17"
     assert _config({"tune": True, "tune_budget_frac": 0.2}, env, alloc, str(script)).tune.budget_frac == 0.2
     with pytest.raises(SpecError, match="iterations"):
         _config({"model": "gpt-760m", "global_batch": 8}, {}, alloc)
