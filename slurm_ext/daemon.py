@@ -50,7 +50,7 @@ from slurm_ext.observe import (  # noqa: F401
     model_loader_for, node_type, partition_types, plan_comment, profile_db_if_written, profile_version,
     requested_gpus, rescale_pins, reserved_cell, gpu_releases, running_assignment, running_plan_comment,
     runner_progress, type_partitions, update_cell, finish_on_s, rescale_new_cell, rescale_releases,
-    cell_gpus, kept_back_by_slurm, launch_is_stale, per_job_limit, required_placement,
+    cell_gpus, kept_back_by_slurm, launch_is_stale, over_per_job_limit, required_placement,
     waits_on_its_own_condition,
 )
 from slurm_ext.profile_job import (
@@ -782,8 +782,10 @@ class Daemon:
     def _launch_stale(self, job: SlurmJob, now_s: float) -> bool:
         """A released job Slurm will not start as planned (``launch_is_stale``): decide it
         afresh; one over a per-job limit, on fewer GPUs than Slurm refused."""
-        if per_job_limit(job) and (refused := cell_gpus(job)):
-            self._gpu_caps[job.job_id] = min(self._gpu_caps.get(job.job_id, refused), refused) - 1
-            if not self.config.dry_run:
-                self.store.put_gpu_cap(job.job_id, self._gpu_caps[job.job_id])
-        return launch_is_stale(job, self.store.entries(job.job_id), now_s, self.config.interval_s)
+        entries = self.store.entries(job.job_id)
+        if over_per_job_limit(job, entries, now_s) and (refused := cell_gpus(job)):
+            cap = min(self._gpu_caps.get(job.job_id, refused), refused - 1)
+            if cap != self._gpu_caps.get(job.job_id) and not self.config.dry_run:
+                self.store.put_gpu_cap(job.job_id, cap)
+            self._gpu_caps[job.job_id] = cap
+        return launch_is_stale(job, entries, now_s, self.config.interval_s)

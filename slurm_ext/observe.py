@@ -64,6 +64,9 @@ OWN_CONDITION_REASONS = frozenset({"Dependency", "DependencyNeverSatisfied", "Be
 # LAUNCH_TIMEOUT_MIN_S).
 LAUNCH_TIMEOUT_ROUNDS = 3
 LAUNCH_TIMEOUT_MIN_S = 60.0
+# Slurm's scheduler evaluates a pending job at least this often (sched_interval, 60 s by
+# default; backfill every 30 s): a per-job limit's reason is the current Cell's only then.
+PER_JOB_LIMIT_SETTLE_S = 60.0
 
 
 def per_job_limit(job: SlurmJob) -> bool:
@@ -82,16 +85,28 @@ def waits_on_its_own_condition(job: SlurmJob) -> bool:
 
 def launch_is_stale(job: SlurmJob, entries, now_s: float, interval_s: float) -> bool:
     """A released job Slurm will not start as planned: Slurm says it never will
-    (``STUCK_REASONS``, a per-job limit), or it has waited more than
-    ``LAUNCH_TIMEOUT_ROUNDS`` rounds for GPUs the policy thought were free, counted from
-    its release in the journal ``entries``: the entry's close (a rescale's comes after its
-    checkpoint). A job the journal has no release of (a state file made anew, a job
-    released by hand) is stale too: nothing says Slurm is about to start it."""
-    if job.reason in STUCK_REASONS or per_job_limit(job):
+    (``STUCK_REASONS``, a per-job limit met by its current Cell: ``over_per_job_limit``),
+    or it has waited more than ``LAUNCH_TIMEOUT_ROUNDS`` rounds for GPUs the policy thought
+    were free, counted from its release in the journal ``entries``: the entry's close (a
+    rescale's comes after its checkpoint). A job the journal has no release of (a state
+    file made anew, a job released by hand) is stale too: nothing says Slurm is about to
+    start it."""
+    if job.reason in STUCK_REASONS or over_per_job_limit(job, entries, now_s):
         return True
     last = last_release(entries)
     limit_s = max(LAUNCH_TIMEOUT_MIN_S, LAUNCH_TIMEOUT_ROUNDS * interval_s)
     return last is None or now_s - max(last.created_s, last.updated_s) > limit_s
+
+
+def over_per_job_limit(job: SlurmJob, entries, now_s: float) -> bool:
+    """Slurm keeps the job back for a per-job limit, and the reason is about its current
+    Cell: Slurm keeps a pending job's reason through an update until its scheduler looks
+    at the job again (at least every minute, ``PER_JOB_LIMIT_SETTLE_S``), so a reason
+    seen sooner after the last start or release may be the previous Cell's."""
+    if not per_job_limit(job):
+        return False
+    last = last_release(entries)
+    return last is None or now_s - max(last.created_s, last.updated_s) >= PER_JOB_LIMIT_SETTLE_S
 
 
 def last_release(entries):

@@ -19,7 +19,7 @@ from policy.interface import RESIZE, Action
 from slurm_ext.act import Acts
 from slurm_ext.config import resolve
 from slurm_ext.daemon import Daemon
-from slurm_ext.observe import plan_comment
+from slurm_ext.observe import PER_JOB_LIMIT_SETTLE_S, plan_comment
 from slurm_ext.slurm_client import Gres, JobUpdate, SlurmJob, SlurmNode
 from slurm_ext.store import Store
 from test_daemon import TRAINER, node
@@ -514,3 +514,22 @@ def test_a_running_job_slurm_may_not_requeue_is_never_the_policys_to_rescale(tmp
     else:
         assert snapshot.jobs == ()
         assert {n.name: n.unmanaged_gpus for n in snapshot.nodes} == {"a100-1": 4, "a100-2": 0}
+
+
+def test_a_per_job_limit_reason_slurm_has_not_looked_at_again_does_not_shrink_the_job_further(tmp_path):
+    """Decided afresh on 4 GPUs after 8 were refused, the job still shows the limit's reason
+    until Slurm's scheduler looks at it again: rounds in that minute neither lower the cap
+    again nor decide the job afresh (it had shrunk round by round to no Cell at all)."""
+    daemon, client, clock, refused = _refused_by_a_per_job_limit(tmp_path)
+    assert daemon.round().actions == (("start", 80),)
+    cap = daemon._gpu_caps[80]
+    assert cap == refused - 1
+    shrunk = plan_comment(client._jobs[80].admin_comment).cell_parts()[1]
+    for k in range(1, 6):  # the old reason, seen again before Slurm's next look
+        clock.advance_to(NOW + 60 + 2 * k)
+        assert daemon.round().actions == ()
+    assert daemon._gpu_caps[80] == cap and daemon.store.gpu_caps()[80] == cap
+    assert plan_comment(client._jobs[80].admin_comment).cell_parts()[1] == shrunk
+    clock.advance_to(NOW + 60 + PER_JOB_LIMIT_SETTLE_S)  # Slurm refuses the new Cell too
+    assert daemon.round().actions == (("start", 80),)
+    assert daemon._gpu_caps[80] == shrunk - 1
