@@ -214,8 +214,11 @@ class SlurmNode:
         """Up or powered down, and schedulable (not down, drained, failing or not responding)."""
         # A node power saving turned off (``idle~``, POWERED_DOWN) is usable: Slurm powers
         # it up for a job given it. One being turned off (POWER_DOWN, POWERING_DOWN) is not.
+        # Slurm 22.05 and 23.11+ spell some flags apart (``maint``/``MAINTENANCE``,
+        # ``reboot``/``REBOOT_REQUESTED``, ``inval``/``INVALID_REG``): both are here.
         bad = {"down", "drained", "draining", "drain", "fail", "failing", "future",
-               "unknown", "inval", "maint", "reboot", "power_down", "powering_down"}
+               "unknown", "inval", "invalid_reg", "maint", "maintenance", "reboot", "reboot_requested",
+               "reboot_issued", "power_down", "powering_down"}
         flags = {f.lower() for f in self.state_flags}
         return self.state not in bad and not flags & (bad | {"not_responding"})
 

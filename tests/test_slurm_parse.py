@@ -8,7 +8,7 @@ import pytest
 
 from estimator.cluster import load_cluster
 from slurm_ext.errors import SlurmParseError
-from slurm_ext.slurm_client import Gres
+from slurm_ext.slurm_client import Gres, SlurmNode
 from slurm_ext.slurm_parse import (
     exit_code, expand_hostlist, listing_exit_code, listing_records, number, parse_gres,
     parse_gres_detail, parse_gres_item, parse_job_detail, parse_job_listing, parse_jobs,
@@ -183,6 +183,15 @@ def test_newer_sinfo_state_lists_flags_and_duplicate_nodes():
     assert not nodes["v100-1"].is_usable
     assert nodes["v100-1"].features == ("v100", "nvlink")
     assert nodes["v100-1"].partitions == ("v100", "all")
+
+
+@pytest.mark.parametrize("flag", ["MAINTENANCE", "REBOOT_REQUESTED", "REBOOT_ISSUED", "INVALID_REG"])
+def test_a_node_under_a_slurm_23_11_flag_that_keeps_jobs_off_it_is_not_usable(flag):
+    """23.11 and later spell these flags out (22.05: maint, reboot, inval): a node in
+    maintenance or about to reboot has no GPUs to give."""
+    node = SlurmNode("a100-3", "idle", state_flags=(flag,), gres=(Gres("gpu", "a100", 4),))
+    assert not node.is_usable and node.gpus_free == 0
+    assert SlurmNode("a100-3", "idle", gres=(Gres("gpu", "a100", 4),)).gpus_free == 4
 
 
 def test_controller_errors_and_garbage_raise_quoting_the_text():
