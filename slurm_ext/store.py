@@ -69,6 +69,7 @@ CREATE TABLE IF NOT EXISTS journal (
     payload_json TEXT NOT NULL, state TEXT NOT NULL, note TEXT NOT NULL DEFAULT '',
     created_s REAL NOT NULL, updated_s REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS journal_open ON journal (state);
+CREATE INDEX IF NOT EXISTS journal_job ON journal (job_id, id);
 CREATE TABLE IF NOT EXISTS refit_observations (
     job_id INTEGER NOT NULL, plan TEXT NOT NULL, gpu_type TEXT NOT NULL,
     observation_json TEXT NOT NULL, seen_s REAL NOT NULL, PRIMARY KEY (job_id, plan));

@@ -116,6 +116,14 @@ def test_prune_keeps_open_entries(store):
     assert [e.entry_id for e in store.entries()] == [a]
 
 
+def test_one_jobs_entries_are_found_through_an_index_not_a_scan(store):
+    """The daemon reads one job's entries for every job it released, every round: on a
+    long journal a scan of it per job made rounds slow."""
+    plan = " ".join(row[-1] for row in store._exec(
+        "EXPLAIN QUERY PLAN SELECT id FROM journal WHERE job_id = ? ORDER BY id", (1,)).fetchall())
+    assert "USING COVERING INDEX journal_job" in plan or "USING INDEX journal_job" in plan, plan
+
+
 def test_writes_are_committed_immediately(tmp_path):
     path = tmp_path / "j.db"
     s = Store(path)
