@@ -170,6 +170,8 @@ def test_expert_parallel_flag_reaches_the_plan(capsys):
 @pytest.mark.parametrize("args, message", [
     (("explain", "1234_5"), "'1234_5' is not a job id: an array task's own job id"),
     (("explain", "12", "--timeout-s", "0"), "0.0 is not in the range x>0"),
+    (("explain", "12", "--timeout-s", "inf"), "'inf' is not a finite number"),  # a traceback
+    (("squeue", "--timeout-s", "nan"), "'nan' is not a finite number"),  # "did not finish within nan s"
     (("estimate", "--model", "gpt-760m", "--global-batch", "256", "--micro-batches", "7"),
      "micro_batches=7: must divide the global batch 256"),
     (("estimate", "--model", "gpt-760m", "--global-batch", "64", "--cluster", "{tmp}"), "cannot read: Is a directory"),

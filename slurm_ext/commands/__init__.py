@@ -1,9 +1,25 @@
 """One module per `slurm-ext` subcommand; each defines a click command named ``command``."""
 
+import math
 import os
 from pathlib import Path
 
+import click
+
 from estimator.errors import SpecError
+
+
+class FiniteFloatRange(click.FloatRange):
+    """click's FloatRange, without ``inf`` and ``nan`` (which pass its bounds)."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
+
+
+POSITIVE_SECONDS = FiniteFloatRange(min=0, min_open=True)
 
 
 def check_writable(field: str, path: str | None, directory: bool = False) -> None:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import click
 
+from slurm_ext.commands import POSITIVE_SECONDS
+
 
 class JobIdType(click.ParamType):
     """A Slurm job id: digits only (``int`` would read ``1234_5``, an array task, as 12345)."""
@@ -36,7 +38,7 @@ class JobIdType(click.ParamType):
 @click.option("--config", "config_path", type=click.Path(dir_okay=False),
               help="The daemon's configuration (partitions, cluster, plan space); default: $SLURM_EXT_CONFIG.")
 @click.option("--state-db", help="The daemon's state file, for the job's history (read only).")
-@click.option("--timeout-s", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
+@click.option("--timeout-s", type=POSITIVE_SECONDS, default=30.0, show_default=True,
               help="Time limit of each Slurm call.")
 def command(job_id, as_json, config_path, state_db, timeout_s):
     """Why a job got its Cell, or why it waits, and when it is expected to start and end."""

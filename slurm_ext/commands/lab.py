@@ -5,6 +5,7 @@ from pathlib import Path
 
 import click
 
+from slurm_ext.commands import POSITIVE_SECONDS
 from slurm_ext.errors import LabError, SlurmExtError
 
 
@@ -29,7 +30,7 @@ def _fail(e: Exception) -> None:
               help="Cluster spec to emulate (built-in name or YAML file).")
 @click.option("--base-port", type=click.IntRange(1024, 65000), default=17800, show_default=True,
               help="slurmctld's port; the slurmds use the ports after it.")
-@click.option("--timeout", "timeout_s", type=float, default=60.0, show_default=True,
+@click.option("--timeout", "timeout_s", type=POSITIVE_SECONDS, default=60.0, show_default=True,
               help="Seconds `up` waits for every node to be idle.")
 @click.option("--slurm-prefix", envvar="SLURM_EXT_SLURM_PREFIX", default=None,
               help="Run the Slurm built into this prefix (e.g. /opt/slurm-25.11 from "

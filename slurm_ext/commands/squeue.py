@@ -12,11 +12,13 @@ import os
 
 import click
 
+from slurm_ext.commands import POSITIVE_SECONDS
+
 
 @click.command("squeue")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: {\"jobs\": [...]}.")
 @click.option("--all", "include_finished", is_flag=True, help="Include recently finished jobs.")
-@click.option("--timeout-s", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
+@click.option("--timeout-s", type=POSITIVE_SECONDS, default=30.0, show_default=True,
               help="Time limit of the squeue call.")
 def command(as_json, include_finished, timeout_s):
     """Every job with its elastic Cell, plan, estimated samples/s and why."""
