@@ -154,6 +154,9 @@ class DaemonConfig:
 
 
 KEYS = tuple(f.name for f in fields(DaemonConfig))
+# The least time a running job is given to checkpoint after USR1 (0 forced its requeue at
+# the next round, with no checkpoint).
+MIN_RESCALE_TIMEOUT_S = 10.0
 _FLOATS = {"interval_s", "poll_s", "rescale_timeout_s", "restart_cost_s", "slurm_timeout_s", "backoff_max_s",
            "forecast_every_s", "forecast_budget_s", "refit_threshold_frac"}
 _INTS = {"max_gpus", "max_annotations_per_round", "max_new_specs_per_round", "forecast_max_decisions",
@@ -253,6 +256,9 @@ def _coerce(key: str, raw: object, source: str) -> object:
         value = _number(key, raw, source, float, False)
         if key in ("interval_s", "slurm_timeout_s") and value <= 0:
             raise ConfigError(key, raw, f"({source}) give a positive number of seconds")
+        if key == "rescale_timeout_s" and value < MIN_RESCALE_TIMEOUT_S:
+            raise ConfigError(key, raw, f"({source}) give at least {MIN_RESCALE_TIMEOUT_S:.0f} s: a job needs "
+                                        "that long to checkpoint before its requeue is forced")
         return value
     if key in _INTS:
         value = _number(key, raw, source, int, False)

@@ -88,6 +88,7 @@ def test_shipped_yaml_resolves_to_the_defaults():
     ({"max_gpus": 0}, {}, "max_gpus"),
     ({}, {"SLURM_EXT_INTERVAL_S": "inf"}, "interval_s"),
     ({"rescale_timeout_s": float("nan")}, {}, "rescale_timeout_s"),
+    ({"rescale_timeout_s": 0}, {}, "rescale_timeout_s"),  # the requeue forced with no time to checkpoint
     ({"max_gpus": float("inf")}, {}, "max_gpus"),  # was an OverflowError traceback
     ({"metrics_port": float("inf")}, {}, "metrics_port"),
     ({"max_gpus": 2.7}, {}, "max_gpus"),  # not cut to 2 (the environment's "2.7" is refused too)
