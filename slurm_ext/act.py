@@ -44,7 +44,7 @@ from slurm_ext.observe import (
 )
 from slurm_ext.slurm_client import REQUEUE_SETTLE_S, JobUpdate, SlurmClient, SlurmJob
 from slurm_ext.squeue_view import plan_label
-from slurm_ext.steering import Steering, per_gpu_resources, steer
+from slurm_ext.steering import Steering, per_gpu_resources, steer, steer_to_nodes
 from slurm_ext.store import Store, plan_recovery
 
 log = logging.getLogger(__name__)
@@ -86,8 +86,14 @@ def start_update(assignment: Assignment, m: ManagedJob, steering: Steering,
     counts = [g for _, g in assignment.placement]
     required = None
     if counts and min(counts) == max(counts):
-        # The policy's placement reaches Slurm: the job may start on these nodes only.
+        # The policy's placement reaches Slurm: the job may start on these nodes only, in
+        # a partition that has them.
         per_node, num_nodes, required = counts[0], len(counts), assignment.nodes
+        to_nodes = steer_to_nodes(steering, how, m.slurm.partition, required)
+        if to_nodes is None:
+            required = None  # no partition has them all: Slurm picks the nodes
+        else:
+            how = to_nodes
     else:
         per_node = min(cell.gpus_per_node, cell.num_gpus)
         num_nodes = -(-cell.num_gpus // per_node)

@@ -51,6 +51,7 @@ class Steering:
     type_partitions: dict[str, str] = field(default_factory=dict, hash=False, compare=False)
     partition_types: dict[str, frozenset[str]] = field(default_factory=dict, hash=False, compare=False)
     shares: dict[str, NodeShare] = field(default_factory=dict, hash=False, compare=False)
+    node_partitions: dict[str, frozenset[str]] = field(default_factory=dict, hash=False, compare=False)
 
     @property
     def typed_gres(self) -> bool:
@@ -76,10 +77,12 @@ def steering(method: str, version: tuple[int, int, int], nodes: Iterable[SlurmNo
         raise ValueError(f"unknown steering {method!r}; use one of {', '.join(METHODS)}")
     parts: dict[str, set[str]] = {}
     shares: dict[str, NodeShare] = {}
+    node_parts: dict[str, frozenset[str]] = {}
     for n in nodes:
         t = node_type(n)
         if t is None or n.gpus <= 0:
             continue
+        node_parts[n.name] = frozenset(n.partitions)
         for p in n.partitions:
             parts.setdefault(p, set()).add(t)
         share = NodeShare(max(1, n.cpus // n.gpus), max(1, n.real_memory_mb // n.gpus), n.real_memory_mb)
@@ -88,7 +91,7 @@ def steering(method: str, version: tuple[int, int, int], nodes: Iterable[SlurmNo
                                                          min(old.mem_per_gpu_mb, share.mem_per_gpu_mb),
                                                          min(old.node_mem_mb, share.node_mem_mb))
     return Steering(method, version, dict(type_partitions), {p: frozenset(t) for p, t in parts.items()},
-                    shares)
+                    shares, node_parts)
 
 
 def steer(s: Steering, job_partition: str, gpu_type: str) -> Steer | None:
@@ -122,6 +125,23 @@ def steer(s: Steering, job_partition: str, gpu_type: str) -> Steer | None:
     if method == "gres":
         return Steer("gres", part, gpu_type=gpu_type)
     return Steer("features", part, features=gpu_type)
+
+
+def steer_to_nodes(s: Steering, how: Steer, job_partition: str, nodes: tuple[str, ...]) -> Steer | None:
+    """``how``, with its partition (the job's own when it names none) replaced by one that
+    holds every node of ``nodes`` where it does not (a site with two partitions of a type
+    on different nodes): a start pinned to nodes outside its partition never runs. None:
+    no partition holds them all (the pin must go)."""
+    part = how.partition or job_partition
+    known = [s.node_partitions.get(n) for n in nodes]
+    if not nodes or not all(known) or all(part in k for k in known):
+        return how  # in it (or nothing known of a node's partitions)
+    common = frozenset.intersection(*known)
+    if not common:
+        return None
+    # Fewest GPU types first (a partition of the type alone), then by name.
+    best = min(common, key=lambda p: (len(s.partition_types.get(p, ())), p))
+    return Steer(how.method, best, how.gpu_type, how.features)
 
 
 def per_gpu_resources(s: Steering, gpu_type: str, gpus_per_node: int,

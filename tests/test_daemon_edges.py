@@ -533,3 +533,16 @@ def test_a_per_job_limit_reason_slurm_has_not_looked_at_again_does_not_shrink_th
     clock.advance_to(NOW + 60 + PER_JOB_LIMIT_SETTLE_S)  # Slurm refuses the new Cell too
     assert daemon.round().actions == (("start", 80),)
     assert daemon._gpu_caps[80] == shrunk - 1
+
+
+def test_a_start_pinned_to_nodes_goes_to_a_partition_that_has_them(tmp_path):
+    """Two partitions of a100 on different nodes: the 8 GPUs the policy chose are in
+    ``a100-big`` only, so the job moves there, not to ``a100`` (named like the type), where
+    Slurm would never start it on those nodes."""
+    nodes = [node("a100-1", "a100", 4, partition="a100"), node("big-1", "a100", 8, partition="a100-big")]
+    job = held(90, NOW - 100, comment="elastic model=gpt-760m gpus=8 global_batch=64 iterations=1000000",
+               gpus_per_node=8)
+    daemon, client = daemon_for(tmp_path, [job], nodes)
+    assert daemon.round().actions == (("start", 90),)
+    (update,) = [c[2] for c in client.calls if c[0] == "update" and c[1] == 90]
+    assert update.required_nodes == ("big-1",) and update.partition == "a100-big"

@@ -18,7 +18,7 @@ from slurm_ext.daemon import Daemon
 from slurm_ext.lab import MIXED_PARTITION
 from slurm_ext.run import run_command
 from slurm_ext.slurm_client import Gres, JobUpdate, SlurmNode, SubmitRequest
-from slurm_ext.steering import Steer, per_gpu_resources, steer, steering
+from slurm_ext.steering import Steer, per_gpu_resources, steer, steer_to_nodes, steering
 from slurm_ext.store import Store
 
 V22, V25 = (22, 5, 8), (25, 11, 7)
@@ -61,6 +61,18 @@ def test_forced_methods_and_types_no_partition_has():
         _steering("magic")
     with pytest.raises(ConfigError, match="steering"):
         resolve({"steering": "magic"}, {}, {})
+
+
+def test_a_start_pinned_to_nodes_is_steered_to_a_partition_that_holds_them_all():
+    nodes = NODES + (_node("b1", "a100", 8, ("a100-big",)), _node("b2", "a100", 8, ("a100-big", "gpu")))
+    s = steering("auto", V22, nodes, TYPE_PARTS, lambda n: n.gpu_type)
+    how = steer(s, "a100", "a100")
+    assert steer_to_nodes(s, how, "a100", ("a1", "a2")) == how  # already there
+    assert steer_to_nodes(s, how, "a100", ("b1", "b2")) == Steer("partition", "a100-big")
+    assert steer_to_nodes(s, how, "a100", ("a1", "b2")) == Steer("partition", "gpu")
+    assert steer_to_nodes(s, how, "a100", ("a1", "b1")) is None  # no partition has both: no pin
+    inside = steer(s, "gpu", "h100")  # stays in the job's own partition, which has the node
+    assert steer_to_nodes(s, inside, "gpu", ("h1",)) == inside
 
 
 def test_cpus_and_memory_per_gpu_are_the_nodes_share_raised_for_offload():
