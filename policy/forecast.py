@@ -12,9 +12,10 @@ moves forward in time with no new arrivals:
   cost model in the simulator), or else the snapshot's ``restart_cost_s``.
 
 The forward run goes from event to event (a job finishing, GPUs released), deciding at
-each, but the further ahead, the sparser (``step_frac``): a forecast a day ahead is good
-to an hour or two, one ten minutes ahead to a round. It stops when every job has
-finished or when nothing can change any more. A policy's ``decide`` is pure, so the
+each (no sooner than ``min_step_s`` after the last decision: the daemon's round), and a
+round after a decision while jobs wait beside free GPUs (a policy such as sia starts jobs
+at its rounds only). It stops when every job has finished or when nothing can change any
+more. A policy's ``decide`` is pure, so the
 daemon's own policy state is not touched: the run starts from the snapshot's
 ``policy_state`` and keeps its own.
 
@@ -48,7 +49,7 @@ from policy.interface import (
 
 DEFAULT_MAX_DECISIONS = 60
 DEFAULT_HORIZON_S = 90 * 86400.0
-DEFAULT_STEP_FRAC = 0.1
+DEFAULT_STEP_FRAC = 0.0
 QUEUE_WINDOW_JOBS = 96  # waiting jobs a backfilling list schedule looks at, in order
 
 
@@ -146,9 +147,10 @@ def forecast(snapshot: Snapshot, policy: Policy, releases: tuple[GpuRelease, ...
         horizon_s: how far ahead it looks at most.
         first: the policy's decision on ``snapshot`` when the caller has it already (the
             daemon's round): the run starts from it instead of deciding again.
-        step_frac: decisions further ahead are sparser: after deciding at ``t`` the next
-            decision comes at the next event, but no sooner than ``step_frac × (t − now)``
-            later; events in between still happen at their time.
+        step_frac: decisions further ahead may be made sparser: after deciding at ``t``
+            the next decision comes at the next event, but no sooner than
+            ``step_frac × (t − now)`` later; events in between still happen at their time,
+            but GPUs they free wait for that decision (default 0: every event).
         min_step_s: nor sooner than this (the daemon decides once a round: its round).
         time_budget_s: wall time by which decisions stop: none starts that would, at the
             last one's pace, end past it (the list schedule goes on from there); None:
@@ -170,6 +172,7 @@ def forecast(snapshot: Snapshot, policy: Policy, releases: tuple[GpuRelease, ...
     pending_releases = sorted(releases, key=lambda r: (r.at_s, r.node))
     state = snapshot.policy_state
     trigger = snapshot.trigger
+    round_s = getattr(policy, "round_s", None) or snapshot.round_s
     decided, last_decision_s, first_unused = 0, 0.0, first is not None
     while True:
         active = tuple(j.view for j in jobs.values() if j.end_s is None)
@@ -192,11 +195,17 @@ def forecast(snapshot: Snapshot, policy: Policy, releases: tuple[GpuRelease, ...
         except DecisionError:
             break  # a policy that errs here erred in the daemon too: forecast nothing more
         state = decision.policy_state
-        _apply(jobs, implied_actions(snap, decision), now_s, start_cost)
+        actions = implied_actions(snap, decision)
+        _apply(jobs, actions, now_s, start_cost)
         # The next event: a running job finishes, or GPUs come free outside the policy.
         finish = _finish_times(jobs, now_s)
         next_release = pending_releases[0].at_s if pending_releases else math.inf
         next_s = min(min((f for _, f in finish.values()), default=math.inf), next_release)
+        # A policy may start waiting jobs on free GPUs only at its next round (sia ignores
+        # events between its solves): while jobs wait beside free GPUs, the run decides
+        # again a round later, unless a round's decision has just changed nothing.
+        if (actions or trigger != TRIGGER_ROUND) and _waits_beside_free_gpus(jobs, nodes):
+            next_s = min(next_s, now_s + round_s)
         if not math.isfinite(next_s) or next_s - snapshot.now_s > horizon_s:
             break  # nothing will change any more (or not within the horizon)
         next_s = max(next_s, now_s + max(min_step_s, step_frac * (now_s - snapshot.now_s)))
@@ -333,6 +342,18 @@ def _start_fitting(jobs: dict[str, _Job], window: list, free: dict[str, int], bl
         heapq.heappush(events, _Event(end_s, next(seq), job_id, cell.gpu_type, cell.num_gpus))
         started.append(job_id)
     return kept, started
+
+
+def _waits_beside_free_gpus(jobs: dict[str, _Job], nodes: dict[str, NodeView]) -> bool:
+    """A job waits while some GPU the policy may hand out is free."""
+    if not any(j.end_s is None and j.view.assignment is None for j in jobs.values()):
+        return False
+    used: dict[str, int] = {}
+    for j in jobs.values():
+        if j.end_s is None and j.view.assignment is not None:
+            for name, gpus in j.view.assignment.placement:
+                used[name] = used.get(name, 0) + gpus
+    return any(n.managed_gpus > used.get(n.name, 0) for n in nodes.values())
 
 
 def _finish_times(jobs: dict[str, _Job], now_s: float) -> dict[str, tuple[float, float]]:

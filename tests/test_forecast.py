@@ -185,3 +185,32 @@ def test_the_rounds_decision_is_applied_once_even_when_an_event_falls_on_now():
     first = Decision((JobDecision("D", d.assignment), JobDecision("E", Assignment(Cell("a100", 2, 2, 1), (("a100-1", 2),)))))
     got = forecast(snap, FcfsPolicy(), first=first)
     assert (got["E"].start_s, got["E"].end_s) == (0.0, 20.0)
+
+def test_a_queue_far_ahead_starts_as_each_job_before_it_ends():
+    """Thirty jobs that each need the whole node, one after the other: each starts when the
+    one before ends. Decisions made sparser further ahead had left the node idle after
+    each end until the next decision (the 30th job's start 2.1× too late)."""
+    jobs = tuple(job(f"J{k:02d}", 4, (est(4, 1.0),), iterations=1000) for k in range(30))
+    snap = Snapshot(0.0, (NodeView("a100-1", "a100", 4),), jobs, TRIGGER_ROUND, 10.0, 0.0)
+    got = forecast(snap, FcfsPolicy(), max_decisions=100)
+    assert [got[j.job_id].start_s for j in jobs] == [1000.0 * k for k in range(30)]
+
+
+def test_a_policy_that_starts_jobs_at_its_rounds_is_forecast_to_start_them_at_the_next_round():
+    """Sia decides at its rounds only: a job that arrives just after one starts at the next
+    round on the free GPUs, not when the long job beside it ends (11 h later)."""
+    from policy.sia import SiaPolicy, SiaState
+
+    ests = (est(1, 4.0), est(2, 2.2), est(4, 1.2))
+    nodes = (NodeView("a100-0", "a100", 4), NodeView("a100-1", "a100", 4))
+    sia = SiaPolicy()
+    long = job("L", 1, ests, iterations=10_000)
+    first = sia.decide(Snapshot(0.0, nodes, (long,), TRIGGER_ROUND, 60.0, 60.0))
+    running = job("L", 1, ests, iterations=10_000, done=100.0, running_on=first.for_job("L").assignment.placement[0])
+    new = job("N", 1, ests, iterations=100)
+    state = SiaState(120.0, first.policy_state.models, first.policy_state.probes)  # its last solve: t=120
+    snap = Snapshot(130.0, nodes, (running, new), "arrival", 60.0, 60.0, policy_state=state)
+    decision = sia.decide(snap)
+    assert decision.for_job("N") is None  # not a round: nothing changes
+    got = forecast(snap, sia, first=decision)
+    assert 180.0 <= got["N"].start_s <= 130.0 + sia.round_s
