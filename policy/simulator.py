@@ -202,7 +202,8 @@ class TimelinePoint:
 
     Attributes:
         time_s: simulated time.
-        samples_per_s: cluster throughput at the measured rates.
+        samples_per_s: cluster throughput at the measured rates, of the jobs past their
+            (re)start's launch, resume and plan search (those still in it make no progress).
         queued_jobs: active jobs without an allocation.
         running_jobs: jobs holding GPUs.
         gpus_in_use: (GPU type, GPUs held by jobs) pairs.
@@ -646,7 +647,9 @@ class _Replay:
         in_use: dict[str, int] = {}
         for j in self.running.values():
             in_use[j.assignment.cell.gpu_type] = in_use.get(j.assignment.cell.gpu_type, 0) + j.assignment.cell.num_gpus
-        self.timeline.append(TimelinePoint(now_s, sum(j.trace.spec.global_batch / j.rate_s for j in self.running.values()),
+        # Jobs still in their launch, resume or plan search hold GPUs and make no progress.
+        self.timeline.append(TimelinePoint(now_s, sum(j.trace.spec.global_batch / j.rate_s for j in self.running.values()
+                                                      if j.resume_s <= now_s),
                                            len(self.active) - len(self.running), len(self.running),
                                            tuple(sorted(in_use.items())), self.tally.by_type()))
 

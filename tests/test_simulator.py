@@ -462,3 +462,14 @@ def test_estimates_count_the_memory_of_the_program_the_rates_came_from():
     alpa, runner = one_gpu("alpa"), one_gpu("runner")
     assert EstimateCache(cluster, _table()).program == "alpa"
     assert not alpa.feasible and runner.feasible and alpa.peak_memory_gb > runner.peak_memory_gb
+
+
+def test_the_timeline_counts_no_throughput_of_a_job_still_starting():
+    """Launch and plan search (630 s) hold the GPUs with no progress: the throughput plot
+    had shown the job's full rate from its start (4× the samples it made)."""
+    result = _run(FcfsPolicy(), [_job("a", 0.0, 4, iterations=1000)])
+    start_s = COSTS.launch_s + COSTS.tuning_full_s
+    starting = [p for p in result.timeline if p.running_jobs and p.time_s < start_s]
+    training = [p for p in result.timeline if p.running_jobs and p.time_s >= start_s]
+    assert starting and all(p.samples_per_s == 0.0 for p in starting)
+    assert training and all(p.samples_per_s == pytest.approx(128 / T4) for p in training)
