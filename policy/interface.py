@@ -484,6 +484,9 @@ def validate_decision(snapshot: Snapshot, decision: Decision) -> None:
             # The job's own script cannot run the plan: it would fail on the new Cell.
             raise DecisionError(f"job {job_id!r}: Cell {a.cell.label()} has {a.cell.num_stages} "
                                 f"stages, the job allows at most max_stages={max_stages}")
+        if a.cell.num_gpus <= 0 or a.cell.num_stages <= 0 or not a.placement:
+            raise DecisionError(f"job {job_id!r}: Cell {a.cell.label()} on {a.placement} runs nothing: "
+                                "give it GPUs and stages")
         if a.num_gpus != a.cell.num_gpus:
             raise DecisionError(f"job {job_id!r}: placement {a.placement} holds {a.num_gpus} GPUs, "
                                 f"Cell {a.cell.label()} needs {a.cell.num_gpus}")

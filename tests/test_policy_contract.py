@@ -160,6 +160,9 @@ def test_implied_actions_classify_every_change_and_order_releases_first():
     wrong_type = Decision((JobDecision("start", Assignment(Cell("v100", 4, 4, 1), (("a-1", 4),))),))
     with pytest.raises(DecisionError, match="a100"):
         validate_decision(snap, wrong_type)
+    for empty in (Assignment(Cell("a100", 0, 4, 1), ()), Assignment(Cell("a100", 4, 4, 0), (("a-1", 4),))):
+        with pytest.raises(DecisionError, match="runs nothing"):  # had become a start on no GPUs
+            validate_decision(snap, Decision((JobDecision("start", empty),)))
     assert [a.kind for a in implied_actions(snap, Decision((JobDecision("move", Assignment(
         Cell("a100", 1, 4, 1), (("a-1", 1),))), JobDecision("stop", None))))] == ["suspend", "move"]
 
