@@ -43,6 +43,7 @@ from estimator.gpus import CATALOG
 from estimator.jobs import JobSpec
 from policy.measured import MeasuredTable
 
+MAX_DURATION_S = 10 * 365 * 86400.0
 TRACE_COLUMNS = ("job_id", "submit_time_s", "duration_s", "num_gpus", "gpu_type", "status")
 
 FAMILIES = ("wide_resnet", "gpt", "moe")
@@ -168,7 +169,7 @@ def _records(path: Path) -> tuple[TraceRecord, ...]:
                             f"expected header {','.join(TRACE_COLUMNS)}")
         for line, row in enumerate(reader, start=2):
             try:
-                rec = TraceRecord(row["job_id"], float(row["submit_time_s"]),
+                rec = TraceRecord((row["job_id"] or "").strip(), float(row["submit_time_s"]),
                                   float(row["duration_s"]), int(row["num_gpus"]))
             except (TypeError, ValueError):
                 raise SpecError(f"{path.name} line {line}", dict(row),
@@ -179,6 +180,11 @@ def _records(path: Path) -> tuple[TraceRecord, ...]:
                     and math.isfinite(rec.duration_s) and rec.duration_s >= 0 and rec.num_gpus >= 0):
                 raise SpecError(f"{path.name} line {line}", dict(row),
                                 "submit_time_s and duration_s must be finite and ≥ 0, num_gpus ≥ 0")
+            if not rec.job_id:
+                raise SpecError(f"{path.name} line {line}", dict(row), "job_id is empty; each job needs its own id")
+            if rec.duration_s > MAX_DURATION_S:
+                raise SpecError(f"{path.name} line {line}", rec.duration_s,
+                                f"duration_s over {MAX_DURATION_S:.0f} s (ten years): not a job's run time")
             if rec.job_id in first_line:
                 raise SpecError(f"{path.name} line {line}", rec.job_id,
                                 f"job_id already given on line {first_line[rec.job_id]}; each job needs its own id")

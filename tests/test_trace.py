@@ -145,6 +145,20 @@ def test_read_trace_errors_quote_the_file(tmp_path):
     twice.write_text("job_id,submit_time_s,duration_s,num_gpus\nj1,0,100,1\nj2,5,100,1\nj1,10,100,2\n")
     with pytest.raises(SpecError, match="line 4.*already given on line 2"):
         read_trace(twice)
+    # Ids that differ only in spaces are one job; an empty id is none.
+    spaced = tmp_path / "spaced.csv"
+    spaced.write_text("job_id,submit_time_s,duration_s,num_gpus\nj1,0,100,1\n j1 ,5,100,1\n")
+    with pytest.raises(SpecError, match="line 3.*already given on line 2"):
+        read_trace(spaced)
+    unnamed = tmp_path / "unnamed.csv"
+    unnamed.write_text("job_id,submit_time_s,duration_s,num_gpus\n,0,100,1\n")
+    with pytest.raises(SpecError, match="line 2.*job_id is empty"):
+        read_trace(unnamed)
+    # 1e30 s became 8e28 iterations, a job that never ends.
+    endless = tmp_path / "endless.csv"
+    endless.write_text("job_id,submit_time_s,duration_s,num_gpus\nj1,0,1e30,1\n")
+    with pytest.raises(SpecError, match="line 2.*ten years"):
+        read_trace(endless)
 
 
 def test_a_csv_saved_with_a_byte_order_mark_reads_as_without(tmp_path):
