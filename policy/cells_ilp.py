@@ -362,6 +362,12 @@ class CellsIlpPolicy:
 
     # ---- the round ----------------------------------------------------------------------
 
+    @staticmethod
+    def solve_next(state: object) -> object:
+        """The state with which the next ``decide`` solves, whatever its memo says (the
+        state is nothing but that memo)."""
+        return None
+
     def decide(self, snapshot: Snapshot) -> Decision:
         """Solve the round's program (or skip an unchanged round) and place the answer."""
         fp = _fingerprint(snapshot, {})

@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from estimator.cells import Cell, CellEstimate
 from policy._solver import RateTable, capacity_by_type, realize, requested_count
@@ -129,6 +129,12 @@ class GavelPolicy:
             raise ValueError(f"round_s must be positive, got {round_s!r}")
         self.round_s = round_s
         self.global_queue = global_queue
+
+    @staticmethod
+    def solve_next(state: object) -> object:
+        """The state with which the next ``decide`` starts a round now (its jobs' rounds so
+        far kept)."""
+        return replace(state, next_round_s=-math.inf) if isinstance(state, GavelState) else state
 
     def decide(self, snapshot: Snapshot) -> Decision:
         """At a round boundary: re-solve if needed, pick this round's jobs, preempt the rest."""

@@ -365,6 +365,10 @@ class Policy(Protocol):
     wakes it at instead of its ``--round-s``.
     Optional method ``queue_order(snapshot) -> QueueOrder`` tells the forecast how the
     policy would start the waiting jobs as GPUs come free.
+    A policy that may skip a call (a round it believes unchanged, a call between its own
+    rounds) has ``solve_next(policy_state) -> policy_state``: the state with which its next
+    ``decide`` solves afresh, keeping what it learnt; the daemon uses it while a waiting
+    job fits idle GPUs.
     """
 
     name: str

@@ -163,6 +163,12 @@ class SiaPolicy:
         self.time_limit_s = time_limit_s
         self.node_budget = node_budget
 
+    @staticmethod
+    def solve_next(state: object) -> object:
+        """The state with which the next ``decide`` solves now (what it learnt of each job
+        kept)."""
+        return replace(state, last_solve_s=None) if isinstance(state, SiaState) else state
+
     def decide(self, snapshot: Snapshot) -> Decision:
         """Record what running jobs show; at a round, solve and place the answer."""
         old = snapshot.policy_state if isinstance(snapshot.policy_state, SiaState) else SiaState()

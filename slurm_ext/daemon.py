@@ -392,11 +392,12 @@ class Daemon:
         snapshot, reserved_releases = build_snapshot(
             now_s, policy_nodes, managed, reserved, part_types, trigger, cfg.interval_s, cfg.restart_cost_s,
             self._policy_state, self._derived, pinned)
-        if snapshot.policy_state is not None and (waiting := job_fitting_idle_gpus(snapshot)):
+        solve_next = getattr(self.policy, "solve_next", None)
+        if solve_next and snapshot.policy_state is not None and (waiting := job_fitting_idle_gpus(snapshot)):
             # Work-conserving: a policy may skip a round it believes unchanged, but not
-            # while a waiting job could run on GPUs that sit idle.
+            # while a waiting job could run on GPUs that sit idle (what it learnt is kept).
             log.info(kv("resolve", why="idle GPUs fit a waiting job", job_id=waiting))
-            snapshot = replace(snapshot, policy_state=None)
+            snapshot = replace(snapshot, policy_state=solve_next(snapshot.policy_state))
         t2 = time.perf_counter()
         decision = self.policy.decide(snapshot)
         self.metrics.decision()

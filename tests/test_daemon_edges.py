@@ -546,3 +546,28 @@ def test_a_start_pinned_to_nodes_goes_to_a_partition_that_has_them(tmp_path):
     assert daemon.round().actions == (("start", 90),)
     (update,) = [c[2] for c in client.calls if c[0] == "update" and c[1] == 90]
     assert update.required_nodes == ("big-1",) and update.partition == "a100-big"
+
+
+def test_idle_gpus_make_sia_solve_now_without_forgetting_what_it_learnt(tmp_path):
+    """A waiting job fits GPUs that sit idle, between sia's rounds: the daemon makes it
+    solve now, with the state's own way (it had dropped the whole state: every job's
+    learnt model and restart watch)."""
+    from policy.sia import JobModel, SiaState
+
+    daemon, _ = daemon_for(tmp_path, [held(80, NOW - 100)], [node("a100-1", "a100", 4)], policy="sia")
+    learnt = (("70", JobModel()),)
+    daemon._policy_state = SiaState(float(NOW) - 1.0, learnt, ())
+    seen = seen_by_policy(daemon)
+    assert daemon.round().actions == (("start", 80),)
+    given = seen["snapshots"][-1].policy_state
+    assert given.last_solve_s is None and given.models == learnt
+
+
+def test_a_policy_that_skips_calls_says_how_to_make_it_solve_now():
+    from policy.cells_ilp import CellsIlpPolicy, CellsIlpState
+    from policy.gavel import GavelPolicy, GavelState
+
+    assert CellsIlpPolicy.solve_next(CellsIlpState((), float(NOW))) is None  # the state is only its memo
+    history = (("70", "rounds"),)
+    gavel = GavelPolicy.solve_next(GavelState(float(NOW) + 300, 4, (), (), history))
+    assert gavel.next_round_s == float("-inf") and gavel.history == history and gavel.rounds_done == 4
