@@ -21,9 +21,11 @@ Journal states: ``intended`` (written, maybe partly applied), ``done``, ``failed
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import json
+import os
 import sqlite3
 import threading
 from collections.abc import Iterable, Mapping
@@ -130,6 +132,32 @@ def _update_from_json(text: str) -> JobUpdate | None:
     if raw.get("required_nodes") is not None:
         raw["required_nodes"] = tuple(raw["required_nodes"])
     return JobUpdate(**raw)
+
+
+class StateFileBusy(OSError):
+    """Another process holds the state file's lock (a daemon acts on it)."""
+
+
+def lock_state_file(path: str | Path) -> int:
+    """Take the lock of the state file at ``path`` (``PATH.lock``, with this process's id in
+    it) for as long as this process lives, and return its descriptor: two daemons acting
+    on one state file would signal, release and journal the same jobs twice.
+
+    Raises:
+        StateFileBusy: another process holds it (its id in the message).
+        OSError: the lock file cannot be made.
+    """
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise StateFileBusy(f"another slurm-ext daemon (pid {holder}) acts on {path}") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 class Store:

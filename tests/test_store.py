@@ -218,3 +218,18 @@ def test_cached_estimates_keep_every_field_and_a_new_estimator_makes_them_anew(s
     newer = replace(est, iteration_time_s=10.0)
     assert EstimateCache(store, version="v2").get("job", compute(newer), 3.0) == (newer,)
     assert calls == [est, newer]
+
+
+def test_one_daemon_at_a_time_acts_on_a_state_file(tmp_path):
+    """Two daemons on one state file would signal and release the same jobs twice; the
+    second is refused, naming the first's process, and may start once the first is gone."""
+    import os
+
+    from slurm_ext.store import StateFileBusy, lock_state_file
+
+    path = tmp_path / "state" / "state.db"
+    held = lock_state_file(path)
+    with pytest.raises(StateFileBusy, match=rf"pid {os.getpid()}\) acts on .*state.db"):
+        lock_state_file(path)
+    os.close(held)  # the first daemon ends
+    os.close(lock_state_file(path))

@@ -55,7 +55,7 @@ def command(config_path, once, dry_run, interval_s, policy, state_db, log_level)
     """Schedule elastic jobs: choose each one's GPU type, count, stages and plan."""
     from slurm_ext.daemon import Daemon, kv
     from slurm_ext.metrics import Metrics
-    from slurm_ext.store import Store
+    from slurm_ext.store import StateFileBusy, Store, lock_state_file
 
     flags = {"dry_run": dry_run, "interval_s": interval_s, "policy": policy,
              "state_db": state_db, "log_level": log_level}
@@ -67,7 +67,11 @@ def command(config_path, once, dry_run, interval_s, policy, state_db, log_level)
     configure_logging(config.log_level)
     log = logging.getLogger("slurm_ext.daemon")
     try:
+        if not config.dry_run and config.state_db != ":memory:":  # a dry run changes nothing
+            lock_state_file(config.state_db)
         store = Store(config.state_db)
+    except StateFileBusy as e:
+        raise click.ClickException(f"{e}: stop it first, or pass --dry-run") from None
     except (OSError, sqlite3.Error) as e:
         raise click.ClickException(
             f"cannot open the state file {config.state_db!r}: {e}; set state_db in the config "
