@@ -49,7 +49,7 @@ from slurm_ext.observe import (  # noqa: F401
     ManagedJob, build_snapshot, cluster_spec, estimate_key, is_held, kv, measurement_from_text,
     model_loader_for, node_type, partition_types, plan_comment, profile_db_if_written, profile_version,
     requested_gpus, rescale_pins, reserved_cell, gpu_releases, running_assignment, running_plan_comment,
-    runner_progress, type_partitions, update_cell, finish_on_s, rescale_new_cell, rescale_releases,
+    runner_progress, steerable_nodes, type_partitions, update_cell, finish_on_s, rescale_new_cell, rescale_releases,
     cell_gpus, kept_back_by_slurm, launch_is_stale, over_per_job_limit, required_placement,
     waits_on_its_own_condition,
 )
@@ -388,7 +388,8 @@ class Daemon:
                 reserved.append((rest, end_s, None))
             rescaling += rescale_releases(job, new, now_s, end_s)
         background = [b for b in (parse_background(j, part_types) for j in active) if b is not None]
-        policy_nodes = free_for_policy(nodes, background, active_by_id) if background else nodes
+        policy_nodes = steerable_nodes(free_for_policy(nodes, background, active_by_id) if background else nodes,
+                                       part_types, cfg.steering)
         snapshot, reserved_releases = build_snapshot(
             now_s, policy_nodes, managed, reserved, part_types, trigger, cfg.interval_s, cfg.restart_cost_s,
             self._policy_state, self._derived, pinned)

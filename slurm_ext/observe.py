@@ -193,6 +193,17 @@ def node_type(node: SlurmNode, part_types: dict[str, str]) -> str | None:
     return None
 
 
+def steerable_nodes(nodes: tuple[SlurmNode, ...], part_types: dict[str, str], method: str
+                    ) -> tuple[SlurmNode, ...]:
+    """The nodes whose GPU type a start can reach: all of them, but under ``steering:
+    partition`` those of a type with no partition of its own (a job given such a Cell
+    would stay held for ever; its GPUs are not the policy's to hand out)."""
+    if method != "partition":
+        return nodes
+    reachable = type_partitions(part_types)
+    return tuple(n for n in nodes if node_type(n, part_types) in reachable)
+
+
 def cluster_spec(nodes: tuple[SlurmNode, ...], part_types: dict[str, str], cluster: str | None,
                  network: str) -> ClusterSpec:
     """The estimator's view of the cluster: the configured spec, else one from Slurm's nodes."""

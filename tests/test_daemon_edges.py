@@ -571,3 +571,16 @@ def test_a_policy_that_skips_calls_says_how_to_make_it_solve_now():
     history = (("70", "rounds"),)
     gavel = GavelPolicy.solve_next(GavelState(float(NOW) + 300, 4, (), (), history))
     assert gavel.next_round_s == float("-inf") and gavel.history == history and gavel.rounds_done == 4
+
+
+def test_under_partition_steering_a_type_without_its_own_partition_is_not_offered(tmp_path):
+    """``steering: partition`` reaches a type only through a partition of its own: v100s in
+    the catch-all partition alone are left out of the policy's nodes (a job given a Cell
+    there had stayed held for ever, round after round)."""
+    nodes = [node("a-1", "a100", 4), node("a-2", "a100", 4, partition="gpu"), node("v-1", "v100", 4, partition="gpu")]
+    job = held(91, NOW - 100, comment="elastic model=gpt-760m gpus=4 gpu_type=v100 global_batch=64 iterations=1000")
+    for steering, offered in (("partition", ["a-1", "a-2"]), ("auto", ["a-1", "a-2", "v-1"])):
+        daemon, _ = daemon_for(tmp_path / steering, [job], nodes, steering=steering)
+        seen = seen_by_policy(daemon)
+        daemon.round()
+        assert [n.name for n in seen["snapshots"][-1].nodes] == offered
