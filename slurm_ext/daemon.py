@@ -64,7 +64,7 @@ from slurm_ext.store import EstimateCache, Store
 
 log = logging.getLogger(__name__)
 
-JOURNAL_KEEP_S = 7 * 86400.0  # closed journal entries are kept this long for inspection
+JOURNAL_KEEP_S = 7 * 86400.0  # closed journal entries (and cached estimates) are kept this long
 PRUNE_EVERY_S = 3600.0
 # The Slurm reservation that protects the nodes a policy holds for a waiting job.
 HOLD_RESERVATION = "slurm-ext-hold"
@@ -433,7 +433,7 @@ class Daemon:
         if not cfg.dry_run:
             self.store.forget_jobs_except(active_ids)
             if now_s - self._pruned_s > PRUNE_EVERY_S:
-                self.store.prune_journal(now_s - JOURNAL_KEEP_S)
+                self.store.prune(now_s - JOURNAL_KEEP_S)
                 self._pruned_s = now_s
         self._spec_cache = {j: v for j, v in self._spec_cache.items() if j in active_ids}
         self._submit_s = {j: v for j, v in self._submit_s.items() if j in active_ids}

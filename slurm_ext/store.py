@@ -28,6 +28,7 @@ import json
 import os
 import sqlite3
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -357,11 +358,12 @@ class Store:
         return dict(self._exec("SELECT job_id, MAX(updated_s) FROM journal WHERE kind = ? AND state = ? "
                                "GROUP BY job_id", (SUSPEND, DONE)).fetchall())
 
-    def prune_journal(self, older_than_s: float) -> int:
-        """Delete closed entries written before ``older_than_s``; returns how many."""
+    def prune(self, older_than_s: float) -> int:
+        """Delete closed journal entries and cached estimates written before
+        ``older_than_s`` (an estimate still in use is made again once); returns how many."""
         cur = self._exec("DELETE FROM journal WHERE state != ? AND created_s < ?",
                          (INTENDED, older_than_s))
-        return cur.rowcount
+        return cur.rowcount + self._exec("DELETE FROM estimates WHERE created_s < ?", (older_than_s,)).rowcount
 
 
 def plan_recovery(entries: Iterable[JournalEntry],
@@ -438,6 +440,10 @@ def estimator_version(root: Path = Path(__file__).resolve().parent.parent / "est
     return digest.hexdigest()[:16]
 
 
+# Estimates kept in memory: every spec of a busy queue, twice (two plan spaces), with room.
+MEMO_KEYS = 4096
+
+
 class EstimateCache:
     """Cell estimates by key, in memory and in the store (they survive a restart).
 
@@ -448,7 +454,7 @@ class EstimateCache:
     def __init__(self, store: Store, version: str | None = None):
         self.store = store
         self.version = version or estimator_version()
-        self._memo: dict[str, tuple[CellEstimate, ...]] = {}
+        self._memo: OrderedDict[str, tuple[CellEstimate, ...]] = OrderedDict()  # least recently used first
         self.hits = 0
         self.misses = 0
 
@@ -456,6 +462,7 @@ class EstimateCache:
         """The estimates under ``key``; ``compute()`` makes them on a miss."""
         if key in self._memo:
             self.hits += 1
+            self._memo.move_to_end(key)
             return self._memo[key]
         raw = self.store.get_estimate(key)
         if isinstance(raw, dict) and raw.get("version") == self.version:
@@ -468,4 +475,6 @@ class EstimateCache:
             self.store.put_estimate(key, {"version": self.version,
                                           "estimates": [estimate_to_json(e) for e in value]}, now_s)
         self._memo[key] = value
+        while len(self._memo) > MEMO_KEYS:  # a refit or a new profile makes every key anew
+            self._memo.popitem(last=False)
         return value

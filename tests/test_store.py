@@ -108,12 +108,15 @@ def test_specs_estimates_progress(store):
     assert store.spec(4) is None and store.spec(3) is not None
 
 
-def test_prune_keeps_open_entries(store):
+def test_prune_keeps_open_entries_and_recent_estimates(store):
     a = store.intend(1, START, UPDATE, 10.0)
     b = store.intend(2, START, UPDATE, 10.0)
     store.close_entry(b, DONE, 11.0)
-    assert store.prune_journal(older_than_s=50.0) == 1
+    store.put_estimate("old", [{"a": 1}], 10.0)
+    store.put_estimate("new", [{"a": 2}], 60.0)
+    assert store.prune(older_than_s=50.0) == 2  # the closed entry and the old estimate
     assert [e.entry_id for e in store.entries()] == [a]
+    assert store.get_estimate("old") is None and store.get_estimate("new") == [{"a": 2}]
 
 
 def test_one_jobs_entries_are_found_through_an_index_not_a_scan(store):
@@ -233,3 +236,17 @@ def test_one_daemon_at_a_time_acts_on_a_state_file(tmp_path):
         lock_state_file(path)
     os.close(held)  # the first daemon ends
     os.close(lock_state_file(path))
+
+
+def test_the_estimates_kept_in_memory_are_bounded_least_recently_used_out(store, monkeypatch):
+    """Every refit or new profile makes each spec's key anew: the memory of a daemon that
+    runs for months must not keep every key it ever made."""
+    from slurm_ext import store as store_module
+    from slurm_ext.store import EstimateCache
+
+    monkeypatch.setattr(store_module, "MEMO_KEYS", 2)
+    cache = EstimateCache(store, version="v1")
+    for key in ("a", "b", "a", "c"):  # "a" used again, so "b" is the least recently used
+        cache.get(key, lambda: [], 1.0)
+    assert list(cache._memo) == ["a", "c"]
+    assert store.get_estimate("b") is not None  # still in the file: read back when asked again
