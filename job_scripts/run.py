@@ -158,6 +158,7 @@ def train(job: runtime.Job) -> int:
         reader = job.checkpoints.reader(saved.step)
         state = reshard.restore(pipe, saved.meta.get("layout") or {}, lambda kind, dt, s, j, lo, hi: reader.read(
             (kind, dt), (s, j, slice(lo, hi))))
+        del reader  # its open files would keep the old checkpoint's alive once it is rotated out
     else:
         state = pipe.init(cfg.seed)
     job.note_phase("restore_s" if saved is not None else "init_s", time.perf_counter() - t0)
@@ -175,7 +176,7 @@ def train(job: runtime.Job) -> int:
         job.record_step(step, loss, time.perf_counter() - t0)
         if job.checkpoint_due(step):
             job.save(step, views(state), layout)
-    return job.finish(step, views(state), layout)
+    return job.finish(step, lambda: views(state), layout)  # no copy when the step is saved already
 
 
 def main(argv: list[str] | None = None) -> int:

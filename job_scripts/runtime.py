@@ -582,11 +582,13 @@ class Job:
 
     def finish(self, step: int, arrays, meta: dict | None = None) -> int:
         """Checkpoint the state after ``step`` (unless already), leave jax.distributed
-        together, and return the exit status: 86 after SIGUSR1, 143 after SIGTERM, else 0."""
+        together, and return the exit status: 86 after SIGUSR1, 143 after SIGTERM, else 0.
+        ``arrays`` may be a function that makes them: it is called only when the step is
+        not saved yet."""
         signalled = self.stop_requested()
         t0 = time.monotonic()
         if self._saved_step != step:
-            self.save(step, arrays, meta)
+            self.save(step, arrays() if callable(arrays) else arrays, meta)
         self.close()
         if self._saved_step == step:
             self._phases["final_save_s"] = round(time.monotonic() - t0, 3)

@@ -368,6 +368,30 @@ def _reports_in_warm_up(ckpt: str) -> list[dict]:
     return reports
 
 
+def _finish_after_a_save(ckpt: str) -> list[int]:
+    """A job that saved its last step: finish() makes no state to save again; one that did
+    not makes it."""
+    import jax.numpy as jnp
+    job = _start(ckpt, 1, {}, warmup_steps=0)
+    job.record_step(1, 1.0, 0.1)
+    job.save(1, {"w": jnp.ones(3)})
+    made = []
+    assert job.finish(1, lambda: made.append(1) or {"w": jnp.ones(3)}) == 0
+    job = _start(ckpt, 1, {"SLURM_RESTART_COUNT": "1"}, warmup_steps=0)  # resumes step 1, trains step 2
+    job.record_step(2, 1.0, 0.1)
+    assert job.finish(2, lambda: made.append(2) or {"w": jnp.ones(3)}) == 0
+    assert job.checkpoints.latest().step == 2
+    return made
+
+
+def test_finish_makes_the_arrays_to_save_only_when_the_step_is_not_saved(tmp_path):
+    """The runner's save view is a copy of the whole state on the devices: at exit right
+    after a periodic save it was made for nothing."""
+    from conftest import in_jax_child
+
+    assert in_jax_child(1, _finish_after_a_save, str(tmp_path / "ckpt")) == [2]  # made for the unsaved step only
+
+
 def test_measured_json_is_written_at_exit_before_any_step_is_timed(tmp_path):
     from conftest import in_jax_child
 
