@@ -131,34 +131,25 @@ def test_offered_load_is_asked_gpu_hours_over_capacity(table):
     assert offered_load(jobs, 100) == pytest.approx(asked / (100 * window))
 
 
-def test_read_trace_errors_quote_the_file(tmp_path):
-    bad = tmp_path / "bad.csv"
-    bad.write_text("job_id,submit_time_s\n1,2\n")
-    with pytest.raises(SpecError, match="missing column"):
-        read_trace(bad)
-    worse = tmp_path / "worse.csv"
-    worse.write_text("job_id,submit_time_s,duration_s,num_gpus,gpu_type,status\n1,x,3,1,,\n")
-    with pytest.raises(SpecError, match="line 2"):
-        read_trace(worse)
+HEADER = "job_id,submit_time_s,duration_s,num_gpus"
+
+
+@pytest.mark.parametrize("text, error", [
+    ("job_id,submit_time_s\n1,2\n", "missing column"),
+    ("job_id,submit_time_s,duration_s,num_gpus,gpu_type,status\n1,x,3,1,,\n", "line 2"),
     # A second row with a job's id would replace the first job in a replay.
-    twice = tmp_path / "twice.csv"
-    twice.write_text("job_id,submit_time_s,duration_s,num_gpus\nj1,0,100,1\nj2,5,100,1\nj1,10,100,2\n")
-    with pytest.raises(SpecError, match="line 4.*already given on line 2"):
-        read_trace(twice)
+    (f"{HEADER}\nj1,0,100,1\nj2,5,100,1\nj1,10,100,2\n", "line 4.*already given on line 2"),
     # Ids that differ only in spaces are one job; an empty id is none.
-    spaced = tmp_path / "spaced.csv"
-    spaced.write_text("job_id,submit_time_s,duration_s,num_gpus\nj1,0,100,1\n j1 ,5,100,1\n")
-    with pytest.raises(SpecError, match="line 3.*already given on line 2"):
-        read_trace(spaced)
-    unnamed = tmp_path / "unnamed.csv"
-    unnamed.write_text("job_id,submit_time_s,duration_s,num_gpus\n,0,100,1\n")
-    with pytest.raises(SpecError, match="line 2.*job_id is empty"):
-        read_trace(unnamed)
+    (f"{HEADER}\nj1,0,100,1\n j1 ,5,100,1\n", "line 3.*already given on line 2"),
+    (f"{HEADER}\n,0,100,1\n", "line 2.*job_id is empty"),
     # 1e30 s became 8e28 iterations, a job that never ends.
-    endless = tmp_path / "endless.csv"
-    endless.write_text("job_id,submit_time_s,duration_s,num_gpus\nj1,0,1e30,1\n")
-    with pytest.raises(SpecError, match="line 2.*ten years"):
-        read_trace(endless)
+    (f"{HEADER}\nj1,0,1e30,1\n", "line 2.*ten years"),
+])
+def test_read_trace_errors_quote_the_file(tmp_path, text, error):
+    bad = tmp_path / "bad.csv"
+    bad.write_text(text)
+    with pytest.raises(SpecError, match=error):
+        read_trace(bad)
 
 
 def test_a_csv_saved_with_a_byte_order_mark_reads_as_without(tmp_path):
