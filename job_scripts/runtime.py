@@ -32,6 +32,7 @@ checkpoints of any pytree restored into any shardings, the SIGUSR1 → checkpoin
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -226,7 +227,8 @@ def start(*, stop: StopSignal | None = None, identity: dict | None = None,
                                       host_resolves(alloc.node_names[0] if alloc.node_names else ""))
         # JAX's preemption service would take SIGTERM for itself (a C++ handler that
         # replaces ours): the runner's own checkpoint-and-exit-143 must see it.
-        jax.config.update("jax_enable_preemption_service", False)
+        with contextlib.suppress(AttributeError):  # a JAX without the service: nothing to turn off
+            jax.config.update("jax_enable_preemption_service", False)
         jax.distributed.initialize(address, alloc.num_processes, alloc.process_id)
         log.info("jax.distributed: process %d of %d (coordinator %s), %d local and %d global devices",
                  jax.process_index(), jax.process_count(), address, jax.local_device_count(),

@@ -13,7 +13,7 @@ moves forward in time with no new arrivals:
 
 The forward run goes from event to event (a job finishing, GPUs released), deciding at
 each (no sooner than ``min_step_s`` after the last decision: the daemon's round), and a
-round after a decision while jobs wait beside free GPUs (a policy such as sia starts jobs
+round after a decision while a waiting job fits free GPUs (a policy such as sia starts jobs
 at its rounds only). It stops when every job has finished or when nothing can change any
 more. A policy's ``decide`` is pure, so the
 daemon's own policy state is not touched: the run starts from the snapshot's
@@ -42,6 +42,7 @@ from typing import Callable, NamedTuple
 
 from estimator.cells import Cell
 from policy.fcfs import requested_estimate
+from policy.placement import job_fitting_idle_gpus
 from policy.interface import (
     PENDING, RUNNING, SUSPEND, TRIGGER_ROUND, Assignment, Decision, DecisionError, JobView,
     NodeView, Policy, QueueOrder, Snapshot, implied_actions, validate_decision,
@@ -173,7 +174,7 @@ def forecast(snapshot: Snapshot, policy: Policy, releases: tuple[GpuRelease, ...
     state = snapshot.policy_state
     trigger = snapshot.trigger
     round_s = getattr(policy, "round_s", None) or snapshot.round_s
-    decided, last_decision_s, first_unused = 0, 0.0, first is not None
+    decided, last_decision_s, first_unused, round_step = 0, 0.0, first is not None, False
     while True:
         active = tuple(j.view for j in jobs.values() if j.end_s is None)
         if not active:
@@ -201,11 +202,14 @@ def forecast(snapshot: Snapshot, policy: Policy, releases: tuple[GpuRelease, ...
         finish = _finish_times(jobs, now_s)
         next_release = pending_releases[0].at_s if pending_releases else math.inf
         next_s = min(min((f for _, f in finish.values()), default=math.inf), next_release)
-        # A policy may start waiting jobs on free GPUs only at its next round (sia ignores
-        # events between its solves): while jobs wait beside free GPUs, the run decides
-        # again a round later, unless a round's decision has just changed nothing.
-        if (actions or trigger != TRIGGER_ROUND) and _waits_beside_free_gpus(jobs, nodes):
-            next_s = min(next_s, now_s + round_s)
+        # A policy may start waiting jobs on free GPUs only at its rounds (sia and gavel
+        # ignore events between them): while a waiting job fits free GPUs, the run decides
+        # again a round later; not once more after such a round changed nothing.
+        if next_s > now_s + round_s and (actions or not round_step) and job_fitting_idle_gpus(
+                replace(snap, jobs=tuple(j.view for j in jobs.values() if j.end_s is None))):
+            next_s, round_step = now_s + round_s, True
+        else:
+            round_step = False
         if not math.isfinite(next_s) or next_s - snapshot.now_s > horizon_s:
             break  # nothing will change any more (or not within the horizon)
         next_s = max(next_s, now_s + max(min_step_s, step_frac * (now_s - snapshot.now_s)))
@@ -342,18 +346,6 @@ def _start_fitting(jobs: dict[str, _Job], window: list, free: dict[str, int], bl
         heapq.heappush(events, _Event(end_s, next(seq), job_id, cell.gpu_type, cell.num_gpus))
         started.append(job_id)
     return kept, started
-
-
-def _waits_beside_free_gpus(jobs: dict[str, _Job], nodes: dict[str, NodeView]) -> bool:
-    """A job waits while some GPU the policy may hand out is free."""
-    if not any(j.end_s is None and j.view.assignment is None for j in jobs.values()):
-        return False
-    used: dict[str, int] = {}
-    for j in jobs.values():
-        if j.end_s is None and j.view.assignment is not None:
-            for name, gpus in j.view.assignment.placement:
-                used[name] = used.get(name, 0) + gpus
-    return any(n.managed_gpus > used.get(n.name, 0) for n in nodes.values())
 
 
 def _finish_times(jobs: dict[str, _Job], now_s: float) -> dict[str, tuple[float, float]]:

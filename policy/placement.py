@@ -198,3 +198,13 @@ def layout_of(placement: Placement) -> tuple[int, int]:
 def place_cell(snapshot: Snapshot, cell: Cell, strict: bool = True) -> Placement | None:
     """Where ``cell`` fits among the snapshot's free GPUs now (one-off convenience)."""
     return FreeGpus.from_snapshot(snapshot).place(cell, strict)
+
+
+def job_fitting_idle_gpus(snapshot: Snapshot) -> str | None:
+    """A waiting job one of whose feasible Cells fits the GPUs free now, or None."""
+    free = FreeGpus.from_snapshot(snapshot)
+    for job in snapshot.jobs:
+        if job.assignment is None and any(job.can_run(e.cell) and free.place(e.cell) is not None
+                                          for e in job.feasible_estimates()):
+            return job.job_id
+    return None

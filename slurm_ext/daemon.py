@@ -36,7 +36,7 @@ from policy.interface import (
     DROPPED_PREFIX, PENDING, RUNNING, TRIGGER_ARRIVAL, TRIGGER_COMPLETION, TRIGGER_ROUND, Decision,
     DecisionError, DerivedCache, JobView, Policy, Snapshot, validate_decision,
 )
-from policy.placement import FreeGpus
+from policy.placement import job_fitting_idle_gpus
 from policy.registry import make_policy
 from slurm_ext.act import Actor, Acts
 from slurm_ext.config import DaemonConfig
@@ -68,23 +68,15 @@ JOURNAL_KEEP_S = 7 * 86400.0  # closed journal entries (and cached estimates) ar
 PRUNE_EVERY_S = 3600.0
 # The Slurm reservation that protects the nodes a policy holds for a waiting job.
 HOLD_RESERVATION = "slurm-ext-hold"
-RESTART_KEYS = ("state_db", "slurm_backend", "slurm_prefix", "slurm_timeout_s", "metrics_port", "log_level")
+# dry_run too: a daemon started dry holds no lock on its state file (commands/daemon.py).
+RESTART_KEYS = ("state_db", "slurm_backend", "slurm_prefix", "slurm_timeout_s", "metrics_port", "log_level",
+                "dry_run")
 # A spec that needs the batch script is read again next round when Slurm did not give the
 # script (a timeout under load), this many rounds in a row before its error is kept.
 SCRIPT_READ_TRIES = 3
 SCRIPT_UNREAD = " (its batch script could not be read)"
 ARRAY_REFUSED = ("a job array cannot be elastic: one Cell would be chosen for all its tasks and each task "
                  "would run on it; submit the tasks as separate jobs")
-
-
-def job_fitting_idle_gpus(snapshot: Snapshot) -> str | None:
-    """A waiting job one of whose feasible Cells fits the GPUs free now, or None."""
-    free = FreeGpus.from_snapshot(snapshot)
-    for job in snapshot.jobs:
-        if job.assignment is None and any(job.can_run(e.cell) and free.place(e.cell) is not None
-                                          for e in job.feasible_estimates()):
-            return job.job_id
-    return None
 
 
 @dataclass(frozen=True)
@@ -389,7 +381,7 @@ class Daemon:
             rescaling += rescale_releases(job, new, now_s, end_s)
         background = [b for b in (parse_background(j, part_types) for j in active) if b is not None]
         policy_nodes = steerable_nodes(free_for_policy(nodes, background, active_by_id) if background else nodes,
-                                       part_types, cfg.steering)
+                                       part_types, cfg.steering, managed)
         snapshot, reserved_releases = build_snapshot(
             now_s, policy_nodes, managed, reserved, part_types, trigger, cfg.interval_s, cfg.restart_cost_s,
             self._policy_state, self._derived, pinned)

@@ -193,15 +193,17 @@ def node_type(node: SlurmNode, part_types: dict[str, str]) -> str | None:
     return None
 
 
-def steerable_nodes(nodes: tuple[SlurmNode, ...], part_types: dict[str, str], method: str
-                    ) -> tuple[SlurmNode, ...]:
+def steerable_nodes(nodes: tuple[SlurmNode, ...], part_types: dict[str, str], method: str,
+                    managed: list[ManagedJob]) -> tuple[SlurmNode, ...]:
     """The nodes whose GPU type a start can reach: all of them, but under ``steering:
     partition`` those of a type with no partition of its own (a job given such a Cell
-    would stay held for ever; its GPUs are not the policy's to hand out)."""
+    would stay held for ever; its GPUs are not the policy's to hand out). A node a
+    managed job runs on stays (it was reachable when the job started)."""
     if method != "partition":
         return nodes
     reachable = type_partitions(part_types)
-    return tuple(n for n in nodes if node_type(n, part_types) in reachable)
+    running = {name for m in managed if m.view.assignment is not None for name in m.view.assignment.nodes}
+    return tuple(n for n in nodes if node_type(n, part_types) in reachable or n.name in running)
 
 
 def cluster_spec(nodes: tuple[SlurmNode, ...], part_types: dict[str, str], cluster: str | None,

@@ -156,6 +156,9 @@ def lock_state_file(path: str | Path) -> int:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
         os.close(fd)
         raise StateFileBusy(f"another slurm-ext daemon (pid {holder}) acts on {path}") from None
+    except OSError:
+        os.close(fd)
+        raise
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd

@@ -381,3 +381,19 @@ def test_a_profile_that_submits_nothing_leaves_no_empty_store(capsys, tmp_path, 
     connect(str(db), create=True).close()
     code, out, err = run(capsys, "profile", "--partition", "gpu", "--profile-db", str(db))
     assert code != 0 and db.exists()
+
+
+def test_a_daemon_on_a_state_file_another_daemon_holds_stops_with_one_line(capsys, tmp_path):
+    """Two daemons acting on one state file would signal and release the same jobs twice."""
+    import os
+
+    from slurm_ext.store import lock_state_file
+
+    state = tmp_path / "state.db"
+    held = lock_state_file(state)
+    try:
+        code, out, err = run(capsys, "daemon", "--once", "--state-db", str(state))
+    finally:
+        os.close(held)
+    assert code == 1 and f"(pid {os.getpid()}) acts on {state}" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1

@@ -358,16 +358,18 @@ def test_a_released_job_slurm_keeps_for_its_begin_time_shows_that_start_and_an_e
 def test_a_reload_applies_the_policy_and_keeps_what_needs_a_restart(tmp_path, caplog):
     """The Slurm client, the metrics server and the log were built at the start: a reload
     that changes them keeps the old settings and says so, rather than log them reloaded."""
-    daemon, _ = daemon_for(tmp_path, [], [node("a100-1", "a100", 4)])
+    daemon, _ = daemon_for(tmp_path, [], [node("a100-1", "a100", 4)], dry_run=True)
     old = daemon.config
+    # A daemon started dry holds no lock on its state file: it must not start acting.
     daemon._reload = lambda: replace(old, policy="crius", slurm_timeout_s=99.0, metrics_port=9999,
-                                     slurm_backend="pyslurm")
+                                     slurm_backend="pyslurm", dry_run=False)
     with caplog.at_level("WARNING"):
         daemon._apply_reload()
     assert daemon.config.policy == "crius" and daemon.policy.name == "crius"
     assert (daemon.config.slurm_timeout_s, daemon.config.metrics_port, daemon.config.slurm_backend) == \
         (old.slurm_timeout_s, old.metrics_port, old.slurm_backend)
-    for key in ("slurm_timeout_s", "metrics_port", "slurm_backend"):
+    assert daemon.config.dry_run is True
+    for key in ("slurm_timeout_s", "metrics_port", "slurm_backend", "dry_run"):
         assert f"key={key}" in caplog.text
 
 
@@ -584,3 +586,16 @@ def test_under_partition_steering_a_type_without_its_own_partition_is_not_offere
         seen = seen_by_policy(daemon)
         daemon.round()
         assert [n.name for n in seen["snapshots"][-1].nodes] == offered
+
+
+def test_switching_to_partition_steering_keeps_the_nodes_managed_jobs_run_on(tmp_path):
+    """A job started on v100 before ``steering: partition`` (no v100 partition) still runs
+    there: its node stays in the policy's view (a KeyError had failed every round)."""
+    nodes = [node("a-1", "a100", 4), node("a-2", "a100", 4, partition="gpu"),
+             node("v-1", "v100", 4, used=4, partition="gpu")]
+    on_v100 = replace(running(70, nodes=("v-1",), gpu_type="v100"), partition="gpu")
+    daemon, _ = daemon_for(tmp_path, [on_v100], nodes, steering="partition")
+    seen = seen_by_policy(daemon)
+    daemon.round()
+    assert [n.name for n in seen["snapshots"][-1].nodes] == ["a-1", "a-2", "v-1"]
+    assert [(v.job_id, v.state) for v in seen["snapshots"][-1].jobs] == [("70", "running")]

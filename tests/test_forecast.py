@@ -214,3 +214,35 @@ def test_a_policy_that_starts_jobs_at_its_rounds_is_forecast_to_start_them_at_th
     assert decision.for_job("N") is None  # not a round: nothing changes
     got = forecast(snap, sia, first=decision)
     assert 180.0 <= got["N"].start_s <= 130.0 + sia.round_s
+
+
+def test_gavel_starts_a_waiting_job_at_its_round_after_gpus_come_free():
+    """Gavel changes nothing between its rounds: GPUs freed at t=100 take the waiting job at
+    the round after, not never (the forward run had stopped with no next event)."""
+    from policy.gavel import GavelPolicy
+
+    gavel = GavelPolicy()
+    jobs = (job("L", 2, (est(2, 1.0),), iterations=20_000), job("S", 2, (est(2, 1.0),), iterations=100),
+            job("W", 2, (est(2, 1.0),), iterations=100))
+    snap = Snapshot(0.0, (NodeView("a100-1", "a100", 4),), jobs, TRIGGER_ROUND, 60.0, 0.0)
+    first = gavel.decide(snap)
+    assert first.for_job("L").assignment is None  # S and W have the node until t=100
+    got = forecast(snap, gavel, first=first)
+    assert 100.0 < got["L"].start_s <= 100.0 + gavel.round_s
+
+
+def test_free_gpus_no_waiting_job_fits_cost_no_extra_decision():
+    """Two GPUs stay free beside a queue of 4-GPU jobs: the run decides at each end only,
+    not a round after each as well."""
+    calls = []
+
+    class Counting(FcfsPolicy):
+        def decide(self, snapshot):
+            calls.append(snapshot.now_s)
+            return super().decide(snapshot)
+
+    jobs = tuple(job(f"J{k}", 4, (est(4, 1.0),), iterations=1000) for k in range(10))
+    nodes = (NodeView("a100-1", "a100", 4), NodeView("a100-2", "a100", 2))
+    got = forecast(Snapshot(0.0, nodes, jobs, TRIGGER_ROUND, 300.0, 0.0), Counting(), max_decisions=1000)
+    assert [got[j.job_id].start_s for j in jobs] == [1000.0 * k for k in range(10)]
+    assert calls == [1000.0 * k for k in range(10)]

@@ -66,21 +66,29 @@ def command(config_path, once, dry_run, interval_s, policy, state_db, log_level)
     config = resolve()
     configure_logging(config.log_level)
     log = logging.getLogger("slurm_ext.daemon")
+    lock_fd = None
     try:
         if not config.dry_run and config.state_db != ":memory:":  # a dry run changes nothing
-            lock_state_file(config.state_db)
+            lock_fd = lock_state_file(config.state_db)
         store = Store(config.state_db)
     except StateFileBusy as e:
         raise click.ClickException(f"{e}: stop it first, or pass --dry-run") from None
     except (OSError, sqlite3.Error) as e:
+        if lock_fd is not None:
+            os.close(lock_fd)
         raise click.ClickException(
             f"cannot open the state file {config.state_db!r}: {e}; set state_db in the config "
             "(or --state-db) to a writable path") from None
+    def close() -> None:
+        store.close()
+        if lock_fd is not None:
+            os.close(lock_fd)  # the next daemon may act on the state file
+
     metrics = Metrics(config.metrics_port)
     try:
         client = make_client(config)
     except SlurmExtError as e:
-        store.close()
+        close()
         raise click.ClickException(str(e)) from None
     daemon = Daemon(config, client, store, metrics=metrics,
                     out=lambda line: click.echo(line), reload=resolve)
@@ -102,5 +110,5 @@ def command(config_path, once, dry_run, interval_s, policy, state_db, log_level)
     try:
         status = daemon.run(once=once)
     finally:
-        store.close()
+        close()
     raise click.exceptions.Exit(status)
