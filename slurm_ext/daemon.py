@@ -34,7 +34,7 @@ from policy.clock import Clock, WallClock
 from policy.forecast import GpuRelease, forecast
 from policy.interface import (
     DROPPED_PREFIX, PENDING, RUNNING, TRIGGER_ARRIVAL, TRIGGER_COMPLETION, TRIGGER_ROUND, Decision,
-    DecisionError, DerivedCache, JobView, Policy, Snapshot, validate_decision,
+    DecisionError, DerivedCache, JobView, Policy, validate_decision,
 )
 from policy.placement import job_fitting_idle_gpus
 from policy.registry import make_policy
