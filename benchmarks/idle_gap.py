@@ -2,7 +2,7 @@
 
 cells-ilp skips a round whose jobs and outside GPUs are as its last solved decision left
 them (for ``resolve_s``). The daemon solves anyway while a waiting job has a feasible Cell
-that fits the GPUs free now (``slurm_ext.daemon.job_fitting_idle_gpus``); the simulator
+that fits the GPUs free now (``policy.placement.job_fitting_idle_gpus``); the simulator
 keeps the plain rule. This replays a trace and counts the decisions that were skipped
 while such a job waited, and the GPU-seconds that stayed free in those rounds (each
 counted for one round length: an upper bound of the gap the daemon's rule closes).
@@ -29,7 +29,7 @@ def run(trace: Path, density: float, seed: int, round_s: float) -> dict:
     from policy.registry import make_policy
     from policy.simulator import EstimateCache, SimConfig, simulate
     from policy.trace import map_trace, read_trace, trace_kind_for
-    from slurm_ext.daemon import job_fitting_idle_gpus
+    from policy.placement import job_fitting_idle_gpus
 
     cluster, table = load_cluster("crius-1280"), load_measured(None)
     jobs = map_trace(read_trace(str(trace)), table, seed, density, trace_kind_for(str(trace)))
