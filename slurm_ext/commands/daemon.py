@@ -79,6 +79,7 @@ def command(config_path, once, dry_run, interval_s, policy, state_db, log_level)
         raise click.ClickException(
             f"cannot open the state file {config.state_db!r}: {e}; set state_db in the config "
             "(or --state-db) to a writable path") from None
+
     def close() -> None:
         store.close()
         if lock_fd is not None:
