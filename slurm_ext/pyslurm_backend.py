@@ -41,7 +41,7 @@ from slurm_ext.cli_backend import (
     CliSlurmClient, _admin_comment, _id_list, _job_id, _name, _node_list, _positive, job_listing_argv,
     reservation_change, retry_stale_errno, signal_batch_argv,
 )
-from slurm_ext.errors import SlurmArgumentError, SlurmCommandError, SlurmExtError
+from slurm_ext.errors import SlurmArgumentError, SlurmCommandError, SlurmExtError, SlurmParseError
 from slurm_ext.slurm_client import ACTIVE_STATES, JobUpdate, SlurmJob, SlurmNode, SubmitRequest
 from slurm_ext.slurm_install import SlurmInstall
 from slurm_ext.slurm_parse import expand_hostlist, is_elastic, listing_records, parse_job, parse_node
@@ -95,6 +95,15 @@ def check_importable(environ: Mapping[str, str]) -> None:
                    f"exit status {probe.returncode}")
         raise PyslurmUnavailable(f"pyslurm cannot load Slurm ({why}); set SLURM_CONF to the "
                                  "cluster's slurm.conf, or set slurm_backend: cli")
+
+
+def _comment(job) -> str:
+    """A loaded job's comment; '' when it is not UTF-8 (the round reads such a job through
+    the CLI backend)."""
+    try:
+        return job.comment or ""
+    except UnicodeDecodeError:
+        return ""
 
 
 def _gres_text(gres: Mapping | None) -> str:
@@ -249,8 +258,18 @@ class PyslurmClient:
     def jobs(self) -> tuple[SlurmJob, ...]:
         loaded = self._rpc("load jobs", self._pyslurm.Jobs.load)
         raw = self._raw_tres()
-        return tuple(parse_job(job_record(j, **raw.get(j.id, {})), f"job {j.id}")
-                     for j in loaded.values())
+        return tuple(self._readable(j, raw.get(j.id, {})) for j in loaded.values())
+
+    def _readable(self, job, raw_tres: dict[str, str]) -> SlurmJob:
+        """One loaded job; one whose name, comment or other text is not UTF-8 (pyslurm's
+        strings are strict) as the CLI backend reads it, its bad bytes replaced."""
+        try:
+            return parse_job(job_record(job, **raw_tres), f"job {job.id}")
+        except UnicodeDecodeError:
+            found = self._cli.job(job.id)
+            if found is None:  # gone between the two reads
+                raise SlurmParseError(f"job {job.id} (not UTF-8, gone before scontrol read it)", "") from None
+            return found
 
     def job(self, job_id: int) -> SlurmJob | None:
         _job_id(job_id)
@@ -260,7 +279,7 @@ class PyslurmClient:
             if "Invalid job id" in str(e):
                 return None
             raise SlurmCommandError(("pyslurm", "load job", str(job_id)), 1, str(e)) from None
-        return parse_job(job_record(job, **self._raw_tres([job_id]).get(job_id, {})), f"job {job_id}")
+        return self._readable(job, self._raw_tres([job_id]).get(job_id, {}))
 
     def nodes(self) -> tuple[SlurmNode, ...]:
         loaded = self._rpc("load nodes", self._pyslurm.Nodes.load)
@@ -270,7 +289,7 @@ class PyslurmClient:
 
     def pending_elastic_job_ids(self) -> list[int]:
         loaded = self._rpc("load jobs", self._pyslurm.Jobs.load)
-        return sorted(j.id for j in loaded.values() if j.state == "PENDING" and is_elastic(j.comment or ""))
+        return sorted(j.id for j in loaded.values() if j.state == "PENDING" and is_elastic(_comment(j)))
 
     # ---- acting --------------------------------------------------------------------------
 

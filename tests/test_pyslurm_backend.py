@@ -130,3 +130,27 @@ def test_clearing_a_jobs_features_goes_through_scontrol_before_the_rest():
     calls.clear()
     client.update_pending([5], JobUpdate(features="a100", start_now=False))
     assert calls == [("modify", 5, {"constraints": "a100"})]
+
+
+def test_a_job_whose_text_is_not_utf8_is_read_through_the_cli_not_the_end_of_the_round():
+    """pyslurm decodes a job's strings strictly: one Latin-1 comment had failed every round.
+    That job is read as the CLI backend reads it; the others as pyslurm loaded them."""
+    from slurm_ext.slurm_client import SlurmJob
+
+    class Latin1Job(FakeJob):
+        @property
+        def comment(self):
+            raise UnicodeDecodeError("utf-8", b"M\xfcller", 1, 2, "invalid start byte")
+
+    good = RECORDED["jobs"][0]
+    bad = Latin1Job({**good, "attributes": {k: v for k, v in good["attributes"].items() if k != "comment"}})
+    bad.id = 999
+    from_cli = SlurmJob(999, "u", "t", "PENDING", comment="elastic M\ufffdller")
+    client = object.__new__(PyslurmClient)
+    client._cli = SimpleNamespace(job=lambda job_id: from_cli if job_id == 999 else None,
+                                  output=lambda argv: "")
+    client._pyslurm = SimpleNamespace(Jobs=SimpleNamespace(load=lambda: {1: FakeJob(good), 999: bad}),
+                                      RPCError=RuntimeError)
+    jobs = client.jobs()
+    assert jobs[1] is from_cli and jobs[0].job_id == FakeJob(good).id
+    assert 999 not in client.pending_elastic_job_ids()  # read, not raised: the round reads it anyway
