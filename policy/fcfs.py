@@ -73,9 +73,7 @@ class FcfsPolicy:
 
     def decide(self, snapshot: Snapshot) -> Decision:
         free = FreeGpus.from_snapshot(snapshot)
-        # Every GPU free: a request that does not fit even so never will, and must not
-        # block the jobs behind it.
-        empty = FreeGpus([(n.name, n.gpu_type, n.total_gpus) for n in snapshot.nodes])
+        empty = None  # every GPU free, made when a head does not fit
         types = set(free.by_type)
         blocked: set[str] = set()
         decisions: list[JobDecision] = []
@@ -95,6 +93,10 @@ class FcfsPolicy:
             if gtype in blocked:
                 continue
             placement = free.place(want.cell)
+            if placement is None and empty is None:
+                # A request that does not fit even on an empty cluster never will, and must
+                # not block the jobs behind it.
+                empty = FreeGpus([(n.name, n.gpu_type, n.total_gpus) for n in snapshot.nodes])
             if placement is None and empty.place(want.cell) is None:
                 decisions.append(JobDecision(
                     job.job_id, None, f"requested {want.cell.num_gpus} {gtype} ({want.cell.num_nodes} node(s) of "

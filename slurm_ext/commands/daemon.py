@@ -45,7 +45,8 @@ def make_client(config: DaemonConfig):
               help="YAML configuration (default: $SLURM_EXT_CONFIG, else built-in defaults).")
 @click.option("--once", is_flag=True, help="Run one round and exit (status 1 if it failed).")
 @click.option("--dry-run", is_flag=True, default=None,
-              help="Print the actions a round would take; change nothing in Slurm.")
+              help="Print the actions a round would take; change nothing in Slurm (may run beside the "
+                   "service, which holds the state file's lock).")
 @click.option("--interval-s", type=float, default=None, help="Seconds between rounds.")
 @click.option("--policy", default=None,
               help=f"Scheduling policy (default: cells-ilp): {', '.join(policy_names())}.")
