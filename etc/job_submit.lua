@@ -9,7 +9,9 @@ request (Slurm 23.02.6 and later). At submit time a typed request such as
 and there is one (else the job stays in its partition), requeue is forced on (the daemon rescales by requeueing), the job
 is held for the daemon (priority 0), and the user's requested type is kept in AdminComment
 ("requested=a100", or "requested=any" when untyped). Only root may release or
-re-prioritize a held elastic job. Install beside slurm.conf with JobSubmitPlugins=lua.
+re-prioritize a held elastic job. A heterogeneous job cannot be elastic: the daemon
+chooses one Cell for one job, and would resize each component on its own. Install beside
+slurm.conf with JobSubmitPlugins=lua.
 ]]
 
 -- The first word is "elastic", in any case (as the daemon reads it): "elasticsearch" is not.
@@ -41,9 +43,22 @@ local function has_partition(part_list, name)
    return false
 end
 
+-- A component of a heterogeneous job has an offset (0, 1, ...); any other job NO_VAL.
+local function is_het_component(job_desc)
+   local offset = job_desc.het_job_offset
+   return offset ~= nil and offset ~= slurm.NO_VAL and offset < slurm.NO_VAL
+end
+
+local HET_REFUSED = "slurm-ext: a heterogeneous job cannot be elastic (the scheduler sizes one job as a whole); submit it as one job, or drop --comment=elastic"
+
 function slurm_job_submit(job_desc, part_list, submit_uid)
    if not is_elastic(job_desc.comment) then
       return slurm.SUCCESS
+   end
+   if is_het_component(job_desc) then
+      slurm.log_info("slurm-ext: uid %u submitted a heterogeneous elastic job: refused", submit_uid)
+      slurm.user_msg(HET_REFUSED)
+      return slurm.ERROR
    end
    local requested = "any"
    -- --gres / --gpus-per-node land in tres_per_node, --gpus in tres_per_job:
@@ -78,8 +93,17 @@ end
 -- could then release it, running outside the daemon with the request it was given).
 -- Nor may the owner forbid an elastic job's requeue, held or running: the daemon rescales
 -- and suspends by requeueing, and Slurm ends a job with Requeue=0 on exit 86 instead.
+-- Nor may anyone but root make a component of a heterogeneous job elastic.
 function slurm_job_modify(job_desc, job_rec, part_list, modify_uid)
-   if modify_uid == 0 or job_rec == nil or not is_elastic(job_rec.comment) then
+   if modify_uid == 0 or job_rec == nil then
+      return slurm.SUCCESS
+   end
+   if job_rec.het_job_id ~= nil and job_rec.het_job_id ~= 0 and is_elastic(job_desc.comment) then
+      slurm.log_info("slurm-ext: uid %u may not make component %u of a heterogeneous job elastic",
+                     modify_uid, job_rec.job_id)
+      return slurm.ESLURM_ACCESS_DENIED or slurm.ERROR
+   end
+   if not is_elastic(job_rec.comment) then
       return slurm.SUCCESS
    end
    if job_desc.requeue == 0 then

@@ -155,6 +155,29 @@ def test_owner_cannot_release_a_held_elastic_job(slurm_lab, slurm_client):
 
 
 @pytest.mark.slurm
+def test_a_heterogeneous_job_cannot_be_elastic(slurm_lab, slurm_client):
+    """Each component of a heterogeneous job is a job of its own to Slurm's listings: the
+    daemon would size and requeue them apart. Refused at submission, and by comment."""
+    as_nobody = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+    sbatch = [*as_nobody, "sbatch", "--parsable", "--chdir=/tmp", "--output=/dev/null"]
+    components = ["--partition=a10", "--gres=gpu:1", ":", "--partition=a10", "--gres=gpu:1"]
+    with pytest.raises(SlurmCommandError) as refused:
+        run_command([*sbatch, "--comment=elastic", *components], timeout_s=20, input_text=SLEEPER,
+                     env=slurm_lab.env())
+    assert "a heterogeneous job cannot be elastic" in refused.value.stderr  # the user is told why
+    out = run_command([*sbatch, "--hold", *components], timeout_s=20, input_text=SLEEPER, env=slurm_lab.env())
+    leader = int(out.stdout.strip().split("+")[0].split(";")[0])
+    ids = {leader, leader + 1}
+    assert {j.job_id for j in slurm_client.jobs() if j.job_id in ids} == ids  # a plain one is accepted
+    for job_id in sorted(ids):
+        with pytest.raises(SlurmCommandError, match="(?i)permission denied"):
+            run_command([*as_nobody, "scontrol", "update", f"JobId={job_id}", "Comment=elastic"],
+                        timeout_s=20, env=slurm_lab.env())
+        assert not slurm_client.job(job_id).is_elastic
+    slurm_client.cancel(leader)
+
+
+@pytest.mark.slurm
 def test_update_and_release_lands_on_the_chosen_partition_count_and_nodes(slurm_client, tmp_path):
     job_id = slurm_client.submit(request(tmp_path, name="steer", gres="gpu:a100:4", nodes=1,
                                          comment="elastic"))
