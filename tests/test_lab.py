@@ -282,6 +282,7 @@ def test_second_lab_refuses_to_start_twice_and_down_stops_exactly_its_pids(slurm
         daemons = other.daemons()
         other.down()
         assert not other.is_up()
+        assert not any((other.paths.root / d).exists() for d in ("state", "spool", "run", "dev", "tmp"))
         for name, (pid, _) in daemons.items():
             assert not Path(f"/proc/{pid}").exists() or \
                 Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z", name
@@ -306,6 +307,30 @@ def test_lab_command_status_and_refusal_to_start_twice(slurm_lab):
         assert f"{g.partition}-1 " in status.output and f"gpu:{g.gpu_type}:{g.gpus_per_node}" in status.output
     again = CliRunner().invoke(command, ["up", *args])
     assert again.exit_code == 1 and "already up" in again.output
+
+
+def _folders_like_a_lab(root: Path) -> list[Path]:
+    kept = [root / d / "keep.txt" for d in ("state", "spool", "run", "dev", "munge", "tmp")]
+    for f in kept:
+        f.parent.mkdir(parents=True)
+        f.write_text("not the lab's")
+    return kept
+
+
+def test_lab_down_in_a_directory_that_holds_no_lab_removes_nothing(tmp_path):
+    kept = _folders_like_a_lab(tmp_path)
+    lab = LabCluster(tmp_path)
+    assert not lab.holds_a_lab()
+    lab.down()
+    assert all(f.read_text() == "not the lab's" for f in kept)
+
+
+@pytest.mark.slurm
+def test_lab_up_refuses_a_directory_whose_folders_are_not_a_labs(slurm_lab, tmp_path):
+    kept = _folders_like_a_lab(tmp_path)
+    with pytest.raises(LabError, match="but no lab"):
+        LabCluster(tmp_path, base_port=slurm_lab.base_port + 500, install=slurm_lab.install).up()
+    assert all(f.read_text() == "not the lab's" for f in kept)
 
 
 def test_a_cluster_too_big_for_one_machine_is_refused(tmp_path):
