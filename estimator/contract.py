@@ -247,18 +247,31 @@ class ElasticSpecError(SpecError):
         super().__init__(field, value, hint)
 
 
+# What separates words of a Comment: ASCII white space only, as the submit hook's Lua
+# ``%s`` reads it (Python's own split also takes U+00A0, U+001F, ...: a comment the hook
+# had let through as a plain job would have been elastic to the daemon).
+ASCII_SPACE = " \t\n\v\f\r"
+_WORD_BREAK = re.compile(f"[{re.escape(ASCII_SPACE)}]+")
+
+
+def comment_words(text: str) -> list[str]:
+    """The words of a Comment, split at ASCII white space only (``ASCII_SPACE``)."""
+    return [w for w in _WORD_BREAK.split(text) if w]
+
+
 def is_elastic(comment: str | None) -> bool:
     """True when a job's Comment marks it elastic (first word ``elastic``, any case)."""
     if not comment:
         return False
-    words = comment.strip().split(None, 1)
-    return bool(words) and words[0].lower() == COMMENT_TAG
+    text = comment.lstrip(ASCII_SPACE)
+    after = text[len(COMMENT_TAG):len(COMMENT_TAG) + 1]
+    return text[:len(COMMENT_TAG)].lower() == COMMENT_TAG and (after == "" or after in ASCII_SPACE)
 
 
 def _pairs(text: str, source: str) -> dict[str, str]:
     """``key=value`` words of one source; duplicates and unknown keys are errors."""
     out: dict[str, str] = {}
-    for word in text.split():
+    for word in comment_words(text):
         key, sep, value = word.partition("=")
         if not sep:
             raise ElasticSpecError(source, word, "write settings as key=value, e.g. model=gpt-1.3b")
@@ -286,7 +299,7 @@ def comment_settings(comment: str | None) -> dict[str, str]:
         raise ElasticSpecError("comment", comment, f"longer than {MAX_COMMENT_CHARS} characters")
     if not is_elastic(comment):
         return {}
-    rest = comment.strip()[len(COMMENT_TAG):]
+    rest = comment.lstrip(ASCII_SPACE)[len(COMMENT_TAG):]
     # Slurm shows a comment with commas or semicolons unchanged; accept them as separators
     # so `--comment="elastic model=x,global_batch=8"` works too.
     rest = re.sub(r"[,;]", " ", rest)

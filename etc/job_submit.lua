@@ -89,21 +89,22 @@ end
 -- A held elastic job's priority is the daemon's: its owner's release, hold or priority
 -- change is refused with "Access/permission denied" (Slurm shows no message of a modify
 -- hook's own, so the reason goes to slurmctld's log).
--- Nor may the owner turn a held elastic job into a plain one by changing its comment (it
--- could then release it, running outside the daemon with the request it was given).
+-- Whether a job is elastic is set at submission, where this hook normalizes and holds it:
+-- only root may change it afterwards, either way (an elastic job made plain runs outside
+-- the daemon; a plain one made elastic was never normalized, held or made requeueable).
 -- Nor may the owner forbid an elastic job's requeue, held or running: the daemon rescales
 -- and suspends by requeueing, and Slurm ends a job with Requeue=0 on exit 86 instead.
--- Nor may anyone but root make a component of a heterogeneous job elastic.
 function slurm_job_modify(job_desc, job_rec, part_list, modify_uid)
    if modify_uid == 0 or job_rec == nil then
       return slurm.SUCCESS
    end
-   if job_rec.het_job_id ~= nil and job_rec.het_job_id ~= 0 and is_elastic(job_desc.comment) then
-      slurm.log_info("slurm-ext: uid %u may not make component %u of a heterogeneous job elastic",
-                     modify_uid, job_rec.job_id)
+   local elastic = is_elastic(job_rec.comment)
+   if job_desc.comment ~= nil and is_elastic(job_desc.comment) ~= elastic then
+      slurm.log_info("slurm-ext: uid %u may not make job %u %s: cancel and resubmit it",
+                     modify_uid, job_rec.job_id, elastic and "a plain one" or "elastic")
       return slurm.ESLURM_ACCESS_DENIED or slurm.ERROR
    end
-   if not is_elastic(job_rec.comment) then
+   if not elastic then
       return slurm.SUCCESS
    end
    if job_desc.requeue == 0 then
@@ -116,11 +117,6 @@ function slurm_job_modify(job_desc, job_rec, part_list, modify_uid)
    end
    if job_desc.priority ~= nil and job_desc.priority ~= slurm.NO_VAL then
       slurm.log_info("slurm-ext: uid %u may not change the priority of elastic job %u: the daemon holds and releases it",
-                     modify_uid, job_rec.job_id)
-      return slurm.ESLURM_ACCESS_DENIED or slurm.ERROR
-   end
-   if job_desc.comment ~= nil and not is_elastic(job_desc.comment) then
-      slurm.log_info("slurm-ext: uid %u may not make held elastic job %u a plain one: cancel and resubmit it",
                      modify_uid, job_rec.job_id)
       return slurm.ESLURM_ACCESS_DENIED or slurm.ERROR
    end

@@ -22,9 +22,18 @@ exec python train.py
 @pytest.mark.parametrize("comment, expected", [
     ("elastic", True), ("  Elastic model=x", True), ("ELASTIC", True),
     ("elasticity", False), ("not elastic", False), ("", False), (None, False),
+    ("elastic\tmodel=x", True), (" " * 200 + "elastic", True),
+    # Only ASCII white space separates words, as the submit hook's Lua reads them: the hook
+    # lets these through as plain jobs, so the daemon must not manage them either.
+    ("elastic\x1fmodel=x", False), ("elastic\u00a0model=x", False), ("\u00a0elastic", False),
 ])
 def test_is_elastic(comment, expected):
     assert is_elastic(comment) is expected
+
+
+def test_a_setting_glued_on_by_other_white_space_is_refused_not_split():
+    with pytest.raises(ElasticSpecError, match="only letters"):
+        comment_settings("elastic model=gpt-1.3b\u00a0global_batch=8")
 
 
 def test_script_only():

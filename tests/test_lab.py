@@ -147,15 +147,16 @@ def test_owner_cannot_release_a_held_elastic_job(slurm_lab, slurm_client):
     slurm_client.release(job_id)  # root (the daemon) may
     assert not slurm_client.job(job_id).is_held
     wait_for("the released job to run", job_where(slurm_client, job_id, lambda j: j.is_running))
-    with pytest.raises(SlurmCommandError, match="(?i)permission denied"):  # running, the daemon may rescale it
-        run_command([*as_nobody, "scontrol", "update", f"JobId={job_id}", "Requeue=0"],
-                    timeout_s=20, env=slurm_lab.env())
-    assert slurm_client.job(job_id).requeue
+    for change in ("Requeue=0", "Comment=plain"):  # running, the daemon may rescale it
+        with pytest.raises(SlurmCommandError, match="(?i)permission denied"):
+            run_command([*as_nobody, "scontrol", "update", f"JobId={job_id}", change],
+                        timeout_s=20, env=slurm_lab.env())
+    assert slurm_client.job(job_id).requeue and slurm_client.job(job_id).is_elastic
     slurm_client.cancel(job_id)
 
 
 @pytest.mark.slurm
-def test_a_heterogeneous_job_cannot_be_elastic(slurm_lab, slurm_client):
+def test_a_heterogeneous_or_plain_job_cannot_become_elastic(slurm_lab, slurm_client):
     """Each component of a heterogeneous job is a job of its own to Slurm's listings: the
     daemon would size and requeue them apart. Refused at submission, and by comment."""
     as_nobody = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
@@ -169,7 +170,10 @@ def test_a_heterogeneous_job_cannot_be_elastic(slurm_lab, slurm_client):
     leader = int(out.stdout.strip().split("+")[0].split(";")[0])
     ids = {leader, leader + 1}
     assert {j.job_id for j in slurm_client.jobs() if j.job_id in ids} == ids  # a plain one is accepted
-    for job_id in sorted(ids):
+    plain = int(run_command([*sbatch, "--hold", "--partition=a10", "--gres=gpu:1"], timeout_s=20,
+                            input_text=SLEEPER, env=slurm_lab.env()).stdout.strip())
+    # Nor may a plain job become elastic later: the hook never normalized or held it.
+    for job_id in (*sorted(ids), plain):
         with pytest.raises(SlurmCommandError, match="(?i)permission denied"):
             run_command([*as_nobody, "scontrol", "update", f"JobId={job_id}", "Comment=elastic"],
                         timeout_s=20, env=slurm_lab.env())
