@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from estimator.cluster import load_cluster
+from estimator.errors import SpecError
+from policy.registry import policy_class
 from slurm_ext.backend import make_client
 from slurm_ext.config import DaemonConfig, resolve
 from slurm_ext.daemon import Daemon
@@ -390,9 +392,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("slurm_ext.run").setLevel(logging.WARNING)
+    try:
+        policy_class(args.policy)  # before the lab starts and jobs are submitted
+    except SpecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     root = args.dir or Path(tempfile.mkdtemp(prefix="slurm-ext-demo-"))
-    root.mkdir(parents=True, exist_ok=True)
-    root.chmod(0o755)
+    if args.dir is None or not root.exists():  # one it made: readable by the jobs' users
+        root.mkdir(parents=True, exist_ok=True)
+        root.chmod(0o755)
     try:
         return run_demo(root.resolve(), args.policy)
     except SlurmExtError as e:

@@ -1,5 +1,8 @@
 """The demo's pure parts: reading a rescaled job's log and building its batch script."""
 
+import pytest
+
+from slurm_ext import demo
 from slurm_ext.demo import TRAIN_MODEL, log_highlights, parse_resume, training_script
 from estimator.contract import script_settings
 
@@ -67,3 +70,22 @@ def test_example_training_job_is_the_examples_script_limited_to_one_stage():
     assert job.script.startswith("#!/bin/bash") and "examples/charlm/train.py" in job.script
     assert script_settings(job.script) == {"model": str(EXAMPLE_DIR / "model.yaml"), "global_batch": "16",
                                            "iterations": "100000", "gpus": "8", "max_stages": "1"}
+
+
+def test_an_unknown_policy_is_refused_before_anything_starts(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(demo, "run_demo", lambda *a: pytest.fail("the demo must not start"))
+    assert demo.main(["--dir", str(tmp_path / "d"), "--policy", "nope"]) == 2
+    assert "unknown policy" in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()
+
+
+def test_a_directory_the_demo_did_not_make_keeps_its_permissions(tmp_path, monkeypatch):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    monkeypatch.setattr(demo, "run_demo", lambda root, policy: 0)
+    assert demo.main(["--dir", str(shared)]) == 0
+    assert shared.stat().st_mode & 0o7777 == 0o1777
+    made = tmp_path / "new"
+    assert demo.main(["--dir", str(made)]) == 0
+    assert made.stat().st_mode & 0o777 == 0o755
