@@ -7,8 +7,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 APT_PACKAGES := slurmctld slurmd slurm-client munge
 STAMP := $(VENV)/.installed
-# Slurm 25.11 (a C compiler; pyslurm also needs Python's headers), built from the upstream source vendored beside the project (never copied
-# into it): Debian has no 25.11 and pyslurm exists only for 25.11.
+# Slurm 25.11, built from the upstream source vendored beside the project (never copied
+# into it): Debian has no 25.11 and pyslurm exists only for 25.11. Its build needs a C
+# compiler; pyslurm's also needs Python's headers.
 SLURM_25_PREFIX ?= /opt/slurm-25.11
 SLURM_25_SOURCE ?= $(abspath $(CURDIR)/../shared/vendor/slurm-25.11.7.tar.xz)
 SLURM_25_BUILD_DEPS := build-essential python3-dev xz-utils libmunge-dev libjson-c-dev libyaml-dev liblua5.3-dev pkg-config
