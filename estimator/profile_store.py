@@ -212,9 +212,14 @@ def connect(path: str | Path, create: bool = False) -> sqlite3.Connection:
     p = Path(path)
     if not create and not p.is_file():
         raise SpecError("profile_db", str(p), "no such file; run `slurm-ext profile` first")
-    if create:
-        p.parent.mkdir(parents=True, exist_ok=True)
-    conn = sqlite3.connect(str(p), timeout=30.0)
+    try:
+        if create:
+            if p.parent.exists() and not p.parent.is_dir():
+                raise SpecError("profile_db", str(p), f"{p.parent} is not a directory")
+            p.parent.mkdir(parents=True, exist_ok=True)
+        conn = sqlite3.connect(str(p), timeout=30.0)
+    except (OSError, sqlite3.Error) as e:
+        raise SpecError("profile_db", str(p), f"cannot open: {getattr(e, 'strerror', None) or e}") from None
     try:
         if create:
             conn.executescript(_SCHEMA)

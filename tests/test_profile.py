@@ -386,3 +386,15 @@ def test_waiting_on_a_profile_reads_whole_lines_only(tmp_path):
     assert _follow(ended, 5, log, quiet=True) == ("UNKNOWN", None)
     log.write_text(log.read_text() + 'ers": 520}\n')
     assert _follow(ended, 5, log, quiet=True) == ("UNKNOWN", {"profile_id": 3, "layers": 520})
+
+
+def test_a_store_that_cannot_be_made_is_one_clear_error(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(SpecError, match="is not a directory"):
+        connect(afile / "store.sqlite", create=True)
+    locked = tmp_path / "ro"
+    locked.mkdir()
+    (locked / "store.sqlite").mkdir()  # a directory where the file should be
+    with pytest.raises(SpecError, match="cannot open"):
+        connect(locked / "store.sqlite", create=True)
