@@ -440,9 +440,21 @@ def _hint_text(hint: object) -> str:
     return words.get(hint, "a list")
 
 
+# What a user command that only reads Slurm needs of the config (`load_config`'s ``only``).
+SLURM_ACCESS_KEYS = ("slurm_backend", "slurm_prefix", "slurm_timeout_s", "partitions")
+
+
 def load_config(config_path: str | None, flags: Mapping[str, object] | None,
-                env: Mapping[str, str]) -> DaemonConfig:
-    """Read the YAML file (``--config``, else ``$SLURM_EXT_CONFIG``, else none) and resolve."""
+                env: Mapping[str, str], only: tuple[str, ...] | None = None) -> DaemonConfig:
+    """Read the YAML file (``--config``, else ``$SLURM_EXT_CONFIG``, else none) and resolve.
+
+    ``only``: the keys to read from the file and the environment (the rest keep their
+    defaults), so that a command is not failed by a setting it does not use (e.g.
+    ``SLURM_EXT_CLUSTER`` set for ``slurm-ext estimate`` and invalid for the daemon)."""
     path = config_path or env.get(ENV_CONFIG)
     file_values = read_yaml(path) if path else {}
+    if only is not None:
+        file_values = {k: v for k, v in file_values.items() if k in only}
+        env = {name: v for name, v in env.items() if name[len(ENV_PREFIX):].lower() in only
+               and name.startswith(ENV_PREFIX)}
     return resolve(flags, env, file_values, file_name=str(path) if path else "config file")

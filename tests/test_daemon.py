@@ -19,7 +19,7 @@ from types import SimpleNamespace
 from estimator.cells import Cell
 from estimator.plan_string import parse_plan
 from conftest import wait_for as _wait
-from slurm_ext.config import ConfigError, DaemonConfig, load_config, resolve
+from slurm_ext.config import SLURM_ACCESS_KEYS, ConfigError, DaemonConfig, load_config, resolve
 from policy.interface import Decision
 from slurm_ext.daemon import (  # noqa: I001
     HOLD_RESERVATION,
@@ -60,6 +60,18 @@ def test_config_precedence_flag_env_file_default():
 def test_shipped_yaml_resolves_to_the_defaults():
     cfg = load_config(str(REPO / "etc" / "slurm-ext.yaml"), {}, {})
     assert cfg == DaemonConfig()
+
+
+def test_a_command_that_only_reads_slurm_is_not_failed_by_other_settings(tmp_path):
+    env = {"SLURM_EXT_CLUSTER": str(tmp_path / "missing.yaml"), "SLURM_EXT_INTERVAL_S": "soon",
+           "SLURM_EXT_SLURM_PREFIX": "/opt/slurm-25.11", "SLURM_EXT_PARTITIONS": "gpu=a100"}
+    with pytest.raises(ConfigError):
+        load_config(None, {}, env)  # the daemon: every setting counts
+    cfg = load_config(None, {}, env, only=SLURM_ACCESS_KEYS)
+    assert (cfg.slurm_prefix, cfg.partition_map()) == ("/opt/slurm-25.11", {"gpu": "a100"})
+    assert cfg.cluster == DaemonConfig().cluster and cfg.interval_s == DaemonConfig().interval_s
+    with pytest.raises(ConfigError, match="slurm_backend"):  # one it uses is still checked
+        load_config(None, {}, {**env, "SLURM_EXT_SLURM_BACKEND": "rest"}, only=SLURM_ACCESS_KEYS)
 
 
 @pytest.mark.parametrize("file_values, env, field", [

@@ -93,7 +93,7 @@ def command(partition, nodes, models, wait, as_json, profile_db, samples, time_l
     from estimator.models import load_model
     from estimator.profile_store import connect
     from slurm_ext.backend import make_client
-    from slurm_ext.config import load_config
+    from slurm_ext.config import SLURM_ACCESS_KEYS, load_config
     from slurm_ext.errors import SlurmExtError
     from slurm_ext.profile_job import JOB_NAME, batch_script, measure_budget_s, partition_layout
     from slurm_ext.slurm_client import SubmitRequest
@@ -103,7 +103,7 @@ def command(partition, nodes, models, wait, as_json, profile_db, samples, time_l
     db = str(Path(profile_db).resolve())
     made = not Path(db).exists()
     connect(db, create=True).close()  # likewise a file that is not a store, before minutes of measuring
-    cfg = load_config(None, {}, dict(os.environ))
+    cfg = load_config(None, {}, dict(os.environ), only=SLURM_ACCESS_KEYS)
     job_id = None
     try:
         client = make_client(cfg.slurm_backend, cfg.slurm_prefix, cfg.slurm_timeout_s)

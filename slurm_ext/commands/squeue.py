@@ -23,11 +23,11 @@ from slurm_ext.commands import POSITIVE_SECONDS
 def command(as_json, include_finished, timeout_s):
     """Every job with its elastic Cell, plan, estimated samples/s and why."""
     from slurm_ext.backend import make_client
-    from slurm_ext.config import load_config
+    from slurm_ext.config import SLURM_ACCESS_KEYS, load_config
     from slurm_ext.errors import SlurmExtError
     from slurm_ext.squeue_view import format_table, rows, to_json
 
-    cfg = load_config(None, {}, dict(os.environ))
+    cfg = load_config(None, {}, dict(os.environ), only=SLURM_ACCESS_KEYS)
     try:
         jobs = make_client(cfg.slurm_backend, cfg.slurm_prefix, timeout_s).jobs()
     except SlurmExtError as e:
