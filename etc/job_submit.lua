@@ -49,6 +49,7 @@ local function is_het_component(job_desc)
    return offset ~= nil and offset ~= slurm.NO_VAL and offset < slurm.NO_VAL
 end
 
+local PER_TASK_REFUSED = "slurm-ext: give an elastic job's GPUs with --gres=gpu:N, --gpus-per-node or --gpus (not --gpus-per-task or --gpus-per-socket): the scheduler chooses the count"
 local HET_REFUSED = "slurm-ext: a heterogeneous job cannot be elastic (the scheduler sizes one job as a whole); submit it as one job, or drop --comment=elastic"
 
 function slurm_job_submit(job_desc, part_list, submit_uid)
@@ -59,6 +60,16 @@ function slurm_job_submit(job_desc, part_list, submit_uid)
       slurm.log_info("slurm-ext: uid %u submitted a heterogeneous elastic job: refused", submit_uid)
       slurm.user_msg(HET_REFUSED)
       return slurm.ERROR
+   end
+   -- The daemon sizes an elastic job per node or per job; GPUs per task or per socket
+   -- would stay beside its count (typed, on 22.05, which cannot retype a pending job).
+   for _, field in ipairs({"tres_per_task", "tres_per_socket"}) do
+      local tres = job_desc[field]
+      if tres ~= nil and string.find(tres, "gpu", 1, true) ~= nil then
+         slurm.log_info("slurm-ext: uid %u asked GPUs of an elastic job in %s: refused", submit_uid, field)
+         slurm.user_msg(PER_TASK_REFUSED)
+         return slurm.ERROR
+      end
    end
    local requested = "any"
    -- --gres / --gpus-per-node land in tres_per_node, --gpus in tres_per_job:

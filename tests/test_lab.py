@@ -156,6 +156,20 @@ def test_owner_cannot_release_a_held_elastic_job(slurm_lab, slurm_client):
 
 
 @pytest.mark.slurm
+@pytest.mark.parametrize("gpus", ["--gpus-per-task=a100:1", "--gpus-per-socket=1"])
+def test_gpus_per_task_or_socket_of_an_elastic_job_are_refused_with_the_reason(slurm_lab, gpus):
+    with pytest.raises(SlurmCommandError) as refused:
+        run_command(["sbatch", "--parsable", "--chdir=/tmp", "--output=/dev/null", "--comment=elastic",
+                     "--ntasks=1", "--sockets-per-node=1", gpus], timeout_s=20, input_text=SLEEPER,
+                    env=slurm_lab.env())
+    assert "not --gpus-per-task or --gpus-per-socket" in refused.value.stderr
+    plain = run_command(["sbatch", "--parsable", "--chdir=/tmp", "--output=/dev/null", "--hold",
+                         "--ntasks=1", "--cpus-per-task=1", "--comment=elastic", "--gpus-per-node=1"],
+                        timeout_s=20, input_text=SLEEPER, env=slurm_lab.env())
+    assert int(plain.stdout.strip()) > 0  # CPUs per task alone are no GPUs per task
+
+
+@pytest.mark.slurm
 def test_a_heterogeneous_or_plain_job_cannot_become_elastic(slurm_lab, slurm_client):
     """Each component of a heterogeneous job is a job of its own to Slurm's listings: the
     daemon would size and requeue them apart. Refused at submission, and by comment."""
