@@ -127,7 +127,8 @@ def _positive_int(raw: dict, key: str, where: str) -> int:
 def cluster_from_dict(raw: object, source: str = "<dict>") -> ClusterSpec:
     """Validate a parsed YAML mapping into a ClusterSpec."""
     if not isinstance(raw, dict):
-        raise SpecError(source, raw, "a cluster spec is a mapping with name and node_groups")
+        raise SpecError("cluster", source, f"holds a {type(raw).__name__}, not a cluster spec "
+                        "(a mapping with name and node_groups)")
     unknown = set(raw) - {"name", "network", "node_groups"}
     if unknown:
         first = sorted(unknown, key=str)[0]

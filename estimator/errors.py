@@ -1,6 +1,10 @@
 """Typed errors of the estimator: each quotes the bad input and says how to fix it."""
 
 
+# The most of a bad value an error quotes (its repr).
+MAX_SHOWN_CHARS = 200
+
+
 class SpecError(ValueError):
     """A specification (model, cluster, job, GPU type) is invalid.
 
@@ -14,7 +18,10 @@ class SpecError(ValueError):
         self.field = field
         self.value = value
         self.hint = hint
-        super().__init__(f"{field}={value!r}: {hint}")
+        shown = repr(value)
+        if len(shown) > MAX_SHOWN_CHARS:  # a whole file parsed into the wrong shape, say
+            shown = shown[:MAX_SHOWN_CHARS] + "..."
+        super().__init__(f"{field}={shown}: {hint}")
 
     def __reduce__(self):
         # Crosses process boundaries whole (compile and test worker pools): the default

@@ -102,3 +102,12 @@ def test_a_cell_laid_out_for_its_nodes_is_costed_on_their_group():
     assert cluster.group("a100", 4, 8).gpus_per_node == 6
     assert cluster.group("a100", 8, 8).gpus_per_node == 8 and cluster.group("a100", 4).gpus_per_node == 8
     assert cluster.holds_layout("a100", 8, 4) and not cluster.holds_layout("a100", 32, 8)
+
+
+def test_a_file_that_is_no_mapping_is_named_not_quoted_whole(tmp_path):
+    text = tmp_path / "passwd"
+    text.write_text("root:x:0:0:root:/root:/bin/bash " * 500)
+    with pytest.raises(SpecError) as e:
+        load_cluster(str(text))
+    assert str(text) in str(e.value) and len(str(e.value)) < 300
+    assert len(str(SpecError("field", "x" * 10_000, "hint"))) < 300  # any long value is cut
