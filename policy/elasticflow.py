@@ -152,16 +152,19 @@ class ElasticFlowPolicy:
         share: dict[str, int] = {}
         left = total_gpus
         blocked = False
+        type_gpus = sum(n.total_gpus for n in snapshot.nodes if n.gpu_type == gtype)  # unmanaged too
         # ``jobs`` is in submission order; a stable sort puts running jobs first.
         for job in sorted(jobs, key=lambda j: j.assignment is None):
             if job.assignment is None and blocked:
                 continue  # behind a blocked head: stays queued (absent from the decision)
             m = _min_share(snapshot, job, tables[job.job_id], gtype, self.deadline_aware)
             if job.assignment is None and (m is None or m > left):
-                blocked = self.blocking and m is not None
+                # A head that cannot fit even in all the type's GPUs blocks nobody (as FCFS).
+                blocked = self.blocking and m is not None and m <= type_gpus
                 wanted[job.job_id] = None
                 reasons[job.job_id] = ("waiting: no count finishes it in time" if m is None
-                                       else f"waiting: minimum share {m} {gtype} not free")
+                                       else f"waiting: minimum share {m} {gtype} not free" if m <= type_gpus
+                                       else f"waiting: minimum share {m} {gtype} never fits ({type_gpus} in all)")
                 continue
             if m is None:  # a running job keeps at least what it has
                 m = job.cell.num_gpus
@@ -180,6 +183,8 @@ class ElasticFlowPolicy:
             if m is None:
                 return
             cur, new = t.rate(gtype, n), t.rate(gtype, m)
+            if cur <= 0:  # a running count outside its data-parallel table: kept as it is
+                return
             if new > cur * (1 + self.min_gain_frac):
                 work = by_id[i].remaining_iterations * by_id[i].spec.global_batch  # samples left
                 heapq.heappush(offers, (-work * (1.0 / cur - 1.0 / new) / (m - n), n, rank[i], i, m))

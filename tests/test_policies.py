@@ -145,8 +145,23 @@ def test_elasticflow_admission_passes_over_a_job_that_does_not_fit():
     d = run(ElasticFlowPolicy(), s)
     assert final_cell(s, d, "first") is None and final_cell(s, d, "later") == ("a100", 1)
     assert "minimum share 8" in d.for_job("first").reason
+    d = run(ElasticFlowPolicy(blocking=True), s)  # 8 a100 never fit here: it blocks nobody
+    assert final_cell(s, d, "first") is None and final_cell(s, d, "later") == ("a100", 1)
+    assert "never fits (4 in all)" in d.for_job("first").reason
+    s = snap([a100(1), a100(2, unmanaged=4)], [first, later])  # 8 in all, 4 of them busy
     d = run(ElasticFlowPolicy(blocking=True), s)
     assert final_cell(s, d, "first") is None and final_cell(s, d, "later") is None
+    assert "minimum share 8 a100 not free" in d.for_job("first").reason
+
+
+def test_elasticflow_keeps_a_running_count_outside_its_data_parallel_table():
+    """A job started elsewhere (another policy, as submitted) on a count whose data-parallel
+    estimate is infeasible, past its deadline: its share is what it runs on (rate 0)."""
+    j = job("j", {("a100", 1): 10.0, ("a100", 4): 35.0}, gpus=1, running=("a100", 2, (("a100-1", 2),)),
+            deadline=50.0)
+    s = snap([a100(1)], [j], now=1000.0)
+    d = run(ElasticFlowPolicy(deadline_aware=True), s)
+    assert final_cell(s, d, "j") == ("a100", 2)
 
 
 def test_elasticflow_ranks_doublings_by_the_run_time_they_save():
