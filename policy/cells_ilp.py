@@ -377,7 +377,12 @@ class CellsIlpPolicy:
         weights = {j.job_id: self.weight(snapshot, j) for j in snapshot.jobs}
         reservation = self._reservation(snapshot, weights)
         skip = {reservation.job_id, *reservation.evicted} if reservation else set()
-        movable, fixed, known = self._split(snapshot, weights, skip)
+        # Jobs on nodes held for the reservation run on there until they end (the nodes
+        # drain for it): moved or suspended, their GPUs would go to others.
+        held = {n for n, g in reservation.hold if g > 0} if reservation else set()
+        draining = {j.job_id for j in snapshot.jobs if j.assignment is not None
+                    and any(n in held for n, _ in j.assignment.placement)}
+        movable, fixed, known = self._split(snapshot, weights, skip, draining)
         pending = sorted((j for j in snapshot.jobs if j.assignment is None and j.job_id not in skip),
                          key=lambda j: (-weights[j.job_id], j.submit_time_s, j.job_id))
         offered = movable + pending[: self.config.max_pending]
@@ -450,10 +455,11 @@ class CellsIlpPolicy:
                                 f"started on {cell.label()}: {waited}")
         return None
 
-    def _split(self, snapshot: Snapshot, weights: dict[str, float], skip: set[str]
+    def _split(self, snapshot: Snapshot, weights: dict[str, float], skip: set[str], frozen: set[str] = frozenset()
                ) -> tuple[list[JobView], list[JobView], dict[str, tuple[list[_Option], str]]]:
         """(running jobs that may change this round, running jobs that keep their Cells,
-        the options already computed on the way); jobs in ``skip`` are in neither list.
+        the options already computed on the way); jobs in ``skip`` are in neither list,
+        those in ``frozen`` keep their Cells.
 
         When more may change than ``max_movable``, half are the jobs a change would gain
         the most (their best Cell's value over their current one's: a long job on a slow
@@ -461,7 +467,8 @@ class CellsIlpPolicy:
         weight (whose GPUs others may use best).
         """
         running = [j for j in snapshot.jobs if j.assignment is not None and j.job_id not in skip]
-        eligible = [j for j in running if snapshot.now_s - j.last_change_s >= self.config.min_change_interval_s]
+        eligible = [j for j in running if snapshot.now_s - j.last_change_s >= self.config.min_change_interval_s
+                    and j.job_id not in frozen]
         known: dict[str, tuple[list[_Option], str]] = {}
         if len(eligible) > self.config.max_movable:
             half = self.config.max_movable // 2
@@ -499,11 +506,10 @@ class CellsIlpPolicy:
             if j.assignment is None:
                 continue
             mine = next((o for o in options[j.job_id] if o.cell == j.cell), None)
-            if mine is not None and _all_free(trial, j.assignment.placement):
+            if mine is not None and trial.all_free(j.assignment.placement):
                 trial.take(j.assignment.placement)
                 out[j.job_id] = mine
-                if j.user in left:
-                    left[j.user] -= j.cell.num_gpus
+                _spend(left, j.user, j.cell.num_gpus)
         for j in offered:
             if j.job_id in out:
                 continue
@@ -519,17 +525,19 @@ class CellsIlpPolicy:
                 if p is not None:
                     trial.take(p)
                     out[j.job_id] = o
-                    if users[j.job_id] in left:
-                        left[users[j.job_id]] -= o.cell.num_gpus
+                    _spend(left, users[j.job_id], o.cell.num_gpus)
                     break
         return out
 
-    def _place(self, snapshot, offered, pending, chosen, options, weights, reasons, how, share_left,
-               reservation: _Reservation | None = None):
-        """Put the chosen Cells on nodes; repair what does not fit; backfill leftovers."""
-        notes, reasons = dict(reasons), {}
+    def _place_changed(self, snapshot, offered, chosen, options, weights, how, share_left,
+                       reservation: _Reservation | None, kept: set[str]):
+        """Place the reservation and every job whose Cell changes; running jobs in ``kept``
+        stay on their GPUs should their new Cell not fit. Returns the free GPUs left, the
+        assignments, reasons, share left, the jobs tried, and the running jobs in none of
+        these that lost their GPUs to another's move (to be kept on the next try)."""
         free = FreeGpus.from_snapshot(snapshot)
         final: dict[str, Assignment | None] = {}
+        reasons: dict[str, str] = {}
         if reservation:
             reservation.apply(free, snapshot.job_index())
             final[reservation.job_id] = reservation.start
@@ -541,49 +549,69 @@ class CellsIlpPolicy:
             o = chosen.get(j.job_id)
             cell = o.cell if o is not None else None
             if j.assignment is not None and cell == j.assignment.cell:
-                if j.user in left:
-                    left[j.user] -= j.assignment.num_gpus
+                _spend(left, j.user, j.assignment.num_gpus)
                 continue
             if j.assignment is not None:
                 free.release(j.assignment.placement)
             if cell is None:
                 final[j.job_id] = None
-                if j.assignment is not None:
-                    reasons[j.job_id] = f"{how}: suspended for jobs of higher weight"
-                else:
-                    reasons[j.job_id] = "waiting: not chosen this round"
+                reasons[j.job_id] = (f"{how}: suspended for jobs of higher weight" if j.assignment is not None
+                                     else "waiting: not chosen this round")
             else:
                 changed.append(j)
+        # The GPUs of a running job kept on them are its own.
+        fallback = {j.job_id: j.assignment.placement for j in changed if j.job_id in kept}
+        for placement in fallback.values():
+            free.take(placement)
         # Running jobs first (they hold state), then starts; heavier jobs first within each.
         changed.sort(key=lambda j: (j.assignment is None, -weights[j.job_id], j.job_id))
         tried: set[str] = set()
+        lost: set[str] = set()
         for j in changed:
             o = chosen[j.job_id]
             repair = options[j.job_id] if j.assignment is None else []
+            if j.job_id in fallback:
+                free.release(fallback[j.job_id])
             got = _place_first(free, [o.cell, *o.alternatives], repair, left.get(j.user, math.inf))
             tried.add(j.job_id)
             if got is not None:
                 final[j.job_id] = got
-                if j.user in left:
-                    left[j.user] -= got.num_gpus
+                _spend(left, j.user, got.num_gpus)
                 verb = "started on" if j.assignment is None else "moved to"
                 fixed = "" if got.cell in (o.cell, *o.alternatives) else f" (repair: {o.cell.label()} did not fit)"
                 reasons[j.job_id] = f"{how}: {verb} {got.cell.label()}{fixed}"
-            elif j.assignment is not None and _all_free(free, j.assignment.placement):
+            elif j.assignment is not None and free.all_free(j.assignment.placement):
                 free.take(j.assignment.placement)
                 final[j.job_id] = j.assignment
-                if j.user in left:
-                    left[j.user] -= j.assignment.num_gpus
+                _spend(left, j.user, j.assignment.num_gpus)
                 reasons[j.job_id] = f"kept {j.cell.label()}: no room for {o.cell.label()}"
             else:
+                if j.assignment is not None:
+                    lost.add(j.job_id)
                 final[j.job_id] = None
                 reasons[j.job_id] = f"waiting: {o.cell.label()} does not fit on free nodes"
+        return free, final, reasons, left, tried, lost
+
+    def _place(self, snapshot, offered, pending, chosen, options, weights, reasons, how, share_left,
+               reservation: _Reservation | None = None):
+        """Put the chosen Cells on nodes; repair what does not fit; backfill leftovers."""
+        notes = dict(reasons)
+        # A running job whose new Cell does not fit keeps its GPUs; when a heavier job's move
+        # took them, the placement is made again with them kept for it (at most once per
+        # running job: the kept set only grows).
+        kept: set[str] = set()
+        while True:
+            free, final, reasons, left, tried, lost = self._place_changed(
+                snapshot, offered, chosen, options, weights, how, share_left, reservation, kept)
+            if not lost:
+                break
+            kept |= lost
         # Backfill: GPUs the packing left free go to pending jobs by weight, on Cells no
         # larger than they asked for — also Cells slower than the job would wait for
         # (Crius's opportunistic execution) — so nothing idles while jobs wait. A job with
         # no Cell that small (its model fits only on more GPUs) may take its larger ones:
         # else a long one, which the packing leaves waiting, would never start.
-        spare = _free_total(free)
+        spare = free.total_free()
         for j in pending[: 4 * self.config.max_pending]:
             if spare <= 0:
                 break
@@ -596,8 +624,7 @@ class CellsIlpPolicy:
             if got is not None:
                 final[j.job_id] = got
                 spare -= got.num_gpus
-                if j.user in left:
-                    left[j.user] -= got.num_gpus
+                _spend(left, j.user, got.num_gpus)
                 reasons[j.job_id] = f"backfilled on {got.cell.label()}"
         _name_beneficiaries(snapshot, final, reasons)
         for job_id in reservation.evicted if reservation else ():
@@ -677,9 +704,10 @@ def _with_note(reason: str, note: str | None) -> str:
     return f"{reason}; {note}" if note and reason else (note or reason)
 
 
-def _free_total(free: FreeGpus) -> int:
-    """Free GPUs of every type together."""
-    return sum(free.free.values())
+def _spend(left: dict[str, float], user: str, gpus: int) -> None:
+    """Count GPUs against a user's share left this round (absent: no limit)."""
+    if user in left:
+        left[user] -= gpus
 
 
 def _place_first(free: FreeGpus, first: list[Cell], options: list[_Option], share_gpus: float) -> Assignment | None:
@@ -719,10 +747,6 @@ def _undominated(options: list[_Option]) -> list[_Option]:
 
 def _total(chosen: dict[str, _Option]) -> float:
     return sum(o.value for o in chosen.values())
-
-
-def _all_free(free: FreeGpus, placement) -> bool:
-    return all(free.free[n] >= g for n, g in placement)
 
 
 def _fingerprint(snapshot: Snapshot, decisions: dict[str, JobDecision]) -> tuple:

@@ -94,6 +94,14 @@ class FreeGpus:
     def free_of_type(self, gpu_type: str) -> int:
         return sum(self.free[n] for n in self.by_type.get(gpu_type, ()))
 
+    def total_free(self) -> int:
+        """Free GPUs of every type together."""
+        return sum(self.free.values())
+
+    def all_free(self, placement: Placement) -> bool:
+        """Every GPU of ``placement`` is free."""
+        return all(self.free[n] >= g for n, g in placement)
+
     def node_size(self, gpu_type: str) -> int:
         """The largest node capacity of a type (0 when the cluster has none)."""
         return max((self.capacity[n] for n in self.by_type.get(gpu_type, ())), default=0)

@@ -2,13 +2,14 @@
 greedy fallback is feasible, guarantees, deadlines and share limits hold, and it is deterministic."""
 
 import itertools
+import math
 import random
 
 import pytest
 
 from estimator.cells import Cell, CellEstimate
 from estimator.jobs import JobSpec
-from policy.cells_ilp import CellsIlpPolicy, CellsIlpState, solve_choice
+from policy.cells_ilp import CellsIlpPolicy, CellsIlpState, _shape_of, solve_choice
 from policy.interface import (PENDING, RUNNING, TRIGGER_ROUND, Assignment, JobView, NodeView, Snapshot,
                               final_assignments, validate_decision)
 from policy.placement import FreeGpus
@@ -414,3 +415,67 @@ def test_a_first_start_is_not_charged_a_restart_against_the_deadline():
     a = final_assignments(s, d)["p"]
     assert a is not None and a.cell.gpu_type == "v100"
     assert "deadline" not in d.for_job("p").reason
+
+
+def mixed_instance(seed, n_jobs, now):
+    """Jobs on a100, v100 and a10 nodes (some GPUs unmanaged): some Cells infeasible, a
+    quarter guaranteed, some with deadlines, half running where a Cell fits, changed long
+    ago (movable) or lately, pending ones waiting for up to a day."""
+    rng = random.Random(seed)
+    size = {"a100": 4, "v100": 8, "a10": 2}
+    node_views = tuple(NodeView(f"{t}-{i}", t, size[t], rng.choice([0, 0, 0, 1]))
+                       for t, k in (("a100", rng.randint(1, 3)), ("v100", rng.randint(0, 2)), ("a10", rng.randint(0, 3)))
+                       for i in range(k))
+    types = sorted({n.gpu_type for n in node_views})
+    free = FreeGpus.from_snapshot(Snapshot(now, node_views, ()))
+    jobs = []
+    for k in range(n_jobs):
+        per_gpu = {t: rng.uniform(2, 20) for t in size}
+        asked_type, asked = rng.choice(types), rng.choice([1, 2, 4])
+        ests = []
+        for t, n, st in ((t, n, st) for t in size for n in (1, 2, 4, 8) for st in (1, 2) if st <= n):
+            ok = rng.random() > 0.15
+            rate = per_gpu[t] * n * rng.uniform(0.5, 1.0) * (1.05 if st == 2 else 1.0)
+            ests.append(CellEstimate(Cell(t, n, min(n, size[t]), st), (), 4, BATCH / rate if ok else math.inf,
+                                     rate, 1.0, ok, "" if ok else "oom"))
+        assignment = None
+        if rng.random() < 0.5:
+            cands = [e for e in ests if e.feasible and e.cell.gpu_type in types]
+            rng.shuffle(cands)
+            for e in cands:
+                if (p := free.place(e.cell)) is not None:
+                    free.take(p)
+                    assignment = Assignment(e.cell, p)
+                    break
+        submit, iterations = rng.uniform(0, now), rng.randint(100, 20000)
+        done = rng.uniform(0, iterations * 0.5) if assignment else rng.choice([0, 0, rng.uniform(0, 50)])
+        deadline = submit + rng.uniform(1000, 80000) if rng.random() < 0.3 else None
+        last_change = rng.choice([submit, rng.uniform(submit, now)])
+        jobs.append(JobView(f"j{k}", rng.choice(["u1", "u2"]), JobSpec("gpt-1.3b", BATCH, asked, asked_type), submit,
+                            RUNNING if assignment else PENDING, assignment, done, iterations,
+                            rng.randint(0, 3) if done else 0, last_change, deadline, rng.random() < 0.25,
+                            tuple(ests), tuple(ests)))
+    jobs.sort(key=lambda j: (j.submit_time_s, j.job_id))
+    return Snapshot(now, node_views, tuple(jobs), TRIGGER_ROUND, 300.0, 200.0, None)
+
+
+# Seeds 31 (a node held for a starving job went to a newcomer) and 340 (a guaranteed job
+# lost its GPUs to a heavier job's move, and was suspended) failed before the fix.
+@pytest.mark.parametrize("now, n_jobs, seed", [(100_000.0, 8, k) for k in range(24, 40)]
+                         + [(20_000.0, 14, k) for k in range(332, 348)])
+def test_held_nodes_and_running_guaranteed_jobs_are_kept_when_the_answer_is_placed(now, n_jobs, seed):
+    """Placing the program's answer: no job but the starving one gets GPUs on a node held
+    for it (they drain for it), and a guaranteed running job is never suspended, even when a
+    heavier job's move took the GPUs it would have kept (it keeps them instead)."""
+    s = mixed_instance(seed, n_jobs, now)
+    d = CellsIlpPolicy().decide(s)
+    validate_decision(s, d)
+    final = final_assignments(s, d)
+    held = {n for _, names in d.holds for n in names}
+    for j in s.jobs:
+        got = final[j.job_id]
+        if got is not None and got != j.assignment and all(j.job_id != r for r, _ in d.holds):
+            assert not {n for n, _ in got.placement} & held, (j.job_id, got, d.holds)
+        if j.guaranteed and j.assignment is not None and \
+                j.estimate_for(j.cell).samples_per_s >= _shape_of(j, s.derived_cache()).ref_rate:
+            assert got is not None, (j.job_id, d.for_job(j.job_id).reason)  # it meets its guarantee
