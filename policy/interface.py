@@ -408,7 +408,8 @@ def implied_actions(snapshot: Snapshot, decision: Decision) -> tuple[Action, ...
 
     Suspensions come first, then resizes, type changes and moves, then starts, so that
     applying them in order never needs GPUs that are still held; within a kind, in the
-    decision's order.
+    decision's order, except that a change waits for the changes that free the GPUs it
+    takes (jobs that swap nodes among themselves, a cycle, keep the decision's order).
 
     Args:
         snapshot: the state the policy saw.
@@ -438,7 +439,35 @@ def implied_actions(snapshot: Snapshot, decision: Decision) -> tuple[Action, ...
             kind = MOVE
         actions.append(Action(kind, job.job_id, before, after, d.reason))
     order = {SUSPEND: 0, RESIZE: 1, CHANGE_TYPE: 1, MOVE: 1, START: 2}
-    return tuple(sorted(actions, key=lambda a: order[a.kind]))
+    actions.sort(key=lambda a: order[a.kind])
+    changes = [a for a in actions if order[a.kind] == 1]
+    if len(changes) < 2:
+        return tuple(actions)
+    free = {n.name: n.managed_gpus for n in snapshot.nodes}
+    for j in snapshot.jobs:
+        for name, gpus in j.assignment.placement if j.assignment is not None else ():
+            free[name] = free.get(name, 0) - gpus
+    for a in actions:
+        if a.kind == SUSPEND:
+            for name, gpus in a.before.placement:
+                free[name] += gpus
+    ordered: list[Action] = []
+    while changes:
+        ready = next((a for a in changes if _fits_after_leaving(free, a)), changes[0])
+        for name, gpus in ready.before.placement:
+            free[name] += gpus
+        for name, gpus in ready.after.placement:
+            free[name] = free.get(name, 0) - gpus
+        ordered.append(ready)
+        changes.remove(ready)
+    return tuple(a for a in actions if a.kind == SUSPEND) + tuple(ordered) + \
+        tuple(a for a in actions if a.kind == START)
+
+
+def _fits_after_leaving(free: dict[str, int], action: Action) -> bool:
+    """The GPUs ``action`` takes are free once its job has left the ones it holds."""
+    own = dict(action.before.placement)
+    return all(free.get(name, 0) + own.get(name, 0) >= gpus for name, gpus in action.after.placement)
 
 
 class DecisionError(ValueError):

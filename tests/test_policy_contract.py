@@ -180,3 +180,28 @@ def test_a_cell_with_more_stages_than_the_job_allows_is_refused():
     staged = Decision((JobDecision("dp-tp", Assignment(Cell("a100", 4, 4, 2), (("a-1", 4),))),))
     with pytest.raises(DecisionError, match="max_stages=1"):
         validate_decision(snap, staged)
+
+
+def test_a_change_onto_gpus_another_change_frees_comes_after_it():
+    """Applied in order, no action needs GPUs still held: A moves onto v-1's GPUs that B
+    leaves for a-2, so B goes first whatever the decision's order; a swap keeps its order."""
+    from estimator.cells import Cell
+    from policy.interface import Assignment, JobDecision
+    nodes = (NodeView("a-1", "a100", 4), NodeView("a-2", "a100", 4), NodeView("v-1", "v100", 4))
+    on_a = Assignment(Cell("a100", 4, 4, 1), (("a-1", 4),))
+    on_v = Assignment(Cell("v100", 4, 4, 1), (("v-1", 4),))
+    snap = Snapshot(0.0, nodes, (_view("A", on_a), _view("B", on_v)))
+    decision = Decision((JobDecision("A", on_v), JobDecision("B", Assignment(Cell("a100", 4, 4, 1), (("a-2", 4),)))))
+    validate_decision(snap, decision)
+    assert [a.job_id for a in implied_actions(snap, decision)] == ["B", "A"]
+    free = {"a-1": 0, "a-2": 4, "v-1": 0}
+    for a in implied_actions(snap, decision):
+        for name, gpus in a.before.placement:
+            free[name] += gpus
+        for name, gpus in a.after.placement:
+            free[name] -= gpus
+            assert free[name] >= 0, (a.job_id, name)
+    swap = Snapshot(0.0, nodes, (_view("A", on_a), _view("B", on_v)))
+    crossed = Decision((JobDecision("A", Assignment(Cell("v100", 4, 4, 1), (("v-1", 4),))),
+                        JobDecision("B", Assignment(Cell("a100", 4, 4, 1), (("a-1", 4),)))))
+    assert [a.job_id for a in implied_actions(swap, crossed)] == ["A", "B"]
