@@ -35,7 +35,7 @@ from estimator.memory import (
 )
 from estimator.models import DTYPE_BYTES, ModelSpec, load_model, tp_problem
 from estimator.partition import arena_stage_gpus, balanced_partition, stage_gpu_counts
-from estimator.plan_string import format_plan
+from estimator.plan_string import MAX_PLAN_STRING, format_plan
 from estimator.profile_fit import profiled_layer_s
 from estimator.profile_store import ProfileView, collective_csv_rows, load_profile_view, model_fingerprint
 from estimator.stage_comm import (collective_s, dp_groups_per_node, gradient_sync_s, span_nodes,
@@ -619,6 +619,8 @@ def _assemble(job: JobSpec, ctx: _Context, ranges, per_stage, default_ranges) ->
     host_gb = max(host_memory_gb(c.memory) for c in costs)
     plan = format_plan(cell, plans, ctx.micro_batches, ctx.remat, default_ranges,
                        zero_level=memory.zero_level, offload=memory.offload)
+    if bad is None and (too_long := _plan_too_long(cell, plans, ctx, memory)):
+        bad = replace(costs[0], reason=too_long)
     dims = dict(remat=ctx.remat, zero_level=memory.zero_level, offload=memory.offload,
                 host_memory_gb=host_gb, runnable=memory.runs_plan(ctx.model.optimizer, plans, ctx.remat),
                 plan=plan)
@@ -627,6 +629,16 @@ def _assemble(job: JobSpec, ctx: _Context, ranges, per_stage, default_ranges) ->
                             fidelity, source, memory_fidelity, **dims)
     return CellEstimate(cell, plans, ctx.micro_batches, t, job.global_batch / t, peak, True, "",
                         fidelity, source, memory_fidelity, **dims)
+
+
+def _plan_too_long(cell: Cell, plans: tuple[StagePlan, ...], ctx: _Context, memory: MemoryOptions) -> str:
+    """Why the runner could not read the Cell's plan with its stage boundaries ("" if it can)."""
+    if cell.num_stages < 32:  # at most ~20 characters a stage: far from the limit
+        return ""
+    n = len(format_plan(cell, plans, ctx.micro_batches, ctx.remat, None,
+                        zero_level=memory.zero_level, offload=memory.offload))
+    return f"its plan takes {n} characters, over the {MAX_PLAN_STRING} a job carries; fewer stages" \
+        if n > MAX_PLAN_STRING else ""
 
 
 def _choose_variants(per_stage_costs: list[list[StageCost]], micro_batches: int,

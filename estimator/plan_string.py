@@ -29,7 +29,9 @@ from dataclasses import dataclass
 from estimator.cells import Cell, StagePlan, stage_label
 from estimator.errors import SpecError
 
-MAX_PLAN_STRING = 512
+# The longest plan a runner reads (a pipeline of about 100 stages; the estimator offers
+# no Cell whose plan is longer): within a job's AdminComment with room for the rest.
+MAX_PLAN_STRING = 2048
 OPTIONAL_KEYS = ("layers", "zero", "offload")
 _CELL_RE = re.compile(r"([a-z][a-z0-9_]*)x(\d+):s(\d+)")
 _STAGE_RE = re.compile(r"dp(\d+)tp(\d+)(ep)?")

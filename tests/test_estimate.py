@@ -200,3 +200,20 @@ def test_a_pipeline_whose_padded_stages_overflow_is_not_chosen_nor_called_feasib
     mixed = (StagePlan(*ranges[0], 1, 4), StagePlan(*ranges[1], 4, 1))
     score = score_plan(job, cell, CRIUS, mixed, est.micro_batches, True)
     assert not score.feasible and "padded" in score.reason and score.peak_memory_gb > 32 * 0.9
+
+
+def test_every_feasible_cell_of_a_deep_pipeline_has_a_plan_the_runner_reads(tmp_path):
+    """The daemon writes a Cell's plan with its stage boundaries; a pipeline of 256 stages
+    takes more characters than a runner reads, and is no longer offered (it was, and its
+    job failed at its first start)."""
+    from estimator.plan_string import MAX_PLAN_STRING, format_plan, parse_plan
+    model = tmp_path / "deep.yaml"
+    model.write_text("hidden: 1024\nlayers: 600\nheads: 16\nsequence: 512\nvocab: 32000\n")
+    est = estimate_job(JobSpec(str(model), 512, 256, "a100"), CRIUS, EstimateOptions(), ("a100",))
+    deepest = max(est.cells, key=lambda c: c.cell.num_stages)
+    assert deepest.cell.num_stages == 256 and not deepest.feasible and str(MAX_PLAN_STRING) in deepest.reason
+    feasible = [c for c in est.cells if c.feasible]
+    assert max(c.cell.num_stages for c in feasible) == 128
+    for c in feasible:
+        parse_plan(format_plan(c.cell, c.stages, c.micro_batches, c.remat, None,
+                               zero_level=c.zero_level, offload=c.offload))  # boundaries written out
