@@ -103,7 +103,7 @@ def _parse_groups(text: str) -> list[list[int]]:
 
 
 @lru_cache(maxsize=4096)  # a table repeats a few layouts over thousands of rows
-def _valid_groups(text: str) -> bool:
+def valid_groups(text: str) -> bool:
     """Whether ``text`` reads as replica groups: a non-empty list of non-empty lists of ints."""
     try:
         groups = _parse_groups(text)
@@ -146,7 +146,7 @@ def _checked_rows(reader, col: list[int], path: Path):
         for key in ("num_nodes", "gpus_per_node", "group_size"):
             if not named[key].strip().isdigit() or int(named[key]) < 1:
                 raise SpecError("comm_table", str(path), f"line {line}: {key}={named[key]!r} is not a whole number ≥ 1")
-        if named["op"] != "send" and not _valid_groups(named["replica_groups"]):
+        if named["op"] != "send" and not valid_groups(named["replica_groups"]):
             raise SpecError("comm_table", str(path), f"line {line}: replica_groups={named['replica_groups']!r} is "
                                                      "not a list of lists of device numbers")
         for key in ("bytes", "seconds"):

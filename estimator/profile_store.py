@@ -30,13 +30,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import math
 import sqlite3
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from estimator.comm import valid_groups
 from estimator.compute import Efficiency
 from estimator.errors import SpecError
+
+log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 2  # 2: layers.backward_temp_bytes (a version-1 store is upgraded when opened)
 _SCHEMA = """
@@ -334,7 +339,7 @@ def read_profile(path: str | Path, profile_id: int) -> Profile:
                          (profile_id,)).fetchone()
     finally:
         conn.close()
-    eff = Efficiency(**json.loads(e[0])) if e else None
+    eff = usable_efficiency(e[0]) if e else None
     return Profile(info, coll, kern, lay, eff, e[1] if e else None)
 
 
@@ -350,39 +355,60 @@ def load_profile_view(path: str | Path) -> ProfileView:
       a sample count timed twice in one profile (a model named twice) is averaged.
     """
     conn = connect(path)
+    skipped = 0
     try:
+        conn.execute("BEGIN")  # one snapshot: a profile committed meanwhile is read whole or not at all
         profiles = {pid: (gpu, nodes, created) for pid, gpu, nodes, created in conn.execute(
             "SELECT id, gpu_type, num_nodes, created_utc FROM profiles")}
         fitted: dict[str, tuple[str, Efficiency]] = {}  # newest profile fit per type, by id
         for pid, params in conn.execute("SELECT profile_id, params_json FROM efficiency ORDER BY profile_id"):
+            if pid not in profiles or (eff := usable_efficiency(params)) is None:
+                skipped += 1
+                continue
             gpu, _, created = profiles[pid]
-            fitted[gpu] = (created, Efficiency(**json.loads(params)))
+            fitted[gpu] = (created, eff)
         effs = {gpu: eff for gpu, (_, eff) in fitted.items()}
         for gpu, created, params in conn.execute("SELECT gpu_type, created_utc, params_json FROM refits ORDER BY id"):
-            if gpu not in fitted or _utc_key(created) >= _utc_key(fitted[gpu][0]):
-                effs[gpu] = Efficiency(**json.loads(params))
+            if (eff := usable_efficiency(params)) is None:
+                skipped += 1
+            elif gpu not in fitted or _utc_key(created) >= _utc_key(fitted[gpu][0]):
+                effs[gpu] = eff
         newest_coll: dict[tuple[str, int], int] = {}
         for (pid,) in conn.execute("SELECT DISTINCT profile_id FROM collectives ORDER BY profile_id"):
-            gpu, nodes, _ = profiles[pid]
-            newest_coll[(gpu, nodes)] = pid
+            if pid in profiles:
+                gpu, nodes, _ = profiles[pid]
+                newest_coll[(gpu, nodes)] = pid
         coll: dict[str, tuple[CollectiveRow, ...]] = {}
         for (gpu, _), pid in sorted(newest_coll.items()):
-            coll[gpu] = coll.get(gpu, ()) + tuple(CollectiveRow(*r) for r in conn.execute(
+            rows = [CollectiveRow(*r) for r in conn.execute(
                 "SELECT op, group_size, num_nodes, gpus_per_node, replica_groups, bytes, seconds "
-                "FROM collectives WHERE profile_id=?", (pid,)))
+                "FROM collectives WHERE profile_id=?", (pid,))]
+            good = tuple(r for r in rows if _usable_collective(r))
+            skipped += len(rows) - len(good)
+            if good:
+                coll[gpu] = coll.get(gpu, ()) + good
         newest_layer: dict[tuple[str, str, int, int], int] = {}
         for pid, fp, idx, tp in conn.execute(
                 "SELECT DISTINCT profile_id, model_fingerprint, layer_index, tp FROM layers ORDER BY profile_id"):
-            newest_layer[(profiles[pid][0], fp, idx, tp)] = pid
+            if pid in profiles:
+                newest_layer[(profiles[pid][0], fp, idx, tp)] = pid
         points: dict[tuple[str, str, int, int], dict[int, list[tuple[float, float, int | None]]]] = {}
         for pid, fp, idx, tp, samples, f, fb, temp in conn.execute(
                 "SELECT profile_id, model_fingerprint, layer_index, tp, samples, forward_s, forward_backward_s, "
                 "backward_temp_bytes FROM layers"):
-            key = (profiles[pid][0], fp, idx, tp)
-            if newest_layer[key] == pid:
-                points.setdefault(key, {}).setdefault(samples, []).append((f, fb, temp))
+            key = (profiles[pid][0], fp, idx, tp) if pid in profiles else None
+            if key is None or newest_layer[key] != pid:
+                continue
+            if not _usable_layer(tp, samples, f, fb, temp):
+                skipped += 1
+                continue
+            points.setdefault(key, {}).setdefault(samples, []).append((f, fb, temp))
+        conn.execute("COMMIT")
     finally:
         conn.close()
+    if skipped:
+        log.warning("profile store %s: %d rows skipped (times, sizes or parameters that are not "
+                    "positive finite numbers, malformed replica groups)", path, skipped)
     layers = {}
     for key, by_samples in points.items():
         counts = sorted(by_samples)
@@ -390,6 +416,39 @@ def load_profile_view(path: str | Path) -> ProfileView:
         layers[key] = LayerTiming(tuple(counts), tuple(m[0] for m in means), tuple(m[1] for m in means),
                                   tuple(None if m[2] is None else int(m[2]) for m in means))
     return ProfileView(str(path), effs, coll, layers)
+
+
+def usable_efficiency(params_json: str) -> Efficiency | None:
+    """Stored efficiency parameters, or None when they are not usable ones (malformed,
+    a fraction of a peak that is not positive, a negative overhead)."""
+    try:
+        eff = Efficiency(**json.loads(params_json))
+    except (TypeError, ValueError):
+        return None
+    values = [getattr(eff, f.name) for f in fields(eff)]
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+        return None
+    if min(eff.matmul_frac, eff.conv_frac, eff.memory_frac, eff.inter_node_frac) <= 0:
+        return None
+    return eff if min(eff.layer_overhead_s, eff.half_rate_gflop, eff.conv_half_outputs) >= 0 else None
+
+
+def _positive(*values) -> bool:
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+               for v in values)
+
+
+def _usable_collective(r: CollectiveRow) -> bool:
+    """A measurement the estimator may use: whole counts ≥ 1, positive finite size and
+    time (a negative time would win every comparison), readable replica groups."""
+    return (all(isinstance(n, int) and n >= 1 for n in (r.group_size, r.num_nodes, r.gpus_per_node))
+            and _positive(r.bytes, r.seconds) and (r.op == "send" or valid_groups(str(r.replica_groups))))
+
+
+def _usable_layer(tp, samples, forward_s, forward_backward_s, temp_bytes) -> bool:
+    return (isinstance(tp, int) and isinstance(samples, int) and tp >= 1 and samples >= 1
+            and _positive(forward_s, forward_backward_s)
+            and (temp_bytes is None or (isinstance(temp_bytes, int) and temp_bytes >= 0)))
 
 
 def _utc_key(text: str) -> str:

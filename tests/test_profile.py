@@ -398,3 +398,26 @@ def test_a_store_that_cannot_be_made_is_one_clear_error(tmp_path):
     (locked / "store.sqlite").mkdir()  # a directory where the file should be
     with pytest.raises(SpecError, match="cannot open"):
         connect(locked / "store.sqlite", create=True)
+
+
+@pytest.mark.parametrize("corruption", [
+    "UPDATE collectives SET seconds = -1",  # a negative time won every comparison
+    "UPDATE collectives SET bytes = 0",
+    "UPDATE collectives SET replica_groups = '[[0, 1]'",  # a SyntaxError traceback
+    "UPDATE collectives SET gpus_per_node = 0",  # ZeroDivisionError
+    "UPDATE layers SET forward_s = -0.3, forward_backward_s = -1.0",
+    "UPDATE layers SET forward_backward_s = 'nan'",
+    "UPDATE efficiency SET params_json = '{\"matmul_frac\": 0.5}'",  # TypeError
+    "UPDATE efficiency SET params_json = 'oops'",  # JSONDecodeError
+    "UPDATE efficiency SET params_json = json_set(params_json, '$.matmul_frac', 0)",  # ZeroDivisionError
+    "DELETE FROM profiles",  # rows of a profile that is gone: KeyError
+])
+def test_unusable_rows_of_a_store_are_skipped_with_a_warning(tmp_path, corruption, caplog):
+    db, _ = _profile(tmp_path)
+    with connect(db) as conn:
+        conn.execute(corruption)
+    cluster, job = load_cluster("lab"), JobSpec("gpt-760m", 16, None, None)
+    est = estimate_job(job, cluster, EstimateOptions(profile_db=str(db)), ("a10",))
+    feasible = [e for e in est.cells if e.feasible]
+    assert feasible and all(math.isfinite(e.iteration_time_s) and e.iteration_time_s > 0 for e in feasible)
+    assert "rows skipped" in caplog.text
