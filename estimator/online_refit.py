@@ -41,6 +41,9 @@ from estimator.jobs import JobSpec
 # The newest observations a fit uses: bounds its time (a fit costs about
 # distinct plans × (fitted parameters + 1) × iterations plan scores of ~0.2 ms each).
 MAX_OBSERVATIONS = 50
+# A measured time this many times off the current estimate, either way, is not the
+# device's speed (a run stalled on I/O, a file written by hand): it is left out.
+MAX_OFF_FACTOR = 20.0
 # Soft-L1 scale of the data residuals (log of estimated / measured): within ~2 % (what
 # repeated measurements of one plan scatter by) a residual counts quadratically, beyond it
 # linearly, so one far-off observation pulls with a bounded force, however far off it is.
@@ -118,12 +121,15 @@ class RefitObservation:
             SpecError: a field is missing or of the wrong kind (quoting it).
         """
         try:
-            return cls(str(raw["model"]), int(raw["global_batch"]), Cell(*raw["cell"]),
+            obs = cls(str(raw["model"]), int(raw["global_batch"]), Cell(*raw["cell"]),
                        tuple(StagePlan(*s) for s in raw["stages"]), int(raw["micro_batches"]),
                        bool(raw["remat"]), float(raw["iteration_time_s"]), str(raw.get("job_id", "")),
                        float(raw.get("observed_s", 0.0)), int(raw.get("zero_level", 0)))
         except (KeyError, TypeError, ValueError) as e:
             raise SpecError("refit_observation", raw, f"not an observation ({e!r})") from None
+        if not (math.isfinite(obs.iteration_time_s) and obs.iteration_time_s > 0):
+            raise SpecError("refit_observation", raw, "iteration_time_s is not a positive number of seconds")
+        return obs
 
 
 @dataclass(frozen=True)
@@ -185,7 +191,8 @@ def _usable(gpu_type: str, cluster: ClusterSpec, options: EstimateOptions,
             observations: Sequence[RefitObservation], current: Efficiency
             ) -> tuple[list[RefitObservation], list[RefitObservation], np.ndarray]:
     """The observations the estimator can score (their distinct plans and the current
-    estimates of those): a model file gone or a Cell the cluster lost drops one."""
+    estimates of those): a model file gone or a Cell the cluster lost drops one, and so
+    does a time over ``MAX_OFF_FACTOR`` off the estimate (a stalled run, a bad file)."""
     plans: dict[tuple, RefitObservation] = {}
     for o in observations:
         plans.setdefault(o.plan_key(), o)
@@ -198,8 +205,10 @@ def _usable(gpu_type: str, cluster: ClusterSpec, options: EstimateOptions,
         if math.isfinite(t) and t > 0:
             kept_plans.append(p)
             times.append(t)
-    keys = {p.plan_key() for p in kept_plans}
-    return [o for o in observations if o.plan_key() in keys], kept_plans, np.array(times)
+    estimate_of = {p.plan_key(): t for p, t in zip(kept_plans, times)}
+    kept = [o for o in observations if o.plan_key() in estimate_of
+            and 1 / MAX_OFF_FACTOR <= o.iteration_time_s / estimate_of[o.plan_key()] <= MAX_OFF_FACTOR]
+    return kept, kept_plans, np.array(times)
 
 
 def refit_efficiency(gpu_type: str, current: Efficiency, cluster: ClusterSpec,
@@ -222,7 +231,8 @@ def refit_efficiency(gpu_type: str, current: Efficiency, cluster: ClusterSpec,
         usable observation, or nothing the observations can tell, the current parameters
         and equal errors.
     """
-    mine = sorted((o for o in observations if o.cell.gpu_type == gpu_type and o.iteration_time_s > 0),
+    mine = sorted((o for o in observations if o.cell.gpu_type == gpu_type and math.isfinite(o.iteration_time_s)
+                   and o.iteration_time_s > 0),
                   key=lambda o: -o.observed_s)[:max_observations]
     mine, plans, before_t = _usable(gpu_type, cluster, options, mine, current)
     if not mine:

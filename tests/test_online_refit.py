@@ -3,6 +3,7 @@
 rate limit, observations kept across restarts, a refit written into the profile store."""
 
 import json
+import math
 import time
 from dataclasses import replace
 
@@ -12,6 +13,7 @@ from estimator.cells import Cell, StagePlan
 from estimator.cluster import load_cluster
 from estimator.compute import FITTED_EFFICIENCY
 from estimator.contract import ADMIN_COMMENT_PLAN, MEASURED_FILE, RunnerReport
+from estimator.errors import SpecError
 from estimator.estimate import EstimateOptions, estimate_cell, partition_stages, score_plan
 from estimator.jobs import JobSpec
 from estimator.models import load_model
@@ -139,6 +141,20 @@ def test_nothing_to_fit_leaves_the_parameters(observations):
 def test_observation_round_trips_through_json(observations):
     o = observations[3]
     assert RefitObservation.from_json(json.loads(json.dumps(o.to_json()))) == o
+    for bad in (math.inf, math.nan, 0.0, -1.0):
+        with pytest.raises(SpecError, match="iteration_time_s"):
+            RefitObservation.from_json({**o.to_json(), "iteration_time_s": bad})
+
+
+def test_a_time_that_is_no_device_speed_is_left_out(observations, clean_fit):
+    """An infinite time stopped every refit of the type (non-finite residuals); a time a
+    thousand times off the estimate moved the parameters as far as the fit let it."""
+    bad = [replace(observations[0], iteration_time_s=math.inf),
+           replace(observations[1], iteration_time_s=observations[1].iteration_time_s * 1000),
+           replace(observations[2], iteration_time_s=observations[2].iteration_time_s / 1000)]
+    r = refit_efficiency("a100", START, CLUSTER, observations[3:] + bad)
+    assert r.observations == len(observations) - 3
+    assert r.efficiency == refit_efficiency("a100", START, CLUSTER, observations[3:]).efficiency
 
 
 def test_a_zero_3_plan_measured_at_its_own_estimate_refits_nothing():
