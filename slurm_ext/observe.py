@@ -417,7 +417,7 @@ def estimate_key(spec: ElasticSpec, cluster: ClusterSpec, plan_space: str,
                  micro_batches: int | None, max_gpus: int, profile: str | None = None,
                  expert_parallel: bool = False) -> str:
     """The estimate cache's key: everything the estimates depend on (``profile``: the
-    profile store and its version, when one is used)."""
+    profile store and its version, when one is used; a model file's version)."""
     groups = [(g.gpu_type, g.nodes, g.gpus_per_node, g.network.kind, g.network.bandwidth_gbytes_s)
               for g in cluster.node_groups]
     key = [spec.model, spec.global_batch, spec.num_gpus, spec.gpu_type, plan_space,
@@ -430,6 +430,12 @@ def estimate_key(spec: ElasticSpec, cluster: ClusterSpec, plan_space: str,
         key.append({"profile": profile})
     if expert_parallel:
         key.append({"expert_parallel": True})
+    if spec.model.startswith("/"):  # a model file: estimates of one version of it
+        try:
+            st = os.stat(spec.model)
+            key.append({"model_file": [st.st_mtime_ns, st.st_size]})
+        except OSError:
+            key.append({"model_file": None})
     return json.dumps(key)
 
 
