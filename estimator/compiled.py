@@ -216,7 +216,10 @@ def compile_stages(requests: list[StageRequest], cache_dir: Path | None = DEFAUL
             fresh = _compile_in_child(jobs, need)
         for i, d in zip(todo, fresh):
             results[i] = CompiledStage.from_json(d)
-            _cache_write(cache_dir, results[i])
+            # A GPU target that gave no memory (no plugin, no spec file) is tried again next
+            # time, not remembered under the key a working set-up would use.
+            if results[i].target == "cpu" or results[i].memory_bytes is not None:
+                _cache_write(cache_dir, results[i])
     return [r for r in results if r is not None]
 
 

@@ -197,3 +197,15 @@ def test_gpu_target_memory_when_the_extra_is_installed(tmp_path):
     state = count_params(_request().arch, range(1, 3)) / 2 * 4 * 4
     assert with_gpu.memory_bytes > state
     assert with_gpu.flops_per_device == pytest.approx(cpu_only.flops_per_device)
+
+
+def test_a_gpu_target_that_gave_no_memory_is_not_cached(tmp_path):
+    """Without the GPU-target plugin or its spec file the compile is the CPU one with no
+    memory: cached, it would be returned once the set-up works, under the same key."""
+    from estimator.compiled import compile_stages
+    specs = tmp_path / "specs"
+    specs.mkdir()  # no spec file in it
+    (gpu,) = compile_stages([_request(target="h100")], tmp_path / "cache", specs)
+    assert gpu.memory_bytes is None and not list((tmp_path / "cache").rglob("*.json"))
+    compile_stages([_request()], tmp_path / "cache")
+    assert len(list((tmp_path / "cache").rglob("*.json"))) == 1  # the CPU target's is kept
