@@ -105,12 +105,9 @@ class EstimateOptions:
     efficiency: dict[str, Efficiency] | None = field(default=None, hash=False, compare=False)
 
     def __post_init__(self):
-        if self.plan_space not in PLAN_SPACES:
-            raise SpecError("plan_space", self.plan_space, f"use one of {', '.join(PLAN_SPACES)}")
-        if self.fidelity not in FIDELITIES:
-            raise SpecError("fidelity", self.fidelity, f"use one of {', '.join(FIDELITIES)}")
-        if self.stage_gpus not in STAGE_GPUS:
-            raise SpecError("stage_gpus", self.stage_gpus, f"use one of {', '.join(STAGE_GPUS)}")
+        for name, allowed in (("plan_space", PLAN_SPACES), ("fidelity", FIDELITIES), ("stage_gpus", STAGE_GPUS)):
+            if getattr(self, name) not in allowed:
+                raise SpecError(name, getattr(self, name), f"use one of {', '.join(allowed)}")
         if self.micro_batches is not None and self.micro_batches < 1:
             raise SpecError("micro_batches", self.micro_batches, "give a positive integer")
 
@@ -188,15 +185,12 @@ def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan, co
     layers = model.layers[plan.layer_start:plan.layer_end]
     dp, tp, B = plan.dp, plan.tp, ctx.micro_batches
     sources: set[str] = set()
-    reason = ""
     samples_per_micro = ctx.global_batch / B
     micro = samples_per_micro / dp
     if ctx.global_batch % (B * dp):
         reason = f"global batch {ctx.global_batch} does not split into {B} micro-batches × dp {dp}"
-    elif (why := moe_shard_problem(model, int(micro))):
-        reason = why
-    elif (why := tp_problem(layers, tp)):
-        reason = why
+    else:
+        reason = moe_shard_problem(model, int(micro)) or tp_problem(layers, tp)
     passes = 3.0 + (1.0 if ctx.remat else 0.0)
     comm_passes = 2.0 + (1.0 if ctx.remat else 0.0)
     flops_scale = 1.0
@@ -468,7 +462,7 @@ def estimate_cell(job: JobSpec, cell: Cell, cluster: ClusterSpec,
     best = None
     for remat in remats:
         est = _with_accumulation(job, cell, cluster, replace(options, remat=remat))
-        if best is None or _better(est, best):
+        if best is None or _better(est, best, options.runnable_only):
             best = est
     if best.feasible:
         return _faster_split(job, cell, cluster, options, best)
@@ -517,10 +511,12 @@ def _faster_split(job: JobSpec, cell: Cell, cluster: ClusterSpec, options: Estim
     return best
 
 
-def _better(a: CellEstimate, b: CellEstimate) -> bool:
-    """Feasible before infeasible, then faster; among infeasible, smaller."""
+def _better(a: CellEstimate, b: CellEstimate, runnable_first: bool = False) -> bool:
+    """Feasible first, then runnable (with ``runnable_first``), then faster; if infeasible, smaller."""
     if a.feasible != b.feasible:
         return a.feasible
+    if runnable_first and a.feasible and a.runnable != b.runnable:
+        return a.runnable
     if a.feasible:
         return a.iteration_time_s < b.iteration_time_s
     return a.peak_memory_gb < b.peak_memory_gb
@@ -616,6 +612,8 @@ def _assemble(job: JobSpec, ctx: _Context, ranges, per_stage, default_ranges) ->
     memory_fidelity = ("compiled" if all(c.compiled_peak_gb is not None for c in costs) else
                        PROFILED if all(c.memory_source == PROFILED for c in costs) else "analytic")
     memory = options.memory
+    if memory.zero_level and not memory.offload and all(p.dp == 1 for p in plans):
+        memory = replace(memory, zero_level=0)  # no data parallelism to shard the states over
     host_gb = max(host_memory_gb(c.memory) for c in costs)
     plan = format_plan(cell, plans, ctx.micro_batches, ctx.remat, default_ranges,
                        zero_level=memory.zero_level, offload=memory.offload)

@@ -131,16 +131,20 @@ def test_plan_dimension_flags_reach_the_plan_and_the_memory(capsys):
     # the runner runs.
     assert no_remat and all("remat=0" in c["plan"].split() and c["runnable"] for c in no_remat.values())
     assert {c["zero_level"] for c in no_remat.values()} <= {0, 1}
+    def dp1(c):  # no data parallelism anywhere: no states to shard, the plan carries no ZeRO
+        return all(s.startswith("dp1tp") for s in c["plan"].split()[1][6:-1].split("|"))
+
     zero2 = cells("--zero", "2")  # the runner's ZeRO-2: every stage split alike
-    assert zero2 and all(c["plan"].endswith("zero=2") and c["runnable"] for c in zero2.values())
+    assert zero2 and all(c["plan"].endswith("zero=2") != dp1(c) and c["runnable"] for c in zero2.values())
     assert all(len({s.split("tp")[0] for s in c["plan"].split()[1][6:-1].split("|")}) == 1 for c in zero2.values())
     zero3, offload = cells("--zero", "3"), cells("--zero", "2", "--offload")
     # The runner's ZeRO-3: stages split alike, under remat (it gathers inside it).
-    assert zero3 and all(c["plan"].endswith("zero=3") and c["runnable"] for c in zero3.values())
+    assert zero3 and all(c["plan"].endswith("zero=3") != dp1(c) and c["runnable"] for c in zero3.values())
     assert all(len({s.split("tp")[0] for s in c["plan"].split()[1][6:-1].split("|")}) == 1 for c in zero3.values())
     zero3_no_remat = cells("--zero", "3", "--remat", "off")
-    assert zero3_no_remat and all("remat=0" in c["plan"].split() and not c["runnable"]
+    assert zero3_no_remat and all("remat=0" in c["plan"].split() and c["runnable"] == dp1(c)
                                   for c in zero3_no_remat.values())
+    assert any(not dp1(c) for c in zero3_no_remat.values())
     assert all(c["plan"].endswith("zero=2 offload=1") and not c["runnable"] for c in offload.values())
     same = [k for k in base if k in zero3 and k in offload and "dp1tp" not in k]  # data parallel: states shard
     assert same

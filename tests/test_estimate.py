@@ -217,3 +217,17 @@ def test_every_feasible_cell_of_a_deep_pipeline_has_a_plan_the_runner_reads(tmp_
     for c in feasible:
         parse_plan(format_plan(c.cell, c.stages, c.micro_batches, c.remat, None,
                                zero_level=c.zero_level, offload=c.offload))  # boundaries written out
+
+
+def test_with_runnable_only_a_job_is_never_given_a_plan_the_runner_refuses():
+    """ZeRO-3 with remat off is faster and was kept as best, though the runner gathers
+    ZeRO-3's weights inside its rematerialization; and a plan of data parallelism 1
+    everywhere carried a ZeRO level (nothing to shard over) that Adafactor's runner refuses."""
+    from estimator.memory import MemoryOptions
+    for model, zero in (("gpt-1.3b", 3), ("moe-690m", 1)):
+        est = estimate_job(JobSpec(model, 16, num_gpus=4, gpu_type="a100"), CRIUS,
+                           EstimateOptions(memory=MemoryOptions(zero_level=zero), remat=None), ("a100",))
+        assert est.best is not None and est.best.runnable, (model, est.best.plan)
+        for c in est.cells:
+            if c.feasible and all(s.dp == 1 for s in c.stages):
+                assert c.zero_level == 0 and "zero=" not in c.plan and c.runnable, c.plan
