@@ -30,6 +30,10 @@ TUNE_WORDS = {"1": True, "yes": True, "on": True, "true": True, "0": False, "no"
 TUNE_BUDGET_ENV = "SLURM_EXT_TUNE_BUDGET_S"
 TUNE_FRAC_ENV = "SLURM_EXT_TUNE_BUDGET_FRAC"
 COMPILE_CACHE_DIR = "jax-cache"  # beside the jobs' checkpoint directories
+# The compile cache is shared by every job under one root: JAX evicts its least recently
+# used programs beyond this many GB (0: no bound).
+COMPILE_CACHE_MAX_GB_ENV = "SLURM_EXT_COMPILE_CACHE_MAX_GB"
+DEFAULT_COMPILE_CACHE_MAX_GB = 20.0
 TUNED_CACHE_DIR = "tuned-plans"  # likewise: tuned plans per (model, global batch, Cell)
 DEFAULT_TUNE_BUDGET_S = 600.0
 DEFAULT_TUNE_FRAC = 0.05
@@ -73,6 +77,7 @@ class RunConfig:
     warmup_steps: int
     compile_cache_dir: str | None
     launch: str  # single | srun (one process per node, joined by jax.distributed)
+    compile_cache_max_bytes: int = -1  # JAX's jax_compilation_cache_max_size (-1: no bound)
     tune: TuneConfig = TuneConfig()
     job_checkpoint_dir: bool = False  # checkpoint_dir is ROOT/<job id>, not one given
     # Where the runner's report (measured.json) goes: ROOT/<job id>, where the daemon reads
@@ -165,6 +170,9 @@ def resolve_config(given: dict, env: dict[str, str], alloc: SlurmAllocation,
     # or another job's) skips most of XLA's compile.
     cache = given.get("compile_cache")
     cache = env.get(COMPILE_CACHE_ENV, default_cache) if cache is None else cache
+    max_gb = _float_env(env, COMPILE_CACHE_MAX_GB_ENV, DEFAULT_COMPILE_CACHE_MAX_GB)
+    if max_gb == float("inf"):
+        raise SpecError(COMPILE_CACHE_MAX_GB_ENV, max_gb, "give a number of GB (0: no bound)")
     checkpoint_every = pick("checkpoint_every")
     # A hard kill (a node lost, the time limit) loses the steps since the last checkpoint:
     # without a setting, every DEFAULT_CHECKPOINT_EVERY steps, as the wrapper does.
@@ -203,5 +211,6 @@ def resolve_config(given: dict, env: dict[str, str], alloc: SlurmAllocation,
                      warmup_steps=2 if given.get("warmup_steps") is None else _whole(
                          "warmup_steps", given["warmup_steps"], 0, "steps not timed after each start"),
                      compile_cache_dir=cache or None, launch=launch, tune=tune,
+                     compile_cache_max_bytes=int(max_gb * 2**30) or -1,
                      job_checkpoint_dir=not pick("checkpoint_dir") and bool(alloc.job_id),
                      report_dir=Path(root) / alloc.job_id if alloc.job_id else None)

@@ -168,6 +168,7 @@ def _configure_jax(cfg: RunConfig, alloc: SlurmAllocation) -> None:
     if cfg.compile_cache_dir:
         jax.config.update("jax_compilation_cache_dir", cfg.compile_cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_compilation_cache_max_size", cfg.compile_cache_max_bytes)
 
 
 GIVEN_SETTINGS = ("model", "global_batch", "iterations", "plan", "checkpoint_root", "checkpoint_dir",

@@ -633,3 +633,36 @@ def test_a_first_run_does_not_resume_an_earlier_jobs_checkpoint_of_the_same_id(t
     assert "holds step 3 of an earlier job with id 77" in out["new job, same id"]
     assert "--checkpoint-dir" in out["new job, same id"]
     assert out["requeued"] == 3 and out["named outright"] == 3
+
+
+def test_the_shared_compile_cache_is_bounded(tmp_path):
+    from job_scripts.slurm_env import SlurmAllocation
+    alloc = SlurmAllocation(job_id="17", node_names=("a-1",), gpus_per_node=1, partition="a100", gpu_type="a100",
+                            restart_count=0, submit_dir=str(tmp_path))
+    script = tmp_path / "job.sbatch"
+    script.write_text("#!/bin/bash\n#ELASTIC model=gpt-760m global_batch=8 iterations=10\n")
+    assert _config({}, {}, alloc, str(script)).compile_cache_max_bytes == 20 * 2**30
+    assert _config({}, {"SLURM_EXT_COMPILE_CACHE_MAX_GB": "0"}, alloc, str(script)).compile_cache_max_bytes == -1
+    for bad in ("-1", "nan", "inf", "lots"):
+        with pytest.raises(SpecError, match="SLURM_EXT_COMPILE_CACHE_MAX_GB"):
+            _config({}, {"SLURM_EXT_COMPILE_CACHE_MAX_GB": bad}, alloc, str(script))
+    from conftest import in_jax_child
+    used = in_jax_child(1, _compile_into_a_bounded_cache, str(tmp_path / "cache"))
+    assert 0 < used <= 20_000  # JAX evicted (unbounded: about 60 kB; without filelock it raises)
+
+
+def _compile_into_a_bounded_cache(cache_dir: str) -> int:
+    """Compile ten programs into a 20 kB cache configured as the runtime does; its size."""
+    import jax
+    import jax.numpy as jnp
+
+    from job_scripts.run_config import RunConfig
+    from job_scripts.runtime import _configure_jax
+    from job_scripts.slurm_env import SlurmAllocation
+    cfg = RunConfig(None, 8, None, None, Path(cache_dir), 0, 1, 0, 1, "gpu", 0, cache_dir, "single",
+                    compile_cache_max_bytes=20_000)
+    _configure_jax(cfg, SlurmAllocation(None, (), 0, None, None, 0))
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    for k in range(10):
+        jax.jit(lambda x, k=k: jnp.sin(x * (k + 1)) @ x.T + k)(jnp.ones((64 + k, 64 + k))).block_until_ready()
+    return sum(p.stat().st_size for p in Path(cache_dir).rglob("*") if p.is_file())
