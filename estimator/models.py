@@ -312,7 +312,8 @@ def model_from_dict(raw: object, source: str = "<dict>") -> ModelSpec:
     return transformer_model(name, family, dtype=dtype, optimizer=optimizer, **values)
 
 
-MAX_MODEL_FILE_BYTES = 1 << 16
+# A model file's size limit, for the estimator and the daemon that reads it for a job.
+MAX_MODEL_FILE_BYTES = 1 << 20
 
 
 def load_model(name_or_path: str) -> ModelSpec:

@@ -23,7 +23,7 @@ from estimator.contract import (PLAN_SOURCES, RUNNER_PLAN_SOURCES, PlanComment, 
                                 format_plan_comment, parse_plan_comment)
 from estimator.errors import SpecError
 from estimator.gpus import CATALOG
-from estimator.models import load_model
+from estimator.models import MAX_MODEL_FILE_BYTES, load_model
 from estimator.plan_string import PlanString, parse_plan
 from estimator.refine import Measurement
 from policy.forecast import GpuRelease
@@ -132,8 +132,6 @@ def is_held(job: SlurmJob) -> bool:
 
 
 # -- observing: pure functions from Slurm's jobs and nodes to the policy's Snapshot ---
-
-MAX_MODEL_FILE_BYTES = 1 << 20
 
 
 def model_loader_for(user: str) -> Callable[[str], object]:

@@ -232,6 +232,20 @@ def test_requested_gpus():
     assert requested_gpus(SlurmJob(1, "u", "n", "PENDING")) is None
 
 
+def test_a_model_file_up_to_one_mib_is_read_as_documented(tmp_path):
+    """The daemon let files of up to 1 MiB through (as documented) to an estimator that
+    refused anything over 64 KiB."""
+    from estimator.errors import SpecError
+    model = tmp_path / "padded.yaml"
+    model.write_text("hidden: 256\nlayers: 4\nheads: 4\nsequence: 128\nvocab: 1000\n" + "# notes\n" * 12_000)
+    model.chmod(0o644)
+    assert 64 * 1024 < model.stat().st_size <= 1 << 20
+    assert model_loader_for("nobody")(str(model)).hidden == 256
+    model.write_text("hidden: 256\n" + "#" * (1 << 20))
+    with pytest.raises(SpecError, match="1048576"):
+        model_loader_for("nobody")(str(model))
+
+
 def test_model_files_must_be_readable_by_the_job_owner(tmp_path):
     from estimator.errors import SpecError
     secret = tmp_path / "secret.yaml"
