@@ -29,14 +29,19 @@ OUT_OF_MEMORY = "OUT_OF_MEMORY"
 BOOT_FAIL = "BOOT_FAIL"
 DEADLINE = "DEADLINE"
 REQUEUED = "REQUEUED"  # appears as a flag or, briefly, as the state itself
+# A job that ended: Slurm keeps it listed for MinJobAge, and never runs it again. Any
+# other state (and the flags squeue shows in its place: RESV_DEL_HOLD, EXPEDITING, ...,
+# some newer than the code) is a job still queued or running.
+TERMINAL_STATES = frozenset({"COMPLETE", COMPLETED, CANCELLED, FAILED, TIMEOUT, NODE_FAIL, PREEMPTED,
+                             OUT_OF_MEMORY, BOOT_FAIL, DEADLINE, "REVOKED"})
 ACTIVE_STATES = frozenset({PENDING, RUNNING, SUSPENDED, COMPLETING, "CONFIGURING",
-                           "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SIGNALING",
-                           "STAGE_OUT", "STOPPED", REQUEUED, "SPECIAL_EXIT"})
+                           "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SIGNALING", "EXPEDITING",
+                           "STAGE_OUT", "STOPPED", REQUEUED, "SPECIAL_EXIT", "RESV_DEL_HOLD"})
 
 # A held job waits in one of these states with one of these reasons (or priority 0).
 # A job requeued held by RequeueExitHold shows as SPECIAL_EXIT, `requeuehold` as
 # REQUEUE_HOLD, until Slurm moves it back to PENDING.
-HELD_STATES = frozenset({PENDING, "SPECIAL_EXIT", "REQUEUE_HOLD"})
+HELD_STATES = frozenset({PENDING, "SPECIAL_EXIT", "REQUEUE_HOLD", "RESV_DEL_HOLD"})
 HELD_REASONS = frozenset({"JobHeldUser", "JobHeldAdmin"})
 # States of a job requeued held after a rescale signal (exit 86).
 HELD_FOR_RESCALE = frozenset({"SPECIAL_EXIT", "REQUEUE_HOLD"})
@@ -143,7 +148,7 @@ class SlurmJob:
     @property
     def is_active(self) -> bool:
         """Still queued, running or about to run (not finished)."""
-        return self.state in ACTIVE_STATES
+        return bool(self.state) and self.state not in TERMINAL_STATES
 
     @property
     def is_held(self) -> bool:

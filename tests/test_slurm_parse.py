@@ -169,6 +169,19 @@ def test_slurm_25_11_requeued_job_state_list_reads_as_squeue_prints_it():
     assert exit_code({"return_code": 0, "signal": {"id": 9, "name": "KILL"}}) == 128 + 9
 
 
+@pytest.mark.parametrize("state", [["PENDING", "RESV_DEL_HOLD"], ["PENDING", "EXPEDITING"], ["PENDING", "FUTURE_FLAG"]])
+def test_a_job_in_a_state_squeue_shows_as_a_flag_is_still_active(state):
+    """RESV_DEL_HOLD (its reservation deleted) and EXPEDITING are what squeue shows for a
+    pending job: read as ended, the daemon dropped its progress, original submit time and
+    spec, and closed its open rescale. Only a terminal state ends a job."""
+    from slurm_ext.slurm_client import SlurmJob
+    base, flags = job_state(state)
+    job = SlurmJob(7, "u", "n", base, state_flags=flags, priority=0)
+    assert job.is_active
+    assert job.is_held == (base != "EXPEDITING")  # priority 0: held, except while Slurm requeues it
+    assert not SlurmJob(7, "u", "n", job_state(["CANCELLED"])[0]).is_active
+
+
 def test_slurm_25_11_sinfo_groups_nodes_so_the_scontrol_document_is_read():
     for situation in ("idle", "busy"):
         with pytest.raises(GroupedSinfoError):
