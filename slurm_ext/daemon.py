@@ -175,7 +175,7 @@ class Daemon:
         self._reload_requested = False
         self._policy_state: object = None
         self._known_ids: set[int] = set()
-        self._estimates = EstimateCache(store)
+        self._estimates = EstimateCache(store, read_only=config.dry_run)
         self._spec_cache: dict[int, tuple[ElasticSpec | None, str | None]] | None = None
         self._submit_s: dict[int, float] = {}
         self._new_specs = 0

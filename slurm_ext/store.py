@@ -452,11 +452,15 @@ class EstimateCache:
 
     Args:
         store: the state store.
+        version: the estimator's (default: this one's).
+        read_only: keep new estimates in memory only (a dry run beside the service, maybe
+            of other code, must not rewrite the service's rows).
     """
 
-    def __init__(self, store: Store, version: str | None = None):
+    def __init__(self, store: Store, version: str | None = None, read_only: bool = False):
         self.store = store
         self.version = version or estimator_version()
+        self.read_only = read_only
         self._memo: OrderedDict[str, tuple[CellEstimate, ...]] = OrderedDict()  # least recently used first
         self.hits = 0
         self.misses = 0
@@ -475,8 +479,9 @@ class EstimateCache:
             # Not cached, or cached by another version of the estimator.
             self.misses += 1
             value = tuple(compute())
-            self.store.put_estimate(key, {"version": self.version,
-                                          "estimates": [estimate_to_json(e) for e in value]}, now_s)
+            if not self.read_only:
+                self.store.put_estimate(key, {"version": self.version,
+                                              "estimates": [estimate_to_json(e) for e in value]}, now_s)
         self._memo[key] = value
         while len(self._memo) > MEMO_KEYS:  # a refit or a new profile makes every key anew
             self._memo.popitem(last=False)

@@ -7,6 +7,7 @@ Slurm or root.
 
 import json
 import os
+import sqlite3
 import signal
 import subprocess
 import sys
@@ -607,6 +608,9 @@ def test_dry_run_changes_nothing(slurm_lab, slurm_client, tmp_path):
         assert after[i].is_held and after[i].admin_comment == before[i].admin_comment
         assert after[i].partition == before[i].partition
     assert daemon.store.entries() == ()
+    # Nor the state file: a dry run of other code beside the service rewrote its estimates.
+    with sqlite3.connect(daemon.config.state_db) as conn:
+        assert conn.execute("SELECT count(*) FROM estimates").fetchone() == (0,)
 
 
 @pytest.mark.slurm
