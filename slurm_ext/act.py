@@ -482,9 +482,10 @@ class Actor:
                 kind = journal.SUSPEND
             else:
                 kind = journal.RESCALE
-            entry = self.store.intend(job_id, kind, update, now_s)
+            with self.store.transaction():  # the run's iterations are credited with its entry, or neither is
+                entry = self.store.intend(job_id, kind, update, now_s)
+                self.store.add_progress(job_id, view.run_iterations(now_s), now_s, entry)
             entries[job_id] = (entry, action)
-            self.store.add_progress(job_id, view.run_iterations(now_s), now_s, entry)
         self._signal(sorted(entries))
         now_s = self.clock.now_s()
         for job_id, (entry, action) in sorted(entries.items()):

@@ -29,6 +29,7 @@ import os
 import sqlite3
 import threading
 from collections import OrderedDict
+from contextlib import contextmanager
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,7 +174,7 @@ class Store:
     """
 
     def __init__(self, path: str | Path, read_only: bool = False):
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         if read_only:  # a reader (``slurm-ext explain``) that may not write the daemon's file
             self._db = sqlite3.connect(f"{Path(path).absolute().as_uri()}?mode=ro", uri=True,
                                        check_same_thread=False)
@@ -193,6 +194,19 @@ class Store:
     def _exec(self, sql: str, args: Iterable = ()) -> sqlite3.Cursor:
         with self._lock:
             return self._db.execute(sql, tuple(args))
+
+    @contextmanager
+    def transaction(self):
+        """The writes inside are made together or not at all (a crash between two of them
+        leaves neither)."""
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                yield self
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
 
     def _many(self, sql: str, rows: list[tuple]) -> None:
         with self._lock:

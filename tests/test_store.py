@@ -137,6 +137,25 @@ def test_writes_are_committed_immediately(tmp_path):
     s.close()
 
 
+def test_a_rescale_and_the_progress_it_credits_are_written_together(tmp_path):
+    """The daemon died between journaling a rescale and crediting the stopped run's
+    iterations: the next one signalled the job and the iterations were never counted."""
+    s = Store(tmp_path / "j.db")
+    with pytest.raises(KeyboardInterrupt):
+        with s.transaction():
+            entry = s.intend(11, RESCALE, UPDATE, 5.0)
+            raise KeyboardInterrupt  # killed here, before add_progress
+    assert s.open_entries() == () and s.progress() == {}
+    with s.transaction():
+        entry = s.intend(11, RESCALE, UPDATE, 5.0)
+        s.add_progress(11, 100.0, 5.0, entry)
+    other = sqlite3.connect(tmp_path / "j.db")  # committed: another process sees both
+    assert other.execute("SELECT count(*) FROM journal").fetchone() == (1,)
+    assert other.execute("SELECT iterations_done FROM progress").fetchone() == (100.0,)
+    other.close()
+    s.close()
+
+
 def entries(store, *specs):
     for job_id, kind in specs:
         store.intend(job_id, kind, UPDATE if kind in (START, RESCALE) else None, 1.0)
