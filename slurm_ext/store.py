@@ -383,6 +383,10 @@ class Store:
         return cur.rowcount + self._exec("DELETE FROM estimates WHERE created_s < ?", (older_than_s,)).rowcount
 
 
+# A job whose run is ending (processes exiting, being requeued): not yet held again.
+ENDING_STATES = frozenset({"COMPLETING", "REQUEUED", "REQUEUE_FED", "STAGE_OUT", "SIGNALING", "EXPEDITING"})
+
+
 def plan_recovery(entries: Iterable[JournalEntry],
                   jobs: Mapping[int, SlurmJob]) -> tuple[RecoveryStep, ...]:
     """What to do about open journal entries, given the jobs as Slurm shows them now.
@@ -396,8 +400,9 @@ def plan_recovery(entries: Iterable[JournalEntry],
     - ``release`` / ``annotate`` and the job is held: release it (annotate entries only
       write AdminComment, so a held job was held for another reason: leave it and close);
     - ``suspend`` and the job is held: that is the intended end state; close;
-    - ``rescale`` / ``suspend`` and the job still runs: the rescale is under way (its
-      checkpoint, or the forced requeue after the timeout); keep it open for the rounds;
+    - ``rescale`` / ``suspend`` and the job still runs, or its run is ending
+      (``ENDING_STATES``): the rescale is under way (its checkpoint, or the forced requeue
+      after the timeout); keep it open for the rounds;
     - the job is pending and not held, or running: the action completed; close.
     """
     open_entries = sorted(entries, key=lambda e: e.entry_id)
@@ -411,8 +416,10 @@ def plan_recovery(entries: Iterable[JournalEntry],
             steps.append(RecoveryStep(e, CLOSE, "superseded by a later entry"))
         elif job is None or not job.is_active:
             steps.append(RecoveryStep(e, CLOSE, "job no longer active"))
-        elif e.kind in (RESCALE, SUSPEND) and job.is_running:
-            steps.append(RecoveryStep(e, KEEP, "signalled and still running: the rounds finish it"))
+        elif e.kind in (RESCALE, SUSPEND) and (job.is_running or job.state in ENDING_STATES):
+            # Still running, or its run ending (exit 86 under way): held only once it has
+            # ended, and released no sooner than REQUEUE_SETTLE_S after, by the rounds.
+            steps.append(RecoveryStep(e, KEEP, f"signalled and {job.state.lower()}: the rounds finish it"))
         elif not job.is_held:
             steps.append(RecoveryStep(e, CLOSE, f"job is {job.state.lower()} and not held"))
         elif e.kind in (START, RESCALE) and e.update is not None:

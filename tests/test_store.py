@@ -172,6 +172,11 @@ def test_recovery_reapplies_held_starts_and_rescales(store):
             5: job(5, "RUNNING")}
     # A rescale or suspension whose job still runs is under way: the rounds go on with it.
     assert steps_by_job(plan_recovery(es, jobs)) == {1: REAPPLY, 2: REAPPLY, 3: CLOSE, 4: KEEP, 5: KEEP}
+    # Its run ending (exit 86 under way): closed as done, the job came back held and was
+    # started at once, within the second its credentials were revoked (Slurm fails it).
+    ending = {4: job(4, "COMPLETING"), 5: job(5, "REQUEUED")}
+    assert steps_by_job(plan_recovery(es[3:], ending)) == {4: KEEP, 5: KEEP}
+    assert steps_by_job(plan_recovery(es[3:4], {4: job(4, "PENDING")})) == {4: CLOSE}  # released already
 
 
 def test_a_rescale_marks_where_it_stands(store):
