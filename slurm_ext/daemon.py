@@ -75,6 +75,10 @@ RESTART_KEYS = ("state_db", "slurm_backend", "slurm_prefix", "slurm_timeout_s", 
 # script (a timeout under load), this many rounds in a row before its error is kept.
 SCRIPT_READ_TRIES = 3
 SCRIPT_UNREAD = " (its batch script could not be read)"
+# A job no Cell can be estimated for while GPU types seen before are gone from the listing
+# (nodes powered down, in FUTURE state) stays held this long, estimated again each round,
+# before it runs as submitted with the error kept.
+ESTIMATE_ERROR_SETTLE_S = 300.0
 ARRAY_REFUSED = ("a job array cannot be elastic: one Cell would be chosen for all its tasks and each task "
                  "would run on it; submit the tasks as separate jobs")
 
@@ -182,6 +186,8 @@ class Daemon:
         self._claimed_gpus: dict[int, int] = {}  # guaranteed job without a count: GPUs charged to its quota
         self._gpu_caps = store.gpu_caps()  # job: most GPUs a per-job limit lets it have (Slurm refused more)
         self._script_read_failures: dict[int, int] = {}  # job: rounds in a row its script was unreadable
+        self._estimate_failing_s: dict[int, float] = {}  # job: since when its estimate fails, in a row
+        self._gpu_types_seen: set[str] = set()  # in any round since the daemon started
         self._pruned_s = 0.0
         self._forecast_s = -math.inf
         self._held: tuple[str, ...] | None = None  # nodes the hold reservation has; None: unknown
@@ -326,6 +332,7 @@ class Daemon:
         self._known_ids = {j.job_id for j in active}
         part_types = partition_types(nodes, cfg.partition_map())
         cluster = cluster_spec(nodes, part_types, cfg.cluster, cfg.network)
+        self._gpu_types_seen.update(cluster.gpu_types)
         elastic = [j for j in active if j.is_elastic]
         if self._spec_cache is None:  # once per process: what earlier runs parsed
             self._spec_cache = {job_id: (None if sj is None else ElasticSpec.from_json(sj), err)
@@ -432,6 +439,7 @@ class Daemon:
         self._claimed_gpus = {j: v for j, v in self._claimed_gpus.items() if j in active_ids}
         self._gpu_caps = {j: v for j, v in self._gpu_caps.items() if j in active_ids}
         self._script_read_failures = {j: v for j, v in self._script_read_failures.items() if j in active_ids}
+        self._estimate_failing_s = {j: v for j, v in self._estimate_failing_s.items() if j in active_ids}
         t4 = time.perf_counter()
         report = RoundReport(trigger, len(active), len(elastic), len(snapshot.jobs), len(errors),
                              tuple(acts.taken), t1 - t0, t2 - t1, t3 - t2, t4 - t3,
@@ -587,12 +595,16 @@ class Daemon:
                 by_spec[spec] = self._estimate(spec, cluster, now_s)
             jspec, est = by_spec[spec]
             if isinstance(est, str):
+                if self._gpu_types_seen - set(cluster.gpu_types) and \
+                        now_s - self._estimate_failing_s.setdefault(job.job_id, now_s) < ESTIMATE_ERROR_SETTLE_S:
+                    continue  # estimated again next round: the nodes gone may be back
                 message = est
                 if not cfg.dry_run:
                     self.store.put_spec(job.job_id, None, message, now_s)
                 self._spec_cache[job.job_id] = (None, message)
                 errors.append((job, message))
                 continue
+            self._estimate_failing_s.pop(job.job_id, None)
             estimates, dp_only = est[cfg.plan_space], est["dp-only"]
             if (cap := self._gpu_caps.get(job.job_id)) is not None:  # Slurm refused more (a per-job limit)
                 estimates, dp_only = ([e for e in x if e.cell.num_gpus <= cap] for x in (estimates, dp_only))

@@ -599,3 +599,29 @@ def test_switching_to_partition_steering_keeps_the_nodes_managed_jobs_run_on(tmp
     daemon.round()
     assert [n.name for n in seen["snapshots"][-1].nodes] == ["a-1", "a-2", "v-1"]
     assert [(v.job_id, v.state) for v in seen["snapshots"][-1].jobs] == [("70", "running")]
+
+
+def test_a_job_that_fits_only_gpus_gone_from_the_listing_waits_for_them(tmp_path):
+    """gpt-6.7b fits only the a100 nodes; one round lists none (powered down, FUTURE): the
+    job was released to run as submitted for good. It now stays held while a GPU type seen
+    before is gone, at most ESTIMATE_ERROR_SETTLE_S; a type never seen fails at once."""
+    from slurm_ext.daemon import ESTIMATE_ERROR_SETTLE_S
+    clock = SimulatedClock(float(NOW))
+    big = held(41, NOW - 100, comment="elastic model=gpt-6.7b global_batch=64 iterations=1000")
+    a100, v100 = node("a100-1", "a100", 8), node("v100-1", "v100", 4)
+    daemon, client = daemon_for(tmp_path, [big], [a100, v100], clock=clock)
+    daemon.round()  # both types seen
+    client._nodes, before = (v100,), len(client.calls)
+    clock.advance_to(NOW + 60)
+    report = daemon.round()
+    assert report.spec_errors == 0 and not [c for c in client.calls[before:] if c[0] == "release"]
+    client._nodes = (a100, v100)
+    clock.advance_to(NOW + 120)
+    assert daemon.round().managed == 1  # back: planned as before
+    client._nodes = (v100,)
+    for t in (180, 180 + ESTIMATE_ERROR_SETTLE_S + 1):
+        clock.advance_to(NOW + t)
+        report = daemon.round()
+    assert report.spec_errors == 1 and ("release", 41) in report.actions  # gone too long
+    fresh, client = daemon_for(tmp_path / "b", [big], [v100], clock=clock)
+    assert fresh.round().spec_errors == 1  # a100 never seen: no Cell of this cluster fits it
