@@ -52,6 +52,9 @@ class Steering:
     partition_types: dict[str, frozenset[str]] = field(default_factory=dict, hash=False, compare=False)
     shares: dict[str, NodeShare] = field(default_factory=dict, hash=False, compare=False)
     node_partitions: dict[str, frozenset[str]] = field(default_factory=dict, hash=False, compare=False)
+    # Catalog type → the GRES type names its nodes carry (a site's own, ``a100_sxm4_80gb``,
+    # or None for untyped GPUs): what a retyped request must name.
+    gres_types: dict[str, frozenset[str | None]] = field(default_factory=dict, hash=False, compare=False)
 
     @property
     def typed_gres(self) -> bool:
@@ -78,11 +81,13 @@ def steering(method: str, version: tuple[int, int, int], nodes: Iterable[SlurmNo
     parts: dict[str, set[str]] = {}
     shares: dict[str, NodeShare] = {}
     node_parts: dict[str, frozenset[str]] = {}
+    gres_types: dict[str, set[str | None]] = {}
     for n in nodes:
         t = node_type(n)
         if t is None or n.gpus <= 0:
             continue
         node_parts[n.name] = frozenset(n.partitions)
+        gres_types.setdefault(t, set()).add(n.gpu_type)
         for p in n.partitions:
             parts.setdefault(p, set()).add(t)
         share = NodeShare(max(1, n.cpus // n.gpus), max(1, n.real_memory_mb // n.gpus), n.real_memory_mb)
@@ -91,7 +96,7 @@ def steering(method: str, version: tuple[int, int, int], nodes: Iterable[SlurmNo
                                                          min(old.mem_per_gpu_mb, share.mem_per_gpu_mb),
                                                          min(old.node_mem_mb, share.node_mem_mb))
     return Steering(method, version, dict(type_partitions), {p: frozenset(t) for p, t in parts.items()},
-                    shares, node_parts)
+                    shares, node_parts, {t: frozenset(g) for t, g in gres_types.items()})
 
 
 def steer(s: Steering, job_partition: str, gpu_type: str) -> Steer | None:
@@ -122,8 +127,11 @@ def steer(s: Steering, job_partition: str, gpu_type: str) -> Steer | None:
             (p for p, types in sorted(s.partition_types.items()) if gpu_type in types), None)
         if part is None:
             return None
-    if method == "gres":
-        return Steer("gres", part, gpu_type=gpu_type)
+    # Retyped to the name the type's nodes carry; by features when they carry several (or
+    # none: untyped GPUs, told apart by partition or feature only).
+    names = s.gres_types.get(gpu_type, frozenset({gpu_type}))
+    if method == "gres" and len(names) == 1 and None not in names:
+        return Steer("gres", part, gpu_type=next(iter(names)))
     return Steer("features", part, features=gpu_type)
 
 

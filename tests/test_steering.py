@@ -51,6 +51,21 @@ def test_auto_moves_a_job_of_a_type_partition_and_steers_one_in_a_mixed_partitio
     assert _steering(version=(23, 2, 5)).typed_gres is False and _steering(version=(23, 2, 6)).typed_gres
 
 
+def test_a_retyped_request_names_the_gres_type_the_nodes_carry():
+    """A site's own GRES names (a100_sxm4_80gb, mapped to a100 through ``partitions``):
+    ``Gres=gpu:a100:4`` matched no node, and the job never started."""
+    nodes = (_node("a1", "a100_sxm4_80gb", 4, ("a100", "gpu")), _node("v1", "v100", 8, ("v100", "gpu")),
+             _node("v2", "v100s", 8, ("v100", "gpu")))  # two names for one type
+    s = steering("auto", V25, nodes, {"a100": "a100", "v100": "v100"},
+                 lambda n: {"a100_sxm4_80gb": "a100", "v100s": "v100"}.get(n.gpu_type, n.gpu_type))
+    assert steer(s, "gpu", "a100") == Steer("gres", None, gpu_type="a100_sxm4_80gb")
+    assert steer(s, "gpu", "v100") == Steer("features", None, features="v100")  # which name? by feature
+    untyped = (SlurmNode("u1", "idle", partitions=("gpu",), features=("a100",), gres=(Gres("gpu", None, 4),),
+                         cpus=32, real_memory_mb=256000),) + nodes[1:2]
+    s = steering("gres", V25, untyped, {}, lambda n: "a100" if n.name == "u1" else n.gpu_type)
+    assert steer(s, "gpu", "a100") == Steer("features", None, features="a100")  # no type to name
+
+
 def test_forced_methods_and_types_no_partition_has():
     assert steer(_steering("partition"), "gpu", "a100") == Steer("partition", "a100")
     assert steer(_steering("partition"), "gpu", "h100") is None  # no partition of its own
