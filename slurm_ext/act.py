@@ -49,6 +49,8 @@ from slurm_ext.store import Store, plan_recovery
 
 log = logging.getLogger(__name__)
 
+# The Slurm reservation that protects the nodes a policy holds for a waiting job.
+HOLD_RESERVATION = "slurm-ext-hold"
 # After a forced requeue, how long a job may take to come back held before the rescale fails.
 REQUEUE_HOLD_WAIT_S = 45.0
 # A forecast shown is rewritten when it moved by more than this (or appeared, or went).
@@ -167,10 +169,31 @@ class Actor:
         self.metrics = metrics
         self.out = out
         self._config = config
+        self.held_nodes: tuple[str, ...] | None = None  # what the hold reservation has; None: unknown
 
     @property
     def config(self) -> DaemonConfig:
         return self._config()
+
+    def hold_nodes(self, nodes: tuple[str, ...], holds: tuple[tuple[str, tuple[str, ...]], ...]) -> None:
+        """Protect the nodes the policy holds (``holds``: for which jobs) with a Slurm
+        reservation; none: remove it."""
+        if nodes == self.held_nodes:
+            return
+        jobs = [job_id for job_id, _ in holds]
+        if self.config.dry_run:
+            self.out(f"dry-run: hold nodes={','.join(nodes) or '-'} for={','.join(jobs) or '-'}")
+            return
+        try:
+            self.client.hold_nodes(HOLD_RESERVATION, nodes)
+        except SlurmExtError as e:
+            self.metrics.error("slurm")
+            log.warning(kv("hold_failed", nodes=",".join(nodes) or "-", error=e))
+            self.held_nodes = None
+            return
+        self.held_nodes = nodes
+        log.info(kv("nodes_held" if nodes else "nodes_unheld", nodes=",".join(nodes) or "-",
+                    jobs=",".join(jobs) or "-", reservation=HOLD_RESERVATION))
 
     def recover(self) -> int:
         """Finish or undo actions a previous run left open; returns the entries handled."""

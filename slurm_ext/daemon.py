@@ -66,8 +66,6 @@ log = logging.getLogger(__name__)
 
 JOURNAL_KEEP_S = 7 * 86400.0  # closed journal entries (and cached estimates) are kept this long
 PRUNE_EVERY_S = 3600.0
-# The Slurm reservation that protects the nodes a policy holds for a waiting job.
-HOLD_RESERVATION = "slurm-ext-hold"
 # dry_run too: a daemon started dry holds no lock on its state file (commands/daemon.py).
 RESTART_KEYS = ("state_db", "slurm_backend", "slurm_prefix", "slurm_timeout_s", "metrics_port", "log_level",
                 "dry_run")
@@ -190,7 +188,6 @@ class Daemon:
         self._gpu_types_seen: set[str] = set()  # in any round since the daemon started
         self._pruned_s = 0.0
         self._forecast_s = -math.inf
-        self._held: tuple[str, ...] | None = None  # nodes the hold reservation has; None: unknown
         self.forecasts = BackgroundForecast()
         self._derived = DerivedCache()  # what the policy derives per job spec, kept across rounds
         self._slurm_version: tuple[int, int, int] | None = None  # asked once, when first needed
@@ -279,8 +276,8 @@ class Daemon:
                 return 0 if ok else 1
             next_s = started_s + (backoff_s or self.config.interval_s)
             trigger = self._wait_for_next(next_s, poll=ok)
-        if self._held:  # no daemon keeps them for their job any more: Slurm may use them
-            self._hold((), Decision((), holds=None))
+        if self.actor.held_nodes:  # no daemon keeps them for their job any more: Slurm may use them
+            self.actor.hold_nodes((), ())
         log.info(kv("daemon_stopped"))
         return 0
 
@@ -421,12 +418,12 @@ class Daemon:
             self._background_profiling(jobs, active, nodes, part_types, background, decision, specs,
                                        set(held or ()), now_s)
         if held == ():  # free them before the round's starts (the held job's among them)
-            self._hold(held, decision)
+            self.actor.hold_nodes(held, decision.holds or ())
         self.actor.act(snapshot, decision, {m.view.job_id: m for m in managed},
                        lambda: self._steering(nodes, part_types), self.policy.name, acts, forecasts,
                        [j for j in elastic if j.job_id in specs and kept_back_by_slurm(j)])
         if held:  # after the starts, which never use held GPUs
-            self._hold(held, decision)
+            self.actor.hold_nodes(held, decision.holds or ())
         if cfg.profile_db and not cfg.dry_run:  # online refit, after the actions: never delays them
             self.refits.refit_due(cluster, active_ids, now_s)
         if not cfg.dry_run:
@@ -695,25 +692,6 @@ class Daemon:
             return
         log.info(kv("background_profile_submitted", job_id=job_id, node=plan.node, gpu_type=plan.gpu_type,
                     model=plan.model))
-
-    def _hold(self, nodes: tuple[str, ...], decision: Decision) -> None:
-        """Protect the nodes the policy holds with a Slurm reservation (none: remove it)."""
-        if nodes == self._held:
-            return
-        jobs = [job_id for job_id, _ in decision.holds or ()]
-        if self.config.dry_run:
-            self.out(f"dry-run: hold nodes={','.join(nodes) or '-'} for={','.join(jobs) or '-'}")
-            return
-        try:
-            self.client.hold_nodes(HOLD_RESERVATION, nodes)
-        except SlurmExtError as e:
-            self.metrics.error("slurm")
-            log.warning(kv("hold_failed", nodes=",".join(nodes) or "-", error=e))
-            self._held = None
-            return
-        self._held = nodes
-        log.info(kv("nodes_held" if nodes else "nodes_unheld", nodes=",".join(nodes) or "-",
-                    jobs=",".join(jobs) or "-", reservation=HOLD_RESERVATION))
 
     def _apply_guarantees(self, managed: list[ManagedJob], holding: list[tuple[SlurmJob, ElasticSpec]]
                           ) -> list[ManagedJob]:

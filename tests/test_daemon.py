@@ -22,8 +22,8 @@ from estimator.plan_string import parse_plan
 from conftest import wait_for as _wait
 from slurm_ext.config import SLURM_ACCESS_KEYS, ConfigError, DaemonConfig, load_config, resolve
 from policy.interface import Decision
+from slurm_ext.act import HOLD_RESERVATION
 from slurm_ext.daemon import (  # noqa: I001
-    HOLD_RESERVATION,
     Daemon, build_snapshot, cluster_spec, model_loader_for, partition_types, requested_gpus,
     reserved_cell, running_assignment,
 )

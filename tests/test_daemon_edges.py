@@ -398,10 +398,9 @@ def test_a_gpu_node_whose_cpus_are_all_taken_and_one_power_saving_turned_off():
 
 def test_a_daemon_that_stops_frees_the_nodes_it_held(tmp_path):
     """No daemon keeps held nodes for their waiting job once it is gone: Slurm may use them."""
-    from policy.interface import Decision
-    from slurm_ext.daemon import HOLD_RESERVATION
+    from slurm_ext.act import HOLD_RESERVATION
     daemon, client = daemon_for(tmp_path, [], [node("a100-1", "a100", 4)])
-    daemon._hold(("a100-1",), Decision((), holds=(("80", ("a100-1",)),)))
+    daemon.actor.hold_nodes(("a100-1",), (("80", ("a100-1",)),))
     assert client.calls == [("hold_nodes", HOLD_RESERVATION, ("a100-1",))]
     daemon.request_stop()
     assert daemon.run() == 0

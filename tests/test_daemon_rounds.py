@@ -19,7 +19,8 @@ from estimator.plan_string import parse_plan
 from policy.clock import SimulatedClock
 from slurm_ext.config import resolve
 import slurm_ext.daemon as daemon_module
-from slurm_ext.daemon import HOLD_RESERVATION, Daemon
+from slurm_ext.act import HOLD_RESERVATION
+from slurm_ext.daemon import Daemon
 from slurm_ext.observe import running_plan_comment
 from slurm_ext.profile_job import BACKGROUND_COMMENT, JOB_NAME
 from slurm_ext.slurm_client import JobUpdate, SlurmJob
