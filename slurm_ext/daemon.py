@@ -51,7 +51,7 @@ from slurm_ext.observe import (  # noqa: F401
     requested_gpus, rescale_pins, reserved_cell, gpu_releases, running_assignment, running_plan_comment,
     runner_progress, steerable_nodes, type_partitions, update_cell, finish_on_s, rescale_new_cell, rescale_releases,
     cell_gpus, kept_back_by_slurm, launch_is_stale, over_per_job_limit, required_placement,
-    waits_on_its_own_condition,
+    waits_on_its_own_condition, START_REFUSALS, refused_starts,
 )
 from slurm_ext.profile_job import (
     RETRY_AFTER_S, background_request, free_for_policy, is_background, next_background, parse_background,
@@ -578,6 +578,10 @@ class Daemon:
                     continue
                 state = RUNNING
             elif is_held(job):
+                refused, why = refused_starts(self.store.entries(job.job_id))
+                if refused >= START_REFUSALS:
+                    errors.append((job, f"Slurm refused {refused} starts in a row ({why})"))
+                    continue
                 assignment, state = None, PENDING
             elif kept_back_by_slurm(job):
                 continue  # Slurm starts it on its Cell once the condition holds

@@ -109,6 +109,21 @@ def over_per_job_limit(job: SlurmJob, entries, now_s: float) -> bool:
     return last is None or now_s - max(last.created_s, last.updated_s) >= PER_JOB_LIMIT_SETTLE_S
 
 
+# Starts of one job Slurm refuses in a row (its account not allowed in the partition, a
+# GRES no node has) before it runs as submitted: the policy would choose the same again.
+START_REFUSALS = 3
+
+
+def refused_starts(entries) -> tuple[int, str]:
+    """How many of a job's last starts in the journal ``entries`` Slurm refused in a row,
+    and the last refusal's message."""
+    starts = [e for e in entries if e.kind == journal.START]
+    refused = 0
+    while refused < len(starts) and starts[-1 - refused].state == journal.FAILED:
+        refused += 1
+    return refused, starts[-1].note if refused else ""
+
+
 def last_release(entries):
     """The journal's last start, rescale or release of a job (None: there is none)."""
     return next((e for e in reversed(entries) if e.kind in (journal.START, journal.RESCALE, journal.RELEASE)), None)

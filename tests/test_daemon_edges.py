@@ -624,3 +624,28 @@ def test_a_job_that_fits_only_gpus_gone_from_the_listing_waits_for_them(tmp_path
     assert report.spec_errors == 1 and ("release", 41) in report.actions  # gone too long
     fresh, client = daemon_for(tmp_path / "b", [big], [v100], clock=clock)
     assert fresh.round().spec_errors == 1  # a100 never seen: no Cell of this cluster fits it
+
+
+def test_a_job_whose_starts_slurm_refuses_runs_as_submitted_after_a_few(tmp_path):
+    """Slurm refuses the update of every start (the job's account may not use the Cell's
+    partition): the policy chose the same Cell round after round and the job stayed held
+    for ever. After START_REFUSALS refusals in a row it runs as submitted, saying why."""
+    from slurm_ext.errors import SlurmCommandError
+    from slurm_ext.observe import START_REFUSALS
+    clock = SimulatedClock(float(NOW))
+    daemon, client = daemon_for(tmp_path, [held(41, NOW - 100)], [node("a100-1", "a100", 4)], clock=clock)
+
+    def refuse(job_ids, update):
+        if update.partition is not None or update.gpus_per_node is not None:
+            raise SlurmCommandError(("scontrol", "update"), 1, "Invalid account or account/partition combination")
+        client.calls.append(("update", job_ids, update))
+    client.update_pending = refuse
+    for k in range(START_REFUSALS):
+        clock.advance_to(NOW + 60 * k)
+        report = daemon.round()
+        assert report.spec_errors == 0 and not [c for c in client.calls if c[0] == "release"]
+    clock.advance_to(NOW + 60 * START_REFUSALS)
+    report = daemon.round()
+    assert report.spec_errors == 1 and ("release", 41) in client.calls
+    (note,) = [c[2].admin_comment for c in client.calls if c[0] == "update"]
+    assert f"Slurm refused {START_REFUSALS} starts in a row" in note and "account/partition" in note
