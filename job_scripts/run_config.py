@@ -202,8 +202,8 @@ def resolve_config(given: dict, env: dict[str, str], alloc: SlurmAllocation,
         else _non_negative("tune_budget_frac", budget_frac),
         cache_dir=tuned_dir)
     seed = 0 if given.get("seed") is None else _whole("seed", given["seed"], 0, "seed of the weights and data")
-    if seed >= 2**32:
-        raise SpecError("seed", seed, "give a whole number below 2**32 (seed of the weights and data)")
+    if seed >= 2**31:  # the weights' initialiser takes it as a 32-bit signed integer
+        raise SpecError("seed", seed, "give a whole number below 2**31 (seed of the weights and data)")
     return RunConfig(model=model, global_batch=batch, iterations=iterations,
                      plan_text=pick("plan") or env.get(PLAN_ENV) or None, checkpoint_dir=ckpt,
                      checkpoint_every=checkpoint_every, keep=keep, seed=seed,

@@ -301,6 +301,7 @@ def test_a_malformed_comment_stops_the_job_unless_the_flags_set_every_setting(tm
     ({"tune_budget_frac": -0.1}, {}, "tune_budget_frac=-0.1"),
     ({"seed": -1}, {}, "seed=-1"),  # not at the first batch of data
     ({"seed": 2**32}, {}, "seed=4294967296"),
+    ({"seed": 2**31}, {}, "seed=2147483648"),  # accepted, then an OverflowError at the weights' init
 ])
 def test_a_zero_or_malformed_flag_is_refused_not_replaced(tmp_path, given, env, wrong):
     from job_scripts.slurm_env import SlurmAllocation
