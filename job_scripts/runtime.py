@@ -318,6 +318,7 @@ class Job:
         self._step: int | None = None  # the last step done, and when
         self._step_at_s: float | None = None
         self._written_at_s = 0.0
+        self._report_warned = False  # a report that could not be written is warned of once
         # The daemon takes a measured speed for the Cell the report names: a script of its
         # own (which never calls set_running) runs the starting plan's.
         plan = _parsed(plan_text)
@@ -581,7 +582,14 @@ class Job:
             steps_measured=self._meter.timed, samples_per_s=self.global_batch / mean if mean else None,
             step=self._step, step_at_s=self._step_at_s, updated_at_s=self._written_at_s,
             peak_memory_gb=self.peak_memory_gb(), **self._phases)
-        write_json_atomic((self.config.report_dir or self.config.checkpoint_dir) / MEASURED_FILE, report.to_json())
+        path = (self.config.report_dir or self.config.checkpoint_dir) / MEASURED_FILE
+        try:
+            write_json_atomic(path, report.to_json())
+        except OSError as e:  # a report the daemon cannot read must not fail the training (or an exit 86)
+            if not self._report_warned:
+                log.warning("cannot write %s (%s): the scheduler sees no progress or speed of this run",
+                            path, e.strerror or e)
+            self._report_warned = True
 
     def finish(self, step: int, arrays, meta: dict | None = None) -> int:
         """Checkpoint the state after ``step`` (unless already), leave jax.distributed

@@ -212,6 +212,23 @@ def test_bad_plan_is_one_line_and_exit_2(tmp_path):
     assert "is for 8 GPUs but this job has 4" in proc.stderr
 
 
+def test_a_report_that_cannot_be_written_does_not_fail_the_training(tmp_path):
+    """measured.json goes to ROOT/<job id> even beside checkpoints of --checkpoint-dir: where
+    that cannot be written, the job trained and checkpointed, then ended in a traceback."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "XLA_", "JAX_"))}
+    env.update(SLURM_JOB_ID="4242", SLURM_SUBMIT_DIR=str(blocker / "home"), SLURM_EXT_TUNE="0")
+    proc = subprocess.run(
+        [sys.executable, "-m", "job_scripts.run", "--model", str(TINY_GPT), "--global-batch", "16",
+         "--iterations", "2", "--devices", "1", "--platform", "cpu",
+         "--plan", "cell=a100x1:s1 plan=[dp1tp1] mb=1 remat=0", "--checkpoint-dir", str(tmp_path / "ckpt")],
+        cwd=ROOT, capture_output=True, text=True, timeout=WAIT_S, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("cannot write") == 1 and "sees no progress" in proc.stderr
+    assert _complete_steps(tmp_path / "ckpt")[-1] == 2
+
+
 def test_usr1_before_the_first_step_checkpoints_step_0(tmp_path, cache, reference):
     ckpt = tmp_path / "ckpt"
     first = Runner(tmp_path, "early", ckpt, DP4, 4, cache)
