@@ -601,6 +601,8 @@ class Job:
         if self._saved_step != step:
             self.save(step, arrays() if callable(arrays) else arrays, meta)
         self.close()
+        if signalled:  # a SIGTERM during the save outranks the USR1 it was made for (all agree)
+            signalled = self.stop_requested()
         if self._saved_step == step:
             self._phases["final_save_s"] = round(time.monotonic() - t0, 3)
         if self._step != step:

@@ -402,6 +402,30 @@ def _finish_after_a_save(ckpt: str) -> list[int]:
     return made
 
 
+def _sigterm_during_the_rescale_save(ckpt: str) -> int:
+    """USR1 asked for a rescale; a SIGTERM (scancel, the forced requeue) comes while the
+    final checkpoint is written."""
+    import jax.numpy as jnp
+    from job_scripts import runtime
+    stop = runtime.StopSignal()
+    job = runtime.start(stop=stop, env={}, global_batch=16, devices=1, platform="cpu", checkpoint_dir=ckpt,
+                        compile_cache="", warmup_steps=0)
+    job.record_step(1, 1.0, 0.1)
+    stop.name = "SIGUSR1"
+    save = job.save
+
+    def save_then_term(*args, **kw):
+        stop.name = "SIGTERM"
+        return save(*args, **kw)
+    job.save = save_then_term
+    return job.finish(1, {"w": jnp.ones(3)})
+
+
+def test_a_sigterm_during_the_rescale_checkpoint_is_not_downgraded_to_a_requeue(tmp_path):
+    from conftest import in_jax_child
+    assert in_jax_child(1, _sigterm_during_the_rescale_save, str(tmp_path / "ckpt")) == 143  # not 86
+
+
 def test_finish_makes_the_arrays_to_save_only_when_the_step_is_not_saved(tmp_path):
     """The runner's save view is a copy of the whole state on the devices: at exit right
     after a periodic save it was made for nothing."""
