@@ -91,13 +91,16 @@ class TuneRequest:
     start: str | None
     remaining_iterations: int
     platform: str
+    options_from: str | None = None  # the daemon's plan when it cannot run here (no start)
 
 
 def start_options(req: TuneRequest) -> tuple[int, bool]:
-    """The starting plan's ZeRO level and whether it splits a stage's experts (``ep``):
-    what every plan searched keeps (0 and False without a start)."""
+    """The starting plan's ZeRO level and whether it splits a stage's experts (``ep``),
+    or those of the daemon's plan that could not run here: what every plan searched keeps
+    (0 and False without either)."""
     from estimator.plan_string import parse_plan
-    start = parse_plan(req.start) if req.start else None
+    text = req.start or req.options_from
+    start = parse_plan(text) if text else None
     return (start.zero_level, any(start.stage_ep)) if start else (0, False)
 
 
