@@ -95,21 +95,24 @@ def choose_plan(job: runtime.Job, model_spec, arch, remaining: int):
         _check(job, model_spec, arch, start)
         return Tuned(start, None, "given")
     stages = parse_plan(start).num_stages if start else None
+    options_from = None
     if start:
         try:
             _check(job, model_spec, arch, start)
         except SpecError as e:
             if not cfg.tune.enabled:
                 raise
-            log.warning("the AdminComment's plan cannot run here (%s); tuning a plan of these devices "
-                        "with its ZeRO level and expert parallelism", e)
+            # Its ZeRO level and expert parallelism are kept, unless they are what cannot run.
+            options_from = None if e.field in ("zero", "offload") else start
+            log.warning("the AdminComment's plan cannot run here (%s); tuning a plan of these devices%s", e,
+                        " with its ZeRO level and expert parallelism" if options_from else "")
             start = None
             if parse_plan(job.plan_text).num_gpus != len(job.devices):
                 stages = None  # a plan for other GPUs: its stage count says nothing of these
     gpu = job.alloc.gpu_type or (parse_plan(job.plan_text).gpu_type if job.plan_text else "a100")
     req = TuneRequest(cfg.model, model_spec, arch, cfg.global_batch, gpu,
                       job.alloc.gpus_per_node or len(job.devices), job.devices, stages, start,
-                      remaining, cfg.platform, options_from=job.plan_text if start is None else None)
+                      remaining, cfg.platform, options_from=options_from)
     if not cfg.tune.enabled:
         return untuned(req)
     return tune_plan(req, cfg.tune, job.agree_max, lambda: job.stop_requested() is not None, job.writer)

@@ -171,17 +171,17 @@ def test_tuning_is_turned_on_and_off_by_the_words_for_it(word, enabled):
     assert resolve_config({"global_batch": 8}, {"SLURM_EXT_TUNE": word}, alloc, {}, False).tune.enabled is enabled
 
 
-def _choose_from_a_plan_that_cannot_run_here(ckpt: str, plan: str, devices: int) -> str:
+def _choose_from_a_plan_that_cannot_run_here(ckpt: str, plan: str, devices: int, model: str = TINY_GPT) -> str:
     """The runner's choice (``run.choose_plan``) when the AdminComment's plan cannot run on
     these devices (a micro-batch count that does not divide the batch; another GPU count)."""
     from estimator import jax_models as jm
     from estimator.models import load_model
     from job_scripts import run, runtime
-    job = runtime.start(model=TINY_GPT, global_batch=16, iterations=10, devices=devices, platform="cpu",
+    job = runtime.start(model=model, global_batch=16, iterations=10, devices=devices, platform="cpu",
                         checkpoint_dir=ckpt, compile_cache="", tune=True, tune_budget_s=0.0, env={},
                         stop=runtime.StopSignal())
     job.plan_text, job.plan_source = plan, ADMIN_COMMENT_PLAN
-    spec = load_model(TINY_GPT)
+    spec = load_model(model)
     return run.choose_plan(job, spec, jm.arch_from_model(spec), 10).plan
 
 
@@ -194,3 +194,9 @@ def test_tuning_from_a_plan_that_cannot_run_here_keeps_its_zero_level_and_not_it
     stale = in_jax_child(2, _choose_from_a_plan_that_cannot_run_here, str(tmp_path / "b"),
                          "cell=a100x4:s4 plan=[dp1tp1|dp1tp1|dp1tp1|dp1tp1] mb=4 remat=1", 2)
     assert stale.startswith("cell=a100x2:"), stale
+    # Refused for its ZeRO level itself (Adafactor keeps factored states whole): not kept.
+    adafactor = tmp_path / "tiny-adafactor.yaml"
+    adafactor.write_text(Path(TINY_GPT).read_text().replace("optimizer: adamw", "optimizer: adafactor"))
+    plain = in_jax_child(4, _choose_from_a_plan_that_cannot_run_here, str(tmp_path / "c"),
+                         "cell=a100x4:s1 plan=[dp4tp1] mb=4 remat=1 zero=1", 4, str(adafactor))
+    assert plain.startswith("cell=a100x4:") and "zero=" not in plain, plain
