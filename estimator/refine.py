@@ -9,6 +9,7 @@ type is mostly systematic (kernel efficiency of this model on this GPU); Cells o
 GPU types keep their estimates. Refined estimates say so in ``fidelity``.
 """
 
+import math
 from dataclasses import dataclass, replace
 
 from estimator.cells import CellEstimate
@@ -36,7 +37,7 @@ class Measurement:
         peak = raw.get("peak_memory_gb")
         if not isinstance(label, str) or ":" not in label:
             raise SpecError("measured.cell", label, "expected a Cell label like a100x8:s2")
-        if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 < t < math.inf:
             raise SpecError("measured.iteration_time_s", t, "expected a positive number")
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise SpecError("measured.steps_measured", n, "expected a positive integer")

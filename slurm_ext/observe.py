@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import pwd
 import stat
@@ -332,7 +333,7 @@ def measurement_from_text(text: str, cell_label: str | None, allow_cpu: bool) ->
     r = RunnerReport.from_text(text)
     if r is None or cell_label is None or r.cell != cell_label:
         return None
-    if not (r.iteration_time_s or 0) > 0 or not (r.steps_measured or 0) >= 1:
+    if not 0 < (r.iteration_time_s or 0) < math.inf or not (r.steps_measured or 0) >= 1:
         return None
     if r.platform != "gpu" and not allow_cpu:
         return None

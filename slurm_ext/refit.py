@@ -194,8 +194,12 @@ class OnlineRefitter:
 
     def _refit(self, gpu_type: str, trigger: str, cluster: ClusterSpec, now_s: float) -> RefitResult | None:
         profile_db = self._config().profile_db
-        observations = [RefitObservation.from_json(r)
-                        for r in self.store.refit_observations(gpu_type, MAX_OBSERVATIONS)]
+        observations = []
+        for raw in self.store.refit_observations(gpu_type, MAX_OBSERVATIONS):
+            try:
+                observations.append(RefitObservation.from_json(raw))
+            except SpecError as e:  # one bad row (kept from an earlier version) must not stop the type's refits
+                log.warning(kv("refit_observation_skipped", gpu_type=gpu_type, error=e))
         existing = _existing(profile_db)
         current = current_efficiency(existing, gpu_type)
         result = refit_efficiency(gpu_type, current, cluster, observations, EstimateOptions(profile_db=existing))

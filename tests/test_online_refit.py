@@ -146,6 +146,24 @@ def test_observation_round_trips_through_json(observations):
             RefitObservation.from_json({**o.to_json(), "iteration_time_s": bad})
 
 
+def test_an_infinite_time_kept_in_the_store_does_not_stop_the_types_refits(tmp_path, caplog):
+    """The daemon's path: a measurement read back from the store that is not a time was
+    refused when read, and the refit of its type failed as a whole, round after round."""
+    from estimator.refine import Measurement
+    refitter, store = _refitter(tmp_path)
+    est = estimate_cell(JobSpec("gpt-760m", 64), Cell("a100", 4, 4, 1), CLUSTER)
+    with pytest.raises(SpecError):
+        Measurement.from_json({"cell": "a100x4:s1", "iteration_time_s": math.inf, "steps_measured": 8})
+    refitter.observe(41, "gpt-760m", 64, (est,), Measurement("a100x4:s1", 1.6 * est.iteration_time_s, 8),
+                     measured_json("cell=a100x4:s1 plan=[dp4tp1] mb=4 remat=1", 1.0), CLUSTER, 100.0)
+    refitter.observe(43, "gpt-760m", 64, (est,), Measurement("a100x4:s1", math.inf, 8),
+                     measured_json("cell=a100x4:s1 plan=[dp4tp2] mb=4 remat=1", 1.0, job_id="43"), CLUSTER, 150.0)
+    with caplog.at_level("INFO", logger="slurm_ext.refit"):
+        (result,) = refitter.refit_due(CLUSTER, [41, 43], 900.0)
+    assert result.observations == 1 and result.improved
+    assert "refit_observation_skipped" in caplog.text and "efficiency_refit_failed" not in caplog.text
+
+
 def test_a_time_that_is_no_device_speed_is_left_out(observations, clean_fit):
     """An infinite time stopped every refit of the type (non-finite residuals); a time a
     thousand times off the estimate moved the parameters as far as the fit let it."""
