@@ -37,10 +37,10 @@ from policy.interface import (
 )
 from slurm_ext import store as journal
 from slurm_ext.config import DaemonConfig
-from slurm_ext.errors import SlurmExtError
+from slurm_ext.errors import UNREACHABLE_MARKERS, SlurmCommandError, SlurmExtError
 from slurm_ext.metrics import Metrics
 from slurm_ext.observe import (
-    ManagedJob, best_estimate_for, finish_on_s, is_held, kv, plan_comment, same_shape,
+    NO_ANSWER, ManagedJob, best_estimate_for, finish_on_s, is_held, kv, plan_comment, same_shape,
 )
 from slurm_ext.slurm_client import REQUEUE_SETTLE_S, JobUpdate, SlurmClient, SlurmJob
 from slurm_ext.squeue_view import plan_label
@@ -255,7 +255,10 @@ class Actor:
         done = []
         for job_id, describe in jobs:
             if job_id in errors:
-                self.store.close_entry(entries[job_id], journal.FAILED, self.clock.now_s(), str(errors[job_id]))
+                err = errors[job_id]
+                refused = isinstance(err, SlurmCommandError) and not any(m in err.stderr for m in UNREACHABLE_MARKERS)
+                self.store.close_entry(entries[job_id], journal.FAILED, self.clock.now_s(),
+                                       str(err) if refused else f"{NO_ANSWER}{err}")
                 self.metrics.error("action")
                 log.error(kv("action_failed", kind=kind, job_id=job_id, error=errors[job_id]))
                 continue

@@ -113,12 +113,15 @@ def over_per_job_limit(job: SlurmJob, entries, now_s: float) -> bool:
 # Starts of one job Slurm refuses in a row (its account not allowed in the partition, a
 # GRES no node has) before it runs as submitted: the policy would choose the same again.
 START_REFUSALS = 3
+# How a failed action's journal note begins when Slurm gave no answer (a timeout, slurmctld
+# down): no refusal, it counts neither way.
+NO_ANSWER = "no answer: "
 
 
 def refused_starts(entries) -> tuple[int, str]:
-    """How many of a job's last starts in the journal ``entries`` Slurm refused in a row,
-    and the last refusal's message."""
-    starts = [e for e in entries if e.kind == journal.START]
+    """How many of a job's last starts in the journal ``entries`` Slurm refused in a row
+    (those it did not answer aside), and the last refusal's message."""
+    starts = [e for e in entries if e.kind == journal.START and not e.note.startswith(NO_ANSWER)]
     refused = 0
     while refused < len(starts) and starts[-1 - refused].state == journal.FAILED:
         refused += 1

@@ -208,43 +208,10 @@ def test_max_stages_reaches_the_estimates_and_their_cache_key(tmp_path):
     assert len(json.loads(key(free))) == 8  # as before the key existed: stored estimates stay valid
 
 
-def test_an_edited_model_file_is_estimated_anew(tmp_path):
-    """The estimates are cached (and kept across restarts) by key: a model file rewritten
-    under the same path had kept its old model's Cells."""
-    import os
-    from slurm_ext.jobspec import ElasticSpec
-    cfg = resolve({"state_db": str(tmp_path / "state.db")}, {}, {})
-    daemon = Daemon(cfg, None, Store(cfg.state_db))
-    cluster = cluster_spec(NODES, partition_types(NODES, {}), None, "infiniband")
-    model = tmp_path / "mine.yaml"
-    model.write_text("hidden: 256\nlayers: 4\nheads: 4\nsequence: 128\nvocab: 1000\n")
-    spec = ElasticSpec(str(model), 64, 10)
-    _, small = daemon._estimate(spec, cluster, 0.0)
-    model.write_text("hidden: 8192\nlayers: 96\nheads: 64\nsequence: 4096\nvocab: 50000\n")
-    os.utime(model, ns=(1, 1))  # even with an old time stamp: the size differs
-    _, large = daemon._estimate(spec, cluster, 1.0)
-    assert isinstance(small, dict) and any(e.feasible for e in small[cfg.plan_space])
-    assert large != small  # estimated anew (this one fits nowhere: an error, not the old Cells)
-
-
 def test_requested_gpus():
     assert requested_gpus(SlurmJob(1, "u", "n", "PENDING", gpus_per_node=4, node_count=2)) == 8
     assert requested_gpus(SlurmJob(1, "u", "n", "PENDING", gpus_per_job=6)) == 6
     assert requested_gpus(SlurmJob(1, "u", "n", "PENDING")) is None
-
-
-def test_a_model_file_up_to_one_mib_is_read_as_documented(tmp_path):
-    """The daemon let files of up to 1 MiB through (as documented) to an estimator that
-    refused anything over 64 KiB."""
-    from estimator.errors import SpecError
-    model = tmp_path / "padded.yaml"
-    model.write_text("hidden: 256\nlayers: 4\nheads: 4\nsequence: 128\nvocab: 1000\n" + "# notes\n" * 12_000)
-    model.chmod(0o644)
-    assert 64 * 1024 < model.stat().st_size <= 1 << 20
-    assert model_loader_for("nobody")(str(model)).hidden == 256
-    model.write_text("hidden: 256\n" + "#" * (1 << 20))
-    with pytest.raises(SpecError, match="1048576"):
-        model_loader_for("nobody")(str(model))
 
 
 def test_model_files_must_be_readable_by_the_job_owner(tmp_path):

@@ -19,10 +19,10 @@ from policy.interface import RESIZE, Action
 from slurm_ext.act import Acts
 from slurm_ext.config import resolve
 from slurm_ext.daemon import Daemon
-from slurm_ext.observe import PER_JOB_LIMIT_SETTLE_S, plan_comment
+from slurm_ext.observe import PER_JOB_LIMIT_SETTLE_S, cluster_spec, model_loader_for, partition_types, plan_comment
 from slurm_ext.slurm_client import Gres, JobUpdate, SlurmJob, SlurmNode
 from slurm_ext.store import Store
-from test_daemon import TRAINER, node
+from test_daemon import NODES, TRAINER, node
 from test_daemon_rounds import FakeSlurm
 
 NOW = 1_800_000_000
@@ -649,3 +649,53 @@ def test_a_job_whose_starts_slurm_refuses_runs_as_submitted_after_a_few(tmp_path
     assert report.spec_errors == 1 and ("release", 41) in client.calls
     (note,) = [c[2].admin_comment for c in client.calls if c[0] == "update"]
     assert f"Slurm refused {START_REFUSALS} starts in a row" in note and "account/partition" in note
+
+
+def test_starts_slurm_did_not_answer_are_no_refusals(tmp_path):
+    """A timeout (slurmctld busy) is no refusal: three of them had released the job to run
+    as submitted for good."""
+    from slurm_ext.errors import CommandTimeoutError
+    from slurm_ext.observe import START_REFUSALS
+    clock = SimulatedClock(float(NOW))
+    daemon, client = daemon_for(tmp_path, [held(41, NOW - 100)], [node("a100-1", "a100", 4)], clock=clock)
+
+    def no_answer(job_ids, update):
+        raise CommandTimeoutError(("scontrol", "update"), 30.0)
+    client.update_pending = no_answer
+    for k in range(START_REFUSALS + 2):
+        clock.advance_to(NOW + 60 * k)
+        assert daemon.round().spec_errors == 0
+    assert not [c for c in client.calls if c[0] == "release"]
+
+
+def test_an_edited_model_file_is_estimated_anew(tmp_path):
+    """The estimates are cached (and kept across restarts) by key: a model file rewritten
+    under the same path had kept its old model's Cells."""
+    import os
+    from slurm_ext.jobspec import ElasticSpec
+    cfg = resolve({"state_db": str(tmp_path / "state.db")}, {}, {})
+    daemon = Daemon(cfg, None, Store(cfg.state_db))
+    cluster = cluster_spec(NODES, partition_types(NODES, {}), None, "infiniband")
+    model = tmp_path / "mine.yaml"
+    model.write_text("hidden: 256\nlayers: 4\nheads: 4\nsequence: 128\nvocab: 1000\n")
+    spec = ElasticSpec(str(model), 64, 10)
+    _, small = daemon._estimate(spec, cluster, 0.0)
+    model.write_text("hidden: 8192\nlayers: 96\nheads: 64\nsequence: 4096\nvocab: 50000\n")
+    os.utime(model, ns=(1, 1))  # even with an old time stamp: the size differs
+    _, large = daemon._estimate(spec, cluster, 1.0)
+    assert isinstance(small, dict) and any(e.feasible for e in small[cfg.plan_space])
+    assert large != small  # estimated anew (this one fits nowhere: an error, not the old Cells)
+
+
+def test_a_model_file_up_to_one_mib_is_read_as_documented(tmp_path):
+    """The daemon let files of up to 1 MiB through (as documented) to an estimator that
+    refused anything over 64 KiB."""
+    from estimator.errors import SpecError
+    model = tmp_path / "padded.yaml"
+    model.write_text("hidden: 256\nlayers: 4\nheads: 4\nsequence: 128\nvocab: 1000\n" + "# notes\n" * 12_000)
+    model.chmod(0o644)
+    assert 64 * 1024 < model.stat().st_size <= 1 << 20
+    assert model_loader_for("nobody")(str(model)).hidden == 256
+    model.write_text("hidden: 256\n" + "#" * (1 << 20))
+    with pytest.raises(SpecError, match="1048576"):
+        model_loader_for("nobody")(str(model))
