@@ -448,7 +448,8 @@ def _usable_collective(r: CollectiveRow) -> bool:
 def _usable_layer(tp, samples, forward_s, forward_backward_s, temp_bytes) -> bool:
     return (isinstance(tp, int) and isinstance(samples, int) and tp >= 1 and samples >= 1
             and _positive(forward_s, forward_backward_s)
-            and (temp_bytes is None or (isinstance(temp_bytes, int) and temp_bytes >= 0)))
+            and (temp_bytes is None or (isinstance(temp_bytes, (int, float)) and not isinstance(temp_bytes, bool)
+                                        and 0 <= temp_bytes < math.inf)))
 
 
 def _utc_key(text: str) -> str:

@@ -4,7 +4,7 @@ import pytest
 
 from estimator.cells import Cell, StagePlan
 from estimator.errors import SpecError
-from estimator.plan_string import PlanString, PlanStringError, format_plan, parse_plan
+from estimator.plan_string import MAX_PLAN_STRING, PlanString, PlanStringError, format_plan, parse_plan
 
 GOOD = [
     "cell=a100x8:s2 plan=[dp2tp2|dp4tp1] mb=8 remat=1",
@@ -75,7 +75,7 @@ def test_non_strings_and_huge_strings_are_rejected():
     with pytest.raises(PlanStringError):
         parse_plan(None)
     with pytest.raises(PlanStringError, match="longer than"):
-        parse_plan("cell=a100x8:s1 " + "x" * 600)
+        parse_plan("cell=a100x8:s1 " + "x" * MAX_PLAN_STRING)
 
 
 def test_expert_parallel_stages_are_marked_and_read_back():
