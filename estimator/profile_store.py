@@ -425,17 +425,19 @@ def usable_efficiency(params_json: str) -> Efficiency | None:
         eff = Efficiency(**json.loads(params_json))
     except (TypeError, ValueError):
         return None
-    values = [getattr(eff, f.name) for f in fields(eff)]
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+    if not all(_finite(getattr(eff, f.name)) for f in fields(eff)):
         return None
     if min(eff.matmul_frac, eff.conv_frac, eff.memory_frac, eff.inter_node_frac) <= 0:
         return None
     return eff if min(eff.layer_overhead_s, eff.half_rate_gflop, eff.conv_half_outputs) >= 0 else None
 
 
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def _positive(*values) -> bool:
-    return all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
-               for v in values)
+    return all(_finite(v) and v > 0 for v in values)
 
 
 def _usable_collective(r: CollectiveRow) -> bool:
@@ -448,8 +450,7 @@ def _usable_collective(r: CollectiveRow) -> bool:
 def _usable_layer(tp, samples, forward_s, forward_backward_s, temp_bytes) -> bool:
     return (isinstance(tp, int) and isinstance(samples, int) and tp >= 1 and samples >= 1
             and _positive(forward_s, forward_backward_s)
-            and (temp_bytes is None or (isinstance(temp_bytes, (int, float)) and not isinstance(temp_bytes, bool)
-                                        and 0 <= temp_bytes < math.inf)))
+            and (temp_bytes is None or (_finite(temp_bytes) and temp_bytes >= 0)))
 
 
 def _utc_key(text: str) -> str:

@@ -60,7 +60,7 @@ from slurm_ext.profile_job import (
 from slurm_ext.refit import OnlineRefitter
 from slurm_ext.slurm_client import SlurmClient, SlurmJob, SlurmNode
 from slurm_ext.steering import Steering, steering
-from slurm_ext.store import EstimateCache, Store
+from slurm_ext.store import START, EstimateCache, Store
 
 log = logging.getLogger(__name__)
 
@@ -563,6 +563,7 @@ class Daemon:
         launching: list[SlurmJob] = []
         errors: list[tuple[SlurmJob, str]] = []
         by_spec: dict[ElasticSpec, tuple[JobSpec, dict | str]] = {}
+        refusing = self.store.jobs_with_failed(START)  # the only jobs whose journal a refusal may be in
         for job in candidates:
             spec = specs[job.job_id]
             pc = plan_comment(job.admin_comment)
@@ -578,7 +579,7 @@ class Daemon:
                     continue
                 state = RUNNING
             elif is_held(job):
-                refused, why = refused_starts(self.store.entries(job.job_id))
+                refused, why = refused_starts(self.store.entries(job.job_id)) if job.job_id in refusing else (0, "")
                 if refused >= START_REFUSALS:
                     errors.append((job, f"Slurm refused {refused} starts in a row ({why})"))
                     continue

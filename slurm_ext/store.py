@@ -364,6 +364,11 @@ class Store:
             return self._entries("ORDER BY id", ())
         return self._entries("WHERE job_id = ? ORDER BY id", (job_id,))
 
+    def jobs_with_failed(self, kind: str) -> set[int]:
+        """Jobs with a failed entry of ``kind`` (one query, where each job's would be one each)."""
+        return {r[0] for r in self._exec("SELECT DISTINCT job_id FROM journal WHERE kind = ? AND state = ?",
+                                         (kind, FAILED)).fetchall()}
+
     def _entries(self, where: str, args: tuple) -> tuple[JournalEntry, ...]:
         rows = self._exec("SELECT id, job_id, kind, payload_json, state, note, created_s, updated_s "
                           f"FROM journal {where}", args).fetchall()
