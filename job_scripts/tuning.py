@@ -10,7 +10,9 @@ the fastest *measured* plan trains: the model prunes and orders, it never decide
 Measuring stops when the budget is spent: at most ``budget_s`` seconds and at most
 ``budget_frac`` of the job's expected remaining run time (remaining iterations × the
 starting plan's measured step time); a stop request (SIGUSR1, SIGTERM) ends it, and one
-before the first measurement keeps the starting plan unmeasured. The result is cached per
+before the first measurement keeps the starting plan unmeasured. A candidate that runs out
+of device memory is one that failed, and the search goes on (in a one-process job; across
+processes the job ends, as a process's failure may leave the others in a collective). The result is cached per
 (model, global batch, Cell, node layout, platform, the start's ZeRO level and ep), so a job
 resumed on a Cell it has tuned does not tune again.
 Every process of a multi-process job measures the same candidates in the same order and
@@ -37,6 +39,7 @@ log = logging.getLogger(__name__)
 MEASURE_WARMUP_STEPS = 1  # the first step compiles
 # Timed steps: at least MIN, more until MIN_TIMED_S have run (fast steps are noisy), at most MAX.
 MEASURE_MIN_STEPS, MEASURE_MAX_STEPS, MIN_TIMED_S = 3, 20, 0.5
+OUT_OF_MEMORY = "RESOURCE_EXHAUSTED"  # XLA's status for a failed device allocation
 
 
 @dataclass(frozen=True)
@@ -297,6 +300,14 @@ def measure_plan(req: TuneRequest, text: str, agree: Callable[[float], float]) -
         return Measured(text, seconds, agree(time.perf_counter() - t0))
     except SpecError as e:
         return Measured(text, None, agree(time.perf_counter() - t0), str(e))
+    except jax.errors.JaxRuntimeError as e:
+        # Out of device memory (fragmentation, or an estimate short of the real peak): this
+        # candidate cannot run, the others may. Across processes one process's failure can
+        # leave the others waiting in a collective, so there the job ends instead.
+        if OUT_OF_MEMORY not in str(e) or jax.process_count() > 1:
+            raise
+        return Measured(text, None, time.perf_counter() - t0,
+                        "out of device memory: " + str(e).splitlines()[0][:200])
 
 
 def cache_key(req: TuneRequest) -> dict:

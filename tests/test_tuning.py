@@ -200,3 +200,50 @@ def test_tuning_from_a_plan_that_cannot_run_here_keeps_its_zero_level_and_not_it
     plain = in_jax_child(4, _choose_from_a_plan_that_cannot_run_here, str(tmp_path / "c"),
                          "cell=a100x4:s1 plan=[dp4tp1] mb=4 remat=1 zero=1", 4, str(adafactor))
     assert plain.startswith("cell=a100x4:") and "zero=" not in plain, plain
+
+
+def _measure_out_of_memory() -> dict:
+    """Measure the start plan; then, with the process's address space capped 1 GiB above
+    what it uses, the same plan at a global batch whose step needs several GiB (XLA's
+    allocation fails: a real out-of-memory); then the first again, uncapped."""
+    import resource
+
+    import jax
+
+    from estimator import jax_models as jm
+    from estimator.models import load_model
+    from job_scripts.tuning import TuneRequest, measure_plan
+
+    spec = load_model(TINY_GPT)
+    arch = jm.arch_from_model(spec)
+
+    def measure(batch: int):
+        req = TuneRequest(TINY_GPT, spec, arch, batch, "a100", 4, jax.devices()[:4], 2, START, 10**6, "cpu")
+        m = measure_plan(req, START, lambda x: x)
+        return {"seconds": m.iteration_time_s, "error": m.error}
+
+    out = {"before": measure(16)}
+    used = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
+    unlimited = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (used + (1 << 30), unlimited[1]))
+    try:
+        out["huge"] = measure(1 << 16)
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, unlimited)
+    out["after"] = measure(16)
+    return out
+
+
+def test_a_candidate_out_of_device_memory_fails_alone_and_the_search_goes_on():
+    import multiprocessing
+
+    from estimator.compiled import _worker_init, child_xla_flags
+
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1, initializer=_worker_init, initargs=(child_xla_flags(4),)) as pool:
+        # A child killed by the allocation (not an error) would leave apply waiting for ever.
+        out = pool.apply_async(_measure_out_of_memory).get(timeout=600)
+    assert out["before"]["error"] is None and out["before"]["seconds"] > 0
+    assert out["huge"]["seconds"] is None
+    assert out["huge"]["error"].startswith("out of device memory: RESOURCE_EXHAUSTED"), out["huge"]
+    assert out["after"]["error"] is None and out["after"]["seconds"] > 0  # JAX still runs plans
