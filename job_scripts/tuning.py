@@ -16,7 +16,8 @@ processes the job ends, as a process's failure may leave the others in a collect
 (model, global batch, Cell, node layout, platform, the start's ZeRO level and ep), so a job
 resumed on a Cell it has tuned does not tune again.
 Every process of a multi-process job measures the same candidates in the same order and
-agrees on times (their maximum), so all take the same decision.
+agrees on times (their maximum), so all take the same decision; a cached plan is used only
+when every process read the same one.
 """
 
 from __future__ import annotations
@@ -339,6 +340,25 @@ def _cached(req: TuneRequest, cfg: TuneConfig) -> Tuned | None:
     return Tuned(plan, seconds, "cached")
 
 
+def _plan_digest(plan: str) -> float:
+    """A plan string's digest as a float every process compares exactly (52 bits)."""
+    return float(int(hashlib.sha256(plan.encode()).hexdigest()[:13], 16))
+
+
+def agreed_cached(req: TuneRequest, cfg: TuneConfig, agree: Callable[[float], float]) -> Tuned | None:
+    """The cached plan when every process read the same one, else None on every process.
+
+    Each process reads the cache itself; one that reads it just before another job's
+    tuning lands there, and one just after, would otherwise train and tune at once, each
+    waiting in collectives the other never runs."""
+    cached = _cached(req, cfg)
+    digest = _plan_digest(cached.plan) if cached is not None else -1.0
+    if agree(digest) == -agree(-digest):
+        return cached
+    log.warning("the processes read different tuned plans for this Cell (written while they read): tuning")
+    return None
+
+
 def tune_plan(req: TuneRequest, cfg: TuneConfig, agree: Callable[[float], float],
               stop: Callable[[], bool], writer: bool) -> Tuned:
     """The plan to train with: cached, else the fastest measured candidate within the budget.
@@ -350,7 +370,7 @@ def tune_plan(req: TuneRequest, cfg: TuneConfig, agree: Callable[[float], float]
         stop: whether a rescale or termination was requested (tuning then ends early).
         writer: whether this process writes the cache.
     """
-    cached = _cached(req, cfg)
+    cached = agreed_cached(req, cfg, agree)
     if cached is not None:
         log.info("plan %s (tuned before on this Cell: %.4f s/iteration measured)", cached.plan,
                  cached.iteration_time_s)
