@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,32 +141,51 @@ class Checkpoints:
             raise CheckpointError(f"{self.directory / str(step)}: not a checkpoint of this format")
         return meta
 
-    def latest(self) -> Saved | None:
+    def latest(self, agree: Callable[[float], float] = lambda value: value) -> Saved | None:
         """The newest complete checkpoint whose metadata reads, or None when there is none.
 
+        Every process of the job resumes from the same step: ``agree`` gives the largest
+        of a value over the processes. Where they read different newest steps (a step
+        one could not read), all take the oldest of them and the newer steps are set
+        aside; where some see checkpoints and others none, the directory is not one they
+        share and every process refuses.
+
         Raises:
-            CheckpointError: checkpoints exist but none can be read.
+            CheckpointError: checkpoints exist but none can be read, on any process; or
+                the processes see different checkpoints.
         """
-        problems, damaged = [], []
-        for step in self.steps():
+        problems, steps, saved = [], self.steps(), None
+        for step in steps:
             try:
                 saved = Saved(step, self._meta(step), self.directory / str(step))
+                break
             except Exception as e:  # noqa: BLE001 - a damaged step falls back to the previous one
                 log.warning("skipping checkpoint of step %d: %s", step, e)
                 problems.append(f"step {step}: {e}")
-                damaged.append(step)
-                continue
-            self._set_aside(damaged)
-            return saved
-        if problems:
-            raise CheckpointError(f"no readable checkpoint in {self.directory}: " + "; ".join(problems))
-        return None
+        mine = saved.step if saved is not None else -1
+        oldest, newest = -agree(-mine), agree(mine)  # the same on every process
+        if oldest < 0 <= newest:
+            raise CheckpointError(f"{self.directory}: this job's processes see different checkpoints (step "
+                                  f"{int(newest)} on some, none readable on others): the checkpoint directory "
+                                  "must be one that every node shares")
+        if newest < 0:
+            if agree(float(bool(problems))) > 0:  # every process refuses, or none
+                raise CheckpointError(f"no readable checkpoint in {self.directory}: " + (
+                    "; ".join(problems) or "another process of this job could not read them"))
+            return None
+        if oldest < mine:
+            log.warning("this process reads step %d, another process only step %d: every process resumes "
+                        "from step %d", mine, int(oldest), int(oldest))
+            saved = Saved(int(oldest), self._meta(int(oldest)), self.directory / str(int(oldest)))
+        self._set_aside([step for step in steps if step > saved.step])
+        return saved
 
     def _set_aside(self, steps: list[int]) -> None:
-        """Rename the damaged ``steps`` newer than the one resumed (``7`` → ``7.unreadable``):
-        kept for a look, and out of the way of the run's own save when it reaches that step
-        again. The first process renames, between two barriers that every process passes
-        (as Orbax's own saves do); then each lists the steps afresh."""
+        """Rename the ``steps`` newer than the one resumed (damaged, or unreadable to some
+        process; ``7`` → ``7.unreadable``): kept for a look, and out of the way of the
+        run's own save when it reaches that step again. The first process renames, between
+        two barriers that every process passes (as Orbax's own saves do); then each lists
+        the steps afresh."""
         import jax
         from jax.experimental import multihost_utils
         several = jax.process_count() > 1

@@ -452,7 +452,7 @@ class Job:
             SpecError: the checkpoint was written by another model, batch or seed, or, in
                 the job's own directory on its first run, by an earlier job of that id.
         """
-        saved = self.checkpoints.latest()
+        saved = self.checkpoints.latest(self.agree_max)
         if saved is not None and self.config.job_checkpoint_dir and not self.alloc.restart_count:
             # The job's first run, yet its own directory holds a checkpoint: an earlier job
             # with this id (Slurm reuses ids once its state is reset) would be resumed.

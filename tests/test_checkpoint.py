@@ -399,3 +399,60 @@ def test_writers_of_one_json_file_at_once_each_write_a_whole_file():
         assert errors == []
         assert json.loads(path.read_text())["pad"] == "x" * 4096
         assert [p.name for p in Path(d).iterdir()] == ["plan.json"]  # no temporary left behind
+
+
+def _two_processes_resume(directory: str) -> dict:
+    """Two processes (threads) each list a checkpoint directory: the views of a shared one
+    when one of them cannot read the newest step, and of directories that are not shared."""
+    import os
+    import shutil
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    import jax.numpy as jnp
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from conftest import TwoProcesses
+
+    from job_scripts.checkpoint import CheckpointError, Checkpoints
+
+    root = Path(directory)
+    ckpt = Checkpoints(root / "a", keep=2)
+    for step in (1, 2):
+        ckpt.save(step, {"w": jnp.ones(3) * step}, {"note": step})
+    ckpt.close()
+    shutil.copytree(root / "a", root / "b")
+    (root / "b" / "2" / "meta" / "metadata").write_text("{not json")  # b cannot read step 2
+    (root / "c").mkdir()
+    shutil.copytree(root / "b", root / "d")
+    (root / "d" / "1" / "meta" / "metadata").write_text("{not json")  # d reads nothing
+
+    def both(names):
+        group, views = TwoProcesses(), [Checkpoints(root / n) for n in names]
+
+        def latest(rank):
+            try:
+                saved = views[rank].latest(group.agree(rank))
+                return saved.step if saved else None
+            except CheckpointError as e:
+                return str(e)
+        with ThreadPoolExecutor(2) as pool:
+            return list(pool.map(latest, (0, 1)))
+
+    out = {"a_b": both(["a", "b"])}
+    out["a_aside"] = sorted(p.name for p in (root / "a").iterdir())
+    out["a_c"] = both(["a", "c"])
+    out["c_d"] = both(["c", "d"])
+    return out
+
+
+def test_every_process_resumes_from_the_same_step_or_none_does(tmp_path):
+    """One process could not read the newest step: it resumed from the one before while
+    the other resumed from the newest (each reading its own shards: a state mixed from
+    two steps, and step counts that differ). A directory that only some processes see
+    checkpoints in had some resume and others start from step 1."""
+    out = in_jax_child(1, _two_processes_resume, str(tmp_path))
+    assert out["a_b"] == [1, 1]
+    assert "2.unreadable" in out["a_aside"] and "2" not in out["a_aside"]  # out of the way of the next save
+    assert all("processes see different checkpoints (step 1 on some" in m for m in out["a_c"]), out["a_c"]
+    assert all("no readable checkpoint" in m for m in out["c_d"]), out["c_d"]
