@@ -51,7 +51,7 @@ from slurm_ext.observe import (  # noqa: F401
     requested_gpus, rescale_pins, reserved_cell, gpu_releases, running_assignment, running_plan_comment,
     runner_progress, steerable_nodes, type_partitions, update_cell, finish_on_s, rescale_new_cell, rescale_releases,
     cell_gpus, kept_back_by_slurm, launch_is_stale, over_per_job_limit, required_placement,
-    waits_on_its_own_condition, START_REFUSALS, refused_starts,
+    waits_on_its_own_condition, START_REFUSALS, refused_gpu_types, refused_starts,
 )
 from slurm_ext.profile_job import (
     RETRY_AFTER_S, background_request, free_for_policy, is_background, next_background, parse_background,
@@ -565,7 +565,7 @@ class Daemon:
         by_spec: dict[ElasticSpec, tuple[JobSpec, dict | str]] = {}
         refusing = self.store.jobs_with_failed(START)  # the only jobs whose journal a refusal may be in
         for job in candidates:
-            spec = specs[job.job_id]
+            spec, barred = specs[job.job_id], set()
             pc = plan_comment(job.admin_comment)
             if job.state == "RUNNING":
                 assignment = running_assignment(job, pc, node_types, part_types)
@@ -579,10 +579,9 @@ class Daemon:
                     continue
                 state = RUNNING
             elif is_held(job):
-                refused, why = refused_starts(self.store.entries(job.job_id)) if job.job_id in refusing else (0, "")
-                if refused >= START_REFUSALS:
-                    errors.append((job, f"Slurm refused {refused} starts in a row ({why})"))
-                    continue
+                if job.job_id in refusing:  # GPU types whose starts Slurm refuses: offer others
+                    entries = self.store.entries(job.job_id)
+                    barred = {t for t, n in refused_gpu_types(entries).items() if n >= START_REFUSALS}
                 assignment, state = None, PENDING
             elif kept_back_by_slurm(job):
                 continue  # Slurm starts it on its Cell once the condition holds
@@ -613,6 +612,13 @@ class Daemon:
                 if not any(e.feasible for e in estimates):
                     errors.append((job, f"no Cell of {cap} GPUs or fewer fits, and Slurm refuses more (a "
                                         f"per-job limit of its account or QOS: {job.reason or 'as before'})"))
+                    continue
+            if barred:
+                estimates, dp_only = ([e for e in x if e.cell.gpu_type not in barred] for x in (estimates, dp_only))
+                if not any(e.feasible for e in estimates):
+                    refused, why = refused_starts(entries)
+                    errors.append((job, f"Slurm refused {refused} starts in a row, on {', '.join(sorted(barred))} "
+                                        f"({why})"))
                     continue
             running_comment = None
             measured_text = self._measured_text(job) if state == RUNNING and cfg.checkpoint_root else None

@@ -110,8 +110,9 @@ def over_per_job_limit(job: SlurmJob, entries, now_s: float) -> bool:
     return last is None or now_s - max(last.created_s, last.updated_s) >= PER_JOB_LIMIT_SETTLE_S
 
 
-# Starts of one job Slurm refuses in a row (its account not allowed in the partition, a
-# GRES no node has) before it runs as submitted: the policy would choose the same again.
+# Starts of one job on one GPU type Slurm refuses in a row (its account not allowed in the
+# partition, a GRES no node has) before the job is offered only other types' Cells, and
+# runs as submitted when no other type fits: the policy would choose the same again.
 START_REFUSALS = 3
 # How a failed action's journal note begins when Slurm gave no answer (a timeout, slurmctld
 # down): no refusal, it counts neither way.
@@ -126,6 +127,21 @@ def refused_starts(entries) -> tuple[int, str]:
     while refused < len(starts) and starts[-1 - refused].state == journal.FAILED:
         refused += 1
     return refused, starts[-1].note if refused else ""
+
+
+def refused_gpu_types(entries) -> dict[str, int]:
+    """For each GPU type, the job's starts on it Slurm refused since the last start it
+    accepted (those it did not answer aside)."""
+    refused: Counter = Counter()
+    for e in entries:
+        if e.kind != journal.START or e.note.startswith(NO_ANSWER):
+            continue
+        if e.state != journal.FAILED:
+            refused.clear()
+            continue
+        parts = plan_comment(e.update.admin_comment).cell_parts() if e.update and e.update.admin_comment else None
+        refused[parts[0] if parts else ""] += 1
+    return dict(refused)
 
 
 def last_release(entries):

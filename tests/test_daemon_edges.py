@@ -651,6 +651,32 @@ def test_a_job_whose_starts_slurm_refuses_runs_as_submitted_after_a_few(tmp_path
     assert f"Slurm refused {START_REFUSALS} starts in a row" in note and "account/partition" in note
 
 
+def test_a_job_refused_on_one_gpu_type_is_started_on_another_first(tmp_path):
+    """Slurm refuses the job's starts in the a100 partition only (its account may not use
+    it): after START_REFUSALS refusals it is offered the v100 Cells, and starts there,
+    rather than running as submitted."""
+    from slurm_ext.errors import SlurmCommandError
+    from slurm_ext.observe import START_REFUSALS
+    clock = SimulatedClock(float(NOW))
+    daemon, client = daemon_for(tmp_path, [held(41, NOW - 100)],
+                                [node("a100-1", "a100", 4), node("v100-1", "v100", 4)], clock=clock)
+    accept = client.update_pending
+
+    def refuse_a100(job_ids, update):
+        if update.partition == "a100":
+            raise SlurmCommandError(("scontrol", "update"), 1, "Invalid account or account/partition combination")
+        accept(job_ids, update)
+    client.update_pending = refuse_a100
+    for k in range(START_REFUSALS):
+        clock.advance_to(NOW + 60 * k)
+        assert daemon.round().spec_errors == 0 and not [c for c in client.calls if c[0] == "release"]
+    clock.advance_to(NOW + 60 * START_REFUSALS)
+    report = daemon.round()
+    assert report.spec_errors == 0 and ("release", 41) in client.calls
+    started = plan_comment(client._jobs[41].admin_comment)
+    assert started.cell_parts()[0] == "v100" and started.error is None, started
+
+
 def test_starts_slurm_did_not_answer_are_no_refusals(tmp_path):
     """A timeout (slurmctld busy) is no refusal: three of them had released the job to run
     as submitted for good."""
