@@ -173,11 +173,18 @@ class Checkpoints:
                 raise CheckpointError(f"no readable checkpoint in {self.directory}: " + (
                     "; ".join(problems) or "another process of this job could not read them"))
             return None
+        unread = ""
         if oldest < mine:
             log.warning("this process reads step %d, another process only step %d: every process resumes "
                         "from step %d", mine, int(oldest), int(oldest))
-            saved = Saved(int(oldest), self._meta(int(oldest)), self.directory / str(int(oldest)))
-        self._set_aside([step for step in steps if step > saved.step])
+            try:
+                saved = Saved(int(oldest), self._meta(int(oldest)), self.directory / str(int(oldest)))
+            except Exception as e:  # noqa: BLE001 - said below, on every process
+                unread = f"step {int(oldest)}: {e}"
+        if agree(float(bool(unread))) > 0:  # every process stops, or none
+            raise CheckpointError(f"{self.directory}: this job's processes cannot all read one checkpoint ("
+                                  f"{unread or 'another process could not read step ' + str(int(oldest))})")
+        self._set_aside([step for step in steps if step > int(oldest)])
         return saved
 
     def _set_aside(self, steps: list[int]) -> None:
