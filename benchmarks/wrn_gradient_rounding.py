@@ -9,13 +9,14 @@ that comes from. For each batch it measures, as the relative norm of the differe
   rounding);
 - ``reorder_fp64``: the same in float64 (the layer code's compute dtype switched to
   float64 in a child process);
-- ``dp2_vs_dp1``, ``dp4_vs_dp1``: the runner's pipeline (``job_scripts.pipeline``), one
-  step of SGD, the update of plan ``[dp2]`` or ``[dp4]`` against ``[dp1]``.
+- ``runner_dp2_vs_dp1``, ``runner_dp4_vs_dp1``: the runner's pipeline
+  (``job_scripts.pipeline``), one step of SGD, the update of plan ``[dp2]`` or ``[dp4]``
+  against ``[dp1]``, in float32 and in float64 (weights and optimizer state stay float32).
 
 Max-pooling picks one input per window and a ReLU gates each unit; a float32 rounding that
 moves the winner or the sign sends that gradient elsewhere, and batch norm spreads it over
-the channel. If the plans' differences are no larger than reordering one device's batch,
-and float64 makes reordering exact, the plans compute the same gradient.
+the channel. If float64 makes the plans agree (to the float32 weights' rounding) as it
+makes reordering exact, the plans compute the same gradient.
 
 Usage: ``python benchmarks/wrn_gradient_rounding.py [--batches 12] [--out FILE]``
 """
@@ -104,6 +105,20 @@ def one_device_spread(batches: list[tuple[int, int]], float64: bool) -> dict[str
     return spread
 
 
+def runner_spread(batches: list[tuple[int, int]], float64: bool) -> dict[str, list[float]]:
+    """The runner's first-step update of plans ``[dp2]`` and ``[dp4]`` against ``[dp1]``
+    (relative difference, one per batch), computing in float64 or float32."""
+    if float64:  # this child process only: the layer code computes in float64
+        import jax
+        import jax.numpy as jnp
+        jax.config.update("jax_enable_x64", True)
+        from estimator import jax_models as jm
+        jm.DTYPES["fp32"] = jnp.float64
+    dp1, dp2, dp4 = (plan_updates(batches, dp) for dp in (1, 2, 4))
+    return {"dp2_vs_dp1": [_relative(a, b) for a, b in zip(dp2, dp1)],
+            "dp4_vs_dp1": [_relative(a, b) for a, b in zip(dp4, dp1)]}
+
+
 def plan_updates(batches: list[tuple[int, int]], dp: int) -> list:
     """The first step's weight update of plan ``[dp<dp>]`` (one stage, one micro-batch) for
     each batch, flattened."""
@@ -141,14 +156,17 @@ def main(argv=None) -> None:
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args(argv)
     batches = _batches(args.batches)
-    with multiprocessing.get_context("spawn").Pool(1) as pool:  # float64 stays in the child
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(1) as pool:  # float64 stays in the children
         fp64 = pool.apply(one_device_spread, (batches, True))
-    fp32 = one_device_spread(batches, False)
-    dp1, dp2, dp4 = (plan_updates(batches, dp) for dp in (1, 2, 4))
+    with context.Pool(1) as pool:
+        runner64 = pool.apply(runner_spread, (batches, True))
+    fp32, runner32 = one_device_spread(batches, False), runner_spread(batches, False)
     rows = [{"data_seed": seed, "step": step,
              **{f"one_device_{k}_fp32": v[i] for k, v in fp32.items()},
              **{f"one_device_{k}_fp64": v[i] for k, v in fp64.items()},
-             "runner_dp2_vs_dp1": _relative(dp2[i], dp1[i]), "runner_dp4_vs_dp1": _relative(dp4[i], dp1[i])}
+             **{f"runner_{k}_fp32": v[i] for k, v in runner32.items()},
+             **{f"runner_{k}_fp64": v[i] for k, v in runner64.items()}}
             for i, (seed, step) in enumerate(batches)]
     from bench_output import emit
     emit({"arch": ARCH, "global_batch": BATCH, "micro_batches": 1,

@@ -134,9 +134,10 @@ class Checkpoints:
         return sorted(self.manager.all_steps(), reverse=True)
 
     def _meta(self, step: int) -> dict:
-        ocp = self._ocp
-        out = self.manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))
-        meta = out[META]
+        # Read as the file Orbax's JsonSave wrote, not through a restore: with several
+        # processes each restore ends in a barrier, and a process that cannot read a step
+        # would make one barrier fewer than the others.
+        meta = json.loads((self.directory / str(step) / META / "metadata").read_text())
         if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
             raise CheckpointError(f"{self.directory / str(step)}: not a checkpoint of this format")
         return meta
@@ -184,10 +185,10 @@ class Checkpoints:
         if agree(float(bool(unread))) > 0:  # every process stops, or none
             raise CheckpointError(f"{self.directory}: this job's processes cannot all read one checkpoint ("
                                   f"{unread or 'another process could not read step ' + str(int(oldest))})")
-        self._set_aside([step for step in steps if step > int(oldest)])
+        self._set_aside([step for step in steps if step > int(oldest)], agree)
         return saved
 
-    def _set_aside(self, steps: list[int]) -> None:
+    def _set_aside(self, steps: list[int], agree: Callable[[float], float]) -> None:
         """Rename the ``steps`` newer than the one resumed (damaged, or unreadable to some
         process; ``7`` → ``7.unreadable``): kept for a look, and out of the way of the
         run's own save when it reaches that step again. The first process renames, between
@@ -213,8 +214,9 @@ class Checkpoints:
                 break
         if several:
             multihost_utils.sync_global_devices("slurm-ext checkpoints set aside")
-        if failed:
-            raise CheckpointError(failed)
+        if agree(float(bool(failed))) > 0:  # every process stops, not the first alone
+            raise CheckpointError(failed or f"{self.directory}: a newer checkpoint than the one to resume from "
+                                            "could not be set aside (see the first process's log)")
         if steps or several:
             self.manager.reload()
 

@@ -301,6 +301,18 @@ class _Meter:
         return self.total_s / self.timed if self.timed else None
 
 
+def max_over_processes(value: float) -> float:
+    """The largest of every process's ``value``, exactly (a collective: every process of
+    the job calls it alike)."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+    # The float64's bytes as two int32s: JAX without x64 would round a float64 to float32
+    # (step numbers past 2**24 and plan digests would no longer compare exactly).
+    words = np.array([value], np.float64).view(np.int32)
+    gathered = np.asarray(multihost_utils.process_allgather(words), np.int32)
+    return float(np.max(np.ascontiguousarray(gathered).view(np.float64)))
+
+
 class Job:
     """One training process's view of its job; made by :func:`start`."""
 
@@ -512,11 +524,7 @@ class Job:
 
     def agree_max(self, value: float) -> float:
         """The largest of every process's ``value`` (the same answer on every process)."""
-        if self.process_count == 1:
-            return value
-        import numpy as np
-        from jax.experimental import multihost_utils
-        return float(np.max(multihost_utils.process_allgather(np.array([value], np.float64))))
+        return value if self.process_count == 1 else max_over_processes(value)
 
     def stop_requested(self) -> str | None:
         """``SIGUSR1`` or ``SIGTERM`` when any process got one (all processes agree), else None."""

@@ -22,6 +22,7 @@ when every process read the same one.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import logging
@@ -270,45 +271,60 @@ def search_plans(req: TuneRequest, measure: Callable[[str], Measured], more: Cal
 def measure_plan(req: TuneRequest, text: str, agree: Callable[[float], float]) -> Measured:
     """Compile and time ``text`` for a few steps on the job's devices (every process)."""
     import jax
-    import numpy as np
-
-    from estimator.jax_optim import optimizer_for
-    from job_scripts.data import stream_for
-    from job_scripts.pipeline import Pipeline
 
     t0 = time.perf_counter()
     try:
-        pipe = Pipeline(req.arch, _runnable(req, text), req.devices, req.global_batch,
-                        optimizer_for(req.arch.optimizer))
-        if req.platform == "gpu" and agree(float(not pipe.fits_memory())) > 0:
-            return Measured(text, None, agree(time.perf_counter() - t0), "does not fit in device memory")
-        batch = stream_for(req.arch, 0, req.global_batch).batch(1)
-        state = pipe.init(0)
-        for _ in range(MEASURE_WARMUP_STEPS):
-            state, loss = pipe.step(state, batch.inputs, batch.targets)
-        jax.block_until_ready(loss)
-        times: list[float] = []
-        while len(times) < MEASURE_MIN_STEPS or (sum(times) < MIN_TIMED_S and len(times) < MEASURE_MAX_STEPS):
-            t1 = time.perf_counter()
-            state, loss = pipe.step(state, batch.inputs, batch.targets)
-            jax.block_until_ready(loss)
-            # Agreed, so that every process takes as many (collective) steps.
-            times.append(agree(time.perf_counter() - t1))
-        seconds = float(np.median(times))
-        if not np.isfinite(float(loss)):
-            return Measured(text, None, agree(time.perf_counter() - t0), "loss is not finite")
-        del state, pipe
-        return Measured(text, seconds, agree(time.perf_counter() - t0))
+        return _time_plan(req, text, agree, t0)
     except SpecError as e:
         return Measured(text, None, agree(time.perf_counter() - t0), str(e))
     except jax.errors.JaxRuntimeError as e:
         # Out of device memory (fragmentation, or an estimate short of the real peak): this
         # candidate cannot run, the others may. Across processes one process's failure can
         # leave the others waiting in a collective, so there the job ends instead.
-        if OUT_OF_MEMORY not in str(e) or jax.process_count() > 1:
+        if not out_of_memory(e) or jax.process_count() > 1:
             raise
-        return Measured(text, None, time.perf_counter() - t0,
-                        "out of device memory: " + str(e).splitlines()[0][:200])
+        failed = Measured(text, None, time.perf_counter() - t0,
+                          "out of device memory: " + str(e).splitlines()[0][:200])
+    gc.collect()  # the traceback's frames held the candidate's state: free it for the next
+    return failed
+
+
+def _time_plan(req: TuneRequest, text: str, agree: Callable[[float], float], t0: float) -> Measured:
+    import jax
+    import numpy as np
+
+    from estimator.jax_optim import optimizer_for
+    from job_scripts.data import stream_for
+    from job_scripts.pipeline import Pipeline
+
+    pipe = Pipeline(req.arch, _runnable(req, text), req.devices, req.global_batch,
+                    optimizer_for(req.arch.optimizer))
+    if req.platform == "gpu" and agree(float(not pipe.fits_memory())) > 0:
+        return Measured(text, None, agree(time.perf_counter() - t0), "does not fit in device memory")
+    batch = stream_for(req.arch, 0, req.global_batch).batch(1)
+    state = pipe.init(0)
+    for _ in range(MEASURE_WARMUP_STEPS):
+        state, loss = pipe.step(state, batch.inputs, batch.targets)
+    jax.block_until_ready(loss)
+    times: list[float] = []
+    while len(times) < MEASURE_MIN_STEPS or (sum(times) < MIN_TIMED_S and len(times) < MEASURE_MAX_STEPS):
+        t1 = time.perf_counter()
+        state, loss = pipe.step(state, batch.inputs, batch.targets)
+        jax.block_until_ready(loss)
+        # Agreed, so that every process takes as many (collective) steps.
+        times.append(agree(time.perf_counter() - t1))
+    seconds = float(np.median(times))
+    if not np.isfinite(float(loss)):
+        return Measured(text, None, agree(time.perf_counter() - t0), "loss is not finite")
+    del state, pipe
+    return Measured(text, seconds, agree(time.perf_counter() - t0))
+
+
+def out_of_memory(error: Exception) -> bool:
+    """Whether XLA's error is a failed device allocation (``RESOURCE_EXHAUSTED``, or an
+    ``INTERNAL`` error when the allocation failed while the program was dispatched)."""
+    text = str(error)
+    return OUT_OF_MEMORY in text or "out of memory" in text.lower()
 
 
 def cache_key(req: TuneRequest) -> dict:

@@ -615,10 +615,10 @@ class Daemon:
                     continue
             if barred:
                 estimates, dp_only = ([e for e in x if e.cell.gpu_type not in barred] for x in (estimates, dp_only))
-                if not any(e.feasible for e in estimates):
+                if "" in barred or not any(e.feasible for e in estimates):  # "": starts of no known Cell
                     refused, why = refused_starts(entries)
-                    errors.append((job, f"Slurm refused {refused} starts in a row, on {', '.join(sorted(barred))} "
-                                        f"({why})"))
+                    errors.append((job, f"Slurm refused {refused} starts in a row, on "
+                                        f"{', '.join(sorted(barred - {''})) or 'its Cells'} ({why})"))
                     continue
             running_comment = None
             measured_text = self._measured_text(job) if state == RUNNING and cfg.checkpoint_root else None

@@ -110,9 +110,10 @@ def over_per_job_limit(job: SlurmJob, entries, now_s: float) -> bool:
     return last is None or now_s - max(last.created_s, last.updated_s) >= PER_JOB_LIMIT_SETTLE_S
 
 
-# Starts of one job on one GPU type Slurm refuses in a row (its account not allowed in the
-# partition, a GRES no node has) before the job is offered only other types' Cells, and
-# runs as submitted when no other type fits: the policy would choose the same again.
+# Starts of one job on one GPU type Slurm refuses (its account not allowed in the
+# partition, a GRES no node has) since the last start it accepted, before the job is
+# offered only other types' Cells, and runs as submitted when no other type fits: the
+# policy would choose the same again.
 START_REFUSALS = 3
 # How a failed action's journal note begins when Slurm gave no answer (a timeout, slurmctld
 # down): no refusal, it counts neither way.

@@ -8,7 +8,10 @@
 - ``reference``: the same in one process, writing the state to DIR/reference.npz;
 - ``restore``: read the newest checkpoint of DIR/ckpt into PLAN, in one process, and
   write the restored state to DIR/restored.npz and the checkpoint's arrays read
-  whole (by name, without any plan) to DIR/saved.npz.
+  whole (by name, without any plan) to DIR/saved.npz;
+- ``latest``: find the step to resume from in DIR (each process its own view), agreed
+  with the other processes as the runner does; write it, or the refusal, to
+  DIR.latest.json.
 
 Each process fakes 4 / COUNT CPU devices.
 """
@@ -32,6 +35,20 @@ def main(role: str, directory: str, plan_text: str, steps: int, process: int = 0
     if count > 1:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(f"127.0.0.1:{port}", count, process)
+
+    if role == "latest":
+        import json
+
+        from job_scripts.checkpoint import CheckpointError, Checkpoints
+        from job_scripts.runtime import max_over_processes
+        try:
+            saved = Checkpoints(directory).latest(max_over_processes)
+            result = {"step": saved.step if saved else None}
+        except CheckpointError as e:
+            result = {"error": str(e)}
+        Path(directory + ".latest.json").write_text(json.dumps(result))
+        jax.distributed.shutdown()
+        return
 
     from estimator import jax_models as jm
     from estimator.jax_optim import optimizer_for

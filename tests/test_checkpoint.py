@@ -401,58 +401,53 @@ def test_writers_of_one_json_file_at_once_each_write_a_whole_file():
         assert [p.name for p in Path(d).iterdir()] == ["plan.json"]  # no temporary left behind
 
 
-def _two_processes_resume(directory: str) -> dict:
-    """Two processes (threads) each list a checkpoint directory: the views of a shared one
-    when one of them cannot read the newest step, and of directories that are not shared."""
-    import os
+BIG_STEP = 2 ** 24 + 1  # not a float32: the processes' agreement must be exact
+
+
+def _views(directory: str) -> None:
+    """Checkpoint directories as two processes may see one: ``a`` with steps 1 and
+    BIG_STEP; ``b`` the same where BIG_STEP cannot be read; ``d`` where no step can;
+    ``e`` empty."""
     import shutil
-    import sys
-    from concurrent.futures import ThreadPoolExecutor
 
     import jax.numpy as jnp
 
-    sys.path.insert(0, os.path.dirname(__file__))
-    from conftest import TwoProcesses
-
-    from job_scripts.checkpoint import CheckpointError, Checkpoints
+    from job_scripts.checkpoint import Checkpoints
 
     root = Path(directory)
     ckpt = Checkpoints(root / "a", keep=2)
-    for step in (1, 2):
+    for step in (1, BIG_STEP):
         ckpt.save(step, {"w": jnp.ones(3) * step}, {"note": step})
     ckpt.close()
-    shutil.copytree(root / "a", root / "b")
-    (root / "b" / "2" / "meta" / "metadata").write_text("{not json")  # b cannot read step 2
-    (root / "c").mkdir()
-    shutil.copytree(root / "b", root / "d")
-    (root / "d" / "1" / "meta" / "metadata").write_text("{not json")  # d reads nothing
+    for name in ("a2", "a3", "a4", "b", "d"):
+        shutil.copytree(root / "a", root / name)
+    (root / "b" / str(BIG_STEP) / "meta" / "metadata").write_text("{not json")
+    for step in (1, BIG_STEP):
+        (root / "d" / str(step) / "meta" / "metadata").write_text("{not json")
+    (root / "e").mkdir()
 
-    def both(names):
-        group, views = TwoProcesses(), [Checkpoints(root / n) for n in names]
 
-        def latest(rank):
-            try:
-                saved = views[rank].latest(group.agree(rank))
-                return saved.step if saved else None
-            except CheckpointError as e:
-                return str(e)
-        with ThreadPoolExecutor(2) as pool:
-            return list(pool.map(latest, (0, 1)))
-
-    out = {"a_b": both(["a", "b"])}
-    out["a_aside"] = sorted(p.name for p in (root / "a").iterdir())
-    out["a_c"] = both(["a", "c"])
-    out["c_d"] = both(["c", "d"])
-    return out
+def _latest_in_two_processes(root: Path, views: tuple[str, str]) -> list[dict]:
+    """Each of two jax.distributed processes finds its step to resume from in its view."""
+    port = _free_port()
+    procs = [_worker("latest", root / view, "-", 0, rank, 2, port) for rank, view in enumerate(views)]
+    for proc in procs:
+        _finish(proc)
+    return [json.loads((root / f"{view}.latest.json").read_text()) for view in views]
 
 
 def test_every_process_resumes_from_the_same_step_or_none_does(tmp_path):
     """One process could not read the newest step: it resumed from the one before while
     the other resumed from the newest (each reading its own shards: a state mixed from
-    two steps, and step counts that differ). A directory that only some processes see
-    checkpoints in had some resume and others start from step 1."""
-    out = in_jax_child(1, _two_processes_resume, str(tmp_path))
-    assert out["a_b"] == [1, 1]
-    assert "2.unreadable" in out["a_aside"] and "2" not in out["a_aside"]  # out of the way of the next save
-    assert all("processes see different checkpoints (step 1 on some" in m for m in out["a_c"]), out["a_c"]
-    assert all("no readable checkpoint" in m for m in out["c_d"]), out["c_d"]
+    two steps, and step counts that differ). Checkpoints that only some processes see
+    had some resume and others start from step 1. Each case must also end: a process
+    that makes one collective fewer than the other leaves both waiting."""
+    in_jax_child(1, _views, str(tmp_path))
+    assert _latest_in_two_processes(tmp_path, ("a3", "a4")) == [{"step": BIG_STEP}] * 2
+    assert _latest_in_two_processes(tmp_path, ("a", "b")) == [{"step": 1}] * 2
+    aside = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert f"{BIG_STEP}.unreadable" in aside and str(BIG_STEP) not in aside  # out of the way of the next save
+    different = _latest_in_two_processes(tmp_path, ("a2", "e"))
+    assert all("processes see different checkpoints" in r.get("error", "") for r in different), different
+    unreadable = _latest_in_two_processes(tmp_path, ("d", "e"))
+    assert all("no readable checkpoint" in r.get("error", "") for r in unreadable), unreadable

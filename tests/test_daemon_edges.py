@@ -725,3 +725,17 @@ def test_a_model_file_up_to_one_mib_is_read_as_documented(tmp_path):
     model.write_text("hidden: 256\n" + "#" * (1 << 20))
     with pytest.raises(SpecError, match="1048576"):
         model_loader_for("nobody")(str(model))
+
+
+def test_refused_starts_are_counted_per_gpu_type_since_the_last_accepted_start():
+    from slurm_ext.observe import NO_ANSWER, refused_gpu_types
+    from slurm_ext.slurm_client import JobUpdate
+    from slurm_ext.store import DONE, FAILED, START, JournalEntry
+
+    def start(gpu_type, state, note="refused"):
+        comment = f"cell={gpu_type}x4:s1 plan=[dp4tp1] mb=4 remat=1" if gpu_type else None
+        return JournalEntry(0, 41, START, JobUpdate(admin_comment=comment), state, note, 0.0)
+    a, b = start("a100", FAILED), start("v100", FAILED)
+    assert refused_gpu_types([a, b, a, start("a100", FAILED, NO_ANSWER + "timed out")]) == {"a100": 2, "v100": 1}
+    assert refused_gpu_types([a, a, start("v100", DONE, ""), a]) == {"a100": 1}  # an accepted start clears
+    assert refused_gpu_types([start(None, FAILED)]) == {"": 1}  # no Cell named: the daemon's error path

@@ -58,8 +58,9 @@ def _free_job_id() -> int:
     pytest.skip("no free port for the coordinator")
 
 
-def _task_env(job_id: int, rank: int) -> dict[str, str]:
-    """What srun sets in task ``rank`` of a 2-node, 1-task-per-node step (and what it inherits)."""
+def _task_env(job_id: int, rank: int, submit_dir: Path = ROOT) -> dict[str, str]:
+    """What srun sets in task ``rank`` of a 2-node, 1-task-per-node step (and what it
+    inherits), submitted from ``submit_dir`` (where the runner keeps what it measured)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "XLA_", "JAX_"))}
     env.update({
         "SLURM_JOB_ID": str(job_id), "SLURM_JOBID": str(job_id),
@@ -70,7 +71,7 @@ def _task_env(job_id: int, rank: int) -> dict[str, str]:
         "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2",
         "SLURM_NPROCS": "2", "SLURM_TASKS_PER_NODE": "1(x2)", "SLURM_PROCID": str(rank),
         "SLURM_NODEID": str(rank), "SLURM_LOCALID": "0", "SLURMD_NODENAME": f"a100-{rank + 1}",
-        "SLURM_LAUNCH_NODE_IPADDR": "127.0.0.1", "SLURM_SUBMIT_DIR": str(ROOT),
+        "SLURM_LAUNCH_NODE_IPADDR": "127.0.0.1", "SLURM_SUBMIT_DIR": str(submit_dir),
     })
     return env
 
@@ -115,7 +116,7 @@ def test_two_processes_join_jax_distributed_and_train_like_one(tmp_path, tmp_pat
         with open(log_path, "w") as out:
             # Far more iterations than it will run: the signal ends it.
             procs.append(subprocess.Popen(_runner_argv(tmp_path / "ckpt", cache, None, 10_000, plan),
-                                          cwd=ROOT, env=_task_env(job_id, rank), stdout=out,
+                                          cwd=ROOT, env=_task_env(job_id, rank, tmp_path), stdout=out,
                                           stderr=subprocess.STDOUT))
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline and not all(
