@@ -37,7 +37,11 @@ def _worker(*args) -> subprocess.Popen:
 
 
 def _finish(proc: subprocess.Popen) -> None:
-    out, _ = proc.communicate(timeout=TIMEOUT_S)
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("worker did not exit:\n" + proc.communicate()[0][-3000:])
     assert proc.returncode == 0, out[-3000:]
 
 
@@ -407,7 +411,7 @@ BIG_STEP = 2 ** 24 + 1  # not a float32: the processes' agreement must be exact
 def _views(directory: str) -> None:
     """Checkpoint directories as two processes may see one: ``a`` with steps 1 and
     BIG_STEP; ``b`` the same where BIG_STEP cannot be read; ``d`` where no step can;
-    ``e`` empty."""
+    ``e`` empty; ``f`` and ``g`` with one step each."""
     import shutil
 
     import jax.numpy as jnp
@@ -419,9 +423,11 @@ def _views(directory: str) -> None:
     for step in (1, BIG_STEP):
         ckpt.save(step, {"w": jnp.ones(3) * step}, {"note": step})
     ckpt.close()
-    for name in ("a2", "a3", "a4", "b", "d"):
+    for name in ("a2", "a3", "a4", "b", "d", "f", "g"):
         shutil.copytree(root / "a", root / name)
     (root / "b" / str(BIG_STEP) / "meta" / "metadata").write_text("{not json")
+    shutil.rmtree(root / "f" / "1")  # f holds only BIG_STEP, g only step 1
+    shutil.rmtree(root / "g" / str(BIG_STEP))
     for step in (1, BIG_STEP):
         (root / "d" / str(step) / "meta" / "metadata").write_text("{not json")
     (root / "e").mkdir()
@@ -431,8 +437,13 @@ def _latest_in_two_processes(root: Path, views: tuple[str, str]) -> list[dict]:
     """Each of two jax.distributed processes finds its step to resume from in its view."""
     port = _free_port()
     procs = [_worker("latest", root / view, "-", 0, rank, 2, port) for rank, view in enumerate(views)]
-    for proc in procs:
-        _finish(proc)
+    try:
+        for proc in procs:
+            _finish(proc)
+    finally:
+        for proc in procs:  # one hung: its peer waits for it
+            if proc.poll() is None:
+                proc.kill()
     return [json.loads((root / f"{view}.latest.json").read_text()) for view in views]
 
 
@@ -451,3 +462,5 @@ def test_every_process_resumes_from_the_same_step_or_none_does(tmp_path):
     assert all("processes see different checkpoints" in r.get("error", "") for r in different), different
     unreadable = _latest_in_two_processes(tmp_path, ("d", "e"))
     assert all("no readable checkpoint" in r.get("error", "") for r in unreadable), unreadable
+    apart = _latest_in_two_processes(tmp_path, ("f", "g"))  # no step both can read
+    assert all("cannot all read one checkpoint" in r.get("error", "") for r in apart), apart

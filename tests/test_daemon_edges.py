@@ -739,3 +739,19 @@ def test_refused_starts_are_counted_per_gpu_type_since_the_last_accepted_start()
     assert refused_gpu_types([a, b, a, start("a100", FAILED, NO_ANSWER + "timed out")]) == {"a100": 2, "v100": 1}
     assert refused_gpu_types([a, a, start("v100", DONE, ""), a]) == {"a100": 1}  # an accepted start clears
     assert refused_gpu_types([start(None, FAILED)]) == {"": 1}  # no Cell named: the daemon's error path
+
+
+def test_refused_starts_of_no_known_cell_end_in_the_error_path(tmp_path):
+    """Refused starts whose journal entry names no Cell (an old or damaged entry) barred no
+    GPU type: the job was decided again and again, never released as submitted."""
+    from slurm_ext.observe import START_REFUSALS
+    from slurm_ext.slurm_client import JobUpdate
+    from slurm_ext.store import FAILED, START
+    daemon, client = daemon_for(tmp_path, [held(41, NOW - 100)], [node("a100-1", "a100", 4)])
+    for _ in range(START_REFUSALS):
+        entry = daemon.store.intend(41, START, JobUpdate(), NOW - 60)
+        daemon.store.close_entry(entry, FAILED, NOW - 60, "Invalid account or account/partition combination")
+    report = daemon.round()
+    assert report.spec_errors == 1 and ("release", 41) in client.calls
+    assert f"Slurm refused {START_REFUSALS} starts in a row, on its Cells" in client._jobs[41].admin_comment
+
