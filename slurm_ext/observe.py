@@ -120,10 +120,15 @@ START_REFUSALS = 3
 NO_ANSWER = "no answer: "
 
 
+def _answered_starts(entries) -> list:
+    """The starts in the journal ``entries`` that Slurm answered (accepted or refused)."""
+    return [e for e in entries if e.kind == journal.START and not e.note.startswith(NO_ANSWER)]
+
+
 def refused_starts(entries) -> tuple[int, str]:
     """How many of a job's last starts in the journal ``entries`` Slurm refused in a row
     (those it did not answer aside), and the last refusal's message."""
-    starts = [e for e in entries if e.kind == journal.START and not e.note.startswith(NO_ANSWER)]
+    starts = _answered_starts(entries)
     refused = 0
     while refused < len(starts) and starts[-1 - refused].state == journal.FAILED:
         refused += 1
@@ -134,9 +139,7 @@ def refused_gpu_types(entries) -> dict[str, int]:
     """For each GPU type, the job's starts on it Slurm refused since the last start it
     accepted (those it did not answer aside)."""
     refused: Counter = Counter()
-    for e in entries:
-        if e.kind != journal.START or e.note.startswith(NO_ANSWER):
-            continue
+    for e in _answered_starts(entries):
         if e.state != journal.FAILED:
             refused.clear()
             continue

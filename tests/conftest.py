@@ -111,21 +111,3 @@ def in_jax_child(num_devices: int, fn: Callable, *args):
     with ctx.Pool(1, initializer=_worker_init, initargs=(child_xla_flags(num_devices),)) as pool:
         return pool.apply(fn, args)
 
-
-class TwoProcesses:
-    """Two threads standing in for a job's two processes: ``agree(rank)`` is the runner's
-    ``agree_max`` of that process, their maximum exchanged at a barrier as the runner's
-    allgather does. Tests import it: ``from conftest import TwoProcesses``."""
-
-    def __init__(self):
-        import threading
-        self.barrier, self.values = threading.Barrier(2, timeout=30), [0.0, 0.0]
-
-    def agree(self, rank: int):
-        def agree(value: float) -> float:
-            self.values[rank] = value
-            self.barrier.wait()
-            top = max(self.values)
-            self.barrier.wait()  # both read before either writes again
-            return top
-        return agree

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TwoProcesses, in_jax_child
+from conftest import in_jax_child
 from estimator.contract import ADMIN_COMMENT_PLAN
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -252,6 +252,25 @@ def test_a_candidate_out_of_device_memory_fails_alone_and_the_search_goes_on():
     assert out["after"]["error"] is None and out["after"]["seconds"] > 0  # JAX still runs plans
 
 
+class _TwoProcesses:
+    """Two threads standing in for a job's two processes: ``agree(rank)`` is the runner's
+    ``agree_max`` of that process, their maximum exchanged at a barrier as the runner's
+    allgather does."""
+
+    def __init__(self):
+        import threading
+        self.barrier, self.values = threading.Barrier(2, timeout=30), [0.0, 0.0]
+
+    def agree(self, rank: int):
+        def agree(value: float) -> float:
+            self.values[rank] = value
+            self.barrier.wait()
+            top = max(self.values)
+            self.barrier.wait()  # both read before either writes again
+            return top
+        return agree
+
+
 def test_processes_that_read_different_tuned_plans_all_tune(monkeypatch, tmp_path):
     """Another job's tuning lands in the cache between two processes' reads: one found a
     plan, the other none. Each acting on its own read, one trained while the other
@@ -272,7 +291,7 @@ def test_processes_that_read_different_tuned_plans_all_tune(monkeypatch, tmp_pat
         return tuning.Measured(text, 0.01 * parse_plan(text).micro_batches, 0.1)
 
     def both(dirs):
-        group = TwoProcesses()
+        group = _TwoProcesses()
         with ThreadPoolExecutor(2) as pool:
             runs = [pool.submit(tuning.tune_plan, req, TuneConfig(True, 600, 1.0, d), group.agree(rank),
                                 lambda: False, False) for rank, d in enumerate(dirs)]
