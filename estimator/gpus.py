@@ -3,8 +3,8 @@
 Rates are dense (no structured sparsity). Sources, vendor datasheets:
   a100: NVIDIA A100 Tensor Core GPU datasheet (SXM4 40 GB): FP16/BF16 tensor 312 TFLOPS,
         TF32 156, FP32 19.5, HBM2 1,555 GB/s, NVLink 3 600 GB/s.
-  v100: NVIDIA V100 datasheet (SXM2 32 GB): tensor 125 TFLOPS, FP32 15.7 (no TF32),
-        HBM2 900 GB/s, NVLink 2 300 GB/s.
+  v100: NVIDIA V100 datasheet (SXM2 32 GB): tensor 125 TFLOPS (fp16; no TF32 or BF16),
+        FP32 15.7, HBM2 900 GB/s, NVLink 2 300 GB/s.
   a40:  NVIDIA A40 datasheet: FP16 tensor 149.7 TFLOPS, TF32 74.8, FP32 37.4,
         GDDR6 696 GB/s, PCIe Gen4 64 GB/s (NVLink bridge pairs 112.5 GB/s).
   a10:  NVIDIA A10 datasheet: FP16 tensor 125 TFLOPS, TF32 62.5, FP32 31.2,
@@ -40,7 +40,7 @@ class GpuType:
 
     name: str
     memory_gb: float
-    fp16_tflops: float  # dense fp16/bf16 tensor-core rate
+    fp16_tflops: float  # dense fp16 tensor-core rate (bf16's too, where the cores take bf16)
     tf32_tflops: float  # rate XLA uses for fp32 matmuls/convs by default (TF32 where present)
     fp32_tflops: float  # plain fp32 (CUDA cores)
     memory_bandwidth_gbytes_s: float  # GB/s of device memory
@@ -52,6 +52,9 @@ class GpuType:
     # GDDR6 boards (a40, a10, l20) keep ECC inline in the memory itself: with ECC on (data
     # centre default) 1/16 of it holds check bits. HBM carries ECC beside the data.
     ecc_inline: bool = False
+    # Tensor cores that take bf16 (Ampere and later). Volta's take fp16 only: XLA runs a
+    # bf16 matmul there in fp32 on the CUDA cores, so an fp16 model trains in fp16 there.
+    bf16_tensor_cores: bool = True
 
     @property
     def device_memory_gb(self) -> float:
@@ -64,8 +67,10 @@ class GpuType:
 
     def peak_tflops(self, dtype: str) -> float:
         """Peak dense rate for matmul-class work in ``dtype`` (fp16, bf16, fp32)."""
-        if dtype in ("fp16", "bf16"):
+        if dtype == "fp16" or (dtype == "bf16" and self.bf16_tensor_cores):
             return self.fp16_tflops
+        if dtype == "bf16":
+            return self.fp32_tflops
         if dtype == "fp32":
             return self.tf32_tflops
         raise SpecError("dtype", dtype, "use fp16, bf16 or fp32")
@@ -75,7 +80,7 @@ CATALOG: dict[str, GpuType] = {
     g.name: g
     for g in (
         GpuType("a100", 40, 312.0, 156.0, 19.5, 1555, 300, 4, False, 108, 1.0),
-        GpuType("v100", 32, 125.0, 15.7, 15.7, 900, 150, 16, False, 80, 1.0),
+        GpuType("v100", 32, 125.0, 15.7, 15.7, 900, 150, 16, False, 80, 1.0, bf16_tensor_cores=False),
         GpuType("a40", 48, 149.7, 74.8, 37.4, 696, 32, 2, True, 84, 0.5, True),
         GpuType("a10", 24, 125.0, 62.5, 31.2, 600, 32, 2, True, 72, 0.5, True),
         GpuType("h100", 80, 989.0, 494.7, 67.0, 3350, 450, 8, False, 132, 1.0),

@@ -47,6 +47,7 @@ from jax.sharding import PartitionSpec as P
 from estimator import jax_models as jm
 from job_scripts.collectives import StageCollectives, to_receiver, to_sender
 from job_scripts.flat_optimizer import SEGMENT_DTYPE, FlatOptArrays, SplitBuffers
+from job_scripts.loss_scale import finite_everywhere, new_loss_scale, unscale
 from job_scripts.packing import (FlatLayout, add_buffers, add_into, flat_layout, joint_lengths, pack, pack_range,
                                   read_row, unpack)
 from job_scripts.plan import ParallelPlan, check_plan, log2
@@ -147,6 +148,9 @@ class Pipeline:
         self.axes = (PP,) + device_axes(n)
         grid = np.asarray(devices, dtype=object).reshape((len(self.stages),) + (2,) * (len(self.axes) - 1))
         self.mesh = Mesh(grid, self.axes)
+        # fp16 weights' gradients are scaled (job_scripts.loss_scale); the scale is state
+        # of the job like the weights, carried from step to step here and checkpointed.
+        self.loss_scale = new_loss_scale(NamedSharding(self.mesh, P())) if arch.compute_dtype == "fp16" else None
         self.arrays = {kind: [StageArrays(arch, st.layers, kind, st.tp, optimizer,
                                           ep=st.dp * st.tp if st.coll.expert_parallel else 1)
                               for st in self.stages] for kind in KINDS}
@@ -346,7 +350,7 @@ class Pipeline:
         def forward_idle(params_b, state_b, act_b, xs, ys, t):
             return act_zero(), res_zero(), state_b, jnp.zeros((), jnp.float32)
 
-        def backward_idle(params_b, ct_b, stash, m):
+        def backward_idle(params_b, ct_b, stash, m, scale):
             return act_zero(), zero_grads(params_b)
 
         pipelined = S > 1
@@ -372,21 +376,21 @@ class Pipeline:
         def zero_grads(params):
             return flat[0].zero_chunk() if chunked else {dt: jnp.zeros_like(b) for dt, b in params.items()}
 
-        def body(params, opt, state, stash, xs, ys):
+        def body(params, opt, state, stash, xs, ys, *scaling):
             params, opt, state = local(params), local(opt), local(state)
-            s = lax.axis_index(PP)
+            s, scale, before = lax.axis_index(PP), (scaling or [None])[0], state
 
             if S == 1:
                 # No pipeline: each micro-batch goes forward and straight back, and nothing
                 # is kept between them (gradient accumulation).
                 def micro_batch(carry, m):
                     grads, state, loss = carry
-                    grads, state, l_m = self._accumulate(params, state, xs, ys, m, grads)
+                    grads, state, l_m = self._accumulate(params, state, xs, ys, m, grads, scale)
                     return (grads, state, loss + l_m), None
 
                 (grads, state, loss), _ = lax.scan(
                     micro_batch, (zero_grads(params), state, jnp.zeros((), jnp.float32)), jnp.arange(M))
-                return finish(params, opt, state, grads, loss, local(stash))
+                return finish(params, opt, state, grads, loss, local(stash), scale, before)
 
             def forward_tick(carry, t):
                 act, res, state, loss = carry
@@ -410,30 +414,44 @@ class Pipeline:
                 ct, grads = carry
                 m = t - (S - 1 - s)
                 busy = (m >= 0) & (m < M)
-                ct_out, g = lax.switch(jnp.where(busy, s, S), bwd, params, ct, stash, jnp.clip(m, 0, M - 1))
+                ct_out, g = lax.switch(jnp.where(busy, s, S), bwd, params, ct, stash, jnp.clip(m, 0, M - 1), scale)
                 grads = add_buffers(grads, g)  # an idle tick's are zeros
                 ct_out = {dt: lax.ppermute(v, PP, backward_pairs) for dt, v in ct_out.items()}
                 return (ct_out, grads), None
 
             (_, grads), _ = lax.scan(backward_tick, (act_zero(), zero_grads(params)), jnp.arange(M + S - 1))
-            return finish(params, opt, state, grads, loss, stash)
+            return finish(params, opt, state, grads, loss, stash, scale, before)
 
-        def finish(params, opt, state, grads, loss, stash):
+        def update(params, opt, grads):
             if uniform_update or chunked or zero3:
-                params, opt = flat[0].update(params, opt, grads, dp_axes, self.lengths["opt"],
-                                             reduced=chunked or zero3, split_weights=zero3)
+                return flat[0].update(params, opt, grads, dp_axes, self.lengths["opt"],
+                                      reduced=chunked or zero3, split_weights=zero3)
+            return self._switch(upd, params, opt, grads)
+
+        def finish(params, opt, state, grads, loss, stash, scale, before):
+            if scale is None:
+                params, opt = update(params, opt, grads)
             else:
-                params, opt = self._switch(upd, params, opt, grads)
+                # fp16: a step whose scaled gradients overflowed on any device is skipped
+                # on all, weights, optimizer state and model state alike.
+                grads = unscale(grads, scale)
+                finite = finite_everywhere(grads, self.axes)
+                params, opt, state = lax.cond(finite, lambda: (*update(params, opt, grads), state),
+                                              lambda: (params, opt, before))
+                scale = scale.adjust(finite)
             loss = lax.psum(self._switch(losses, loss), PP) if S > 1 else self._switch(losses, loss)
             expand = lambda bufs: {dt: b[None, None] for dt, b in bufs.items()}  # noqa: E731
-            return expand(params), expand(opt), expand(state), expand(stash), loss
+            out = expand(params), expand(opt), expand(state), expand(stash), loss
+            return out if scale is None else out + (scale,)
 
         c = {kind: {dt: self.container_spec for dt in self.lengths[kind]} for kind in KINDS}
         c_stash = {dt: self.stash_spec for dt in self.res_lengths}
+        scaled = (P(),) if self.loss_scale is not None else ()
         mapped = jax.shard_map(body, mesh=self.mesh,
                                in_specs=(c["params"], c["opt"], c["state"], c_stash, self.input_spec(),
-                                         self.target_spec()),
-                               out_specs=(c["params"], c["opt"], c["state"], c_stash, P()), check_vma=False)
+                                         self.target_spec()) + scaled,
+                               out_specs=(c["params"], c["opt"], c["state"], c_stash, P()) + scaled,
+                               check_vma=False)
         return jax.jit(mapped, donate_argnums=(0, 1, 2, 3))
 
     def _forward_branch(self, st: PlacedStage, act_zero):
@@ -471,7 +489,7 @@ class Pipeline:
         res = self.residuals[st.index]
         last = st.index == S - 1
 
-        def run(params_b, ct_b, stash, m):
+        def run(params_b, ct_b, stash, m, scale):
             params = self._weights(st, params_b)
             weights = jax.tree.leaves(params)
             rest = iter(read_row(res.layout, stash, m))
@@ -481,7 +499,7 @@ class Pipeline:
                 # The objective is the mean over the last stage's dp group of its devices'
                 # losses: each device seeds its share, and every stage sums its group's
                 # gradients (the input gradients it passes back are already so scaled).
-                cot = jnp.ones((), jnp.float32) / (M * st.dp)
+                cot = _seed(M * st.dp, scale)
             else:
                 cot = unpack(self.act_layouts[st.index], ct_b)[0]
             grads = vjp(cot)
@@ -547,13 +565,13 @@ class Pipeline:
             return lax.pmean(loss, st.coll.dp_axes) if st.coll.dp_axes else loss
         return run
 
-    def _accumulate(self, params_b, state_b, xs, ys, m, grads):
+    def _accumulate(self, params_b, state_b, xs, ys, m, grads, scale):
         """Forward and backward of micro-batch m on the only stage: (grads, state, loss)."""
         st, M = self.stages[0], self.plan.micro_batches
         params = self._weights(st, params_b)
         model_state = self.arrays["state"][0].unpack(state_b)
         loss, vjp, new_state = self._stage_vjp(st, params, model_state, xs[m], ys[m])
-        (g_params,) = vjp(jnp.ones((), jnp.float32) / (M * st.dp))
+        (g_params,) = vjp(_seed(M * st.dp, scale))
         arrays = self.arrays["params"][0]
         # One micro-batch needs no sum: XLA writes its gradients straight into the packed
         # buffer (added slot by slot into zeros it kept a second buffer, Wide-ResNet 1 GB).
@@ -623,12 +641,17 @@ class Pipeline:
         return put(xs, self.input_spec()), put(ys, self.target_spec())
 
     def step(self, state: dict, inputs: np.ndarray, targets: np.ndarray) -> tuple[dict, jax.Array]:
-        """One training step on one global batch; returns the new state and the mean loss."""
+        """One training step on one global batch; returns the new state and the mean loss
+        (an fp16 model's step is skipped, the state returned unchanged, when its scaled
+        gradients overflowed: ``loss_scale``)."""
         xs, ys = self.place_batch(inputs, targets)
         if self._stash is None:
             self._stash = self._zero_stash()
-        params, opt, model_state, self._stash, loss = self._step(
-            state["params"], state["opt"], state["state"], self._stash, xs, ys)
+        scaling = () if self.loss_scale is None else (self.loss_scale,)
+        params, opt, model_state, self._stash, loss, *scaling = self._step(
+            state["params"], state["opt"], state["state"], self._stash, xs, ys, *scaling)
+        if scaling:
+            self.loss_scale = scaling[0]
         return {"params": params, "opt": opt, "state": model_state}, loss
 
     def compile(self):
@@ -639,7 +662,8 @@ class Pipeline:
         xs = jax.ShapeDtypeStruct((M,) + x_shape, x_dtype, sharding=NamedSharding(self.mesh, self.input_spec()))
         ys = jax.ShapeDtypeStruct((M,) + jm.label_shape(self.arch, self.micro), jnp.int32,
                                   sharding=NamedSharding(self.mesh, self.target_spec()))
-        return self._step.lower(*abstract, self._abstract_stash(), xs, ys).compile()
+        scaling = () if self.loss_scale is None else (self.loss_scale,)
+        return self._step.lower(*abstract, self._abstract_stash(), xs, ys, *scaling).compile()
 
     def fits_memory(self) -> bool:
         """Whether the compiled step's peak memory fits the devices' (True when unknown)."""
@@ -680,3 +704,9 @@ class Pipeline:
             return own
         wholes = {t: arrays.whole_of_locals([own(r * st.tp + t) for r in range(arrays.split)]) for t in range(st.tp)}
         return lambda position: wholes[position % st.tp]
+
+
+def _seed(shares: int, loss_scale) -> jax.Array:
+    """A device's cotangent of the loss: its share of the mean, times the loss scale."""
+    one = jnp.ones((), jnp.float32) / shares
+    return one if loss_scale is None else one * loss_scale.loss_scale

@@ -23,7 +23,7 @@ import os
 import platform as _platform
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from estimator.errors import SpecError
 
@@ -256,6 +256,8 @@ def run(args: argparse.Namespace, env) -> dict:
     alloc = allocation_from_env(env)
     gpu = gpu_type(args.gpu_type)
     settings = GPU_SETTINGS if platform == "gpu" else CPU_SETTINGS
+    if not gpu.bf16_tensor_cores:  # calibrate the tensor cores in the dtype they take (Volta: fp16)
+        settings = replace(settings, compute_dtype="fp16")
     if args.samples:
         if min(args.samples) < 1:
             raise SpecError("samples", min(args.samples), "give counts of 1 or more samples per device")

@@ -109,13 +109,18 @@ def choose_plan(job: runtime.Job, model_spec, arch, remaining: int):
             start = None
             if parse_plan(job.plan_text).num_gpus != len(job.devices):
                 stages = None  # a plan for other GPUs: its stage count says nothing of these
-    gpu = job.alloc.gpu_type or (parse_plan(job.plan_text).gpu_type if job.plan_text else "a100")
-    req = TuneRequest(cfg.model, model_spec, arch, cfg.global_batch, gpu,
+    req = TuneRequest(cfg.model, model_spec, arch, cfg.global_batch, gpu_type_of(job),
                       job.alloc.gpus_per_node or len(job.devices), job.devices, stages, start,
                       remaining, cfg.platform, options_from=options_from)
     if not cfg.tune.enabled:
         return untuned(req)
     return tune_plan(req, cfg.tune, job.agree_max, lambda: job.stop_requested() is not None, job.writer)
+
+
+def gpu_type_of(job: runtime.Job) -> str:
+    """The GPU type the job runs on: the allocation's, else its plan's (a100 without one)."""
+    from estimator.plan_string import parse_plan
+    return job.alloc.gpu_type or (parse_plan(job.plan_text).gpu_type if job.plan_text else "a100")
 
 
 def _check(job: runtime.Job, model_spec, arch, text: str):
@@ -124,15 +129,22 @@ def _check(job: runtime.Job, model_spec, arch, text: str):
                             job.alloc.gpus_per_node)
 
 
-def training_arch(arch):
-    """The architecture the runner trains: an fp16 model in bf16. The runner has no loss
-    scaling, and in fp16 the loss's gradient, a mean over the global batch's tokens,
-    underflows (with the built-in head and loss on 8,192 tokens a third of the head's
-    weight gradients come out zero); bf16 has fp32's range, and the same tensor-core rate
-    and bytes on Ampere and later GPUs, so the estimates hold."""
+def training_arch(arch, gpu_name: str):
+    """The architecture the runner trains on ``gpu_name``: an fp16 model in bf16 where the
+    tensor cores take bf16 (Ampere and later: the same rate and bytes, so the estimates
+    hold, and fp32's range, so no loss scaling and no skipped steps); in fp16 with dynamic
+    loss scaling (``job_scripts.loss_scale``) where they take fp16 only (Volta), on which
+    bf16 would run at the CUDA cores' fp32 rate. A GPU type outside the catalog counts as
+    a recent one."""
+    from estimator.gpus import CATALOG
+    gpu = CATALOG.get((gpu_name or "").lower())
     if arch.compute_dtype != "fp16":
         return arch
-    log.info("training the fp16 model in bf16 (fp16 without loss scaling loses small gradients)")
+    if gpu is not None and not gpu.bf16_tensor_cores:
+        log.info("training the fp16 model in fp16 with dynamic loss scaling (%s tensor cores take no bf16)",
+                 gpu.name)
+        return arch
+    log.info("training the fp16 model in bf16 (fp32's range: no loss scaling needed)")
     return replace(arch, compute_dtype="bf16")
 
 
@@ -143,11 +155,12 @@ def train(job: runtime.Job) -> int:
     from estimator.models import load_model
     from job_scripts import reshard
     from job_scripts.data import stream_for
+    from job_scripts.loss_scale import new_loss_scale
     from job_scripts.pipeline import Pipeline
 
     cfg = job.config
     model_spec = load_model(cfg.model)
-    arch = training_arch(jm.arch_from_model(model_spec))
+    arch = training_arch(jm.arch_from_model(model_spec), gpu_type_of(job))
     saved = job.latest()
     remaining = max(0, cfg.iterations - (saved.step if saved else 0))
     tuned = choose_plan(job, model_spec, arch, remaining)
@@ -165,6 +178,8 @@ def train(job: runtime.Job) -> int:
         state = reshard.restore(pipe, saved.meta.get("layout") or {}, lambda kind, dt, s, j, lo, hi: reader.read(
             (kind, dt), (s, j, slice(lo, hi))))
         del reader  # its open files would keep the old checkpoint's alive once it is rotated out
+        if pipe.loss_scale is not None:
+            pipe.loss_scale = new_loss_scale(pipe.loss_scale.loss_scale.sharding, saved.meta.get("loss_scale"))
     else:
         state = pipe.init(cfg.seed)
     job.note_phase("restore_s" if saved is not None else "init_s", time.perf_counter() - t0)
@@ -181,8 +196,15 @@ def train(job: runtime.Job) -> int:
         loss = float(loss)
         job.record_step(step, loss, time.perf_counter() - t0)
         if job.checkpoint_due(step):
-            job.save(step, views(state), layout)
-    return job.finish(step, lambda: views(state), layout)  # no copy when the step is saved already
+            job.save(step, views(state), {**layout, **_scale_meta(pipe)})
+    # No copy when the step is saved already.
+    return job.finish(step, lambda: views(state), {**layout, **_scale_meta(pipe)})
+
+
+def _scale_meta(pipe) -> dict:
+    """The loss scale, for the checkpoint's metadata (an fp16 model's: ``job_scripts.loss_scale``)."""
+    from job_scripts.loss_scale import to_json
+    return {} if pipe.loss_scale is None else {"loss_scale": to_json(pipe.loss_scale)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@ while being written. Runs share a JAX compilation cache, so each plan is compile
 the reference runs alongside the first interrupted runs.
 """
 
+import math
 import json
 import os
 import re
@@ -30,6 +31,7 @@ from estimator.errors import SpecError
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_GPT = ROOT / "tests" / "fixtures" / "runner" / "tiny-gpt.yaml"
+TINY_GPT_FP16 = ROOT / "tests" / "fixtures" / "runner" / "tiny-gpt-fp16.yaml"
 ITERATIONS = 8
 GLOBAL_BATCH = 16
 LOSS_RTOL = 1e-4
@@ -49,11 +51,12 @@ class Runner:
     """One runner process writing its log to a file."""
 
     def __init__(self, tmp: Path, name: str, ckpt: Path, plan: str | None, devices: int, cache: Path,
-                 extra: tuple[str, ...] = (), restart_count: int = 0, iterations: int = ITERATIONS):
+                 extra: tuple[str, ...] = (), restart_count: int = 0, iterations: int = ITERATIONS,
+                 model: Path = TINY_GPT):
         self.log_path = tmp / f"{name}.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "XLA_", "JAX_"))}
         env["SLURM_RESTART_COUNT"] = str(restart_count)
-        argv = [sys.executable, "-m", "job_scripts.run", "--model", str(TINY_GPT),
+        argv = [sys.executable, "-m", "job_scripts.run", "--model", str(model),
                 "--global-batch", str(GLOBAL_BATCH), "--iterations", str(iterations),
                 *(("--plan", plan) if plan else ()), "--devices", str(devices), "--platform", "cpu",
                 "--checkpoint-dir", str(ckpt), "--compile-cache", str(cache),
@@ -607,7 +610,8 @@ def test_a_given_plan_gives_way_to_the_daemons_after_a_rescale(tmp_path):
 def test_an_fp16_model_trains_in_bf16_whose_gradients_do_not_underflow():
     """With the built-in head and loss over 8,192 tokens (the loss a mean over them, as the
     runner's seeds make it), fp16 without loss scaling zeroes a large share of the head's
-    weight gradients; bf16 keeps them all, close to fp32's. The runner trains bf16."""
+    weight gradients; bf16 keeps them all, close to fp32's. The runner trains bf16 where
+    the tensor cores take it (fp16 with loss scaling elsewhere: tests/test_loss_scale.py)."""
     import jax
     import numpy as np
     from dataclasses import replace
@@ -618,8 +622,9 @@ def test_an_fp16_model_trains_in_bf16_whose_gradients_do_not_underflow():
 
     a32 = jm.arch_from_model(model_from_dict({"name": "g", "hidden": 64, "layers": 1, "heads": 4,
                                               "sequence": 512, "vocab": 8192, "dtype": "fp32"}))
-    assert training_arch(replace(a32, compute_dtype="fp16")).compute_dtype == "bf16"
-    assert training_arch(a32) is a32 and training_arch(replace(a32, compute_dtype="bf16")).compute_dtype == "bf16"
+    assert training_arch(replace(a32, compute_dtype="fp16"), "a100").compute_dtype == "bf16"
+    assert training_arch(a32, "a100") is a32
+    assert training_arch(replace(a32, compute_dtype="bf16"), "a100").compute_dtype == "bf16"
     head = a32.num_layers - 1
     params = jm.init_layer_params(a32, head, jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (16, 512, 64))
@@ -637,6 +642,29 @@ def test_an_fp16_model_trains_in_bf16_whose_gradients_do_not_underflow():
     assert np.mean((half == 0) & (exact != 0)) > 0.2  # what fp16 loses
     assert np.mean((brain == 0) & (exact != 0)) == 0.0
     assert np.linalg.norm(brain - exact) / np.linalg.norm(exact) < 0.01
+
+
+def test_an_fp16_job_keeps_its_loss_scale_across_a_resume_and_a_move_to_bf16_gpus(tmp_path, cache):
+    ckpt = tmp_path / "ckpt"
+    on_v100 = "cell=v100x2:s1 plan=[dp2tp1] mb=1 remat=1"
+    first = Runner(tmp_path, "first", ckpt, on_v100, 2, cache, iterations=3, model=TINY_GPT_FP16)
+    assert first.finish() == 0, first.text()[-3000:]
+    assert "in fp16 with dynamic loss scaling" in first.text()
+    assert _meta(ckpt, 3)["loss_scale"] == {"scale": 2.0**15, "good_steps": 3}
+    # Resumed, it counts on from the saved scale's good steps (from 0 it would say 2).
+    second = Runner(tmp_path, "second", ckpt, on_v100, 2, cache, iterations=5, model=TINY_GPT_FP16,
+                    restart_count=1)
+    assert second.finish() == 0, second.text()[-3000:]
+    assert "resumed from step 3" in second.text()
+    assert _meta(ckpt, 5)["loss_scale"] == {"scale": 2.0**15, "good_steps": 5}
+    # Moved to a100s it trains on in bf16 (the fp32 weights are the same), and unscaled.
+    third = Runner(tmp_path, "third", ckpt, "cell=a100x2:s1 plan=[dp2tp1] mb=1 remat=1", 2, cache,
+                   iterations=6, model=TINY_GPT_FP16, restart_count=2)
+    assert third.finish() == 0, third.text()[-3000:]
+    assert "resumed from step 5" in third.text() and "in bf16" in third.text()
+    assert "loss_scale" not in _meta(ckpt, 6)
+    losses = {**first.losses(), **second.losses(), **third.losses()}
+    assert sorted(losses) == list(range(1, 7)) and all(math.isfinite(v) for v in losses.values())
 
 
 def _resumes_of_a_reused_id(root: str) -> dict:

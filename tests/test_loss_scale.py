@@ -1,0 +1,171 @@
+"""fp16 training with dynamic loss scaling (``job_scripts.loss_scale``) in the SPMD pipeline.
+
+The check is against fp32: one SGD step's weight update is the gradient times the learning
+rate, so comparing updates compares gradients. With a 32,768-token vocabulary and 8,192
+tokens a step, the loss's gradient per logit is ~1e-8, below fp16's smallest subnormal:
+unscaled, most weights get no update at all.
+"""
+
+import pytest
+
+from conftest import in_jax_child
+
+TINY_GPT = "tests/fixtures/runner/tiny-gpt.yaml"
+VOCAB, BATCH = 32768, 256
+ONE = "cell=v100x1:s1 plan=[dp1tp1] mb=1 remat=1"
+PLANS = [ONE,
+         "cell=v100x4:s2 plan=[dp2tp1|dp1tp2] mb=2 remat=1 layers=0,2,4",  # pipeline, dp and tp
+         "cell=v100x4:s1 plan=[dp4tp1] mb=4 remat=0 zero=2",  # gradients reduce-scattered as they come
+         "cell=v100x4:s1 plan=[dp2tp2] mb=2 remat=1 zero=3"]
+
+
+def _pipeline(dtype: str, plan_text: str, saved_scale: dict | None = None):
+    import jax
+    from dataclasses import replace
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from estimator import jax_models as jm
+    from estimator.jax_optim import sgd_nesterov
+    from estimator.models import load_model
+    from estimator.plan_string import parse_plan
+    from job_scripts.loss_scale import new_loss_scale
+    from job_scripts.pipeline import Pipeline
+    from job_scripts.plan import plan_from_string
+
+    spec = load_model(TINY_GPT)
+    arch = replace(jm.arch_from_model(spec), vocab=VOCAB, compute_dtype=dtype)
+    plan = plan_from_string(plan_text, spec, arch, BATCH, parse_plan(plan_text).num_gpus)[0]
+    pipe = Pipeline(arch, plan, jax.devices()[:plan.num_gpus], BATCH, sgd_nesterov(lr=0.1))
+    if saved_scale is not None:
+        pipe.loss_scale = new_loss_scale(NamedSharding(pipe.mesh, P()), saved_scale)
+    return arch, pipe
+
+
+def _updates(dtype: str, plan_text: str, saved_scale: dict | None = None) -> dict:
+    """One step's weight updates (by name), the loss, and the loss scale after it."""
+    from job_scripts.data import stream_for
+    from job_scripts.loss_scale import to_json
+
+    arch, pipe = _pipeline(dtype, plan_text, saved_scale)
+    state = pipe.init(0)
+    before = {k: v for k, v in pipe.host_arrays(state).items() if k.startswith("params/")}
+    batch = stream_for(arch, 0, BATCH).batch(1)
+    state, loss = pipe.step(state, batch.inputs, batch.targets)
+    after = pipe.host_arrays(state)
+    return {"updates": {k: after[k] - before[k] for k in before}, "loss": float(loss),
+            "scale": to_json(pipe.loss_scale) if pipe.loss_scale is not None else None}
+
+
+def _against_fp32() -> dict:
+    import numpy as np
+
+    exact = _updates("fp32", ONE)
+
+    def compare(out):
+        lost = sum(int(np.sum((out["updates"][k] == 0) & (d != 0))) for k, d in exact["updates"].items())
+        moved = sum(int(np.sum(d != 0)) for d in exact["updates"].values())
+        err = max(float(np.linalg.norm(out["updates"][k] - d) / np.linalg.norm(d)) for k, d in exact["updates"].items())
+        return {"lost": lost / moved, "error": err, "loss": out["loss"], "scale": out["scale"]}
+
+    return {"fp32_loss": exact["loss"],
+            "unscaled": compare(_updates("fp16", ONE, {"scale": 1.0, "good_steps": 0})),
+            "scaled": {plan: compare(_updates("fp16", plan)) for plan in PLANS}}
+
+
+def test_fp16_with_loss_scaling_updates_every_weight_as_fp32_does_under_every_plan():
+    out = in_jax_child(4, _against_fp32)
+    # What fp16 without scaling loses: most weights' gradients underflow to zero.
+    assert out["unscaled"]["lost"] > 0.3 and out["unscaled"]["error"] > 0.3
+    for plan, scaled in out["scaled"].items():
+        assert scaled["lost"] < 1e-3, (plan, scaled)
+        assert scaled["error"] < 0.05, (plan, scaled)
+        assert scaled["loss"] == pytest.approx(out["fp32_loss"], rel=1e-3), plan
+        assert scaled["scale"] == {"scale": 2.0**15, "good_steps": 1}, plan
+
+
+def _overflow(plan_text: str) -> dict:
+    import numpy as np
+
+    from job_scripts.data import stream_for
+    from job_scripts.loss_scale import to_json
+
+    arch, pipe = _pipeline("fp16", plan_text, {"scale": 2.0**40, "good_steps": 7})
+    state = pipe.init(0)
+    first = pipe.host_arrays(state)
+    stream = stream_for(arch, 0, BATCH)
+    b = stream.batch(1)
+    state, _ = pipe.step(state, b.inputs, b.targets)  # 2**40 × the loss overflows fp16
+    skipped = pipe.host_arrays(state)
+    out = {"unchanged": all(np.array_equal(first[k], skipped[k]) for k in first), "after_overflow": to_json(pipe.loss_scale)}
+    pipe.loss_scale = pipe.loss_scale.__class__(pipe.loss_scale.loss_scale / 2.0**24, pipe.loss_scale.counter,
+                                                period=pipe.loss_scale.period)
+    state, _ = pipe.step(state, b.inputs, b.targets)
+    stepped = pipe.host_arrays(state)
+    out["moved"] = sum(int(np.sum(stepped[k] != first[k])) for k in first if k.startswith("params/"))
+    out["after_good_step"] = to_json(pipe.loss_scale)
+    return out
+
+
+@pytest.mark.parametrize("plan", [ONE, PLANS[1]])
+def test_an_overflowing_step_is_skipped_whole_and_the_scale_halves(plan):
+    out = in_jax_child(4, _overflow, plan)
+    assert out["unchanged"]  # weights and optimizer state (momentum) as they were
+    assert out["after_overflow"] == {"scale": 2.0**39, "good_steps": 0}
+    assert out["moved"] > 0
+    assert out["after_good_step"] == {"scale": 2.0**15, "good_steps": 1}
+
+
+def _one_device_overflows() -> list[bool]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from job_scripts.loss_scale import finite_everywhere
+
+    mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(2, 2), ("pp", "d0"))
+    grads = np.ones((2, 2, 3), np.float32)
+    grads[1, 0, 2] = np.inf  # one device of one stage
+    f = jax.shard_map(lambda g: finite_everywhere({"float32": g}, ("pp", "d0"))[None, None],
+                      mesh=mesh, in_specs=P("pp", "d0"), out_specs=P("pp", "d0"))
+    return [bool(v) for v in np.asarray(jax.jit(f)(jnp.asarray(grads))).ravel()]
+
+
+def test_one_devices_overflow_skips_the_step_on_every_device():
+    assert in_jax_child(4, _one_device_overflows) == [False] * 4
+
+
+@pytest.mark.parametrize("saved", [{"scale": 0.5, "good_steps": 0}, {"scale": float("nan"), "good_steps": 0},
+                                   {"scale": 1024.0, "good_steps": 2000}, {"scale": "big"}, {}, [3]])
+def test_a_checkpointed_loss_scale_that_is_not_one_is_refused_in_one_line(saved):
+    import jax
+    from jax.sharding import SingleDeviceSharding
+
+    from job_scripts.checkpoint import CheckpointError
+    from job_scripts.loss_scale import new_loss_scale
+
+    with pytest.raises(CheckpointError, match="loss scale") as e:
+        new_loss_scale(SingleDeviceSharding(jax.devices()[0]), saved)
+    assert "\n" not in str(e.value)
+
+
+def test_volta_has_no_bf16_tensor_cores_and_an_fp16_model_trains_there_in_fp16():
+    from dataclasses import replace
+
+    from estimator import jax_models as jm
+    from estimator.gpus import gpu_type
+    from estimator.models import load_model
+    from job_scripts.run import training_arch
+
+    assert gpu_type("v100").peak_tflops("bf16") == gpu_type("v100").fp32_tflops == 15.7
+    assert gpu_type("v100").peak_tflops("fp16") == 125.0
+    assert gpu_type("a100").peak_tflops("bf16") == gpu_type("a100").peak_tflops("fp16") == 312.0
+    a16 = replace(jm.arch_from_model(load_model(TINY_GPT)), compute_dtype="fp16")
+    assert training_arch(a16, "v100").compute_dtype == "fp16"
+    assert training_arch(a16, "V100").compute_dtype == "fp16"
+    for gpu in ("a100", "h100", "a10", "some-new-gpu", ""):
+        assert training_arch(a16, gpu).compute_dtype == "bf16", gpu
+    a32 = replace(a16, compute_dtype="fp32")
+    assert training_arch(a32, "v100") is a32 and training_arch(a32, "a100") is a32
