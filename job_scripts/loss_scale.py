@@ -43,6 +43,16 @@ def new_loss_scale(sharding, saved: dict | None = None, period: int = LOSS_SCALE
                                 jax.device_put(np.int32(good_steps), sharding), period=period)
 
 
+def as_arrays(loss_scale: jmp.DynamicLossScale) -> tuple[jax.Array, jax.Array]:
+    """The scale and its good steps, as a jitted program takes and returns them."""
+    return loss_scale.loss_scale, loss_scale.counter
+
+
+def from_arrays(scale: jax.Array, good_steps: jax.Array, period: int) -> jmp.DynamicLossScale:
+    """``as_arrays``' inverse."""
+    return jmp.DynamicLossScale(scale, good_steps, period=period)
+
+
 def to_json(loss_scale: jmp.DynamicLossScale) -> dict:
     """The scale and its good steps, for a checkpoint's metadata (reads the device)."""
     return {"scale": float(loss_scale.loss_scale), "good_steps": int(loss_scale.counter)}

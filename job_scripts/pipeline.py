@@ -47,7 +47,7 @@ from jax.sharding import PartitionSpec as P
 from estimator import jax_models as jm
 from job_scripts.collectives import StageCollectives, to_receiver, to_sender
 from job_scripts.flat_optimizer import SEGMENT_DTYPE, FlatOptArrays, SplitBuffers
-from job_scripts.loss_scale import finite_everywhere, new_loss_scale, unscale
+from job_scripts.loss_scale import as_arrays, finite_everywhere, from_arrays, new_loss_scale, unscale
 from job_scripts.packing import (FlatLayout, add_buffers, add_into, flat_layout, joint_lengths, pack, pack_range,
                                   read_row, unpack)
 from job_scripts.plan import ParallelPlan, check_plan, log2
@@ -378,7 +378,8 @@ class Pipeline:
 
         def body(params, opt, state, stash, xs, ys, *scaling):
             params, opt, state = local(params), local(opt), local(state)
-            s, scale, before = lax.axis_index(PP), (scaling or [None])[0], state
+            s, before = lax.axis_index(PP), state
+            scale = from_arrays(*scaling, period) if scaling else None
 
             if S == 1:
                 # No pipeline: each micro-batch goes forward and straight back, and nothing
@@ -442,11 +443,14 @@ class Pipeline:
             loss = lax.psum(self._switch(losses, loss), PP) if S > 1 else self._switch(losses, loss)
             expand = lambda bufs: {dt: b[None, None] for dt, b in bufs.items()}  # noqa: E731
             out = expand(params), expand(opt), expand(state), expand(stash), loss
-            return out if scale is None else out + (scale,)
+            return out if scale is None else out + as_arrays(scale)
 
         c = {kind: {dt: self.container_spec for dt in self.lengths[kind]} for kind in KINDS}
         c_stash = {dt: self.stash_spec for dt in self.res_lengths}
-        scaled = (P(),) if self.loss_scale is not None else ()
+        # The scale crosses the program's edge as its two arrays (jmp's class rebuilt from
+        # abstract arguments, as lowering does, fails its own dtype check).
+        scaled = (P(), P()) if self.loss_scale is not None else ()
+        period = self.loss_scale.period if self.loss_scale is not None else 0
         mapped = jax.shard_map(body, mesh=self.mesh,
                                in_specs=(c["params"], c["opt"], c["state"], c_stash, self.input_spec(),
                                          self.target_spec()) + scaled,
@@ -647,11 +651,11 @@ class Pipeline:
         xs, ys = self.place_batch(inputs, targets)
         if self._stash is None:
             self._stash = self._zero_stash()
-        scaling = () if self.loss_scale is None else (self.loss_scale,)
+        scaling = () if self.loss_scale is None else as_arrays(self.loss_scale)
         params, opt, model_state, self._stash, loss, *scaling = self._step(
             state["params"], state["opt"], state["state"], self._stash, xs, ys, *scaling)
         if scaling:
-            self.loss_scale = scaling[0]
+            self.loss_scale = from_arrays(*scaling, self.loss_scale.period)
         return {"params": params, "opt": opt, "state": model_state}, loss
 
     def compile(self):
@@ -662,7 +666,7 @@ class Pipeline:
         xs = jax.ShapeDtypeStruct((M,) + x_shape, x_dtype, sharding=NamedSharding(self.mesh, self.input_spec()))
         ys = jax.ShapeDtypeStruct((M,) + jm.label_shape(self.arch, self.micro), jnp.int32,
                                   sharding=NamedSharding(self.mesh, self.target_spec()))
-        scaling = () if self.loss_scale is None else (self.loss_scale,)
+        scaling = () if self.loss_scale is None else as_arrays(self.loss_scale)
         return self._step.lower(*abstract, self._abstract_stash(), xs, ys, *scaling).compile()
 
     def fits_memory(self) -> bool:
