@@ -59,12 +59,13 @@ def compile_plan(spec_path: str, model: str, global_batch: int, plan_text: str) 
     from estimator.plan_string import parse_plan
     from job_scripts.pipeline import PROGRAM_REVISION, Pipeline
     from job_scripts.plan import plan_from_string
+    from job_scripts.precision import training_arch
 
     n = parse_plan(plan_text).num_gpus
     topo = topologies.get_topology_desc(platform="cuda", target_config=Path(spec_path).read_text(),
                                         topology=f"1x1x{n}")
     jax.config.update("jax_platforms", "cpu")
-    arch = jm.builtin_arch(model)
+    arch = training_arch(jm.builtin_arch(model), parse_plan(plan_text).gpu_type)  # the runner's dtype there
     plan, _, _ = plan_from_string(plan_text, load_model(model), arch, global_batch, n)
     pipe = Pipeline(arch, plan, list(topo.devices), global_batch, optimizer_for(arch.optimizer))
     m = pipe.compile().memory_analysis()

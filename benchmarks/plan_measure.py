@@ -317,6 +317,7 @@ def measure(req: MeasureRequest) -> Measurement:
     from job_scripts.data import stream_for
     from job_scripts.pipeline import Pipeline
     from job_scripts.plan import plan_from_string
+    from job_scripts.precision import training_arch
 
     if req.compile_cache_dir:
         # memory_analysis() compiles the step again; where XLA's in-memory cache does not
@@ -331,7 +332,8 @@ def measure(req: MeasureRequest) -> Measurement:
             raise ValueError(f"the plan needs {n} devices, this machine has {env.device_count}")
         devices = jax.devices()[:n]
         spec = load_model(req.model)
-        arch = jm.arch_from_model(spec)
+        # The dtype the runner trains in on the plan's GPU (an fp16 model in bf16 on Ampere and later).
+        arch = training_arch(jm.arch_from_model(spec), parse_plan(req.plan).gpu_type)
         plan = plan_from_string(req.plan, spec, arch, req.global_batch, n)[0]
         batch = stream_for(arch, 0, req.global_batch).batch(1)
         t0 = time.perf_counter()

@@ -54,13 +54,15 @@ def run(steps: int) -> dict:
     from job_scripts.data import stream_for
     from job_scripts.pipeline import Pipeline
     from job_scripts.plan import plan_from_string
+    from job_scripts.precision import training_arch
 
     spec = load_model(str(MODEL))
-    arch = jm.arch_from_model(spec)
-    batch = stream_for(arch, 0, GLOBAL_BATCH).batch(1)
+    model_arch = jm.arch_from_model(spec)
+    batch = stream_for(model_arch, 0, GLOBAL_BATCH).batch(1)
     rows = []
     for text in PLANS:
         n = parse_plan(text).num_gpus
+        arch = training_arch(model_arch, parse_plan(text).gpu_type)  # the dtype the runner trains in there
         plan = plan_from_string(text, spec, arch, GLOBAL_BATCH, n)[0]
         devices = jax.devices()[:n]
         t0 = time.perf_counter()

@@ -42,6 +42,7 @@ from estimator.errors import SpecError
 
 EXIT_DONE = 0
 EXIT_BAD_INPUT = 2
+EXIT_DIVERGED = 3  # fp16 gradients stayed non-finite without loss scaling: training stopped
 EXIT_RESCALE = 86  # Slurm requeues the job held (RequeueExitHold=86)
 EXIT_TERMINATED = 143
 

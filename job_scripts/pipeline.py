@@ -47,7 +47,7 @@ from jax.sharding import PartitionSpec as P
 from estimator import jax_models as jm
 from job_scripts.collectives import StageCollectives, to_receiver, to_sender
 from job_scripts.flat_optimizer import SEGMENT_DTYPE, FlatOptArrays, SplitBuffers
-from job_scripts.loss_scale import as_arrays, finite_everywhere, from_arrays, new_loss_scale, unscale
+from job_scripts.precision import as_arrays, finite_everywhere, from_arrays, new_loss_scale, unscale
 from job_scripts.packing import (FlatLayout, add_buffers, add_into, flat_layout, joint_lengths, pack, pack_range,
                                   read_row, unpack)
 from job_scripts.plan import ParallelPlan, check_plan, log2
@@ -148,9 +148,10 @@ class Pipeline:
         self.axes = (PP,) + device_axes(n)
         grid = np.asarray(devices, dtype=object).reshape((len(self.stages),) + (2,) * (len(self.axes) - 1))
         self.mesh = Mesh(grid, self.axes)
-        # fp16 weights' gradients are scaled (job_scripts.loss_scale); the scale is state
+        # fp16 weights' gradients are scaled (job_scripts.precision); the scale is state
         # of the job like the weights, carried from step to step here and checkpointed.
         self.loss_scale = new_loss_scale(NamedSharding(self.mesh, P())) if arch.compute_dtype == "fp16" else None
+        self.last_step_finite: jax.Array | None = None  # fp16: False when the last step was skipped
         self.arrays = {kind: [StageArrays(arch, st.layers, kind, st.tp, optimizer,
                                           ep=st.dp * st.tp if st.coll.expert_parallel else 1)
                               for st in self.stages] for kind in KINDS}
@@ -443,7 +444,7 @@ class Pipeline:
             loss = lax.psum(self._switch(losses, loss), PP) if S > 1 else self._switch(losses, loss)
             expand = lambda bufs: {dt: b[None, None] for dt, b in bufs.items()}  # noqa: E731
             out = expand(params), expand(opt), expand(state), expand(stash), loss
-            return out if scale is None else out + as_arrays(scale)
+            return out if scale is None else out + as_arrays(scale) + (finite,)
 
         c = {kind: {dt: self.container_spec for dt in self.lengths[kind]} for kind in KINDS}
         c_stash = {dt: self.stash_spec for dt in self.res_lengths}
@@ -451,10 +452,11 @@ class Pipeline:
         # abstract arguments, as lowering does, fails its own dtype check).
         scaled = (P(), P()) if self.loss_scale is not None else ()
         period = self.loss_scale.period if self.loss_scale is not None else 0
+        skipped = (P(),) if scaled else ()
         mapped = jax.shard_map(body, mesh=self.mesh,
                                in_specs=(c["params"], c["opt"], c["state"], c_stash, self.input_spec(),
                                          self.target_spec()) + scaled,
-                               out_specs=(c["params"], c["opt"], c["state"], c_stash, P()) + scaled,
+                               out_specs=(c["params"], c["opt"], c["state"], c_stash, P()) + scaled + skipped,
                                check_vma=False)
         return jax.jit(mapped, donate_argnums=(0, 1, 2, 3))
 
@@ -655,7 +657,7 @@ class Pipeline:
         params, opt, model_state, self._stash, loss, *scaling = self._step(
             state["params"], state["opt"], state["state"], self._stash, xs, ys, *scaling)
         if scaling:
-            self.loss_scale = from_arrays(*scaling, self.loss_scale.period)
+            self.loss_scale, self.last_step_finite = from_arrays(*scaling[:2], self.loss_scale.period), scaling[2]
         return {"params": params, "opt": opt, "state": model_state}, loss
 
     def compile(self):

@@ -17,7 +17,8 @@ measured seconds per iteration) for the daemon. Without GPUs it runs on CPU fake
 one per granted GPU, so the whole protocol runs on a laptop or in CI.
 
 Exit status: 0 done, 86 checkpointed for a rescale, 143 checkpointed on SIGTERM,
-2 bad input (one line on stderr saying what to fix).
+2 bad input (one line on stderr saying what to fix), 3 an fp16 model diverged (its
+gradients stayed non-finite even unscaled; ``job_scripts.precision``).
 """
 
 from __future__ import annotations
@@ -34,9 +35,8 @@ import argparse  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from dataclasses import replace  # noqa: E402
 
-from estimator.contract import EXIT_BAD_INPUT  # noqa: E402
+from estimator.contract import EXIT_BAD_INPUT, EXIT_DIVERGED  # noqa: E402
 from estimator.errors import SpecError  # noqa: E402
 from job_scripts import runtime  # noqa: E402
 from job_scripts.checkpoint import CheckpointError  # noqa: E402
@@ -118,9 +118,16 @@ def choose_plan(job: runtime.Job, model_spec, arch, remaining: int):
 
 
 def gpu_type_of(job: runtime.Job) -> str:
-    """The GPU type the job runs on: the allocation's, else its plan's (a100 without one)."""
+    """The GPU type the job runs on: the allocation's, else its plan's, else the catalog
+    type its devices name (``Tesla V100-SXM2-32GB``), else a100."""
     from estimator.plan_string import parse_plan
-    return job.alloc.gpu_type or (parse_plan(job.plan_text).gpu_type if job.plan_text else "a100")
+    if job.alloc.gpu_type:
+        return job.alloc.gpu_type
+    if job.plan_text:
+        return parse_plan(job.plan_text).gpu_type
+    from job_scripts.precision import catalog_type_of_device
+    return catalog_type_of_device(job.devices[0].device_kind if job.devices else "") or "a100"
+
 
 
 def _check(job: runtime.Job, model_spec, arch, text: str):
@@ -128,24 +135,6 @@ def _check(job: runtime.Job, model_spec, arch, text: str):
     return plan_from_string(text, model_spec, arch, job.global_batch, len(job.devices),
                             job.alloc.gpus_per_node)
 
-
-def training_arch(arch, gpu_name: str):
-    """The architecture the runner trains on ``gpu_name``: an fp16 model in bf16 where the
-    tensor cores take bf16 (Ampere and later: the same rate and bytes, so the estimates
-    hold, and fp32's range, so no loss scaling and no skipped steps); in fp16 with dynamic
-    loss scaling (``job_scripts.loss_scale``) where they take fp16 only (Volta), on which
-    bf16 would run at the CUDA cores' fp32 rate. A GPU type outside the catalog counts as
-    a recent one."""
-    from estimator.gpus import CATALOG
-    gpu = CATALOG.get((gpu_name or "").lower())
-    if arch.compute_dtype != "fp16":
-        return arch
-    if gpu is not None and not gpu.bf16_tensor_cores:
-        log.info("training the fp16 model in fp16 with dynamic loss scaling (%s tensor cores take no bf16)",
-                 gpu.name)
-        return arch
-    log.info("training the fp16 model in bf16 (fp32's range: no loss scaling needed)")
-    return replace(arch, compute_dtype="bf16")
 
 
 def train(job: runtime.Job) -> int:
@@ -155,7 +144,7 @@ def train(job: runtime.Job) -> int:
     from estimator.models import load_model
     from job_scripts import reshard
     from job_scripts.data import stream_for
-    from job_scripts.loss_scale import new_loss_scale
+    from job_scripts.precision import check_step, new_loss_scale, training_arch
     from job_scripts.pipeline import Pipeline
 
     cfg = job.config
@@ -185,16 +174,19 @@ def train(job: runtime.Job) -> int:
     job.note_phase("restore_s" if saved is not None else "init_s", time.perf_counter() - t0)
     job.mark_resumed(saved, text)
     stream = stream_for(arch, cfg.seed, cfg.global_batch)
-    step = job.next_step - 1
+    step, skips_at_one = job.next_step - 1, 0
     while step < cfg.iterations:
         if job.stop_requested():
             break
         step += 1
         batch = stream.batch(step)
+        scale = None if pipe.loss_scale is None else float(pipe.loss_scale.loss_scale)
         t0 = time.perf_counter()
         state, loss = pipe.step(state, batch.inputs, batch.targets)
         loss = float(loss)
         job.record_step(step, loss, time.perf_counter() - t0)
+        if scale is not None:
+            skips_at_one = check_step(step, bool(pipe.last_step_finite), scale, skips_at_one)
         if job.checkpoint_due(step):
             job.save(step, views(state), {**layout, **_scale_meta(pipe)})
     # No copy when the step is saved already.
@@ -202,8 +194,8 @@ def train(job: runtime.Job) -> int:
 
 
 def _scale_meta(pipe) -> dict:
-    """The loss scale, for the checkpoint's metadata (an fp16 model's: ``job_scripts.loss_scale``)."""
-    from job_scripts.loss_scale import to_json
+    """The loss scale, for the checkpoint's metadata (an fp16 model's: ``job_scripts.precision``)."""
+    from job_scripts.precision import to_json
     return {} if pipe.loss_scale is None else {"loss_scale": to_json(pipe.loss_scale)}
 
 
@@ -218,12 +210,16 @@ def main(argv: list[str] | None = None) -> int:
     except (SpecError, CheckpointError) as e:
         print(f"job_scripts.run: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    from job_scripts.precision import DivergedError
     try:
         return train(job)
     except (SpecError, CheckpointError) as e:
         # Starting over would silently throw away the job's progress: stop and say why.
         print(f"job_scripts.run: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except DivergedError as e:
+        print(f"job_scripts.run: error: {e}", file=sys.stderr)
+        return EXIT_DIVERGED
     finally:
         job.close()
 

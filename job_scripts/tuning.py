@@ -295,6 +295,7 @@ def _time_plan(req: TuneRequest, text: str, agree: Callable[[float], float], t0:
 
     from estimator.jax_optim import optimizer_for
     from job_scripts.data import stream_for
+    from job_scripts.precision import new_loss_scale
     from job_scripts.pipeline import Pipeline
 
     pipe = Pipeline(req.arch, _runnable(req, text), req.devices, req.global_batch,
@@ -303,6 +304,8 @@ def _time_plan(req: TuneRequest, text: str, agree: Callable[[float], float], t0:
         return Measured(text, None, agree(time.perf_counter() - t0), "does not fit in device memory")
     batch = stream_for(req.arch, 0, req.global_batch).batch(1)
     state = pipe.init(0)
+    if pipe.loss_scale is not None:  # fp16: timed at scale 1, where no step overflows and skips its update
+        pipe.loss_scale = new_loss_scale(pipe.loss_scale.loss_scale.sharding, {"scale": 1.0, "good_steps": 0})
     for _ in range(MEASURE_WARMUP_STEPS):
         state, loss = pipe.step(state, batch.inputs, batch.targets)
     jax.block_until_ready(loss)

@@ -611,14 +611,14 @@ def test_an_fp16_model_trains_in_bf16_whose_gradients_do_not_underflow():
     """With the built-in head and loss over 8,192 tokens (the loss a mean over them, as the
     runner's seeds make it), fp16 without loss scaling zeroes a large share of the head's
     weight gradients; bf16 keeps them all, close to fp32's. The runner trains bf16 where
-    the tensor cores take it (fp16 with loss scaling elsewhere: tests/test_loss_scale.py)."""
+    the tensor cores take it (fp16 with loss scaling elsewhere: tests/test_precision.py)."""
     import jax
     import numpy as np
     from dataclasses import replace
 
     from estimator import jax_models as jm
     from estimator.models import model_from_dict
-    from job_scripts.run import training_arch
+    from job_scripts.precision import training_arch
 
     a32 = jm.arch_from_model(model_from_dict({"name": "g", "hidden": 64, "layers": 1, "heads": 4,
                                               "sequence": 512, "vocab": 8192, "dtype": "fp32"}))

@@ -1,4 +1,5 @@
-"""fp16 training with dynamic loss scaling (``job_scripts.loss_scale``) in the SPMD pipeline.
+"""The runner's precision (``job_scripts.precision``): fp16 training with dynamic loss
+scaling in the SPMD pipeline, and which GPUs get it.
 
 The check is against fp32: one SGD step's weight update is the gradient times the learning
 rate, so comparing updates compares gradients. With a 32,768-token vocabulary and 8,192
@@ -19,7 +20,12 @@ PLANS = [ONE,
          "cell=v100x4:s1 plan=[dp2tp2] mb=2 remat=1 zero=3"]
 
 
-def _pipeline(dtype: str, plan_text: str, saved_scale: dict | None = None):
+# Wide-ResNet in fp16: batch-norm statistics are model state, which a skipped step keeps.
+WRN_FP16 = dict(family="wide_resnet", base_channels=4, width=2, image_size=32, num_classes=8,
+                compute_dtype="fp16", optimizer="sgd_nesterov")
+
+
+def _pipeline(dtype: str, plan_text: str, saved_scale: dict | None = None, wrn: bool = False):
     import jax
     from dataclasses import replace
     from jax.sharding import NamedSharding
@@ -29,14 +35,20 @@ def _pipeline(dtype: str, plan_text: str, saved_scale: dict | None = None):
     from estimator.jax_optim import sgd_nesterov
     from estimator.models import load_model
     from estimator.plan_string import parse_plan
-    from job_scripts.loss_scale import new_loss_scale
+    from job_scripts.precision import new_loss_scale
     from job_scripts.pipeline import Pipeline
     from job_scripts.plan import plan_from_string
 
-    spec = load_model(TINY_GPT)
-    arch = replace(jm.arch_from_model(spec), vocab=VOCAB, compute_dtype=dtype)
-    plan = plan_from_string(plan_text, spec, arch, BATCH, parse_plan(plan_text).num_gpus)[0]
-    pipe = Pipeline(arch, plan, jax.devices()[:plan.num_gpus], BATCH, sgd_nesterov(lr=0.1))
+    if wrn:
+        from estimator.cells import StagePlan
+        from job_scripts.plan import ParallelPlan
+        arch = jm.Arch(**WRN_FP16)
+        plan = ParallelPlan((StagePlan(0, arch.num_layers, 2, 1),), 2, True, 0)
+    else:
+        spec = load_model(TINY_GPT)
+        arch = replace(jm.arch_from_model(spec), vocab=VOCAB, compute_dtype=dtype)
+        plan = plan_from_string(plan_text, spec, arch, BATCH, parse_plan(plan_text).num_gpus)[0]
+    pipe = Pipeline(arch, plan, jax.devices()[:plan.num_gpus], BATCH, sgd_nesterov(lr=0.1 if not wrn else 1e-3))
     if saved_scale is not None:
         pipe.loss_scale = new_loss_scale(NamedSharding(pipe.mesh, P()), saved_scale)
     return arch, pipe
@@ -45,7 +57,7 @@ def _pipeline(dtype: str, plan_text: str, saved_scale: dict | None = None):
 def _updates(dtype: str, plan_text: str, saved_scale: dict | None = None) -> dict:
     """One step's weight updates (by name), the loss, and the loss scale after it."""
     from job_scripts.data import stream_for
-    from job_scripts.loss_scale import to_json
+    from job_scripts.precision import to_json
 
     arch, pipe = _pipeline(dtype, plan_text, saved_scale)
     state = pipe.init(0)
@@ -84,39 +96,46 @@ def test_fp16_with_loss_scaling_updates_every_weight_as_fp32_does_under_every_pl
         assert scaled["scale"] == {"scale": 2.0**15, "good_steps": 1}, plan
 
 
-def _overflow(plan_text: str) -> dict:
+def _overflow(plan_text: str, wrn: bool = False) -> dict:
     import numpy as np
 
     from job_scripts.data import stream_for
-    from job_scripts.loss_scale import from_arrays, to_json
+    from job_scripts.precision import from_arrays, to_json
 
-    arch, pipe = _pipeline("fp16", plan_text, {"scale": 2.0**40, "good_steps": 7})
+    arch, pipe = _pipeline("fp16", plan_text, {"scale": 2.0**40, "good_steps": 7}, wrn)
     state = pipe.init(0)
     first = pipe.host_arrays(state)
     stream = stream_for(arch, 0, BATCH)
     b = stream.batch(1)
     state, _ = pipe.step(state, b.inputs, b.targets)  # 2**40 × the loss overflows fp16
     skipped = pipe.host_arrays(state)
-    out = {"unchanged": all(np.array_equal(first[k], skipped[k]) for k in first), "after_overflow": to_json(pipe.loss_scale)}
-    pipe.loss_scale = from_arrays(pipe.loss_scale.loss_scale / 2.0**24, pipe.loss_scale.counter,
+    out = {"unchanged": all(np.array_equal(first[k], skipped[k]) for k in first),
+           "kinds": sorted({k.split("/")[0] for k in first}), "finite": bool(pipe.last_step_finite),
+           "after_overflow": to_json(pipe.loss_scale)}
+    # Then a scale that does not overflow (Wide-ResNet's gradients are ~50: 1).
+    pipe.loss_scale = from_arrays(pipe.loss_scale.loss_scale / (2.0**39 if wrn else 2.0**24), pipe.loss_scale.counter,
                                   pipe.loss_scale.period)
     state, _ = pipe.step(state, b.inputs, b.targets)
     stepped = pipe.host_arrays(state)
     out["moved"] = sum(int(np.sum(stepped[k] != first[k])) for k in first if k.startswith("params/"))
-    out["after_good_step"] = to_json(pipe.loss_scale)
+    out["after_good_step"], out["finite_after"] = to_json(pipe.loss_scale), bool(pipe.last_step_finite)
     # What the tuner and the memory benchmarks do: compile for abstract arguments.
     out["temp_bytes"] = int(pipe.compile().memory_analysis().temp_size_in_bytes)
     return out
 
 
-@pytest.mark.parametrize("plan", [ONE, PLANS[1]])
+@pytest.mark.parametrize("plan", PLANS + ["wide_resnet [dp2tp1] mb=2"])
 def test_an_overflowing_step_is_skipped_whole_and_the_scale_halves(plan):
-    out = in_jax_child(4, _overflow, plan)
+    """Every update path: a single stage, a pipeline's per-stage update, ZeRO-2's and
+    ZeRO-3's chunked ones, and a model with batch-norm state."""
+    wrn = plan.startswith("wide_resnet")
+    out = in_jax_child(4, _overflow, plan, wrn)
     assert out["temp_bytes"] > 0
-    assert out["unchanged"]  # weights and optimizer state (momentum) as they were
-    assert out["after_overflow"] == {"scale": 2.0**39, "good_steps": 0}
+    # Weights, optimizer state (momentum) and model state as they were.
+    assert out["unchanged"] and out["kinds"] == (["opt", "params", "state"] if wrn else ["opt", "params"])
+    assert out["after_overflow"] == {"scale": 2.0**39, "good_steps": 0} and not out["finite"]
     assert out["moved"] > 0
-    assert out["after_good_step"] == {"scale": 2.0**15, "good_steps": 1}
+    assert out["after_good_step"] == {"scale": 1.0 if wrn else 2.0**15, "good_steps": 1} and out["finite_after"]
 
 
 def _one_device_overflows() -> list[bool]:
@@ -126,7 +145,7 @@ def _one_device_overflows() -> list[bool]:
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
-    from job_scripts.loss_scale import finite_everywhere
+    from job_scripts.precision import finite_everywhere
 
     mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(2, 2), ("pp", "d0"))
     grads = np.ones((2, 2, 3), np.float32)
@@ -147,11 +166,53 @@ def test_a_checkpointed_loss_scale_that_is_not_one_is_refused_in_one_line(saved)
     from jax.sharding import SingleDeviceSharding
 
     from job_scripts.checkpoint import CheckpointError
-    from job_scripts.loss_scale import new_loss_scale
+    from job_scripts.precision import new_loss_scale
 
     with pytest.raises(CheckpointError, match="loss scale") as e:
         new_loss_scale(SingleDeviceSharding(jax.devices()[0]), saved)
     assert "\n" not in str(e.value)
+
+
+def test_skipped_steps_are_logged_and_eight_in_a_row_at_scale_one_stop_the_training(caplog):
+    from job_scripts.precision import SKIPS_AT_SCALE_ONE_LIMIT, DivergedError, check_step
+
+    assert check_step(5, True, 2.0**15, 3) == 0  # a good step ends a run of skips
+    assert check_step(6, False, 2.0**15, 3) == 0  # a skip above scale 1 is the search
+    assert "step 6 skipped" in caplog.text and "32768" in caplog.text
+    skips = 0
+    for step in range(SKIPS_AT_SCALE_ONE_LIMIT - 1):
+        skips = check_step(step, False, 1.0, skips)
+    assert skips == SKIPS_AT_SCALE_ONE_LIMIT - 1
+    with pytest.raises(DivergedError, match="diverged") as e:
+        check_step(99, False, 1.0, skips)
+    assert "\n" not in str(e.value)
+
+
+def _main_when_training_diverges(checkpoint_dir: str) -> int:
+    from job_scripts import run
+    from job_scripts.precision import DivergedError
+
+    def diverge(job):
+        raise DivergedError("8 steps in a row had non-finite fp16 gradients even unscaled")
+
+    run.train = diverge
+    return run.main(["--model", TINY_GPT, "--global-batch", "16", "--iterations", "4", "--devices", "1",
+                     "--platform", "cpu", "--checkpoint-dir", checkpoint_dir])
+
+
+def test_a_diverged_run_exits_3_with_one_line(tmp_path, capfd):
+    from estimator.contract import EXIT_DIVERGED
+
+    assert in_jax_child(1, _main_when_training_diverges, str(tmp_path / "ckpt")) == EXIT_DIVERGED == 3
+    assert "job_scripts.run: error: 8 steps in a row" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("kind, gpu", [("Tesla V100-SXM2-32GB", "v100"), ("NVIDIA A100-SXM4-40GB", "a100"),
+                                       ("NVIDIA A10", "a10"), ("NVIDIA H100 80GB HBM3", "h100"),
+                                       ("NVIDIA A40", "a40"), ("cpu", None), ("TFRT_CPU_0", None)])
+def test_the_device_kind_names_its_catalog_type(kind, gpu):
+    from job_scripts.precision import catalog_type_of_device
+    assert catalog_type_of_device(kind) == gpu
 
 
 def test_volta_has_no_bf16_tensor_cores_and_an_fp16_model_trains_there_in_fp16():
@@ -160,7 +221,7 @@ def test_volta_has_no_bf16_tensor_cores_and_an_fp16_model_trains_there_in_fp16()
     from estimator import jax_models as jm
     from estimator.gpus import gpu_type
     from estimator.models import load_model
-    from job_scripts.run import training_arch
+    from job_scripts.precision import training_arch
 
     assert gpu_type("v100").peak_tflops("bf16") == gpu_type("v100").fp32_tflops == 15.7
     assert gpu_type("v100").peak_tflops("fp16") == 125.0
