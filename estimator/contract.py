@@ -3,7 +3,9 @@ for the other, and what operators and tests rely on.
 
 - **Exit codes** of the runner: ``EXIT_RESCALE`` (86) after SIGUSR1 and a checkpoint,
   which Slurm turns into a held requeue (``RequeueExitHold=86``); ``EXIT_TERMINATED``
-  (143) after SIGTERM; ``EXIT_BAD_INPUT`` (2) for a spec or plan it cannot run.
+  (143) after SIGTERM; ``EXIT_BAD_INPUT`` (2) for a spec or plan it cannot run;
+  ``EXIT_DIVERGED`` (3) when an fp16 model's gradients stay non-finite even unscaled (the
+  job ends FAILED; the daemon does not requeue it).
 - **The AdminComment** the daemon writes on each elastic job (every user may read it),
   space-separated ``key=value`` tokens; ``why=`` or ``error=`` comes last and its value
   runs to the end of the string::

@@ -47,10 +47,10 @@ from jax.sharding import PartitionSpec as P
 from estimator import jax_models as jm
 from job_scripts.collectives import StageCollectives, to_receiver, to_sender
 from job_scripts.flat_optimizer import SEGMENT_DTYPE, FlatOptArrays, SplitBuffers
-from job_scripts.precision import as_arrays, finite_everywhere, from_arrays, new_loss_scale, unscale
 from job_scripts.packing import (FlatLayout, add_buffers, add_into, flat_layout, joint_lengths, pack, pack_range,
                                   read_row, unpack)
 from job_scripts.plan import ParallelPlan, check_plan, log2
+from job_scripts.precision import as_arrays, finite_everywhere, from_arrays, new_loss_scale, unscale
 from job_scripts.stage_arrays import KINDS, StageArrays
 from job_scripts.zero3 import SplitParams, gathered_layer, layer_chunking
 
@@ -148,9 +148,12 @@ class Pipeline:
         self.axes = (PP,) + device_axes(n)
         grid = np.asarray(devices, dtype=object).reshape((len(self.stages),) + (2,) * (len(self.axes) - 1))
         self.mesh = Mesh(grid, self.axes)
-        # fp16 weights' gradients are scaled (job_scripts.precision); the scale is state
-        # of the job like the weights, carried from step to step here and checkpointed.
-        self.loss_scale = new_loss_scale(NamedSharding(self.mesh, P())) if arch.compute_dtype == "fp16" else None
+        # An fp16 model's gradients are scaled (job_scripts.precision); the scale is state
+        # of the job like the weights, carried from step to step here and checkpointed
+        # (set by ``init`` or ``set_loss_scale``; made only then, so that a pipeline of
+        # compile-only devices, which take no arrays, can be built and compiled).
+        self.scaled = arch.compute_dtype == "fp16"
+        self.loss_scale = None
         self.last_step_finite: jax.Array | None = None  # fp16: False when the last step was skipped
         self.arrays = {kind: [StageArrays(arch, st.layers, kind, st.tp, optimizer,
                                           ep=st.dp * st.tp if st.coll.expert_parallel else 1)
@@ -380,7 +383,7 @@ class Pipeline:
         def body(params, opt, state, stash, xs, ys, *scaling):
             params, opt, state = local(params), local(opt), local(state)
             s, before = lax.axis_index(PP), state
-            scale = from_arrays(*scaling, period) if scaling else None
+            scale = from_arrays(*scaling) if scaling else None
 
             if S == 1:
                 # No pipeline: each micro-batch goes forward and straight back, and nothing
@@ -450,8 +453,7 @@ class Pipeline:
         c_stash = {dt: self.stash_spec for dt in self.res_lengths}
         # The scale crosses the program's edge as its two arrays (jmp's class rebuilt from
         # abstract arguments, as lowering does, fails its own dtype check).
-        scaled = (P(), P()) if self.loss_scale is not None else ()
-        period = self.loss_scale.period if self.loss_scale is not None else 0
+        scaled = (P(), P()) if self.scaled else ()
         skipped = (P(),) if scaled else ()
         mapped = jax.shard_map(body, mesh=self.mesh,
                                in_specs=(c["params"], c["opt"], c["state"], c_stash, self.input_spec(),
@@ -632,8 +634,17 @@ class Pipeline:
 
     # ------------------------------------------------------------------ public
 
+    def set_loss_scale(self, saved: dict | None = None) -> None:
+        """An fp16 model's loss scale: a checkpoint's (``precision.to_json``), or the
+        initial one (None); nothing for other models."""
+        if self.scaled:
+            self.loss_scale = new_loss_scale(NamedSharding(self.mesh, P()), saved)
+
     def init(self, seed: int) -> dict:
-        """Fresh weights (identical for every plan given the seed) and optimizer state."""
+        """Fresh weights (identical for every plan given the seed) and optimizer state
+        (and an fp16 model's initial loss scale, unless one was set)."""
+        if self.scaled and self.loss_scale is None:
+            self.set_loss_scale()
         params, opt, state = self._init(jnp.asarray(seed, jnp.int32))
         return {"params": params, "opt": opt, "state": state}
 
@@ -653,11 +664,13 @@ class Pipeline:
         xs, ys = self.place_batch(inputs, targets)
         if self._stash is None:
             self._stash = self._zero_stash()
-        scaling = () if self.loss_scale is None else as_arrays(self.loss_scale)
+        if self.scaled and self.loss_scale is None:
+            self.set_loss_scale()
+        scaling = as_arrays(self.loss_scale) if self.scaled else ()
         params, opt, model_state, self._stash, loss, *scaling = self._step(
             state["params"], state["opt"], state["state"], self._stash, xs, ys, *scaling)
         if scaling:
-            self.loss_scale, self.last_step_finite = from_arrays(*scaling[:2], self.loss_scale.period), scaling[2]
+            self.loss_scale, self.last_step_finite = from_arrays(*scaling[:2]), scaling[2]
         return {"params": params, "opt": opt, "state": model_state}, loss
 
     def compile(self):
@@ -668,7 +681,9 @@ class Pipeline:
         xs = jax.ShapeDtypeStruct((M,) + x_shape, x_dtype, sharding=NamedSharding(self.mesh, self.input_spec()))
         ys = jax.ShapeDtypeStruct((M,) + jm.label_shape(self.arch, self.micro), jnp.int32,
                                   sharding=NamedSharding(self.mesh, self.target_spec()))
-        scaling = () if self.loss_scale is None else as_arrays(self.loss_scale)
+        replicated = NamedSharding(self.mesh, P())
+        scaling = tuple(jax.ShapeDtypeStruct((), dt, sharding=replicated)
+                        for dt in (jnp.float32, jnp.int32)) if self.scaled else ()
         return self._step.lower(*abstract, self._abstract_stash(), xs, ys, *scaling).compile()
 
     def fits_memory(self) -> bool:

@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 INITIAL_LOSS_SCALE = 2.0**15
 LOSS_SCALE_PERIOD_STEPS = 2000  # good steps in a row before the scale doubles (jmp's and Megatron's default)
 SKIPS_AT_SCALE_ONE_LIMIT = 8
+# Device kinds' words for GPUs of a catalog type's generation and tensor cores.
+DEVICE_WORDS = {"v100s": "v100", "gv100": "v100"}
 
 
 def training_arch(arch, gpu_name: str):
@@ -49,30 +51,28 @@ def training_arch(arch, gpu_name: str):
     loss scaling (below) where they take fp16 only (Volta), on which
     bf16 would run at the CUDA cores' fp32 rate. A GPU type outside the catalog counts as
     a recent one."""
-    gpu = CATALOG.get((gpu_name or "").lower())
-    if arch.compute_dtype != "fp16":
+    gpu = CATALOG.get((gpu_name or "").strip().lower())
+    if arch.compute_dtype != "fp16" or (gpu is not None and not gpu.bf16_tensor_cores):
         return arch
-    if gpu is not None and not gpu.bf16_tensor_cores:
-        log.info("training the fp16 model in fp16 with dynamic loss scaling (%s tensor cores take no bf16)",
-                 gpu.name)
-        return arch
-    log.info("training the fp16 model in bf16 (fp32's range: no loss scaling needed)")
     return replace(arch, compute_dtype="bf16")
 
 
 def catalog_type_of_device(device_kind: str) -> str | None:
     """The catalog GPU type a device's kind names as a word (``NVIDIA A100-SXM4-40GB`` →
-    a100, not a10), or None (a CPU)."""
-    kind = device_kind.lower()
-    return next((name for name in CATALOG if re.search(rf"\b{name}\b", kind)), None)
+    a100, not a10; ``Tesla V100S-PCIE-32GB`` and ``Quadro GV100``, Volta too, → v100), or
+    None (a CPU)."""
+    for word in re.findall(r"[a-z0-9]+", device_kind.lower()):
+        word = DEVICE_WORDS.get(word, word)
+        if word in CATALOG:
+            return word
+    return None
 
 
 class DivergedError(RuntimeError):
     """An fp16 model's gradients stayed non-finite without loss scaling."""
 
 
-def new_loss_scale(sharding, saved: dict | None = None, period: int = LOSS_SCALE_PERIOD_STEPS
-                   ) -> jmp.DynamicLossScale:
+def new_loss_scale(sharding, saved: dict | None = None) -> jmp.DynamicLossScale:
     """The loss scale to start from: a checkpoint's (``to_json``), else (None: a fresh
     start, or a checkpoint of a run in bf16) the initial one,
     placed replicated by ``sharding`` (every process passes the same values)."""
@@ -81,11 +81,11 @@ def new_loss_scale(sharding, saved: dict | None = None, period: int = LOSS_SCALE
         good_steps = int(saved["good_steps"]) if saved is not None else 0
     except (KeyError, TypeError, ValueError):
         scale, good_steps = float("nan"), 0
-    if not (np.isfinite(scale) and scale >= 1.0) or not 0 <= good_steps < period:
-        raise CheckpointError(f"the checkpoint's loss scale {saved!r} is not one: "
-                              "expected {'scale': ≥ 1, 'good_steps': 0 … %d}" % (period - 1))
-    return jmp.DynamicLossScale(jax.device_put(np.float32(scale), sharding),
-                                jax.device_put(np.int32(good_steps), sharding), period=period)
+    if not (np.isfinite(scale) and scale >= 1.0) or not 0 <= good_steps < LOSS_SCALE_PERIOD_STEPS:
+        raise CheckpointError(f"the checkpoint's loss scale {saved!r} is not one (expected {{'scale': ≥ 1, "
+                              f"'good_steps': 0 … {LOSS_SCALE_PERIOD_STEPS - 1}}}): mend its meta/metadata "
+                              "or use a new checkpoint directory")
+    return from_arrays(jax.device_put(np.float32(scale), sharding), jax.device_put(np.int32(good_steps), sharding))
 
 
 def as_arrays(loss_scale: jmp.DynamicLossScale) -> tuple[jax.Array, jax.Array]:
@@ -93,9 +93,9 @@ def as_arrays(loss_scale: jmp.DynamicLossScale) -> tuple[jax.Array, jax.Array]:
     return loss_scale.loss_scale, loss_scale.counter
 
 
-def from_arrays(scale: jax.Array, good_steps: jax.Array, period: int) -> jmp.DynamicLossScale:
+def from_arrays(scale: jax.Array, good_steps: jax.Array) -> jmp.DynamicLossScale:
     """``as_arrays``' inverse."""
-    return jmp.DynamicLossScale(scale, good_steps, period=period)
+    return jmp.DynamicLossScale(scale, good_steps, period=LOSS_SCALE_PERIOD_STEPS)
 
 
 def to_json(loss_scale: jmp.DynamicLossScale) -> dict:
@@ -116,8 +116,7 @@ def check_step(step: int, finite: bool, scale: float, skips_at_one: int) -> int:
     skips_at_one = skips_at_one + 1 if scale <= 1.0 else 0
     if skips_at_one >= SKIPS_AT_SCALE_ONE_LIMIT:
         raise DivergedError(f"{skips_at_one} steps in a row (to step {step}) had non-finite fp16 gradients "
-                            "even unscaled: the model diverged; training stopped with the weights of the last "
-                            "finite step")
+                            "even unscaled: the model diverged; training stopped, its last checkpoint kept")
     return skips_at_one
 
 

@@ -129,12 +129,10 @@ def gpu_type_of(job: runtime.Job) -> str:
     return catalog_type_of_device(job.devices[0].device_kind if job.devices else "") or "a100"
 
 
-
 def _check(job: runtime.Job, model_spec, arch, text: str):
     from job_scripts.plan import plan_from_string
     return plan_from_string(text, model_spec, arch, job.global_batch, len(job.devices),
                             job.alloc.gpus_per_node)
-
 
 
 def train(job: runtime.Job) -> int:
@@ -144,12 +142,21 @@ def train(job: runtime.Job) -> int:
     from estimator.models import load_model
     from job_scripts import reshard
     from job_scripts.data import stream_for
-    from job_scripts.precision import check_step, new_loss_scale, training_arch
+    from job_scripts.precision import catalog_type_of_device, check_step, training_arch
     from job_scripts.pipeline import Pipeline
 
     cfg = job.config
     model_spec = load_model(cfg.model)
-    arch = training_arch(jm.arch_from_model(model_spec), gpu_type_of(job))
+    # The dtype follows the devices' own kind where it names a catalog type (a plan may be
+    # another type's), else the job's GPU type.
+    device_type = catalog_type_of_device(job.devices[0].device_kind) if job.devices else None
+    arch = training_arch(jm.arch_from_model(model_spec), device_type or gpu_type_of(job))
+    if arch.compute_dtype != model_spec.dtype:
+        log.info("training the %s model in %s on %s (fp32's range: no loss scaling needed)", model_spec.dtype,
+                 arch.compute_dtype, device_type or gpu_type_of(job))
+    elif arch.compute_dtype == "fp16":
+        log.info("training the fp16 model in fp16 with dynamic loss scaling (%s tensor cores take no bf16)",
+                 device_type or gpu_type_of(job))
     saved = job.latest()
     remaining = max(0, cfg.iterations - (saved.step if saved else 0))
     tuned = choose_plan(job, model_spec, arch, remaining)
@@ -167,8 +174,7 @@ def train(job: runtime.Job) -> int:
         state = reshard.restore(pipe, saved.meta.get("layout") or {}, lambda kind, dt, s, j, lo, hi: reader.read(
             (kind, dt), (s, j, slice(lo, hi))))
         del reader  # its open files would keep the old checkpoint's alive once it is rotated out
-        if pipe.loss_scale is not None:
-            pipe.loss_scale = new_loss_scale(pipe.loss_scale.loss_scale.sharding, saved.meta.get("loss_scale"))
+        pipe.set_loss_scale(saved.meta.get("loss_scale"))  # fp16's: a bf16 run's checkpoint has none
     else:
         state = pipe.init(cfg.seed)
     job.note_phase("restore_s" if saved is not None else "init_s", time.perf_counter() - t0)
@@ -180,7 +186,7 @@ def train(job: runtime.Job) -> int:
             break
         step += 1
         batch = stream.batch(step)
-        scale = None if pipe.loss_scale is None else float(pipe.loss_scale.loss_scale)
+        scale = float(pipe.loss_scale.loss_scale) if pipe.scaled else None
         t0 = time.perf_counter()
         state, loss = pipe.step(state, batch.inputs, batch.targets)
         loss = float(loss)
@@ -196,7 +202,7 @@ def train(job: runtime.Job) -> int:
 def _scale_meta(pipe) -> dict:
     """The loss scale, for the checkpoint's metadata (an fp16 model's: ``job_scripts.precision``)."""
     from job_scripts.precision import to_json
-    return {} if pipe.loss_scale is None else {"loss_scale": to_json(pipe.loss_scale)}
+    return {"loss_scale": to_json(pipe.loss_scale)} if pipe.scaled else {}
 
 
 def main(argv: list[str] | None = None) -> int:

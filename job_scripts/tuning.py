@@ -295,7 +295,6 @@ def _time_plan(req: TuneRequest, text: str, agree: Callable[[float], float], t0:
 
     from estimator.jax_optim import optimizer_for
     from job_scripts.data import stream_for
-    from job_scripts.precision import new_loss_scale
     from job_scripts.pipeline import Pipeline
 
     pipe = Pipeline(req.arch, _runnable(req, text), req.devices, req.global_batch,
@@ -304,8 +303,7 @@ def _time_plan(req: TuneRequest, text: str, agree: Callable[[float], float], t0:
         return Measured(text, None, agree(time.perf_counter() - t0), "does not fit in device memory")
     batch = stream_for(req.arch, 0, req.global_batch).batch(1)
     state = pipe.init(0)
-    if pipe.loss_scale is not None:  # fp16: timed at scale 1, where no step overflows and skips its update
-        pipe.loss_scale = new_loss_scale(pipe.loss_scale.loss_scale.sharding, {"scale": 1.0, "good_steps": 0})
+    pipe.set_loss_scale({"scale": 1.0, "good_steps": 0})  # fp16: no step overflows and skips its update
     for _ in range(MEASURE_WARMUP_STEPS):
         state, loss = pipe.step(state, batch.inputs, batch.targets)
     jax.block_until_ready(loss)
@@ -317,8 +315,8 @@ def _time_plan(req: TuneRequest, text: str, agree: Callable[[float], float], t0:
         # Agreed, so that every process takes as many (collective) steps.
         times.append(agree(time.perf_counter() - t1))
     seconds = float(np.median(times))
-    if not np.isfinite(float(loss)):
-        return Measured(text, None, agree(time.perf_counter() - t0), "loss is not finite")
+    if not np.isfinite(float(loss)) or (pipe.scaled and not bool(pipe.last_step_finite)):
+        return Measured(text, None, agree(time.perf_counter() - t0), "loss or gradients not finite")
     del state, pipe
     return Measured(text, seconds, agree(time.perf_counter() - t0))
 

@@ -25,17 +25,15 @@ WRN_FP16 = dict(family="wide_resnet", base_channels=4, width=2, image_size=32, n
                 compute_dtype="fp16", optimizer="sgd_nesterov")
 
 
-def _pipeline(dtype: str, plan_text: str, saved_scale: dict | None = None, wrn: bool = False):
+def _pipeline(dtype: str, plan_text: str, saved_scale: dict | None = None, wrn: bool = False,
+              vocab: int = VOCAB):
     import jax
     from dataclasses import replace
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     from estimator import jax_models as jm
     from estimator.jax_optim import sgd_nesterov
     from estimator.models import load_model
     from estimator.plan_string import parse_plan
-    from job_scripts.precision import new_loss_scale
     from job_scripts.pipeline import Pipeline
     from job_scripts.plan import plan_from_string
 
@@ -46,11 +44,11 @@ def _pipeline(dtype: str, plan_text: str, saved_scale: dict | None = None, wrn: 
         plan = ParallelPlan((StagePlan(0, arch.num_layers, 2, 1),), 2, True, 0)
     else:
         spec = load_model(TINY_GPT)
-        arch = replace(jm.arch_from_model(spec), vocab=VOCAB, compute_dtype=dtype)
+        arch = replace(jm.arch_from_model(spec), vocab=vocab, compute_dtype=dtype)
         plan = plan_from_string(plan_text, spec, arch, BATCH, parse_plan(plan_text).num_gpus)[0]
     pipe = Pipeline(arch, plan, jax.devices()[:plan.num_gpus], BATCH, sgd_nesterov(lr=0.1 if not wrn else 1e-3))
     if saved_scale is not None:
-        pipe.loss_scale = new_loss_scale(NamedSharding(pipe.mesh, P()), saved_scale)
+        pipe.set_loss_scale(saved_scale)
     return arch, pipe
 
 
@@ -102,7 +100,7 @@ def _overflow(plan_text: str, wrn: bool = False) -> dict:
     from job_scripts.data import stream_for
     from job_scripts.precision import from_arrays, to_json
 
-    arch, pipe = _pipeline("fp16", plan_text, {"scale": 2.0**40, "good_steps": 7}, wrn)
+    arch, pipe = _pipeline("fp16", plan_text, {"scale": 2.0**40, "good_steps": 7}, wrn, vocab=128)
     state = pipe.init(0)
     first = pipe.host_arrays(state)
     stream = stream_for(arch, 0, BATCH)
@@ -113,8 +111,7 @@ def _overflow(plan_text: str, wrn: bool = False) -> dict:
            "kinds": sorted({k.split("/")[0] for k in first}), "finite": bool(pipe.last_step_finite),
            "after_overflow": to_json(pipe.loss_scale)}
     # Then a scale that does not overflow (Wide-ResNet's gradients are ~50: 1).
-    pipe.loss_scale = from_arrays(pipe.loss_scale.loss_scale / (2.0**39 if wrn else 2.0**24), pipe.loss_scale.counter,
-                                  pipe.loss_scale.period)
+    pipe.loss_scale = from_arrays(pipe.loss_scale.loss_scale / (2.0**39 if wrn else 2.0**24), pipe.loss_scale.counter)
     state, _ = pipe.step(state, b.inputs, b.targets)
     stepped = pipe.host_arrays(state)
     out["moved"] = sum(int(np.sum(stepped[k] != first[k])) for k in first if k.startswith("params/"))
@@ -188,26 +185,41 @@ def test_skipped_steps_are_logged_and_eight_in_a_row_at_scale_one_stop_the_train
     assert "\n" not in str(e.value)
 
 
-def _main_when_training_diverges(checkpoint_dir: str) -> int:
-    from job_scripts import run
-    from job_scripts.precision import DivergedError
+def _runner_with_nan_weights(checkpoint_dir: str) -> int:
+    """The built-in runner on an fp16 model whose initial weights are NaN (the one fault
+    put in): every step's gradients are non-finite at any scale."""
+    import jax.numpy as jnp
 
-    def diverge(job):
-        raise DivergedError("8 steps in a row had non-finite fp16 gradients even unscaled")
+    from job_scripts import pipeline, run
 
-    run.train = diverge
-    return run.main(["--model", TINY_GPT, "--global-batch", "16", "--iterations", "4", "--devices", "1",
-                     "--platform", "cpu", "--checkpoint-dir", checkpoint_dir])
+    init = pipeline.Pipeline.init
+
+    def nan_init(self, seed):
+        state = init(self, seed)
+        return {**state, "params": {dt: b * jnp.nan for dt, b in state["params"].items()}}
+
+    pipeline.Pipeline.init = nan_init
+    return run.main(["--model", "tests/fixtures/runner/tiny-gpt-fp16.yaml", "--global-batch", "16",
+                     "--iterations", "40", "--devices", "1", "--platform", "cpu", "--checkpoint-dir", checkpoint_dir,
+                     "--plan", "cell=v100x1:s1 plan=[dp1tp1] mb=1 remat=1"])
 
 
-def test_a_diverged_run_exits_3_with_one_line(tmp_path, capfd):
+def test_a_run_whose_gradients_never_come_finite_stops_with_exit_3(tmp_path, capfd):
     from estimator.contract import EXIT_DIVERGED
+    from job_scripts.precision import INITIAL_LOSS_SCALE, SKIPS_AT_SCALE_ONE_LIMIT
 
-    assert in_jax_child(1, _main_when_training_diverges, str(tmp_path / "ckpt")) == EXIT_DIVERGED == 3
-    assert "job_scripts.run: error: 8 steps in a row" in capfd.readouterr().err
+    assert in_jax_child(1, _runner_with_nan_weights, str(tmp_path / "ckpt")) == EXIT_DIVERGED == 3
+    err = capfd.readouterr().err
+    # Halved every step from 2**15 to 1, then eight skips at 1.
+    last = 15 + SKIPS_AT_SCALE_ONE_LIMIT
+    assert INITIAL_LOSS_SCALE == 2.0**15
+    assert "step 1 skipped: its fp16 gradients overflowed at loss scale 32768" in err
+    assert f"step {last} skipped" in err and f"step {last + 1} " not in err
+    assert err.count("job_scripts.run: error:") == 1 and "the model diverged" in err
 
 
 @pytest.mark.parametrize("kind, gpu", [("Tesla V100-SXM2-32GB", "v100"), ("NVIDIA A100-SXM4-40GB", "a100"),
+                                       ("Tesla V100S-PCIE-32GB", "v100"), ("Quadro GV100", "v100"),
                                        ("NVIDIA A10", "a10"), ("NVIDIA H100 80GB HBM3", "h100"),
                                        ("NVIDIA A40", "a40"), ("cpu", None), ("TFRT_CPU_0", None)])
 def test_the_device_kind_names_its_catalog_type(kind, gpu):
