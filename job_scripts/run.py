@@ -149,14 +149,13 @@ def train(job: runtime.Job) -> int:
     model_spec = load_model(cfg.model)
     # The dtype follows the devices' own kind where it names a catalog type (a plan may be
     # another type's), else the job's GPU type.
-    device_type = catalog_type_of_device(job.devices[0].device_kind) if job.devices else None
-    arch = training_arch(jm.arch_from_model(model_spec), device_type or gpu_type_of(job))
+    gpu = (catalog_type_of_device(job.devices[0].device_kind) if job.devices else None) or gpu_type_of(job)
+    arch = training_arch(jm.arch_from_model(model_spec), gpu)
     if arch.compute_dtype != model_spec.dtype:
         log.info("training the %s model in %s on %s (fp32's range: no loss scaling needed)", model_spec.dtype,
-                 arch.compute_dtype, device_type or gpu_type_of(job))
+                 arch.compute_dtype, gpu)
     elif arch.compute_dtype == "fp16":
-        log.info("training the fp16 model in fp16 with dynamic loss scaling (%s tensor cores take no bf16)",
-                 device_type or gpu_type_of(job))
+        log.info("training the fp16 model in fp16 with dynamic loss scaling (%s tensor cores take no bf16)", gpu)
     saved = job.latest()
     remaining = max(0, cfg.iterations - (saved.step if saved else 0))
     tuned = choose_plan(job, model_spec, arch, remaining)
