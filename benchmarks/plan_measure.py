@@ -317,7 +317,7 @@ def measure(req: MeasureRequest) -> Measurement:
     from job_scripts.data import stream_for
     from job_scripts.pipeline import Pipeline
     from job_scripts.plan import plan_from_string
-    from job_scripts.precision import training_arch
+    from job_scripts.precision import TIMING_LOSS_SCALE, training_arch
 
     if req.compile_cache_dir:
         # memory_analysis() compiles the step again; where XLA's in-memory cache does not
@@ -339,6 +339,7 @@ def measure(req: MeasureRequest) -> Measurement:
         t0 = time.perf_counter()
         pipe = Pipeline(arch, plan, devices, req.global_batch, optimizer_for(arch.optimizer))
         got["build_s"] = time.perf_counter() - t0
+        pipe.set_loss_scale(TIMING_LOSS_SCALE)  # fp16: timed at scale 1, as tuning times it
         t0 = time.perf_counter()
         state = jax.block_until_ready(_zero_state(pipe) if req.init == "zeros" else pipe.init(0))
         got["init_s"] = time.perf_counter() - t0

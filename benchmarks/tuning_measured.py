@@ -62,10 +62,11 @@ class Timer:
         from job_scripts.pipeline import Pipeline
         from job_scripts.plan import plan_from_string
         from estimator.plan_string import parse_plan
-        from job_scripts.precision import training_arch
+        from job_scripts.precision import TIMING_LOSS_SCALE, training_arch
         arch = training_arch(self.arch, parse_plan(text).gpu_type)  # the dtype the runner trains in there
         plan = plan_from_string(text, self.spec, arch, self.global_batch, len(self.devices))[0]
         pipe = Pipeline(arch, plan, self.devices, self.global_batch, optimizer_for(arch.optimizer))
+        pipe.set_loss_scale(TIMING_LOSS_SCALE)  # fp16: timed at scale 1, as tuning times it
         state, loss = pipe.step(pipe.init(0), self.batch.inputs, self.batch.targets)
         float(loss)
         return pipe, state

@@ -642,8 +642,9 @@ class Pipeline:
 
     def init(self, seed: int) -> dict:
         """Fresh weights (identical for every plan given the seed) and optimizer state
-        (and an fp16 model's initial loss scale, unless one was set)."""
-        if self.scaled and self.loss_scale is None:
+        (and an fp16 model's initial loss scale, unless one was set or ``init`` is being
+        traced: ``jax.eval_shape(pipe.init, 0)`` must leave no tracer behind)."""
+        if self.scaled and self.loss_scale is None and not isinstance(seed, jax.core.Tracer):
             self.set_loss_scale()
         params, opt, state = self._init(jnp.asarray(seed, jnp.int32))
         return {"params": params, "opt": opt, "state": state}

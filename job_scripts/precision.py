@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import replace
+from types import MappingProxyType
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +41,9 @@ log = logging.getLogger(__name__)
 INITIAL_LOSS_SCALE = 2.0**15
 LOSS_SCALE_PERIOD_STEPS = 2000  # good steps in a row before the scale doubles (jmp's and Megatron's default)
 SKIPS_AT_SCALE_ONE_LIMIT = 8
+# The scale a timed step runs at (tuning, benchmarks): 1, so that no timed step overflows
+# and skips its update, which would make it cheaper than a training step.
+TIMING_LOSS_SCALE = MappingProxyType({"scale": 1.0, "good_steps": 0})
 # Device kinds' words for GPUs of a catalog type's generation and tensor cores.
 DEVICE_WORDS = {"v100s": "v100", "gv100": "v100"}
 

@@ -296,6 +296,7 @@ def _time_plan(req: TuneRequest, text: str, agree: Callable[[float], float], t0:
     from estimator.jax_optim import optimizer_for
     from job_scripts.data import stream_for
     from job_scripts.pipeline import Pipeline
+    from job_scripts.precision import TIMING_LOSS_SCALE
 
     pipe = Pipeline(req.arch, _runnable(req, text), req.devices, req.global_batch,
                     optimizer_for(req.arch.optimizer))
@@ -303,7 +304,7 @@ def _time_plan(req: TuneRequest, text: str, agree: Callable[[float], float], t0:
         return Measured(text, None, agree(time.perf_counter() - t0), "does not fit in device memory")
     batch = stream_for(req.arch, 0, req.global_batch).batch(1)
     state = pipe.init(0)
-    pipe.set_loss_scale({"scale": 1.0, "good_steps": 0})  # fp16: no step overflows and skips its update
+    pipe.set_loss_scale(TIMING_LOSS_SCALE)  # fp16: no step overflows and skips its update
     for _ in range(MEASURE_WARMUP_STEPS):
         state, loss = pipe.step(state, batch.inputs, batch.targets)
     jax.block_until_ready(loss)

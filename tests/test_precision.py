@@ -135,6 +135,28 @@ def test_an_overflowing_step_is_skipped_whole_and_the_scale_halves(plan):
     assert out["after_good_step"] == {"scale": 1.0 if wrn else 2.0**15, "good_steps": 1} and out["finite_after"]
 
 
+def _traced_init_then_step() -> dict:
+    import jax
+
+    from job_scripts.data import stream_for
+    from job_scripts.precision import to_json
+
+    arch, pipe = _pipeline("fp16", ONE, vocab=128)
+    shapes = jax.eval_shape(pipe.init, 0)  # abstract: must leave no tracer as the loss scale
+    traced_scale = pipe.loss_scale
+    state = pipe.init(0)
+    b = stream_for(arch, 0, BATCH).batch(1)
+    state, loss = pipe.step(state, b.inputs, b.targets)
+    return {"traced_scale": traced_scale, "kinds": sorted(shapes), "loss": float(loss),
+            "scale": to_json(pipe.loss_scale)}
+
+
+def test_tracing_init_leaves_the_loss_scale_to_the_real_init():
+    out = in_jax_child(1, _traced_init_then_step)
+    assert out["traced_scale"] is None and out["kinds"] == ["opt", "params", "state"]
+    assert out["scale"] == {"scale": 2.0**15, "good_steps": 1} and out["loss"] > 0
+
+
 def _one_device_overflows() -> list[bool]:
     import jax
     import jax.numpy as jnp
