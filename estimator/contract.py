@@ -341,6 +341,8 @@ def merge_settings(from_script: dict[str, str], from_comment: dict[str, str]) ->
 # ------------------------------------------------------------------ the runner's report
 
 MEASURED_FILE = "measured.json"  # beside the job's checkpoints: ROOT/<job id>/measured.json
+MAX_MEASURED_BYTES = 1 << 20  # the daemon reads no larger report
+MAX_REPORTED_INT = 1 << 53  # a larger integer in it is not a step or a count (nor a float)
 
 
 @dataclass(frozen=True)
@@ -407,8 +409,8 @@ class RunnerReport:
         for f in fields(cls):
             value = raw.get(f.name)
             kind = kinds[f.type.split(" | ")[0]]
-            if isinstance(value, bool):
-                value = None  # JSON true/false is never a number here
+            if isinstance(value, bool) or (isinstance(value, int) and abs(value) > MAX_REPORTED_INT):
+                value = None  # JSON true/false is never a number here; no count is this large
             elif kind is float and isinstance(value, int):
                 value = float(value)
             elif f.name == "job_id" and isinstance(value, int):

@@ -27,13 +27,13 @@ from estimator.comm import CommTable, load_comm_table, with_profiled
 from estimator.compute import Efficiency, efficiency, layer_time_s
 from estimator.errors import SpecError
 from estimator.gpus import gpu_type as _gpu_type
-from estimator.jobs import JobSpec
+from estimator.jobs import JobSpec, job_model
 from estimator.host import HostSpec, default_host
 from estimator.memory import (
     GRADIENT_BYTES, OPTIMIZER_STATE_BYTES, ZERO_LEVELS, MemoryOptions, StageMemory, host_memory_gb, runner_row_bytes,
     stage_memory, stage_params,
 )
-from estimator.models import DTYPE_BYTES, ModelSpec, load_model, tp_problem
+from estimator.models import DTYPE_BYTES, ModelSpec, tp_problem
 from estimator.partition import arena_stage_gpus, balanced_partition, stage_gpu_counts
 from estimator.plan_string import MAX_PLAN_STRING, format_plan
 from estimator.profile_fit import profiled_layer_s
@@ -347,7 +347,7 @@ def default_micro_batches(job: JobSpec, cell: Cell, options: EstimateOptions, mo
 
 def _context(job: JobSpec, cell: Cell, cluster: ClusterSpec, options: EstimateOptions,
              micro_batches: int | None = None, remat: bool | None = None) -> _Context:
-    model = load_model(job.model)
+    model = job_model(job)
     group = cluster.group(cell.gpu_type, cell.gpus_per_node, cell.num_gpus)
     gpu = _gpu_type(cell.gpu_type)
     B = micro_batches or default_micro_batches(job, cell, options, model)
@@ -494,7 +494,7 @@ def _faster_split(job: JobSpec, cell: Cell, cluster: ClusterSpec, options: Estim
     level then only adds communication; one that needed more micro-batches may need fewer
     with more memory freed)."""
     cap = dp_cap(job.global_batch, cell)
-    default_mb = default_micro_batches(job, cell, options, load_model(job.model))
+    default_mb = default_micro_batches(job, cell, options, job_model(job))
 
     def widest(e: CellEstimate) -> bool:
         return all(s.dp >= min(s.num_gpus, cap) for s in e.stages) and e.micro_batches <= default_mb
@@ -746,7 +746,7 @@ def enumerate_cells(job: JobSpec, cluster: ClusterSpec, options: EstimateOptions
     """The Cells of a job (Crius): counts {N/2, N, 2N} when N was asked for, else every power
     of two up to ``max_gpus``; × every GPU type; × stage counts 1, 2, 4, … ≤ count (and
     ≤ ``job.max_stages`` when the job's script cannot run more)."""
-    model = load_model(job.model)
+    model = job_model(job)
     types = gpu_types or cluster.gpu_types
     cells = []
     for t in types:

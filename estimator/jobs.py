@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 from estimator.errors import SpecError
 from estimator.gpus import gpu_type as _gpu_type
+from estimator.models import ModelSpec, load_model
 
 MAX_GLOBAL_BATCH = 1 << 24
 MAX_GPUS = 1 << 16
@@ -21,6 +22,10 @@ class JobSpec:
         gpu_type: the GPU type asked for, or None.
         max_stages: the most pipeline stages the job's training script can run (1 for a
             script with data and tensor parallelism only); None: any stage count.
+        model_spec: the model, already loaded by a caller that checked who may read its
+            file (the daemon, which runs as root, reads a user's file once, as that user
+            could): the estimator then never opens ``model`` itself. None: loaded from
+            ``model``.
     """
 
     model: str
@@ -28,6 +33,7 @@ class JobSpec:
     num_gpus: int | None = None
     gpu_type: str | None = None
     max_stages: int | None = None
+    model_spec: ModelSpec | None = None
 
     def __post_init__(self):
         if not isinstance(self.global_batch, int) or isinstance(self.global_batch, bool) \
@@ -44,3 +50,8 @@ class JobSpec:
                             "or leave it out to allow any stage count")
         if self.gpu_type is not None:
             object.__setattr__(self, "gpu_type", _gpu_type(self.gpu_type).name)
+
+
+def job_model(job: JobSpec) -> ModelSpec:
+    """The job's model: the one given with it, else loaded from its name or path."""
+    return job.model_spec if job.model_spec is not None else load_model(job.model)

@@ -335,9 +335,19 @@ def load_model(name_or_path: str) -> ModelSpec:
 @lru_cache(maxsize=256)
 def _load_model_file(path: str, mtime_ns: int, size: int) -> ModelSpec:
     try:
-        raw = yaml.safe_load(Path(path).read_text())
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        text = Path(path).read_text()
+    except UnicodeDecodeError as e:
         raise SpecError("model", path, yaml_problem(e)) from None
     except OSError as e:
         raise SpecError("model", path, f"cannot read: {e.strerror}") from None
-    return model_from_dict(raw, path)
+    return model_from_yaml(text, path)
+
+
+@lru_cache(maxsize=256)
+def model_from_yaml(text: str, source: str) -> ModelSpec:
+    """A transformer from a model YAML file's text (``source``: its path, for errors)."""
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise SpecError("model", source, yaml_problem(e)) from None
+    return model_from_dict(raw, source)

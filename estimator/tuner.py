@@ -38,8 +38,8 @@ from estimator.cluster import ClusterSpec
 from estimator.errors import SpecError
 from estimator.estimate import (EstimateOptions, PlanScore, estimate_cell, expert_parallel_fits, partition_stages,
                                 score_plan)
-from estimator.jobs import JobSpec
-from estimator.models import ModelSpec, load_model
+from estimator.jobs import JobSpec, job_model
+from estimator.models import ModelSpec
 from estimator.partition import stage_gpu_counts
 from estimator.plan_string import format_plan
 
@@ -236,7 +236,7 @@ def _assemble(ranges, splits_per_stage, model: ModelSpec | None = None,
 def tune(job: JobSpec, cell: Cell, cluster: ClusterSpec, options: TuneOptions = TuneOptions()
          ) -> TuneResult:
     """The ranked plans of one Cell (best first) and how many were scored."""
-    model = load_model(job.model)
+    model = job_model(job)
     per_stage = stage_gpu_counts(cell.num_gpus, cell.num_stages)
     if cell.num_stages > model.num_layers:
         raise SpecError("stages", cell.num_stages, f"{model.name} has {model.num_layers} layers")

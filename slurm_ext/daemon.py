@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 from estimator.cells import Cell
 from estimator.cluster import ClusterSpec
-from estimator.contract import MEASURED_FILE, ElasticSpecError
+from estimator.contract import MAX_MEASURED_BYTES, MEASURED_FILE, ElasticSpecError
 from estimator.estimate import EstimateOptions, estimate_job
 from estimator.errors import SpecError
 from estimator.jobs import JobSpec
@@ -61,6 +61,7 @@ from slurm_ext.refit import OnlineRefitter
 from slurm_ext.slurm_client import SlurmClient, SlurmJob, SlurmNode
 from slurm_ext.steering import Steering, steering
 from slurm_ext.store import START, EstimateCache, Store
+from slurm_ext.user_files import read_user_file
 
 log = logging.getLogger(__name__)
 
@@ -364,9 +365,9 @@ class Daemon:
         # A forecast sees their GPUs come free when they would finish on their Cells.
 
         def until_s(job_id: int, cell: Cell | None) -> float | None:
-            if cell is None:
+            if cell is None or (job := active_by_id.get(job_id)) is None:
                 return None
-            return self._finish_on_s(specs.get(job_id), job_id, cell, progress, cluster, now_s)
+            return self._finish_on_s(specs.get(job_id), job, cell, progress, cluster, now_s)
 
         reserved = [(c, until_s(j.job_id, c), required_placement(self.store.entries(j.job_id)))
                     for j in about_to_start if (c := reserved_cell(j, part_types)) is not None]
@@ -562,7 +563,7 @@ class Daemon:
         managed: list[ManagedJob] = []
         launching: list[SlurmJob] = []
         errors: list[tuple[SlurmJob, str]] = []
-        by_spec: dict[ElasticSpec, tuple[JobSpec, dict | str]] = {}
+        by_spec: dict[tuple[ElasticSpec, str], tuple[JobSpec, dict | str]] = {}
         refusing = self.store.jobs_with_failed(START)  # the only jobs whose journal a refusal may be in
         for job in candidates:
             spec, barred = specs[job.job_id], set()
@@ -592,9 +593,11 @@ class Daemon:
                 assignment, state = None, PENDING
             else:
                 continue  # completing, suspended, ...: its GPUs show in the nodes' gres
-            if spec not in by_spec:  # jobs of one spec share their estimates: look up once
-                by_spec[spec] = self._estimate(spec, cluster, now_s)
-            jspec, est = by_spec[spec]
+            # Jobs of one spec and user share their estimates: look up once (a model file
+            # is read as its job's owner could, so another user's job reads it anew).
+            if (spec, job.user) not in by_spec:
+                by_spec[spec, job.user] = self._estimate(spec, job.user, cluster, now_s)
+            jspec, est = by_spec[spec, job.user]
             if isinstance(est, str):
                 if self._gpu_types_seen - set(cluster.gpu_types) and \
                         now_s - self._estimate_failing_s.setdefault(job.job_id, now_s) < ESTIMATE_ERROR_SETTLE_S:
@@ -733,17 +736,21 @@ class Daemon:
     def _measured_text(self, job: SlurmJob) -> str | None:
         """The job's runner's ``measured.json`` (speed and plan that runs), or None."""
         path = Path(self.config.checkpoint_root) / str(job.job_id) / MEASURED_FILE
-        try:
-            return path.read_text()
-        except (OSError, UnicodeDecodeError):
+        try:  # in a directory the job's user writes: a FIFO or a huge file is refused
+            return read_user_file(str(path), MAX_MEASURED_BYTES).decode()
+        except (OSError, SpecError, UnicodeDecodeError):
             return None
 
-    def _estimate(self, spec: ElasticSpec, cluster: ClusterSpec, now_s: float
+    def _estimate(self, spec: ElasticSpec, user: str, cluster: ClusterSpec, now_s: float
                   ) -> tuple[JobSpec, dict | str]:
-        """The spec's job and its estimates by plan space, or why it cannot be estimated."""
+        """The spec's job and its estimates by plan space, or why it cannot be estimated.
+        A model file is read here, as ``user`` could read it, and handed to the estimator
+        loaded (``JobSpec.model_spec``): it never opens the user's path as root."""
         cfg = self.config
         jspec = spec.job_spec()
         try:
+            model = check_model(spec, model_loader_for(user))
+            jspec = replace(jspec, model_spec=model) if "/" in spec.model else jspec
             est = {}
             profile = profile_version(cfg.profile_db)
             profile_db = profile_db_if_written(cfg.profile_db)
@@ -762,16 +769,16 @@ class Daemon:
             return jspec, f"cannot estimate: {e}"
         return jspec, est
 
-    def _finish_on_s(self, spec: ElasticSpec | None, job_id: int, cell: Cell, progress: dict[int, float],
+    def _finish_on_s(self, spec: ElasticSpec | None, job: SlurmJob, cell: Cell, progress: dict[int, float],
                      cluster: ClusterSpec, now_s: float) -> float | None:
         """When a job about to (re)start on ``cell`` would finish there: a restart, then its
         remaining iterations at its estimate of the Cell (None: not known)."""
         if spec is None:
             return None
-        _, est = self._estimate(spec, cluster, now_s)
+        _, est = self._estimate(spec, job.user, cluster, now_s)
         if isinstance(est, str):
             return None
-        left = spec.iterations - progress.get(job_id, 0.0)
+        left = spec.iterations - progress.get(job.job_id, 0.0)
         return finish_on_s(tuple(est[self.config.plan_space]), cell, left, now_s + self.config.restart_cost_s)
 
     def _launch_stale(self, job: SlurmJob, now_s: float) -> bool:

@@ -11,8 +11,6 @@ import functools
 import json
 import math
 import os
-import pwd
-import stat
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -22,9 +20,9 @@ from estimator.cells import Cell, CellEstimate
 from estimator.cluster import ClusterSpec, cluster_from_dict, load_cluster
 from estimator.contract import (PLAN_SOURCES, RUNNER_PLAN_SOURCES, PlanComment, RunnerReport,
                                 format_plan_comment, parse_plan_comment)
-from estimator.errors import SpecError
+from estimator.errors import SpecError, yaml_problem
 from estimator.gpus import CATALOG
-from estimator.models import MAX_MODEL_FILE_BYTES, load_model
+from estimator.models import BUILTIN_MODELS, MAX_MODEL_FILE_BYTES, load_model, model_from_yaml
 from estimator.plan_string import PlanString, parse_plan
 from estimator.refine import Measurement
 from policy.forecast import GpuRelease
@@ -33,6 +31,7 @@ from policy.placement import FreeGpus
 from slurm_ext import store as journal
 from slurm_ext.jobspec import ElasticSpec
 from slurm_ext.slurm_client import HELD_FOR_RESCALE, JobUpdate, SlurmJob, SlurmNode
+from slurm_ext.user_files import read_user_file
 
 
 @functools.lru_cache(maxsize=8192)
@@ -177,23 +176,25 @@ def model_loader_for(user: str) -> Callable[[str], object]:
     """``load_model`` that reads a model file only if the job's owner could read it.
 
     The daemon runs as root: without this a user could name any file (``/dev/zero``, a
-    file only root may read) as a model and learn from the error what it holds.
+    file only root may read) as a model and learn from the error what it holds. The file
+    is read once, through the descriptor whose owner was checked (``read_user_file``);
+    a name without ``/`` must be a built-in (never a file in the daemon's directory).
     """
     def load(name: str) -> object:
-        if "/" in name:
-            path = Path(name)
-            st = path.stat()  # OSError: check_model reports "cannot be loaded"
-            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MODEL_FILE_BYTES:
-                raise SpecError("model", name, f"give a regular YAML file of at most {MAX_MODEL_FILE_BYTES} bytes")
-            try:
-                uid = pwd.getpwnam(user).pw_uid if user else None
-            except KeyError:
-                uid = None
-            if not (st.st_mode & stat.S_IROTH or (uid is not None and st.st_uid == uid
-                                                  and st.st_mode & stat.S_IRUSR)):
-                raise SpecError("model", name, "the file must be readable by the job's owner "
-                                "(owned by them or world-readable)")
-        return load_model(name)
+        if "/" not in name:
+            if name.strip().lower() not in BUILTIN_MODELS:
+                raise SpecError("model", name, f"not a built-in model ({', '.join(BUILTIN_MODELS)}); give one, "
+                                               "or an absolute path to a YAML file")
+            return load_model(name)
+        if Path(name).suffix.lower() not in (".yaml", ".yml"):
+            raise SpecError("model", name, "give a model YAML file (.yaml or .yml)")
+        try:
+            text = read_user_file(name, MAX_MODEL_FILE_BYTES, owner=user).decode()
+        except SpecError as e:
+            raise SpecError("model", name, e.hint) from None
+        except UnicodeDecodeError as e:
+            raise SpecError("model", name, yaml_problem(e)) from None
+        return model_from_yaml(text, name)
     return load
 
 
@@ -232,15 +233,15 @@ def node_type(node: SlurmNode, part_types: dict[str, str]) -> str | None:
 
 def steerable_nodes(nodes: tuple[SlurmNode, ...], part_types: dict[str, str], method: str,
                     managed: list[ManagedJob]) -> tuple[SlurmNode, ...]:
-    """The nodes whose GPU type a start can reach: all of them, but under ``steering:
-    partition`` those of a type with no partition of its own (a job given such a Cell
-    would stay held for ever; its GPUs are not the policy's to hand out). A node a
-    managed job runs on stays (it was reachable when the job started)."""
-    if method != "partition":
-        return nodes
-    reachable = type_partitions(part_types)
+    """The nodes a start can reach: those in a partition (a node defined in slurm.conf but
+    in none runs no job), and under ``steering: partition`` only those of a type with a
+    partition of its own (a job given such a Cell would stay held for ever; its GPUs are
+    not the policy's to hand out). A node a managed job runs on stays (it was reachable
+    when the job started)."""
+    reachable = type_partitions(part_types) if method == "partition" else None
     running = {name for m in managed if m.view.assignment is not None for name in m.view.assignment.nodes}
-    return tuple(n for n in nodes if node_type(n, part_types) in reachable or n.name in running)
+    return tuple(n for n in nodes if n.name in running or (
+        n.partitions and (reachable is None or node_type(n, part_types) in reachable)))
 
 
 def cluster_spec(nodes: tuple[SlurmNode, ...], part_types: dict[str, str], cluster: str | None,
@@ -253,6 +254,10 @@ def cluster_spec(nodes: tuple[SlurmNode, ...], part_types: dict[str, str], clust
         t = node_type(n, part_types)
         if t is not None and n.gpus > 0:
             groups.setdefault(t, []).append(n.gpus)
+    if not groups and (unknown := sorted({str(n.gpu_type) for n in nodes if n.gpus > 0})):
+        raise SpecError("partitions", unknown, f"no GPU node of a type the estimator knows ({', '.join(CATALOG)}): "
+                                               "name each GPU partition's type under partitions: in the config "
+                                               "(docs/admin.md)")
     parts = type_partitions(part_types)
     return cluster_from_dict({
         "name": "slurm", "network": {"kind": network},

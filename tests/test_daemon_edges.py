@@ -705,10 +705,10 @@ def test_an_edited_model_file_is_estimated_anew(tmp_path):
     model = tmp_path / "mine.yaml"
     model.write_text("hidden: 256\nlayers: 4\nheads: 4\nsequence: 128\nvocab: 1000\n")
     spec = ElasticSpec(str(model), 64, 10)
-    _, small = daemon._estimate(spec, cluster, 0.0)
+    _, small = daemon._estimate(spec, "root", cluster, 0.0)
     model.write_text("hidden: 8192\nlayers: 96\nheads: 64\nsequence: 4096\nvocab: 50000\n")
     os.utime(model, ns=(1, 1))  # even with an old time stamp: the size differs
-    _, large = daemon._estimate(spec, cluster, 1.0)
+    _, large = daemon._estimate(spec, "root", cluster, 1.0)
     assert isinstance(small, dict) and any(e.feasible for e in small[cfg.plan_space])
     assert large != small  # estimated anew (this one fits nowhere: an error, not the old Cells)
 

@@ -535,7 +535,7 @@ def test_expert_parallel_reaches_the_estimates_and_their_cache_key(tmp_path):
     best = {}
     for ep in (False, True):
         cfg = dc_replace(resolve({"state_db": str(tmp_path / f"state{ep}.db")}, {}, {}), expert_parallel=ep)
-        _, est = Daemon(cfg, None, Store(cfg.state_db))._estimate(spec, cluster, 0.0)
+        _, est = Daemon(cfg, None, Store(cfg.state_db))._estimate(spec, "root", cluster, 0.0)
         best[ep] = next(e for e in est[cfg.plan_space] if e.feasible and e.cell.num_gpus == 4)
     assert not any(s.ep for s in best[False].stages)
     assert all(s.ep for s in best[True].stages) and best[True].runnable

@@ -83,20 +83,20 @@ def command(job_id, as_json, config_path, state_db, timeout_s):
             # The settings the daemon read before it rewrote the job's request, else the job's.
             spec = ElasticSpec.from_json(stored[0]) if stored is not None and stored[0] else \
                 parse_spec(job.comment, script, requested_gpus(job), pc.requested)
-            check_model(spec, model_loader_for(job.user))
+            job_spec = replace(spec.job_spec(), model_spec=check_model(spec, model_loader_for(job.user)))
             part_types = partition_types(nodes, cfg.partition_map())
             cluster = cluster_spec(nodes, part_types, cfg.cluster, cfg.network)
             options = EstimateOptions(plan_space=cfg.plan_space, micro_batches=cfg.micro_batches_for(spec.global_batch),
                                       max_gpus=cfg.max_gpus, profile_db=profile_db_if_written(cfg.profile_db),
                                       expert_parallel=cfg.expert_parallel)
             try:
-                estimates = estimate_job(spec.job_spec(), cluster, options).cells
+                estimates = estimate_job(job_spec, cluster, options).cells
             except SpecError as e:
                 if e.field != "profile_db":
                     raise
                 # The site's profile store, not the job, is at fault: the analytic estimates.
                 click.echo(f"slurm-ext: warning: {e}; estimates without it", err=True)
-                estimates = estimate_job(spec.job_spec(), cluster, replace(options, profile_db=None)).cells
+                estimates = estimate_job(job_spec, cluster, replace(options, profile_db=None)).cells
         except (ElasticSpecError, SpecError) as e:
             spec_error = str(e)
     chosen = explain.chosen_estimate(pc, estimates or ())
