@@ -437,7 +437,9 @@ def _infeasible(cell: Cell, reason: str, B: int) -> CellEstimate:
     return CellEstimate(cell, (), B, math.inf, 0.0, 0.0, False, reason)
 
 
-MAX_ACCUMULATION_DOUBLINGS = 3
+# A bound on the doublings of the micro-batch count for memory; the activations' trend
+# (``_with_accumulation``) stops a Cell that cannot fit long before it.
+MAX_ACCUMULATION_DOUBLINGS = 24
 
 
 def estimate_cell(job: JobSpec, cell: Cell, cluster: ClusterSpec,
@@ -447,8 +449,9 @@ def estimate_cell(job: JobSpec, cell: Cell, cluster: ClusterSpec,
     The default micro-batch count is 4 × stages, or the largest count below it that
     divides the per-replica batch (the global batch over the largest power-of-two data
     parallelism it splits into). A Cell that runs out of memory with it is tried again
-    with at least 2×, 4× and 8× as many (smaller) micro-batches — gradient accumulation
-    trades speed for activation memory — and the first that fits is kept.
+    with at least 2×, 4×, 8× … as many (smaller) micro-batches — gradient accumulation
+    trades speed for activation memory — and the first that fits is kept; the doubling
+    stops when the memory one doubling saved says that no more can make the Cell fit.
 
     With ``options.remat`` None, remat off and on are both estimated and the faster
     feasible kept. A Cell that still does not fit is estimated under ZeRO 1, 2, 3 and
@@ -537,10 +540,16 @@ def memory_label(memory: MemoryOptions) -> str:
 
 def _with_accumulation(job: JobSpec, cell: Cell, cluster: ClusterSpec,
                        options: EstimateOptions) -> CellEstimate:
-    """A Cell's estimate, retried with more micro-batches while it is out of memory."""
+    """A Cell's estimate, retried with more micro-batches while it is out of memory.
+
+    Doubling the count halves what scales with the micro-batch (its activations); what a
+    doubling saved bounds what all further ones can save (half of it, a quarter, ...).
+    When the peak less twice that is still above the usable memory, the Cell cannot fit
+    by accumulation (its weights and states do not), and the doubling stops."""
     est = _estimate_cell(job, cell, cluster, options, None)
     doublings = 0
     replica = replica_batch(job.global_batch, cell)
+    usable_gb = _gpu_type(cell.gpu_type).device_memory_gb * options.memory.usable_frac
     while (not est.feasible and options.micro_batches is None and est.stages
            and "GB per GPU" in est.reason and doublings < MAX_ACCUMULATION_DOUBLINGS
            and (more := more_micro_batches(replica, est.micro_batches))):
@@ -548,7 +557,10 @@ def _with_accumulation(job: JobSpec, cell: Cell, cluster: ClusterSpec,
         retry = _estimate_cell(job, cell, cluster, options, more)
         if retry.feasible or "GB per GPU" not in retry.reason:
             return retry if retry.feasible else est
+        saved_gb = est.peak_memory_gb - retry.peak_memory_gb
         est = retry
+        if retry.peak_memory_gb - 2 * saved_gb > usable_gb:
+            break
     return est
 
 

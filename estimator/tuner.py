@@ -32,8 +32,8 @@ import math
 from dataclasses import dataclass, field
 from itertools import product
 
-from estimator.batching import micro_batch_count, moe_routes
-from estimator.cells import Cell, StagePlan
+from estimator.batching import micro_batch_count, moe_routes, more_micro_batches, replica_batch
+from estimator.cells import Cell, CellEstimate, StagePlan
 from estimator.cluster import ClusterSpec
 from estimator.errors import SpecError
 from estimator.estimate import (EstimateOptions, PlanScore, estimate_cell, expert_parallel_fits, partition_stages,
@@ -246,6 +246,16 @@ def tune(job: JobSpec, cell: Cell, cluster: ClusterSpec, options: TuneOptions = 
     mbs = micro_batch_choices(cell, job.global_batch, options.micro_batch_factors, model)
     if not mbs:
         raise SpecError("global_batch", job.global_batch, f"needs at least {cell.num_stages} samples")
+    # The Cell estimate's count is tried too: one given, or more than the factors reach (a
+    # large batch fits only in many micro-batches; that estimate may be under a higher
+    # ZeRO level, so the doublings up to twice its count are tried as well).
+    est = estimate_cell(job, cell, cluster, est_opts)
+    if est.stages and est.micro_batches not in mbs:
+        more, ladder = max(mbs), {est.micro_batches}
+        while (more := more_micro_batches(replica_batch(job.global_batch, cell), more)) \
+                and more <= 2 * est.micro_batches:
+            ladder.add(more)
+        mbs = tuple(sorted({*mbs, *ladder}))
     scorer = _Scorer(job, cell, cluster, est_opts)
     if options.prune == "none":
         for ranges in partitions:
@@ -253,7 +263,7 @@ def tune(job: JobSpec, cell: Cell, cluster: ClusterSpec, options: TuneOptions = 
                 for mb, remat in product(mbs, (False, True)):
                     scorer(Candidate(stages, mb, remat))
     else:
-        _pruned_search(job, cell, cluster, model, options, per_stage, partitions, mbs, scorer)
+        _pruned_search(est, model, options, per_stage, partitions, mbs, scorer)
     ranked = tuple(sorted(scorer.seen.values(), key=ScoredPlan.rank_key))
     log.info("tuned %s: %d candidates (%s), best %s", cell.label(), len(scorer.seen),
              options.prune, ranked[0].score.iteration_time_s if ranked else None)
@@ -269,9 +279,8 @@ def _fit(scorer: _Scorer, stages, mb: int) -> ScoredPlan:
     return scorer(Candidate(stages, mb, True))
 
 
-def _pruned_search(job, cell, cluster, model, options: TuneOptions, per_stage, partitions,
+def _pruned_search(est: CellEstimate, model, options: TuneOptions, per_stage, partitions,
                    mbs, scorer: _Scorer) -> None:
-    est = estimate_cell(job, cell, cluster, options.estimate)
     favoured = ["tp" if s.tp > 1 and s.dp == 1 else "dp" for s in est.stages] or ["dp"] * len(per_stage)
     if len(favoured) != len(per_stage):
         favoured = ["dp"] * len(per_stage)

@@ -8,7 +8,7 @@ from estimator.errors import SpecError
 from estimator.estimate import (EstimateOptions, enumerate_cells, estimate_cell, estimate_job,
                                 pipeline_time_s, score_plan, StageCost)
 from estimator.jobs import JobSpec
-from estimator.memory import StageMemory
+from estimator.memory import MemoryOptions, StageMemory
 
 CRIUS = load_cluster("crius-1280")
 
@@ -156,6 +156,18 @@ def test_out_of_memory_cell_retries_with_more_micro_batches():
     default = estimate_cell(job, cell, CRIUS)  # 4 × stages, doubled while it does not fit
     assert default.feasible and default.micro_batches > 4
     assert default.peak_memory_gb < fixed.peak_memory_gb
+
+
+def test_a_large_batch_fits_in_as_many_micro_batches_as_it_needs():
+    """gpt-760m at 16,384 samples on two A100s needs 64 micro-batches or more: beyond the
+    three doublings of the default count that were once the limit."""
+    job, cell = JobSpec("gpt-760m", 16384), Cell("a100", 2, 2, 1)
+    est = estimate_cell(job, cell, CRIUS, EstimateOptions(memory=MemoryOptions(zero_level=0), remat=True))
+    assert est.feasible and est.micro_batches >= 64
+    # Weights and states alone beyond the GPU: the doubling stops, and says why.
+    big = estimate_cell(JobSpec("gpt-15b", 16384), Cell("a10", 1, 1, 1), CRIUS,
+                        EstimateOptions(memory=MemoryOptions(zero_level=0), remat=True))
+    assert not big.feasible and "GB per GPU" in big.reason
 
 
 def test_micro_batch_count_is_the_largest_divisor_of_the_global_batch_up_to_the_target():

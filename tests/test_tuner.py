@@ -132,6 +132,15 @@ def test_tune_finds_the_zero_plan_that_estimate_finds_where_nothing_fits_without
     assert rc == 0 and not json.loads(out)["best"]["feasible"]  # as asked: ZeRO-0 only
 
 
+def test_tuning_tries_the_micro_batch_count_a_large_batch_needs():
+    from estimator.estimate import EstimateOptions
+    cluster, job, cell = load_cluster("crius-1280"), JobSpec("gpt-760m", 16384), Cell("a100", 4, 4, 1)
+    best = tune(job, cell, cluster).ranked[0]
+    assert best.score.feasible and best.candidate.micro_batches >= 64  # the factors reach 16
+    given = tune(job, cell, cluster, TuneOptions(estimate=EstimateOptions(micro_batches=256))).ranked
+    assert given[0].score.feasible and 256 in {p.candidate.micro_batches for p in given}  # where it starts
+
+
 def test_tune_cli_errors_are_one_line_with_exit_2():
     rc, out, err = _cli(["tune", "--model", "gpt-1.3b", "--global-batch", "256", "--gpu-type",
                          "h100", "--gpus", "8", "--cluster", "crius-1280"])

@@ -144,8 +144,8 @@ def _read_batch(source) -> list[tuple[int, dict]]:
               show_default=f"$SLURM_EXT_CLUSTER or {DEFAULT_CLUSTER}",
               help="Built-in cluster (crius-1280, lab) or a cluster YAML file.")
 @click.option("--micro-batches", type=int,
-              help="Pipeline micro-batches (default 4 × stages, or the largest count below it that "
-                   "divides the global batch).")
+              help="Pipeline micro-batches of every Cell (default 4 × stages, or the largest count "
+                   "below it that divides the global batch; doubled while a Cell does not fit).")
 @click.option("--comm-table", type=click.Path(dir_okay=False),
               help="Measured collectives CSV replacing the shipped one.")
 @click.option("--fidelity", type=click.Choice(["analytic", "compiled"]), default="analytic",
