@@ -10,13 +10,18 @@ interpolates its curve log-log in bytes. GPU types, group sizes or layouts the t
 not cover fall back to a latency-bandwidth model built from the GPU catalog and the
 cluster's network, and the answer says which one it used. So do collectives across nodes
 on a network kind the shipped table was not measured on (its ``default`` is the
-artifact's clusters' own network; a site's table or profile is its own network).
+artifact's clusters' own network; a site's table or profile is its own network). Where
+the table has the type's curves across nodes on the cluster's network, the model's
+bandwidth per node is the one those curves attain (``CommTable.inter_node_gbytes_s``),
+not the network's nominal one: a layout past the table's then costs what its neighbours
+in the table do.
 """
 
 import ast
 import bisect
 import csv
 import math
+import statistics
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -62,6 +67,13 @@ class CommTable:
         self._networks: dict[str, set[str]] = {}
         for key in curves:
             self._networks.setdefault(key.gpu_type, set()).add(key.network)
+        self._attained = _attained_inter_node(curves)
+
+    def inter_node_gbytes_s(self, gpu_type_name: str, network: str) -> float | None:
+        """The bandwidth per node that the type's curves across nodes on ``network``
+        attain at their largest messages, as the latency-bandwidth model counts it (the
+        median over the curves of all-reduce, all-gather and reduce-scatter), or None."""
+        return self._attained.get((gpu_type_name, network))
 
     @property
     def gpu_types(self) -> tuple[str, ...]:
@@ -89,6 +101,23 @@ class CommTable:
         if self.shipped and nodes_spanned > 1 and gpu_type_name not in self.profiled_types:
             return None
         return "default" if "default" in nets else sorted(nets)[0]
+
+
+def _attained_inter_node(curves: dict[CurveKey, dict[int, Curve]]) -> dict[tuple[str, str], float]:
+    """(GPU type, network) → the bandwidth per node ``model_time`` would need to give each
+    curve across nodes its time at its largest message (median over the curves)."""
+    implied: dict[tuple[str, str], list[float]] = {}
+    for key, by_sharing in curves.items():
+        if key.nodes_spanned < 2 or key.op not in ("all-reduce", "all-gather", "reduce-scatter"):
+            continue
+        steps = 2 * (key.group_size - 1) if key.op == "all-reduce" else key.group_size - 1
+        for sharing, (sizes, times, _) in by_sharing.items():
+            wire_s = times[-1] - LATENCY_INTER_S * steps
+            if wire_s > 0:
+                per_node = max(1, key.group_size // key.nodes_spanned) * max(1, sharing)
+                implied.setdefault((key.gpu_type, key.network), []).append(
+                    per_node * _algorithm_factor(key.op, key.group_size) * sizes[-1] / wire_s / 1e9)
+    return {k: statistics.median(v) for k, v in implied.items()}
 
 
 def _nodes_spanned(groups: list[list[int]], gpus_per_node: int, num_nodes: int, op: str) -> int:
@@ -291,6 +320,7 @@ def collective_time(table: CommTable | None, op: str, group_size: int, nodes_spa
                     g, curve = near
                     scale = _algorithm_factor(op, group_size) / _algorithm_factor(op, g)
                     return CommTime(_interpolate(*curve, nbytes) * scale, source)
+            inter_node_gbytes_s = table.inter_node_gbytes_s(gpu_type_name, net) or inter_node_gbytes_s
     return CommTime(model_time(op, group_size, nodes_spanned, nbytes, gpu_type_name, inter_node_gbytes_s,
                                groups_per_node), "model")
 

@@ -151,3 +151,22 @@ def test_the_model_shares_a_nodes_network_among_the_groups_that_cross_it(table):
     eight = collective_time(table, "all-reduce", 2, 2, 1e9, "h100", "infiniband", 25.0, 8)
     assert one.source == eight.source == "model"
     assert eight.seconds == pytest.approx(8 * one.seconds, rel=0.01)
+
+
+def test_a_layout_past_the_table_costs_what_the_table_attains_on_its_network(table):
+    """32 A100s over 8 nodes (the table's curves span at most a few): the model runs at
+    the bandwidth per node the type's curves across nodes attain on that network, not at
+    the cluster's nominal 25 GB/s; on a network the table was not measured on, the nominal."""
+    attained = table.inter_node_gbytes_s("a100", "default")
+    assert 5.0 < attained < 25.0  # the artifact's A100 cluster, measured
+    nbytes = 1e9
+    past = collective_time(table, "all-reduce", 32, 8, nbytes, "a100", "default", 25.0)
+    assert past.source == "model"
+    assert past.seconds == pytest.approx(model_time("all-reduce", 32, 8, nbytes, "a100", attained))
+    assert past.seconds > 1.5 * model_time("all-reduce", 32, 8, nbytes, "a100", 25.0)
+    # The model at that bandwidth is near the table's own 2-node curve of 8 GPUs.
+    measured = collective_time(table, "all-reduce", 8, 2, nbytes, "a100", "default", 25.0)
+    assert measured.source == "table"
+    assert 0.5 < model_time("all-reduce", 8, 2, nbytes, "a100", attained) / measured.seconds < 2.0
+    other = collective_time(table, "all-reduce", 32, 8, nbytes, "a100", "infiniband", 25.0)
+    assert other.seconds == pytest.approx(model_time("all-reduce", 32, 8, nbytes, "a100", 25.0))
