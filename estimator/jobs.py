@@ -9,6 +9,7 @@ from estimator.models import ModelSpec, load_model
 MAX_GLOBAL_BATCH = 1 << 24
 MAX_GPUS = 1 << 16
 MAX_STAGES = 1 << 10
+MAX_ITERATIONS = 10**9  # an elastic job's iterations
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from estimator.errors import SpecError
+from estimator.jobs import MAX_GLOBAL_BATCH, MAX_ITERATIONS
 from job_scripts.slurm_env import SlurmAllocation, int_var
 
 PLAN_ENV = "SLURM_EXT_PLAN"
@@ -111,10 +112,11 @@ def _non_negative(key: str, value: float) -> float:
     return value
 
 
-def _whole(key: str, value: int, least: int, what: str) -> int:
-    """``value`` when it is a whole number ≥ ``least``; ``what`` says what it counts."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise SpecError(key, value, f"give a whole number ≥ {least} ({what})")
+def _whole(key: str, value: int, least: int, what: str, most: int | None = None) -> int:
+    """``value`` when it is a whole number in [``least``, ``most``]; ``what`` says what it counts."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least or (most is not None and value > most):
+        bound = f"≥ {least}" if most is None else f"in {least} … {most}"
+        raise SpecError(key, value, f"give a whole number {bound} ({what})")
     return value
 
 
@@ -147,9 +149,9 @@ def resolve_config(given: dict, env: dict[str, str], alloc: SlurmAllocation,
                                                       for k in require)):
         if value is None:
             raise SpecError(name, None, f"give --{name.replace('_', '-')} or an #ELASTIC {name}=... line")
-    _whole("global_batch", batch, 1, "samples per step")
+    _whole("global_batch", batch, 1, "samples per step", MAX_GLOBAL_BATCH)
     if iterations is not None:
-        _whole("iterations", iterations, 0, "steps to train")
+        _whole("iterations", iterations, 1, "steps to train", MAX_ITERATIONS)
     default_cache, tuned_dir = "", None
     root = pick("checkpoint_root") or env.get(CHECKPOINT_ROOT_ENV) or (
         str(Path(alloc.submit_dir) / "checkpoints") if alloc.submit_dir else "checkpoints")

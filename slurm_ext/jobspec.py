@@ -28,10 +28,9 @@ from estimator.contract import (COMMENT_TAG, SCRIPT_TAG, ElasticSpecError, comme
                                 merge_settings, script_settings)
 from estimator.errors import SpecError
 from estimator.gpus import CATALOG
-from estimator.jobs import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_STAGES, JobSpec
+from estimator.jobs import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_ITERATIONS, MAX_STAGES, JobSpec
 
 REQUIRED_KEYS = ("model", "global_batch", "iterations")
-MAX_ITERATIONS = 10**9
 _YES = {"yes", "true", "1", "on"}
 _NO = {"no", "false", "0", "off"}
 

@@ -215,6 +215,17 @@ def test_bad_plan_is_one_line_and_exit_2(tmp_path):
     assert "is for 8 GPUs but this job has 4" in proc.stderr
 
 
+def test_platform_gpu_without_a_gpu_is_one_line_and_exit_2(tmp_path):
+    """It trained on the CPU and reported the times as a GPU's."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "job_scripts.run", "--model", str(TINY_GPT), "--global-batch", "16",
+         "--iterations", "1", "--devices", "1", "--platform", "gpu", "--checkpoint-dir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=WAIT_S,
+        env={k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "XLA_", "JAX_", "CUDA_"))})
+    assert proc.returncode == 2 and "sees no GPU" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "1").exists()
+
+
 def test_a_report_that_cannot_be_written_does_not_fail_the_training(tmp_path):
     """measured.json goes to ROOT/<job id> even beside checkpoints of --checkpoint-dir: where
     that cannot be written, the job trained and checkpointed, then ended in a traceback."""
@@ -322,6 +333,9 @@ def test_a_malformed_comment_stops_the_job_unless_the_flags_set_every_setting(tm
     ({"seed": -1}, {}, "seed=-1"),  # not at the first batch of data
     ({"seed": 2**32}, {}, "seed=4294967296"),
     ({"seed": 2**31}, {}, "seed=2147483648"),  # accepted, then an OverflowError at the weights' init
+    ({"global_batch": 99999999999}, {}, "global_batch=99999999999"),  # the elastic spec's bounds
+    ({"iterations": 0}, {}, "iterations=0"),  # trained nothing, exit 0
+    ({"iterations": 10**12}, {}, "iterations=1000000000000"),
 ])
 def test_a_zero_or_malformed_flag_is_refused_not_replaced(tmp_path, given, env, wrong):
     from job_scripts.slurm_env import SlurmAllocation
