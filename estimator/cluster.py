@@ -20,6 +20,7 @@ import yaml
 
 from estimator.cells import gpus_per_node_of
 from estimator.errors import SpecError, yaml_problem
+from estimator.yaml_text import load_yaml
 from estimator.gpus import gpu_type
 
 log = logging.getLogger(__name__)
@@ -174,7 +175,7 @@ def load_cluster(name_or_path: str) -> ClusterSpec:
         raise SpecError("cluster", name_or_path,
                         f"neither a built-in ({', '.join(BUILTIN_CLUSTERS)}) nor a readable YAML file")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = load_yaml(path.read_text())
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise SpecError("cluster", name_or_path, yaml_problem(e)) from None
     except OSError as e:

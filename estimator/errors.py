@@ -38,7 +38,8 @@ def _rebuild(cls: type, field: str, value: object, hint: str) -> SpecError:
 
 def yaml_problem(error: Exception) -> str:
     """A YAML (or text decoding) error in one line, with where it is when YAML knows."""
-    text = f"malformed YAML: {str(error).splitlines()[0]}"
+    problem = getattr(error, "problem", None)  # what is wrong, where str() leads with the context
+    text = f"malformed YAML: {problem or str(error).splitlines()[0]}"
     mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
     if mark is not None:
         text += f" (line {mark.line + 1}, column {mark.column + 1})"

@@ -30,6 +30,7 @@ from pathlib import Path
 import yaml
 
 from estimator.errors import SpecError, yaml_problem
+from estimator.yaml_text import load_yaml
 
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 OPTIMIZERS = ("adamw", "adafactor", "sgd")
@@ -347,7 +348,7 @@ def _load_model_file(path: str, mtime_ns: int, size: int) -> ModelSpec:
 def model_from_yaml(text: str, source: str) -> ModelSpec:
     """A transformer from a model YAML file's text (``source``: its path, for errors)."""
     try:
-        raw = yaml.safe_load(text)
+        raw = load_yaml(text)
     except yaml.YAMLError as e:
         raise SpecError("model", source, yaml_problem(e)) from None
     return model_from_dict(raw, source)

@@ -17,6 +17,7 @@ import yaml
 from slurm_ext.guarantees import GuaranteePolicy
 from estimator.cluster import NETWORK_DEFAULT_GBYTES_S, load_cluster
 from estimator.errors import SpecError, yaml_problem
+from estimator.yaml_text import load_yaml
 from estimator.gpus import CATALOG
 
 ENV_PREFIX = "SLURM_EXT_"
@@ -168,7 +169,7 @@ def read_yaml(path: str | Path) -> dict:
     """The mapping in a YAML config file (empty file: empty mapping)."""
     p = Path(path)
     try:
-        raw = yaml.safe_load(p.read_text())
+        raw = load_yaml(p.read_text())
     except OSError as e:
         raise ConfigError("config", str(path), f"cannot read: {e.strerror}") from None
     except (yaml.YAMLError, UnicodeDecodeError) as e:
@@ -246,7 +247,7 @@ def _yaml_text(key: str, raw: object, source: str, example: str) -> object:
     if not isinstance(raw, str):
         return raw
     try:
-        return yaml.safe_load(raw)
+        return load_yaml(raw)
     except yaml.YAMLError:
         raise ConfigError(key, raw, f"({source}) give a YAML mapping, e.g. '{example}'") from None
 

@@ -401,3 +401,15 @@ def test_a_daemon_on_a_state_file_another_daemon_holds_stops_with_one_line(capsy
         os.close(held)
     assert code == 1 and f"(pid {os.getpid()}) acts on {state}" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_gpus_per_node_that_no_cell_can_use_is_an_error_not_another_layout(capsys):
+    """3 was read as 2, and 4 on the 2-GPU a40 nodes left every a40 Cell out."""
+    code, out, err = run(capsys, "estimate", "--model", "gpt-1.3b", "--global-batch", "64", "--gpus-per-node", "3")
+    assert code == 2 and out == "" and "gpus_per_node=3: give a power of two" in err
+    code, out, err = run(capsys, "estimate", "--model", "gpt-1.3b", "--global-batch", "64", "--gpus", "8",
+                         "--gpu-type", "a40", "--gpus-per-node", "4")
+    assert code == 2 and "no node that large" in err and "a40 2" in err
+    code, out, err = run(capsys, "estimate", "--model", "gpt-1.3b", "--global-batch", "64", "--gpus", "8",
+                         "--gpu-type", "a40", "--gpus-per-node", "2")
+    assert code == 0 and " a40 " in out

@@ -22,16 +22,24 @@ MAX_BATCH_LINE_BYTES = 4096
 def _estimate(model: str, global_batch: int, gpu_type: str | None, gpus: int | None,
               gpus_per_node: int | None, max_stages: int | None, cluster_name: str,
               options: EstimateOptions) -> JobEstimate:
-    if gpus_per_node is not None and gpus_per_node < 1:
-        raise SpecError("gpus_per_node", gpus_per_node, "give a positive integer")
+    if gpus_per_node is not None and (gpus_per_node < 1 or gpus_per_node & (gpus_per_node - 1)):
+        raise SpecError("gpus_per_node", gpus_per_node, "give a power of two (a Cell's GPUs lie on nodes in "
+                                                        "groups of 1, 2, 4, 8, ...)")
     if gpus is not None:
         if gpus < 1:
             raise SpecError("gpus", gpus, "give a positive power of two, or leave it out to see every count")
         check_power_of_two_gpus(gpus, "not a power of two", "ask for {below} or {above}")
     cluster = load_cluster(cluster_name)
     job = JobSpec(model, global_batch, gpus, gpu_type, max_stages)
-    types = (job.gpu_type,) if job.gpu_type else None
-    return estimate_job(job, cluster, options, types, gpus_per_node)
+    types = (job.gpu_type,) if job.gpu_type else cluster.gpu_types
+    for t in types:
+        cluster.group(t)  # a clear error for a type the cluster lacks
+    # What the cluster cannot hold at all is said, not left out of the table.
+    if gpus_per_node is not None and not any(size >= gpus_per_node for t in types for size in cluster.node_sizes(t)):
+        sizes = ", ".join(f"{t} {max(cluster.node_sizes(t))}" for t in types)
+        raise SpecError("gpus_per_node", gpus_per_node, f"{cluster.name} has no node that large (GPUs per node: "
+                                                        f"{sizes})")
+    return estimate_job(job, cluster, options, (job.gpu_type,) if job.gpu_type else None, gpus_per_node)
 
 
 def _fit(text: str, width: int) -> str:
