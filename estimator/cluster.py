@@ -81,7 +81,10 @@ class ClusterSpec:
         6-GPU nodes), if any."""
         groups = [g for g in self.node_groups if g.gpu_type == gpu_type_name]
         if not groups:
-            raise SpecError("gpu_type", gpu_type_name, f"cluster {self.name} has {', '.join(self.gpu_types)}")
+            having = [name for name, c in BUILTIN_CLUSTERS.items() if gpu_type_name in c.gpu_types]
+            raise SpecError("gpu_type", gpu_type_name, f"cluster {self.name} has {', '.join(self.gpu_types)}; name a "
+                            "cluster that has it (a cluster YAML" + (f", or {', '.join(having)}" if having else "")
+                            + ")")
         return next((g for g in groups if g.gpus_per_node == gpus_per_node), None) or next(
             (g for g in groups if num_gpus and gpus_per_node_of(num_gpus, g.gpus_per_node) == gpus_per_node),
             groups[0])
@@ -171,7 +174,7 @@ def load_cluster(name_or_path: str) -> ClusterSpec:
     if name_or_path in BUILTIN_CLUSTERS:
         return BUILTIN_CLUSTERS[name_or_path]
     path = Path(name_or_path)
-    if not path.exists():
+    if not name_or_path.strip() or not path.exists():
         raise SpecError("cluster", name_or_path,
                         f"neither a built-in ({', '.join(BUILTIN_CLUSTERS)}) nor a readable YAML file")
     try:

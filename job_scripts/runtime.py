@@ -395,9 +395,13 @@ class Job:
                                 "model runs replicated states on a (dp, tp) mesh: give it a plan without "
                                 "zero, offload or ep")
             dp, tp = plan.stages[0]
-        if dp * tp != n or self.global_batch % (dp * self.micro_batches):
-            raise SpecError("plan", self.plan_text, f"needs {dp * tp} devices (the job has {n}) and a global "
-                            f"batch divisible by dp × micro-batches = {dp * self.micro_batches}")
+        what = "the plan" if plan is not None else f"all {n} devices data-parallel (no plan given)"
+        if dp * tp != n:
+            raise SpecError("plan", self.plan_text, f"{what} needs {dp * tp} devices; the job has {n}")
+        if self.global_batch % (dp * self.micro_batches):
+            raise SpecError("global_batch", self.global_batch, f"{what} splits each step over dp {dp} × "
+                            f"{self.micro_batches} micro-batches = {dp * self.micro_batches}, which does not "
+                            "divide it: give a plan whose dp × micro-batches does, or another global batch")
         return Mesh(np.asarray(self.devices, dtype=object).reshape(dp, tp), ("dp", "tp"))
 
     def batch_sharding(self):

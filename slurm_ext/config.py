@@ -203,7 +203,8 @@ def _bool(key: str, raw: object, source: str) -> bool:
     raise ConfigError(key, raw, f"({source}) write true or false")
 
 
-def _number(key: str, raw: object, source: str, kind: type, optional: bool) -> float | int | None:
+def _number(key: str, raw: object, source: str, kind: type, optional: bool,
+            positive: bool = False) -> float | int | None:
     if optional and (raw is None or (isinstance(raw, str) and raw.strip().lower() in ("", "none", "null"))):
         return None
     if isinstance(raw, bool):
@@ -214,8 +215,8 @@ def _number(key: str, raw: object, source: str, kind: type, optional: bool) -> f
         value = kind(raw)
     except (TypeError, ValueError, OverflowError):
         raise ConfigError(key, raw, f"({source}) give a {'whole ' if kind is int else ''}number") from None
-    if value < 0 or (kind is float and not math.isfinite(value)):
-        raise ConfigError(key, raw, f"({source}) give a non-negative, finite number")
+    if value < 0 or (kind is float and not math.isfinite(value)) or (positive and value == 0):
+        raise ConfigError(key, raw, f"({source}) give a {'positive' if positive else 'non-negative'}, finite number")
     return value
 
 
@@ -254,9 +255,7 @@ def _yaml_text(key: str, raw: object, source: str, example: str) -> object:
 
 def _coerce(key: str, raw: object, source: str) -> object:
     if key in _FLOATS:
-        value = _number(key, raw, source, float, False)
-        if key in ("interval_s", "slurm_timeout_s") and value <= 0:
-            raise ConfigError(key, raw, f"({source}) give a positive number of seconds")
+        value = _number(key, raw, source, float, False, positive=key in ("interval_s", "slurm_timeout_s"))
         if key == "rescale_timeout_s" and value < MIN_RESCALE_TIMEOUT_S:
             raise ConfigError(key, raw, f"({source}) give at least {MIN_RESCALE_TIMEOUT_S:.0f} s: a job needs "
                                         "that long to checkpoint before its requeue is forced")

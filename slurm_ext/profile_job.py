@@ -27,6 +27,11 @@ LOWEST_NICE = 2147483645  # sbatch's largest --nice: the lowest priority
 RETRY_AFTER_S = 3600.0  # a (model, type) whose profiling job failed waits this long
 
 
+# The shortest time limit that leaves a minute of measuring beside starting JAX, the fit
+# and the store's write (``measure_budget_s``).
+MIN_PROFILE_MINUTES = 3
+
+
 def measure_budget_s(time_limit_min: int) -> int:
     """Seconds the profiler may spend measuring in a job of this time limit: the rest is
     kept for starting JAX, the fit and the store's write, so a profile cut short by its

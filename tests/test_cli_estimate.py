@@ -413,3 +413,12 @@ def test_gpus_per_node_that_no_cell_can_use_is_an_error_not_another_layout(capsy
     code, out, err = run(capsys, "estimate", "--model", "gpt-1.3b", "--global-batch", "64", "--gpus", "8",
                          "--gpu-type", "a40", "--gpus-per-node", "2")
     assert code == 0 and " a40 " in out
+
+
+def test_a_bad_flag_under_batch_is_the_flags_error_and_a_bad_line_names_its_key(capsys, monkeypatch):
+    line = '{"model": "gpt-760m", "global_batch": 64}\n'
+    code, out, err = run(capsys, "estimate", "--batch", "-", "--gpus", "6", stdin=line, monkeypatch=monkeypatch)
+    assert code == 2 and err.startswith("slurm-ext: error: gpus='6'") and "line 1" not in err
+    own = '{"model": "gpt-760m", "global_batch": 64, "num_gpus": 6}\n'
+    code, out, err = run(capsys, "estimate", "--batch", "-", stdin=own, monkeypatch=monkeypatch)
+    assert code == 2 and "line 1.num_gpus='6'" in err

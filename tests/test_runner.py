@@ -390,6 +390,23 @@ def test_the_mesh_refuses_plans_that_split_states_or_experts(tmp_path):
             assert (token in plan) == (named in refusal), (plan, refusal)
 
 
+def _batch_that_does_not_split(ckpt: str) -> str:
+    from estimator.errors import SpecError
+    try:
+        _start(ckpt, 3).mesh()  # no plan: 3 devices data-parallel, and 16 samples
+    except SpecError as e:
+        return str(e)
+    return ""
+
+
+def test_a_global_batch_the_mesh_cannot_split_says_so(tmp_path):
+    """It said "plan=None: needs 3 devices (the job has 3) and …": not what was wrong."""
+    from conftest import in_jax_child
+
+    refusal = in_jax_child(3, _batch_that_does_not_split, str(tmp_path))
+    assert refusal.startswith("global_batch=16: all 3 devices data-parallel") and "= 3, which does not divide" in refusal
+
+
 def _reports_in_warm_up(ckpt: str) -> list[dict]:
     """Two runs of one job that stop within their warm-up (2 steps): the second is a
     restart under another plan."""

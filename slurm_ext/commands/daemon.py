@@ -47,11 +47,14 @@ def make_client(config: DaemonConfig):
 @click.option("--dry-run", is_flag=True, default=None,
               help="Print the actions a round would take; change nothing in Slurm (may run beside the "
                    "service, which holds the state file's lock).")
-@click.option("--interval-s", type=float, default=None, help="Seconds between rounds.")
+@click.option("--interval-s", type=float, default=None,
+              help=f"Seconds between rounds (default: the config's, else {DaemonConfig.interval_s:g}).")
 @click.option("--policy", default=None,
               help=f"Scheduling policy (default: cells-ilp): {', '.join(policy_names())}.")
-@click.option("--state-db", default=None, help="SQLite state file.")
-@click.option("--log-level", default=None, help="DEBUG, INFO, WARNING or ERROR.")
+@click.option("--state-db", default=None,
+              help=f"SQLite state file (default: the config's, else {DaemonConfig.state_db}).")
+@click.option("--log-level", default=None,
+              help=f"DEBUG, INFO, WARNING or ERROR (default: the config's, else {DaemonConfig.log_level}).")
 def command(config_path, once, dry_run, interval_s, policy, state_db, log_level):
     """Schedule elastic jobs: choose each one's GPU type, count, stages and plan."""
     from slurm_ext.daemon import Daemon, kv

@@ -19,9 +19,7 @@ BATCH_KEYS = {"model", "global_batch", "gpu_type", "num_gpus", "gpus_per_node", 
 MAX_BATCH_LINE_BYTES = 4096
 
 
-def _estimate(model: str, global_batch: int, gpu_type: str | None, gpus: int | None,
-              gpus_per_node: int | None, max_stages: int | None, cluster_name: str,
-              options: EstimateOptions) -> JobEstimate:
+def _check_counts(gpus: int | None, gpus_per_node: int | None) -> None:
     if gpus_per_node is not None and (gpus_per_node < 1 or gpus_per_node & (gpus_per_node - 1)):
         raise SpecError("gpus_per_node", gpus_per_node, "give a power of two (a Cell's GPUs lie on nodes in "
                                                         "groups of 1, 2, 4, 8, ...)")
@@ -29,6 +27,12 @@ def _estimate(model: str, global_batch: int, gpu_type: str | None, gpus: int | N
         if gpus < 1:
             raise SpecError("gpus", gpus, "give a positive power of two, or leave it out to see every count")
         check_power_of_two_gpus(gpus, "not a power of two", "ask for {below} or {above}")
+
+
+def _estimate(model: str, global_batch: int, gpu_type: str | None, gpus: int | None,
+              gpus_per_node: int | None, max_stages: int | None, cluster_name: str,
+              options: EstimateOptions) -> JobEstimate:
+    _check_counts(gpus, gpus_per_node)
     cluster = load_cluster(cluster_name)
     job = JobSpec(model, global_batch, gpus, gpu_type, max_stages)
     types = (job.gpu_type,) if job.gpu_type else cluster.gpu_types
@@ -219,6 +223,7 @@ def command(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, clus
     if batch_file is not None:
         if model is not None or global_batch is not None:
             raise click.UsageError("--batch reads model and global_batch from each line; drop --model/--global-batch")
+        _check_counts(gpus, gpus_per_node)  # the flags' own errors, before any line's
         requests = _read_batch(batch_file)
         results = []
         for lineno, req in requests:
@@ -231,8 +236,9 @@ def command(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, clus
                 results.append(_estimate(req["model"], req["global_batch"], given("gpu_type", gpu_type),
                                          given("num_gpus", gpus), given("gpus_per_node", gpus_per_node),
                                          given("max_stages", max_stages), cluster, options))
-            except SpecError as e:
-                raise SpecError(f"line {lineno}.{e.field}", e.value, e.hint) from None
+            except SpecError as e:  # named as the line names it
+                field = "num_gpus" if e.field == "gpus" else e.field
+                raise SpecError(f"line {lineno}.{field}", e.value, e.hint) from None
         sys.stdout.write("".join(json.dumps(r.to_json()) + "\n" for r in results))
         return
     if not model or global_batch is None:

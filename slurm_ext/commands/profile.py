@@ -19,6 +19,7 @@ from pathlib import Path
 import click
 
 from estimator.errors import SpecError
+from slurm_ext.profile_job import MIN_PROFILE_MINUTES
 
 DEFAULT_DB = "slurm-ext-profiles.sqlite"
 POLL_S = 2.0
@@ -77,9 +78,10 @@ def _measurements(db: str, profile_id: int) -> tuple[list[dict], list[dict], dic
 @click.option("--samples", type=click.IntRange(1), multiple=True,
               help="Samples per device to time each layer at, once per count (--samples 1 --samples 2 …); "
                    "default 1, 4 and 16 on GPUs, 1 on CPU stand-ins; counts between are interpolated.")
-@click.option("--time-limit-min", type=click.IntRange(1), default=30, show_default=True,
-              help="The job's time limit. Measuring stops at 80% of it less a minute, and "
-                   "what was measured by then (whole tp degrees, tp 1 first) is still fitted and stored.")
+@click.option("--time-limit-min", type=click.IntRange(MIN_PROFILE_MINUTES), default=30, show_default=True,
+              help=f"The job's time limit, at least {MIN_PROFILE_MINUTES}. Measuring stops at 80% of it less a "
+                   "minute, and what was measured by then (whole tp degrees, tp 1 first) is still fitted "
+                   "and stored.")
 @click.option("--mpi", default=lambda: os.environ.get("SLURM_EXT_MPI", "pmi2"), show_default="$SLURM_EXT_MPI or pmi2",
               help="srun's --mpi plugin for the MPI mpi4py uses ('none' to leave it out).")
 @click.option("--python", "python", default=sys.executable, show_default="this Python",
