@@ -81,7 +81,8 @@ def check_plan(plan: ParallelPlan, arch: jm.Arch, global_batch: int, num_devices
                    f"stages must cover layers 0..{arch.num_layers} contiguously")
         expected = s.layer_end
     if expected != arch.num_layers:
-        refuse("stages", expected, f"cover {expected} of {arch.num_layers} layers")
+        refuse("layers", expected, f"the stages end at layer {expected}; the model has {arch.num_layers} (its "
+                                   "embedding, its blocks and its head: layers=0,…," f"{arch.num_layers})")
     if plan.zero_level not in ZERO_LEVELS:
         refuse("zero", plan.zero_level, f"this runner runs ZeRO levels {', '.join(map(str, ZERO_LEVELS))}")
     if plan.zero_level and (problem := zero_problem(optimizer_for(arch.optimizer))):

@@ -143,6 +143,17 @@ def test_the_runner_refuses_what_it_cannot_run_in_one_line(tokens, word):
     assert word in str(err.value) and "\n" not in str(err.value)
 
 
+def test_stage_boundaries_short_of_the_model_name_layers_and_its_count():
+    """gpt-760m's 24 blocks are 26 layers with the embedding and the head."""
+    from estimator.jax_models import builtin_arch
+    from estimator.models import load_model
+    from job_scripts.plan import plan_from_string
+    with pytest.raises(SpecError) as err:
+        plan_from_string("cell=a100x2:s2 plan=[dp1tp1|dp1tp1] mb=2 remat=1 layers=0,12,24", load_model("gpt-760m"),
+                         builtin_arch("gpt-760m"), 8, 2)
+    assert str(err.value).startswith("layers=24: plan ") and "the stages end at layer 24; the model has 26" in str(err.value)
+
+
 def test_admin_comment_passes_the_memory_tokens_to_the_runner():
     from estimator.contract import plan_tokens
     text = "requested=a100 cell=a100x8:s1 plan=[dp8tp1] mb=4 remat=1 zero=3 sps=3 why=x zero=1"
