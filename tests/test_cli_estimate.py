@@ -422,3 +422,9 @@ def test_a_bad_flag_under_batch_is_the_flags_error_and_a_bad_line_names_its_key(
     own = '{"model": "gpt-760m", "global_batch": 64, "num_gpus": 6}\n'
     code, out, err = run(capsys, "estimate", "--batch", "-", stdin=own, monkeypatch=monkeypatch)
     assert code == 2 and "line 1.num_gpus='6'" in err
+
+
+def test_compiled_only_options_without_compiled_fidelity_are_refused(capsys, tmp_path):
+    code, out, err = run(capsys, "estimate", "--model", "gpt-760m", "--global-batch", "8",
+                         "--gpu-specs-dir", str(tmp_path))
+    assert code == 2 and out == "" and "--gpu-specs-dir only applies with --fidelity compiled" in err

@@ -213,6 +213,12 @@ def command(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, clus
     """
     if fidelity == "compiled":
         check_writable("compile_cache", compile_cache, directory=True)
+    else:
+        unused = [flag for flag, value in (("--compile-cache", compile_cache), ("--gpu-specs-dir", gpu_specs_dir))
+                  if value is not None]
+        if unused:
+            raise click.UsageError(f"{' and '.join(unused)} only appl{'y' if len(unused) > 1 else 'ies'} with "
+                                   "--fidelity compiled")
     memory = MemoryOptions(zero_level=zero_level, offload=offload)
     options = EstimateOptions(micro_batches=micro_batches, comm_table=comm_table, fidelity=fidelity,
                               compile_cache_dir=compile_cache, gpu_specs_dir=gpu_specs_dir,
