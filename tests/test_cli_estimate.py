@@ -314,6 +314,10 @@ def test_simulate_refuses_restart_costs_that_are_no_runner_report(capsys, tmp_pa
     code, out, err = run(capsys, "simulate", "--trace", str(trace), "--cluster", "crius-1280", "--policy", "fcfs",
                          "--restart-costs", str(report))
     assert code == 2 and out == "" and "not a runner's measured.json" in err
+    report.write_text('{"startup_s": -5, "final_save_s": 2.0}')  # was dropped, the default used
+    code, out, err = run(capsys, "simulate", "--trace", str(trace), "--cluster", "crius-1280", "--policy", "fcfs",
+                         "--restart-costs", str(report))
+    assert code == 2 and "startup_s=-5.0: a time is never negative" in err
 
 
 def test_infeasible_note_names_the_stage_that_needs_most(capsys):

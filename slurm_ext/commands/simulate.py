@@ -79,6 +79,10 @@ def _measured_costs(paths: tuple[str, ...]):
                               and not report.candidates_measured):
             raise SpecError("restart_costs", path, "not a runner's measured.json (a JSON object with "
                             "startup_s, final_save_s or tuning_s and candidates_measured)")
+        negative = [k for k in ("startup_s", "final_save_s", "tuning_s") if (getattr(report, k) or 0.0) < 0]
+        if negative:
+            raise SpecError("restart_costs", path, f"{negative[0]}={getattr(report, negative[0])}: a time is "
+                                                   "never negative (not a runner's report?)")
         reports.append(report)
     costs = RestartCosts.from_reports(reports)
     log.info("restart costs from %d runner reports: launch %.1f s, resume %.1f s, tuning %.1f s",
