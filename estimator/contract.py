@@ -400,7 +400,7 @@ class RunnerReport:
         A field of the wrong type reads as None (the daemon never trusts a bad value)."""
         try:
             raw = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: "[[[[…" thousands deep
             return None
         if not isinstance(raw, dict):
             return None

@@ -37,6 +37,7 @@ from estimator.compute import Efficiency
 from estimator.errors import SpecError
 from estimator.estimate import EstimateOptions, score_plan
 from estimator.jobs import JobSpec
+from estimator.models import model_from_yaml
 
 # The newest observations a fit uses: bounds its time (a fit costs about
 # distinct plans × (fitted parameters + 1) × iterations plan scores of ~0.2 ms each).
@@ -87,6 +88,8 @@ class RefitObservation:
         job_id: the job that measured it (for logs).
         observed_s: when it was measured (Unix seconds); newer ones are kept first.
         zero_level: the plan's ZeRO stage (its collectives and memory are the estimate's).
+        model_text: a model file's YAML as it was read when the job ran (by whoever could
+            read it): scored from this, the file is never opened again. "" for a built-in.
     """
 
     model: str
@@ -99,11 +102,17 @@ class RefitObservation:
     job_id: str = ""
     observed_s: float = 0.0
     zero_level: int = 0
+    model_text: str = ""
 
     def plan_key(self) -> tuple:
         """What the estimate depends on (observations with equal keys share one score)."""
         return (self.model, self.global_batch, self.cell, self.stages, self.micro_batches, self.remat,
-                self.zero_level)
+                self.zero_level, self.model_text)
+
+    def job_spec(self) -> JobSpec:
+        """The job as the estimate scores it: a model file from ``model_text`` when kept."""
+        model = model_from_yaml(self.model_text, self.model) if self.model_text else None
+        return JobSpec(self.model, self.global_batch, model_spec=model)
 
     def to_json(self) -> dict:
         return {"model": self.model, "global_batch": self.global_batch,
@@ -111,7 +120,8 @@ class RefitObservation:
                 "stages": [s.as_row() for s in self.stages],
                 "micro_batches": self.micro_batches, "remat": self.remat,
                 "iteration_time_s": self.iteration_time_s, "job_id": self.job_id,
-                "observed_s": self.observed_s, "zero_level": self.zero_level}
+                "observed_s": self.observed_s, "zero_level": self.zero_level,
+                **({"model_text": self.model_text} if self.model_text else {})}
 
     @classmethod
     def from_json(cls, raw: dict) -> "RefitObservation":
@@ -124,7 +134,8 @@ class RefitObservation:
             obs = cls(str(raw["model"]), int(raw["global_batch"]), Cell(*raw["cell"]),
                        tuple(StagePlan(*s) for s in raw["stages"]), int(raw["micro_batches"]),
                        bool(raw["remat"]), float(raw["iteration_time_s"]), str(raw.get("job_id", "")),
-                       float(raw.get("observed_s", 0.0)), int(raw.get("zero_level", 0)))
+                       float(raw.get("observed_s", 0.0)), int(raw.get("zero_level", 0)),
+                       str(raw.get("model_text", "")))
         except (KeyError, TypeError, ValueError) as e:
             raise SpecError("refit_observation", raw, f"not an observation ({e!r})") from None
         if not (math.isfinite(obs.iteration_time_s) and obs.iteration_time_s > 0):
@@ -181,7 +192,7 @@ class _Scorer:
 
     def __call__(self, eff: Efficiency) -> np.ndarray:
         opts = replace(self.options, efficiency={self.gpu_type: eff})
-        return np.array([score_plan(JobSpec(p.model, p.global_batch), p.cell, self.cluster, p.stages,
+        return np.array([score_plan(p.job_spec(), p.cell, self.cluster, p.stages,
                                     p.micro_batches, p.remat,
                                     replace(opts, memory=replace(opts.memory, zero_level=p.zero_level))
                                     ).iteration_time_s for p in self.plans])

@@ -36,6 +36,9 @@ def load_yaml(text: str) -> object:
     """The document in ``text`` (None when empty).
 
     Raises:
-        yaml.YAMLError: malformed, or a key given twice in one mapping.
+        yaml.YAMLError: malformed, nested too deeply, or a key given twice in one mapping.
     """
-    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except RecursionError:  # "[[[[…" thousands deep: a YAMLError like any other malformed file
+        raise yaml.YAMLError("nested too deeply") from None

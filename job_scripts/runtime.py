@@ -236,8 +236,9 @@ def start(*, stop: StopSignal | None = None, identity: dict | None = None,
                  jax.device_count())
     devices = jax.devices()
     if cfg.platform == "gpu" and devices[0].platform == "cpu":  # else CPU times recorded as a GPU's
-        raise SpecError("platform", "gpu", "JAX sees no GPU in this process; check CUDA_VISIBLE_DEVICES, the "
-                                           "job's --gres and JAX's CUDA install, or use --platform auto or cpu")
+        raise SpecError("platform", "gpu", "JAX sees no GPU in this process though a GPU's driver is here; check "
+                                           "CUDA_VISIBLE_DEVICES, the job's --gres and JAX's CUDA install, or "
+                                           "train on the CPU with --platform cpu")
     if len(devices) != cfg.num_devices:
         raise SpecError("devices", len(devices), f"JAX sees {len(devices)} devices, the job has "
                                                  f"{cfg.num_devices}; check CUDA_VISIBLE_DEVICES, or call "

@@ -47,7 +47,7 @@ from slurm_ext.metrics import Metrics
 # The observe helpers are re-exported: callers and tests know them from here.
 from slurm_ext.observe import (  # noqa: F401
     ManagedJob, build_snapshot, cluster_spec, estimate_key, is_held, kv, measurement_from_text,
-    model_loader_for, node_type, partition_types, plan_comment, profile_db_if_written, profile_version,
+    model_loader_for, model_text_for, node_type, partition_types, plan_comment, profile_db_if_written, profile_version,
     requested_gpus, rescale_pins, reserved_cell, gpu_releases, running_assignment, running_plan_comment,
     runner_progress, steerable_nodes, type_partitions, update_cell, finish_on_s, rescale_new_cell, rescale_releases,
     cell_gpus, kept_back_by_slurm, launch_is_stale, over_per_job_limit, required_placement,
@@ -628,9 +628,10 @@ class Daemon:
             if measured_text is not None:
                 measured = measurement_from_text(measured_text, pc.cell, cfg.use_cpu_measurements)
                 if measured is not None:  # Rubick's continuous fitting of the running Cell
-                    if cfg.profile_db and not cfg.dry_run:  # online refit (slurm_ext.refit)
+                    text = model_text_for(job.user, spec.model) if cfg.profile_db and not cfg.dry_run else None
+                    if text is not None:  # online refit (slurm_ext.refit), of what the owner could read
                         self.refits.observe(job.job_id, spec.model, spec.global_batch, estimates, measured,
-                                            measured_text, cluster, now_s)
+                                            measured_text, cluster, now_s, text)
                     estimates = refine(estimates, measured, spec.global_batch)
                 # The runner may have tuned the plan in the allocation: show the one that runs.
                 running_comment = running_plan_comment(job.admin_comment, measured_text,

@@ -58,7 +58,7 @@ class CommandNotFoundError(SlurmExtError):
 
     def __init__(self, argv: Sequence[str]):
         self.argv = tuple(argv)
-        where = ("check the Slurm prefix (slurm_prefix in the config, SLURM_EXT_SLURM_PREFIX)"
+        where = ("or check the Slurm prefix (slurm_prefix in the config, SLURM_EXT_SLURM_PREFIX)"
                  if "/" in self.argv[0] else "or fix PATH")
         super().__init__(
             f"{self.argv[0]!r} not found: install Slurm's client tools "

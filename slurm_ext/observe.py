@@ -198,6 +198,17 @@ def model_loader_for(user: str) -> Callable[[str], object]:
     return load
 
 
+def model_text_for(user: str, model: str) -> str | None:
+    """A model file's YAML as its job's owner could read it ("" for a built-in; None when it
+    cannot be read so): what the online refit keeps instead of the path."""
+    if "/" not in model:
+        return ""
+    try:
+        return read_user_file(model, MAX_MODEL_FILE_BYTES, owner=user).decode()
+    except (OSError, SpecError, UnicodeDecodeError):
+        return None
+
+
 def partition_types(nodes: tuple[SlurmNode, ...], configured: dict[str, str]) -> dict[str, str]:
     """Partition → GPU type: the configured map, else each partition whose GPU nodes share
     a type (a node without GPUs, a login or CPU node, does not make it mixed)."""

@@ -35,7 +35,6 @@ from estimator.compute import Efficiency, efficiency
 from estimator.errors import SpecError
 from estimator.estimate import EstimateOptions, score_plan
 from estimator.gpus import gpu_type as catalog_gpu
-from estimator.jobs import JobSpec
 from estimator.online_refit import MAX_OBSERVATIONS, RefitObservation, RefitResult, refit_efficiency
 from estimator.plan_string import format_plan
 from estimator.profile_store import load_profile_view, write_refit
@@ -57,7 +56,7 @@ REFIT_MIN_INTERVAL_S = 600.0
 
 def observation_from_report(job_id: int, model: str, global_batch: int,
                             estimates: Iterable[CellEstimate], measurement: Measurement,
-                            measured_text: str, now_s: float) -> RefitObservation | None:
+                            measured_text: str, now_s: float, model_text: str = "") -> RefitObservation | None:
     """The plan a running job runs and its measured speed, as an observation.
 
     The plan is the one ``measured.json`` names (the runner may have tuned it; without
@@ -77,7 +76,7 @@ def observation_from_report(job_id: int, model: str, global_batch: int,
             return None
         micro_batches, remat, zero_level = run.plan.micro_batches, run.plan.remat, run.plan.zero_level
     return RefitObservation(model, global_batch, est.cell, stages, micro_batches, remat,
-                            measurement.iteration_time_s, str(job_id), now_s, zero_level)
+                            measurement.iteration_time_s, str(job_id), now_s, zero_level, model_text)
 
 
 def plan_key(obs: RefitObservation) -> str:
@@ -155,11 +154,14 @@ class OnlineRefitter:
         self._seen: dict[int, RefitObservation] = {}
 
     def observe(self, job_id: int, model: str, global_batch: int, estimates: tuple[CellEstimate, ...],
-                measurement: Measurement, measured_text: str, cluster: ClusterSpec, now_s: float) -> None:
+                measurement: Measurement, measured_text: str, cluster: ClusterSpec, now_s: float,
+                model_text: str = "") -> None:
         """Take a running job's measurement of its current Cell (a trusted one: GPU, or CPU
-        where the config allows it)."""
+        where the config allows it). ``model_text``: a model file's YAML, as read for the
+        job's owner (kept with the observation: the daemon never reopens the path)."""
         cfg = self._config()
-        obs = observation_from_report(job_id, model, global_batch, estimates, measurement, measured_text, now_s)
+        obs = observation_from_report(job_id, model, global_batch, estimates, measurement, measured_text, now_s,
+                                      model_text)
         if obs is None or replace(obs, observed_s=0.0) == self._seen.get(job_id):
             return
         self._seen[job_id] = replace(obs, observed_s=0.0)
@@ -167,7 +169,7 @@ class OnlineRefitter:
             self.store.put_refit_observation(job_id, plan_key(obs), obs.cell.gpu_type, obs.to_json(), now_s,
                                              MAX_OBSERVATIONS)
             options = EstimateOptions(profile_db=_existing(cfg.profile_db))
-            estimated_s = score_plan(JobSpec(obs.model, obs.global_batch), obs.cell, cluster, obs.stages,
+            estimated_s = score_plan(obs.job_spec(), obs.cell, cluster, obs.stages,
                                      obs.micro_batches, obs.remat, options).iteration_time_s
         except Exception as e:  # noqa: BLE001 - the refit is an aid: it must never fail a round
             log.warning(kv("refit_observation_failed", job_id=job_id, error=repr(e)))
@@ -197,9 +199,13 @@ class OnlineRefitter:
         observations = []
         for raw in self.store.refit_observations(gpu_type, MAX_OBSERVATIONS):
             try:
-                observations.append(RefitObservation.from_json(raw))
+                obs = RefitObservation.from_json(raw)
             except SpecError as e:  # one bad row (kept from an earlier version) must not stop the type's refits
                 log.warning(kv("refit_observation_skipped", gpu_type=gpu_type, error=e))
+                continue
+            if "/" in obs.model and not obs.model_text:  # kept without what was read: the path is not reopened
+                continue
+            observations.append(obs)
         existing = _existing(profile_db)
         current = current_efficiency(existing, gpu_type)
         result = refit_efficiency(gpu_type, current, cluster, observations, EstimateOptions(profile_db=existing))

@@ -3,7 +3,8 @@ its runner's ``measured.json``.
 
 A user controls what such a path names. Each read therefore opens the file once, without
 blocking (a FIFO would hang every round), checks what it opened (``fstat``: a regular
-file, no larger than the caller allows; for a model, one its owner could read) and reads
+file, no larger than the caller allows; for a model, one its owner could open: read
+permission on it, search permission on the directories above it) and reads
 only from that descriptor, so a file swapped for a symlink to ``/etc/shadow`` after a
 check is never read.
 """
@@ -17,11 +18,41 @@ import stat
 from estimator.errors import SpecError
 
 
-def _uid_of(user: str | None) -> int | None:
+def _ids_of(user: str) -> tuple[int, frozenset[int]] | None:
+    """The user's uid and groups (None: no such user)."""
     try:
-        return pwd.getpwnam(user).pw_uid if user else None
-    except KeyError:
+        pw = pwd.getpwnam(user)
+        return pw.pw_uid, frozenset(os.getgrouplist(user, pw.pw_gid))
+    except (KeyError, OSError):
         return None
+
+
+def _may(st: os.stat_result, ids: tuple[int, frozenset[int]], user_bit: int, group_bit: int, other_bit: int) -> bool:
+    """Whether the user has a permission on a file of ``st`` (Unix's owner, group, other)."""
+    uid, gids = ids
+    if uid == 0:
+        return True
+    if st.st_uid == uid:
+        return bool(st.st_mode & user_bit)
+    if st.st_gid in gids:
+        return bool(st.st_mode & group_bit)
+    return bool(st.st_mode & other_bit)
+
+
+def _owner_may_read(fd: int, st: os.stat_result, owner: str) -> bool:
+    """Whether ``owner`` could have opened what ``fd`` is: read permission on the file and
+    search permission on every directory above it (a world-readable file in someone's
+    0700 home is not theirs to read)."""
+    ids = _ids_of(owner)
+    if ids is None or not _may(st, ids, stat.S_IRUSR, stat.S_IRGRP, stat.S_IROTH):
+        return False
+    directory = os.path.dirname(os.path.realpath(f"/proc/self/fd/{fd}"))
+    while True:
+        if not _may(os.stat(directory), ids, stat.S_IXUSR, stat.S_IXGRP, stat.S_IXOTH):
+            return False
+        if directory == "/":
+            return True
+        directory = os.path.dirname(directory)
 
 
 def read_user_file(path: str, max_bytes: int, owner: str | None = None) -> bytes:
@@ -40,12 +71,9 @@ def read_user_file(path: str, max_bytes: int, owner: str | None = None) -> bytes
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size > max_bytes:
             raise SpecError("file", path, f"give a regular file of at most {max_bytes} bytes")
-        if owner is not None:
-            uid = _uid_of(owner)
-            if not (st.st_mode & stat.S_IROTH or (uid is not None and st.st_uid == uid
-                                                  and st.st_mode & stat.S_IRUSR)):
-                raise SpecError("file", path, "the file must be readable by the job's owner "
-                                              "(owned by them or world-readable)")
+        if owner is not None and not _owner_may_read(fd, st, owner):
+            raise SpecError("file", path, "the file must be readable by the job's owner "
+                                          "(owned by them or world-readable, in directories they may enter)")
         chunks, left = [], max_bytes + 1
         while left > 0 and (chunk := os.read(fd, min(left, 1 << 16))):
             chunks.append(chunk)

@@ -87,6 +87,16 @@ def slurm_client(slurm_lab):
     slurm_lab.cancel_all_jobs()
 
 
+@pytest.fixture
+def open_dir():
+    """A directory every user may enter, for model files the daemon reads as a job's owner
+    could (pytest's ``tmp_path`` lies under a directory only root may enter)."""
+    path = Path(tempfile.mkdtemp(prefix="slurm-ext-open-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def wait_for(what: str, probe: Callable[[], object], timeout_s: float = 20.0):
     """Poll until ``probe`` returns something truthy and return it; else fail the test with
     ``what`` and the last value. Lab tests import it: ``from conftest import wait_for``."""

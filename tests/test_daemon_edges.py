@@ -713,11 +713,11 @@ def test_an_edited_model_file_is_estimated_anew(tmp_path):
     assert large != small  # estimated anew (this one fits nowhere: an error, not the old Cells)
 
 
-def test_a_model_file_up_to_one_mib_is_read_as_documented(tmp_path):
+def test_a_model_file_up_to_one_mib_is_read_as_documented(open_dir):
     """The daemon let files of up to 1 MiB through (as documented) to an estimator that
     refused anything over 64 KiB."""
     from estimator.errors import SpecError
-    model = tmp_path / "padded.yaml"
+    model = open_dir / "padded.yaml"
     model.write_text("hidden: 256\nlayers: 4\nheads: 4\nsequence: 128\nvocab: 1000\n" + "# notes\n" * 12_000)
     model.chmod(0o644)
     assert 64 * 1024 < model.stat().st_size <= 1 << 20

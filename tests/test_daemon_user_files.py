@@ -46,11 +46,11 @@ def _waiting(job_id: int, model: str) -> SlurmJob:
                     admin_comment="requested=any", gpus_per_node=4, node_count=1, submit_time_s=NOW - 60)
 
 
-def test_a_model_file_swapped_for_a_link_to_a_root_only_file_is_refused_without_its_contents(tmp_path):
-    secret = tmp_path / "shadow"
+def test_a_model_file_swapped_for_a_link_to_a_root_only_file_is_refused_without_its_contents(tmp_path, open_dir):
+    secret = open_dir / "shadow"
     secret.write_text(SECRET)
     os.chmod(secret, 0o600)
-    model = tmp_path / "m.yaml"
+    model = open_dir / "m.yaml"
     model.write_text(MODEL_YAML)
     os.chmod(model, 0o644)
     client = FakeSlurm([_waiting(41, str(model))], [node("a100-1", "a100", 4, used=4)], TRAINER)
@@ -100,11 +100,17 @@ def test_a_report_field_beyond_any_count_reads_as_missing():
     assert report.step is None and report.iteration_time_s is None and report.steps_measured == 12
 
 
-def test_read_user_file_reads_a_regular_file_its_owner_may_read(tmp_path):
-    path = tmp_path / "m.yaml"
+def test_read_user_file_reads_a_regular_file_its_owner_may_read(tmp_path, open_dir):
+    path = open_dir / "m.yaml"
     path.write_text(MODEL_YAML)
     os.chmod(path, 0o644)
     assert read_user_file(str(path), 1024, owner="nobody") == MODEL_YAML.encode()
+    private = open_dir / "private"
+    private.mkdir(mode=0o700)  # root's own directory: nobody may not enter it
+    (private / "m.yaml").write_text(MODEL_YAML)
+    os.chmod(private / "m.yaml", 0o644)
+    with pytest.raises(SpecError, match="in directories they may enter"):
+        read_user_file(str(private / "m.yaml"), 1024, owner="nobody")
     os.chmod(path, 0o600)  # root's own: nobody may not read it
     with pytest.raises(SpecError, match="readable by the job's owner"):
         read_user_file(str(path), 1024, owner="nobody")

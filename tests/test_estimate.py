@@ -168,6 +168,7 @@ def test_a_large_batch_fits_in_as_many_micro_batches_as_it_needs():
     big = estimate_cell(JobSpec("gpt-15b", 16384), Cell("a10", 1, 1, 1), CRIUS,
                         EstimateOptions(memory=MemoryOptions(zero_level=0), remat=True))
     assert not big.feasible and "GB per GPU" in big.reason
+    assert big.micro_batches <= 64  # stopped once a doubling's saving showed none could fit (16,384 allows more)
 
 
 def test_micro_batch_count_is_the_largest_divisor_of_the_global_batch_up_to_the_target():

@@ -267,6 +267,39 @@ def test_observations_and_refit_times_survive_a_restart(tmp_path):
     assert [r.gpu_type for r in again.refit_due(CLUSTER, [41, 42], 900.0)] == ["a100"]
 
 
+def test_a_model_files_observations_are_scored_from_what_was_read_never_the_path(tmp_path, caplog):
+    """The daemon runs as root: a refit that reopened a stored observation's model path
+    would read whatever the path names by then (a link to a root-only file)."""
+    import logging
+    import os
+    model = tmp_path / "m.yaml"
+    model.write_text("hidden: 1024\nlayers: 8\nheads: 16\nsequence: 512\nvocab: 32000\n")
+    refitter, store = _refitter(tmp_path)
+    est = estimate_cell(JobSpec(str(model), 64), Cell("a100", 4, 4, 1), CLUSTER)
+    text = measured_json("cell=a100x4:s1 plan=[dp4tp1] mb=4 remat=1", 1.0)
+    t = est.iteration_time_s
+    refitter.observe(41, str(model), 64, (est,), Measurement("a100x4:s1", 1.6 * t, 8), text, CLUSTER, 100.0,
+                     model.read_text())
+    secret = tmp_path / "secret"
+    secret.write_text("password: hunter2\n")
+    os.chmod(secret, 0o600)
+    model.unlink()
+    model.symlink_to(secret)
+    with caplog.at_level(logging.INFO):
+        (result,) = refitter.refit_due(CLUSTER, [41], 800.0)
+    assert result.observations == 1 and "hunter2" not in caplog.text
+    # One stored before the text was kept (the path only) is left out, not reopened.
+    (row,) = store.refit_observations("a100", 50)
+    store.put_refit_observation(41, "old", "a100", {k: v for k, v in row.items() if k != "model_text"}, 900.0, 50)
+    assert len(store.refit_observations("a100", 50)) == 2
+    refitter.gate = refitter.gate.note("a100", "41", 0.6, 0.1)
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        refitter.refit_due(CLUSTER, [41], 2000.0)
+    (line,) = [r.getMessage() for r in caplog.records if "efficiency_refit" in r.getMessage()]
+    assert "observations=1 " in line and "hunter2" not in caplog.text
+
+
 def test_a_type_keeps_its_newest_observations(tmp_path):
     _, store = _refitter(tmp_path)
     for i in range(8):
