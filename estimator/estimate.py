@@ -30,8 +30,8 @@ from estimator.gpus import gpu_type as _gpu_type
 from estimator.jobs import JobSpec, job_model
 from estimator.host import HostSpec, default_host
 from estimator.memory import (
-    GRADIENT_BYTES, OPTIMIZER_STATE_BYTES, ZERO_LEVELS, MemoryOptions, StageMemory, host_memory_gb, runner_row_bytes,
-    stage_memory, stage_params,
+    GRADIENT_BYTES, OPTIMIZER_STATE_BYTES, MemoryOptions, StageMemory, host_memory_gb, memory_alternatives,
+    memory_label, runner_row_bytes, stage_memory, stage_params,
 )
 from estimator.models import DTYPE_BYTES, ModelSpec, tp_problem
 from estimator.partition import arena_stage_gpus, balanced_partition, stage_gpu_counts
@@ -523,19 +523,6 @@ def _better(a: CellEstimate, b: CellEstimate, runnable_first: bool = False) -> b
     if a.feasible:
         return a.iteration_time_s < b.iteration_time_s
     return a.peak_memory_gb < b.peak_memory_gb
-
-
-def memory_alternatives(base: MemoryOptions) -> tuple[MemoryOptions, ...]:
-    """Memory settings beyond ``base``, least intrusive first: ZeRO 1–3, then ZeRO-Offload
-    (on ZeRO-2, as ZeRO-Offload is built, and on ZeRO-3)."""
-    out = [replace(base, zero_level=z) for z in ZERO_LEVELS if z > base.zero_level]
-    out += [replace(base, zero_level=max(z, base.zero_level), offload=True) for z in (2, 3)]
-    return tuple(dict.fromkeys(m for m in out if m != base))
-
-
-def memory_label(memory: MemoryOptions) -> str:
-    """``ZeRO-3``, ``ZeRO-2 + offload`` …"""
-    return f"ZeRO-{memory.zero_level}" + (" + offload" if memory.offload else "")
 
 
 def _with_accumulation(job: JobSpec, cell: Cell, cluster: ClusterSpec,

@@ -44,7 +44,7 @@ runs ZeRO-0 and ZeRO-1 (AdamW and SGD, whose update is elementwise, without expe
 parallelism) without offload (``MemoryOptions.runnable``).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from estimator.errors import SpecError
 from estimator.models import DTYPE_BYTES, LayerSpec, ModelSpec
@@ -354,3 +354,16 @@ def host_memory_gb(mem: StageMemory) -> float:
     weights and optimizer states (a checkpoint copies them to the host) and whatever ZeRO-
     Offload keeps there."""
     return HOST_PROCESS_GB + mem.weights_gb + mem.optimizer_gb + mem.host_gb
+
+
+def memory_alternatives(base: MemoryOptions) -> tuple[MemoryOptions, ...]:
+    """Memory settings beyond ``base``, least intrusive first: ZeRO 1–3, then ZeRO-Offload
+    (on ZeRO-2, as ZeRO-Offload is built, and on ZeRO-3)."""
+    out = [replace(base, zero_level=z) for z in ZERO_LEVELS if z > base.zero_level]
+    out += [replace(base, zero_level=max(z, base.zero_level), offload=True) for z in (2, 3)]
+    return tuple(dict.fromkeys(m for m in out if m != base))
+
+
+def memory_label(memory: MemoryOptions) -> str:
+    """``ZeRO-3``, ``ZeRO-2 + offload`` …"""
+    return f"ZeRO-{memory.zero_level}" + (" + offload" if memory.offload else "")
