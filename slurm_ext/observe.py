@@ -186,16 +186,20 @@ def model_loader_for(user: str) -> Callable[[str], object]:
                 raise SpecError("model", name, f"not a built-in model ({', '.join(BUILTIN_MODELS)}); give one, "
                                                "or an absolute path to a YAML file")
             return load_model(name)
-        if Path(name).suffix.lower() not in (".yaml", ".yml"):
-            raise SpecError("model", name, "give a model YAML file (.yaml or .yml)")
-        try:
-            text = read_user_file(name, MAX_MODEL_FILE_BYTES, owner=user).decode()
-        except SpecError as e:
-            raise SpecError("model", name, e.hint) from None
-        except UnicodeDecodeError as e:
-            raise SpecError("model", name, yaml_problem(e)) from None
-        return model_from_yaml(text, name)
+        return model_from_yaml(_model_file_text(user, name), name)
     return load
+
+
+def _model_file_text(user: str, path: str) -> str:
+    """A model file's YAML, read as ``user`` could (SpecError naming the model; OSError)."""
+    if Path(path).suffix.lower() not in (".yaml", ".yml"):
+        raise SpecError("model", path, "give a model YAML file (.yaml or .yml)")
+    try:
+        return read_user_file(path, MAX_MODEL_FILE_BYTES, owner=user).decode()
+    except SpecError as e:
+        raise SpecError("model", path, e.hint) from None
+    except UnicodeDecodeError as e:
+        raise SpecError("model", path, yaml_problem(e)) from None
 
 
 def model_text_for(user: str, model: str) -> str | None:
@@ -204,8 +208,8 @@ def model_text_for(user: str, model: str) -> str | None:
     if "/" not in model:
         return ""
     try:
-        return read_user_file(model, MAX_MODEL_FILE_BYTES, owner=user).decode()
-    except (OSError, SpecError, UnicodeDecodeError):
+        return _model_file_text(user, model)
+    except (OSError, SpecError):
         return None
 
 

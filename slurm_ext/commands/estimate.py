@@ -35,9 +35,9 @@ def _estimate(model: str, global_batch: int, gpu_type: str | None, gpus: int | N
     _check_counts(gpus, gpus_per_node)
     cluster = load_cluster(cluster_name)
     job = JobSpec(model, global_batch, gpus, gpu_type, max_stages)
+    if job.gpu_type:
+        cluster.group(job.gpu_type)  # a clear error for a type the cluster lacks, before its node sizes
     types = (job.gpu_type,) if job.gpu_type else cluster.gpu_types
-    for t in types:
-        cluster.group(t)  # a clear error for a type the cluster lacks
     # What the cluster cannot hold at all is said, not left out of the table.
     if gpus_per_node is not None and not any(size >= gpus_per_node for t in types for size in cluster.node_sizes(t)):
         sizes = ", ".join(f"{t} {max(cluster.node_sizes(t))}" for t in types)
