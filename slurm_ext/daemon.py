@@ -50,9 +50,10 @@ from slurm_ext.observe import (  # noqa: F401
     model_loader_for, model_text_for, node_type, partition_types, plan_comment, profile_db_if_written, profile_version,
     requested_gpus, rescale_pins, reserved_cell, gpu_releases, running_assignment, running_plan_comment,
     runner_progress, steerable_nodes, type_partitions, update_cell, finish_on_s, rescale_new_cell, rescale_releases,
-    cell_gpus, kept_back_by_slurm, launch_is_stale, over_per_job_limit, required_placement,
-    waits_on_its_own_condition, START_REFUSALS, refused_gpu_types, refused_starts,
+    cell_gpus, required_placement, START_REFUSALS, refused_gpu_types, refused_starts,
 )
+from slurm_ext.limits import (kept_back_by_slurm, launch_is_stale, over_per_job_limit, sole_under_group_limit,
+                              waits_on_its_own_condition)
 from slurm_ext.profile_job import (
     RETRY_AFTER_S, background_request, free_for_policy, is_background, next_background, parse_background,
     profiled_pairs, to_cancel,
@@ -184,6 +185,8 @@ class Daemon:
         self._new_specs = 0
         self._claimed_gpus: dict[int, int] = {}  # guaranteed job without a count: GPUs charged to its quota
         self._gpu_caps = store.gpu_caps()  # job: most GPUs a per-job limit lets it have (Slurm refused more)
+        self._group_shared_s: dict[int, float] = {}  # see sole_under_group_limit
+        self._sole: frozenset[int] = frozenset()  # jobs whose Cell alone is over their group's limit
         self._script_read_failures: dict[int, int] = {}  # job: rounds in a row its script was unreadable
         self._estimate_failing_s: dict[int, float] = {}  # job: since when its estimate fails, in a row
         self._gpu_types_seen: set[str] = set()  # in any round since the daemon started
@@ -328,6 +331,7 @@ class Daemon:
         t1 = time.perf_counter()
         active = [j for j in jobs if j.is_active]
         self._known_ids = {j.job_id for j in active}
+        self._sole, self._group_shared_s = sole_under_group_limit(active, self._group_shared_s, now_s)
         part_types = partition_types(nodes, cfg.partition_map())
         cluster = cluster_spec(nodes, part_types, cfg.cluster, cfg.network)
         self._gpu_types_seen.update(cluster.gpu_types)
@@ -360,8 +364,8 @@ class Daemon:
         # Jobs Slurm is about to start hold their GPUs already, as far as the policy goes.
         # A job with a spec error counts only while its release is recent: one Slurm does
         # not start (a dependency, a limit) must not keep idle GPUs from the policy.
-        about_to_start = launching + [j for j, _ in errors if j.state == "PENDING"
-                                      and not waits_on_its_own_condition(j) and not self._launch_stale(j, now_s)]
+        about_to_start = launching + [j for j, _ in errors if j.state == "PENDING" and not
+                                      waits_on_its_own_condition(j, self._sole) and not self._launch_stale(j, now_s)]
         # A forecast sees their GPUs come free when they would finish on their Cells.
 
         def until_s(job_id: int, cell: Cell | None) -> float | None:
@@ -422,7 +426,7 @@ class Daemon:
             self.actor.hold_nodes(held, decision.holds or ())
         self.actor.act(snapshot, decision, {m.view.job_id: m for m in managed},
                        lambda: self._steering(nodes, part_types), self.policy.name, acts, forecasts,
-                       [j for j in elastic if j.job_id in specs and kept_back_by_slurm(j)])
+                       [j for j in elastic if j.job_id in specs and kept_back_by_slurm(j, self._sole)])
         if held:  # after the starts, which never use held GPUs
             self.actor.hold_nodes(held, decision.holds or ())
         if cfg.profile_db and not cfg.dry_run:  # online refit, after the actions: never delays them
@@ -584,7 +588,7 @@ class Daemon:
                     entries = self.store.entries(job.job_id)
                     barred = {t for t, n in refused_gpu_types(entries).items() if n >= START_REFUSALS}
                 assignment, state = None, PENDING
-            elif kept_back_by_slurm(job):
+            elif kept_back_by_slurm(job, self._sole):
                 continue  # Slurm starts it on its Cell once the condition holds
             elif job.state == "PENDING" and pc.cell is not None and not self._launch_stale(job, now_s):
                 launching.append(job)  # released by us; Slurm starts it when it can
@@ -614,7 +618,7 @@ class Daemon:
                 estimates, dp_only = ([e for e in x if e.cell.num_gpus <= cap] for x in (estimates, dp_only))
                 if not any(e.feasible for e in estimates):
                     errors.append((job, f"no Cell of {cap} GPUs or fewer fits, and Slurm refuses more (a "
-                                        f"per-job limit of its account or QOS: {job.reason or 'as before'})"))
+                                        f"limit of its user, account or QOS: {job.reason or 'as before'})"))
                     continue
             if barred:
                 estimates, dp_only = ([e for e in x if e.cell.gpu_type not in barred] for x in (estimates, dp_only))
@@ -786,9 +790,9 @@ class Daemon:
         """A released job Slurm will not start as planned (``launch_is_stale``): decide it
         afresh; one over a per-job limit, on fewer GPUs than Slurm refused."""
         entries = self.store.entries(job.job_id)
-        if over_per_job_limit(job, entries, now_s) and (refused := cell_gpus(job)):
+        if over_per_job_limit(job, entries, now_s, self._sole) and (refused := cell_gpus(job)):
             cap = min(self._gpu_caps.get(job.job_id, refused), refused - 1)
             if cap != self._gpu_caps.get(job.job_id) and not self.config.dry_run:
                 self.store.put_gpu_cap(job.job_id, cap)
             self._gpu_caps[job.job_id] = cap
-        return launch_is_stale(job, entries, now_s, self.config.interval_s)
+        return launch_is_stale(job, entries, now_s, self.config.interval_s, self._sole)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from estimator.cells import CellEstimate
 from estimator.contract import PlanComment, format_utc
-from slurm_ext.observe import waits_on_its_own_condition
+from slurm_ext.limits import waits_on_its_own_condition
 from slurm_ext.slurm_client import SlurmJob
 from slurm_ext.squeue_view import job_row
 from slurm_ext.store import JournalEntry

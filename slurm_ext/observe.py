@@ -51,64 +51,6 @@ def kv(event: str, **fields: object) -> str:
     return " ".join(parts)
 
 
-# Slurm will never start a released job as planned (it is decided afresh).
-STUCK_REASONS = frozenset({"BadConstraints", "PartitionNodeLimit", "PartitionConfig",
-                           "InvalidQOS", "PartitionDown", "PartitionInactive"})
-# Slurm keeps a released job back for a condition of its own: a dependency, a begin time,
-# an association or QOS limit (``AssocGrpGRES``, ``QOSMaxGRESPerUser``, ...).
-OWN_CONDITION_REASONS = frozenset({"Dependency", "DependencyNeverSatisfied", "BeginTime"})
-
-
-# A released job Slurm says will never start as it is (``STUCK_REASONS``, a per-job limit)
-# is decided afresh; so is one still waiting after LAUNCH_TIMEOUT_ROUNDS rounds (at least
-# LAUNCH_TIMEOUT_MIN_S).
-LAUNCH_TIMEOUT_ROUNDS = 3
-LAUNCH_TIMEOUT_MIN_S = 60.0
-# Slurm's scheduler evaluates a pending job at least this often (sched_interval, 60 s by
-# default; backfill every 30 s): a per-job limit's reason is the current Cell's only then.
-PER_JOB_LIMIT_SETTLE_S = 60.0
-
-
-def per_job_limit(job: SlurmJob) -> bool:
-    """Kept back by a limit on one job's size (``QOSMaxGRESPerJob``, ``AssocMaxNodesPerJob``,
-    ``QOSMaxGRESPerNode`` ...; not its time): its Cell never starts, whatever frees up."""
-    r = job.reason
-    return r.startswith(("Assoc", "QOS")) and "Max" in r and ("PerJob" in r or "PerNode" in r) and "Wall" not in r
-
-
-def waits_on_its_own_condition(job: SlurmJob) -> bool:
-    """Released, and kept back by Slurm for the job's own condition, not for GPUs: it holds
-    none meanwhile, and it is not decided afresh (and released again) while it waits."""
-    return job.reason in OWN_CONDITION_REASONS or (
-        job.reason.startswith(("Assoc", "QOS")) and job.reason not in STUCK_REASONS and not per_job_limit(job))
-
-
-def launch_is_stale(job: SlurmJob, entries, now_s: float, interval_s: float) -> bool:
-    """A released job Slurm will not start as planned: Slurm says it never will
-    (``STUCK_REASONS``, a per-job limit met by its current Cell: ``over_per_job_limit``),
-    or it has waited more than ``LAUNCH_TIMEOUT_ROUNDS`` rounds for GPUs the policy thought
-    were free, counted from its release in the journal ``entries``: the entry's close (a
-    rescale's comes after its checkpoint). A job the journal has no release of (a state
-    file made anew, a job released by hand) is stale too: nothing says Slurm is about to
-    start it."""
-    if job.reason in STUCK_REASONS or over_per_job_limit(job, entries, now_s):
-        return True
-    last = last_release(entries)
-    limit_s = max(LAUNCH_TIMEOUT_MIN_S, LAUNCH_TIMEOUT_ROUNDS * interval_s)
-    return last is None or now_s - max(last.created_s, last.updated_s) > limit_s
-
-
-def over_per_job_limit(job: SlurmJob, entries, now_s: float) -> bool:
-    """Slurm keeps the job back for a per-job limit, and the reason is about its current
-    Cell: Slurm keeps a pending job's reason through an update until its scheduler looks
-    at the job again (at least every minute, ``PER_JOB_LIMIT_SETTLE_S``), so a reason
-    seen sooner after the last start or release may be the previous Cell's."""
-    if not per_job_limit(job):
-        return False
-    last = last_release(entries)
-    return last is None or now_s - max(last.created_s, last.updated_s) >= PER_JOB_LIMIT_SETTLE_S
-
-
 # Starts of one job on one GPU type Slurm refuses (its account not allowed in the
 # partition, a GRES no node has) since the last start it accepted, before the job is
 # offered only other types' Cells, and runs as submitted when no other type fits: the
@@ -150,12 +92,6 @@ def refused_gpu_types(entries) -> dict[str, int]:
 def last_release(entries):
     """The journal's last start, rescale or release of a job (None: there is none)."""
     return next((e for e in reversed(entries) if e.kind in (journal.START, journal.RESCALE, journal.RELEASE)), None)
-
-
-def kept_back_by_slurm(job: SlurmJob) -> bool:
-    """Released onto a Cell, pending, and kept back by Slurm for its own condition."""
-    return job.state == "PENDING" and not is_held(job) and plan_comment(job.admin_comment).cell is not None \
-        and waits_on_its_own_condition(job)
 
 
 def cell_gpus(job: SlurmJob) -> int:

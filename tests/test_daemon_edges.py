@@ -19,7 +19,7 @@ from policy.interface import RESIZE, Action
 from slurm_ext.act import Acts
 from slurm_ext.config import resolve
 from slurm_ext.daemon import Daemon
-from slurm_ext.observe import PER_JOB_LIMIT_SETTLE_S, cluster_spec, model_loader_for, partition_types, plan_comment
+from slurm_ext.observe import cluster_spec, model_loader_for, partition_types, plan_comment
 from slurm_ext.slurm_client import Gres, JobUpdate, SlurmJob, SlurmNode
 from slurm_ext.store import Store
 from test_daemon import NODES, TRAINER, node
@@ -444,62 +444,6 @@ def test_a_released_job_slurm_has_not_started_holds_the_nodes_its_release_requir
     assert second.required_nodes == ("a100-1",)
 
 
-def _refused_by_a_per_job_limit(tmp_path):
-    """A job released on 8 GPUs of four a100 nodes that its QOS's per-job limit refuses;
-    a minute later. Returns (daemon, client, clock, the GPU count refused)."""
-    clock = SimulatedClock(float(NOW))
-    nodes = [node(f"a100-{i}", "a100", 4) for i in range(1, 5)]
-    daemon, client = daemon_for(tmp_path, [held(80, NOW - 100)], nodes, clock=clock)
-    assert daemon.round().actions == (("start", 80),)
-    (first,) = [c[2] for c in client.calls if c[0] == "update" and c[1] == 80]
-    refused = plan_comment(first.admin_comment).cell_parts()[1]
-    assert refused == 8  # gpus=4 asked: 2, 4 and 8 offered, 8 the fastest
-    client._jobs[80] = replace(client._jobs[80], reason="QOSMaxGRESPerJob", priority=100)
-    clock.advance_to(NOW + 60)
-    return daemon, client, clock, refused
-
-
-def test_a_per_job_limit_learned_outlives_a_daemon_restart(tmp_path):
-    """The GPU count Slurm refused under a per-job limit is kept in the state file: a
-    restarted daemon deciding the job afresh does not offer the refused count again."""
-    daemon, client, clock, refused = _refused_by_a_per_job_limit(tmp_path)
-    daemon.round()
-    daemon.store.close()
-    restarted = Daemon(daemon.config, client, Store(daemon.config.state_db), clock=clock, out=lambda line: None)
-    # Waited too long on its new Cell for some other reason: decided afresh after the restart.
-    client._jobs[80] = replace(client._jobs[80], reason="Priority")
-    clock.advance_to(NOW + 7200)
-    client.calls.clear()
-    assert restarted.round().actions == (("start", 80),)
-    (after,) = [c[2] for c in client.calls if c[0] == "update" and c[1] == 80]
-    assert plan_comment(after.admin_comment).cell_parts()[1] < refused
-
-
-def test_a_cell_over_a_per_job_limit_is_given_up_for_one_slurm_takes(tmp_path):
-    """Released on 8 GPUs, the job meets its QOS's limit of GPUs per job: Slurm will never
-    start it so, whatever frees up. It is decided afresh on fewer GPUs than were refused
-    (it had waited for ever, with 8 GPUs idle)."""
-    daemon, client, clock, refused = _refused_by_a_per_job_limit(tmp_path)
-    client.calls.clear()
-    assert daemon.round().actions == (("start", 80),)
-    (again,) = [c[2] for c in client.calls if c[0] == "update" and c[1] == 80]
-    assert plan_comment(again.admin_comment).cell_parts()[1] < refused
-    # Limits that clear with time still keep it waiting on its Cell (its shown times aside).
-    client._jobs[80] = replace(client._jobs[80], reason="QOSMaxGRESPerUser", admin_comment=again.admin_comment)
-    clock.advance_to(NOW + 120)
-    client.calls.clear()
-    assert daemon.round().actions == () and not [c for c in client.calls if c[0] == "release"]
-    assert all(c[2] == JobUpdate(admin_comment=c[2].admin_comment, start_now=False)
-               and plan_comment(c[2].admin_comment).cell == plan_comment(again.admin_comment).cell
-               for c in client.calls if c[0] == "update")
-    # Refused down to no GPU at all: the job says so rather than wait unexplained.
-    client._jobs[80] = replace(client._jobs[80], reason="QOSMaxGRESPerJob", admin_comment=STARTED.replace(
-        "a100x4", "a100x1").replace("dp4tp1", "dp1tp1"))
-    clock.advance_to(NOW + 180)
-    daemon.round()
-    assert "Slurm refuses more (a per-job limit" in plan_comment(client._jobs[80].admin_comment).error
-
-
 @pytest.mark.parametrize("requeue", [True, False])
 def test_a_running_job_slurm_may_not_requeue_is_never_the_policys_to_rescale(tmp_path, requeue):
     """Slurm ignores RequeueExitHold for a job with Requeue=0 (its owner may set it): exit 86
@@ -515,25 +459,6 @@ def test_a_running_job_slurm_may_not_requeue_is_never_the_policys_to_rescale(tmp
     else:
         assert snapshot.jobs == ()
         assert {n.name: n.unmanaged_gpus for n in snapshot.nodes} == {"a100-1": 4, "a100-2": 0}
-
-
-def test_a_per_job_limit_reason_slurm_has_not_looked_at_again_does_not_shrink_the_job_further(tmp_path):
-    """Decided afresh on 4 GPUs after 8 were refused, the job still shows the limit's reason
-    until Slurm's scheduler looks at it again: rounds in that minute neither lower the cap
-    again nor decide the job afresh (it had shrunk round by round to no Cell at all)."""
-    daemon, client, clock, refused = _refused_by_a_per_job_limit(tmp_path)
-    assert daemon.round().actions == (("start", 80),)
-    cap = daemon._gpu_caps[80]
-    assert cap == refused - 1
-    shrunk = plan_comment(client._jobs[80].admin_comment).cell_parts()[1]
-    for k in range(1, 6):  # the old reason, seen again before Slurm's next look
-        clock.advance_to(NOW + 60 + 2 * k)
-        assert daemon.round().actions == ()
-    assert daemon._gpu_caps[80] == cap and daemon.store.gpu_caps()[80] == cap
-    assert plan_comment(client._jobs[80].admin_comment).cell_parts()[1] == shrunk
-    clock.advance_to(NOW + 60 + PER_JOB_LIMIT_SETTLE_S)  # Slurm refuses the new Cell too
-    assert daemon.round().actions == (("start", 80),)
-    assert daemon._gpu_caps[80] == shrunk - 1
 
 
 def test_a_start_pinned_to_nodes_goes_to_a_partition_that_has_them(tmp_path):
