@@ -227,6 +227,13 @@ def test_a_gpu_count_with_no_cell_is_an_error_or_says_why(capsys):
     assert code == 2 and "give at most 65536 GPUs" in err and "not a power of two" not in err
     code, out, err = run(capsys, "estimate", "--model", "gpt-760m", "--global-batch", "8", "--gpus", "1024")
     assert code == 0 and "the cluster has no GPU type with that many GPUs" in out and "try more GPUs" not in out
+    # The count asked for does not fit, half of it does: the table says so under the Cells.
+    code, out, err = run(capsys, "estimate", "--model", "gpt-760m", "--global-batch", "256", "--gpu-type", "a100",
+                         "--gpus", "512")
+    assert code == 0 and " a100   256 " in out and "no Cell of 512 GPUs" in out
+    code, out, err = run(capsys, "estimate", "--model", "gpt-760m", "--global-batch", "256", "--gpu-type", "a100",
+                         "--gpus", "8")
+    assert code == 0 and "no Cell of" not in out
 
 
 def test_batch_lines_take_the_flags_where_they_lack_the_key(capsys, monkeypatch):

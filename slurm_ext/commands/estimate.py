@@ -94,6 +94,10 @@ def _table(result: JobEstimate) -> str:
     else:
         b = result.best
         lines.append(f"best (*): {b.cell.label()} {b.samples_per_s:.2f} samples/s")
+    asked = result.job.num_gpus
+    if result.cells and asked and all(c.cell.num_gpus != asked for c in result.cells):
+        lines.append(f"no Cell of {asked} GPUs: no GPU type asked for has that many; shown are half and "
+                     "twice the count where they fit")
     return "\n".join(lines)
 
 
