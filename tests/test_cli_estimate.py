@@ -439,3 +439,17 @@ def test_compiled_only_options_without_compiled_fidelity_are_refused(capsys, tmp
     code, out, err = run(capsys, "estimate", "--model", "gpt-760m", "--global-batch", "8",
                          "--gpu-specs-dir", str(tmp_path))
     assert code == 2 and out == "" and "--gpu-specs-dir only applies with --fidelity compiled" in err
+
+
+@pytest.mark.parametrize("command", ["estimate", "tune"])
+def test_a_cluster_from_the_environment_that_does_not_load_names_the_variable(capsys, monkeypatch, command):
+    monkeypatch.setenv("SLURM_EXT_CLUSTER", "nope")
+    args = (command, "--model", "gpt-760m", "--global-batch", "8", "--gpu-type", "a10", "--gpus", "2")
+    code, out, err = run(capsys, *args)
+    assert code == 2 and out == "" and "$SLURM_EXT_CLUSTER='nope': neither a built-in" in err
+    # Given on the command line, it is the option's error; the variable is not consulted.
+    code, out, err = run(capsys, *args, "--cluster", "nope2")
+    assert code == 2 and "cluster='nope2'" in err and "SLURM_EXT_CLUSTER" not in err
+    monkeypatch.setenv("SLURM_EXT_CLUSTER", "lab")
+    code, out, err = run(capsys, "estimate", "--model", "gpt-760m", "--global-batch", "8", "--gpu-type", "a10")
+    assert code == 0 and "best (*): a10x" in out

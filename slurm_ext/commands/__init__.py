@@ -6,7 +6,10 @@ from pathlib import Path
 
 import click
 
+from estimator.cluster import BUILTIN_CLUSTERS, load_cluster
 from estimator.errors import SpecError
+
+CLUSTER_ENV = "SLURM_EXT_CLUSTER"
 
 
 class FiniteFloatRange(click.FloatRange):
@@ -44,3 +47,21 @@ def check_micro_batches(micro_batches: int | None, global_batch: int) -> None:
     if micro_batches and global_batch > 0 and global_batch % micro_batches:
         raise SpecError("micro_batches", micro_batches, f"must divide the global batch {global_batch}: every "
                         "micro-batch holds the same number of samples")
+
+
+def _cluster_from(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """A cluster taken from ``$SLURM_EXT_CLUSTER`` that does not load says where it came from
+    (a user who never typed ``--cluster`` would not know where ``nope`` is from)."""
+    if ctx.get_parameter_source(param.name) is click.core.ParameterSource.DEFAULT and CLUSTER_ENV in os.environ:
+        try:
+            load_cluster(value)
+        except SpecError as e:
+            raise SpecError(f"${CLUSTER_ENV}", value, e.hint if e.field == "cluster" else str(e)) from None
+    return value
+
+
+def cluster_option(default: str, help: str):
+    """``--cluster``: a built-in cluster or a YAML file, by default ``$SLURM_EXT_CLUSTER``."""
+    return click.option("--cluster", default=lambda: os.environ.get(CLUSTER_ENV, default),
+                        show_default=f"${CLUSTER_ENV} or {default}", callback=_cluster_from,
+                        help=help.format(builtins=", ".join(BUILTIN_CLUSTERS)))

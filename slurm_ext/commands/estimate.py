@@ -1,7 +1,6 @@
 """`slurm-ext estimate`: the Cells of one job, their estimated speed and memory."""
 
 import json
-import os
 import sys
 
 import click
@@ -11,7 +10,7 @@ from estimator.errors import SpecError
 from estimator.estimate import EstimateOptions, JobEstimate, estimate_job
 from estimator.jobs import JobSpec
 from estimator.memory import MemoryOptions
-from slurm_ext.commands import check_micro_batches, check_writable
+from slurm_ext.commands import check_micro_batches, check_writable, cluster_option
 from slurm_ext.jobspec import check_power_of_two_gpus
 
 DEFAULT_CLUSTER = "crius-1280"
@@ -156,9 +155,7 @@ def _read_batch(source) -> list[tuple[int, dict]]:
 @click.option("--max-stages", type=int, help="Only Cells of at most this many pipeline stages: "
               "what the job's training script can run (1 for data and tensor parallelism only). "
               "Default: any stage count.")
-@click.option("--cluster", default=lambda: os.environ.get("SLURM_EXT_CLUSTER", DEFAULT_CLUSTER),
-              show_default=f"$SLURM_EXT_CLUSTER or {DEFAULT_CLUSTER}",
-              help="Built-in cluster (crius-1280, lab) or a cluster YAML file.")
+@cluster_option(DEFAULT_CLUSTER, "Built-in cluster ({builtins}) or a cluster YAML file.")
 @click.option("--micro-batches", type=int,
               help="Pipeline micro-batches of every Cell (default 4 × stages, or the largest count "
                    "below it that divides the global batch; doubled while a Cell does not fit).")

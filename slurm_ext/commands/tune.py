@@ -21,7 +21,7 @@ from estimator.jobs import JobSpec
 from estimator.memory import ZERO_LEVELS, MemoryOptions
 from estimator.models import load_model
 from estimator.tuner import PRUNE_MODES, TuneOptions, TuneResult, tune
-from slurm_ext.commands import check_micro_batches
+from slurm_ext.commands import check_micro_batches, cluster_option
 
 log = logging.getLogger(__name__)
 
@@ -120,9 +120,7 @@ def _text(result: TuneResult, top: int = 5) -> str:
 @click.option("--prune", type=click.Choice(PRUNE_MODES), default="cell", show_default=True,
               help="cell: Crius/Arena pruning; none: score the whole plan space.")
 @click.option("--measure", is_flag=True, help="Time the best plans on this machine's devices.")
-@click.option("--cluster", default=lambda: os.environ.get("SLURM_EXT_CLUSTER", DEFAULT_CLUSTER),
-              show_default=f"$SLURM_EXT_CLUSTER or {DEFAULT_CLUSTER}",
-              help="Cluster name or YAML (its network and node size).")
+@cluster_option(DEFAULT_CLUSTER, "Built-in cluster ({builtins}) or a cluster YAML file (its network and node size).")
 @click.option("--micro-batches", type=int,
               help="Micro-batch count the search starts from (default: the Cell estimate's).")
 @click.option("--zero", "zero_level", type=click.IntRange(0, 3),
