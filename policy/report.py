@@ -92,6 +92,10 @@ def summarize(result: SimResult, offered_load: float | None = None) -> dict:
     never = [o for o in jobs if o.status == "never_runnable"]
     left = [o for o in jobs if o.status == "unfinished"]
     makespan_s = result.end_s - result.start_s if done else None
+    # Samples over the time they were processed in: up to the last finish, or to where the
+    # replay stopped when jobs were left running (their samples so far count).
+    run_end_s = result.end_s if not left or result.run_end_s is None else max(result.end_s, result.run_end_s)
+    busy_s = run_end_s - result.start_s
     # Every job with a deadline counts: one left unfinished, dropped or never runnable
     # missed it (counting finished jobs alone would make a policy that drops jobs look perfect).
     with_deadline = [o for o in jobs if o.deadline_s is not None]
@@ -105,7 +109,7 @@ def summarize(result: SimResult, offered_load: float | None = None) -> dict:
         "p99_jct_s": _round(_pct(jct, 99)),
         "avg_queue_s": _round(sum(queue) / len(queue)) if queue else None,
         "makespan_s": _round(makespan_s),
-        "avg_throughput": _round(result.samples_done / makespan_s) if makespan_s else None,
+        "avg_throughput": _round(result.samples_done / busy_s) if busy_s > 0 else None,
         "restarts_per_job": _round(sum(o.restarts for o in jobs) / len(jobs)) if jobs else 0.0,
         "decision_time_p50_s": _round(_pct(times, 50), 6),
         "decision_time_p99_s": _round(_pct(times, 99), 6),

@@ -242,8 +242,9 @@ class SimResult:
     decision_times_s: tuple[float, ...]
     samples_done: float
     start_s: float
-    end_s: float
+    end_s: float  # the last finish (the start when none finished)
     capacity_gpus: dict = field(default_factory=dict)
+    run_end_s: float | None = None  # the clock when the replay stopped (None: end_s)
 
 
 class EstimateCache:
@@ -669,4 +670,4 @@ class _Replay:
         capacity = {t: self.cluster.total_gpus(t) for t in self.cluster.gpu_types}
         return SimResult(self.name, tuple(self.outcomes[t.job_id] for t in self.trace_jobs), tuple(self.timeline),
                          tuple(self.decision_times), self.samples_done, start_s,
-                         max(finished) if finished else start_s, capacity)
+                         max(finished) if finished else start_s, capacity, end_s)

@@ -73,6 +73,21 @@ def test_fcfs_known_answer_on_a_tiny_trace():
     assert summary["avg_throughput"] == pytest.approx(3 * 100 * 128 / c_end, rel=1e-3)
 
 
+def test_throughput_counts_a_job_left_running_over_the_time_it_ran():
+    """A short job finishes, a long one runs to the horizon: the long job's samples count
+    over the whole replay, not over the short job's makespan (that read 1000 times the
+    cluster's peak)."""
+    jobs = [_job("short", 0.0, 4, iterations=10), _job("long", 0.0, 4, iterations=10_000_000)]
+    horizon_s = 5 * 86400.0
+    result = _run(FcfsPolicy(), jobs, _cluster(nodes=2), config=replace(CONFIG, max_time_s=horizon_s))
+    summary = summarize(result)
+    assert summary["finished"] == 1 and summary["left_unfinished"]
+    peak = 2 * 128 / T4  # both jobs on 4 a100s at once
+    assert summary["avg_throughput"] <= peak
+    assert summary["avg_throughput"] == pytest.approx(result.samples_done / (result.run_end_s - result.start_s), abs=0.01)
+    assert result.run_end_s >= horizon_s
+
+
 def test_backfilling_fcfs_lets_the_small_job_through():
     jobs = [_job("a", 0.0, 2), _job("b", 10.0, 4), _job("c", 20.0, 2)]
     out = {o.job_id: o for o in _run(FcfsPolicy(strict_fifo=False), jobs).jobs}
