@@ -429,7 +429,8 @@ def simulate(policy: Policy, trace_jobs: tuple[TraceJob, ...], cluster: ClusterS
 
     Args:
         policy: the policy object (the daemon's interface).
-        trace_jobs: jobs from ``policy.trace.map_trace``, sorted by submission.
+        trace_jobs: jobs from ``policy.trace.map_trace``; replayed in order of submission
+            (a stable sort: jobs submitted at the same time keep their order).
         cluster: the simulated cluster.
         table: measured iteration times (the ground truth).
         config: round length, oracle mode, restart costs, stop rules.
@@ -442,6 +443,7 @@ def simulate(policy: Policy, trace_jobs: tuple[TraceJob, ...], cluster: ClusterS
     Raises:
         SimulationError: the policy over-committed a node or named unknown jobs or nodes.
     """
+    trace_jobs = tuple(sorted(trace_jobs, key=lambda tj: tj.submit_time_s))
     replay = _Replay(policy, trace_jobs, cluster, table, config, estimates or EstimateCache(cluster, table, config.oracle))
     idle_rounds = 0
     while True:

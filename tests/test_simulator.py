@@ -88,6 +88,16 @@ def test_throughput_counts_a_job_left_running_over_the_time_it_ran():
     assert result.run_end_s >= horizon_s
 
 
+def test_jobs_listed_out_of_submission_order_are_replayed_in_it():
+    """The earlier job listed second is admitted at its submission, not after the later one
+    (it was charged the gap as queueing, and the makespan counted from the wrong job)."""
+    jobs = [_job("late", 5000.0, 4, iterations=10), _job("early", 0.0, 4, iterations=10)]
+    out = {o.job_id: o for o in _run(FcfsPolicy(), jobs, _cluster(nodes=2)).jobs}
+    in_order = {o.job_id: o for o in _run(FcfsPolicy(), jobs[::-1], _cluster(nodes=2)).jobs}
+    assert out == in_order
+    assert out["early"].first_start_s < 1000.0 and out["late"].first_start_s >= 5000.0
+
+
 def test_backfilling_fcfs_lets_the_small_job_through():
     jobs = [_job("a", 0.0, 2), _job("b", 10.0, 4), _job("c", 20.0, 2)]
     out = {o.job_id: o for o in _run(FcfsPolicy(strict_fifo=False), jobs).jobs}
