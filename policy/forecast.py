@@ -44,7 +44,7 @@ from estimator.cells import Cell
 from policy.fcfs import requested_estimate
 from policy.placement import job_fitting_idle_gpus
 from policy.interface import (
-    PENDING, RUNNING, SUSPEND, TRIGGER_ROUND, Assignment, Decision, DecisionError, JobView,
+    PENDING, RUNNING, SUSPEND, TRIGGER_COMPLETION, TRIGGER_ROUND, Assignment, Decision, DecisionError, JobView,
     NodeView, Policy, QueueOrder, Snapshot, implied_actions, validate_decision,
 )
 
@@ -213,11 +213,14 @@ def forecast(snapshot: Snapshot, policy: Policy, releases: tuple[GpuRelease, ...
         if not math.isfinite(next_s) or next_s - snapshot.now_s > horizon_s:
             break  # nothing will change any more (or not within the horizon)
         next_s = max(next_s, now_s + max(min_step_s, step_frac * (now_s - snapshot.now_s)))
+        ended = sum(j.end_s is not None for j in jobs.values())
         _progress(jobs, finish, now_s, next_s)
         while pending_releases and pending_releases[0].at_s <= next_s:
             _release(nodes, pending_releases.pop(0))
         now_s = next_s
-        trigger = TRIGGER_ROUND
+        # As the daemon and the simulator say it: a job finished (Crius searches again for
+        # the waiting jobs only then), else a round.
+        trigger = TRIGGER_COMPLETION if sum(j.end_s is not None for j in jobs.values()) > ended else TRIGGER_ROUND
     return {job_id: JobForecast(job_id, j.start_s, j.end_s, tuple(j.cells), j.extrapolated)
             for job_id, j in jobs.items()}
 

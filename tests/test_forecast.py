@@ -9,7 +9,7 @@ from policy.cells_ilp import CellsIlpPolicy
 from policy.fcfs import FcfsPolicy
 import policy.forecast as forecast_module
 from policy.forecast import GpuRelease, forecast
-from policy.interface import (PENDING, RUNNING, TRIGGER_ROUND, Assignment, Decision, JobDecision, JobView, NodeView,
+from policy.interface import (PENDING, RUNNING, TRIGGER_COMPLETION, TRIGGER_ROUND, Assignment, Decision, JobDecision, JobView, NodeView,
                               Snapshot)
 
 BATCH = 8
@@ -56,6 +56,20 @@ def test_without_the_release_the_waiting_job_has_no_forecast():
     snap, _ = scenario()
     got = forecast(snap, FcfsPolicy())
     assert got["A"].end_s == 50.0 and (got["B"].start_s, got["B"].end_s) == (None, None)
+
+
+def test_the_policy_is_told_a_job_finished_as_the_daemon_tells_it():
+    """Crius searches again for waiting jobs only when told a job finished: a forward run
+    that said "round" at every step played out another Crius than the daemon runs."""
+    snap, releases = scenario()
+    seen = []
+
+    class Spy(FcfsPolicy):
+        def decide(self, snapshot):
+            seen.append((snapshot.now_s, snapshot.trigger))
+            return super().decide(snapshot)
+    forecast(snap, Spy(), releases)
+    assert seen == [(0.0, TRIGGER_ROUND), (50.0, TRIGGER_COMPLETION), (100.0, TRIGGER_ROUND)]
 
 
 def test_the_daemons_policy_forecasts_the_same_and_keeps_its_own_state():
