@@ -66,7 +66,8 @@ from dataclasses import dataclass, replace
 from estimator.cells import Cell, CellEstimate
 from policy._solver import RateTable, capacity_by_type, realize, requested_count
 from policy.binary_program import quiet_highs
-from policy.interface import Decision, JobView, Snapshot
+from policy.interface import Assignment, Decision, JobDecision, JobView, Snapshot
+from policy.placement import FreeGpus
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +172,8 @@ class GavelPolicy:
                 reasons[j.job_id] = f"round {round_no}: runs on {t} (LP shares {shares})"
         rank = {j.job_id: k for k, j in enumerate(snapshot.jobs)}
         order = sorted((i for i, c in wanted.items() if c is not None), key=lambda i: (-wanted[i].num_gpus, rank[i]))
-        placed = realize(snapshot, wanted, reasons, order)
+        placed = self.fill(snapshot, realize(snapshot, wanted, reasons, order), options, allocation, history,
+                           round_no)
 
         ran = {d.job_id: d.assignment.cell.gpu_type for d in placed.jobs if d.assignment is not None}
         new_history = tuple((j.job_id, _advance(history.get(j.job_id), allocation.get(j.job_id, {}),
@@ -186,6 +188,35 @@ class GavelPolicy:
                                fingerprint, new_history)
         return Decision(placed.jobs, new_state)
 
+    def fill(self, snapshot: Snapshot, placed: Decision, options: dict[str, dict[str, CellEstimate]],
+             allocation: dict[str, dict[str, float]], history: dict[str, JobRounds], round_no: int) -> Decision:
+        """The round's decision with GPUs its placement left idle given to jobs that fit them.
+
+        ``pick`` counts a type's GPUs as freed by every job it moves elsewhere; a move whose
+        new Cell cannot be placed keeps the job on its old nodes (``realize``), and the job
+        picked for the GPUs it was to free then does not fit. The queue goes on over what
+        is free after the decision, in ``pick``'s order: the mechanism stays work-conserving.
+        """
+        final = {d.job_id: d for d in placed.jobs}
+        free = FreeGpus.from_snapshot(snapshot)
+        for j in snapshot.jobs:
+            if j.assignment is not None:
+                free.release(j.assignment.placement)
+        for d in placed.jobs:
+            if d.assignment is not None:
+                free.take(d.assignment.placement)
+        waiting = [j for j in snapshot.jobs if j.job_id in final and final[j.job_id].assignment is None]
+        if not waiting or not free.total_free():
+            return placed
+        for job_id, t in self.queue(tuple(waiting), _type_order(snapshot), options, allocation, history):
+            cell = options[job_id][t].cell
+            if final[job_id].assignment is not None or (p := free.place(cell)) is None:
+                continue
+            free.take(p)
+            final[job_id] = JobDecision(job_id, Assignment(cell, p),
+                                        f"round {round_no}: runs on {t}, on GPUs the round's placement left idle")
+        return Decision(tuple(final[j.job_id] for j in snapshot.jobs if j.job_id in final), placed.policy_state)
+
     def pick(self, jobs: tuple[JobView, ...], types: list[str], options: dict[str, dict[str, CellEstimate]],
              allocation: dict[str, dict[str, float]], history: dict[str, JobRounds],
              capacity: dict[str, int]) -> dict[str, str]:
@@ -196,6 +227,22 @@ class GavelPolicy:
         ``global_queue``. Each is taken when the job has no type yet this round and the
         type has at least the job's GPU count left.
         """
+        left = dict(capacity)
+        picked: dict[str, str] = {}
+        for job_id, t in self.queue(jobs, types, options, allocation, history):
+            if left.get(t, 0) <= 0 or job_id in picked:
+                continue
+            n = options[job_id][t].cell.num_gpus
+            if n > left[t]:
+                continue
+            left[t] -= n
+            picked[job_id] = t
+        return picked
+
+
+    def queue(self, jobs: tuple[JobView, ...], types: list[str], options: dict[str, dict[str, CellEstimate]],
+              allocation: dict[str, dict[str, float]], history: dict[str, JobRounds]) -> list[tuple[str, str]]:
+        """The round's (job id, GPU type) entries in the order ``pick`` takes them."""
         per_type: dict[str, list[tuple]] = {t: [] for t in types}
         for rank, j in enumerate(jobs):
             h = history.get(j.job_id) or JobRounds()
@@ -206,20 +253,10 @@ class GavelPolicy:
                 per_type[t].append((-priority(x, received.get(t, 0), h.present), -deficit.get(t, 0.0), -x, rank,
                                     j.job_id, t))
         if self.global_queue:
-            queue = sorted(e for t in types for e in per_type[t])
+            entries = sorted(e for t in types for e in per_type[t])
         else:
-            queue = [e for t in types for e in sorted(per_type[t])]
-        left = dict(capacity)
-        picked: dict[str, str] = {}
-        for *_, job_id, t in queue:
-            if left.get(t, 0) <= 0 or job_id in picked:
-                continue
-            n = options[job_id][t].cell.num_gpus
-            if n > left[t]:
-                continue
-            left[t] -= n
-            picked[job_id] = t
-        return picked
+            entries = [e for t in types for e in sorted(per_type[t])]
+        return [(job_id, t) for *_, job_id, t in entries]
 
 
 def priority(x: float, rounds_received: int, rounds_present: int) -> float:

@@ -184,3 +184,57 @@ def test_a_decision_over_a_thousand_jobs_stays_fast():
     assert sum(jd.assignment is not None for jd in d.jobs) > 100
     assert first_s < 5.0  # generous: a shared 2-core host; measured well under a second
     assert math.isfinite(d.policy_state.next_round_s)
+
+
+def test_gpus_a_move_that_did_not_fit_left_idle_go_to_a_waiting_job_that_fits():
+    """Gavel's pick counts a type's GPUs as freed by every job it moves away; a move whose
+    new Cell cannot be placed keeps the job where it was, and the 16-GPU job picked for
+    the freed GPUs no longer fits. Seeded jobs of the measured table on a100 2x4, v100
+    1x16, a40 3x2: after every round no waiting job fits the GPUs left free on a type it
+    has a Cell of (14 of 16 v100 GPUs had idled two rounds with seven v100 jobs waiting)."""
+    import random
+
+    from estimator.cluster import cluster_from_dict
+    from estimator.jobs import JobSpec
+    from policy.measured import load_measured, measured_estimates
+    from policy.placement import FreeGpus
+    from policy.simulator import EstimateCache, SimConfig, simulate
+    from policy.trace import TraceJob
+
+    table, node_size = load_measured(), {"a100": 4, "v100": 16, "a40": 2}
+    groups = [("a100", 2, 4), ("v100", 1, 16), ("a40", 3, 2)]
+    cluster = cluster_from_dict({"name": "t", "node_groups": [
+        {"gpu_type": t, "nodes": n, "gpus_per_node": g} for t, n, g in groups]})
+    requests = sorted({(p.model, p.global_batch, p.num_gpus, p.gpu_type, t) for p in table.points
+                       if p.iter_time_s is not None and p.iter_time_s <= 300 and p.gpu_type in node_size
+                       and p.num_gpus <= cluster.total_gpus(p.gpu_type)
+                       and (t := table.best_locality_iter_time_s(p.model, p.global_batch, p.gpu_type, p.num_gpus,
+                                                                 node_size[p.gpu_type])) is not None})
+    rng, jobs, t = random.Random(2), [], 0.0
+    for i in range(30):
+        t += rng.choice([0, 10, 100, 600])
+        model, batch, gpus, gtype, it = rng.choice(requests)
+        iterations = max(1, int(rng.choice([600, 3600, 7200]) / it))
+        jobs.append(TraceJob(f"j{i}", t, JobSpec(model, batch, gpus, gtype), iterations, it, None))
+    policy, idle_fits = GavelPolicy(), []
+    decide = policy.decide
+
+    def checked(snapshot):
+        decision = decide(snapshot)
+        after = {j.job_id: j.assignment for j in snapshot.jobs}
+        after.update({d.job_id: d.assignment for d in decision.jobs})
+        free = FreeGpus.from_snapshot(snapshot, keep_running=False)
+        for a in after.values():
+            if a is not None:
+                free.take(a.placement)
+        capacity = capacity_by_type(snapshot)
+        for j in snapshot.jobs:
+            if after[j.job_id] is None and decision.jobs:
+                idle_fits.extend((snapshot.now_s, j.job_id, gpu_type) for gpu_type, e
+                                 in per_type_options(j, snapshot, capacity).items() if free.place(e.cell) is not None)
+        return decision
+    policy.decide = checked
+    cache = EstimateCache(cluster, table, False, lambda spec, space: measured_estimates(spec, cluster, table, space))
+    result = simulate(policy, tuple(jobs), cluster, table, SimConfig(), cache)
+    assert all(o.status == "finished" for o in result.jobs)
+    assert idle_fits == []
