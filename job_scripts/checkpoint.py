@@ -39,6 +39,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or none can be read (names the path and why)."""
 
 
+class CheckpointDamaged(CheckpointError):
+    """A checkpoint's array files cannot be read (truncated, missing: a disk or a node that
+    lost data after the save completed); the one before it may still be."""
+
+
 @dataclass(frozen=True)
 class Saved:
     """A complete checkpoint: its step, its metadata and its directory."""
@@ -78,7 +83,7 @@ class ArrayReader:
         try:
             meta = json.loads((self.dir / "_METADATA").read_text())
         except (OSError, ValueError) as e:
-            raise CheckpointError(f"{self.dir}: unreadable array metadata ({e})") from None
+            raise CheckpointDamaged(f"{self.dir}: unreadable array metadata ({e})") from None
         self.use_zarr3 = bool(meta.get("use_zarr3", False))
         self.use_ocdbt = bool(meta.get("use_ocdbt", True))
         self._open: dict[str, object] = {}
@@ -92,7 +97,10 @@ class ArrayReader:
             try:
                 self._open[name] = ts.open(spec, context=th.get_ts_context(use_ocdbt=self.use_ocdbt)).result()
             except Exception as e:  # noqa: BLE001 - tensorstore raises ValueError and its own errors
-                raise CheckpointError(f"{self.dir}: no array {name!r} ({str(e).splitlines()[0]})") from None
+                first = str(e).splitlines()[0]
+                if first.startswith("NOT_FOUND"):  # a checkpoint of another layout
+                    raise CheckpointError(f"{self.dir}: no array {name!r} ({first})") from None
+                raise CheckpointDamaged(f"{self.dir}: array {name!r} cannot be opened ({first[:300]})") from None
         return self._open[name]
 
     def shape(self, *keys: str) -> tuple[int, ...]:
@@ -100,7 +108,12 @@ class ArrayReader:
 
     def read(self, keys: tuple[str, ...], index) -> np.ndarray:
         """``array[index]`` of the array saved under the pytree path ``keys``."""
-        return np.asarray(self._store(".".join(keys))[index].read().result())
+        store = self._store(".".join(keys))
+        try:
+            return np.asarray(store[index].read().result())
+        except Exception as e:  # noqa: BLE001 - tensorstore raises ValueError and its own errors
+            raise CheckpointDamaged(f"{self.dir}: array {'.'.join(keys)!r} cannot be read "
+                                    f"({str(e).splitlines()[0][:300]})") from None
 
 
 class Checkpoints:
@@ -187,6 +200,11 @@ class Checkpoints:
                                   f"{unread or 'another process could not read step ' + str(int(oldest))})")
         self._set_aside([step for step in steps if step > int(oldest)], agree)
         return saved
+
+    def set_aside(self, step: int, agree: Callable[[float], float] = lambda value: value) -> None:
+        """Set the checkpoint of ``step`` aside as unreadable (``7`` → ``7.unreadable``), on
+        every process's word (all call it): ``latest`` then gives the one before."""
+        self._set_aside([step], agree)
 
     def _set_aside(self, steps: list[int], agree: Callable[[float], float]) -> None:
         """Rename the ``steps`` newer than the one resumed (damaged, or unreadable to some

@@ -39,7 +39,7 @@ import time  # noqa: E402
 from estimator.contract import EXIT_BAD_INPUT, EXIT_DIVERGED  # noqa: E402
 from estimator.errors import SpecError  # noqa: E402
 from job_scripts import runtime  # noqa: E402
-from job_scripts.checkpoint import CheckpointError  # noqa: E402
+from job_scripts.checkpoint import CheckpointError, Saved  # noqa: E402
 
 # Named explicitly: run as ``python -m job_scripts.run`` this module's __name__ is __main__.
 log = logging.getLogger("job_scripts.run")
@@ -168,11 +168,13 @@ def train(job: runtime.Job) -> int:
     pipe = Pipeline(arch, plan, job.devices, cfg.global_batch, optimizer_for(arch.optimizer))
     layout, views = {"layout": reshard.layout_json(pipe)}, reshard.saver(pipe)
     t0 = time.perf_counter()
-    if saved is not None:
-        reader = job.checkpoints.reader(saved.step)
-        state = reshard.restore(pipe, saved.meta.get("layout") or {}, lambda kind, dt, s, j, lo, hi: reader.read(
+
+    def read(ckpt: Saved):  # the reader's open files go with it: a rotated-out step is not kept alive
+        reader = job.checkpoints.reader(ckpt.step)
+        return reshard.restore(pipe, ckpt.meta.get("layout") or {}, lambda kind, dt, s, j, lo, hi: reader.read(
             (kind, dt), (s, j, slice(lo, hi))))
-        del reader  # its open files would keep the old checkpoint's alive once it is rotated out
+    saved, state = job.restored(saved, read)
+    if saved is not None:
         pipe.set_loss_scale(saved.meta.get("loss_scale"))  # fp16's: a bf16 run's checkpoint has none
     else:
         state = pipe.init(cfg.seed)

@@ -41,6 +41,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +49,7 @@ from estimator.contract import (ADMIN_COMMENT_PLAN, EXIT_BAD_INPUT, EXIT_DONE, E
                                 MEASURED_FILE, ElasticSpecError, RunnerReport, comment_settings, merge_settings,
                                 plan_tokens, script_settings)
 from estimator.errors import SpecError
-from job_scripts.checkpoint import Checkpoints, CheckpointError, Saved, write_json_atomic
+from job_scripts.checkpoint import CheckpointDamaged, Checkpoints, CheckpointError, Saved, write_json_atomic
 from job_scripts.run_config import SCRIPT_ENV, SETTINGS_ENV, RunConfig, resolve_config
 from job_scripts.slurm_env import (COORDINATOR_ENV, SlurmAllocation, admin_comment_from_scontrol,
                                    allocation_from_env, comment_from_scontrol, coordinator_address)
@@ -486,6 +487,32 @@ class Job:
                     raise SpecError(key, value, f"the checkpoint {saved.path} was written with "
                                                 f"{key}={saved.meta.get(key)!r}; use a new checkpoint directory")
         return saved
+
+    def restored(self, saved: Saved | None, read: Callable[[Saved], object]) -> tuple[Saved | None, object]:
+        """(checkpoint, ``read(checkpoint)``) for the newest checkpoint from ``saved`` on
+        whose arrays every process reads; (None, None) when there is none. A step whose files
+        cannot be read (``CheckpointDamaged`` on any process) is set aside, as ``latest``
+        does with one whose metadata cannot, and the one before is read.
+
+        Raises:
+            CheckpointError: every checkpoint was set aside (none is trained over from step 1).
+        """
+        set_aside: list[str] = []  # the same on every process
+        while saved is not None:
+            try:
+                state, damage = read(saved), ""
+            except CheckpointDamaged as e:
+                state, damage = None, str(e)
+            if not self.agree_max(float(bool(damage))):
+                return saved, state
+            log.warning("checkpoint of step %d cannot be read (%s): resuming from the one before", saved.step,
+                        damage or "on another process of this job")
+            self.checkpoints.set_aside(saved.step, self.agree_max)
+            set_aside.append(f"step {saved.step}: {damage or 'unreadable on another process'}")
+            saved = self.latest()
+        if set_aside:
+            raise CheckpointError(f"no readable checkpoint in {self.checkpoints.directory}: " + "; ".join(set_aside))
+        return None, None
 
     def mark_resumed(self, saved: Saved | None, plan_text: str | None) -> None:
         """Log where training continues and set :attr:`next_step`."""

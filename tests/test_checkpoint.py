@@ -464,3 +464,33 @@ def test_every_process_resumes_from_the_same_step_or_none_does(tmp_path):
     assert all("no readable checkpoint" in r.get("error", "") for r in unreadable), unreadable
     apart = _latest_in_two_processes(tmp_path, ("f", "g"))  # no step both can read
     assert all("cannot all read one checkpoint" in r.get("error", "") for r in apart), apart
+
+
+def _train(ckpt: Path, iterations: int) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "job_scripts.run", "--model", str(ROOT / "tests" / "fixtures" / "runner" / "tiny-gpt.yaml"),
+         "--global-batch", "16", "--iterations", str(iterations), "--devices", "2", "--platform", "cpu", "--no-tune",
+         "--plan", "cell=a100x2:s1 plan=[dp2tp1] mb=1 remat=0", "--checkpoint-every", "2",
+         "--checkpoint-dir", str(ckpt)], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S, env=_env())
+
+
+def test_a_step_whose_array_files_are_damaged_is_set_aside_and_the_one_before_resumed(tmp_path):
+    """Its metadata reads, its data files do not (truncated after the save completed): the
+    job had stopped with a traceback and exit 1 (Slurm does not requeue it), the step
+    before it intact."""
+    ckpt = tmp_path / "ckpt"
+    assert _train(ckpt, 4).returncode == 0
+    data = [p for p in (ckpt / "4" / "arrays").rglob("*") if p.is_file() and p.parent.name == "d"]
+    assert data
+    for path in data:
+        path.write_bytes(path.read_bytes()[:50])
+    again = _train(ckpt, 6)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "checkpoint of step 4 cannot be read" in again.stderr and "resumed from step 2 " in again.stderr
+    assert sorted(p.name for p in ckpt.iterdir() if p.name[0].isdigit()) == ["4", "4.unreadable", "6"]
+    # Every step damaged: one line and exit 2, not training over from step 1.
+    for step in ("4", "6"):
+        (ckpt / step / "arrays" / "_METADATA").write_text("")
+    last = _train(ckpt, 8)
+    assert last.returncode == 2 and "no readable checkpoint" in last.stderr and "Traceback" not in last.stderr
+    assert "step 1 loss" not in last.stderr
