@@ -274,9 +274,18 @@ def _parsed(plan_text: str | None):
         return None
 
 
+# Names a checkpoint's metadata holds of its own (``Job.save``, ``Checkpoints.save``, the
+# built-in runner's layout and loss scale): an identity key among them would be written over.
+RESERVED_META_KEYS = ("cell", "data", "format", "job_id", "layout", "loss_scale", "plan", "restart_count", "step")
+
+
 def _as_saved(identity: dict) -> dict:
     """``identity`` as a checkpoint's JSON metadata reads it back (a tuple becomes a list),
     so that the same job finds its own checkpoints equal."""
+    taken = sorted(set(identity) & set(RESERVED_META_KEYS))
+    if taken:
+        raise SpecError("identity", taken[0], "a name the checkpoint's own metadata uses "
+                                              f"({', '.join(RESERVED_META_KEYS)}): give another")
     try:
         return json.loads(json.dumps(identity, allow_nan=False))
     except (TypeError, ValueError) as e:
@@ -544,7 +553,7 @@ class Job:
     def save(self, step: int, arrays, meta: dict | None = None) -> None:
         """Checkpoint ``arrays`` (any pytree of global arrays) as the state after ``step``."""
         data = {"next_step": step + 1, "next_sample": self.sample_of(step + 1)}
-        self.checkpoints.save(step, arrays, {**self.identity, **(meta or {}), "data": data,
+        self.checkpoints.save(step, arrays, {**(meta or {}), **self.identity, "data": data,
                                              "plan": self._running["plan"], "cell": self._running["cell"],
                                              "job_id": self.alloc.job_id,
                                              "restart_count": self.alloc.restart_count})

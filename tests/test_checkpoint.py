@@ -218,10 +218,11 @@ def _resume_with_identity(directory: str) -> dict:
                              platform="cpu", checkpoint_dir=directory, compile_cache="", identity=identity)
 
     job = start({"model_version": (3, 1)})
-    job.save(1, {"w": jnp.ones(3)})
+    job.save(1, {"w": jnp.ones(3)}, {"model_version": "the caller's own meta does not write over the identity"})
     job.close()
     out = {"same_job": start({"model_version": (3, 1)}).latest().step}
-    for name, identity in (("other_version", {"model_version": (3, 2)}), ("not_json", {"model_version": {3, 1}})):
+    for name, identity in (("other_version", {"model_version": (3, 2)}), ("not_json", {"model_version": {3, 1}}),
+                           ("reserved", {"data": "wikitext-103-v2"})):
         try:
             start(identity).latest()
             out[name] = None
@@ -235,7 +236,10 @@ def test_a_restarted_job_finds_its_checkpoint_when_its_identity_holds_a_tuple(tm
     assert out["same_job"] == 1  # saved as JSON, where (3, 1) reads back as [3, 1]
     assert out["other_version"].startswith("model_version=[3, 2]: the checkpoint ")
     assert out["not_json"].startswith("identity=") and "give JSON values" in out["not_json"]
-    assert "\n" not in out["other_version"] + out["not_json"]
+    # A name the checkpoint's metadata uses itself was written over, and the job refused its
+    # own checkpoint on the next start.
+    assert out["reserved"].startswith("identity='data': a name the checkpoint's own metadata uses")
+    assert "\n" not in out["other_version"] + out["not_json"] + out["reserved"]
 
 
 def _experts_reshard(directory: str, saved_stages: list, targets: list) -> dict:
