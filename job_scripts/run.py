@@ -194,7 +194,7 @@ def train(job: runtime.Job) -> int:
         job.record_step(step, loss, time.perf_counter() - t0)
         if scale is not None:
             skips_at_one = check_step(step, bool(pipe.last_step_finite), scale, skips_at_one)
-        if job.checkpoint_due(step):
+        if job.checkpoint_due(step) and not skips_at_one:  # none inside a streak the run may die of
             job.save(step, views(state), {**layout, **_scale_meta(pipe)})
     # No copy when the step is saved already.
     return job.finish(step, lambda: views(state), {**layout, **_scale_meta(pipe)})

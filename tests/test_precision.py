@@ -223,7 +223,7 @@ def _runner_with_nan_weights(checkpoint_dir: str) -> int:
     pipeline.Pipeline.init = nan_init
     return run.main(["--model", "tests/fixtures/runner/tiny-gpt-fp16.yaml", "--global-batch", "16",
                      "--iterations", "40", "--devices", "1", "--platform", "cpu", "--checkpoint-dir", checkpoint_dir,
-                     "--plan", "cell=v100x1:s1 plan=[dp1tp1] mb=1 remat=1"])
+                     "--checkpoint-every", "4", "--plan", "cell=v100x1:s1 plan=[dp1tp1] mb=1 remat=1"])
 
 
 def test_a_run_whose_gradients_never_come_finite_stops_with_exit_3(tmp_path, capfd):
@@ -238,6 +238,10 @@ def test_a_run_whose_gradients_never_come_finite_stops_with_exit_3(tmp_path, cap
     assert "step 1 skipped: its fp16 gradients overflowed at loss scale 32768" in err
     assert f"step {last} skipped" in err and f"step {last + 1} " not in err
     assert err.count("job_scripts.run: error:") == 1 and "the model diverged" in err
+    # No checkpoint of a step inside the streak at scale 1 (steps 16 on): a resubmitted job
+    # would resume past them as if they had trained.
+    steps = sorted(int(p.name) for p in (tmp_path / "ckpt").iterdir() if p.name.isdigit())
+    assert steps and max(steps) < 16, steps
 
 
 @pytest.mark.parametrize("kind, gpu", [("Tesla V100-SXM2-32GB", "v100"), ("NVIDIA A100-SXM4-40GB", "a100"),
