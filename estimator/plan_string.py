@@ -162,7 +162,7 @@ def parse_plan(text: str) -> PlanString:
         raise PlanStringError(text, f"cell has {s} stage(s) but plan lists {len(stages)}")
     if sum(dp * tp for dp, tp in stages) != n:
         raise PlanStringError(text, f"stages use {sum(dp * tp for dp, tp in stages)} GPUs, cell has {n}")
-    if not re.fullmatch(r"[1-9]\d{0,6}", fields["mb"]):
+    if not re.fullmatch(r"[1-9]\d{0,7}", fields["mb"]):  # up to the largest global batch (2**24)
         raise PlanStringError(text, f"mb={fields['mb']!r} is not a positive integer")
     if fields["remat"] not in ("0", "1"):
         raise PlanStringError(text, f"remat={fields['remat']!r} must be 0 or 1")
