@@ -27,10 +27,13 @@ def micro_batch_count(global_batch: int, target: int, fits: Callable[[int], bool
         next((d for d in counts if d > target and fits(global_batch // d)), below[-1])
 
 
-def more_micro_batches(global_batch: int, micro_batches: int) -> int | None:
+def more_micro_batches(global_batch: int, micro_batches: int,
+                       fits: Callable[[int], bool] | None = None) -> int | None:
     """The smallest count of at least twice as many micro-batches that divides the global
-    batch (None: there is none)."""
-    return next((d for d in divisors(global_batch) if d >= 2 * micro_batches), None)
+    batch, and with ``fits`` whose micro-batch fits (as ``micro_batch_count``; None: there
+    is none)."""
+    return next((d for d in divisors(global_batch)
+                 if d >= 2 * micro_batches and (fits is None or fits(global_batch // d))), None)
 
 
 def dp_cap(global_batch: int, cell: Cell) -> int:

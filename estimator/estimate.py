@@ -535,11 +535,11 @@ def _with_accumulation(job: JobSpec, cell: Cell, cluster: ClusterSpec,
     by accumulation (its weights and states do not), and the doubling stops."""
     est = _estimate_cell(job, cell, cluster, options, None)
     doublings = 0
-    replica = replica_batch(job.global_batch, cell)
+    replica, routes = replica_batch(job.global_batch, cell), moe_routes(job_model(job))
     usable_gb = _gpu_type(cell.gpu_type).device_memory_gb * options.memory.usable_frac
     while (not est.feasible and options.micro_batches is None and est.stages
            and "GB per GPU" in est.reason and doublings < MAX_ACCUMULATION_DOUBLINGS
-           and (more := more_micro_batches(replica, est.micro_batches))):
+           and (more := more_micro_batches(replica, est.micro_batches, routes))):
         doublings += 1
         retry = _estimate_cell(job, cell, cluster, options, more)
         if retry.feasible or "GB per GPU" not in retry.reason:

@@ -252,7 +252,7 @@ def tune(job: JobSpec, cell: Cell, cluster: ClusterSpec, options: TuneOptions = 
     est = estimate_cell(job, cell, cluster, est_opts)
     if est.stages and est.micro_batches not in mbs:
         more, ladder = max(mbs), {est.micro_batches}
-        while (more := more_micro_batches(replica_batch(job.global_batch, cell), more)) \
+        while (more := more_micro_batches(replica_batch(job.global_batch, cell), more, moe_routes(model))) \
                 and more <= 2 * est.micro_batches:
             ladder.add(more)
         mbs = tuple(sorted({*mbs, *ladder}))

@@ -244,3 +244,14 @@ def test_with_runnable_only_a_job_is_never_given_a_plan_the_runner_refuses():
         for c in est.cells:
             if c.feasible and all(s.dp == 1 for s in c.stages):
                 assert c.zero_level == 0 and "zero=" not in c.plan and c.runnable, c.plan
+
+
+def test_accumulation_skips_counts_moe_routing_cannot_split():
+    """moe-2.4b at 48 samples on one V100: 16 micro-batches of 3 samples cannot be routed
+    (whole expert groups of 2048 tokens), and the doubling stopped there, calling the
+    Cell out of memory; 24 fit. On four a10s its pipeline of 4 stages fits in 100
+    micro-batches: the doubling had stopped at 20."""
+    one = estimate_cell(JobSpec("moe-2.4b", 48), Cell("v100", 1, 1, 1), CRIUS)
+    assert one.feasible and one.micro_batches == 24
+    four = estimate_cell(JobSpec("moe-2.4b", 1000), Cell("a10", 4, 2, 4), CRIUS)
+    assert four.feasible and four.micro_batches > 20
