@@ -611,7 +611,7 @@ def _assemble(job: JobSpec, ctx: _Context, ranges, per_stage, default_ranges) ->
     memory_fidelity = ("compiled" if all(c.compiled_peak_gb is not None for c in costs) else
                        PROFILED if all(c.memory_source == PROFILED for c in costs) else "analytic")
     memory = options.memory
-    if memory.zero_level and not memory.offload and all(p.dp == 1 for p in plans):
+    if memory.zero_level and all(p.dp == 1 for p in plans):
         memory = replace(memory, zero_level=0)  # no data parallelism to shard the states over
     host_gb = max(host_memory_gb(c.memory) for c in costs)
     plan = format_plan(cell, plans, ctx.micro_batches, ctx.remat, default_ranges,

@@ -403,3 +403,14 @@ def test_a_higher_zero_level_that_needs_fewer_micro_batches_is_tried_too():
         e = estimate_cell(job, cell, CRIUS, EstimateOptions(memory=MemoryOptions(zero_level=zero)))
         assert e.feasible and e.runnable and e.zero_level == 3 and e.micro_batches == 8
         assert all(s.dp == 4 for s in e.stages)
+
+
+def test_an_offloaded_plan_without_data_parallelism_names_no_zero_stage():
+    """ZeRO shards over data parallelism: with dp 1 in every stage zero=3 changed nothing
+    but the label, which the plan string then carried (it is dropped without offload)."""
+    job, cell = JobSpec("gpt-1.3b", 6), Cell("v100", 4, 4, 4)
+    opts = {z: EstimateOptions(memory=MemoryOptions(zero_level=z, offload=True), remat=False) for z in (0, 3)}
+    zero, three = (estimate_cell(job, cell, CRIUS, opts[z]) for z in (0, 3))
+    assert all(s.dp == 1 for s in three.stages) and three.feasible
+    assert three.plan == zero.plan and "zero=" not in three.plan and "offload=1" in three.plan
+    assert three.zero_level == 0 and three.peak_memory_gb == zero.peak_memory_gb
