@@ -132,6 +132,21 @@ def test_tune_finds_the_zero_plan_that_estimate_finds_where_nothing_fits_without
     assert rc == 0 and not json.loads(out)["best"]["feasible"]  # as asked: ZeRO-0 only
 
 
+def test_tune_takes_a_higher_zero_level_where_it_lets_a_faster_split_fit():
+    """gpt-6.7b on 16 a100s in 4 stages fits as dp2tp2 at ZeRO-0, and as the faster dp4tp1
+    only with its states split: `tune` stopped at ZeRO-0, slower than `estimate`'s plan."""
+    args = ["--model", "gpt-6.7b", "--global-batch", "256", "--gpu-type", "a100", "--gpus", "16"]
+    rc, out, _ = _cli(["estimate", *args, "--json"])
+    (cell,) = [c for c in json.loads(out)["cells"] if (c["num_gpus"], c["num_stages"]) == (16, 4)]
+    rc, out, _ = _cli(["tune", *args, "--stages", "4", "--json"])
+    best = json.loads(out)["best"]
+    rc0, out0, _ = _cli(["tune", *args, "--stages", "4", "--zero", "0", "--json"])
+    zero = json.loads(out0)["best"]
+    assert rc == rc0 == 0 and best["feasible"] and zero["feasible"]
+    assert best["iteration_time_s"] < zero["iteration_time_s"] and best["zero_level"] > 0
+    assert best["iteration_time_s"] <= cell["iteration_time_s"] * 1.0001
+
+
 def test_tuning_tries_the_micro_batch_count_a_large_batch_needs():
     from estimator.estimate import EstimateOptions
     cluster, job, cell = load_cluster("crius-1280"), JobSpec("gpt-760m", 16384), Cell("a100", 4, 4, 1)

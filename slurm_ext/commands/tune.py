@@ -124,8 +124,8 @@ def _text(result: TuneResult, top: int = 5) -> str:
 @click.option("--micro-batches", type=int,
               help="Micro-batch count the search starts from (default: the Cell estimate's).")
 @click.option("--zero", "zero_level", type=click.IntRange(0, 3),
-              help="ZeRO stage of every plan (default: 0, else the first of 1 to 3 under which "
-                   "a plan the runner runs fits, as `estimate` does).")
+              help="ZeRO stage of every plan (default: the fastest plan the runner runs under any "
+                   "of 0 to 3: more split states may let a faster split fit, as `estimate` finds).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 def command(model, global_batch, gpu_type, gpus, gpus_per_node, stages, prune, measure, cluster,
             micro_batches, zero_level, as_json):
@@ -144,10 +144,9 @@ def command(model, global_batch, gpu_type, gpus, gpus_per_node, stages, prune, m
         results = [_runnable_only(tune(job, cell, cluster_spec, options), memory, optimizer) for cell in cells]
         evaluated += sum(r.candidates_evaluated for r in results)
         found = min(results, key=lambda r: r.best.rank_key() if r.best else (True, float("inf")))
-        if found.best is not None and found.best.score.feasible:
-            best = found
-            break
-        best = best or found  # nothing fits at any level: show the first level's plans
+        fits = found.best is not None and found.best.score.feasible
+        if best is None or (fits and (best.best is None or found.best.rank_key() < best.best.rank_key())):
+            best = found  # the fastest level's; nothing fits at any: the first level's plans
     best = replace(best, candidates_evaluated=evaluated)
     if measure:
         best = _measure(job, best, best.cell.gpus_per_node)
