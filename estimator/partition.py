@@ -178,6 +178,11 @@ def _arena(loads: tuple[float, ...], num_gpus: int, num_stages: int
                if g >= 1 and not g & (g - 1) and g <= num_gpus]
     options = sorted(set(options), key=lambda g: (g != share, g))  # equal share first: it wins ties
     inf = float("inf")
+    equal = (share,) * num_stages
+    same = weighted_partition(loads, equal) if share * num_stages == num_gpus else None
+    # No pipeline beats equal counts with a stage more loaded per GPU than equal counts'
+    # most loaded: such stages are not extended (a stage's load grows with its layers).
+    bound = inf if same is None else max(sum(loads[a:b]) / g for (a, b), g in zip(same, equal)) * (1 + 1e-9)
     # best[(k, i, used)]: smallest largest per-GPU load of the first i layers on k stages
     # that use ``used`` GPUs; back: (j, g) of the k-th stage.
     best: dict[tuple[int, int, int], float] = {(0, 0, 0): 0.0}
@@ -194,12 +199,16 @@ def _arena(loads: tuple[float, ...], num_gpus: int, num_stages: int
                     continue
                 for i in range(j + 1, n - stages_left + 1):
                     v = max(base, (prefix[i] - prefix[j]) / g)
+                    if v > bound:
+                        break
                     key = (k, i, u)
                     if v < best.get(key, inf) * (1 - 1e-12):
                         best[key], back[key] = v, (j, g)
                         nxt.add((i, u))
         frontier = nxt
     if (num_stages, n, num_gpus) not in best:
+        if same is not None:  # every other assignment was cut by equal counts' bound
+            return equal, same
         raise SpecError("num_gpus", num_gpus, f"cannot give {num_stages} stages power-of-two GPU counts")
     counts, ranges, i, used = [], [], n, num_gpus
     for k in range(num_stages, 0, -1):
@@ -207,10 +216,8 @@ def _arena(loads: tuple[float, ...], num_gpus: int, num_stages: int
         counts.append(g)
         ranges.append((j, i))
         i, used = j, used - g
-    equal = (share,) * num_stages
     found = (tuple(reversed(counts)), tuple(reversed(ranges)))
-    if share * num_stages == num_gpus and found[0] != equal:
-        same = weighted_partition(loads, equal)
+    if same is not None and found[0] != equal:
         if computation_bias(loads, same, equal) <= computation_bias(loads, found[1], found[0]) * (1 + 1e-9):
             return equal, same
     return found
