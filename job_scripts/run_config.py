@@ -213,6 +213,6 @@ def resolve_config(given: dict, env: dict[str, str], alloc: SlurmAllocation,
                      warmup_steps=2 if given.get("warmup_steps") is None else _whole(
                          "warmup_steps", given["warmup_steps"], 0, "steps not timed after each start"),
                      compile_cache_dir=cache or None, launch=launch, tune=tune,
-                     compile_cache_max_bytes=int(max_gb * 2**30) or -1,
+                     compile_cache_max_bytes=max(1, int(max_gb * 2**30)) if max_gb else -1,
                      job_checkpoint_dir=not pick("checkpoint_dir") and bool(alloc.job_id),
                      report_dir=Path(root) / alloc.job_id if alloc.job_id else None)

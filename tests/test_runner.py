@@ -744,6 +744,8 @@ def test_the_shared_compile_cache_is_bounded(tmp_path):
     script.write_text("#!/bin/bash\n#ELASTIC model=gpt-760m global_batch=8 iterations=10\n")
     assert _config({}, {}, alloc, str(script)).compile_cache_max_bytes == 20 * 2**30
     assert _config({}, {"SLURM_EXT_COMPILE_CACHE_MAX_GB": "0"}, alloc, str(script)).compile_cache_max_bytes == -1
+    # A bound below a byte is the smallest bound, not none.
+    assert _config({}, {"SLURM_EXT_COMPILE_CACHE_MAX_GB": "1e-12"}, alloc, str(script)).compile_cache_max_bytes == 1
     for bad in ("-1", "nan", "inf", "lots"):
         with pytest.raises(SpecError, match="SLURM_EXT_COMPILE_CACHE_MAX_GB"):
             _config({}, {"SLURM_EXT_COMPILE_CACHE_MAX_GB": bad}, alloc, str(script))
