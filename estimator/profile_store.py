@@ -347,65 +347,74 @@ def load_profile_view(path: str | Path) -> ProfileView:
     """The newest measurements of each GPU type in the store, for the estimator.
 
     - Efficiency: the newest profile's fit of the type, or an online refit made after it.
-    - Collectives: per node count, the newest profile of the type with that many nodes
-      that has any (a one-node profile does not hide the cross-node curves of an earlier
-      two-node one).
+    - Collectives: per node count a measurement spans, the newest profile of the type
+      that measured any (a one-node profile does not hide the cross-node curves of an
+      earlier two-node one, nor do that one's curves within a node outvote its own).
     - Layers: per model, layer and tp degree, the newest profile of the type that timed
       it (a profile cut short by its budget after tp 1 keeps an earlier one's tp 2 to 8);
       a sample count timed twice in one profile (a model named twice) is averaged.
     """
     conn = connect(path)
-    skipped = 0
     try:
-        conn.execute("BEGIN")  # one snapshot: a profile committed meanwhile is read whole or not at all
-        profiles = {pid: (gpu, nodes, created) for pid, gpu, nodes, created in conn.execute(
-            "SELECT id, gpu_type, num_nodes, created_utc FROM profiles")}
-        fitted: dict[str, tuple[str, Efficiency]] = {}  # newest profile fit per type, by id
-        for pid, params in conn.execute("SELECT profile_id, params_json FROM efficiency ORDER BY profile_id"):
-            if pid not in profiles or (eff := usable_efficiency(params)) is None:
-                skipped += 1
-                continue
-            gpu, _, created = profiles[pid]
-            fitted[gpu] = (created, eff)
-        effs = {gpu: eff for gpu, (_, eff) in fitted.items()}
-        for gpu, created, params in conn.execute("SELECT gpu_type, created_utc, params_json FROM refits ORDER BY id"):
-            if (eff := usable_efficiency(params)) is None:
-                skipped += 1
-            elif gpu not in fitted or _utc_key(created) >= _utc_key(fitted[gpu][0]):
-                effs[gpu] = eff
-        newest_coll: dict[tuple[str, int], int] = {}
-        for (pid,) in conn.execute("SELECT DISTINCT profile_id FROM collectives ORDER BY profile_id"):
-            if pid in profiles:
-                gpu, nodes, _ = profiles[pid]
-                newest_coll[(gpu, nodes)] = pid
-        coll: dict[str, tuple[CollectiveRow, ...]] = {}
-        for (gpu, _), pid in sorted(newest_coll.items()):
-            rows = [CollectiveRow(*r) for r in conn.execute(
-                "SELECT op, group_size, num_nodes, gpus_per_node, replica_groups, bytes, seconds "
-                "FROM collectives WHERE profile_id=?", (pid,))]
-            good = tuple(r for r in rows if _usable_collective(r))
-            skipped += len(rows) - len(good)
-            if good:
-                coll[gpu] = coll.get(gpu, ()) + good
-        newest_layer: dict[tuple[str, str, int, int], int] = {}
-        for pid, fp, idx, tp in conn.execute(
-                "SELECT DISTINCT profile_id, model_fingerprint, layer_index, tp FROM layers ORDER BY profile_id"):
-            if pid in profiles:
-                newest_layer[(profiles[pid][0], fp, idx, tp)] = pid
-        points: dict[tuple[str, str, int, int], dict[int, list[tuple[float, float, int | None]]]] = {}
-        for pid, fp, idx, tp, samples, f, fb, temp in conn.execute(
-                "SELECT profile_id, model_fingerprint, layer_index, tp, samples, forward_s, forward_backward_s, "
-                "backward_temp_bytes FROM layers"):
-            key = (profiles[pid][0], fp, idx, tp) if pid in profiles else None
-            if key is None or newest_layer[key] != pid:
-                continue
-            if not _usable_layer(tp, samples, f, fb, temp):
-                skipped += 1
-                continue
-            points.setdefault(key, {}).setdefault(samples, []).append((f, fb, temp))
-        conn.execute("COMMIT")
+        return _read_view(conn, path)
+    except sqlite3.Error as e:  # a damaged file, a table or column missing
+        raise SpecError("profile_db", str(path), f"cannot be read ({e})") from None
     finally:
         conn.close()
+
+
+def _read_view(conn: sqlite3.Connection, path: str | Path) -> ProfileView:
+    """``load_profile_view``'s reading, in one transaction."""
+    skipped = 0
+    conn.execute("BEGIN")  # one snapshot: a profile committed meanwhile is read whole or not at all
+    profiles = {pid: (gpu, nodes, created) for pid, gpu, nodes, created in conn.execute(
+        "SELECT id, gpu_type, num_nodes, created_utc FROM profiles")}
+    fitted: dict[str, tuple[str, Efficiency]] = {}  # newest profile fit per type, by id
+    for pid, params in conn.execute("SELECT profile_id, params_json FROM efficiency ORDER BY profile_id"):
+        if pid not in profiles or (eff := usable_efficiency(params)) is None:
+            skipped += 1
+            continue
+        gpu, _, created = profiles[pid]
+        fitted[gpu] = (created, eff)
+    effs = {gpu: eff for gpu, (_, eff) in fitted.items()}
+    for gpu, created, params in conn.execute("SELECT gpu_type, created_utc, params_json FROM refits ORDER BY id"):
+        if (eff := usable_efficiency(params)) is None:
+            skipped += 1
+        elif gpu not in fitted or _utc_key(created) >= _utc_key(fitted[gpu][0]):
+            effs[gpu] = eff
+    # Per type and nodes a measurement spans: a two-node profile's rows within a node do
+    # not outvote a newer one-node profile's.
+    newest_coll: dict[tuple[str, int], int] = {}
+    for pid, spans in conn.execute(
+            "SELECT DISTINCT profile_id, num_nodes FROM collectives ORDER BY profile_id"):
+        if pid in profiles:
+            newest_coll[(profiles[pid][0], spans)] = pid
+    coll: dict[str, tuple[CollectiveRow, ...]] = {}
+    for (gpu, spans), pid in sorted(newest_coll.items()):
+        rows = [CollectiveRow(*r) for r in conn.execute(
+            "SELECT op, group_size, num_nodes, gpus_per_node, replica_groups, bytes, seconds "
+            "FROM collectives WHERE profile_id=? AND num_nodes=?", (pid, spans))]
+        good = tuple(r for r in rows if _usable_collective(r))
+        skipped += len(rows) - len(good)
+        if good:
+            coll[gpu] = coll.get(gpu, ()) + good
+    newest_layer: dict[tuple[str, str, int, int], int] = {}
+    for pid, fp, idx, tp in conn.execute(
+            "SELECT DISTINCT profile_id, model_fingerprint, layer_index, tp FROM layers ORDER BY profile_id"):
+        if pid in profiles:
+            newest_layer[(profiles[pid][0], fp, idx, tp)] = pid
+    points: dict[tuple[str, str, int, int], dict[int, list[tuple[float, float, int | None]]]] = {}
+    for pid, fp, idx, tp, samples, f, fb, temp in conn.execute(
+            "SELECT profile_id, model_fingerprint, layer_index, tp, samples, forward_s, forward_backward_s, "
+            "backward_temp_bytes FROM layers"):
+        key = (profiles[pid][0], fp, idx, tp) if pid in profiles else None
+        if key is None or newest_layer[key] != pid:
+            continue
+        if not _usable_layer(tp, samples, f, fb, temp):
+            skipped += 1
+            continue
+        points.setdefault(key, {}).setdefault(samples, []).append((f, fb, temp))
+    conn.execute("COMMIT")
     if skipped:
         log.warning("profile store %s: %d rows skipped (times, sizes or parameters that are not "
                     "positive finite numbers, malformed replica groups)", path, skipped)

@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from slurm_ext.guarantees import GuaranteePolicy
+from slurm_ext.profile_job import MIN_PROFILE_MINUTES
 from estimator.cluster import NETWORK_DEFAULT_GBYTES_S, load_cluster
 from estimator.errors import SpecError, yaml_problem
 from estimator.yaml_text import load_yaml
@@ -268,8 +269,9 @@ def _coerce(key: str, raw: object, source: str) -> object:
         if key == "max_new_specs_per_round" and value < 1:
             raise ConfigError(key, raw, f"({source}) give at least 1: with 0 no elastic job's spec is ever "
                                         "read, and every elastic job stays held")
-        if key == "background_profile_time_min" and value < 1:
-            raise ConfigError(key, raw, f"({source}) give at least 1 (minutes): Slurm takes no shorter time limit")
+        if key == "background_profile_time_min" and value < MIN_PROFILE_MINUTES:
+            raise ConfigError(key, raw, f"({source}) give at least {MIN_PROFILE_MINUTES} (minutes): a shorter "
+                                        "profile has no time left to measure, and ends in its time limit")
         return value
     if key in _OPTIONAL_INTS:
         value = _number(key, raw, source, int, True)

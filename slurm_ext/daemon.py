@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from estimator.cells import Cell
 from estimator.cluster import ClusterSpec
 from estimator.contract import MAX_MEASURED_BYTES, MEASURED_FILE, ElasticSpecError
-from estimator.estimate import EstimateOptions, estimate_job
+from estimator.estimate import EstimateOptions
 from estimator.errors import SpecError
 from estimator.jobs import JobSpec
 from estimator.models import BUILTIN_MODELS
@@ -47,7 +47,7 @@ from slurm_ext.metrics import Metrics
 # The observe helpers are re-exported: callers and tests know them from here.
 from slurm_ext.observe import (  # noqa: F401
     ManagedJob, build_snapshot, cluster_spec, estimate_key, is_held, kv, measurement_from_text,
-    model_loader_for, model_text_for, node_type, partition_types, plan_comment, profile_db_if_written, profile_version,
+    estimate_cells, model_loader_for, model_text_for, node_type, partition_types, plan_comment, profile_db_if_written, profile_version,
     requested_gpus, rescale_pins, reserved_cell, gpu_releases, running_assignment, running_plan_comment,
     runner_progress, steerable_nodes, type_partitions, update_cell, finish_on_s, rescale_new_cell, rescale_releases,
     cell_gpus, required_placement, START_REFUSALS, refused_gpu_types, refused_starts,
@@ -56,7 +56,7 @@ from slurm_ext.limits import (kept_back_by_slurm, launch_is_stale, over_per_job_
                               waits_on_its_own_condition)
 from slurm_ext.profile_job import (
     RETRY_AFTER_S, background_request, free_for_policy, is_background, next_background, parse_background,
-    profiled_pairs, to_cancel,
+    profiled_pairs, retry_after_failures, to_cancel, waiting_partitions,
 )
 from slurm_ext.refit import OnlineRefitter
 from slurm_ext.slurm_client import SlurmClient, SlurmJob, SlurmNode
@@ -675,26 +675,23 @@ class Daemon:
         known model lacks a profile of its type (``slurm_ext.profile_job``)."""
         cfg = self.config
         placed = {n for d in decision.jobs if d.assignment is not None for n in d.assignment.nodes}
-        waiting = {part_types[j.partition] for j in active
-                   if j.state == "PENDING" and not j.is_elastic and not is_background(j)
-                   and j.partition in part_types and j.priority > 0}
-        for b in to_cancel(background, placed, waiting):
+        partitions = waiting_partitions(active)
+        waiting = {part_types[p] for p in partitions if p in part_types}
+        for b in to_cancel(background, placed, waiting, partitions, {n.name: n.partitions for n in nodes}):
             try:
                 self.client.cancel(b.job_id)
                 log.info(kv("background_profile_cancelled", job_id=b.job_id, node=b.node, model=b.model,
                             why="a job needs the node" if b.node in placed else "a job waits for its type"))
             except SlurmExtError as e:
                 log.warning(kv("background_profile_cancel_failed", job_id=b.job_id, error=e))
-        for j in jobs:  # a failed profile of a pair is not tried again at once
-            if is_background(j) and j.state in ("FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
-                b = parse_background(j, part_types)
-                self._profile_retry.setdefault((b.model, b.gpu_type), (j.job_id, now_s + RETRY_AFTER_S))
+        # a failed profile of a pair is not tried again at once
+        self._profile_retry = retry_after_failures(jobs, part_types, self._profile_retry, now_s)
         if background or not (cfg.background_profiling and cfg.profile_db):
             return
         models = {s.model for s in specs.values() if s is not None and s.model in BUILTIN_MODELS}
-        if not models:
+        profiled = profiled_pairs(cfg.profile_db, models) if models else None
+        if profiled is None:  # no model to profile, or a store that cannot be read (logged)
             return
-        profiled = profiled_pairs(cfg.profile_db, models)
         retry = {pair: until for pair, (_, until) in self._profile_retry.items()}
         plan = next_background(models, profiled, nodes, part_types, placed | held, waiting, retry, now_s)
         if plan is None:
@@ -766,7 +763,8 @@ class Daemon:
                 est[space] = self._estimates.get(
                     estimate_key(spec, cluster, space, options.micro_batches, cfg.max_gpus, profile,
                                  cfg.expert_parallel),
-                    lambda o=options: estimate_job(jspec, cluster, o).cells, now_s)
+                    lambda o=options: estimate_cells(jspec, cluster, o, lambda why: log.warning(kv(
+                        "profile_store_unreadable", error=why))), now_s)
             if not any(e.feasible for e in est[cfg.plan_space]):
                 why = next((e.reason for e in est[cfg.plan_space] if e.reason), "no Cell enumerated")
                 raise SpecError("model", spec.model, f"no Cell of this cluster fits it ({why})")

@@ -442,6 +442,20 @@ def profile_db_if_written(path: str | None) -> str | None:
     return path if p.is_file() and os.access(p, os.R_OK) else None
 
 
+def estimate_cells(job, cluster: ClusterSpec, options, warn: Callable[[str], None]) -> tuple[CellEstimate, ...]:
+    """``estimate_job``'s Cells, with the profile store where it reads, else analytic: a
+    damaged store, or one of a newer schema, is the site's fault, not the job's, and must
+    not stop every job's estimate (``warn`` is told why)."""
+    from estimator.estimate import estimate_job
+    try:
+        return estimate_job(job, cluster, options).cells
+    except SpecError as e:
+        if e.field != "profile_db" or options.profile_db is None:
+            raise
+        warn(f"{e}; estimates without it")
+        return estimate_job(job, cluster, replace(options, profile_db=None)).cells
+
+
 def profile_version(path: str | None) -> str | None:
     """The profile store and when it last changed (None: no store configured), so cached
     estimates are made anew after a profiling job or a refit writes to it."""

@@ -14,6 +14,7 @@ cancellation, which the daemon does through its `SlurmClient`, is a pure functio
 
 from __future__ import annotations
 
+import logging
 import shlex
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -24,6 +25,8 @@ from slurm_ext.slurm_client import SlurmJob, SlurmNode, SubmitRequest
 JOB_NAME = "slurm-ext-profile"
 BACKGROUND_COMMENT = "slurm-ext background profile"
 LOWEST_NICE = 2147483645  # sbatch's largest --nice: the lowest priority
+log = logging.getLogger(__name__)
+
 RETRY_AFTER_S = 3600.0  # a (model, type) whose profiling job failed waits this long
 
 
@@ -116,11 +119,42 @@ def free_for_policy(nodes: tuple[SlurmNode, ...], background: Iterable[Backgroun
     return tuple(out)
 
 
-def to_cancel(background: Iterable[BackgroundJob], placed_nodes: set[str],
-              waiting_types: set[str]) -> list[BackgroundJob]:
-    """Profiling jobs to cancel now: on a node the round's decision places a job on, or of
-    a GPU type an ordinary job waits for."""
-    return [b for b in background if b.node in placed_nodes or b.gpu_type in waiting_types]
+def to_cancel(background: Iterable[BackgroundJob], placed_nodes: set[str], waiting_types: set[str],
+              waiting_partitions: set[str] = frozenset(),
+              node_partitions: Mapping[str, tuple[str, ...]] | None = None) -> list[BackgroundJob]:
+    """Profiling jobs to cancel now: on a node the round's decision places a job on, of a
+    GPU type an ordinary job waits for, or on a node of a partition one waits in (a
+    partition of several types, or one of a job's several)."""
+    parts = node_partitions or {}
+    return [b for b in background if b.node in placed_nodes or b.gpu_type in waiting_types
+            or waiting_partitions & set(parts.get(b.node, ()))]
+
+
+def waiting_partitions(active: Iterable[SlurmJob]) -> set[str]:
+    """The partitions ordinary jobs wait in (each of a job's comma-separated list)."""
+    return {p for j in active if j.state == "PENDING" and not j.is_elastic and not is_background(j)
+            and j.priority > 0 for p in j.partition.split(",") if p}
+
+
+FAILED_STATES = ("FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+
+
+def retry_after_failures(jobs: Iterable[SlurmJob], part_types: Mapping[str, str],
+                         retry: Mapping[tuple[str, str], tuple[int | None, float]],
+                         now_s: float) -> dict[tuple[str, str], tuple[int | None, float]]:
+    """(model, GPU type) → (its newest failed profiling job, when it may be tried again):
+    ``RETRY_AFTER_S`` after a failure first seen now. A pair that failed again after its
+    wait gets a new wait (it had been resubmitted every round)."""
+    out = dict(retry)
+    newest: dict[tuple[str, str], int] = {}
+    for j in jobs:
+        if is_background(j) and j.state in FAILED_STATES:
+            b = parse_background(j, part_types)
+            newest[(b.model, b.gpu_type)] = max(j.job_id, newest.get((b.model, b.gpu_type), j.job_id))
+    for pair, job_id in newest.items():
+        if out.get(pair, (None, 0.0))[0] != job_id:
+            out[pair] = (job_id, now_s + RETRY_AFTER_S)
+    return out
 
 
 @dataclass(frozen=True)
@@ -134,15 +168,20 @@ class BackgroundPlan:
     model: str
 
 
-def profiled_pairs(profile_db: str, models: Iterable[str]) -> set[tuple[str, str]]:
-    """(model, GPU type) pairs whose layers the store has timed (none when it is missing)."""
+def profiled_pairs(profile_db: str, models: Iterable[str]) -> set[tuple[str, str]] | None:
+    """(model, GPU type) pairs whose layers the store has timed (none when it is missing;
+    None when it cannot be read: nothing is to be profiled into it meanwhile)."""
     from pathlib import Path
 
     from estimator.models import load_model
     from estimator.profile_store import load_profile_view, model_fingerprint
     if not Path(profile_db).is_file():
         return set()
-    timed = {(gpu, fp) for gpu, fp, _, _ in load_profile_view(profile_db).layers}
+    try:
+        timed = {(gpu, fp) for gpu, fp, _, _ in load_profile_view(profile_db).layers}
+    except SpecError as e:
+        log.warning("background profiling paused: %s", e)
+        return None
     prints = {m: model_fingerprint(load_model(m)) for m in models}
     return {(m, gpu) for m, fp in prints.items() for gpu, f in timed if f == fp}
 

@@ -105,7 +105,7 @@ def test_a_command_that_only_reads_slurm_is_not_failed_by_other_settings(tmp_pat
     ({"max_gpus": float("inf")}, {}, "max_gpus"),  # was an OverflowError traceback
     ({"metrics_port": float("inf")}, {}, "metrics_port"),
     ({"max_gpus": 2.7}, {}, "max_gpus"),  # not cut to 2 (the environment's "2.7" is refused too)
-    ({"background_profile_time_min": 0}, {}, "background_profile_time_min"),
+    ({"background_profile_time_min": 2}, {}, "background_profile_time_min"),  # no time left to measure
     # Options of the wrong type, which every round then failed on (a TypeError).
     ({"policy_options": {"max_pending": 2.5}}, {}, "policy_options.max_pending"),
     ({"policy": "gavel-greedy", "policy_options": {"max_moves": None}}, {}, "policy_options.max_moves"),

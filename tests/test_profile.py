@@ -147,7 +147,11 @@ def test_the_view_keeps_the_newest_of_each_measurement_not_of_each_type(tmp_path
     cross = tuple(CollectiveRow("all-reduce", 4, 2, 2, "[[0, 1, 2, 3]]", n, 1e-3 + n / 1e8) for n in (1 << 16, 1 << 20))
     within = tuple(CollectiveRow("all-reduce", 2, 1, 2, "[[0, 1]]", n, 1e-3 + n / 1e9) for n in (1 << 16, 1 << 20))
     full = tuple(_layers(spec, gpu, TRUE, tps=(1, 2), samples=(1, 4, 16)))
-    write_profile(db, Profile(info(2, "2026-11-01T00:00:00+00:00"), cross, tuple(_kernels(gpu, TRUE)), full, TRUE, 0.01))
+    # The two-node profile measured within a node too, ten times slower: the newer one-node
+    # profile's curves within a node replace those (their median took the older, slower one).
+    old_within = tuple(replace(r, seconds=10 * r.seconds) for r in within)
+    write_profile(db, Profile(info(2, "2026-11-01T00:00:00+00:00"), cross + old_within, tuple(_kernels(gpu, TRUE)),
+                              full, TRUE, 0.01))
     write_refit(db, "a10", replace(TRUE, matmul_frac=0.4), 12, 0.2, 0.05, "test", "2026-11-02T00:00:00Z")
     newer = replace(TRUE, matmul_frac=0.7)
     tp1 = tuple(replace(r, forward_s=2 * r.forward_s) for r in _layers(spec, gpu, TRUE, tps=(1,), samples=(1, 4, 16)))
@@ -156,6 +160,7 @@ def test_the_view_keeps_the_newest_of_each_measurement_not_of_each_type(tmp_path
     view = load_profile_view(db)
     assert view.efficiencies["a10"] == newer  # the refit predates this profile
     assert {(r.num_nodes, r.group_size) for r in view.collectives["a10"]} == {(2, 4), (1, 2)}
+    assert sorted(r.seconds for r in view.collectives["a10"] if r.num_nodes == 1) == sorted(r.seconds for r in within)
     again, kept = view.layer_timing("a10", fp, 5, 1), view.layer_timing("a10", fp, 5, 2)
     assert again.samples == (1, 4, 16) and kept.samples == (1, 4, 16)
     first = next(r for r in full if (r.layer_index, r.tp, r.samples) == (5, 1, 4))
@@ -178,6 +183,24 @@ def test_not_a_store_is_one_clear_error(tmp_path):
         conn.execute("UPDATE meta SET value='2.1' WHERE key='schema_version'")
     with pytest.raises(SpecError, match="schema version '2.1' is not a number"):
         connect(odd)
+
+
+def test_a_damaged_store_is_one_line_and_the_estimates_go_on_without_it(tmp_path):
+    """Pages of a store overwritten (its header intact): reading it raised sqlite3's own
+    error, which failed every daemon round and was a traceback on the command line."""
+    from slurm_ext.observe import estimate_cells
+
+    db, _ = _profile(tmp_path)
+    with open(db, "r+b") as f:
+        f.seek(4096 * 3)
+        f.write(bytes(range(256)) * 16 * 4)
+    with pytest.raises(SpecError, match="profile_db=.*cannot be read"):
+        load_profile_view(db)
+    warned = []
+    options = EstimateOptions(profile_db=str(db))
+    cells = estimate_cells(JobSpec("gpt-760m", 16), load_cluster("lab"), options, warned.append)
+    assert any(c.feasible for c in cells) and all(c.fidelity == "analytic" for c in cells)
+    assert len(warned) == 1 and "cannot be read" in warned[0] and "estimates without it" in warned[0]
 
 
 def test_profiled_collectives_replace_the_shipped_curves_of_their_type(tmp_path):

@@ -16,7 +16,8 @@ from slurm_ext.config import resolve
 from slurm_ext.daemon import Daemon
 from slurm_ext.profile_job import (
     BACKGROUND_COMMENT, JOB_NAME, LOWEST_NICE, BackgroundJob, BackgroundPlan, background_request,
-    batch_script, free_for_policy, measure_budget_s, next_background, parse_background, partition_layout, to_cancel,
+    RETRY_AFTER_S, batch_script, free_for_policy, measure_budget_s, next_background, parse_background,
+    partition_layout, retry_after_failures, to_cancel, waiting_partitions,
 )
 from slurm_ext.slurm_client import Gres, SlurmJob, SlurmNode, SubmitRequest
 from slurm_ext.store import Store
@@ -75,6 +76,36 @@ def test_cancel_when_a_job_is_placed_on_the_node_or_waits_for_the_type():
     assert to_cancel(bg, {"a10-2"}, set()) == [bg[0]]
     assert to_cancel(bg, set(), {"a100"}) == [bg[1]]
     assert to_cancel(bg, {"a10-1"}, {"v100"}) == []
+
+
+def test_a_job_waiting_in_a_partition_of_several_types_or_in_several_partitions_cancels_the_profile():
+    """Only a job whose one partition had one GPU type counted: one pending in a mixed
+    ``gpu`` partition, or in ``a100,v100``, waited for the profile's time limit."""
+    bg = [BackgroundJob(9, "a100-1", "a100", "m")]
+    node_parts = {"a100-1": ("a100", "gpu"), "v100-1": ("v100", "gpu")}
+    for partition in ("gpu", "v100,a100"):
+        waiting = waiting_partitions([SlurmJob(5, "u", "t", "PENDING", partition=partition, priority=1)])
+        types = {PARTS[p] for p in waiting if p in PARTS}
+        assert to_cancel(bg, set(), types, waiting, node_parts) == bg
+    held = SlurmJob(6, "u", "t", "PENDING", partition="gpu", priority=0)
+    assert waiting_partitions([held]) == set()
+    assert to_cancel(bg, set(), set(), {"v100"}, node_parts) == []
+
+
+def test_a_pair_that_fails_again_after_its_wait_waits_again():
+    """The first failure's wait was kept (``setdefault``): once it had passed, a pair whose
+    profile failed again was resubmitted every round."""
+    def failed(job_id):
+        return SlurmJob(job_id, "root", JOB_NAME, "FAILED", partition="a100", comment=f"{BACKGROUND_COMMENT} "
+                        "model=gpt-760m", nodes=("a100-1",))
+    pair = ("gpt-760m", "a100")
+    retry = retry_after_failures([failed(101)], PARTS, {}, 100.0)
+    assert retry == {pair: (101, 100.0 + RETRY_AFTER_S)}
+    assert retry_after_failures([failed(101)], PARTS, retry, 200.0) == retry  # the same failure, seen again
+    later = 100.0 + RETRY_AFTER_S + 50
+    again = retry_after_failures([failed(101), failed(102)], PARTS, retry, later)
+    assert again == {pair: (102, later + RETRY_AFTER_S)}
+    assert retry_after_failures([failed(101), failed(102)], PARTS, again, later + 60) == again
 
 
 def test_next_background_picks_an_idle_node_of_an_unprofiled_pair():

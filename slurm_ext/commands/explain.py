@@ -44,13 +44,13 @@ def command(job_id, as_json, config_path, state_db, timeout_s):
     """Why a job got its Cell, or why it waits, and when it is expected to start and end."""
     from estimator.contract import ElasticSpecError, parse_plan_comment
     from estimator.errors import SpecError
-    from estimator.estimate import EstimateOptions, estimate_job
+    from estimator.estimate import EstimateOptions
     from slurm_ext import explain
     from slurm_ext.backend import make_client
     from slurm_ext.config import load_config
     from slurm_ext.errors import SlurmExtError
     from slurm_ext.jobspec import ElasticSpec, check_model, parse_spec
-    from slurm_ext.observe import (cluster_spec, is_held, model_loader_for, partition_types,
+    from slurm_ext.observe import (cluster_spec, estimate_cells, is_held, model_loader_for, partition_types,
                                    profile_db_if_written, requested_gpus)
 
     cfg = load_config(config_path, {}, dict(os.environ))
@@ -89,14 +89,8 @@ def command(job_id, as_json, config_path, state_db, timeout_s):
             options = EstimateOptions(plan_space=cfg.plan_space, micro_batches=cfg.micro_batches_for(spec.global_batch),
                                       max_gpus=cfg.max_gpus, profile_db=profile_db_if_written(cfg.profile_db),
                                       expert_parallel=cfg.expert_parallel)
-            try:
-                estimates = estimate_job(job_spec, cluster, options).cells
-            except SpecError as e:
-                if e.field != "profile_db":
-                    raise
-                # The site's profile store, not the job, is at fault: the analytic estimates.
-                click.echo(f"slurm-ext: warning: {e}; estimates without it", err=True)
-                estimates = estimate_job(job_spec, cluster, replace(options, profile_db=None)).cells
+            estimates = estimate_cells(job_spec, cluster, options,
+                                       lambda why: click.echo(f"slurm-ext: warning: {why}", err=True))
         except (ElasticSpecError, SpecError) as e:
             spec_error = str(e)
     chosen = explain.chosen_estimate(pc, estimates or ())
