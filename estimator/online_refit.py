@@ -60,6 +60,10 @@ PRIOR_SIGMA = {"matmul_frac": 0.3, "conv_frac": 0.3, "memory_frac": 0.3, "layer_
 # Physical bounds. Fractions of datasheet peaks: [MIN_FRAC, 1]. The per-layer overhead:
 # [0, MAX_OVERHEAD_S] (4× the largest fitted), fitted as log(overhead + OVERHEAD_SCALE_S) so
 # that 0 is reachable and the fitted types' range (6 µs to 456 µs) is under two units of log.
+# A refit is written only when it cuts the median error by at least this much (absolute)
+# and a tenth of it: a refit that changes nothing measurable still invalidates every cached
+# estimate, and a trigger repeated at each checkpoint wrote one every interval.
+MIN_GAIN_FRAC = 0.01
 MIN_FRAC = 0.01
 OVERHEAD_SCALE_S = 1e-4
 MAX_OVERHEAD_S = 2e-3
@@ -166,7 +170,8 @@ class RefitResult:
 
     @property
     def improved(self) -> bool:
-        return self.observations > 0 and self.median_error_after_frac < self.median_error_before_frac
+        before = self.median_error_before_frac
+        return self.observations > 0 and self.median_error_after_frac <= before - max(MIN_GAIN_FRAC, 0.1 * before)
 
 
 def _to_x(name: str, value: float) -> float:
@@ -225,17 +230,21 @@ def _usable(gpu_type: str, cluster: ClusterSpec, options: EstimateOptions,
 def refit_efficiency(gpu_type: str, current: Efficiency, cluster: ClusterSpec,
                      observations: Sequence[RefitObservation],
                      options: EstimateOptions = EstimateOptions(),
-                     max_observations: int = MAX_OBSERVATIONS) -> RefitResult:
+                     max_observations: int = MAX_OBSERVATIONS, anchor: Efficiency | None = None) -> RefitResult:
     """Refit one GPU type's efficiency parameters to measured seconds per iteration.
 
     Args:
         gpu_type: the type to refit; observations of other types are ignored.
-        current: the type's parameters now (the start and the prior's centre).
+        current: the type's parameters now (the start, and the prior's centre without
+            ``anchor``).
         cluster: the cluster spec the plans ran on (node layout, network).
         observations: measurements of the type; the newest ``max_observations`` are used.
         options: estimator options other than the efficiency (e.g. ``profile_db``, whose
             collectives and layer timings stay as the estimator uses them).
         max_observations: cap on the observations used (newest first).
+        anchor: the prior's centre: parameters no refit moved (the profile's fit, the
+            datasheet's). Centred on the last refit, the prior moved with every refit, and
+            one job's measurements took over the type in two refits.
 
     Returns:
         The new parameters and the median relative error before and after; with no
@@ -266,6 +275,8 @@ def refit_efficiency(gpu_type: str, current: Efficiency, cluster: ClusterSpec,
                  np.nextafter(upper, -np.inf))
 
     prior_w = np.array([PRIOR_NOISE / PRIOR_SIGMA[n] for n in names])
+    centre = x0 if anchor is None else np.clip([_to_x(n, max(getattr(anchor, n), 1e-12)) for n in names], lower,
+                                               np.nextafter(upper, -np.inf))
 
     def candidate(x: np.ndarray) -> Efficiency:
         return replace(current, **{n: _from_x(n, v) for n, v in zip(names, x)})
@@ -273,7 +284,7 @@ def refit_efficiency(gpu_type: str, current: Efficiency, cluster: ClusterSpec,
     def residuals(x: np.ndarray) -> np.ndarray:
         t = score(candidate(x))
         data = np.log(np.maximum(t[which], 1e-12) / measured)
-        return np.concatenate([data, _quadratic_under_soft_l1(prior_w * (x - x0))])
+        return np.concatenate([data, _quadratic_under_soft_l1(prior_w * (x - centre))])
 
     sol = least_squares(residuals, x0, bounds=(lower, upper), loss="soft_l1", f_scale=FIT_SCALE,
                         x_scale=1.0, ftol=1e-5, xtol=1e-5, gtol=1e-8, max_nfev=60)

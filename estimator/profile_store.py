@@ -170,6 +170,8 @@ class ProfileView:
                                                               compare=False)
     layers: dict[tuple[str, str, int, int], LayerTiming] = field(default_factory=dict, hash=False,
                                                                 compare=False)
+    # The newest profile's fit per type, without the online refits made since.
+    fitted: dict[str, Efficiency] = field(default_factory=dict, hash=False, compare=False)
 
     def layer_timing(self, gpu_type: str, fingerprint: str, layer_index: int, tp: int) -> LayerTiming | None:
         return self.layers.get((gpu_type, fingerprint, layer_index, tp))
@@ -424,7 +426,7 @@ def _read_view(conn: sqlite3.Connection, path: str | Path) -> ProfileView:
         means = [tuple(_mean(v) for v in zip(*by_samples[n])) for n in counts]
         layers[key] = LayerTiming(tuple(counts), tuple(m[0] for m in means), tuple(m[1] for m in means),
                                   tuple(None if m[2] is None else int(m[2]) for m in means))
-    return ProfileView(str(path), effs, coll, layers)
+    return ProfileView(str(path), effs, coll, layers, {gpu: eff for gpu, (_, eff) in fitted.items()})
 
 
 def usable_efficiency(params_json: str) -> Efficiency | None:

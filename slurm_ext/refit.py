@@ -168,7 +168,8 @@ class OnlineRefitter:
         try:
             self.store.put_refit_observation(job_id, plan_key(obs), obs.cell.gpu_type, obs.to_json(), now_s,
                                              MAX_OBSERVATIONS)
-            options = EstimateOptions(profile_db=_existing(cfg.profile_db))
+            options = EstimateOptions(profile_db=_existing(cfg.profile_db))  # under the plan's ZeRO, as the refit
+            options = replace(options, memory=replace(options.memory, zero_level=obs.zero_level))
             estimated_s = score_plan(obs.job_spec(), obs.cell, cluster, obs.stages,
                                      obs.micro_batches, obs.remat, options).iteration_time_s
         except Exception as e:  # noqa: BLE001 - the refit is an aid: it must never fail a round
@@ -208,7 +209,8 @@ class OnlineRefitter:
             observations.append(obs)
         existing = _existing(profile_db)
         current = current_efficiency(existing, gpu_type)
-        result = refit_efficiency(gpu_type, current, cluster, observations, EstimateOptions(profile_db=existing))
+        result = refit_efficiency(gpu_type, current, cluster, observations, EstimateOptions(profile_db=existing),
+                                  anchor=current_efficiency(existing, gpu_type, refits=False))
         params = {n: f"{getattr(result.efficiency, n):.4g}" for n in result.fitted}
         fields = dict(gpu_type=gpu_type, observations=result.observations,
                       error_before=result.median_error_before_frac, error_after=result.median_error_after_frac,
@@ -222,11 +224,12 @@ class OnlineRefitter:
         return result
 
 
-def current_efficiency(profile_db: str | None, gpu_type: str) -> Efficiency:
+def current_efficiency(profile_db: str | None, gpu_type: str, refits: bool = True) -> Efficiency:
     """What the estimator uses for the type now: the profile store's (its newest refit,
-    else its profile's fit), else the shipped parameters."""
+    else its profile's fit; without ``refits``, the fit), else the shipped parameters."""
     if profile_db is not None:
-        eff = load_profile_view(profile_db).efficiencies.get(gpu_type)
+        view = load_profile_view(profile_db)
+        eff = (view.efficiencies if refits else view.fitted).get(gpu_type)
         if eff is not None:
             return eff
     return efficiency(catalog_gpu(gpu_type))

@@ -121,6 +121,20 @@ def test_a_single_far_off_observation_moves_the_parameters_only_part_way():
     assert 0 <= e.layer_overhead_s <= MAX_OVERHEAD_S
 
 
+def test_refits_of_one_far_off_job_do_not_walk_away_from_the_anchor():
+    """The prior's centre stays where no refit moved it: centred on the last refit, the
+    same job's measurement took the type over in two refits (a100's matmul share 0.69,
+    0.39, 0.30, ...). A refit that gains nothing measurable is not one."""
+    real = observe("gpt-1.3b", 128, Cell("a100", 8, 4, 2), [(4, 1), (2, 2)], 8, eff=START)
+    slow = [replace(real, iteration_time_s=2 * real.iteration_time_s)]
+    first = refit_efficiency("a100", START, CLUSTER, slow, anchor=START)
+    second = refit_efficiency("a100", first.efficiency, CLUSTER, slow, anchor=START)
+    assert first.improved and not second.improved
+    assert second.efficiency.matmul_frac == pytest.approx(first.efficiency.matmul_frac, rel=0.02)
+    drifting = refit_efficiency("a100", first.efficiency, CLUSTER, slow)  # centred on the last refit
+    assert drifting.efficiency.matmul_frac < 0.9 * first.efficiency.matmul_frac
+
+
 def test_an_fp32_model_refits_conv_frac_and_leaves_matmul_frac():
     true = replace(START, conv_frac=0.45)
     obs = [observe("wide_resnet-500m", gb, Cell("a100", n, 4, 1), [(n, 1)], 4, eff=true)
@@ -175,7 +189,7 @@ def test_a_time_that_is_no_device_speed_is_left_out(observations, clean_fit):
     assert r.efficiency == refit_efficiency("a100", START, CLUSTER, observations[3:]).efficiency
 
 
-def test_a_zero_3_plan_measured_at_its_own_estimate_refits_nothing():
+def test_a_zero_3_plan_measured_at_its_own_estimate_refits_nothing(tmp_path):
     """The observation carries its plan's ZeRO stage: scored as ZeRO-0 (no per-micro-batch
     gathers), a ZeRO-3 run looked 5× slow and the refit cut a100's inter-node share 8×."""
     from estimator.memory import MemoryOptions
@@ -188,6 +202,14 @@ def test_a_zero_3_plan_measured_at_its_own_estimate_refits_nothing():
     assert r.median_error_before_frac < 1e-6
     assert vars(r.efficiency) == pytest.approx(vars(START), rel=1e-6)
     assert RefitObservation.from_json(json.loads(json.dumps(obs[0].to_json()))) == obs[0]
+    # The daemon's trigger scores it under its ZeRO stage too: it read +293 % and asked
+    # for a refit at every checkpoint.
+    refitter = OnlineRefitter(Store(":memory:"), lambda: resolve({"profile_db": str(tmp_path / "p.sqlite")}, {}, {}))
+    est = estimate_cell(job, cell, CLUSTER, EstimateOptions(memory=MemoryOptions(zero_level=3)))
+    measurement = Measurement(cell.label(), zero3.iteration_time_s, 8)
+    refitter.observe(41, "gpt-1.3b", 64, (est,), measurement, measured_json(est.plan, zero3.iteration_time_s),
+                     CLUSTER, 0.0)
+    assert 41 in refitter._seen and refitter.gate.due(10_000.0, 600.0) == ()
 
 
 # ------------------------------------------------------------- the daemon's side
