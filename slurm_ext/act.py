@@ -201,7 +201,7 @@ class Actor:
         if not entries:
             return 0
         jobs = {j.job_id: j for j in self.client.jobs()}
-        steps = plan_recovery(entries, jobs)
+        steps = plan_recovery(entries, jobs, self.store.newest_entry_ids())
         if any(s.step in (journal.REAPPLY, journal.RELEASE_ONLY) for s in steps):
             # A job may have been requeued just now: releasing it in that second would fail it.
             self.clock.sleep_until(self.clock.now_s() + REQUEUE_SETTLE_S)
@@ -248,10 +248,15 @@ class Actor:
         entries = {job_id: self.store.intend(job_id, kind, update, now_s) for job_id, _ in jobs}
         ids = [j for j, _ in jobs]
         errors: dict[int, SlurmExtError] = {}
-        if update is not None:
-            errors.update(self._each(ids, lambda js: self.client.update_pending(js, update), kind))
-        if release:
-            errors.update(self._each([j for j in ids if j not in errors], self.client.release, kind))
+        try:
+            if update is not None:
+                errors.update(self._each(ids, lambda js: self.client.update_pending(js, update), kind))
+            if release:
+                errors.update(self._each([j for j in ids if j not in errors], self.client.release, kind))
+        except Exception as e:  # no answer at all (scontrol not started): nothing left open to replay
+            for entry in entries.values():
+                self.store.close_entry(entry, journal.FAILED, self.clock.now_s(), f"{NO_ANSWER}{e!r}")
+            raise
         done = []
         for job_id, describe in jobs:
             if job_id in errors:

@@ -358,6 +358,10 @@ class Store:
         """Entries written but not closed, oldest first."""
         return self._entries("WHERE state = ? ORDER BY id", (INTENDED,))
 
+    def newest_entry_ids(self) -> dict[int, int]:
+        """Each job's newest entry id, whatever its state."""
+        return dict(self._exec("SELECT job_id, MAX(id) FROM journal GROUP BY job_id", ()).fetchall())
+
     def entries(self, job_id: int | None = None) -> tuple[JournalEntry, ...]:
         """All entries (of one job), oldest first."""
         if job_id is None:
@@ -392,14 +396,17 @@ class Store:
 ENDING_STATES = frozenset({"COMPLETING", "REQUEUED", "REQUEUE_FED", "STAGE_OUT", "SIGNALING", "EXPEDITING"})
 
 
-def plan_recovery(entries: Iterable[JournalEntry],
-                  jobs: Mapping[int, SlurmJob]) -> tuple[RecoveryStep, ...]:
-    """What to do about open journal entries, given the jobs as Slurm shows them now.
+def plan_recovery(entries: Iterable[JournalEntry], jobs: Mapping[int, SlurmJob],
+                  newest: Mapping[int, int] | None = None) -> tuple[RecoveryStep, ...]:
+    """What to do about open journal entries, given the jobs as Slurm shows them now
+    (``newest``: each job's newest entry id, closed ones included).
 
     Rules (the daemon may have died anywhere between writing an entry and closing it):
 
     - the job is gone or finished: close the entry;
-    - a later open entry of the same job supersedes an earlier one: close the earlier;
+    - a later entry of the same job, open or closed, supersedes an earlier one: close the
+      earlier (an open start the rounds went on past would be applied again, over what
+      they did since);
     - ``start`` / ``rescale`` and the job is held: the update may be half-written and the
       release missing, so write the update again and release;
     - ``release`` / ``annotate`` and the job is held: release it (annotate entries only
@@ -411,9 +418,9 @@ def plan_recovery(entries: Iterable[JournalEntry],
     - the job is pending and not held, or running: the action completed; close.
     """
     open_entries = sorted(entries, key=lambda e: e.entry_id)
-    latest: dict[int, int] = {}
+    latest: dict[int, int] = dict(newest or {})
     for e in open_entries:
-        latest[e.job_id] = e.entry_id
+        latest[e.job_id] = max(e.entry_id, latest.get(e.job_id, 0))
     steps: list[RecoveryStep] = []
     for e in open_entries:
         job = jobs.get(e.job_id)

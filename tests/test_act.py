@@ -189,3 +189,19 @@ def test_a_rescale_journaled_but_never_signalled_is_signalled_by_the_next_round(
     clock.advance_to(1000.0 + TIMEOUT_S - 1)  # the timeout counts from this signal
     advance(a, slurm)
     assert ("requeue_hold", 41) not in slurm.calls
+
+
+def test_an_action_whose_command_cannot_even_start_leaves_no_open_entry(world):
+    """An error that is no answer from Slurm (a fork refused under memory pressure) ended
+    the round with the start's entry open, and the next restart applied it again, over
+    whatever the rounds had done since."""
+    clock, slurm, store, actor = world
+
+    def refused(job_id):
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+    slurm.release = refused
+    with pytest.raises(BlockingIOError):
+        actor().take(journal.START, 41, JobUpdate(admin_comment="x"), True, Acts(), "a start")
+    assert store.open_entries() == ()
+    (entry,) = store.entries(41)
+    assert entry.state == journal.FAILED and entry.note.startswith("no answer: BlockingIOError")

@@ -207,6 +207,17 @@ def test_recovery_only_acts_on_the_latest_entry_of_a_job(store):
     assert "superseded" in steps[0].why
 
 
+def test_a_later_closed_entry_supersedes_an_open_one(store):
+    """A start left open by a round that failed, then a suspend the rounds completed: the
+    next restart had applied the stale start again, releasing the suspended job."""
+    (stale,) = entries(store, (1, START))
+    later = store.intend(1, SUSPEND, None, 20.0)
+    store.close_entry(later, DONE, 21.0)
+    (step,) = plan_recovery([stale], {1: held(1)}, store.newest_entry_ids())
+    assert (step.step, step.why) == (CLOSE, "superseded by a later entry")
+    assert plan_recovery([stale], {1: held(1)})[0].step == REAPPLY  # without the closed entries
+
+
 def test_held_means_hold_reason_or_zero_priority(store):
     es = entries(store, (1, START))
     not_held = job(1, "PENDING", reason="Resources", priority=5)
