@@ -51,8 +51,11 @@ log = logging.getLogger(__name__)
 
 # The Slurm reservation that protects the nodes a policy holds for a waiting job.
 HOLD_RESERVATION = "slurm-ext-hold"
-# After a forced requeue, how long a job may take to come back held before the rescale fails.
+# After a forced requeue, how long a job may take to come back held before the rescale fails;
+# while Slurm shows its run ending (SIGTERM, KillWait, the epilog, the final checkpoint),
+# up to REQUEUE_ENDING_WAIT_S.
 REQUEUE_HOLD_WAIT_S = 45.0
+REQUEUE_ENDING_WAIT_S = 600.0
 # A forecast shown is rewritten when it moved by more than this (or appeared, or went).
 FORECAST_SHIFT_S = 60.0
 
@@ -567,9 +570,11 @@ class Actor:
                 self._signal([e.job_id])
                 self.store.mark_entry(e.entry_id, journal.SIGNALLED, now_s)
             elif e.note == journal.FORCED:
-                if now_s >= e.updated_s + REQUEUE_HOLD_WAIT_S:
+                ending = job.state in journal.ENDING_STATES or "COMPLETING" in job.state_flags
+                if now_s >= e.updated_s + (REQUEUE_ENDING_WAIT_S if ending else REQUEUE_HOLD_WAIT_S):
                     self.store.close_entry(e.entry_id, journal.FAILED, now_s, "never came back held")
-                    self.store.take_back_progress(e.entry_id, now_s)  # the same run goes on
+                    if job.is_running:  # the same run goes on: what the rescale credited is its own
+                        self.store.take_back_progress(e.entry_id, now_s)
                     log.error(kv("rescale_failed", job_id=e.job_id, error="never came back held"))
                     del out[e.job_id]
             elif now_s >= e.updated_s + self.config.rescale_timeout_s:

@@ -13,7 +13,7 @@ import pytest
 from policy.clock import SimulatedClock
 from policy.interface import CHANGE_TYPE, SUSPEND, Action
 from slurm_ext import store as journal
-from slurm_ext.act import REQUEUE_HOLD_WAIT_S, Actor, Acts
+from slurm_ext.act import REQUEUE_ENDING_WAIT_S, REQUEUE_HOLD_WAIT_S, Actor, Acts
 from slurm_ext.config import DaemonConfig
 from slurm_ext.metrics import Metrics
 from slurm_ext.slurm_client import REQUEUE_SETTLE_S, JobUpdate, SlurmJob
@@ -131,6 +131,29 @@ def test_no_requeue_after_the_timeout_forces_one_then_gives_up(world):
     assert advance(a, slurm)[0] == {}
     (e,) = store.entries()
     assert (e.state, e.note) == (journal.FAILED, "never came back held")
+
+
+def test_a_forced_requeue_whose_run_is_still_ending_is_waited_for_and_keeps_its_progress(world):
+    """SIGTERM, KillWait, the epilog and the final checkpoint take longer than 45 s: the
+    rescale was failed while Slurm showed the run completing, and what the run had
+    trained was taken back as if it went on."""
+    clock, slurm, store, actor = world
+    a = actor()
+    start(a, slurm, (41, CHANGE_TYPE, NEW_CELL))
+    credited = store.progress()[41]
+    clock.advance_to(1000.0 + TIMEOUT_S)
+    advance(a, slurm)
+    slurm.state[41] = replace(slurm.state[41], state="COMPLETING")
+    clock.advance_to(1000.0 + TIMEOUT_S + REQUEUE_HOLD_WAIT_S + 60)
+    assert advance(a, slurm)[0] == {41: NEW_CELL}  # still under way
+    slurm.requeued_held(41)
+    clock.advance_to(1000.0 + TIMEOUT_S + REQUEUE_HOLD_WAIT_S + 70)
+    advance(a, slurm)
+    clock.advance_to(1000.0 + TIMEOUT_S + REQUEUE_HOLD_WAIT_S + 80)
+    advance(a, slurm)
+    (e,) = store.entries()
+    assert e.state == journal.DONE and store.progress()[41] == credited
+    assert REQUEUE_ENDING_WAIT_S > REQUEUE_HOLD_WAIT_S + 60
 
 
 def test_a_restarted_daemon_goes_on_where_the_last_one_stopped(world):
