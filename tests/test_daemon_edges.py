@@ -1,7 +1,7 @@
 """The daemon's rounds at the edges, without Slurm (``FakeSlurm``): a requeue that resets
 Slurm's submit time, a rescale whose checkpoint is slow, a growing rescale still on its
-old node, an elastic job with a spec error that Slurm does not start, and a site whose
-gres type names are not the catalog's.
+old node, an elastic job with a spec error that Slurm does not start, a site whose gres
+type names are not the catalog's, and a stop after a failed change of the hold reservation.
 
 The same daemon against the real lab is in tests/test_daemon.py.
 """
@@ -680,3 +680,14 @@ def test_refused_starts_of_no_known_cell_end_in_the_error_path(tmp_path):
     assert report.spec_errors == 1 and ("release", 41) in client.calls
     assert f"Slurm refused {START_REFUSALS} starts in a row, on its Cells" in client._jobs[41].admin_comment
 
+
+
+def test_a_daemon_that_stops_frees_its_reservation_even_after_a_change_of_it_failed(tmp_path):
+    """A reservation change that timed out leaves the actor not knowing what it holds
+    (None): the stop took that for nothing held, and left the nodes reserved."""
+    daemon, client = daemon_for(tmp_path, [], [node("a100-1", "a100", 4)])
+    daemon.actor.held_nodes = None  # a change that failed
+    daemon.clock.sleep = lambda s: daemon.request_stop()
+    daemon.request_stop()
+    assert daemon.run() == 0
+    assert ("hold_nodes", "slurm-ext-hold", ()) in client.calls
