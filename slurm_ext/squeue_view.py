@@ -103,7 +103,8 @@ class JobRow:
 
 def job_row(job: SlurmJob) -> JobRow:
     """The view of one job (pure: only the job's Slurm fields are read)."""
-    running = job.state in ("RUNNING", "COMPLETING", "SUSPENDED") and job.granted_gpus_per_node
+    started = job.state in ("RUNNING", "COMPLETING", "SUSPENDED")
+    running = started and job.granted_gpus_per_node
     if running:
         gpus, gpu_type, nodes = job.granted_gpus, job.granted_gpu_type, len(job.granted_gpus_per_node)
     else:
@@ -127,7 +128,7 @@ def job_row(job: SlurmJob) -> JobRow:
         why = reason
     source = (pc.plan_source or DAEMON_PLAN) if pc.plan else None
     measured = pc.samples_per_s if pc.sps_measured else None
-    start_s = job.start_time_s if running and job.start_time_s else pc.expected_start_s
+    start_s = job.start_time_s if started and job.start_time_s else pc.expected_start_s
     return JobRow(job.job_id, job.user, job.state, job.partition, gpus, gpu_type, nodes,
                   job.is_elastic, pc.cell, pc.plan, pc.micro_batches, pc.samples_per_s,
                   pc.requested, why, pc.error, source, measured,

@@ -89,6 +89,10 @@ def test_rows_for_each_kind_of_job():
     assert r15.spec_error == "model='nope': unknown model" and "runs as submitted" in r15.why
     assert r16.why == "waiting for 8 a100 (slurm: Priority)" and r16.gpus == 8
     assert len(rows([done], include_finished=True)) == 1
+    # A running job with no GPU grant recorded (CPU only, or GPUs per task) has started all the same.
+    cpu = SlurmJob(18, "gus", "prep", "RUNNING", partition="cpu", node_count=1, start_time_s=1_800_000_000)
+    (r18,) = rows([cpu])
+    assert r18.expected_start == "2027-01-15T08:00:00Z"
 
 
 def test_table_and_json():
