@@ -60,7 +60,11 @@ def partition_layout(nodes: Iterable[SlurmNode], partition: str,
     members = [n for n in nodes if partition in n.partitions]
     if not members:
         raise SpecError("partition", partition, "Slurm has no nodes in it; see `sinfo -s`")
-    gpu = partitions_cfg.get(partition) or next((n.gpu_type for n in members if n.gpu_type), None) \
+    types = sorted({n.gpu_type for n in members if n.gpu_type})
+    if len(types) > 1 and partition not in partitions_cfg:  # Slurm may run it on any of them
+        raise SpecError("partition", partition, f"its nodes have GPUs of several types ({', '.join(types)}): "
+                                                "profile a partition of one type")
+    gpu = partitions_cfg.get(partition) or (types[0] if types else None) \
         or (partition if partition in CATALOG else None)
     if gpu is None or gpu not in CATALOG:
         raise SpecError("partition", partition, f"its GPU type {gpu!r} is not in the catalog; map it in "

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from conftest import wait_for
+from estimator.errors import SpecError
 from slurm_ext.config import resolve
 from slurm_ext.daemon import Daemon
 from slurm_ext.profile_job import (
@@ -48,6 +49,10 @@ def test_partition_layout_reads_type_and_node_size():
     nodes = [_node("a10-1", "a10"), _node("a10-2", "a10"), _node("a100-1", "a100", 4)]
     assert partition_layout(nodes, "a10", {}) == ("a10", 2, 2)
     assert partition_layout(nodes, "a100", {"a100": "h100"}) == ("h100", 4, 1)
+    # A partition of two GPU types: Slurm could run the profile on either, filed under one.
+    mixed = [SlurmNode(n.name, n.state, (*n.partitions, "gpu"), n.features, n.gres, n.gres_used) for n in nodes]
+    with pytest.raises(SpecError, match="several types"):
+        partition_layout(mixed, "gpu", {})
     with pytest.raises(Exception, match="no nodes"):
         partition_layout(nodes, "nope", {})
 
