@@ -302,9 +302,13 @@ class CellsIlpPolicy:
         # used: it weighs at least what it would for a job with D left.
         restart_weight = max(per_s, 1.0 / self.config.wait_cost_s ** self.config.size_exponent)
         candidates = []
+        # A running job's Cell laid out as Slurm placed it (2 + 2 GPUs where the estimates
+        # list 4 on a node) is its shape's (type and count): not a Cell to leave for nothing.
+        unlisted = cur is not None and not any(cur == f.cell or cur in a for f, a in shape.cells)
         for e, alts in shape.cells:
             c = e.cell
-            is_cur = cur is not None and (c == cur or cur in alts)
+            is_cur = cur is not None and (c == cur or cur in alts or unlisted and (c.gpu_type, c.num_gpus) == (
+                cur.gpu_type, cur.num_gpus))
             if is_cur:
                 c, alts = cur, tuple(a for a in (e.cell,) + alts if a != cur)
             elif not self.config.type_changes and asked_type and c.gpu_type != (cur.gpu_type if cur else asked_type):

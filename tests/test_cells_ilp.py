@@ -4,6 +4,7 @@ greedy fallback is feasible, guarantees, deadlines and share limits hold, and it
 import itertools
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -479,3 +480,18 @@ def test_held_nodes_and_running_guaranteed_jobs_are_kept_when_the_answer_is_plac
         if j.guaranteed and j.assignment is not None and \
                 j.estimate_for(j.cell).samples_per_s >= _shape_of(j, s.derived_cache()).ref_rate:
             assert got is not None, (j.job_id, d.for_job(j.job_id).reason)  # it meets its guarantee
+
+
+@pytest.mark.parametrize("guaranteed", [True, False])
+def test_a_running_job_laid_out_as_slurm_placed_it_keeps_its_cell(guaranteed):
+    """The daemon reads a running job's Cell from Slurm's allocation: 4 GPUs placed 2 + 2
+    is a layout its estimates (4 on one node) do not list. It had no current option: a
+    guaranteed job was suspended next to its own idle GPUs, another moved for nothing."""
+    rates = {("a100", 2): 20.0, ("a100", 4): 38.0, ("a100", 8): 60.0}
+    placed = (("a100-0", 2), ("a100-1", 2))
+    g = job("g", rates, gpus=4, iterations=100_000, last_change=0.0, done=5000.0, guaranteed=guaranteed)
+    g = replace(g, state=RUNNING, assignment=Assignment(Cell("a100", 4, 2, 1), placed))
+    ns = (NodeView("a100-0", "a100", 4, unmanaged_gpus=2), NodeView("a100-1", "a100", 4, unmanaged_gpus=2),
+          NodeView("a100-2", "a100", 4))
+    s = snap([g], ns)
+    assert final_assignments(s, CellsIlpPolicy().decide(s))["g"] == g.assignment

@@ -145,7 +145,8 @@ def test_plan_dimension_flags_reach_the_plan_and_the_memory(capsys):
     assert zero3_no_remat and all("remat=0" in c["plan"].split() and c["runnable"] == dp1(c)
                                   for c in zero3_no_remat.values())
     assert any(not dp1(c) for c in zero3_no_remat.values())
-    assert all(c["plan"].endswith("zero=2 offload=1") and not c["runnable"] for c in offload.values())
+    assert all(c["plan"].endswith("offload=1") and ("zero=2" in c["plan"]) != dp1(c) and not c["runnable"]
+               for c in offload.values())
     same = [k for k in base if k in zero3 and k in offload and "dp1tp" not in k]  # data parallel: states shard
     assert same
     for k in same:
