@@ -130,6 +130,18 @@ def rate_of(view: JobView, assignment: Assignment | None) -> float:
     return 1.0 / est.iteration_time_s
 
 
+def running_rate(view: JobView, assignment: Assignment) -> float:
+    """Iterations per second of a job running on ``assignment`` (``rate_of``). One the
+    policy started on a Cell the memory model rejects (what it asked for, which the
+    platform runs) goes at the estimate's time, else the policies' 1 s per iteration: it
+    had no rate, so it never ended and the queue behind it never started."""
+    rate = rate_of(view, assignment)
+    exact = view.estimate_for(assignment.cell)
+    if rate > 0 or exact is None:
+        return rate
+    return 1.0 / (exact.iteration_time_s if 0 < exact.iteration_time_s < math.inf else 1.0)
+
+
 def forecast(snapshot: Snapshot, policy: Policy, releases: tuple[GpuRelease, ...] = (),
              max_decisions: int = DEFAULT_MAX_DECISIONS,
              horizon_s: float = DEFAULT_HORIZON_S, first: Decision | None = None,
@@ -267,7 +279,7 @@ def _extrapolate(jobs: dict[str, _Job], nodes: dict[str, NodeView], releases: li
         if j.end_s is not None or a is None:
             continue
         free[a.cell.gpu_type] = free.get(a.cell.gpu_type, 0) - a.num_gpus
-        rate = rate_of(j.view, a)
+        rate = running_rate(j.view, a)
         if rate > 0:
             end_s = max(now_s, j.busy_until_s) + j.view.remaining_iterations / rate
             events.append(_Event(end_s, len(events), j.view.job_id, a.cell.gpu_type, a.num_gpus))
@@ -356,7 +368,7 @@ def _finish_times(jobs: dict[str, _Job], now_s: float) -> dict[str, tuple[float,
     runs at a known rate."""
     finish = {}
     for j in jobs.values():
-        rate = rate_of(j.view, j.view.assignment) if j.end_s is None else 0.0
+        rate = running_rate(j.view, j.view.assignment) if j.end_s is None and j.view.assignment else 0.0
         if rate > 0:
             finish[j.view.job_id] = (rate, max(now_s, j.busy_until_s) + j.view.remaining_iterations / rate)
     return finish

@@ -260,3 +260,19 @@ def test_free_gpus_no_waiting_job_fits_cost_no_extra_decision():
     got = forecast(Snapshot(0.0, nodes, jobs, TRIGGER_ROUND, 300.0, 0.0), Counting(), max_decisions=1000)
     assert [got[j.job_id].start_s for j in jobs] == [1000.0 * k for k in range(10)]
     assert calls == [1000.0 * k for k in range(10)]
+
+
+def test_a_job_started_on_a_cell_the_memory_model_rejects_ends_and_the_queue_behind_it_starts():
+    """cells-ilp starts a job on what it asked for when the memory model rejects every
+    Cell but the platform runs it: with no rate there, it never ended in the forecast,
+    and the job queued behind it never started."""
+    asked = Cell("a100", 4, 4, 1)
+    rejected = tuple(CellEstimate(Cell("a100", n, min(n, 4), 1), (), 4, 0.0, 0.0, 99.0, False, "out of memory")
+                     for n in (2, 4, 8))
+    big = JobView("big", "u", JobSpec("gpt-1.3b", BATCH, 4, "a100"), 0.0, PENDING, None, 0.0, 100, 0, 0.0,
+                  None, False, rejected, rejected, frozenset({asked}))
+    after = job("next", 4, (est(4, 0.5),), iterations=100)
+    snap = Snapshot(0.0, (NodeView("a100-1", "a100", 4, 0),), (big, after), TRIGGER_ROUND, 10.0, 0.0)
+    got = forecast(snap, CellsIlpPolicy())
+    assert (got["next"].start_s, got["next"].end_s) == (0.0, 50.0)
+    assert (got["big"].start_s, got["big"].end_s) == (50.0, 150.0)  # the policies' 1 s per iteration
