@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import unicodedata
 from datetime import datetime, timezone
 from dataclasses import MISSING, asdict, dataclass, fields
 
@@ -302,6 +303,10 @@ def comment_settings(comment: str | None) -> dict[str, str]:
         raise ElasticSpecError("comment", comment, f"longer than {MAX_COMMENT_CHARS} characters")
     if not is_elastic(comment):
         return {}
+    if any(unicodedata.category(ch) in ("Cc", "Zl", "Zp") and ch != "\t" for ch in comment):
+        # A line break: the runner reads the Comment from `scontrol show job`, line by line,
+        # and would read another spec than the daemon (which reads it whole).
+        raise ElasticSpecError("comment", comment, "give the settings on one line, without control characters")
     rest = comment.lstrip(ASCII_SPACE)[len(COMMENT_TAG):]
     # Slurm shows a comment with commas or semicolons unchanged; accept them as separators
     # so `--comment="elastic model=x,global_batch=8"` works too.

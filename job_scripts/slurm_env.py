@@ -150,9 +150,12 @@ def int_var(env: Mapping[str, str], name: str, default: int) -> int:
 
 
 def _count_list(raw: str) -> int:
-    items = [x for x in raw.split(",") if x.strip()]
+    items = [x.strip() for x in raw.split(",") if x.strip()]
     # Slurm writes NoDevFiles when GPUs were granted without device files.
-    return 0 if items == ["NoDevFiles"] else len(items)
+    if items == ["NoDevFiles"]:
+        return 0
+    # CUDA stops at the first index that is no device (-1 hides every GPU).
+    return next((k for k, x in enumerate(items) if x.startswith("-")), len(items))
 
 
 def gpus_per_node_from_env(env: Mapping[str, str]) -> int:
@@ -256,16 +259,25 @@ def coordinator_address(alloc: SlurmAllocation, override: str | None,
     """
     port = coordinator_port(alloc.job_id)
     if override:
-        host, sep, given = override.strip().rpartition(":")
+        given = override.strip()
+        if given.startswith("["):  # [IPv6]:port or [IPv6]
+            host, _, rest = given[1:].partition("]")
+            if not host or (rest and not (rest.startswith(":") and rest[1:].isdigit())):
+                raise SpecError(COORDINATOR_ENV, override, "give host:port, host, [IPv6]:port or IPv6")
+            return given if rest else f"[{host}]:{port}"
+        if given.count(":") > 1:  # a bare IPv6 address: no port
+            return f"[{given}]:{port}"
+        host, sep, given_port = given.rpartition(":")
         if not sep:
-            return f"{override.strip()}:{port}"
-        if not host or not given.isdigit():
-            raise SpecError(COORDINATOR_ENV, override, "give host:port or host")
-        return override.strip()
+            return f"{given}:{port}"
+        if not host or not given_port.isdigit():
+            raise SpecError(COORDINATOR_ENV, override, "give host:port, host, [IPv6]:port or IPv6")
+        return given
     if alloc.node_names and first_node_resolves:
         return f"{alloc.node_names[0]}:{port}"
-    if alloc.launch_host:
-        return f"{alloc.launch_host}:{port}"
+    if alloc.launch_host:  # Slurm writes an IPv6 address without brackets
+        host = alloc.launch_host
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     raise SpecError("SLURM_JOB_NODELIST", ",".join(alloc.node_names),
                     f"the first node does not resolve and SLURM_LAUNCH_NODE_IPADDR is unset; "
                     f"set {COORDINATOR_ENV}=host:port")
@@ -297,11 +309,22 @@ def line_field_from_scontrol(text: str, name: str) -> str | None:
     line (the value may contain spaces), so the value runs to the end of that line.
     """
     prefix = f"{name}="
-    for line in text.splitlines():
+    lines = text.split("\n")  # scontrol's own line breaks (not \v, \f, U+2028 ... in a value)
+    for i, line in enumerate(lines):
         stripped = line.strip()
         if stripped.startswith(prefix):
-            return stripped[len(prefix):].strip() or None
+            value = stripped[len(prefix):]
+            # A value with a line break in it runs on to the next line that starts a field:
+            # kept whole, so the reader refuses it as the daemon does.
+            for more in lines[i + 1:]:
+                if _FIELD_LINE.match(more):
+                    break
+                value += "\n" + more
+            return value.strip() or None
     return None
+
+
+_FIELD_LINE = re.compile(r"\s+[A-Za-z][A-Za-z0-9_/:]*=")
 
 
 def admin_comment_from_scontrol(text: str) -> str | None:

@@ -179,6 +179,15 @@ def test_coordinator_address_first_node_launch_host_or_override():
     assert coordinator_address(alloc, "head", first_node_resolves=True) == "head:20017"
     with pytest.raises(SpecError, match="SLURM_EXT_COORDINATOR"):
         coordinator_address(alloc, "head:port", first_node_resolves=True)
+    # IPv6: Slurm writes the launch host without brackets; a port needs them.
+    v6 = allocation_from_env({**_task_env(17, 1), "SLURM_LAUNCH_NODE_IPADDR": "2001:db8::5"})
+    assert coordinator_address(v6, None, first_node_resolves=False) == "[2001:db8::5]:20017"
+    assert coordinator_address(alloc, "::1", first_node_resolves=True) == "[::1]:20017"
+    assert coordinator_address(alloc, "fe80::1%eth0", first_node_resolves=True) == "[fe80::1%eth0]:20017"
+    assert coordinator_address(alloc, "[::1]:1234", first_node_resolves=True) == "[::1]:1234"
+    assert coordinator_address(alloc, "[::1]", first_node_resolves=True) == "[::1]:20017"
+    with pytest.raises(SpecError, match="SLURM_EXT_COORDINATOR"):
+        coordinator_address(alloc, "[::1]:port", first_node_resolves=True)
     batch = allocation_from_env({**_task_env(17, 0), "SLURM_STEP_ID": "batch"})
     assert batch.launch_host is None
     with pytest.raises(SpecError, match="SLURM_EXT_COORDINATOR=host:port"):

@@ -58,6 +58,8 @@ def test_gpu_count_fallbacks_in_order():
     assert gpus_per_node_from_env({"CUDA_VISIBLE_DEVICES": "GPU-a1,GPU-b2,GPU-c3"}) == 3
     assert gpus_per_node_from_env({"SLURM_GPUS_PER_NODE": "a100:4"}) == 4
     assert gpus_per_node_from_env({"SLURM_JOB_GPUS": "NoDevFiles"}) == 0
+    assert gpus_per_node_from_env({"CUDA_VISIBLE_DEVICES": "-1"}) == 0  # no GPU, not one
+    assert gpus_per_node_from_env({"CUDA_VISIBLE_DEVICES": "0,1,-1,2"}) == 2
     assert gpus_per_node_from_env({}) == 0
 
 
@@ -143,3 +145,13 @@ def test_comment_from_scontrol_and_its_elastic_settings():
     assert comment_from_scontrol(text) == "elastic model=gpt-1.3b global_batch=64"
     assert admin_comment_from_scontrol(text).startswith("cell=a100x8:s2")
     assert comment_settings(comment_from_scontrol(text)) == {"model": "gpt-1.3b", "global_batch": "64"}
+    # A line break in the Comment: the runner had read its first line only, the daemon the
+    # whole; both now refuse it. Slurm's own lines are broken at \n only.
+    broken = recorded.replace("   StdErr=", "   Comment=elastic model=gpt-1.3b\nglobal_batch=64 iterations=5\n"
+                                         "   StdErr=")
+    assert comment_from_scontrol(broken) == "elastic model=gpt-1.3b\nglobal_batch=64 iterations=5"
+    tab = recorded.replace("   StdErr=", "   Comment=elastic model=gpt-1.3b\x0biterations=5\n   StdErr=")
+    assert comment_from_scontrol(tab) == "elastic model=gpt-1.3b\x0biterations=5"
+    for comment in (comment_from_scontrol(broken), comment_from_scontrol(tab)):
+        with pytest.raises(SpecError, match="on one line"):
+            comment_settings(comment)
