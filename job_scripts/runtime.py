@@ -64,14 +64,34 @@ CPU_FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0",
                           "--xla_llvm_disable_expensive_passes=true")
 
 
-def scontrol_job_text(job_id: str) -> str | None:
+SCONTROL_TRIES = 3  # a busy slurmctld answers a later try
+
+
+def scontrol_job_text(job_id: str, tries: int = SCONTROL_TRIES) -> str | None:
     """``scontrol show job`` of this job (Comment, AdminComment), or None without Slurm."""
     from job_scripts.slurm_env import read_job_record
+    for attempt in range(1, tries + 1):
+        try:
+            return read_job_record(job_id)
+        except FileNotFoundError as e:  # no Slurm here: the flags decide
+            log.warning("could not read job %s with scontrol (%s)", job_id, e)
+            return None
+        except (OSError, subprocess.SubprocessError) as e:
+            log.warning("could not read job %s with scontrol (%s)%s", job_id, e,
+                        "; trying again" if attempt < tries else "")
+            if attempt < tries:
+                time.sleep(2.0 * attempt)
+    return None
+
+
+def _from_batch(env: dict[str, str], alloc: SlurmAllocation) -> dict | None:
+    """What this job's batch process read and passed to the tasks srun started
+    (:func:`_relaunch_under_srun`), or None outside such a task."""
     try:
-        return read_job_record(job_id)
-    except (OSError, subprocess.SubprocessError) as e:  # without Slurm the flags decide
-        log.warning("could not read job %s with scontrol (%s)", job_id, e)
+        passed = json.loads(env.get(SETTINGS_ENV) or "null") if alloc.in_step else None
+    except ValueError:
         return None
+    return passed if isinstance(passed, dict) and passed.get("job_id") == alloc.job_id else None
 
 
 def _elastic_settings(path: str | None, comment: str | None, given: dict | None = None,
@@ -103,11 +123,8 @@ def _job_settings(script: str | None, comment: str | None, given: dict, require:
     """The job's elastic settings. A task srun started on each node takes those its batch
     process read and passed on (:func:`_relaunch_under_srun`): Slurm's copy of the batch
     script is on the batch node only."""
-    try:
-        passed = json.loads(env.get(SETTINGS_ENV) or "null") if alloc.in_step else None
-    except ValueError:
-        passed = None
-    if isinstance(passed, dict) and passed.get("job_id") == alloc.job_id and isinstance(passed.get("settings"), dict):
+    passed = _from_batch(env, alloc)
+    if passed is not None and isinstance(passed.get("settings"), dict):
         return {str(k): str(v) for k, v in passed["settings"].items()}
     return _elastic_settings(script, comment, given, require)
 
@@ -128,7 +145,8 @@ def host_resolves(host: str) -> bool:
         return False
 
 
-def _relaunch_under_srun(alloc: SlurmAllocation, argv: list[str], settings: dict[str, str]) -> None:
+def _relaunch_under_srun(alloc: SlurmAllocation, argv: list[str], settings: dict[str, str],
+                         job_text: str | None) -> None:
     """Replace this batch process by ``srun`` starting the same command once per node.
 
     srun forwards SIGUSR1 and SIGTERM to its tasks and exits with their highest status,
@@ -138,9 +156,11 @@ def _relaunch_under_srun(alloc: SlurmAllocation, argv: list[str], settings: dict
     others through jax.distributed's heartbeat timeout. The task count is given: srun
     would otherwise take the job's own (``SLURM_NTASKS``, from ``sbatch --ntasks``), which
     outranks ``--ntasks-per-node``. The job's ``settings`` go with the environment srun
-    passes on (with the job id, so that a job submitted from inside this one ignores them).
+    passes on (with the job id, so that a job submitted from inside this one ignores them),
+    and so does its record (``job_text``): every task starts from the one AdminComment plan
+    (each reading it had them start from different plans when one read failed).
     """
-    os.environ[SETTINGS_ENV] = json.dumps({"job_id": alloc.job_id, "settings": settings})
+    os.environ[SETTINGS_ENV] = json.dumps({"job_id": alloc.job_id, "settings": settings, "job_text": job_text})
     full = ["srun", f"--nodes={alloc.num_nodes}", f"--ntasks={alloc.num_nodes}", "--ntasks-per-node=1",
             "--kill-on-bad-exit=0", *argv]
     log.info("starting one task per node: %s", " ".join(full))
@@ -210,7 +230,11 @@ def start(*, stop: StopSignal | None = None, identity: dict | None = None,
         logging.getLogger("absl").setLevel(logging.WARNING)
     env = dict(os.environ if env is None else env)
     alloc = allocation_from_env(env)
-    job_text = scontrol_job_text(alloc.job_id) if alloc.job_id else None
+    passed = _from_batch(env, alloc)
+    if passed is not None and "job_text" in passed:  # the batch process's reading, shared by every task
+        job_text = passed["job_text"] if isinstance(passed["job_text"], str) else None
+    else:
+        job_text = scontrol_job_text(alloc.job_id) if alloc.job_id else None
     comment = comment_from_scontrol(job_text) if job_text else None
     script = given.pop("elastic_script", None) or env.get(SCRIPT_ENV)
     # A task srun started takes the settings its batch process read (the script's copy
@@ -221,7 +245,7 @@ def start(*, stop: StopSignal | None = None, identity: dict | None = None,
         if stop.name is not None:  # exec would forget it: the last checkpoint stands
             log.info("%s before the tasks started; exiting", stop.name)
             raise SystemExit(EXIT_RESCALE if stop.name == "SIGUSR1" else EXIT_TERMINATED)
-        _relaunch_under_srun(alloc, relaunch_argv or [sys.executable, *sys.orig_argv[1:]], settings)
+        _relaunch_under_srun(alloc, relaunch_argv or [sys.executable, *sys.orig_argv[1:]], settings, job_text)
     _configure_jax(cfg, alloc)
     import jax
     if alloc.num_processes > 1:

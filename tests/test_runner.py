@@ -535,7 +535,7 @@ def test_the_relaunch_starts_one_task_per_node_whatever_the_job_asked(monkeypatc
     monkeypatch.delenv(runtime.SETTINGS_ENV, raising=False)
     alloc = SlurmAllocation(job_id="7", node_names=("n1", "n2"), gpus_per_node=4, partition="a100",
                             gpu_type="a100", restart_count=0)
-    runtime._relaunch_under_srun(alloc, ["python", "-m", "job_scripts.run"], {"model": "gpt-760m"})
+    runtime._relaunch_under_srun(alloc, ["python", "-m", "job_scripts.run"], {"model": "gpt-760m"}, None)
     ((file, args),) = calls
     assert file == "srun" and args[:4] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1"]
     assert args[-3:] == ["python", "-m", "job_scripts.run"]
@@ -587,11 +587,15 @@ def test_a_task_on_another_node_takes_the_settings_its_batch_process_read(monkey
     assert read == {"model": "gpt-760m", "global_batch": "64", "iterations": "1000"}
     monkeypatch.setattr(runtime.os, "execvp", lambda file, args: None)
     monkeypatch.delenv(runtime.SETTINGS_ENV, raising=False)
-    runtime._relaunch_under_srun(batch, ["python"], read)
+    runtime._relaunch_under_srun(batch, ["python"], read, "   AdminComment=cell=a100x8:s1 plan=[dp8tp1] mb=1 remat=1")
     env = {runtime.SETTINGS_ENV: runtime.os.environ[runtime.SETTINGS_ENV]}
     task = replace(batch, in_step=True, process_id=1, num_processes=2)
     missing = str(tmp_path / "elsewhere" / "slurm_script")
     assert runtime._job_settings(missing, None, {}, (), env, task) == read
+    # The job's record too: each task reading it had them start from different plans when
+    # one read failed (a busy slurmctld).
+    assert runtime._from_batch(env, task)["job_text"].endswith("plan=[dp8tp1] mb=1 remat=1")
+    assert runtime._from_batch(env, replace(task, job_id="8")) is None
     with pytest.raises(SpecError, match="cannot read"):  # another job's settings are not taken
         runtime._job_settings(missing, None, {}, (), env, replace(task, job_id="8"))
 
@@ -769,3 +773,24 @@ def _compile_into_a_bounded_cache(cache_dir: str) -> int:
     for k in range(10):
         jax.jit(lambda x, k=k: jnp.sin(x * (k + 1)) @ x.T + k)(jnp.ones((64 + k, 64 + k))).block_until_ready()
     return sum(p.stat().st_size for p in Path(cache_dir).rglob("*") if p.is_file())
+
+
+def test_the_job_record_is_read_again_when_slurmctld_is_busy(monkeypatch):
+    """One failed scontrol lost the Comment (the script's settings ran instead of the
+    daemon's); a missing scontrol (no Slurm) is not waited for."""
+    import subprocess as sp
+
+    from job_scripts import runtime, slurm_env
+
+    answers = [sp.CalledProcessError(1, "scontrol"), sp.TimeoutExpired("scontrol", 30), "   Comment=elastic"]
+
+    def read(job_id):
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+    monkeypatch.setattr(slurm_env, "read_job_record", read)
+    monkeypatch.setattr(runtime.time, "sleep", lambda s: None)
+    assert runtime.scontrol_job_text("7") == "   Comment=elastic" and answers == []
+    monkeypatch.setattr(slurm_env, "read_job_record", lambda job_id: (_ for _ in ()).throw(FileNotFoundError(2, "x")))
+    assert runtime.scontrol_job_text("7") is None
