@@ -7,8 +7,7 @@ in use the GPUs of Cells needing s or more GPUs per node fit on nodes with at le
 free GPUs (a valid relaxation of node packing); a placement pass with repair then puts
 the answer on nodes (``policy.placement``), so a decision never over-commits a node.
 
-Objective (maximized), per job j and Cell c: the expected completion time the Cell saves
-over waiting, weighted,
+Objective (maximized), per job j and Cell c: the completion time the Cell saves, weighted,
 
     v_jc = w_j · (T_j + D − T_j / norm_jc) + w_R · (R_j − R_jc)        (wait: v = 0)
 
@@ -24,21 +23,19 @@ with w_j = a_j / T_j^β and w_R = max(w_j, 1 / D^β).
   Cell held for a job's life saves time in proportion to the GPU time it uses, so long
   jobs should not outbid short ones for fast GPUs); the restart cost then weighs R/T,
   Rubick's rule, for jobs with less than D left. β < 1 lets long jobs outbid by T^(1−β).
-* ``D`` = what waiting costs beyond the job's own time (``wait_cost_s``): the larger it is,
-  the more admitting a job outweighs making an admitted job faster.
+* ``D`` = what waiting costs beyond the job's own time (``wait_cost_s``): the larger, the
+  more admitting a job outweighs making an admitted job faster.
 * ``a_j`` = 1 + (time since submission) / ``aging_s``: a job that waited long catches up
   with short newcomers, so none starves.
 * ``R_jc`` = the restart cost of c: 0 for the Cell a job runs on, the snapshot's restart
   cost δ for a start, N·δ for a change of a running job with N = 1 + its restarts so far
   (Rubick's T − N·δ: a job restarted often becomes stickier); ``R_j`` = N·δ for a
   running job (suspending it means paying a restart later), 0 for a pending one.
-* ``w_R``: a restart also idles the job's GPUs for its length, time a waiting job could
-  have used, so it weighs at least what it would for a job with D left. Without this
-  floor 1/T^β made a long job's restarts almost free, and long jobs were moved back and
-  forth for small gains (on philly_2week the floor cut restarts per job from 1.1–1.2 to
-  0.7, the average JCT within 0.7 %).
-
-A running job changed less than ``min_change_interval_s`` ago keeps its Cell.
+* ``w_R``: a restart also idles the job's GPUs for its length, so it weighs at least what
+  it would for a job with D left (without this floor long jobs were moved back and forth
+  for small gains; on philly_2week it cut restarts per job from 1.1–1.2 to 0.7, the
+  average JCT within 0.7 %). A running job changed less than ``min_change_interval_s``
+  ago keeps its Cell.
 
 Starvation bound (Slurm backfill's reservation, one job at a time): aging alone cannot
 start a wide job whose GPUs many small jobs outbid it for, nor a job whose Cell needs
@@ -52,8 +49,8 @@ Options: ``guarantee`` (a guaranteed job only gets Cells at least as fast as wha
 for, and a running one is never suspended), ``deadlines`` (a job with a deadline only
 gets Cells that finish it in time; one that no Cell can finish in time is reported and
 runs best effort), ``max_share_frac`` / ``share_limits`` (GPUs per user). The program goes
-through ``policy.binary_program`` (HiGHS in process, CBC as fallback), warm-started from the
-current allocation and under a time limit; when no solver answers, a greedy rule decides, so a round never blocks.
+through ``policy.binary_program`` (HiGHS, CBC as fallback), warm-started from the current
+allocation, under a time limit; when no solver answers, a greedy rule decides.
 """
 
 from __future__ import annotations
@@ -302,8 +299,7 @@ class CellsIlpPolicy:
         # used: it weighs at least what it would for a job with D left.
         restart_weight = max(per_s, 1.0 / self.config.wait_cost_s ** self.config.size_exponent)
         candidates = []
-        # A running job's Cell laid out as Slurm placed it (2 + 2 GPUs where the estimates
-        # list 4 on a node) is its shape's (type and count): not a Cell to leave for nothing.
+        # A running job laid out as Slurm placed it (2 + 2 where 4 on a node is listed) keeps its shape's Cell.
         unlisted = cur is not None and not any(cur == f.cell or cur in a for f, a in shape.cells)
         for e, alts in shape.cells:
             c = e.cell
@@ -334,6 +330,11 @@ class CellsIlpPolicy:
                 # Its own Cell stays a choice: a running job is not suspended for a
                 # deadline that only busy Cells would meet.
                 candidates = meets + [x for x in candidates if x[4] and x not in meets]
+                # Another layout placed in a Cell's stead may be slower: it must meet the deadline too.
+                ests = {a: job.estimate_for(a) for x in candidates for a in x[2]}
+                ok = {a for a, est in ests.items() if est is not None and est.samples_per_s > 0
+                      and snapshot.now_s + start_s + rem_samples / est.samples_per_s <= job.deadline_s}
+                candidates = [(x[0], x[1], tuple(a for a in x[2] if a in ok), *x[3:]) for x in candidates]
         # Waiting is worth 0 to a pending job. A running job on a Cell worth less than that
         # (a slow Cell it was given because nothing else used it) is not suspended for
         # nothing: suspending it is worth a restart less than staying, so it only

@@ -495,3 +495,20 @@ def test_a_running_job_laid_out_as_slurm_placed_it_keeps_its_cell(guaranteed):
           NodeView("a100-2", "a100", 4))
     s = snap([g], ns)
     assert final_assignments(s, CellsIlpPolicy().decide(s))["g"] == g.assignment
+
+
+def test_a_deadline_job_is_not_placed_on_a_slower_layout_of_a_cell_that_meets_it():
+    """The deadline was checked on each shape's fastest layout only; its other layouts went
+    along as alternatives, and placement put the job on one ten times slower (one node of
+    4 GPUs meets the deadline, 2 + 2 in 4 stages misses it)."""
+    fast = CellEstimate(Cell("a100", 4, 4, 1), (), 4, BATCH / 40.0, 40.0, 1.0, True, "")
+    slow = CellEstimate(Cell("a100", 4, 2, 4), (), 4, BATCH / 4.0, 4.0, 1.0, True, "")
+    now = 10_000.0
+    p = JobView("p", "u", JobSpec("gpt-1.3b", BATCH, 4, "a100"), 0.0, PENDING, None, 0.0, 1000, 0, 0.0,
+                now + 3000.0, False, (fast, slow), (fast, slow))
+    ns = (NodeView("a100-0", "a100", 4, unmanaged_gpus=2), NodeView("a100-1", "a100", 4, unmanaged_gpus=2))
+    s = snap([p], ns, now=now)
+    assert final_assignments(s, CellsIlpPolicy().decide(s))["p"] is None  # waits for a node of 4
+    whole = (NodeView("a100-0", "a100", 4), NodeView("a100-1", "a100", 4, unmanaged_gpus=2))
+    s = snap([p], whole, now=now)
+    assert final_assignments(s, CellsIlpPolicy().decide(s))["p"].cell == fast.cell
