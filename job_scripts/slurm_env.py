@@ -232,12 +232,14 @@ def allocation_from_env(env: Mapping[str, str]) -> SlurmAllocation:
 
 COORDINATOR_ENV = "SLURM_EXT_COORDINATOR"
 COORDINATOR_BASE_PORT = 20000
+COORDINATOR_PORTS = 12000
 
 
 def coordinator_port(job_id: str | None) -> int:
     """The port of process 0's jax.distributed service: derived from the job id, so every
-    process of a job computes the same one and jobs sharing a node rarely collide."""
-    return COORDINATOR_BASE_PORT + int(job_id or 0) % 20000
+    process of a job computes the same one and jobs sharing a node rarely collide; below
+    Linux's ephemeral ports (32768 on), which another process's connection may hold."""
+    return COORDINATOR_BASE_PORT + int(job_id or 0) % COORDINATOR_PORTS
 
 
 def coordinator_address(alloc: SlurmAllocation, override: str | None,

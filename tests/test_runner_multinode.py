@@ -46,9 +46,9 @@ _STEP = re.compile(r"step (\d+) loss ([0-9.]+)")
 
 
 def _free_job_id() -> int:
-    """A job id whose coordinator port (20000 + id) is free now."""
+    """A job id whose coordinator port (20000 + id, below 32000) is free now."""
     from job_scripts.slurm_env import coordinator_port
-    for job_id in range(4000 + os.getpid() % 9000, 20000):
+    for job_id in range(4000 + os.getpid() % 7000, 12000):
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", coordinator_port(str(job_id))))
@@ -179,6 +179,9 @@ def test_coordinator_address_first_node_launch_host_or_override():
     assert coordinator_address(alloc, "head", first_node_resolves=True) == "head:20017"
     with pytest.raises(SpecError, match="SLURM_EXT_COORDINATOR"):
         coordinator_address(alloc, "head:port", first_node_resolves=True)
+    # Below Linux's ephemeral ports (32768 on), which another process's connection may hold.
+    from job_scripts.slurm_env import coordinator_port
+    assert coordinator_port("12017") == 20017 and max(coordinator_port(str(j)) for j in range(30000)) < 32768
     # IPv6: Slurm writes the launch host without brackets; a port needs them.
     v6 = allocation_from_env({**_task_env(17, 1), "SLURM_LAUNCH_NODE_IPADDR": "2001:db8::5"})
     assert coordinator_address(v6, None, first_node_resolves=False) == "[2001:db8::5]:20017"
