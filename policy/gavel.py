@@ -208,9 +208,14 @@ class GavelPolicy:
         waiting = [j for j in snapshot.jobs if j.job_id in final and final[j.job_id].assignment is None]
         if not waiting or not free.total_free():
             return placed
+        now = {j.job_id: j.assignment for j in waiting}
         for job_id, t in self.queue(tuple(waiting), _type_order(snapshot), options, allocation, history):
-            cell = options[job_id][t].cell
-            if final[job_id].assignment is not None or (p := free.place(cell)) is None:
+            if final[job_id].assignment is not None:
+                continue
+            old = now[job_id]  # a job not picked keeps its nodes where they are free: a move restarts it
+            if old is not None and old.cell.gpu_type == t and free.all_free(old.placement):
+                cell, p = old.cell, old.placement
+            elif (p := free.place(cell := options[job_id][t].cell)) is None:
                 continue
             free.take(p)
             final[job_id] = JobDecision(job_id, Assignment(cell, p),
@@ -238,7 +243,6 @@ class GavelPolicy:
             left[t] -= n
             picked[job_id] = t
         return picked
-
 
     def queue(self, jobs: tuple[JobView, ...], types: list[str], options: dict[str, dict[str, CellEstimate]],
               allocation: dict[str, dict[str, float]], history: dict[str, JobRounds]) -> list[tuple[str, str]]:

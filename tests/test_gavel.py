@@ -238,3 +238,27 @@ def test_gpus_a_move_that_did_not_fit_left_idle_go_to_a_waiting_job_that_fits():
     result = simulate(policy, tuple(jobs), cluster, table, SimConfig(), cache)
     assert all(o.status == "finished" for o in result.jobs)
     assert idle_fits == []
+
+
+def test_a_job_the_round_did_not_pick_keeps_its_nodes_when_it_gets_idle_gpus_back():
+    """Given back idle GPUs of its type, a job not picked this round went wherever placement
+    put it first: two such jobs traded nodes, and each trade was a restart."""
+    import random
+
+    from policy.interface import implied_actions
+    from test_policies import a100
+
+    rng, moved = random.Random(1), []
+    for _ in range(60):
+        jobs = [job("P", {("a100", 4): rng.choice([5.0, 20.0, 40.0])}, gpus=4, submit=50.0, iterations=LONG)]
+        slots = [("a100-1", 2), ("a100-1", 2), ("a100-2", 2), ("a100-2", 2)]
+        rng.shuffle(slots)
+        jobs += [job(f"J{k}", {("a100", 2): rng.choice([1.0, 3.0, 10.0])}, gpus=2, submit=float(k), iterations=LONG,
+                     running=("a100", 2, ((n, 2),))) for k, (n, _) in enumerate(slots)]
+        jobs.append(job("R", {("a100", 4): rng.choice([1.0, 10.0])}, gpus=4, submit=9.0, iterations=LONG,
+                        running=("a100", 4, (("a100-3", 4),))))
+        s = snap([a100(1), a100(2), a100(3)], jobs, trigger=TRIGGER_ROUND)
+        d = run(GavelPolicy(), s)
+        moved += [a.job_id for a in implied_actions(s, d) if a.kind == "move"
+                  and "left idle" in d.for_job(a.job_id).reason]
+    assert moved == []
