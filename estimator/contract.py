@@ -303,9 +303,10 @@ def comment_settings(comment: str | None) -> dict[str, str]:
         raise ElasticSpecError("comment", comment, f"longer than {MAX_COMMENT_CHARS} characters")
     if not is_elastic(comment):
         return {}
-    if any(unicodedata.category(ch) in ("Cc", "Zl", "Zp") and ch != "\t" for ch in comment):
+    if any(unicodedata.category(ch) in ("Cc", "Zl", "Zp") and ch != "\t" for ch in comment.strip()):
         # A line break: the runner reads the Comment from `scontrol show job`, line by line,
-        # and would read another spec than the daemon (which reads it whole).
+        # and would read another spec than the daemon (which reads it whole). At its ends
+        # (stripped by both) it changes nothing.
         raise ElasticSpecError("comment", comment, "give the settings on one line, without control characters")
     rest = comment.lstrip(ASCII_SPACE)[len(COMMENT_TAG):]
     # Slurm shows a comment with commas or semicolons unchanged; accept them as separators

@@ -97,10 +97,11 @@ class ArrayReader:
             try:
                 self._open[name] = ts.open(spec, context=th.get_ts_context(use_ocdbt=self.use_ocdbt)).result()
             except Exception as e:  # noqa: BLE001 - tensorstore raises ValueError and its own errors
-                first = str(e).splitlines()[0]
-                if first.startswith("NOT_FOUND"):  # a checkpoint of another layout
+                first = str(e).splitlines()[0][:300]
+                lost = self.use_ocdbt and not (self.dir / "manifest.ocdbt").is_file()  # the database's root
+                if first.startswith("NOT_FOUND") and not lost:  # a checkpoint of another layout
                     raise CheckpointError(f"{self.dir}: no array {name!r} ({first})") from None
-                raise CheckpointDamaged(f"{self.dir}: array {name!r} cannot be opened ({first[:300]})") from None
+                raise CheckpointDamaged(f"{self.dir}: array {name!r} cannot be opened ({first})") from None
         return self._open[name]
 
     def shape(self, *keys: str) -> tuple[int, ...]:

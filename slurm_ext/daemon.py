@@ -280,7 +280,7 @@ class Daemon:
                 return 0 if ok else 1
             next_s = started_s + (backoff_s or self.config.interval_s)
             trigger = self._wait_for_next(next_s, poll=ok)
-        if self.actor.held_nodes != ():  # held, or not known (a failed change): Slurm may use them
+        if self.actor.held_nodes != () and not self.config.dry_run:  # held, or not known (a failed change)
             self.actor.hold_nodes((), ())
         log.info(kv("daemon_stopped"))
         return 0

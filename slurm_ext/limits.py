@@ -53,14 +53,15 @@ def per_job_limit(job: SlurmJob) -> bool:
 
 def group_limit(job: SlurmJob) -> str | None:
     """The group whose total a size limit keeping ``job`` back counts: ``"user"``
-    (``QOSMaxGRESPerUser``), ``"account"`` (``AssocGrpGRES``), ``"qos"`` (``QOSGrpGRES``);
+    (``QOSMaxGRESPerUser``), ``"account"`` (``AssocGrpGRES``, ``QOSMaxGRESPerAccount``),
+    ``"qos"`` (``QOSGrpGRES``);
     None when its reason is no such limit (a per-job limit, a job count, a time)."""
     r = job.reason
     if any(word in r for word in _NOT_A_SIZE):
         return None
     if r.startswith("QOSMax") and "PerUser" in r:
         return "user"
-    if r.startswith("AssocGrp"):
+    if r.startswith("AssocGrp") or r.startswith("QOSMax") and "PerAccount" in r:
         return "account"
     if r.startswith("QOSGrp"):
         return "qos"

@@ -492,9 +492,14 @@ def test_a_step_whose_array_files_are_damaged_is_set_aside_and_the_one_before_re
     assert again.returncode == 0, again.stderr[-3000:]
     assert "checkpoint of step 4 cannot be read" in again.stderr and "resumed from step 2 " in again.stderr
     assert sorted(p.name for p in ckpt.iterdir() if p.name[0].isdigit()) == ["4", "4.unreadable", "6"]
+    # A lost file of the database's own (its manifest) is damage too, not another layout.
+    (ckpt / "6" / "arrays" / "manifest.ocdbt").unlink()
+    lost = _train(ckpt, 8)
+    assert lost.returncode == 0, lost.stderr[-3000:]
+    assert "checkpoint of step 6 cannot be read" in lost.stderr and "resumed from step 4 " in lost.stderr
     # Every step damaged: one line and exit 2, not training over from step 1.
-    for step in ("4", "6"):
+    for step in ("6", "8"):
         (ckpt / step / "arrays" / "_METADATA").write_text("")
-    last = _train(ckpt, 8)
+    last = _train(ckpt, 10)
     assert last.returncode == 2 and "no readable checkpoint" in last.stderr and "Traceback" not in last.stderr
     assert "step 1 loss" not in last.stderr

@@ -98,7 +98,8 @@ def test_a_per_job_limit_reason_slurm_has_not_looked_at_again_does_not_shrink_th
 
 @pytest.mark.parametrize("reason, group", [
     ("QOSMaxGRESPerUser", "user"), ("QOSMaxNodePerUserLimit", "user"), ("QOSMaxCpuPerUserLimit", "user"),
-    ("AssocGrpGRES", "account"), ("AssocGrpNodeLimit", "account"), ("QOSGrpGRES", "qos"),
+    ("AssocGrpGRES", "account"), ("AssocGrpNodeLimit", "account"), ("QOSMaxGRESPerAccount", "account"),
+    ("QOSGrpGRES", "qos"),
     ("QOSGrpCpuLimit", "qos"),
     # job counts and time clear as other jobs end, whatever the Cell
     ("QOSMaxJobsPerUserLimit", None), ("AssocGrpJobsLimit", None), ("QOSGrpSubmitJobsLimit", None),

@@ -155,3 +155,8 @@ def test_comment_from_scontrol_and_its_elastic_settings():
     for comment in (comment_from_scontrol(broken), comment_from_scontrol(tab)):
         with pytest.raises(SpecError, match="on one line"):
             comment_settings(comment)
+    # At its ends a line break changes nothing, for the daemon (the whole) and the runner alike.
+    ends = "\nelastic model=gpt-1.3b global_batch=8\r\n"
+    trailing = recorded.replace("   StdErr=", f"   Comment={ends}   StdErr=")
+    assert comment_settings(ends) == comment_settings(comment_from_scontrol(trailing)) == {
+        "model": "gpt-1.3b", "global_batch": "8"}
