@@ -47,7 +47,8 @@ from slurm_ext.metrics import Metrics
 # The observe helpers are re-exported: callers and tests know them from here.
 from slurm_ext.observe import (  # noqa: F401
     ManagedJob, build_snapshot, cluster_spec, estimate_key, is_held, kv, measurement_from_text,
-    estimate_cells, model_loader_for, model_text_for, node_type, partition_types, plan_comment, profile_db_if_written, profile_version,
+    estimate_cells, model_loader_for, model_text_for, node_type, partition_types, plan_comment, profile_db_if_written,
+    profile_version,
     requested_gpus, rescale_pins, reserved_cell, gpu_releases, running_assignment, running_plan_comment,
     runner_progress, steerable_nodes, type_partitions, update_cell, finish_on_s, rescale_new_cell, rescale_releases,
     cell_gpus, required_placement, START_REFUSALS, refused_gpu_types, refused_starts,

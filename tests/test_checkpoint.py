@@ -472,7 +472,7 @@ def test_every_process_resumes_from_the_same_step_or_none_does(tmp_path):
 
 def _train(ckpt: Path, iterations: int) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "job_scripts.run", "--model", str(ROOT / "tests" / "fixtures" / "runner" / "tiny-gpt.yaml"),
+        [sys.executable, "-m", "job_scripts.run", "--model", str(ROOT / "tests/fixtures/runner/tiny-gpt.yaml"),
          "--global-batch", "16", "--iterations", str(iterations), "--devices", "2", "--platform", "cpu", "--no-tune",
          "--plan", "cell=a100x2:s1 plan=[dp2tp1] mb=1 remat=0", "--checkpoint-every", "2",
          "--checkpoint-dir", str(ckpt)], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S, env=_env())

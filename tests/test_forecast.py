@@ -9,8 +9,8 @@ from policy.cells_ilp import CellsIlpPolicy
 from policy.fcfs import FcfsPolicy
 import policy.forecast as forecast_module
 from policy.forecast import GpuRelease, forecast
-from policy.interface import (PENDING, RUNNING, TRIGGER_COMPLETION, TRIGGER_ROUND, Assignment, Decision, JobDecision, JobView, NodeView,
-                              Snapshot)
+from policy.interface import (PENDING, RUNNING, TRIGGER_COMPLETION, TRIGGER_ROUND, Assignment,
+                              Decision, JobDecision, JobView, NodeView, Snapshot)
 
 BATCH = 8
 
