@@ -251,8 +251,8 @@ def tune(job: JobSpec, cell: Cell, cluster: ClusterSpec, options: TuneOptions = 
     # ZeRO level, so the doublings up to twice its count are tried as well).
     est = estimate_cell(job, cell, cluster, est_opts)
     if est.stages and est.micro_batches not in mbs:
-        more, ladder = max(mbs), {est.micro_batches}
-        while (more := more_micro_batches(replica_batch(job.global_batch, cell), more, moe_routes(model))) \
+        more, ladder, routes = max(mbs), {est.micro_batches}, moe_routes(model)
+        while (more := more_micro_batches(replica_batch(job.global_batch, cell), more, routes)) \
                 and more <= 2 * est.micro_batches:
             ladder.add(more)
         mbs = tuple(sorted({*mbs, *ladder}))

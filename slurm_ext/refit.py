@@ -208,9 +208,9 @@ class OnlineRefitter:
                 continue
             observations.append(obs)
         existing = _existing(profile_db)
-        current = current_efficiency(existing, gpu_type)
+        current, anchor = current_efficiency(existing, gpu_type)
         result = refit_efficiency(gpu_type, current, cluster, observations, EstimateOptions(profile_db=existing),
-                                  anchor=current_efficiency(existing, gpu_type, refits=False))
+                                  anchor=anchor)
         params = {n: f"{getattr(result.efficiency, n):.4g}" for n in result.fitted}
         fields = dict(gpu_type=gpu_type, observations=result.observations,
                       error_before=result.median_error_before_frac, error_after=result.median_error_after_frac,
@@ -224,12 +224,13 @@ class OnlineRefitter:
         return result
 
 
-def current_efficiency(profile_db: str | None, gpu_type: str, refits: bool = True) -> Efficiency:
-    """What the estimator uses for the type now: the profile store's (its newest refit,
-    else its profile's fit; without ``refits``, the fit), else the shipped parameters."""
-    if profile_db is not None:
-        view = load_profile_view(profile_db)
-        eff = (view.efficiencies if refits else view.fitted).get(gpu_type)
-        if eff is not None:
-            return eff
-    return efficiency(catalog_gpu(gpu_type))
+def current_efficiency(profile_db: str | None, gpu_type: str) -> tuple[Efficiency, Efficiency]:
+    """What the estimator uses for the type now (the profile store's newest refit, else its
+    profile's fit, else the shipped parameters), and the same without refits: the refit's
+    prior. The store is read once for both."""
+    shipped = efficiency(catalog_gpu(gpu_type))
+    if profile_db is None:
+        return shipped, shipped
+    view = load_profile_view(profile_db)
+    anchor = view.fitted.get(gpu_type, shipped)
+    return view.efficiencies.get(gpu_type, anchor), anchor
