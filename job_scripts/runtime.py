@@ -65,6 +65,13 @@ CPU_FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0",
 
 
 SCONTROL_TRIES = 3  # a busy slurmctld answers a later try
+# What sbatch wrote into the job's environment at submission from its GPU options, and srun
+# reads as its own options: after the daemon changed the job's GPUs they would ask the step
+# for the old request (a type the nodes lack: no step; a smaller count: fewer devices).
+# Without them the step gets every GPU of the job on its nodes.
+SUBMISSION_GPU_VARS = ("SLURM_GPUS", "SLURM_GPUS_PER_NODE", "SLURM_GPUS_PER_TASK", "SLURM_GPUS_PER_SOCKET",
+                       "SLURM_TRES_PER_TASK", "SLURM_CPUS_PER_GPU", "SLURM_MEM_PER_GPU", "SLURM_NTASKS_PER_GPU",
+                       "SLURM_GRES")
 
 
 def scontrol_job_text(job_id: str, tries: int = SCONTROL_TRIES) -> str | None:
@@ -158,9 +165,12 @@ def _relaunch_under_srun(alloc: SlurmAllocation, argv: list[str], settings: dict
     outranks ``--ntasks-per-node``. The job's ``settings`` go with the environment srun
     passes on (with the job id, so that a job submitted from inside this one ignores them),
     and so does its record (``job_text``): every task starts from the one AdminComment plan
-    (each reading it had them start from different plans when one read failed).
+    (each reading it had them start from different plans when one read failed). The GPU
+    request of the submission does not (`SUBMISSION_GPU_VARS`).
     """
     os.environ[SETTINGS_ENV] = json.dumps({"job_id": alloc.job_id, "settings": settings, "job_text": job_text})
+    for name in SUBMISSION_GPU_VARS:
+        os.environ.pop(name, None)
     full = ["srun", f"--nodes={alloc.num_nodes}", f"--ntasks={alloc.num_nodes}", "--ntasks-per-node=1",
             "--kill-on-bad-exit=0", *argv]
     log.info("starting one task per node: %s", " ".join(full))

@@ -129,7 +129,8 @@ def start_update(assignment: Assignment, m: ManagedJob, steering: Steering,
         features = ""
     return JobUpdate(partition=how.partition, gpus_per_node=per_node, num_nodes=num_nodes,
                      admin_comment=text, required_nodes=required, gpu_type=how.gpu_type,
-                     features=features, cpus_per_gpu=cpus, mem_per_gpu_mb=mem_mb, start_now=True)
+                     features=features, cpus_per_gpu=cpus, mem_per_gpu_mb=mem_mb, start_now=True,
+                     clear_gpus_per_job=m.slurm.gpus_per_job > 0)
 
 
 @dataclass

@@ -167,6 +167,10 @@ def update_pending_argv(job_id: int | list[int] | tuple[int, ...], update: JobUp
     if update.gpus_per_node is not None:
         typed = f"{_name('gpu_type', update.gpu_type)}:" if update.gpu_type is not None else ""
         argv.append(f"Gres=gpu:{typed}{_positive('gpus_per_node', update.gpus_per_node)}")
+    if update.clear_gpus_per_job:
+        if update.gpus_per_node is None:
+            raise SlurmArgumentError("clear_gpus_per_job", True, "the GPUs per node replace the count per job")
+        argv.append("TresPerJob=")
     if update.features is not None:
         argv.append(f"Features={_name('features', update.features) if update.features else ''}")
     if update.cpus_per_gpu is not None or update.mem_per_gpu_mb is not None:

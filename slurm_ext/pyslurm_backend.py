@@ -10,7 +10,8 @@ Where pyslurm cannot do a thing, this backend runs the command the CLI backend r
 - a pending job's **node count**: ``JobSubmitDescription`` writes ``min_nodes`` only when
   submitting, never in an update, so ``NumNodes`` goes through ``scontrol update``; so
   does **clearing its node features** (pyslurm sends an empty constraint as unset, which
-  Slurm reads as no change);
+  Slurm reads as no change), and clearing a GPU count **per job** (``sbatch --gpus=N``),
+  which Slurm refuses beside the count per node the daemon sets;
 - a job's **GPU request** (``tres_per_job``, ``tres_per_node``): pyslurm 25.11.2 reads TRES
   strings as ``name=count``, and Slurm writes ``--gpus=6`` as ``gres/gpu:6``, so it reads
   nothing of it; it reads ``--gres=gpu:a100`` (a type, no count) as nothing too, a job of
@@ -308,6 +309,8 @@ class PyslurmClient:
         if update.features:
             changes["constraints"] = _name("features", update.features)
         clear_features = update.features == ""
+        if update.clear_gpus_per_job and update.gpus_per_node is None:
+            raise SlurmArgumentError("clear_gpus_per_job", True, "the GPUs per node replace the count per job")
         if (update.cpus_per_gpu is not None or update.mem_per_gpu_mb is not None) and update.gpus_per_node is None:
             raise SlurmArgumentError("gpus_per_node", None, "CPUs and memory per GPU need the GPUs per node")
         # Per node, as the CLI backend writes them (see update_pending_argv for why).
@@ -330,6 +333,13 @@ class PyslurmClient:
             # scontrol's Features= clears. First, so that a retype below does not meet the
             # old type's constraint.
             self._cli.update_pending(ids, JobUpdate(features="", start_now=False))
+        if update.clear_gpus_per_job:
+            # As for the features, through scontrol (TresPerJob=), with the partition and
+            # the count per node in the same message: Slurm refuses either count beside
+            # the other.
+            self._cli.update_pending(ids, JobUpdate(partition=update.partition, gpus_per_node=update.gpus_per_node,
+                                                    gpu_type=update.gpu_type, clear_gpus_per_job=True,
+                                                    start_now=False))
         if changes or update.start_now:
             if update.start_now:
                 # After a requeue Slurm adds BeginTime = now + 121 s unless told otherwise.

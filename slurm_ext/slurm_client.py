@@ -248,6 +248,9 @@ class JobUpdate:
         start_now: set ``StartTime=now`` so a requeued job does not wait the 121 s
             Slurm adds after a requeue (release it no sooner than ``REQUEUE_SETTLE_S``
             after it was seen requeued).
+        clear_gpus_per_job: with ``gpus_per_node``, drop the job's GPU count per job
+            (``sbatch --gpus=N``): Slurm refuses a count per node beside one that
+            disagrees ("Invalid generic resource (gres) specification").
     """
 
     partition: str | None = None
@@ -260,6 +263,7 @@ class JobUpdate:
     cpus_per_gpu: int | None = None
     mem_per_gpu_mb: int | None = None
     start_now: bool = True
+    clear_gpus_per_job: bool = False
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ schema, used by both sides."""
 
 import ast
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -119,6 +120,10 @@ def test_the_daemon_starts_a_job_with_the_plan_its_estimate_needs_to_fit():
     estimated = parse_plan(est.plan)
     assert (written.zero_level, written.remat, written.stages, written.micro_batches) == \
            (estimated.zero_level, estimated.remat, estimated.stages, estimated.micro_batches)
+    assert not update.clear_gpus_per_job
+    # A job submitted with --gpus=N: its count per job goes, or Slurm refuses the update.
+    by_job = replace(managed, slurm=replace(managed.slurm, gpus_per_job=8))
+    assert start_update(Assignment(est.cell, nodes), by_job, steering, "best", "cells-ilp").clear_gpus_per_job
 
 
 def test_a_time_no_utc_text_can_show_is_left_out_of_the_admin_comment():

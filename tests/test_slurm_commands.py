@@ -53,6 +53,15 @@ def test_full_pending_update():
                     "NumNodes=2-2", "AdminComment=cell=v100x6 plan=[dp3,dp3]", "StartTime=now"]
 
 
+def test_a_count_per_job_is_cleared_beside_the_count_per_node():
+    argv = update_pending_argv(42, JobUpdate(partition="a100", gpus_per_node=4, clear_gpus_per_job=True))
+    assert argv == ["scontrol", "update", "JobId=42", "Partition=a100", "Gres=gpu:4", "TresPerJob=",
+                    "StartTime=now"]
+    assert "TresPerJob=" not in update_pending_argv(42, JobUpdate(gpus_per_node=4))
+    with pytest.raises(SlurmArgumentError, match="clear_gpus_per_job"):
+        update_pending_argv(42, JobUpdate(partition="a100", clear_gpus_per_job=True))
+
+
 def test_the_placement_is_the_required_node_list():
     argv = update_pending_argv(42, JobUpdate(partition="a100", gpus_per_node=4, num_nodes=2,
                                              required_nodes=("a100-2", "a100-1")))
