@@ -226,7 +226,8 @@ def plan_tokens(admin_comment: str | None) -> str | None:
 
 COMMENT_TAG = "elastic"
 SCRIPT_TAG = "#ELASTIC"
-KEYS = ("model", "global_batch", "iterations", "gpus", "gpu_type", "deadline", "guaranteed", "max_stages")
+KEYS = ("model", "global_batch", "iterations", "gpus", "gpu_type", "deadline", "guaranteed", "max_stages",
+        "trainer")
 # Limits that keep a hostile or broken submission from costing the daemon time or memory.
 MAX_COMMENT_CHARS = 1024
 MAX_SCRIPT_CHARS = 4 << 20

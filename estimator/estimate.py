@@ -459,8 +459,11 @@ def estimate_cell(job: JobSpec, cell: Cell, cluster: ClusterSpec,
     can run it or ``options.runnable_only`` is False; otherwise the Cell stays infeasible
     with its own figures and its reason says what would fit, how fast, with how much GPU
     and host memory. A Cell that fits on narrower data parallelism than its batch allows is
-    tried under ZeRO 1–3 too, and the fastest kept (``_faster_split``).
+    tried under ZeRO 1–3 too, and the fastest kept (``_faster_split``). A job a script on
+    the runtime API trains (``JobSpec.trainer``) has ZeRO-0 plans without remat only.
     """
+    api = job.trainer == "api"  # a script on the runtime API: ZeRO-0, every activation kept
+    options = replace(options, remat=False, expert_parallel=False) if api else options
     remats = (False, True) if options.remat is None else (bool(options.remat),)
     best = None
     for remat in remats:
@@ -468,8 +471,8 @@ def estimate_cell(job: JobSpec, cell: Cell, cluster: ClusterSpec,
         if best is None or _better(est, best, options.runnable_only):
             best = est
     if best.feasible:
-        return _faster_split(job, cell, cluster, options, best)
-    if not best.stages or "GB" not in best.reason:
+        return best if api else _faster_split(job, cell, cluster, options, best)
+    if api or not best.stages or "GB" not in best.reason:
         return best
     for memory in memory_alternatives(options.memory):
         alt_opts = replace(options, memory=memory, remat=True if options.remat is None else options.remat)
@@ -792,6 +795,3 @@ def estimate_job(job: JobSpec, cluster: ClusterSpec, options: EstimateOptions = 
     best = min(feasible, key=lambda e: (e.iteration_time_s, e.cell.num_gpus)) if feasible else None
     return JobEstimate(job, tuple(estimates), best)
 
-
-def with_options(options: EstimateOptions, **changes) -> EstimateOptions:
-    return replace(options, **changes)

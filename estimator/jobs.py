@@ -10,6 +10,10 @@ MAX_GLOBAL_BATCH = 1 << 24
 MAX_GPUS = 1 << 16
 MAX_STAGES = 1 << 10
 MAX_ITERATIONS = 10**9  # an elastic job's iterations
+# What trains a job: the built-in runner (pipelines, ZeRO 0-3, expert parallelism, remat)
+# or a script of the user's own on the runtime API (one stage of data and tensor
+# parallelism, optimizer states replicated, every activation kept).
+TRAINERS = ("runner", "api")
 
 
 @dataclass(frozen=True)
@@ -23,6 +27,8 @@ class JobSpec:
         gpu_type: the GPU type asked for, or None.
         max_stages: the most pipeline stages the job's training script can run (1 for a
             script with data and tensor parallelism only); None: any stage count.
+        trainer: what trains it (`TRAINERS`): ``api`` limits its Cells to what a script on
+            the runtime API runs (one stage, ZeRO-0, no remat, no expert parallelism).
         model_spec: the model, already loaded by a caller that checked who may read its
             file (the daemon, which runs as root, reads a user's file once, as that user
             could): the estimator then never opens ``model`` itself. None: loaded from
@@ -35,6 +41,7 @@ class JobSpec:
     gpu_type: str | None = None
     max_stages: int | None = None
     model_spec: ModelSpec | None = None
+    trainer: str = "runner"
 
     def __post_init__(self):
         if not isinstance(self.global_batch, int) or isinstance(self.global_batch, bool) \
@@ -51,6 +58,12 @@ class JobSpec:
                             "or leave it out to allow any stage count")
         if self.gpu_type is not None:
             object.__setattr__(self, "gpu_type", _gpu_type(self.gpu_type).name)
+        if self.trainer not in TRAINERS:
+            raise SpecError("trainer", self.trainer, f"use one of {', '.join(TRAINERS)}")
+        if self.trainer == "api":
+            if (self.max_stages or 1) != 1:
+                raise SpecError("max_stages", self.max_stages, "a script on the runtime API runs one stage")
+            object.__setattr__(self, "max_stages", 1)
 
 
 def job_model(job: JobSpec) -> ModelSpec:

@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 ARRAYS = "arrays"
 META = "meta"
 FORMAT_VERSION = 2
+# tensorstore's status of a read that found array files truncated or garbled.
+DAMAGE_STATUSES = ("OUT_OF_RANGE", "DATA_LOSS", "FAILED_PRECONDITION")
 
 
 class CheckpointError(RuntimeError):
@@ -253,12 +255,23 @@ class Checkpoints:
 
     def restore(self, step: int, target):
         """The saved arrays of ``step`` read into ``target``'s shapes and shardings (a pytree
-        of ``jax.ShapeDtypeStruct`` with ``sharding``), whatever the saving plan was."""
+        of ``jax.ShapeDtypeStruct`` with ``sharding``), whatever the saving plan was.
+
+        Raises:
+            CheckpointDamaged: its files cannot be read (tensorstore's data-loss errors:
+                truncated or lost array files).
+            CheckpointError: its arrays are not ``target``'s.
+        """
         ocp = self._ocp
         try:
             out = self.manager.restore(step, args=ocp.args.Composite(**{ARRAYS: ocp.args.StandardRestore(target)}))
         except (ValueError, KeyError) as e:
-            raise CheckpointError(f"{self.directory / str(step)}: does not match this job's state ({e})") from None
+            first = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+            reader = self.reader(step)  # CheckpointDamaged without its metadata
+            lost = reader.use_ocdbt and not (reader.dir / "manifest.ocdbt").is_file()  # the database's root
+            if first.startswith(DAMAGE_STATUSES) or (lost and first.startswith("NOT_FOUND")):
+                raise CheckpointDamaged(f"{self.directory / str(step)}: cannot be read ({first})") from None
+            raise CheckpointError(f"{self.directory / str(step)}: does not match this job's state ({first})") from None
         return out[ARRAYS]
 
     def reader(self, step: int) -> ArrayReader:

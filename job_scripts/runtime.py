@@ -417,7 +417,7 @@ class Job:
 
         Raises:
             SpecError: the plan has pipeline stages (a script's own model runs
-                single-stage plans: submit it with ``max_stages=1``), splits states or
+                single-stage plans: submit it with ``trainer=api``), splits states or
                 experts (``zero``, ``offload``, ``ep``: the mesh replicates them), or
                 does not fit.
         """
@@ -429,7 +429,7 @@ class Job:
             dp, tp = n, 1
         elif plan.num_stages > 1:
             raise SpecError("plan", self.plan_text, f"has {plan.num_stages} pipeline stages; a script "
-                            "with its own model runs single-stage plans: submit it with max_stages=1")
+                            "with its own model runs single-stage plans: submit it with trainer=api")
         else:
             asks = [what for what, asked in (
                 (f"zero={plan.zero_level} (states split over dp)", plan.zero_level),
@@ -437,8 +437,8 @@ class Job:
                 ("ep (experts split over a stage's devices)", any(plan.stage_ep))) if asked]
             if asks:
                 raise SpecError("plan", self.plan_text, f"asks for {' and '.join(asks)}; a script with its own "
-                                "model runs replicated states on a (dp, tp) mesh: give it a plan without "
-                                "zero, offload or ep")
+                                "model runs replicated states on a (dp, tp) mesh: submit it with trainer=api "
+                                "(the daemon then plans none)")
             dp, tp = plan.stages[0]
         what = "the plan" if plan is not None else f"all {n} devices data-parallel (no plan given)"
         if dp * tp != n:
@@ -576,11 +576,15 @@ class Job:
 
     def resume(self, target):
         """(state, next step): the newest checkpoint read into ``target``'s shardings
-        (a pytree of ``jax.ShapeDtypeStruct`` with ``sharding``), or (None, 1)."""
-        saved = self.latest()
-        state = None
-        if saved is not None:
-            state = self.checkpoints.restore(saved.step, target)
+        (a pytree of ``jax.ShapeDtypeStruct`` with ``sharding``), or (None, 1). A newest
+        checkpoint whose files cannot be read is set aside and the one before read
+        (`restored`).
+
+        Raises:
+            SpecError: a checkpoint of another model, batch or seed (`latest`).
+            CheckpointError: one whose arrays are not ``target``'s, or none readable.
+        """
+        saved, state = self.restored(self.latest(), lambda s: self.checkpoints.restore(s.step, target))
         self.mark_resumed(saved, self.plan_text)
         return state, self.next_step
 

@@ -196,9 +196,9 @@ def builtin_training_job() -> TrainingJob:
 
 def example_training_job(global_batch: int = EXAMPLE_GLOBAL_BATCH) -> TrainingJob:
     """A researcher's own script (examples/charlm: flax and optax on a text file), through
-    the runtime API; it runs single-stage plans (``max_stages=1``)."""
+    the runtime API; it runs what the API gives (``trainer=api``: single-stage ZeRO-0 plans)."""
     line = (f"#ELASTIC model={EXAMPLE_DIR / 'model.yaml'} global_batch={global_batch} "
-            f"iterations=100000 gpus={TRAIN_GPUS} max_stages=1")
+            f"iterations=100000 gpus={TRAIN_GPUS} trainer=api")
     return TrainingJob("charlm", _with_elastic_line(EXAMPLE_DIR / "train.sbatch", line), global_batch,
                        "examples/charlm/train.sbatch (a byte-level transformer in flax, optax, its own text)")
 

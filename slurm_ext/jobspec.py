@@ -5,7 +5,7 @@ settings. The same settings may be written in the batch script on lines of their
 
     #ELASTIC model=gpt-1.3b global_batch=64 iterations=2000
     #ELASTIC gpus=8 gpu_type=a100 deadline=2026-12-01T18:00:00Z guaranteed=yes
-    #ELASTIC max_stages=1   # the training script runs data and tensor parallelism only
+    #ELASTIC trainer=api    # a script of the user's own on the runtime API trains it
 
 When a key is set in both places the Comment wins, as an ``sbatch`` command-line option
 overrides an ``#SBATCH`` line: the Comment is what the user typed last.
@@ -28,7 +28,7 @@ from estimator.contract import (COMMENT_TAG, SCRIPT_TAG, ElasticSpecError, comme
                                 merge_settings, script_settings)
 from estimator.errors import SpecError
 from estimator.gpus import CATALOG
-from estimator.jobs import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_ITERATIONS, MAX_STAGES, JobSpec
+from estimator.jobs import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_ITERATIONS, MAX_STAGES, TRAINERS, JobSpec
 
 REQUIRED_KEYS = ("model", "global_batch", "iterations")
 _YES = {"yes", "true", "1", "on"}
@@ -49,6 +49,8 @@ class ElasticSpec:
         guaranteed: the job must get at least the throughput of what it asked for.
         max_stages: the most pipeline stages the job's training script can run (1 for a
             script with data and tensor parallelism only); None: any stage count.
+        trainer: ``runner`` (the built-in runner) or ``api`` (a script on the runtime API:
+            one stage of data and tensor parallelism, ZeRO-0, every activation kept).
     """
 
     model: str
@@ -59,24 +61,26 @@ class ElasticSpec:
     deadline_s: float | None = None
     guaranteed: bool = False
     max_stages: int | None = None
+    trainer: str = "runner"
 
     def job_spec(self) -> JobSpec:
         """The job as the estimator sees it (what its Cells depend on)."""
-        return JobSpec(self.model, self.global_batch, self.num_gpus, self.gpu_type, self.max_stages)
+        return JobSpec(self.model, self.global_batch, self.num_gpus, self.gpu_type, self.max_stages,
+                       trainer=self.trainer)
 
     def to_json(self) -> dict:
         return {
             "model": self.model, "global_batch": self.global_batch,
             "iterations": self.iterations, "num_gpus": self.num_gpus,
             "gpu_type": self.gpu_type, "deadline_s": self.deadline_s,
-            "guaranteed": self.guaranteed, "max_stages": self.max_stages,
+            "guaranteed": self.guaranteed, "max_stages": self.max_stages, "trainer": self.trainer,
         }
 
     @classmethod
     def from_json(cls, raw: dict) -> "ElasticSpec":
         return cls(**{k: raw.get(k) for k in (
             "model", "global_batch", "iterations", "num_gpus", "gpu_type", "deadline_s", "max_stages")},
-            guaranteed=bool(raw.get("guaranteed", False)))
+            guaranteed=bool(raw.get("guaranteed", False)), trainer=raw.get("trainer") or "runner")
 
 
 def _int(settings: dict[str, str], key: str, low: int, high: int) -> int | None:
@@ -136,6 +140,14 @@ def spec_from_settings(settings: dict[str, str]) -> ElasticSpec:
     if guaranteed_raw not in _YES | _NO:
         raise ElasticSpecError("guaranteed", settings["guaranteed"], "write yes or no")
     deadline = settings.get("deadline")
+    trainer = settings.get("trainer", "runner")
+    if trainer not in TRAINERS:
+        raise ElasticSpecError("trainer", trainer, "write runner (the built-in runner) or api (a script of "
+                                                   "your own on the runtime API)")
+    max_stages = _int(settings, "max_stages", 1, MAX_STAGES)
+    if trainer == "api" and (max_stages or 1) != 1:
+        raise ElasticSpecError("max_stages", settings["max_stages"], "a script on the runtime API runs one "
+                                                                     "stage: leave max_stages out")
     num_gpus = _int(settings, "gpus", 1, MAX_GPUS)
     if num_gpus is not None:
         check_power_of_two_gpus(num_gpus, "not a power of two",
@@ -148,7 +160,8 @@ def spec_from_settings(settings: dict[str, str]) -> ElasticSpec:
         gpu_type=gpu,
         deadline_s=parse_deadline(deadline) if deadline is not None else None,
         guaranteed=guaranteed_raw in _YES,
-        max_stages=_int(settings, "max_stages", 1, MAX_STAGES),
+        max_stages=1 if trainer == "api" else max_stages,
+        trainer=trainer,
     )
 
 

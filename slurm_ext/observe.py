@@ -419,6 +419,8 @@ def estimate_key(spec: ElasticSpec, cluster: ClusterSpec, plan_space: str,
     # already holds under them, stay as they were before the setting existed.
     if spec.max_stages is not None:
         key.append({"max_stages": spec.max_stages})
+    if spec.trainer != "runner":
+        key.append({"trainer": spec.trainer})
     if profile is not None:
         key.append({"profile": profile})
     if expert_parallel:

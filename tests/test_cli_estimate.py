@@ -65,6 +65,23 @@ def test_max_stages_keeps_only_cells_the_script_can_run(capsys):
     assert d["best"]["num_stages"] == 1
 
 
+def test_trainer_api_shows_what_a_script_on_the_runtime_api_runs(capsys, monkeypatch):
+    args = ("estimate", "--model", "gpt-1.3b", "--global-batch", "512", "--cluster", "lab", "--gpus", "4", "--json")
+    code, out, err = run(capsys, *args, "--max-stages", "1")
+    assert code == 0, err
+    assert any(c.get("zero_level") for c in json.loads(out)["cells"])
+    code, out, err = run(capsys, *args, "--trainer", "api")
+    assert code == 0, err
+    cells = json.loads(out)["cells"]
+    assert cells and all(c["num_stages"] == 1 and not c.get("zero_level") and not c["remat"] for c in cells)
+    line = '{"model": "gpt-1.3b", "global_batch": 512, "num_gpus": 4, "trainer": "api"}\n'
+    code, out, err = run(capsys, "estimate", "--cluster", "lab", "--batch", "-", stdin=line, monkeypatch=monkeypatch)
+    assert code == 0, err
+    assert json.loads(out)["cells"] == cells
+    code, out, err = run(capsys, *args, "--trainer", "api", "--max-stages", "2")
+    assert code != 0 and out == "" and "max_stages=2" in err and len(err.strip().splitlines()) == 1
+
+
 def test_bad_max_stages_is_one_line(capsys):
     code, out, err = run(capsys, "estimate", "--model", "gpt-1.3b", "--global-batch", "8",
                          "--max-stages", "0")

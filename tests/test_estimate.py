@@ -32,6 +32,24 @@ def test_max_stages_limits_the_stage_counts_of_every_cell():
     assert set(two) == {c for c in unlimited if c.num_stages <= 2}  # stage counts are powers of two
 
 
+def test_a_job_on_the_runtime_api_gets_only_plans_such_a_script_runs():
+    """One stage, ZeRO-0, every activation kept, no expert parallelism: a Cell on which the
+    runner's plan fits only with its states split (or with remat) does not fit such a job."""
+    runner = estimate_job(JobSpec("gpt-1.3b", 512, 4, "a100"), load_cluster("lab"), EstimateOptions())
+    api = estimate_job(JobSpec("gpt-1.3b", 512, 4, "a100", trainer="api"), load_cluster("lab"),
+                       EstimateOptions(expert_parallel=True))
+    assert any(e.feasible and e.zero_level >= 1 and e.cell.num_stages == 1 for e in runner.cells)
+    assert api.cells and all(e.cell.num_stages == 1 and e.zero_level == 0 and not e.offload and not e.remat
+                             and not any(s.ep for s in e.stages) for e in api.cells)
+    assert api.best is not None
+    moe = estimate_job(JobSpec("moe-2.4b", 64, 8, "a100", trainer="api"), CRIUS, EstimateOptions(expert_parallel=True))
+    assert all(not any(s.ep for s in e.stages) for e in moe.cells)
+    with pytest.raises(SpecError, match="max_stages"):
+        JobSpec("gpt-1.3b", 512, trainer="api", max_stages=2)
+    with pytest.raises(SpecError, match="trainer"):
+        JobSpec("gpt-1.3b", 512, trainer="flax")
+
+
 def test_max_stages_applies_to_estimates_and_their_best_cell():
     est = estimate_job(JobSpec("gpt-1.3b", 256, max_stages=1), CRIUS, EstimateOptions(max_gpus=16))
     assert est.cells and all(c.cell.num_stages == 1 for c in est.cells)

@@ -24,14 +24,17 @@ RTOL = 1e-3  # float32 sums in another order under another plan (measured < 1e-6
 _STEP = re.compile(r"step (\d+) loss ([0-9.]+)")
 
 
-def _run(ckpt: Path, iterations: int, plan: str | None = None) -> str:
+def _run(ckpt: Path, iterations: int, plan: str | None = None, *, every: int | None = None,
+         global_batch: int = 16, status: int = 0) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "XLA_", "JAX_"))}
     if plan:
         env["SLURM_EXT_PLAN"] = plan
-    proc = subprocess.run([sys.executable, str(TRAIN), "--iterations", str(iterations), "--global-batch", "16",
-                           "--devices", "4", "--checkpoint-dir", str(ckpt)],
+    if every:
+        env["SLURM_EXT_CHECKPOINT_EVERY"] = str(every)
+    proc = subprocess.run([sys.executable, str(TRAIN), "--iterations", str(iterations), "--global-batch",
+                           str(global_batch), "--devices", "4", "--checkpoint-dir", str(ckpt)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == status, proc.stderr[-3000:]
     return proc.stderr
 
 
@@ -51,6 +54,18 @@ def test_own_model_resumes_in_another_plan_at_the_exact_sample(tmp_path):
     assert reference[10] < reference[1]  # it learns its text
 
 
+def test_a_damaged_checkpoint_is_set_aside_and_one_of_another_batch_refused_in_one_line(tmp_path):
+    first = _run(tmp_path / "ckpt", 4, every=2)
+    for f in (tmp_path / "ckpt" / "4" / "arrays" / "d").iterdir():  # step 4's array files cut short
+        os.truncate(f, 100)
+    second = _run(tmp_path / "ckpt", 6)
+    assert "checkpoint of step 4 cannot be read" in second and "resumed from step 2 (checkpoint" in second
+    assert (tmp_path / "ckpt" / "4.unreadable").is_dir()
+    assert _losses(second)[4] == _losses(first)[4]  # step 4 again, from step 2's state
+    other = _run(tmp_path / "ckpt", 8, global_batch=32, status=2)
+    assert other.strip().splitlines()[-1].startswith("train.py: error: global_batch=32")
+
+
 def test_a_pipeline_plan_is_refused_in_one_line(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "XLA_", "JAX_"))}
     env["SLURM_EXT_PLAN"] = "cell=a100x4:s2 plan=[dp2tp1|dp2tp1] mb=2 remat=1"
@@ -59,7 +74,7 @@ def test_a_pipeline_plan_is_refused_in_one_line(tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("train.py: error: plan=")
-    assert "2 pipeline stages" in proc.stderr and "max_stages=1" in proc.stderr
+    assert "2 pipeline stages" in proc.stderr and "trainer=api" in proc.stderr
 
 
 @pytest.mark.slurm
@@ -77,6 +92,7 @@ def test_daemon_rescales_the_own_model_which_resumes_at_the_exact_sample(slurm_l
     text = outcome.log_text
     assert re.search(rf"next sample {resume.saved_step * 16}\b", text), text[-3000:]
     assert "(from the AdminComment)" in text and ":s1 " in resume.plan  # single-stage plans only
+    assert " remat=0" in resume.plan and "zero=" not in resume.plan  # what the runtime API runs
     losses = resume.losses
     assert sorted(losses) == list(range(1, max(losses) + 1))
     reference = _losses(_run(tmp_path / "reference", max(losses)))

@@ -110,6 +110,20 @@ def test_json_stored_before_max_stages_existed_reads_as_unlimited():
     assert ElasticSpec.from_json(old).max_stages is None
 
 
+def test_a_script_on_the_runtime_api_is_one_stage_and_says_so_to_the_estimator():
+    spec = parse_spec("elastic trainer=api", SCRIPT)
+    assert (spec.trainer, spec.max_stages) == ("api", 1)
+    assert spec.job_spec() == JobSpec("gpt-1.3b", 64, max_stages=1, trainer="api")
+    assert ElasticSpec.from_json(spec.to_json()) == spec
+    old = {k: v for k, v in parse_spec("elastic", SCRIPT).to_json().items() if k != "trainer"}
+    assert ElasticSpec.from_json(old).trainer == "runner"  # stored before the key existed
+    assert parse_spec("elastic trainer=api max_stages=1", SCRIPT).max_stages == 1
+    with pytest.raises(ElasticSpecError, match="max_stages=.*one stage"):
+        parse_spec("elastic trainer=api max_stages=2", SCRIPT)
+    with pytest.raises(ElasticSpecError, match="trainer='flax'.*runner.*api"):
+        parse_spec("elastic trainer=flax", SCRIPT)
+
+
 def test_job_spec_carries_every_field_the_estimates_depend_on():
     spec = parse_spec("elastic gpus=8 gpu_type=a100 max_stages=1", SCRIPT)
     job = spec.job_spec()

@@ -14,7 +14,7 @@ elastic protocol:
 - ``job.stop_requested()`` / ``job.finish(...)``: SIGUSR1 → checkpoint → exit 86.
 
 Run it under Slurm with ``sbatch examples/charlm/train.sbatch`` (see docs/own-model.md),
-or on its own: ``python examples/charlm/train.py --iterations 20 --devices 4``.
+or on its own: ``python examples/charlm/train.py --iterations 20 --global-batch 16 --devices 4``.
 """
 
 from __future__ import annotations
@@ -134,7 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     abstract = jax.eval_shape(init, jax.random.key(0))
     shardings = job.param_shardings(abstract, megatron_rule)
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-    state, first = job.resume(target)
+    try:
+        state, first = job.resume(target)
+    except (runtime.SpecError, runtime.CheckpointError) as e:  # another model's, or none readable
+        print(f"train.py: error: {e}", file=sys.stderr)
+        return runtime.EXIT_BAD_INPUT
     if state is None:
         state = jax.jit(init, out_shardings=shardings)(jax.random.key(0))
     batch_sharding = NamedSharding(mesh, P(None, "dp"))  # [micro-batch, sample, byte]

@@ -14,7 +14,7 @@ from slurm_ext.commands import check_micro_batches, check_writable, cluster_opti
 from slurm_ext.jobspec import check_power_of_two_gpus
 
 DEFAULT_CLUSTER = "crius-1280"
-BATCH_KEYS = {"model", "global_batch", "gpu_type", "num_gpus", "gpus_per_node", "max_stages"}
+BATCH_KEYS = {"model", "global_batch", "gpu_type", "num_gpus", "gpus_per_node", "max_stages", "trainer"}
 MAX_BATCH_LINE_BYTES = 4096
 
 
@@ -30,10 +30,10 @@ def _check_counts(gpus: int | None, gpus_per_node: int | None) -> None:
 
 def _estimate(model: str, global_batch: int, gpu_type: str | None, gpus: int | None,
               gpus_per_node: int | None, max_stages: int | None, cluster_name: str,
-              options: EstimateOptions) -> JobEstimate:
+              options: EstimateOptions, trainer: str = "runner") -> JobEstimate:
     _check_counts(gpus, gpus_per_node)
     cluster = load_cluster(cluster_name)
-    job = JobSpec(model, global_batch, gpus, gpu_type, max_stages)
+    job = JobSpec(model, global_batch, gpus, gpu_type, max_stages, trainer=trainer)
     if job.gpu_type:
         cluster.group(job.gpu_type)  # a clear error for a type the cluster lacks, before its node sizes
     types = (job.gpu_type,) if job.gpu_type else cluster.gpu_types
@@ -135,7 +135,7 @@ def _read_batch(source) -> list[tuple[int, dict]]:
         for key, value in req.items():
             if value is None and key not in ("model", "global_batch"):
                 continue  # an optional key given as null: as if absent
-            if key in ("model", "gpu_type"):
+            if key in ("model", "gpu_type", "trainer"):
                 right, kind = isinstance(value, str), "a string"
             else:
                 right, kind = isinstance(value, int) and not isinstance(value, bool), "a whole number"
@@ -155,6 +155,9 @@ def _read_batch(source) -> list[tuple[int, dict]]:
 @click.option("--max-stages", type=int, help="Only Cells of at most this many pipeline stages: "
               "what the job's training script can run (1 for data and tensor parallelism only). "
               "Default: any stage count.")
+@click.option("--trainer", type=click.Choice(["runner", "api"]), default="runner", show_default=True,
+              help="What trains the job (#ELASTIC trainer=): the built-in runner, or api, a script of your own "
+                   "on the runtime API (one stage, ZeRO-0, no remat: what such a script runs).")
 @cluster_option(DEFAULT_CLUSTER, "Built-in cluster ({builtins}) or a cluster YAML file.")
 @click.option("--micro-batches", type=int,
               help="Pipeline micro-batches of every Cell (default 4 × stages, or the largest count "
@@ -198,7 +201,7 @@ def _read_batch(source) -> list[tuple[int, dict]]:
                    "(tokens routed by all-to-all), kept where faster; the runner runs it with and without "
                    "tensor parallelism.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def command(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, cluster, micro_batches,
+def command(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, trainer, cluster, micro_batches,
             comm_table, fidelity, compile_cache, gpu_specs_dir, profile_db, remat, zero_level, offload, what_if,
             stage_gpus, expert_parallel, batch_file, as_json):
     """The Cells of one job: for each GPU type × GPU count × stage count, its estimated plan
@@ -209,7 +212,7 @@ def command(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, clus
     JSON: {"model", "global_batch", "cells": [...], "best": {...} | null}.
 
     --batch lines: {"model", "global_batch"} and optionally "gpu_type", "num_gpus" (--gpus),
-    "gpus_per_node", "max_stages" (as the flags of the same names); the flags, when given,
+    "gpus_per_node", "max_stages", "trainer" (as the flags of the same names); the flags, when given,
     apply to the lines that lack the key.
     """
     if fidelity == "compiled":
@@ -234,7 +237,7 @@ def command(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, clus
         requests = _read_batch(batch_file)
         results = []
         for lineno, req in requests:
-            # --gpu-type, --gpus, --gpus-per-node and --max-stages: for lines without their own
+            # --gpu-type, --gpus, --gpus-per-node, --max-stages and --trainer: for lines without their own
             # (or with it given as null).
             def given(key, flag):
                 return flag if req.get(key) is None else req[key]
@@ -242,7 +245,8 @@ def command(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, clus
                 check_micro_batches(micro_batches, req["global_batch"])
                 results.append(_estimate(req["model"], req["global_batch"], given("gpu_type", gpu_type),
                                          given("num_gpus", gpus), given("gpus_per_node", gpus_per_node),
-                                         given("max_stages", max_stages), cluster, options))
+                                         given("max_stages", max_stages), cluster, options,
+                                         given("trainer", trainer)))
             except SpecError as e:  # named as the line names it
                 field = "num_gpus" if e.field == "gpus" else e.field
                 raise SpecError(f"line {lineno}.{field}", e.value, e.hint) from None
@@ -251,5 +255,5 @@ def command(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, clus
     if not model or global_batch is None:
         raise click.UsageError("give --model and --global-batch (or --batch FILE)")
     check_micro_batches(micro_batches, global_batch)
-    result = _estimate(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, cluster, options)
+    result = _estimate(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, cluster, options, trainer)
     click.echo(json.dumps(result.to_json(), indent=2) if as_json else _table(result))
