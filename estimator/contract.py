@@ -160,11 +160,12 @@ def parse_plan_comment(text: str | None) -> PlanComment:
     def as_int(v):
         return int(v) if v is not None and v.isdigit() else None
 
-    def as_float(v):
+    def as_float(v):  # a finite number (nan and inf are malformed: JSON has neither)
         try:
-            return float(v) if v is not None else None
+            f = float(v) if v is not None else None
         except ValueError:
             return None
+        return f if f is not None and math.isfinite(f) else None
 
     sps = as_float(values.get("sps"))
     progress = as_float(values.get("progress"))

@@ -9,7 +9,8 @@ the caller can read the state file; without it the history is the job's restart 
 The JSON form (``--json``) is one object: ``job_id`` (int), ``state``, ``elastic`` (bool),
 ``spec`` (the elastic settings, or null), ``spec_error`` (str or null), ``cells`` (every
 Cell the estimator enumerated, as ``slurm-ext estimate`` prints them), ``chosen`` (the
-Cell and plan of its AdminComment with their estimate, or null), ``why_chosen`` (str or
+Cell and plan of its AdminComment with their estimate, its samples/s and whether the
+runner measured it, ``samples_per_s_measured``; or null), ``why_chosen`` (str or
 null), ``history`` (``[{"at", "kind", "state", "detail"}]``, ISO 8601 UTC, oldest first),
 ``restarts`` (int), ``forecast`` (``{"expected_start", "expected_end", "progress_frac"}``)
 and ``waiting`` (``{"category", "detail", "what_to_do"}`` when it waits, else null).
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 from estimator.cells import CellEstimate
 from estimator.contract import PlanComment, format_utc
-from slurm_ext.limits import waits_on_its_own_condition
+from slurm_ext.limits import STUCK_REASONS, per_job_limit, waits_on_its_own_condition
 from slurm_ext.slurm_client import SlurmJob
 from slurm_ext.squeue_view import job_row
 from slurm_ext.store import JournalEntry
@@ -34,6 +35,7 @@ NOT_PLANNED = "not planned yet"
 WAITING_FOR_GPUS = "waiting for GPUs"
 STARTING = "starting"
 KEPT_BACK = "kept back by Slurm"
+DECIDED_AGAIN = "to be decided again"
 _WHAT_TO_DO = {
     NOT_ELASTIC: "Slurm schedules it as submitted; add --comment=elastic to let slurm-ext size it",
     SPEC_ERROR: "fix the #ELASTIC line or the comment (the error says what), then resubmit",
@@ -41,6 +43,8 @@ _WHAT_TO_DO = {
     NOT_PLANNED: "wait for the daemon's next round; if it stays so, ask the admin whether slurm-ext runs",
     WAITING_FOR_GPUS: "nothing: it starts when the GPUs come free; fewer GPUs (gpus=) may start it sooner",
     STARTING: "nothing: Slurm starts it as soon as the GPUs it was given are free",
+    DECIDED_AGAIN: "nothing: the daemon gives it another Cell in its next rounds (one under the limit, or of "
+                   "another partition)",
     KEPT_BACK: "nothing for slurm-ext: Slurm starts it on its Cell once its own condition holds (a dependency, "
                "a begin time, a limit of its account or QOS; `scontrol show job` says which)",
 }
@@ -91,6 +95,10 @@ def waiting(job: SlurmJob, pc: PlanComment, estimates: tuple[CellEstimate, ...] 
     if estimates is not None and not any(e.feasible for e in estimates):
         reasons = sorted({e.reason for e in estimates if e.reason})
         return Waiting(NO_CELL_FITS, "; ".join(reasons[:3]) or "no Cell enumerated")
+    if not is_held and pc.cell is not None and (job.reason in STUCK_REASONS or per_job_limit(job)):
+        # What the daemon takes for a launch Slurm will never make (``limits.launch_is_stale``).
+        return Waiting(DECIDED_AGAIN, f"released on {pc.cell}, which Slurm will not start as it is "
+                                      f"(slurm: {job.reason})")
     if not is_held and pc.cell is not None and waits_on_its_own_condition(job):
         return Waiting(KEPT_BACK, f"released on {pc.cell}; slurm: {job.reason}")
     if not is_held and pc.cell is not None:
@@ -122,8 +130,10 @@ def format_text(doc: dict) -> str:
         lines.append(f"spec error: {doc['spec_error']}")
     if doc["chosen"]:
         c = doc["chosen"]
-        lines.append(f"Cell: {c['cell']} plan {c['plan']} ({c['samples_per_s']} samples/s estimated, "
-                     f"{c['peak_memory_gb']} GB per GPU)")
+        speed = (f"{c['samples_per_s']} samples/s {'measured' if c.get('samples_per_s_measured') else 'estimated'}"
+                 if c["samples_per_s"] is not None else "speed not known yet")
+        memory = f", {c['peak_memory_gb']} GB per GPU" if c["peak_memory_gb"] is not None else ""
+        lines.append(f"Cell: {c['cell']} plan {c['plan']} ({speed}{memory})")
     if doc["why_chosen"]:
         lines.append(f"why this Cell: {doc['why_chosen']}")
     f = doc["forecast"]

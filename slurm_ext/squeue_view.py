@@ -34,7 +34,8 @@ null), ``why`` (str), ``spec_error`` (str or null), ``plan_source`` (``daemon``,
 ``cached``, ``given``, ``estimated``, or null when there is no plan), ``measured_samples_per_s``
 (float, or null unless ``sps`` was measured), ``expected_start`` and ``expected_end``
 (ISO 8601 UTC or null: a running job's start is Slurm's, a waiting elastic job's the
-daemon's forecast, ``start=``; the end is the forecast, ``end=``) and ``progress_frac``
+daemon's forecast, ``start=``; the end is the forecast, ``end=``; a finished job's are
+Slurm's start and end) and ``progress_frac``
 (float or null: the share of its iterations done, ``progress=``) and ``expected_cells``
 (the Cells the forecast passes through, ``via=``; a list, maybe empty). The table shows the
 times as START and END (``MM-DDTHH:MM``, UTC).
@@ -47,7 +48,7 @@ from dataclasses import asdict, dataclass
 
 from estimator.cells import Cell, StagePlan
 from estimator.contract import PlanComment, format_utc, parse_plan_comment
-from slurm_ext.slurm_client import SlurmJob
+from slurm_ext.slurm_client import HELD_STATES, SlurmJob
 
 DAEMON_PLAN = "daemon"  # plan_source in the view when no ``src`` token says otherwise
 _SOURCE_NOTES = {"tuned": "plan tuned in this allocation",
@@ -104,6 +105,9 @@ class JobRow:
 def job_row(job: SlurmJob) -> JobRow:
     """The view of one job (pure: only the job's Slurm fields are read)."""
     started = job.state in ("RUNNING", "COMPLETING", "SUSPENDED")
+    ended = bool(job.state) and not job.is_active
+    # Waiting to start: pending, requeued (held after a rescale: SPECIAL_EXIT), ...
+    pending = job.state in HELD_STATES or job.state == "REQUEUED" or "PENDING" in job.state_flags
     running = started and job.granted_gpus_per_node
     if running:
         gpus, gpu_type, nodes = job.granted_gpus, job.granted_gpu_type, len(job.granted_gpus_per_node)
@@ -120,20 +124,23 @@ def job_row(job: SlurmJob) -> JobRow:
     elif pc.why:
         why = pc.why
         # The daemon's own hold is what its why explains; any other reason is Slurm's.
-        if job.state == "PENDING" and reason and reason not in why and not job.is_held:
+        if pending and reason and reason not in why and not job.is_held:
             why = f"{why} (slurm: {reason})"
-    elif job.is_elastic and job.state == "PENDING" and job.is_held:
+    elif job.is_elastic and pending and job.is_held:
         why = "waiting for the slurm-ext daemon"
     else:
         why = reason
     source = (pc.plan_source or DAEMON_PLAN) if pc.plan else None
     measured = pc.samples_per_s if pc.sps_measured else None
     start_s = job.start_time_s if started and job.start_time_s else pc.expected_start_s
+    end_s = pc.expected_end_s
+    if ended:  # what happened, not the last forecast
+        start_s, end_s = job.start_time_s or None, job.end_time_s or None
     return JobRow(job.job_id, job.user, job.state, job.partition, gpus, gpu_type, nodes,
                   job.is_elastic, pc.cell, pc.plan, pc.micro_batches, pc.samples_per_s,
                   pc.requested, why, pc.error, source, measured,
                   format_utc(start_s) if start_s else None,
-                  format_utc(pc.expected_end_s) if pc.expected_end_s else None, pc.progress_frac,
+                  format_utc(end_s) if end_s else None, pc.progress_frac,
                   pc.expected_cells)
 
 
@@ -143,7 +150,7 @@ def rows(jobs: Iterable[SlurmJob], include_finished: bool = False) -> list[JobRo
             if include_finished or j.is_active]
 
 
-COLUMNS = (("JOBID", 8), ("USER", 9), ("STATE", 10), ("PARTITION", 9), ("GPUS", 10),
+COLUMNS = (("JOBID", 8), ("USER", 9), ("STATE", 12), ("PARTITION", 9), ("GPUS", 10),
            ("ELASTIC", 7), ("CELL", 13), ("PLAN", 18), ("SAMPLES/S", 9), ("START", 11), ("END", 11),
            ("WHY", 0))
 

@@ -35,6 +35,10 @@ def test_each_kind_of_wait_and_what_to_do():
     assert (w.category, w.detail) == (explain.WAITING_FOR_GPUS, "waiting for GPUs; expected start 2026-11-25T12:00:00Z")
     released = "requested=any cell=a100x4:s1 plan=[dp4tp1] mb=4 remat=1 why=started"
     assert cat(pending(released, reason="Resources"), held=False) == (explain.STARTING, True)
+    # Released onto a Cell Slurm will never start as it is: the daemon decides it again.
+    assert cat(pending(released, reason="PartitionDown"), held=False) == (explain.DECIDED_AGAIN, True)
+    assert cat(pending(released, reason="QOSMaxGRESPerJob"), held=False) == (explain.DECIDED_AGAIN, True)
+    assert cat(pending(released, reason="Dependency"), held=False) == (explain.KEPT_BACK, True)
     running = SlurmJob(7, "alice", "t", "RUNNING", comment="elastic", admin_comment=released)
     assert explain.waiting(running, parse_plan_comment(released), ESTIMATES, None, False) is None
 
@@ -164,3 +168,19 @@ def test_a_job_whose_script_this_user_cannot_read_is_not_a_spec_error(tmp_path, 
     doc, err = _explain_on(tmp_path, monkeypatch, job, None)
     assert doc["spec_error"] is None and doc["chosen"]["cell"] == "a100x4:s1"
     assert "readable only by its owner" in err
+
+
+def test_unread_settings_are_not_a_spec_error_and_the_daemons_verdict_is_shown(tmp_path, monkeypatch):
+    """Without the script (another user) or the state file: a held job waiting for GPUs
+    is not called a spec error; a job the daemon refused shows the AdminComment's error."""
+    waiting = SlurmJob(7, "alice", "train", "PENDING", reason="JobHeldUser", partition="a100",
+                       admin_comment="requested=any why=waiting for GPUs", comment="elastic", priority=0)
+    doc, err = _explain_on(tmp_path, monkeypatch, waiting, None)
+    assert doc["spec_error"] is None and doc["waiting"]["category"] == explain.WAITING_FOR_GPUS
+    assert "readable only by its owner" in err
+    refused = SlurmJob(8, "alice", "train", "RUNNING", partition="a100", priority=1,
+                       admin_comment="requested=a100 error=no Cell meets the deadline; runs as submitted",
+                       comment="elastic model=gpt-1.3b global_batch=64 iterations=1000")
+    (tmp_path / "b").mkdir()
+    doc, _ = _explain_on(tmp_path / "b", monkeypatch, refused, "#!/bin/bash\n")
+    assert doc["spec_error"] == "no Cell meets the deadline; runs as submitted" and doc["cells"] == []

@@ -95,6 +95,24 @@ def test_rows_for_each_kind_of_job():
     assert r18.expected_start == "2027-01-15T08:00:00Z"
 
 
+def test_requeued_and_finished_jobs_say_why_and_when():
+    held = SlurmJob(20, "u", "t", "SPECIAL_EXIT", reason="JobHeldUser", priority=0, comment="elastic",
+                    admin_comment="requested=any", gpus_per_node=4, node_count=1)
+    requeued = SlurmJob(21, "u", "t", "REQUEUED", reason="BeginTime", priority=1, comment="elastic",
+                        admin_comment="cell=a100x4:s1 plan=[dp4tp1] why=chosen by crius", gpus_per_node=4, node_count=1)
+    forecast = "cell=a100x4:s1 plan=[dp4tp1] why=chosen start=2026-01-01T00:00:00Z end=2026-01-02T00:00:00Z"
+    done = SlurmJob(22, "u", "t", "COMPLETED", comment="elastic", admin_comment=forecast,
+                    start_time_s=1_767_300_000, end_time_s=1_767_310_000)
+    r20, r21, r22 = rows([held, requeued, done], include_finished=True)
+    assert r20.why == "waiting for the slurm-ext daemon"
+    assert r21.why == "chosen by crius (slurm: BeginTime)"
+    assert (r22.expected_start, r22.expected_end) == ("2026-01-01T20:40:00Z", "2026-01-01T23:26:40Z")
+    assert "SPECIAL_EXIT " in format_table([r20])  # the state column holds Slurm's longest
+    # A malformed speed (an admin's edit) is none: JSON has no NaN.
+    nan = SlurmJob(23, "u", "t", "PENDING", comment="elastic", admin_comment="cell=a100x4:s1 sps=nan why=x")
+    assert rows([nan])[0].samples_per_s is None
+
+
 def test_table_and_json():
     table = rows([running_elastic()])
     text = format_table(table)
@@ -188,3 +206,27 @@ def test_forecast_tokens_show_as_start_end_and_progress():
     lines = format_table(rows([waiting])).splitlines()
     assert lines[1].split()[9:11] == ["11-25T12:00", "11-25T14:00"]
     assert parse_plan_comment("start=yesterday end=2026-13-01T00:00:00Z progress=2") == PlanComment()
+
+
+def test_the_commands_take_the_configured_slurm_timeout(monkeypatch):
+    from click.testing import CliRunner
+
+    import slurm_ext.backend as backend
+    from slurm_ext.commands.squeue import command
+
+    given = []
+
+    class Client:
+        def jobs(self):
+            return ()
+
+    def make_client(kind, prefix, timeout_s, **_):
+        given.append(timeout_s)
+        return Client()
+    monkeypatch.setattr(backend, "make_client", make_client)
+    monkeypatch.delenv("SLURM_EXT_CONFIG", raising=False)
+    for env, args, expected in (({"SLURM_EXT_SLURM_TIMEOUT_S": "120"}, [], 120.0),
+                                ({"SLURM_EXT_SLURM_TIMEOUT_S": "120"}, ["--timeout-s", "5"], 5.0), ({}, [], 30.0)):
+        result = CliRunner().invoke(command, ["--json", *args], env=env)
+        assert result.exit_code == 0, result.output
+        assert given.pop() == expected

@@ -38,8 +38,8 @@ class JobIdType(click.ParamType):
 @click.option("--config", "config_path", type=click.Path(dir_okay=False),
               help="The daemon's configuration (partitions, cluster, plan space); default: $SLURM_EXT_CONFIG.")
 @click.option("--state-db", help="The daemon's state file, for the job's history (read only).")
-@click.option("--timeout-s", type=POSITIVE_SECONDS, default=30.0, show_default=True,
-              help="Time limit of each Slurm call.")
+@click.option("--timeout-s", type=POSITIVE_SECONDS,
+              help="Time limit of each Slurm call (default: the configuration's slurm_timeout_s, 30 s).")
 def command(job_id, as_json, config_path, state_db, timeout_s):
     """Why a job got its Cell, or why it waits, and when it is expected to start and end."""
     from estimator.contract import ElasticSpecError, parse_plan_comment
@@ -55,7 +55,7 @@ def command(job_id, as_json, config_path, state_db, timeout_s):
 
     cfg = load_config(config_path, {}, dict(os.environ))
     try:
-        client = make_client(cfg.slurm_backend, cfg.slurm_prefix, timeout_s)
+        client = make_client(cfg.slurm_backend, cfg.slurm_prefix, timeout_s or cfg.slurm_timeout_s)
         job = client.job(job_id)
         if job is None:
             raise click.ClickException(f"job {job_id} is not known to Slurm (finished long ago, or a typo)")
@@ -72,12 +72,14 @@ def command(job_id, as_json, config_path, state_db, timeout_s):
     history, stored = _journal(job_id, state_db or cfg.state_db)
     spec = spec_error = None
     estimates = None
-    if job.is_elastic and stored is None and script is None and pc.cell is not None and pc.error is None:
-        # Planned by the daemon, which read the script; this user cannot (its owner's).
+    if job.is_elastic and stored is None and script is None and job.batch:
+        # Its #ELASTIC lines are its owner's to read (the daemon, as root, read them).
         click.echo("slurm-ext: warning: the job's batch script is readable only by its owner and root, "
                    "so its Cells are not estimated here", err=True)
     elif job.is_elastic and stored is not None and stored[1]:
         spec_error = stored[1]  # the daemon's own verdict
+    elif job.is_elastic and stored is None and pc.error:
+        spec_error = pc.error  # the verdict the daemon kept in the AdminComment
     elif job.is_elastic:
         try:
             # The settings the daemon read before it rewrote the job's request, else the job's.
@@ -91,14 +93,17 @@ def command(job_id, as_json, config_path, state_db, timeout_s):
                                       expert_parallel=cfg.expert_parallel)
             estimates = estimate_cells(job_spec, cluster, options,
                                        lambda why: click.echo(f"slurm-ext: warning: {why}", err=True))
-        except (ElasticSpecError, SpecError) as e:
+        except (ElasticSpecError, SpecError, ValueError, KeyError, ArithmeticError) as e:  # as the daemon's
             spec_error = str(e)
+    if job.is_elastic and spec_error is None:
+        spec_error = pc.error  # the script unread here: the daemon's verdict
     chosen = explain.chosen_estimate(pc, estimates or ())
     doc = {
         "job_id": job.job_id, "state": job.state, "elastic": job.is_elastic,
         "spec": spec.to_json() if spec else None, "spec_error": spec_error,
         "cells": [e.to_json() for e in sorted(estimates or (), key=lambda e: (not e.feasible, e.iteration_time_s))],
         "chosen": ({"cell": pc.cell, "plan": pc.plan, "samples_per_s": pc.samples_per_s,
+                    "samples_per_s_measured": pc.sps_measured,
                     "peak_memory_gb": round(chosen.peak_memory_gb, 3) if chosen else None,
                     "estimate": chosen.to_json() if chosen else None} if pc.cell else None),
         "why_chosen": explain.why_chosen(pc, chosen, estimates or ()),

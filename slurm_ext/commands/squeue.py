@@ -18,8 +18,8 @@ from slurm_ext.commands import POSITIVE_SECONDS
 @click.command("squeue")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: {\"jobs\": [...]}.")
 @click.option("--all", "include_finished", is_flag=True, help="Include recently finished jobs.")
-@click.option("--timeout-s", type=POSITIVE_SECONDS, default=30.0, show_default=True,
-              help="Time limit of the squeue call.")
+@click.option("--timeout-s", type=POSITIVE_SECONDS,
+              help="Time limit of the squeue call (default: the configuration's slurm_timeout_s, 30 s).")
 def command(as_json, include_finished, timeout_s):
     """Every job with its elastic Cell, plan, estimated samples/s and why."""
     from slurm_ext.backend import make_client
@@ -29,7 +29,7 @@ def command(as_json, include_finished, timeout_s):
 
     cfg = load_config(None, {}, dict(os.environ), only=SLURM_ACCESS_KEYS)
     try:
-        jobs = make_client(cfg.slurm_backend, cfg.slurm_prefix, timeout_s).jobs()
+        jobs = make_client(cfg.slurm_backend, cfg.slurm_prefix, timeout_s or cfg.slurm_timeout_s).jobs()
     except SlurmExtError as e:
         raise click.ClickException(str(e)) from None
     table = rows(jobs, include_finished=include_finished)
