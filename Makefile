@@ -15,6 +15,9 @@ SLURM_25_SOURCE ?= $(abspath $(CURDIR)/../shared/vendor/slurm-25.11.7.tar.xz)
 SLURM_25_BUILD_DEPS := build-essential python3-dev xz-utils libmunge-dev libjson-c-dev libyaml-dev liblua5.3-dev pkg-config
 
 .PHONY: setup system-packages slurm-25.11 pyslurm test demo bench clean
+# The set-up's steps depend on each other in order (Debian's packages, then the venv, then
+# pyslurm against the Slurm just built): `make -j` must not run them side by side.
+.NOTPARALLEL:
 
 setup: system-packages slurm-25.11 $(STAMP) pyslurm
 

@@ -236,6 +236,8 @@ def _partitions(raw: object, source: str) -> tuple[tuple[str, str], ...]:
         raise ConfigError("partitions", raw, f"({source}) give a mapping partition: gpu_type")
     out = []
     for part, gpu in raw.items():
+        if not isinstance(part, str):  # YAML reads a partition named yes or 2024 as a bool or number
+            raise ConfigError(f"partitions.{part}", gpu, f"({source}) quote the partition name")
         gpu_name = str(gpu).strip().lower()
         if gpu_name not in CATALOG:
             raise ConfigError(f"partitions.{part}", gpu, f"({source}) unknown GPU type; use one of {', '.join(CATALOG)}")
@@ -329,7 +331,11 @@ def _coerce(key: str, raw: object, source: str) -> object:
             raise ConfigError(key, raw, f"({source}) {e.hint if e.field == key else e}") from None
         return str(raw)
     if key in ("checkpoint_root", "slurm_prefix", "profile_db"):
-        return None if raw in (None, "", "none", "null") else str(raw)
+        if raw in (None, "", "none", "null"):
+            return None
+        if not isinstance(raw, str):  # YAML's off/no/false are booleans, not a path named "False"
+            raise ConfigError(key, raw, f"({source}) give a path, or null to leave it unset")
+        return raw
     if key == "network":
         kind = str(raw).strip().lower()
         if kind not in NETWORK_DEFAULT_GBYTES_S:
@@ -367,17 +373,21 @@ def resolve(flags: Mapping[str, object] | None = None, env: Mapping[str, str] | 
         for key, raw in layer.items():
             values[key], sources[key] = _coerce(key, raw, source), source
     config = DaemonConfig(**values)
-    _check_policy(config, sources.get("policy_options", sources.get("policy", "defaults")))
+    _check_policy(config, sources.get("policy_options", sources.get("policy", "defaults")),
+                  sources.get("policy", "defaults"))
     return config
 
 
-def _check_policy(config: DaemonConfig, source: str) -> None:
+def _check_policy(config: DaemonConfig, source: str, policy_source: str) -> None:
     """The policy can be built with its options, each of the type it declares (a typo or
     a ``2.5`` for a count fails here, not in every round)."""
     from policy.registry import make_policy, policy_class
 
     options = dict(config.policy_options)
-    hints = _option_types(policy_class(config.policy))
+    try:
+        hints = _option_types(policy_class(config.policy))
+    except SpecError as e:
+        raise ConfigError("policy", config.policy, f"({policy_source}) {e.hint}") from None
     for name, value in options.items():
         if name in hints and not _accepts(hints[name], value):
             raise ConfigError(f"policy_options.{name}", value, f"({source}) policy {config.policy} takes "

@@ -372,7 +372,8 @@ class LabCluster:
             raise LabError(f"port(s) {', '.join(map(str, busy))} already in use; "
                            "choose another base port (--base-port) or stop what uses them")
         if not self.job_submit_lua.exists():
-            raise LabError(f"{self.job_submit_lua} not found: the lab needs etc/job_submit.lua")
+            raise LabError(f"{self.job_submit_lua} not found: the lab needs etc/job_submit.lua, and runs from a "
+                           "checkout of slurm-ext (pip install -e CHECKOUT)")
         self._install = install
         version = self.slurm_version()
         if not self.holds_a_lab() and (taken := [d.name for d in self._runtime_dirs() if d.exists()]):
