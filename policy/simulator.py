@@ -451,6 +451,7 @@ def simulate(policy: Policy, trace_jobs: tuple[TraceJob, ...], cluster: ClusterS
         if now_s == math.inf or now_s > config.max_time_s:
             break
         replay.clock.advance_to(now_s)
+        replay.record_resumes(now_s)
         triggers = replay.complete_due(now_s)
         arrived = replay.admit_due(now_s, triggers)
         if replay.next_round_s <= now_s:
@@ -647,12 +648,22 @@ class _Replay:
         if self.timeline and now_s - self.timeline[-1].time_s < self.config.timeline_min_step_s \
                 and not allocation_changed:
             return
+        self._point(now_s)
+
+    def record_resumes(self, now_s: float) -> None:
+        """Points where running jobs ended their launch, resume or plan search since the
+        last point, before ``now_s``'s event changes anything: their progress starts there."""
+        last_s = self.timeline[-1].time_s if self.timeline else -math.inf
+        for t in sorted({j.resume_s for j in self.running.values() if last_s < j.resume_s < now_s}):
+            self._point(t)
+
+    def _point(self, at_s: float) -> None:
         in_use: dict[str, int] = {}
         for j in self.running.values():
             in_use[j.assignment.cell.gpu_type] = in_use.get(j.assignment.cell.gpu_type, 0) + j.assignment.cell.num_gpus
         # Jobs still in their launch, resume or plan search hold GPUs and make no progress.
-        self.timeline.append(TimelinePoint(now_s, sum(j.trace.spec.global_batch / j.rate_s for j in self.running.values()
-                                                      if j.resume_s <= now_s),
+        self.timeline.append(TimelinePoint(at_s, sum(j.trace.spec.global_batch / j.rate_s for j in self.running.values()
+                                                     if j.resume_s <= at_s),
                                            len(self.active) - len(self.running), len(self.running),
                                            tuple(sorted(in_use.items())), self.tally.by_type()))
 

@@ -499,3 +499,14 @@ def test_the_timeline_counts_no_throughput_of_a_job_still_starting():
     training = [p for p in result.timeline if p.running_jobs and p.time_s >= start_s]
     assert starting and all(p.samples_per_s == 0.0 for p in starting)
     assert training and all(p.samples_per_s == pytest.approx(128 / T4) for p in training)
+
+
+def test_the_timeline_shows_progress_from_the_moment_a_start_ends():
+    """Between events nothing changes but a start's end (launch, plan search): the timeline
+    has a point there, so the samples under it are the samples done."""
+    from policy.report import time_weighted
+    r = _run(FcfsPolicy(), [_job("a", 0.0, 4, iterations=1800)])
+    assert any(p.samples_per_s > 0 for p in r.timeline)
+    times, rates = [p.time_s for p in r.timeline], [p.samples_per_s for p in r.timeline]
+    average, _ = time_weighted(times, rates, r.end_s)
+    assert average * (r.end_s - times[0]) == pytest.approx(r.samples_done)
