@@ -179,7 +179,15 @@ def main() -> None:
     cluster, table = load_cluster(args.cluster), load_measured(None)
     out = Path(args.out)
     report = json.loads(out.read_text()) if args.resume and out.exists() else {}
+    for key, now in (("trace", Path(args.trace).name), ("cluster", args.cluster), ("density", 1.0)):
+        if report and report.get(key) != now:  # its runs would be mixed with this one's
+            sys.exit(f"baselines_faithful.py: error: {out} holds runs of {key} {report.get(key)!r}, not {now!r}: "
+                     "give another --out")
     runs = report.get("runs", {})
+    commands = report.get("commands") or ([report["command"]] if report.get("command") else [])
+    commands.append("python benchmarks/baselines_faithful.py " + " ".join(sys.argv[1:]))
+    # The default variant's seeds the file holds runs of too: its aggregate covers them.
+    seeds = sorted(set(args.seeds) | {int(s) for s in runs.get("equal", {})})
     sens_seeds = args.sensitivity_seeds if args.sensitivity_seeds is not None else args.seeds[:1]
     chosen = variants(policies)
     for variant in args.variant or list(chosen):
@@ -197,11 +205,10 @@ def main() -> None:
                 runs.setdefault(variant, {}).setdefault(str(seed), {})[name] = summary
                 print(f"  avg JCT {summary['avg_jct_s'] / 3600:.3f} h in {summary['wall_s']} s",
                       file=sys.stderr, flush=True)
-                jct, ratio = aggregate(runs, args.seeds)
-                report = {"trace": Path(args.trace).name, "cluster": args.cluster, "seeds": args.seeds,
-                          "sensitivity_seeds": sens_seeds, "density": 1.0,
-                          "command": "python benchmarks/baselines_faithful.py " + " ".join(sys.argv[1:]),
-                          "runs": runs, "avg_jct_h": jct, "vs_crius": ratio}
+                jct, ratio = aggregate(runs, seeds)
+                report = {"trace": Path(args.trace).name, "cluster": args.cluster, "seeds": seeds,
+                          "sensitivity_seeds": sens_seeds, "density": 1.0, "command": commands[-1],
+                          "commands": commands, "runs": runs, "avg_jct_h": jct, "vs_crius": ratio}
                 out.write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps({k: report.get(k) for k in ("trace", "avg_jct_h", "vs_crius")}, indent=1))
 

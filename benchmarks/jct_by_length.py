@@ -10,8 +10,9 @@ offered (``floor_cells_h``) and on the fastest measured allocation of any size
 
 Prints one JSON object: ``{"trace", "seed", "cluster", "jobs", "groups": [{"asked_h":
 [lo, hi], "jobs", "floor_cells_h", "floor_any_h", "policies": {name: {"jct_h",
-"queue_h", "run_h"}}}], "totals": {...}}`` (all ``_h`` figures are contributions to the
-average, in hours).
+"queue_h", "run_h", "unfinished"}}}], "totals": {...}}`` (all ``_h`` figures are
+contributions to the average, in hours; a policy's jobs left unfinished contribute
+nothing and are counted in ``unfinished``: its figures are then no average).
 
 Usage: ``python benchmarks/jct_by_length.py --trace ../shared/data/traces/philly_2week.csv
 --policy crius --policy cells-ilp [--seed 0] [--cluster crius-1280]``.
@@ -52,7 +53,6 @@ def main(argv: list[str] | None = None) -> dict:
     cluster = load_cluster(args.cluster)
     jobs = map_trace(read_trace(args.trace), table, seed=args.seed, kind=trace_kind_for(args.trace))
     n = len(jobs)
-    start_s = first_start_s()
     any_size_s = dict(zip((j.job_id for j in jobs), fastest_service_s(jobs, table, cluster)))
     oracle = EstimateCache(cluster, table, oracle=True)
     groups = [{"asked_h": [lo, hi if hi != float("inf") else None], "jobs": 0, "floor_cells_h": 0.0,
@@ -63,23 +63,26 @@ def main(argv: list[str] | None = None) -> dict:
         group_of[j.job_id] = g
         g["jobs"] += 1
         fastest_cell_s = min(e.iteration_time_s for e in oracle.get(j.spec)[0])
-        g["floor_cells_h"] += (start_s + j.iterations * min(fastest_cell_s, j.requested_iter_time_s)) / 3600 / n
-        g["floor_any_h"] += (start_s + any_size_s[j.job_id]) / 3600 / n
+        cells_run_s = j.iterations * min(fastest_cell_s, j.requested_iter_time_s)
+        g["floor_cells_h"] += (first_start_s(cells_run_s) + cells_run_s) / 3600 / n
+        g["floor_any_h"] += (first_start_s(any_size_s[j.job_id]) + any_size_s[j.job_id]) / 3600 / n
     estimates = EstimateCache(cluster, table)
     for name in args.policy:
         result = simulate(make_policy(name), jobs, cluster, table, SimConfig(), estimates)
         for g in groups:
-            g["policies"][name] = {"jct_h": 0.0, "queue_h": 0.0, "run_h": 0.0}
+            g["policies"][name] = {"jct_h": 0.0, "queue_h": 0.0, "run_h": 0.0, "unfinished": 0}
         for o in result.jobs:
-            if o.jct_s is None:
-                continue
             row = group_of[o.job_id]["policies"][name]
+            if o.jct_s is None:
+                row["unfinished"] += 1
+                continue
             row["jct_h"] += o.jct_s / 3600 / n
             row["queue_h"] += o.queue_s / 3600 / n
             row["run_h"] += (o.jct_s - o.queue_s) / 3600 / n
     totals = {"floor_cells_h": sum(g["floor_cells_h"] for g in groups),
               "floor_any_h": sum(g["floor_any_h"] for g in groups),
-              "policies": {name: {k: sum(g["policies"][name][k] for g in groups) for k in ("jct_h", "queue_h", "run_h")}
+              "policies": {name: {k: sum(g["policies"][name][k] for g in groups)
+                                  for k in ("jct_h", "queue_h", "run_h", "unfinished")}
                            for name in args.policy}}
     out = {"trace": Path(args.trace).name, "seed": args.seed, "cluster": cluster.name, "jobs": n,
            "groups": groups, "totals": totals}

@@ -3,7 +3,8 @@
 Each job is given, the moment it arrives, the fastest allocation the measured table has
 for its model and batch on the cluster (any GPU type, any GPU count, any node layout
 the cluster's nodes allow), with no other job in the way; it pays the simulator's first
-start (launch plus the pruned plan search, the cheapest tuning any policy pays) and
+start (launch plus the pruned plan search, the cheapest tuning any policy pays, capped by
+the simulator at 5 % of the run) and
 never restarts. No schedule can finish a job sooner in ``slurm-ext simulate``: a job's
 rate there is the measured rate of the allocation it holds, and every start costs at
 least that. The average of these per-job bounds is therefore a floor on every policy's
@@ -57,10 +58,12 @@ def fastest_service_s(jobs, table: MeasuredTable, cluster) -> list[float]:
     return [j.iterations * fastest_iter_time_s(j, table, node_sizes, capacity) for j in jobs]
 
 
-def first_start_s() -> float:
-    """The cheapest first start any policy pays: launch plus the pruned plan search."""
+def first_start_s(run_s: float) -> float:
+    """The cheapest first start any policy pays a job that then runs ``run_s``: launch plus
+    the pruned plan search, which the simulator caps at a share of the run (a longer run,
+    on a slower Cell, never pays less)."""
     costs = RestartCosts()
-    return costs.launch_s + costs.tuning_pruned_s
+    return costs.launch_s + costs.tuning_s("pruned", run_s)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -77,8 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
     jobs = map_trace(read_trace(args.trace), table, seed=args.seed, density=args.density,
                      kind=trace_kind_for(args.trace))
     service_s = fastest_service_s(jobs, table, cluster)
-    start_s = first_start_s()
-    floor_s = [start_s + s for s in service_s]
+    floor_s = [first_start_s(s) + s for s in service_s]
     asked_s = [j.iterations * j.requested_iter_time_s for j in jobs]
     out = {
         "trace": Path(args.trace).name, "seed": args.seed, "cluster": cluster.name, "jobs": len(jobs),

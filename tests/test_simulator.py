@@ -2,6 +2,7 @@
 
 from dataclasses import replace
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -332,6 +333,8 @@ def test_cli_writes_the_contract_json_and_is_deterministic(tmp_path, capsys):
     a, b = (json.loads((tmp_path / f).read_text()) for f in ("a.json", "b.json"))
     assert {"trace", "cluster", "seed", "policies"} <= set(a) and a["cluster"] == "lab"
     assert set(CONTRACT_KEYS) <= set(a["policies"]["fcfs"])
+    # The lab has no a40: the jobs that ask for one are named, not silently left waiting.
+    assert re.search(r"warning: \d+ of \d+ jobs ask for GPU types lab lacks \(a40: \d+\)", capsys.readouterr().err)
     assert {"fragmentation_avg", "fragmentation_p95", "fragmentation_avg_by_type"} <= set(a["policies"]["fcfs"])
     assert all(0.0 <= a["policies"]["fcfs"][k] <= 1.0 for k in ("fragmentation_avg", "fragmentation_p95"))
     for report in (a, b):
