@@ -91,6 +91,22 @@ def scontrol_job_text(job_id: str, tries: int = SCONTROL_TRIES) -> str | None:
     return None
 
 
+def enclosing_step() -> str | None:
+    """The step (``8.batch``, ``8.0``) of the ``slurmstepd`` whose process tree this process
+    is in, from its title in ``/proc`` (``slurmstepd: [8.0]``); None where not seen."""
+    pid, seen = os.getpid(), set()
+    while pid > 1 and pid not in seen:
+        seen.add(pid)
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            if title.startswith("slurmstepd: ["):
+                return title[len("slurmstepd: ["):].partition("]")[0]
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return None
+    return None
+
+
 def _from_batch(env: dict[str, str], alloc: SlurmAllocation) -> dict | None:
     """What this job's batch process read and passed to the tasks srun started
     (:func:`_relaunch_under_srun`), or None outside such a task."""
@@ -238,8 +254,13 @@ def start(*, stop: StopSignal | None = None, identity: dict | None = None,
     # keeps its warnings, unless the script set that logger's level itself.
     if logging.getLogger("absl").level == logging.NOTSET:
         logging.getLogger("absl").setLevel(logging.WARNING)
+    own_environment = env is None
     env = dict(os.environ if env is None else env)
     alloc = allocation_from_env(env)
+    if own_environment and alloc.in_step and _from_batch(env, alloc) is None:
+        # Not a task this job's batch process started: a task of a step only if a step's
+        # slurmstepd started it (else the variables came with the submission).
+        alloc = allocation_from_env(env, enclosing_step())
     passed = _from_batch(env, alloc)
     if passed is not None and "job_text" in passed:  # the batch process's reading, shared by every task
         job_text = passed["job_text"] if isinstance(passed["job_text"], str) else None

@@ -189,7 +189,7 @@ def gpu_type_of_partition(partition: str | None) -> str | None:
     return name if name in CATALOG else None
 
 
-def allocation_from_env(env: Mapping[str, str]) -> SlurmAllocation:
+def allocation_from_env(env: Mapping[str, str], stepd: str | None = None) -> SlurmAllocation:
     """Read the allocation from Slurm's variables.
 
     Outside Slurm (no SLURM_JOB_ID) this returns an allocation of one node, no job id and
@@ -197,6 +197,11 @@ def allocation_from_env(env: Mapping[str, str]) -> SlurmAllocation:
 
     Args:
         env: the environment (``os.environ`` or a recorded sample).
+        stepd: the step of the ``slurmstepd`` this process runs under (``8.batch``, ``8.0``:
+            `enclosing_step`), when known: the process is a task of an ``srun`` step only
+            if that is a numbered step. sbatch exports the submitter's environment, so a
+            job submitted from inside another job's step (an ``srun --pty bash`` session)
+            carries that step's ``SLURM_STEP_ID`` into its batch script.
 
     Returns:
         The allocation.
@@ -215,6 +220,8 @@ def allocation_from_env(env: Mapping[str, str]) -> SlurmAllocation:
         nodes = tuple(f"node{i}" for i in range(num_nodes))
     partition = env.get("SLURM_JOB_PARTITION") or None
     in_step = bool(env.get("SLURM_STEP_ID", "").strip()) and env.get("SLURM_STEP_ID") != "batch"
+    if in_step and stepd is not None:
+        in_step = stepd.rpartition(".")[2].isdigit()
     return SlurmAllocation(
         job_id=job_id,
         node_names=nodes,

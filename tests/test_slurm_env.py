@@ -2,8 +2,8 @@
 
 The samples under fixtures/runner/slurm-22.05/ were recorded in the lab cluster: a job on
 two a100 nodes with 4 GPUs each (AdminComment set by an admin), the same job after it
-exited 86, was moved to the h100 partition with 4 GPUs and released (restart 1), and a
-v100 job before and after its requeue.
+exited 86, was moved to the h100 partition with 4 GPUs and released (restart 1), a
+v100 job before and after its requeue, and a job submitted from inside another job's step.
 """
 
 from pathlib import Path
@@ -160,3 +160,21 @@ def test_comment_from_scontrol_and_its_elastic_settings():
     trailing = recorded.replace("   StdErr=", f"   Comment={ends}   StdErr=")
     assert comment_settings(ends) == comment_settings(comment_from_scontrol(trailing)) == {
         "model": "gpt-1.3b", "global_batch": "8"}
+
+
+def test_a_batch_job_submitted_from_inside_a_step_is_its_batch_step():
+    """Recorded: a job on two a100 nodes submitted by ``srun sbatch`` from a step of a job
+    on a10-1. Its batch script carries that step's variables; the slurmstepd it runs under
+    (``slurmstepd: [4.batch]``) says it is the batch step, which must start the tasks."""
+    env = _env("submitted-from-a-step")
+    assert allocation_from_env(env).in_step  # the variables alone cannot tell
+    alloc = allocation_from_env(env, stepd="4.batch")
+    assert (alloc.in_step, alloc.process_id, alloc.num_processes, alloc.launch_host) == (False, 0, 1, None)
+    assert alloc.num_nodes == 2 and alloc.gpus_per_node == 2
+    task = allocation_from_env(env, stepd="4.0")  # a task of the job's step 0
+    assert task.in_step and task.launch_host == "127.0.0.1"
+
+
+def test_outside_slurm_no_step_encloses_this_process():
+    from job_scripts.runtime import enclosing_step
+    assert enclosing_step() is None  # pytest runs under no slurmstepd
