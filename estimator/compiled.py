@@ -27,6 +27,7 @@ import multiprocessing
 import os
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -256,9 +257,11 @@ def _compile_many(jobs: list) -> list[dict]:
 def _compile_in_child(jobs: list, num_devices: int) -> list[dict]:
     flags = child_xla_flags(num_devices, os.environ.get("XLA_FLAGS", ""))
     log.info("compiling %d stage variant(s) in a worker with %d CPU devices", len(jobs), num_devices)
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(1, initializer=_worker_init, initargs=(flags,)) as pool:
-        return pool.apply(_compile_many, (jobs,))
+    # An executor, not a Pool: a worker killed (out of memory, an XLA check) raises
+    # BrokenProcessPool here, where a Pool's apply waits for ever.
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init,
+                             initargs=(flags,)) as pool:
+        return pool.submit(_compile_many, jobs).result()
 
 
 def stage_mesh(devices, dp: int, tp: int):

@@ -29,10 +29,8 @@ from estimator.errors import SpecError
 from estimator.gpus import gpu_type as _gpu_type
 from estimator.jobs import JobSpec, job_model
 from estimator.host import HostSpec, default_host
-from estimator.memory import (
-    GRADIENT_BYTES, OPTIMIZER_STATE_BYTES, MemoryOptions, StageMemory, host_memory_gb, memory_alternatives,
-    memory_label, runner_row_bytes, stage_memory, stage_params,
-)
+from estimator.memory import (GRADIENT_BYTES, OPTIMIZER_STATE_BYTES, MemoryOptions, StageMemory, host_memory_gb,
+                              memory_alternatives, memory_label, runner_row_bytes, stage_memory, stage_params)
 from estimator.models import DTYPE_BYTES, ModelSpec, tp_problem
 from estimator.partition import arena_stage_gpus, balanced_partition, stage_gpu_counts
 from estimator.plan_string import MAX_PLAN_STRING, format_plan
@@ -246,14 +244,15 @@ def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan, co
                        memory, micro_batches=B, activation_bytes_per_sample=profiled_acts,
                        expert_parallel=plan.ep)
     compiled_peak_gb = None
-    if compiled is not None and compiled.memory_bytes:
-        # The compiled step holds one micro-batch; GPipe keeps the others' residuals too
-        # (under remat the stage's inputs).
+    if compiled is not None and compiled.memory_bytes and not (memory.zero_level or memory.offload):
+        # The compiled step (replicated states; under ZeRO or offload the formulas stand) holds one
+        # micro-batch: GPipe keeps the others' residuals too, accumulating a second gradient buffer.
         if memory.program == "runner":
             row = runner_row_bytes(layers, dp, tp, micro, d, ctx.remat, plan.ep)
         else:
             row = micro * sum(x.output_bytes if ctx.remat else x.activation_bytes for x in layers)
-        compiled_peak_gb = (compiled.memory_bytes + (in_flight - 1) * row) / 1e9 + memory.reserve_gb
+        second_gb = mem.micro_gradients_gb or (mem.gradients_gb if mem.accumulating else 0.0)
+        compiled_peak_gb = (compiled.memory_bytes + (in_flight - 1) * row) / 1e9 + second_gb + memory.reserve_gb
     peak_gb = mem.peak_gb if compiled_peak_gb is None else compiled_peak_gb
     usable = gpu.device_memory_gb * ctx.options.memory.usable_frac
     host_usable = host.memory_gb_per_gpu * ctx.options.memory.usable_frac
@@ -609,7 +608,7 @@ def _assemble(job: JobSpec, ctx: _Context, ranges, per_stage, default_ranges) ->
     if bad is None and (padding := _padding_problem(peak, cell, options.memory)):
         bad = replace(costs[0], reason=padding)
     plans = tuple(c.plan for c in costs)
-    fidelity = "compiled" if compiled else \
+    fidelity = "compiled" if compiled and all(c.plan in compiled for c in costs) else \
         PROFILED if all(c.compute_source == PROFILED for c in costs) else "analytic"
     memory_fidelity = ("compiled" if all(c.compiled_peak_gb is not None for c in costs) else
                        PROFILED if all(c.memory_source == PROFILED for c in costs) else "analytic")
@@ -699,6 +698,7 @@ def _compile_variants(job: JobSpec, ctx: _Context, variants: list[list[StagePlan
     from pathlib import Path
 
     from estimator.compiled import DEFAULT_CACHE_DIR, GPU_TARGET_SPECS, StageRequest, compile_stages
+    from estimator.compiled import gpu_target_available
     from estimator.jax_models import arch_from_model
 
     micro = ctx.global_batch // ctx.micro_batches
@@ -706,7 +706,9 @@ def _compile_variants(job: JobSpec, ctx: _Context, variants: list[list[StagePlan
         return {}
     arch = arch_from_model(ctx.model)
     opts = ctx.options
-    target = ctx.cell.gpu_type if opts.gpu_specs_dir and ctx.cell.gpu_type in GPU_TARGET_SPECS else "cpu"
+    # Without the GPU-target extra a GPU target compiles for the CPU alone: under its key.
+    gpu_target = opts.gpu_specs_dir and ctx.cell.gpu_type in GPU_TARGET_SPECS and gpu_target_available()
+    target = ctx.cell.gpu_type if gpu_target else "cpu"
     plans = [v for stage in variants for v in stage if micro % v.dp == 0 and not v.ep]
     requests = [StageRequest(ctx.model.name, arch, v.layer_start, v.layer_end, v.dp, v.tp, micro,
                              ctx.remat, target) for v in plans]

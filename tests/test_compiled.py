@@ -1,6 +1,7 @@
 """HLO collective parsing, the compile cache, and compiled costs of a stage."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -209,3 +210,64 @@ def test_a_gpu_target_that_gave_no_memory_is_not_cached(tmp_path):
     assert gpu.memory_bytes is None and not list((tmp_path / "cache").rglob("*.json"))
     compile_stages([_request()], tmp_path / "cache")
     assert len(list((tmp_path / "cache").rglob("*.json"))) == 1  # the CPU target's is kept
+
+
+def test_a_compile_worker_that_dies_is_an_error_not_a_hang(tmp_path, monkeypatch):
+    """XLA ends a process whose XLA_FLAGS it does not know (as an out-of-memory kill or a
+    failed check would): the caller gets an error, and the estimate keeps its formulas."""
+    from concurrent.futures.process import BrokenProcessPool
+
+    from estimator.compiled import _compile_in_child, cache_key, installed_jax_version
+    monkeypatch.setenv("XLA_FLAGS", "--xla_no_such_flag_at_all=1")
+    req = _request()
+    with pytest.raises(BrokenProcessPool):
+        _compile_in_child([(req, cache_key(req, installed_jax_version()), None)], 4)
+
+
+def _stub_compiles(monkeypatch, memory_bytes, refuse=lambda request: False, flops=1e12):
+    """compile_stages giving a set per-device FLOPs and peak (what a GPU-target compile
+    gives), refusing the requests ``refuse`` names (as XLA does a variant it cannot split)."""
+    import estimator.compiled as compiled
+
+    def compile_stages(requests, cache_dir=None, gpu_specs_dir=None):
+        if any(refuse(r) for r in requests):
+            raise RuntimeError("XLA cannot partition this variant")
+        return [compiled.CompiledStage("k", flops, 1e11, 0, (), memory_bytes, r.target, 1.0, "0.10.2")
+                for r in requests]
+    monkeypatch.setattr(compiled, "compile_stages", compile_stages)
+
+
+def test_compiled_memory_stands_for_replicated_states_and_one_gradient_buffer(monkeypatch):
+    """The compiled step holds ZeRO-0 states and one micro-batch's gradients: under ZeRO or
+    offload the formulas' memory stands, and accumulating adds the second buffer."""
+    from estimator.cells import Cell
+    from estimator.cluster import load_cluster
+    from estimator.estimate import EstimateOptions, estimate_cell
+    from estimator.jobs import JobSpec
+    from estimator.memory import MemoryOptions
+    _stub_compiles(monkeypatch, 70e9)
+    crius, cell = load_cluster("crius-1280"), Cell("a100", 8, 8, 1)
+    for memory in (MemoryOptions(zero_level=3), MemoryOptions(offload=True)):
+        options = EstimateOptions(memory=memory, runnable_only=False)
+        analytic = estimate_cell(JobSpec("gpt-6.7b", 128), cell, crius, options)
+        compiled = estimate_cell(JobSpec("gpt-6.7b", 128), cell, crius, replace(options, fidelity="compiled"))
+        assert analytic.feasible and compiled.feasible and compiled.memory_fidelity == "analytic"
+    _stub_compiles(monkeypatch, 10e9)
+    one, many = (estimate_cell(JobSpec("gpt-1.3b", 64), Cell("a100", 1, 1, 1), crius,
+                               EstimateOptions(fidelity="compiled", micro_batches=b)) for b in (1, 16))
+    from estimator.models import load_model
+    assert one.memory_fidelity == many.memory_fidelity == "compiled" and many.stages == one.stages
+    params = sum(layer.params for layer in load_model("gpt-1.3b").layers)
+    assert many.peak_memory_gb - one.peak_memory_gb == pytest.approx(params * 4 / 1e9, rel=0.05)  # fp32
+
+
+def test_a_cell_whose_chosen_stages_kept_the_formulas_is_not_called_compiled(monkeypatch):
+    from estimator.cells import Cell
+    from estimator.cluster import load_cluster
+    from estimator.estimate import EstimateOptions, estimate_cell
+    from estimator.jobs import JobSpec
+    # Data-parallel variants refused, tensor-parallel ones slow: the formulas' dp stages win.
+    _stub_compiles(monkeypatch, None, refuse=lambda r: r.tp == 1, flops=1e16)
+    est = estimate_cell(JobSpec("gpt-1.3b", 256), Cell("a100", 8, 8, 2), load_cluster("crius-1280"),
+                        EstimateOptions(fidelity="compiled"))
+    assert any(s.tp == 1 for s in est.stages) and est.fidelity == "analytic"

@@ -217,6 +217,10 @@ def command(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, trai
     """
     if fidelity == "compiled":
         check_writable("compile_cache", compile_cache, directory=True)
+        from estimator.compiled import gpu_target_available
+        if gpu_specs_dir and not gpu_target_available():
+            click.echo("slurm-ext: warning: --gpu-specs-dir needs the GPU-target extra (pip install "
+                       "'.[gpu-target]'), not installed: memory stays the formulas'", err=True)
     else:
         unused = [flag for flag, value in (("--compile-cache", compile_cache), ("--gpu-specs-dir", gpu_specs_dir))
                   if value is not None]
