@@ -36,7 +36,7 @@ from estimator.errors import SpecError
 log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_DIR = Path("~/.cache/slurm-ext").expanduser()
-CACHE_FORMAT = 2
+CACHE_FORMAT = 3
 # XLA's GPU target specs (xla/backends/gpu/target_config/specs/) per catalog GPU type.
 # a40 is a GA102 like the RTX A6000, the closest spec XLA ships.
 GPU_TARGET_SPECS = {"a100": "a100_sxm_40.txtpb", "v100": "v100.txtpb", "h100": "h100_sxm.txtpb",
@@ -315,7 +315,7 @@ def build_stage_step(stage, mesh, donate: bool = True, scan: bool = True):
     specs = stage_specs(stage, opt, runs)
     shard = {k: named(v) for k, v in specs.items()}
     batch = NamedSharding(mesh, P("dp"))
-    ctx = jm.ShardCtx(act=lambda x: jax.lax.with_sharding_constraint(x, batch))
+    ctx = jm.ShardCtx(act=lambda x: jax.lax.with_sharding_constraint(x, batch), dp_shards=mesh.shape["dp"])
     step = jm.stage_train_step(stage, opt, ctx, runs=runs)
     p_shapes = [jm.run_param_shapes(arch, r) for r in runs]
     o_shapes = jax.eval_shape(opt.init, p_shapes)
@@ -357,7 +357,7 @@ def _unit_costs(stage, run, mesh, dp: int, tp: int) -> tuple[float, float, float
     if key in _UNIT_COSTS:
         return _UNIT_COSTS[key]
     batch = NamedSharding(mesh, P("dp"))
-    ctx = jm.ShardCtx(act=lambda x: jax.lax.with_sharding_constraint(x, batch))
+    ctx = jm.ShardCtx(act=lambda x: jax.lax.with_sharding_constraint(x, batch), dp_shards=mesh.shape["dp"])
 
     def named(tree):
         return jax.tree.map(lambda sp: NamedSharding(mesh, sp), tree,

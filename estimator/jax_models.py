@@ -240,11 +240,14 @@ class ShardCtx:
 
     ``act`` pins an activation whose leading axis is the batch to batch sharding over
     ``dp`` (Megatron keeps block boundaries replicated over tp); ``tp`` is the
-    tensor-parallel collectives of a hand-partitioned program (default: none).
+    tensor-parallel collectives of a hand-partitioned program (default: none);
+    ``dp_shards`` the data-parallel devices a global array's batch splits over (each
+    routes its own tokens in MoE groups, as the runner's devices do).
     """
 
     act: Callable[[Any], Any] = field(default=lambda x: x)
     tp: TensorParallel = GLOBAL_TP
+    dp_shards: int = 1
 
 
 NO_SHARD = ShardCtx()
@@ -415,7 +418,7 @@ def moe_group_size(arch: Arch, tokens: int) -> int:
     return min(arch.expert_group, tokens)
 
 
-def _moe_ffn(p, x, arch: Arch, tp: TensorParallel):
+def _moe_ffn(p, x, arch: Arch, tp: TensorParallel, dp_shards: int = 1):
     """GShard top-2 routing with dense one-hot dispatch and combine einsums.
 
     Routing is computed whole on every tensor-parallel device; each device then runs
@@ -425,7 +428,7 @@ def _moe_ffn(p, x, arch: Arch, tp: TensorParallel):
     holds each expert.
     """
     dt, (B, S, M) = x.dtype, x.shape
-    group = moe_group_size(arch, B * S)
+    group = moe_group_size(arch, B * S // dp_shards)  # no group across two devices' tokens
     if (B * S) % group:
         raise SpecError("tokens", B * S, f"MoE needs a multiple of {group} tokens per micro-batch shard")
     E, C = arch.experts, arch.capacity
@@ -489,7 +492,7 @@ def apply_layer(arch: Arch, index: int, params: dict, state: dict, x, ctx: Shard
         return ctx.act(_layer_norm(y, params["ln_g"], params["ln_b"]).astype(dt)), state
     if kind in ("block", "moe_block"):
         x = _layer_norm(x + _attention(params, x, arch, tp), params["ln1_g"], params["ln1_b"])
-        ffn = _moe_ffn(params, x, arch, tp) if kind == "moe_block" else _dense_ffn(params, x, tp)
+        ffn = _moe_ffn(params, x, arch, tp, ctx.dp_shards) if kind == "moe_block" else _dense_ffn(params, x, tp)
         return ctx.act(_layer_norm(x + ffn, params["ln2_g"], params["ln2_b"])), state
     if kind == "stem":
         y = _conv(x.astype(dt), params["conv"], 2)

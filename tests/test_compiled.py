@@ -271,3 +271,17 @@ def test_a_cell_whose_chosen_stages_kept_the_formulas_is_not_called_compiled(mon
     est = estimate_cell(JobSpec("gpt-1.3b", 256), Cell("a100", 8, 8, 2), load_cluster("crius-1280"),
                         EstimateOptions(fidelity="compiled"))
     assert any(s.tp == 1 for s in est.stages) and est.fidelity == "analytic"
+
+
+def test_moe_groups_stay_on_one_data_parallel_device(tmp_path):
+    """One sample per dp device, fewer tokens than a group: each device routes its own
+    tokens (as the runner does), so the compiled step has the gradient sync over dp and
+    no collectives over other device groups."""
+    from estimator.compiled import StageRequest, compile_stages
+    from estimator.jax_models import Arch
+    arch = Arch("moe", hidden=64, num_blocks=2, heads=4, vocab=128, seq_len=32, experts=4, expert_group=64,
+                compute_dtype="fp32", optimizer="adafactor")
+    one, two = compile_stages([StageRequest("tiny-moe", arch, 1, 3, 4, 1, micro, False) for micro in (4, 8)],
+                              tmp_path)
+    assert {c.axis for c in one.collectives if c.bytes} <= {"dp"}
+    assert one.collective_bytes("dp") == two.collective_bytes("dp")  # the same gradients
