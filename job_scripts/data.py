@@ -26,12 +26,6 @@ class Batch:
     inputs: np.ndarray
     targets: np.ndarray
 
-    def micro_batch(self, index: int, count: int) -> "Batch":
-        """The ``index``-th of ``count`` equal slices along the batch dimension."""
-        size = self.inputs.shape[0] // count
-        sl = slice(index * size, (index + 1) * size)
-        return Batch(self.inputs[sl], self.targets[sl])
-
 
 @dataclass(frozen=True)
 class TokenStream:
@@ -86,12 +80,6 @@ class ImageStream:
         labels = np.clip(((means + 3.0) / 6.0 * self.num_classes).astype(np.int32),
                          0, self.num_classes - 1)
         return Batch(images, labels)
-
-
-def data_position(stream: TokenStream | ImageStream, next_step: int) -> dict:
-    """What a checkpoint records to resume the stream: its seed and the next step."""
-    return {"kind": type(stream).__name__, "seed": stream.seed,
-            "global_batch": stream.global_batch, "next_step": int(next_step)}
 
 
 def stream_for(arch, seed: int, global_batch: int) -> TokenStream | ImageStream:

@@ -315,6 +315,12 @@ def start(*, stop: StopSignal | None = None, identity: dict | None = None,
     if plan_text is None and admin_plan:
         plan_text, source = admin_plan, ADMIN_COMMENT_PLAN
     known = {"model": cfg.model} if cfg.model else {}
+    # The job's own batch and seed are checked always; another value would pass a wrong
+    # checkpoint (a model name may stand for the model file's: a version of the model).
+    overridden = sorted(set(identity or {}) & {"global_batch", "seed"})
+    if overridden:
+        raise SpecError("identity", overridden[0], "checked already (the job's own value): give it as a "
+                                                   "setting, or name your key otherwise")
     return Job(cfg, alloc, devices, stop, plan_text, source,
                _as_saved({"global_batch": cfg.global_batch, "seed": cfg.seed, **known, **(identity or {})}))
 

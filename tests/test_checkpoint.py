@@ -222,7 +222,7 @@ def _resume_with_identity(directory: str) -> dict:
     job.close()
     out = {"same_job": start({"model_version": (3, 1)}).latest().step}
     for name, identity in (("other_version", {"model_version": (3, 2)}), ("not_json", {"model_version": {3, 1}}),
-                           ("reserved", {"data": "wikitext-103-v2"})):
+                           ("reserved", {"data": "wikitext-103-v2"}), ("checked", {"global_batch": 16})):
         try:
             start(identity).latest()
             out[name] = None
@@ -239,6 +239,8 @@ def test_a_restarted_job_finds_its_checkpoint_when_its_identity_holds_a_tuple(tm
     # A name the checkpoint's metadata uses itself was written over, and the job refused its
     # own checkpoint on the next start.
     assert out["reserved"].startswith("identity='data': a name the checkpoint's own metadata uses")
+    # The job's own batch is checked already: another value there would pass a wrong checkpoint.
+    assert out["checked"].startswith("identity='global_batch': checked already")
     assert "\n" not in out["other_version"] + out["not_json"] + out["reserved"]
 
 
