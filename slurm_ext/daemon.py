@@ -357,8 +357,10 @@ class Daemon:
             [j for j in elastic if j.job_id not in in_rescale], specs, progress, node_types, part_types, cluster,
             now_s)
         errors += more_errors
-        # Jobs in a rescale or about to start keep their place in their quota's order.
-        holding = [j for j in elastic if (j.job_id in in_rescale or j in launching) and j.job_id in specs]
+        # Jobs in a rescale or about to start (or kept back by Slurm, on their Cell) keep their
+        # place in their quota's order.
+        holding = [j for j in elastic if (j.job_id in in_rescale or j in launching or kept_back_by_slurm(j, self._sole))
+                   and j.job_id in specs]
         managed = self._apply_guarantees(managed, [(j, specs[j.job_id]) for j in holding])
         for job, message in errors:
             self.actor.handle_spec_error(job, message, acts)

@@ -54,15 +54,16 @@ class CommandTimeoutError(SlurmExtError):
 
 
 class CommandNotFoundError(SlurmExtError):
-    """The program to run is not installed or not on PATH."""
+    """The program to run is not installed or not on PATH, or cannot be run (``why``: the
+    operating system's reason, e.g. not executable)."""
 
-    def __init__(self, argv: Sequence[str]):
+    def __init__(self, argv: Sequence[str], why: str | None = None):
         self.argv = tuple(argv)
         where = ("or check the Slurm prefix (slurm_prefix in the config, SLURM_EXT_SLURM_PREFIX)"
                  if "/" in self.argv[0] else "or fix PATH")
         super().__init__(
-            f"{self.argv[0]!r} not found: install Slurm's client tools "
-            f"(Debian: apt-get install slurm-client) {where}")
+            f"{self.argv[0]!r} {f'cannot be run ({why})' if why else 'not found'}: install Slurm's client "
+            f"tools (Debian: apt-get install slurm-client) {where}")
 
 
 class SlurmArgumentError(SlurmExtError, ValueError):

@@ -51,6 +51,8 @@ class GuaranteePolicy:
                     raise ValueError(f"{kind}: {name!r} is not a name")
                 if quota is not None and (isinstance(quota, bool) or not isinstance(quota, int) or quota < 0):
                     raise ValueError(f"{kind}.{name}: give a GPU quota (a whole number >= 0) or null")
+                if any(listed == name.strip() for listed, _ in pairs):  # 'alice' and 'alice '
+                    raise ValueError(f"{kind}: {name.strip()!r} is listed twice")
                 pairs.append((name.strip(), quota))
             out[kind] = tuple(sorted(pairs))
         return cls(**out)

@@ -6,8 +6,11 @@ Exposed on ``metrics_port`` when configured:
 - ``slurm_ext_rounds_total{outcome}``: rounds by outcome (``ok``, ``slurm_error``, ``error``).
 - ``slurm_ext_decisions_total``: policy decisions taken.
 - ``slurm_ext_actions_total{kind}``: actions applied (start, rescale, suspend, release, ...).
-- ``slurm_ext_errors_total{kind}``: errors by kind (spec, slurm, policy, action).
-- ``slurm_ext_jobs{kind}`` (gauge): jobs seen in the last round (elastic, plain, pending).
+- ``slurm_ext_errors_total{kind}``: errors by kind (spec, slurm, policy, action, round:
+  a round that failed otherwise).
+- ``slurm_ext_jobs{kind}`` (gauge): jobs seen in the last round (``active``: every job
+  Slurm lists as queued or running, ``elastic``: those with an elastic Comment,
+  ``managed``: those the policy was given).
 """
 
 from __future__ import annotations

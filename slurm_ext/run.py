@@ -75,7 +75,7 @@ def run_command(argv: Sequence[str], timeout_s: float, input_text: str | None = 
     Raises:
         SlurmCommandError: non-zero exit (with ``check``), carrying argv, status, stderr.
         CommandTimeoutError: it ran longer than ``timeout_s``.
-        CommandNotFoundError: the program does not exist.
+        CommandNotFoundError: the program does not exist or cannot be run.
     """
     args = _check_argv(argv)
     log.debug("run %s", args)
@@ -87,8 +87,8 @@ def run_command(argv: Sequence[str], timeout_s: float, input_text: str | None = 
     except subprocess.TimeoutExpired:
         log.warning("timed out after %g s: %s", timeout_s, args)
         raise CommandTimeoutError(args, timeout_s) from None
-    except FileNotFoundError:
-        raise CommandNotFoundError(args) from None
+    except OSError as e:  # missing, not executable, ...
+        raise CommandNotFoundError(args, None if isinstance(e, FileNotFoundError) else e.strerror) from None
     if check and proc.returncode != 0:
         log.info("exit %d: %s: %s", proc.returncode, args, proc.stderr.strip())
         raise SlurmCommandError(args, proc.returncode, proc.stderr)
@@ -105,7 +105,7 @@ def run_commands(argvs: Sequence[Sequence[str]], timeout_s: float,
     Raises:
         SlurmCommandError: one exited non-zero (the first such, in argument order).
         CommandTimeoutError: they were not all done within ``timeout_s``.
-        CommandNotFoundError: a program does not exist.
+        CommandNotFoundError: a program does not exist or cannot be run.
     """
     all_args = [_check_argv(a) for a in argvs]
     procs: list[subprocess.Popen] = []
@@ -124,8 +124,9 @@ def run_commands(argvs: Sequence[Sequence[str]], timeout_s: float,
                 log.warning("timed out after %g s: %s", timeout_s, args)
                 raise CommandTimeoutError(args, timeout_s) from None
             outputs.append(CompletedCommand(args, proc.returncode, out, err))
-    except FileNotFoundError:
-        raise CommandNotFoundError(all_args[len(procs)]) from None
+    except OSError as e:  # missing, not executable, ...
+        raise CommandNotFoundError(all_args[len(procs)],
+                                   None if isinstance(e, FileNotFoundError) else e.strerror) from None
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -160,8 +161,8 @@ def start_background(argv: Sequence[str], log_path: Path | str | None = None,
         proc = subprocess.Popen(args, shell=False, stdin=subprocess.DEVNULL, stdout=out,
                                 stderr=subprocess.STDOUT, env=_merged_env(env),
                                 start_new_session=True)
-    except FileNotFoundError:
-        raise CommandNotFoundError(args) from None
+    except OSError as e:  # missing, not executable, ...
+        raise CommandNotFoundError(args, None if isinstance(e, FileNotFoundError) else e.strerror) from None
     finally:
         if log_path is not None:
             out.close()

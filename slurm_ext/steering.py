@@ -109,6 +109,8 @@ def steer(s: Steering, job_partition: str, gpu_type: str) -> Steer | None:
     own = s.partition_types.get(job_partition, frozenset())
     mixed = {p for p, types in s.partition_types.items() if len(types) > 1 and gpu_type in types}
     method = s.method
+    if method == "gres" and not s.typed_gres:
+        method = "features"  # Slurm before 23.02.6 refuses to retype a pending job
     if method == "auto":
         # A job in a mixed partition is steered inside one (its own when it has the type);
         # a job in a partition of one type moves to the type's partition.
@@ -149,6 +151,10 @@ def steer_to_nodes(s: Steering, how: Steer, job_partition: str, nodes: tuple[str
         return None
     # Fewest GPU types first (a partition of the type alone), then by name.
     best = min(common, key=lambda p: (len(s.partition_types.get(p, ())), p))
+    if len(s.partition_types.get(best, ())) == 1:
+        # A partition of the type alone pins it: no features (which a later move by
+        # partition would leave behind on the job, pinning the old type) or typed request.
+        return Steer("partition", best)
     return Steer(how.method, best, how.gpu_type, how.features)
 
 

@@ -39,20 +39,25 @@ def _may(st: os.stat_result, ids: tuple[int, frozenset[int]], user_bit: int, gro
     return bool(st.st_mode & other_bit)
 
 
-def _owner_may_read(fd: int, st: os.stat_result, owner: str) -> bool:
-    """Whether ``owner`` could have opened what ``fd`` is: read permission on the file and
-    search permission on every directory above it (a world-readable file in someone's
-    0700 home is not theirs to read)."""
-    ids = _ids_of(owner)
-    if ids is None or not _may(st, ids, stat.S_IRUSR, stat.S_IRGRP, stat.S_IROTH):
-        return False
-    directory = os.path.dirname(os.path.realpath(f"/proc/self/fd/{fd}"))
+def _may_search(directory: str, ids: tuple[int, frozenset[int]]) -> bool:
+    """Whether the user may search ``directory`` and every directory above it."""
     while True:
-        if not _may(os.stat(directory), ids, stat.S_IXUSR, stat.S_IXGRP, stat.S_IXOTH):
+        try:
+            if not _may(os.stat(directory), ids, stat.S_IXUSR, stat.S_IXGRP, stat.S_IXOTH):
+                return False
+        except OSError:
             return False
         if directory == "/":
             return True
         directory = os.path.dirname(directory)
+
+
+def _owner_may_read(fd: int, st: os.stat_result, ids: tuple[int, frozenset[int]]) -> bool:
+    """Whether the user could have opened what ``fd`` is: read permission on the file and
+    search permission on every directory above it (a world-readable file in someone's
+    0700 home is not theirs to read)."""
+    return _may(st, ids, stat.S_IRUSR, stat.S_IRGRP, stat.S_IROTH) and \
+        _may_search(os.path.dirname(os.path.realpath(f"/proc/self/fd/{fd}")), ids)
 
 
 def read_user_file(path: str, max_bytes: int, owner: str | None = None) -> bytes:
@@ -63,17 +68,26 @@ def read_user_file(path: str, max_bytes: int, owner: str | None = None) -> bytes
             readable by its owner, or readable by everyone).
 
     Raises:
-        OSError: it cannot be opened (missing, a dangling link, ...).
-        SpecError: not a regular file, too large, or not readable by ``owner``.
+        OSError: it cannot be opened (missing, a dangling link, ...), where ``owner`` may
+            look.
+        SpecError: not a regular file, too large, or not readable by ``owner``: nothing
+            else is said of a path where ``owner`` may not look (whether it exists, what
+            it is), and nothing there is opened (a device's open may act).
     """
+    not_theirs = SpecError("file", path, "the file must be readable by the job's owner "
+                                         "(owned by them or world-readable, in directories they may enter)")
+    ids = _ids_of(owner) if owner is not None else None
+    if owner is not None and (ids is None or not _may_search(os.path.dirname(os.path.realpath(path)), ids)):
+        raise not_theirs
+    if owner is not None and os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
+        raise SpecError("file", path, f"give a regular file of at most {max_bytes} bytes")  # never opened
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
+        if ids is not None and not _owner_may_read(fd, st, ids):
+            raise not_theirs
         if not stat.S_ISREG(st.st_mode) or st.st_size > max_bytes:
             raise SpecError("file", path, f"give a regular file of at most {max_bytes} bytes")
-        if owner is not None and not _owner_may_read(fd, st, owner):
-            raise SpecError("file", path, "the file must be readable by the job's owner "
-                                          "(owned by them or world-readable, in directories they may enter)")
         chunks, left = [], max_bytes + 1
         while left > 0 and (chunk := os.read(fd, min(left, 1 << 16))):
             chunks.append(chunk)

@@ -182,3 +182,20 @@ def test_a_users_total_filled_by_the_users_other_job_keeps_the_job_on_its_cell(t
     assert daemon.round().actions == (("start", 80),)
     (again,) = [c[2] for c in client.calls if c[0] == "update" and c[1] == 80]
     assert plan_comment(again.admin_comment).cell_parts()[1] < refused
+
+
+def test_a_guaranteed_job_kept_back_by_slurm_keeps_its_share_of_the_quota(tmp_path):
+    """alice may hold 4 guaranteed GPUs. Her older job is released on them and waits for
+    its dependency: the newer one is not granted her quota meanwhile, to lose it again
+    (and be suspended) when the older one starts."""
+    from test_daemon_edges import SPEC, seen_by_policy
+    kept = SlurmJob(60, "alice", "t", "PENDING", reason="Dependency", partition="a100", priority=1,
+                    comment=SPEC + " guaranteed=yes", admin_comment=STARTED, gpus_per_node=4, node_count=1,
+                    submit_time_s=NOW - 3600)
+    daemon, client = daemon_for(tmp_path, [kept, held(61, NOW - 600, SPEC + " guaranteed=yes")],
+                                [node("a100-1", "a100", 4), node("a100-2", "a100", 4)],
+                                clock=SimulatedClock(float(NOW)), guarantees={"users": {"alice": 4}})
+    assert kept_back_by_slurm(kept)
+    seen = seen_by_policy(daemon)
+    daemon.round()
+    assert {v.job_id: v.guaranteed for v in seen["snapshots"][-1].jobs} == {"61": False}

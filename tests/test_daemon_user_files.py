@@ -126,9 +126,27 @@ def test_read_user_file_reads_a_regular_file_its_owner_may_read(tmp_path, open_d
         read_user_file(str(tmp_path / "missing.yaml"), 1024)
 
 
-def test_a_model_fifo_or_a_relative_name_is_refused_without_reading(tmp_path):
-    os.mkfifo(tmp_path / "fifo.yaml")
-    with pytest.raises(SpecError, match="regular file"):  # opened without blocking
-        model_loader_for("nobody")(str(tmp_path / "fifo.yaml"))
+def test_a_path_where_the_owner_may_not_look_says_nothing_of_what_is_there(open_dir):
+    """Links the owner may make, into a directory only root may enter: a file there, one
+    too large, a missing one and a device are one refusal alike (the daemon reads as root)."""
+    private = open_dir / "private"
+    private.mkdir(mode=0o700)
+    (private / "small.yaml").write_text(MODEL_YAML)
+    (private / "big.yaml").write_bytes(b"x" * 4096)
+    for target in ("small.yaml", "big.yaml", "missing.yaml"):
+        (open_dir / f"to-{target}").symlink_to(private / target)
+    answers = set()
+    for target in ("small.yaml", "big.yaml", "missing.yaml"):
+        with pytest.raises(SpecError) as info:
+            read_user_file(str(open_dir / f"to-{target}"), 1024, owner="nobody")
+        answers.add(info.value.hint)
+    assert answers == {"the file must be readable by the job's owner (owned by them or world-readable, in "
+                       "directories they may enter)"}
+
+
+def test_a_model_fifo_or_a_relative_name_is_refused_without_reading(open_dir):
+    os.mkfifo(open_dir / "fifo.yaml")
+    with pytest.raises(SpecError, match="regular file"):  # never opened
+        model_loader_for("nobody")(str(open_dir / "fifo.yaml"))
     with pytest.raises(SpecError, match="not a built-in model"):  # never a file in the daemon's directory
         model_loader_for("nobody")("mine.yaml")

@@ -34,6 +34,12 @@ def test_an_account_or_qos_grants_what_the_user_entry_cannot():
     assert "user alice's guarantee quota is 8" in got[3] and "account ml's" in got[3]
 
 
+def test_a_name_listed_twice_is_refused():
+    for users in ({"alice": 4, "alice ": None}, {"alice": 4, " alice": 64}):
+        with pytest.raises(ConfigError, match="'alice' is listed twice"):
+            resolve({}, {}, {"guarantees": {"users": users}})
+
+
 def test_the_config_key_reads_yaml_and_environment_and_names_bad_values():
     cfg = resolve({}, {}, {"guarantees": {"users": {"alice": 16}, "qos": ["high"]}})
     assert cfg.guarantees.quota("users", "alice") == (True, 16)

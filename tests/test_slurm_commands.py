@@ -235,6 +235,18 @@ def test_timeout_and_missing_program_are_typed():
         run_command(["no-such-program-xyz"], timeout_s=5)
 
 
+def test_a_program_that_cannot_be_run_is_typed_too(tmp_path):
+    """A prefix naming a file that is not executable: a Slurm error the daemon backs off
+    from, not an OSError that fails the round."""
+    script = tmp_path / "squeue"
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o644)
+    with pytest.raises(CommandNotFoundError, match=r"cannot be run \(Permission denied\)"):
+        run_command([str(script)], timeout_s=5)
+    with pytest.raises(CommandNotFoundError, match="cannot be run"):
+        run_commands([["true"], [str(script)]], timeout_s=5)
+
+
 def test_background_process_runs_until_stopped_by_pid(tmp_path):
     log_path = tmp_path / "out.log"
     pid = start_background(["sh", "-c", "echo started; exec sleep 30"], log_path=log_path)

@@ -69,7 +69,9 @@ def test_a_retyped_request_names_the_gres_type_the_nodes_carry():
 def test_forced_methods_and_types_no_partition_has():
     assert steer(_steering("partition"), "gpu", "a100") == Steer("partition", "a100")
     assert steer(_steering("partition"), "gpu", "h100") is None  # no partition of its own
-    assert steer(_steering("gres", V22), "a100", "v100") == Steer("gres", "gpu", gpu_type="v100")
+    # Forced typed GRES on 22.05, which refuses to retype a pending job: node features.
+    assert steer(_steering("gres", V22), "a100", "v100") == Steer("features", "gpu", features="v100")
+    assert steer(_steering("gres", V25), "a100", "v100") == Steer("gres", "gpu", gpu_type="v100")
     assert steer(_steering("features", V25), "gpu", "a100") == Steer("features", None, features="a100")
     assert steer(_steering(), "gpu", "l20") is None
     with pytest.raises(ValueError, match="unknown steering"):
@@ -88,6 +90,12 @@ def test_a_start_pinned_to_nodes_is_steered_to_a_partition_that_holds_them_all()
     assert steer_to_nodes(s, how, "a100", ("a1", "b1")) is None  # no partition has both: no pin
     inside = steer(s, "gpu", "h100")  # stays in the job's own partition, which has the node
     assert steer_to_nodes(s, inside, "gpu", ("h1",)) == inside
+    # A job steered by features inside the mixed partition, pinned to nodes only a partition
+    # of the type alone holds, moves there by partition: a feature left on it would pin
+    # the type when a later round moves it by partition to another.
+    by_features = steer(s, "gpu", "a100")
+    assert by_features.features == "a100"
+    assert steer_to_nodes(s, by_features, "gpu", ("b1",)) == Steer("partition", "a100-big")
 
 
 def test_cpus_and_memory_per_gpu_are_the_nodes_share_raised_for_offload():
