@@ -64,12 +64,12 @@ def test_training_script_is_the_wrapper_with_the_demo_settings():
                                        "iterations": "100000", "gpus": "8"}
 
 
-def test_example_training_job_is_the_examples_script_limited_to_one_stage():
+def test_example_training_job_is_the_examples_script_on_the_runtime_api():
     from slurm_ext.demo import EXAMPLE_DIR, example_training_job
     job = example_training_job()
     assert job.script.startswith("#!/bin/bash") and "examples/charlm/train.py" in job.script
     assert script_settings(job.script) == {"model": str(EXAMPLE_DIR / "model.yaml"), "global_batch": "16",
-                                           "iterations": "100000", "gpus": "8", "max_stages": "1"}
+                                           "iterations": "100000", "gpus": "8", "trainer": "api"}
 
 
 def test_an_unknown_policy_is_refused_before_anything_starts(tmp_path, monkeypatch, capsys):
