@@ -4,8 +4,9 @@ for the other, and what operators and tests rely on.
 - **Exit codes** of the runner: ``EXIT_RESCALE`` (86) after SIGUSR1 and a checkpoint,
   which Slurm turns into a held requeue (``RequeueExitHold=86``); ``EXIT_TERMINATED``
   (143) after SIGTERM; ``EXIT_BAD_INPUT`` (2) for a spec or plan it cannot run;
-  ``EXIT_DIVERGED`` (3) when an fp16 model's gradients stay non-finite even unscaled (the
-  job ends FAILED; the daemon does not requeue it).
+  ``EXIT_DIVERGED`` (3) when an fp16 model's gradients stay non-finite even unscaled, or
+  a bf16 or fp32 model's loss is not finite (the job ends FAILED; the daemon does not
+  requeue it).
 - **The AdminComment** the daemon writes on each elastic job (every user may read it),
   space-separated ``key=value`` tokens; ``why=`` or ``error=`` comes last and its value
   runs to the end of the string::
@@ -45,7 +46,7 @@ from estimator.errors import SpecError
 
 EXIT_DONE = 0
 EXIT_BAD_INPUT = 2
-EXIT_DIVERGED = 3  # fp16 gradients stayed non-finite without loss scaling: training stopped
+EXIT_DIVERGED = 3  # the model diverged (fp16: gradients non-finite even unscaled): training stopped
 EXIT_RESCALE = 86  # Slurm requeues the job held (RequeueExitHold=86)
 EXIT_TERMINATED = 143
 

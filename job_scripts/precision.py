@@ -73,7 +73,8 @@ def catalog_type_of_device(device_kind: str) -> str | None:
 
 
 class DivergedError(RuntimeError):
-    """An fp16 model's gradients stayed non-finite without loss scaling."""
+    """The model diverged: an fp16 model's gradients stayed non-finite without loss
+    scaling, or a bf16 or fp32 model's loss is not finite."""
 
 
 def new_loss_scale(sharding, saved: dict | None = None) -> jmp.DynamicLossScale:

@@ -33,6 +33,7 @@ if __name__ == "__main__":
 
 import argparse  # noqa: E402
 import logging  # noqa: E402
+import math  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
@@ -142,7 +143,7 @@ def train(job: runtime.Job) -> int:
     from estimator.models import load_model
     from job_scripts import reshard
     from job_scripts.data import stream_for
-    from job_scripts.precision import catalog_type_of_device, check_step, training_arch
+    from job_scripts.precision import DivergedError, catalog_type_of_device, check_step, training_arch
     from job_scripts.pipeline import Pipeline
 
     cfg = job.config
@@ -194,6 +195,9 @@ def train(job: runtime.Job) -> int:
         job.record_step(step, loss, time.perf_counter() - t0)
         if scale is not None:
             skips_at_one = check_step(step, bool(pipe.last_step_finite), scale, skips_at_one)
+        elif not math.isfinite(loss):  # bf16 or fp32: no step is skipped, the weights are gone
+            raise DivergedError(f"step {step}'s loss is {loss}: the model diverged; training stopped before "
+                                "saving it (the newest checkpoint may hold the step before's update)")
         if job.checkpoint_due(step) and not skips_at_one:  # none inside a streak the run may die of
             job.save(step, views(state), {**layout, **_scale_meta(pipe)})
     # No copy when the step is saved already.

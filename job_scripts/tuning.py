@@ -394,17 +394,20 @@ def tune_plan(req: TuneRequest, cfg: TuneConfig, agree: Callable[[float], float]
                  cached.iteration_time_s)
         return cached
     t_begin = time.perf_counter()
-    budget_s, costs, stopped = cfg.budget_s, [], False
+    budget_s, costs, stopped, timed = cfg.budget_s, [], False, False
+    # Nothing to tune for: no budget, or no iteration left to train (a job resumed at its end).
+    idle = cfg.budget_s <= 0 or req.remaining_iterations <= 0
 
     def measure(text: str) -> Measured:
-        nonlocal budget_s
+        nonlocal budget_s, timed
         m = measure_plan(req, text, agree)
         costs.append(m.cost_s)
         log.info("measured %s: %s (%.1f s to measure)", text,
                  f"{m.iteration_time_s:.4f} s/iteration" if m.iteration_time_s else f"failed: {m.error}", m.cost_s)
-        if len(costs) == 1 and m.iteration_time_s:
-            # Tuning may take this much of what is left of the job at the first plan's speed.
+        if m.iteration_time_s and not timed:
+            # Tuning may take this much of what is left of the job at the first timed plan's speed.
             budget_s = min(cfg.budget_s, cfg.budget_frac * req.remaining_iterations * m.iteration_time_s)
+            timed = True
         return m
 
     def more() -> bool:
@@ -415,13 +418,14 @@ def tune_plan(req: TuneRequest, cfg: TuneConfig, agree: Callable[[float], float]
         if stopped:
             return False  # a rescale or the job's end waits for no compile
         if not costs:
-            return True
+            return not idle
         spent = agree(time.perf_counter() - t_begin)
         return spent + sum(costs) / len(costs) <= budget_s
 
     measured = search_plans(req, measure, more)
-    if not measured and stopped:
-        log.info("a stop was requested before tuning measured a plan: %s as is", req.start or "the best estimate")
+    if not measured and (stopped or idle):
+        log.info("%s: %s as is", "a stop was requested before tuning measured a plan" if stopped else
+                 "no tuning budget or no iteration left", req.start or "the best estimate")
         return untuned(req)
     if not measured:
         raise SpecError("plan", req.start, f"no runnable plan of {len(req.devices)} devices for this model "

@@ -207,9 +207,9 @@ def test_skipped_steps_are_logged_and_eight_in_a_row_at_scale_one_stop_the_train
     assert "\n" not in str(e.value)
 
 
-def _runner_with_nan_weights(checkpoint_dir: str) -> int:
-    """The built-in runner on an fp16 model whose initial weights are NaN (the one fault
-    put in): every step's gradients are non-finite at any scale."""
+def _runner_with_nan_weights(checkpoint_dir: str, model: str = "tests/fixtures/runner/tiny-gpt-fp16.yaml") -> int:
+    """The built-in runner on a model (fp16 unless ``model`` says) whose initial weights are
+    NaN (the one fault put in): every step's gradients are non-finite at any scale."""
     import jax.numpy as jnp
 
     from job_scripts import pipeline, run
@@ -221,7 +221,7 @@ def _runner_with_nan_weights(checkpoint_dir: str) -> int:
         return {**state, "params": {dt: b * jnp.nan for dt, b in state["params"].items()}}
 
     pipeline.Pipeline.init = nan_init
-    return run.main(["--model", "tests/fixtures/runner/tiny-gpt-fp16.yaml", "--global-batch", "16",
+    return run.main(["--model", model, "--global-batch", "16",
                      "--iterations", "40", "--devices", "1", "--platform", "cpu", "--checkpoint-dir", checkpoint_dir,
                      "--checkpoint-every", "4", "--plan", "cell=v100x1:s1 plan=[dp1tp1] mb=1 remat=1"])
 
@@ -271,3 +271,14 @@ def test_volta_has_no_bf16_tensor_cores_and_an_fp16_model_trains_there_in_fp16()
         assert training_arch(a16, gpu).compute_dtype == "bf16", gpu
     a32 = replace(a16, compute_dtype="fp32")
     assert training_arch(a32, "v100") is a32 and training_arch(a32, "a100") is a32
+
+
+def test_a_run_without_loss_scaling_stops_at_its_first_non_finite_loss_and_saves_nothing(tmp_path, capfd):
+    """fp32 (bf16 alike): no step is skipped, so a NaN loss means the weights are gone; the
+    run stops there (exit 3) before it saves over its good checkpoints."""
+    from estimator.contract import EXIT_DIVERGED
+    assert in_jax_child(1, _runner_with_nan_weights, str(tmp_path / "ckpt"),
+                        "tests/fixtures/runner/tiny-gpt.yaml") == EXIT_DIVERGED
+    err = capfd.readouterr().err
+    assert "step 1's loss is nan: the model diverged" in err and "step 2 " not in err
+    assert not any(p.name.isdigit() for p in (tmp_path / "ckpt").glob("*"))  # nothing saved

@@ -116,6 +116,33 @@ def test_a_stop_requested_before_tuning_measures_nothing(monkeypatch, start):
         assert tuned.plan == tuning.best_estimated(_request(None)) and tuned.source == "estimated"
 
 
+def test_the_budget_holds_when_a_candidate_fails_and_nothing_is_measured_without_one(monkeypatch):
+    """The share of the job's remaining time is taken at the first plan that ran, not only
+    when the first one measured ran; no budget, or no iteration left, measures nothing."""
+    from dataclasses import replace
+
+    from job_scripts import tuning
+    from job_scripts.run_config import TuneConfig
+
+    measured = []
+
+    def measure(req, text, agree):
+        measured.append(text)
+        ok = len(measured) > 1  # the daemon's plan runs out of memory; the others run
+        return tuning.Measured(text, 0.1 if ok else None, 1.0, None if ok else "out of device memory")
+
+    monkeypatch.setattr(tuning, "measure_plan", measure)
+    two_left = replace(_request(START), remaining_iterations=2)  # 0.05 × 2 × 0.1 s: one more at most
+    tuning.tune_plan(two_left, TuneConfig(True, 600, 0.05, None), agree=lambda x: x, stop=lambda: False,
+                     writer=False)
+    assert len(measured) == 2
+    for req, budget_s in ((_request(START), 0.0), (replace(_request(START), remaining_iterations=0), 600.0)):
+        measured.clear()
+        tuned = tuning.tune_plan(req, TuneConfig(True, budget_s, 1.0, None), agree=lambda x: x, stop=lambda: False,
+                                 writer=False)
+        assert measured == [] and (tuned.plan, tuned.source) == (START, ADMIN_COMMENT_PLAN)
+
+
 def test_the_tuned_plans_cache_keeps_the_zero_level_and_expert_parallelism_apart():
     from job_scripts.tuning import cache_key
 
