@@ -86,6 +86,8 @@ def aggregate(runs: dict, seeds: list[int]) -> tuple[dict, dict]:
             merged = {**runs["equal"].get(seed_key, {}), **per_policy}
             crius = merged.get("crius", {}).get("avg_jct_s")
             for name, s in merged.items():
+                if s.get("avg_jct_s") is None:  # it finished no job: no average to take
+                    continue
                 jct[variant].setdefault(name, []).append(s["avg_jct_s"] / 3600)
                 if crius:
                     ratio[variant].setdefault(name, []).append(s["avg_jct_s"] / crius)
