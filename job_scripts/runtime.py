@@ -301,6 +301,11 @@ def start(*, stop: StopSignal | None = None, identity: dict | None = None,
                                                  "runtime.start() before any JAX computation")
     plan_text, source = cfg.plan_text, "given" if cfg.plan_text else None
     admin_plan = plan_tokens(admin_comment_from_scontrol(job_text)) if job_text else None
+    if admin_plan and _parsed(admin_plan) is None:
+        # Not the daemon's writing (an edit by hand): the job runs on, from the best estimate,
+        # as it does from a plan that parses but cannot run here; exit 2 would end it FAILED.
+        log.warning("the AdminComment's plan %r does not parse: ignored", admin_plan)
+        admin_plan = None
     given_plan = _parsed(plan_text)
     moved = given_plan is not None and (given_plan.num_gpus != len(devices) or (
         alloc.gpu_type is not None and given_plan.gpu_type != alloc.gpu_type))
