@@ -458,11 +458,11 @@ def estimate_cell(job: JobSpec, cell: Cell, cluster: ClusterSpec,
     can run it or ``options.runnable_only`` is False; otherwise the Cell stays infeasible
     with its own figures and its reason says what would fit, how fast, with how much GPU
     and host memory. A Cell that fits on narrower data parallelism than its batch allows is
-    tried under ZeRO 1–3 too, and the fastest kept (``_faster_split``). A job a script on
-    the runtime API trains (``JobSpec.trainer``) has ZeRO-0 plans without remat only.
+    tried under ZeRO 1–3 too, and the fastest kept (``_faster_split``).
     """
-    api = job.trainer == "api"  # a script on the runtime API: ZeRO-0, every activation kept
-    options = replace(options, remat=False, expert_parallel=False) if api else options
+    if api := job.trainer == "api":  # a script on the runtime API (JobSpec.trainer): ZeRO-0, no remat
+        options = replace(options, remat=False, expert_parallel=False, memory=replace(options.memory, zero_level=0,
+                                                                                      offload=False))
     remats = (False, True) if options.remat is None else (bool(options.remat),)
     best = None
     for remat in remats:

@@ -221,7 +221,7 @@ def allocation_from_env(env: Mapping[str, str], stepd: str | None = None) -> Slu
     partition = env.get("SLURM_JOB_PARTITION") or None
     in_step = bool(env.get("SLURM_STEP_ID", "").strip()) and env.get("SLURM_STEP_ID") != "batch"
     if in_step and stepd is not None:
-        in_step = stepd.rpartition(".")[2].isdigit()
+        in_step = stepd.rpartition(".")[2].partition("+")[0].isdigit()  # 8.0, or 8.0+1 of a het job
     return SlurmAllocation(
         job_id=job_id,
         node_names=nodes,

@@ -338,8 +338,8 @@ class PyslurmClient:
             # the count per node in the same message: Slurm refuses either count beside
             # the other.
             self._cli.update_pending(ids, JobUpdate(partition=update.partition, gpus_per_node=update.gpus_per_node,
-                                                    gpu_type=update.gpu_type, clear_gpus_per_job=True,
-                                                    start_now=False))
+                                                    gpu_type=update.gpu_type, features=update.features,
+                                                    clear_gpus_per_job=True, start_now=False))
         if changes or update.start_now:
             if update.start_now:
                 # After a requeue Slurm adds BeginTime = now + 121 s unless told otherwise.

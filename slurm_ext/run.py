@@ -112,9 +112,12 @@ def run_commands(argvs: Sequence[Sequence[str]], timeout_s: float,
     try:
         for args in all_args:
             log.debug("run %s", args)
-            procs.append(subprocess.Popen(args, shell=False, stdin=subprocess.DEVNULL,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                          **TEXT, env=_merged_env(env)))
+            try:
+                procs.append(subprocess.Popen(args, shell=False, stdin=subprocess.DEVNULL,
+                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                              **TEXT, env=_merged_env(env)))
+            except OSError as e:  # missing, not executable, ...
+                raise CommandNotFoundError(args, None if isinstance(e, FileNotFoundError) else e.strerror) from None
         deadline = time.monotonic() + timeout_s
         outputs = []
         for args, proc in zip(all_args, procs):
@@ -124,9 +127,6 @@ def run_commands(argvs: Sequence[Sequence[str]], timeout_s: float,
                 log.warning("timed out after %g s: %s", timeout_s, args)
                 raise CommandTimeoutError(args, timeout_s) from None
             outputs.append(CompletedCommand(args, proc.returncode, out, err))
-    except OSError as e:  # missing, not executable, ...
-        raise CommandNotFoundError(all_args[len(procs)],
-                                   None if isinstance(e, FileNotFoundError) else e.strerror) from None
     finally:
         for proc in procs:
             if proc.poll() is None:

@@ -21,6 +21,7 @@ Journal states: ``intended`` (written, maybe partly applied), ``done``, ``failed
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import functools
 import hashlib
@@ -118,13 +119,9 @@ class RecoveryStep:
 
 
 def _update_to_json(update: JobUpdate | None) -> str:
-    if update is None:
-        return "null"
-    return json.dumps({"partition": update.partition, "gpus_per_node": update.gpus_per_node,
-                       "num_nodes": update.num_nodes, "admin_comment": update.admin_comment,
-                       "required_nodes": update.required_nodes, "gpu_type": update.gpu_type,
-                       "features": update.features, "cpus_per_gpu": update.cpus_per_gpu,
-                       "mem_per_gpu_mb": update.mem_per_gpu_mb, "start_now": update.start_now})
+    """Every field (an entry re-applied after a restart is the update as it was meant);
+    a field added later reads back as its default from older rows."""
+    return "null" if update is None else json.dumps(dataclasses.asdict(update))
 
 
 def _update_from_json(text: str) -> JobUpdate | None:

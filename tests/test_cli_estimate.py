@@ -80,6 +80,14 @@ def test_trainer_api_shows_what_a_script_on_the_runtime_api_runs(capsys, monkeyp
     assert json.loads(out)["cells"] == cells
     code, out, err = run(capsys, *args, "--trainer", "api", "--max-stages", "2")
     assert code != 0 and out == "" and "max_stages=2" in err and len(err.strip().splitlines()) == 1
+    for flag in (("--zero", "2"), ("--offload",), ("--remat", "on"), ("--expert-parallel",)):
+        code, out, err = run(capsys, *args, "--trainer", "api", *flag)
+        assert code != 0 and out == "" and f"{flag[0]} does not apply with --trainer api" in err, flag
+    # In a --batch line too, the trainer's plans are ZeRO-0 whatever the flags' level.
+    line = '{"model": "gpt-1.3b", "global_batch": 512, "num_gpus": 4, "trainer": "api"}\n'
+    code, out, err = run(capsys, "estimate", "--cluster", "lab", "--zero", "2", "--batch", "-", stdin=line,
+                         monkeypatch=monkeypatch)
+    assert code == 0 and all(not c.get("zero_level") and not c.get("offload") for c in json.loads(out)["cells"])
 
 
 def test_bad_max_stages_is_one_line(capsys):

@@ -167,7 +167,7 @@ def test_a_job_whose_script_this_user_cannot_read_is_not_a_spec_error(tmp_path, 
                    comment="elastic", gpus_per_node=4, node_count=1, priority=0)
     doc, err = _explain_on(tmp_path, monkeypatch, job, None)
     assert doc["spec_error"] is None and doc["chosen"]["cell"] == "a100x4:s1"
-    assert "readable only by its owner" in err
+    assert "cannot be read here (only its owner and root" in err
 
 
 def test_unread_settings_are_not_a_spec_error_and_the_daemons_verdict_is_shown(tmp_path, monkeypatch):
@@ -177,7 +177,7 @@ def test_unread_settings_are_not_a_spec_error_and_the_daemons_verdict_is_shown(t
                        admin_comment="requested=any why=waiting for GPUs", comment="elastic", priority=0)
     doc, err = _explain_on(tmp_path, monkeypatch, waiting, None)
     assert doc["spec_error"] is None and doc["waiting"]["category"] == explain.WAITING_FOR_GPUS
-    assert "readable only by its owner" in err
+    assert "cannot be read here (only its owner and root" in err
     refused = SlurmJob(8, "alice", "train", "RUNNING", partition="a100", priority=1,
                        admin_comment="requested=a100 error=no Cell meets the deadline; runs as submitted",
                        comment="elastic model=gpt-1.3b global_batch=64 iterations=1000")

@@ -173,6 +173,8 @@ def test_a_batch_job_submitted_from_inside_a_step_is_its_batch_step():
     assert alloc.num_nodes == 2 and alloc.gpus_per_node == 2
     task = allocation_from_env(env, stepd="4.0")  # a task of the job's step 0
     assert task.in_step and task.launch_host == "127.0.0.1"
+    assert allocation_from_env(env, stepd="4.0+1").in_step  # a component of a heterogeneous step
+    assert not allocation_from_env(env, stepd="4.extern").in_step
 
 
 def test_outside_slurm_no_step_encloses_this_process():

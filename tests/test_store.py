@@ -285,3 +285,22 @@ def test_the_estimates_kept_in_memory_are_bounded_least_recently_used_out(store,
         cache.get(key, lambda: [], 1.0)
     assert list(cache._memo) == ["a", "c"]
     assert store.get_estimate("b") is not None  # still in the file: read back when asked again
+
+
+def test_every_field_of_an_update_survives_the_journal(store):
+    """An entry re-applied (a rescale's release, recovery after a restart) is the update as
+    meant: a field left out would send Slurm another (one it refuses: a count per job left
+    beside the count per node)."""
+    from dataclasses import fields
+    full = JobUpdate(partition="a100", gpus_per_node=4, num_nodes=2, admin_comment="why=x",
+                     required_nodes=("a100-1", "a100-2"), gpu_type="a100", features="", cpus_per_gpu=8,
+                     mem_per_gpu_mb=64000, start_now=False, clear_gpus_per_job=True)
+    assert all(getattr(full, f.name) != f.default for f in fields(JobUpdate))  # every field set
+    entry_id = store.intend(7, START, full, now_s=1.0)
+    (entry,) = [e for e in store.entries(7) if e.entry_id == entry_id]
+    assert entry.update == full
+    # A row written before a field existed reads back with its default.
+    store._exec("UPDATE journal SET payload_json = ? WHERE id = ?", ('{"partition": "a100", "gpus_per_node": 4}',
+                                                                    entry_id))
+    (old,) = store.entries(7)
+    assert old.update == JobUpdate(partition="a100", gpus_per_node=4)

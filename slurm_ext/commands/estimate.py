@@ -227,6 +227,14 @@ def command(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, trai
         if unused:
             raise click.UsageError(f"{' and '.join(unused)} only appl{'y' if len(unused) > 1 else 'ies'} with "
                                    "--fidelity compiled")
+    if trainer == "api":
+        source = click.get_current_context().get_parameter_source
+        given = [flag for name, flag in (("zero_level", "--zero"), ("offload", "--offload"), ("remat", "--remat"),
+                                         ("expert_parallel", "--expert-parallel"))
+                 if source(name) is click.core.ParameterSource.COMMANDLINE]
+        if given:
+            raise click.UsageError(f"{given[0]} does not apply with --trainer api: a script on the runtime API "
+                                   "runs ZeRO-0 plans without remat or expert parallelism")
     memory = MemoryOptions(zero_level=zero_level, offload=offload)
     options = EstimateOptions(micro_batches=micro_batches, comm_table=comm_table, fidelity=fidelity,
                               compile_cache_dir=compile_cache, gpu_specs_dir=gpu_specs_dir,

@@ -74,8 +74,8 @@ def command(job_id, as_json, config_path, state_db, timeout_s):
     estimates = None
     if job.is_elastic and stored is None and script is None and job.batch:
         # Its #ELASTIC lines are its owner's to read (the daemon, as root, read them).
-        click.echo("slurm-ext: warning: the job's batch script is readable only by its owner and root, "
-                   "so its Cells are not estimated here", err=True)
+        click.echo("slurm-ext: warning: the job's batch script cannot be read here (only its owner and root "
+                   "may, while the job is queued or running), so its Cells are not estimated", err=True)
     elif job.is_elastic and stored is not None and stored[1]:
         spec_error = stored[1]  # the daemon's own verdict
     elif job.is_elastic and stored is None and pc.error:
