@@ -61,7 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--keep", type=int, default=2, help="checkpoints kept (default 2)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data stream")
     p.add_argument("--devices", type=int, help="device count (default: the GPUs Slurm granted)")
-    p.add_argument("--platform", choices=("auto", "cpu", "gpu"), default="auto")
+    p.add_argument("--platform", choices=("auto", "cpu", "gpu"), default="auto",
+                   help="where to train: gpu, cpu (one fake device per granted GPU), or auto (gpu when one is seen)")
     p.add_argument("--warmup-steps", type=int, default=2, help="steps not timed after each start")
     p.add_argument("--launch", choices=("auto", "srun", "single"), default=None,
                    help="on several nodes: srun one process per node (joined by jax.distributed) or "

@@ -479,3 +479,24 @@ def test_a_cluster_from_the_environment_that_does_not_load_names_the_variable(ca
     monkeypatch.setenv("SLURM_EXT_CLUSTER", "lab")
     code, out, err = run(capsys, "estimate", "--model", "gpt-760m", "--global-batch", "8", "--gpu-type", "a10")
     assert code == 0 and "best (*): a10x" in out
+
+
+def test_simulate_takes_a_quoted_glob_of_restart_reports(capsys, tmp_path):
+    """As the help and docs/simulation.md say: 'ROOT/*/measured.json', expanded here."""
+    import json as json_module
+    trace = tmp_path / "t.csv"
+    trace.write_text("job_id,submit_time_s,duration_s,num_gpus,gpu_type,status\na,0,100,2,,\n")
+    for job, resume_s in (("1", 100.0), ("2", 110.0), ("3", 120.0)):
+        (tmp_path / "root" / job).mkdir(parents=True)
+        (tmp_path / "root" / job / "measured.json").write_text(json_module.dumps(
+            {"job_id": job, "restart_count": 1, "startup_s": resume_s, "final_save_s": 2.0}))
+    args = ("simulate", "--trace", str(trace), "--cluster", "crius-1280", "--policy", "fcfs", "--quiet", "--json", "-")
+    code, out, err = run(capsys, *args, "--restart-costs", str(tmp_path / "root" / "*" / "measured.json"))
+    assert code == 0, err
+    globbed = json_module.loads(out)["policies"]["fcfs"]["costs"]
+    each = [a for job in ("1", "2", "3") for a in ("--restart-costs", str(tmp_path / "root" / job / "measured.json"))]
+    code, out, err = run(capsys, *args, *each)
+    assert code == 0 and json_module.loads(out)["policies"]["fcfs"]["costs"] == globbed
+    assert globbed["checkpoint_resume_s"] == 110.0 + 2.0  # the median of the three resumes, and the save
+    code, out, err = run(capsys, *args, "--restart-costs", str(tmp_path / "none" / "*.json"))
+    assert code == 2 and "matches no file" in err

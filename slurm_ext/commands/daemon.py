@@ -50,7 +50,7 @@ def make_client(config: DaemonConfig):
 @click.option("--interval-s", type=float, default=None,
               help=f"Seconds between rounds (default: the config's, else {DaemonConfig.interval_s:g}).")
 @click.option("--policy", default=None,
-              help=f"Scheduling policy (default: cells-ilp): {', '.join(policy_names())}.")
+              help=f"Scheduling policy (default: the config's policy:, else cells-ilp): {', '.join(policy_names())}.")
 @click.option("--state-db", default=None,
               help=f"SQLite state file (default: the config's, else {DaemonConfig.state_db}).")
 @click.option("--log-level", default=None,

@@ -6,6 +6,7 @@ the report's JSON, the table and PNG plots. Progress goes to stderr.
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import math
@@ -69,8 +70,14 @@ def _measured_costs(paths: tuple[str, ...]):
 
     if not paths:
         return RestartCosts()
+    files = []
+    for given in paths:  # a quoted glob is expanded here (a shell's would give several values)
+        matched = sorted(glob.glob(given)) if glob.has_magic(given) else [given]
+        if not matched:
+            raise SpecError("restart_costs", given, "matches no file")
+        files += matched
     reports = []
-    for path in paths:
+    for path in files:
         try:
             report = RunnerReport.from_text(Path(path).read_text(errors="replace"))
         except OSError as e:
@@ -120,8 +127,8 @@ def _measured_costs(paths: tuple[str, ...]):
                    "every policy, which is what the runtime does whatever policy chose the Cell; own, each "
                    "policy's as the Crius paper charged them (full for the baselines, pruned for crius and "
                    "cells-ilp); or full, pruned or none for every policy.")
-@click.option("--restart-costs", "restart_reports", multiple=True, type=click.Path(exists=True, dir_okay=False),
-              help="A runner's measured.json; repeat (or use a shell glob, ROOT/*/measured.json): restart costs "
+@click.option("--restart-costs", "restart_reports", multiple=True,
+              help="A runner's measured.json; repeat, or give a quoted glob ('ROOT/*/measured.json'): restart costs "
                    "become the medians the runtime measured (start-up, resume and save, tuning) instead of "
                    "the defaults.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
