@@ -223,7 +223,7 @@ def test_model_files_must_be_readable_by_the_job_owner(tmp_path):
         model_loader_for("nobody")(str(secret))
     with pytest.raises(SpecError, match="YAML file"):
         model_loader_for("nobody")("/dev/zero")
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(SpecError, match="readable by the job's owner"):  # root's 0700 tmp_path: not even "missing"
         model_loader_for("nobody")(str(tmp_path / "missing.yaml"))
     assert model_loader_for("nobody")("gpt-760m").num_layers > 0
 
