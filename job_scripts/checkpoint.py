@@ -77,6 +77,11 @@ def write_json_atomic(path: Path, obj: object) -> None:
         raise
 
 
+def _first_line(e: Exception) -> str:
+    """The first line of an error (tensorstore's carry their whole spec after it)."""
+    return str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+
+
 class ArrayReader:
     """Slices of the arrays saved in one checkpoint, read from its files with tensorstore."""
 
@@ -90,6 +95,11 @@ class ArrayReader:
         self.use_ocdbt = bool(meta.get("use_ocdbt", True))
         self._open: dict[str, object] = {}
 
+    @property
+    def manifest_lost(self) -> bool:
+        """An OCDBT checkpoint without its database's root: every array reads NOT_FOUND."""
+        return self.use_ocdbt and not (self.dir / "manifest.ocdbt").is_file()
+
     def _store(self, name: str):
         if name not in self._open:
             import tensorstore as ts
@@ -99,9 +109,8 @@ class ArrayReader:
             try:
                 self._open[name] = ts.open(spec, context=th.get_ts_context(use_ocdbt=self.use_ocdbt)).result()
             except Exception as e:  # noqa: BLE001 - tensorstore raises ValueError and its own errors
-                first = str(e).splitlines()[0][:300]
-                lost = self.use_ocdbt and not (self.dir / "manifest.ocdbt").is_file()  # the database's root
-                if first.startswith("NOT_FOUND") and not lost:  # a checkpoint of another layout
+                first = _first_line(e)
+                if first.startswith("NOT_FOUND") and not self.manifest_lost:  # a checkpoint of another layout
                     raise CheckpointError(f"{self.dir}: no array {name!r} ({first})") from None
                 raise CheckpointDamaged(f"{self.dir}: array {name!r} cannot be opened ({first})") from None
         return self._open[name]
@@ -116,7 +125,7 @@ class ArrayReader:
             return np.asarray(store[index].read().result())
         except Exception as e:  # noqa: BLE001 - tensorstore raises ValueError and its own errors
             raise CheckpointDamaged(f"{self.dir}: array {'.'.join(keys)!r} cannot be read "
-                                    f"({str(e).splitlines()[0][:300]})") from None
+                                    f"({_first_line(e)})") from None
 
 
 class Checkpoints:
@@ -266,9 +275,7 @@ class Checkpoints:
         try:
             out = self.manager.restore(step, args=ocp.args.Composite(**{ARRAYS: ocp.args.StandardRestore(target)}))
         except (ValueError, KeyError) as e:
-            first = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
-            reader = self.reader(step)  # CheckpointDamaged without its metadata
-            lost = reader.use_ocdbt and not (reader.dir / "manifest.ocdbt").is_file()  # the database's root
+            first, lost = _first_line(e), self.reader(step).manifest_lost  # CheckpointDamaged without its metadata
             if first.startswith(DAMAGE_STATUSES) or (lost and first.startswith("NOT_FOUND")):
                 raise CheckpointDamaged(f"{self.directory / str(step)}: cannot be read ({first})") from None
             raise CheckpointError(f"{self.directory / str(step)}: does not match this job's state ({first})") from None

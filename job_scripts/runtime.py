@@ -257,11 +257,11 @@ def start(*, stop: StopSignal | None = None, identity: dict | None = None,
     own_environment = env is None
     env = dict(os.environ if env is None else env)
     alloc = allocation_from_env(env)
-    if own_environment and alloc.in_step and _from_batch(env, alloc) is None:
+    passed = _from_batch(env, alloc)
+    if own_environment and alloc.in_step and passed is None:
         # Not a task this job's batch process started: a task of a step only if a step's
         # slurmstepd started it (else the variables came with the submission).
         alloc = allocation_from_env(env, enclosing_step())
-    passed = _from_batch(env, alloc)
     if passed is not None and "job_text" in passed:  # the batch process's reading, shared by every task
         job_text = passed["job_text"] if isinstance(passed["job_text"], str) else None
     else:

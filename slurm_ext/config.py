@@ -373,16 +373,17 @@ def resolve(flags: Mapping[str, object] | None = None, env: Mapping[str, str] | 
         for key, raw in layer.items():
             values[key], sources[key] = _coerce(key, raw, source), source
     config = DaemonConfig(**values)
-    _check_policy(config, sources.get("policy_options", sources.get("policy", "defaults")),
-                  sources.get("policy", "defaults"))
+    _check_policy(config, sources)
     return config
 
 
-def _check_policy(config: DaemonConfig, source: str, policy_source: str) -> None:
+def _check_policy(config: DaemonConfig, sources: Mapping[str, str]) -> None:
     """The policy can be built with its options, each of the type it declares (a typo or
     a ``2.5`` for a count fails here, not in every round)."""
     from policy.registry import make_policy, policy_class
 
+    policy_source = sources.get("policy", "defaults")
+    source = sources.get("policy_options", policy_source)
     options = dict(config.policy_options)
     try:
         hints = _option_types(policy_class(config.policy))

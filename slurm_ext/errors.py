@@ -54,11 +54,12 @@ class CommandTimeoutError(SlurmExtError):
 
 
 class CommandNotFoundError(SlurmExtError):
-    """The program to run is not installed or not on PATH, or cannot be run (``why``: the
-    operating system's reason, e.g. not executable)."""
+    """The program to run is not installed or not on PATH, or cannot be run (``error``: the
+    operating system's refusal, e.g. not executable)."""
 
-    def __init__(self, argv: Sequence[str], why: str | None = None):
+    def __init__(self, argv: Sequence[str], error: OSError | None = None):
         self.argv = tuple(argv)
+        why = None if error is None or isinstance(error, FileNotFoundError) else error.strerror
         where = ("or check the Slurm prefix (slurm_prefix in the config, SLURM_EXT_SLURM_PREFIX)"
                  if "/" in self.argv[0] else "or fix PATH")
         super().__init__(

@@ -328,7 +328,7 @@ class PyslurmClient:
             raise SlurmArgumentError("update", update, "set at least one of partition, gpus_per_node, "
                                      "num_nodes, admin_comment, required_nodes, features, cpus_per_gpu, "
                                      "mem_per_gpu_mb")
-        if clear_features:
+        if clear_features and not update.clear_gpus_per_job:  # else cleared with the count below
             # pyslurm sends an empty constraint as "unset", which Slurm reads as "no change";
             # scontrol's Features= clears. First, so that a retype below does not meet the
             # old type's constraint.

@@ -88,7 +88,7 @@ def run_command(argv: Sequence[str], timeout_s: float, input_text: str | None = 
         log.warning("timed out after %g s: %s", timeout_s, args)
         raise CommandTimeoutError(args, timeout_s) from None
     except OSError as e:  # missing, not executable, ...
-        raise CommandNotFoundError(args, None if isinstance(e, FileNotFoundError) else e.strerror) from None
+        raise CommandNotFoundError(args, e) from None
     if check and proc.returncode != 0:
         log.info("exit %d: %s: %s", proc.returncode, args, proc.stderr.strip())
         raise SlurmCommandError(args, proc.returncode, proc.stderr)
@@ -117,7 +117,7 @@ def run_commands(argvs: Sequence[Sequence[str]], timeout_s: float,
                                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                               **TEXT, env=_merged_env(env)))
             except OSError as e:  # missing, not executable, ...
-                raise CommandNotFoundError(args, None if isinstance(e, FileNotFoundError) else e.strerror) from None
+                raise CommandNotFoundError(args, e) from None
         deadline = time.monotonic() + timeout_s
         outputs = []
         for args, proc in zip(all_args, procs):
@@ -162,7 +162,7 @@ def start_background(argv: Sequence[str], log_path: Path | str | None = None,
                                 stderr=subprocess.STDOUT, env=_merged_env(env),
                                 start_new_session=True)
     except OSError as e:  # missing, not executable, ...
-        raise CommandNotFoundError(args, None if isinstance(e, FileNotFoundError) else e.strerror) from None
+        raise CommandNotFoundError(args, e) from None
     finally:
         if log_path is not None:
             out.close()

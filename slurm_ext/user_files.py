@@ -11,6 +11,7 @@ check is never read.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import stat
@@ -76,25 +77,28 @@ def read_user_file(path: str, max_bytes: int, owner: str | None = None) -> bytes
     """
     not_theirs = SpecError("file", path, "the file must be readable by the job's owner "
                                          "(owned by them or world-readable, in directories they may enter)")
+    not_a_file = SpecError("file", path, f"give a regular file of at most {max_bytes} bytes")
     ids = _ids_of(owner) if owner is not None else None
-    if owner is not None and (ids is None or not _may_search(os.path.dirname(os.path.realpath(path)), ids)):
-        raise not_theirs
-    if owner is not None and os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
-        raise SpecError("file", path, f"give a regular file of at most {max_bytes} bytes")  # never opened
+    if owner is not None:
+        if ids is None or not _may_search(os.path.dirname(os.path.realpath(path)), ids):
+            raise not_theirs
+        with contextlib.suppress(OSError):  # missing: the open below says so
+            if not stat.S_ISREG(os.stat(path).st_mode):
+                raise not_a_file  # never opened
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
         if ids is not None and not _owner_may_read(fd, st, ids):
             raise not_theirs
         if not stat.S_ISREG(st.st_mode) or st.st_size > max_bytes:
-            raise SpecError("file", path, f"give a regular file of at most {max_bytes} bytes")
+            raise not_a_file
         chunks, left = [], max_bytes + 1
         while left > 0 and (chunk := os.read(fd, min(left, 1 << 16))):
             chunks.append(chunk)
             left -= len(chunk)
         data = b"".join(chunks)
         if len(data) > max_bytes:  # grew after the fstat
-            raise SpecError("file", path, f"give a regular file of at most {max_bytes} bytes")
+            raise not_a_file
         return data
     finally:
         os.close(fd)

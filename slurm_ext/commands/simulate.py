@@ -12,6 +12,7 @@ import logging
 import math
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import click
@@ -175,10 +176,7 @@ def command(trace_path, cluster_name, policies, trace_kind, seed, density, oracl
     # The mapping draws the papers' types (a100, v100, a40, a10): on a cluster without some,
     # policies that keep a job to the type it asked for leave it waiting, and averages of
     # finished jobs alone then favour them.
-    missing = {}
-    for j in jobs:
-        if j.spec.gpu_type not in cluster.gpu_types:
-            missing[j.spec.gpu_type] = missing.get(j.spec.gpu_type, 0) + 1
+    missing = Counter(j.spec.gpu_type for j in jobs if j.spec.gpu_type not in cluster.gpu_types)
     if missing:
         click.echo(f"slurm-ext: warning: {sum(missing.values())} of {len(jobs)} jobs ask for GPU types "
                    f"{cluster.name} lacks ({', '.join(f'{t}: {n}' for t, n in sorted(missing.items()))}); "
