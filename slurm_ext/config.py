@@ -7,6 +7,7 @@ Every key is documented in ``etc/slurm-ext.yaml``. :func:`resolve` is pure; only
 
 from __future__ import annotations
 
+import ipaddress
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -49,6 +50,8 @@ class DaemonConfig:
         network: network kind for a derived cluster spec (``default``, ``infiniband``, ...).
         state_db: the SQLite state file.
         metrics_port: port of the Prometheus endpoint; None: no metrics.
+        metrics_address: the address the endpoint listens on (``0.0.0.0``: every
+            interface, for a Prometheus on another host; ``127.0.0.1``: this host only).
         rescale_timeout_s: how long a running job may take to checkpoint and requeue
             itself after USR1 before it is requeued by force.
         restart_cost_s: what one restart costs a job (checkpoint, requeue, resume, plan
@@ -117,6 +120,7 @@ class DaemonConfig:
     network: str = "default"
     state_db: str = "/var/lib/slurm-ext/state.db"
     metrics_port: int | None = None
+    metrics_address: str = "0.0.0.0"
     rescale_timeout_s: float = 120.0
     restart_cost_s: float = 60.0
     dry_run: bool = False
@@ -336,6 +340,14 @@ def _coerce(key: str, raw: object, source: str) -> object:
         if not isinstance(raw, str):  # YAML's off/no/false are booleans, not a path named "False"
             raise ConfigError(key, raw, f"({source}) give a path, or null to leave it unset")
         return raw
+    if key == "metrics_address":
+        address = str(raw).strip() if isinstance(raw, str) else ""
+        try:
+            ipaddress.ip_address(address)
+        except ValueError:
+            raise ConfigError(key, raw, f"({source}) give an IP address to listen on (0.0.0.0: every interface, "
+                                        "127.0.0.1: this host only)") from None
+        return address
     if key == "network":
         kind = str(raw).strip().lower()
         if kind not in NETWORK_DEFAULT_GBYTES_S:

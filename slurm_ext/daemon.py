@@ -70,8 +70,8 @@ log = logging.getLogger(__name__)
 JOURNAL_KEEP_S = 7 * 86400.0  # closed journal entries (and cached estimates) are kept this long
 PRUNE_EVERY_S = 3600.0
 # dry_run too: a daemon started dry holds no lock on its state file (commands/daemon.py).
-RESTART_KEYS = ("state_db", "slurm_backend", "slurm_prefix", "slurm_timeout_s", "metrics_port", "log_level",
-                "dry_run")
+RESTART_KEYS = ("state_db", "slurm_backend", "slurm_prefix", "slurm_timeout_s", "metrics_port", "metrics_address",
+                "log_level", "dry_run")
 # A spec that needs the batch script is read again next round when Slurm did not give the
 # script (a timeout under load), this many rounds in a row before its error is kept.
 SCRIPT_READ_TRIES = 3

@@ -25,9 +25,10 @@ class Metrics:
 
     Args:
         port: TCP port of the /metrics endpoint, or None for no endpoint.
+        address: the IP address it listens on (0.0.0.0: every interface).
     """
 
-    def __init__(self, port: int | None = None):
+    def __init__(self, port: int | None = None, address: str = "0.0.0.0"):
         self.enabled = False
         if port is None:
             return
@@ -47,12 +48,13 @@ class Metrics:
         self._errors = prom.Counter("slurm_ext_errors", "Errors by kind", ["kind"], registry=registry)
         self._jobs = prom.Gauge("slurm_ext_jobs", "Jobs seen in the last round", ["kind"], registry=registry)
         try:
-            prom.start_http_server(port, registry=registry)
+            prom.start_http_server(port, addr=address, registry=registry)
         except OSError as e:  # the port is taken: scheduling matters more than its metrics
-            log.warning("event=metrics_disabled reason=cannot_listen port=%d error=%r", port, str(e))
+            log.warning("event=metrics_disabled reason=cannot_listen address=%s port=%d error=%r", address, port,
+                        str(e))
             return
         self.enabled = True
-        log.info("event=metrics_listening port=%d", port)
+        log.info("event=metrics_listening address=%s port=%d", address, port)
 
     def round_done(self, seconds: float, outcome: str) -> None:
         if self.enabled:

@@ -29,3 +29,28 @@ def test_a_partition_yaml_reads_as_a_boolean_must_be_quoted(tmp_path):
 def test_an_unknown_policy_names_where_it_was_set(tmp_path):
     with pytest.raises(ConfigError, match=r"policy='nope': \(.*slurm-ext.yaml\) unknown policy; known: "):
         _load(tmp_path, "policy: nope\n")
+
+
+def test_the_metrics_address_is_an_ip_address_and_is_where_it_listens(tmp_path):
+    for word in ("localhost:9100", "yes", "[a]", "300.1.1.1"):
+        with pytest.raises(ConfigError, match="metrics_address=.*give an IP address to listen on"):
+            _load(tmp_path, f"metrics_address: {word}\n")
+    assert _load(tmp_path, "").metrics_address == "0.0.0.0"
+    config = _load(tmp_path, "metrics_address: 127.0.0.1\n")
+    pytest.importorskip("prometheus_client")
+    import socket
+    from slurm_ext.metrics import Metrics
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    assert Metrics(port, config.metrics_address).enabled
+    socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    # Linux routes all of 127/8 to the loopback: a server on every interface answers
+    # 127.0.0.2 too, one on 127.0.0.1 alone does not.
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.2", port), timeout=2).close()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    assert Metrics(port).enabled
+    socket.create_connection(("127.0.0.2", port), timeout=2).close()

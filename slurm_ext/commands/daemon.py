@@ -89,7 +89,7 @@ def command(config_path, once, dry_run, interval_s, policy, state_db, log_level)
         if lock_fd is not None:
             os.close(lock_fd)  # the next daemon may act on the state file
 
-    metrics = Metrics(config.metrics_port)
+    metrics = Metrics(config.metrics_port, config.metrics_address)
     try:
         client = make_client(config)
     except SlurmExtError as e:
