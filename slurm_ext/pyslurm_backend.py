@@ -33,7 +33,6 @@ its failure becomes a one-line error.
 
 import logging
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -42,8 +41,11 @@ from slurm_ext.cli_backend import (
     CliSlurmClient, _admin_comment, _id_list, _job_id, _name, _node_list, _positive, job_listing_argv,
     reservation_change, retry_stale_errno, signal_batch_argv,
 )
-from slurm_ext.errors import SlurmArgumentError, SlurmCommandError, SlurmExtError, SlurmParseError
+from slurm_ext.errors import (
+    CommandNotFoundError, CommandTimeoutError, SlurmArgumentError, SlurmCommandError, SlurmExtError, SlurmParseError,
+)
 from slurm_ext.slurm_client import ACTIVE_STATES, JobUpdate, SlurmJob, SlurmNode, SubmitRequest
+from slurm_ext.run import run_command
 from slurm_ext.slurm_install import SlurmInstall
 from slurm_ext.slurm_parse import expand_hostlist, is_elastic, listing_records, parse_job, parse_node
 
@@ -80,13 +82,13 @@ def check_importable(environ: Mapping[str, str]) -> None:
         raise PyslurmUnavailable(f"SLURM_CONF={conf} is not a file: set it to the cluster's "
                                  "slurm.conf, or set slurm_backend: cli")
     try:
-        probe = subprocess.run([sys.executable, "-c", IMPORT_PROBE], env=dict(environ),
-                               capture_output=True, text=True, timeout=IMPORT_PROBE_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
+        probe = run_command([sys.executable, "-c", IMPORT_PROBE], IMPORT_PROBE_TIMEOUT_S, env=environ,
+                            check=False)
+    except CommandTimeoutError:
         raise PyslurmUnavailable(f"importing pyslurm took over {IMPORT_PROBE_TIMEOUT_S:.0f} s "
                                  "(Slurm could not reach its configuration)") from None
-    except OSError as e:  # this interpreter cannot be started again (e.g. its path not
-        log.debug("pyslurm import not tried first: %s", e)  # traversable for this user)
+    except CommandNotFoundError as e:  # this interpreter cannot be started again (e.g. its
+        log.debug("pyslurm import not tried first: %s", e)  # path not traversable for this user)
         return
     if probe.returncode == 3:
         raise ImportError(probe.stdout.strip())

@@ -339,3 +339,19 @@ def test_a_failed_command_is_one_readable_line_with_a_hint_when_slurm_is_unreach
     assert text.endswith("is slurmctld up and SLURM_CONF its slurm.conf (check `scontrol ping`)?")
     other = str(SlurmCommandError(["scontrol", "hold", "7"], 1, "Invalid job id specified"))
     assert other == "'scontrol hold 7' exited 1: Invalid job id specified"
+
+
+def test_only_the_run_module_starts_programs():
+    """Every program the daemon runs goes through ``slurm_ext/run.py`` (time limit, typed
+    errors, the configured environment merged in)."""
+    import ast
+    from pathlib import Path
+    package = Path(__file__).resolve().parent.parent / "slurm_ext"
+    importers = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) else [])
+            if "subprocess" in names:
+                importers.append(path.relative_to(package).as_posix())
+    assert importers == ["run.py"]
