@@ -14,7 +14,8 @@ before the first measurement keeps the starting plan unmeasured. A candidate tha
 of device memory is one that failed, and the search goes on (in a one-process job; across
 processes the job ends, as a process's failure may leave the others in a collective). The result is cached per
 (model, global batch, Cell, node layout, platform, the start's ZeRO level and ep), so a job
-resumed on a Cell it has tuned does not tune again.
+resumed on a Cell it has tuned does not tune again, unless that search was cut short by a
+budget this run may well exceed (``RESEARCH_BUDGET_RATIO``).
 Every process of a multi-process job measures the same candidates in the same order and
 agrees on times (their maximum), so all take the same decision; a cached plan is used only
 when every process read the same one.
@@ -37,6 +38,10 @@ from job_scripts.checkpoint import write_json_atomic
 from job_scripts.run_config import TuneConfig
 
 log = logging.getLogger(__name__)
+
+# A cached search its budget cut short is searched again by a run that may spend more than
+# this many times its budget.
+RESEARCH_BUDGET_RATIO = 1.5
 
 MEASURE_WARMUP_STEPS = 1  # the first step compiles
 # Timed steps: at least MIN, more until MIN_TIMED_S have run (fast steps are noisy), at most MAX.
@@ -353,6 +358,13 @@ def _cached(req: TuneRequest, cfg: TuneConfig) -> Tuned | None:
         raw = json.loads(path.read_text())
         plan, seconds = raw["plan"], raw["iteration_time_s"]
         _runnable(req, plan)
+        if raw.get("complete", True) is False:
+            # A search its budget cut short: kept while this run could not search longer.
+            budget_now_s = min(cfg.budget_s, cfg.budget_frac * req.remaining_iterations * float(seconds))
+            if budget_now_s > RESEARCH_BUDGET_RATIO * float(raw["budget_s"]):
+                log.info("the tuned plan of this Cell came from a search cut at %.0f s; this run may take "
+                         "%.0f s: tuning again", float(raw["budget_s"]), budget_now_s)
+                return None
     except (OSError, ValueError, KeyError, TypeError, SpecError):
         return None
     return Tuned(plan, seconds, "cached")
@@ -394,7 +406,7 @@ def tune_plan(req: TuneRequest, cfg: TuneConfig, agree: Callable[[float], float]
                  cached.iteration_time_s)
         return cached
     t_begin = time.perf_counter()
-    budget_s, costs, stopped, timed = cfg.budget_s, [], False, False
+    budget_s, costs, stopped, timed, cut = cfg.budget_s, [], False, False, False
     # Nothing to tune for: no budget, or no iteration left to train (a job resumed at its end).
     idle = cfg.budget_s <= 0 or req.remaining_iterations <= 0
 
@@ -413,14 +425,16 @@ def tune_plan(req: TuneRequest, cfg: TuneConfig, agree: Callable[[float], float]
     def more() -> bool:
         """No stop was requested and another measurement fits the budget (every process
         gets the same answer)."""
-        nonlocal stopped
+        nonlocal stopped, cut
         stopped = stopped or stop()
         if stopped:
             return False  # a rescale or the job's end waits for no compile
         if not costs:
             return not idle
         spent = agree(time.perf_counter() - t_begin)
-        return spent + sum(costs) / len(costs) <= budget_s
+        fits = spent + sum(costs) / len(costs) <= budget_s
+        cut = cut or not fits  # a candidate left unmeasured
+        return fits
 
     measured = search_plans(req, measure, more)
     if not measured and (stopped or idle):
@@ -438,13 +452,15 @@ def tune_plan(req: TuneRequest, cfg: TuneConfig, agree: Callable[[float], float]
     tuning_s = time.perf_counter() - t_begin
     start_s = measured[0].iteration_time_s if req.start and measured[0].plan == req.start else None
     source = ADMIN_COMMENT_PLAN if best.plan == req.start and len(measured) == 1 else "tuned"
-    # A search a stop cut short is not kept: the next run on this Cell searches afresh.
+    # A search a stop cut short is not kept: the next run on this Cell searches afresh. One
+    # its budget cut is kept with that budget: a run that may search longer searches again.
     if writer and cfg.cache_dir is not None and len(measured) > 1 and not stopped:
         key = cache_key(req)
         try:  # a cache: the job trains on its tuned plan whether or not others can reuse it
             write_json_atomic(_cache_path(cfg.cache_dir, key), {
                 "key": key, "plan": best.plan, "iteration_time_s": best.iteration_time_s,
-                "tuned_at_s": time.time(), "measured": [m.__dict__ for m in measured]})
+                "tuned_at_s": time.time(), "complete": not cut, "budget_s": budget_s,
+                "measured": [m.__dict__ for m in measured]})
         except OSError as e:
             log.warning("tuned plan not cached in %s: %s", cfg.cache_dir, e)
     return Tuned(best.plan, best.iteration_time_s, source, tuning_s, tuple(measured), start_s)

@@ -330,3 +330,40 @@ def test_processes_that_read_different_tuned_plans_all_tune(monkeypatch, tmp_pat
     for dirs in ([seen, empty], [empty, empty]):  # every process measures, and all agree
         (first, second) = both(dirs)
         assert first == second and first[0] == "tuned", (first, second)
+
+
+def test_a_search_its_budget_cut_is_searched_again_by_a_run_with_more_time(monkeypatch, tmp_path):
+    from dataclasses import replace
+
+    from job_scripts import tuning
+    from job_scripts.run_config import TuneConfig
+
+    import time
+    from types import SimpleNamespace
+
+    measured, clock_s = [], [0.0]
+
+    def measure(req, text, agree):
+        measured.append(text)
+        clock_s[0] += 1.0
+        return tuning.Measured(text, 0.1, 1.0)
+
+    monkeypatch.setattr(tuning, "measure_plan", measure)
+    monkeypatch.setattr(tuning, "cache_key", lambda req: {"key": "k"})  # no device kind to read
+    # Each measurement takes one second of the tuning's clock, the rest none.
+    monkeypatch.setattr(tuning, "time", SimpleNamespace(perf_counter=lambda: clock_s[0], time=time.time))
+    cfg = TuneConfig(True, 600, 0.5, tmp_path)
+
+    def tune(remaining_iterations):
+        measured.clear()
+        tuned = tuning.tune_plan(replace(_request(START), remaining_iterations=remaining_iterations), cfg,
+                                 agree=lambda x: x, stop=lambda: False, writer=True)
+        return tuned.source, len(measured)
+
+    # 0.5 × 40 × 0.1 s = 2 s: two candidates of 1 s each, a search cut short.
+    source, count = tune(40)
+    assert (source, count) == ("tuned", 2)
+    assert tune(40) == ("cached", 0)  # this run could not search longer
+    source, count = tune(10**6)  # this one may take 600 s: it searches the whole space
+    assert source == "tuned" and count > 2
+    assert tune(10**6) == ("cached", 0) and tune(40) == ("cached", 0)
