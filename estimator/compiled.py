@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_DIR = Path("~/.cache/slurm-ext").expanduser()
 CACHE_FORMAT = 3
+# The modules whose code decides what a compile measures: another version of any of them
+# keys other cache entries (an upgrade never reads what the old code compiled).
+COMPILE_CODE = ("compiled.py", "hlo.py", "jax_models.py", "jax_optim.py")
 # XLA's GPU target specs (xla/backends/gpu/target_config/specs/) per catalog GPU type.
 # a40 is a GA102 like the RTX A6000, the closest spec XLA ships.
 GPU_TARGET_SPECS = {"a100": "a100_sxm_40.txtpb", "v100": "v100.txtpb", "h100": "h100_sxm.txtpb",
@@ -135,10 +138,18 @@ class CompiledStage:
         return CompiledStage(**d)
 
 
-def cache_key(request: StageRequest, jax_version: str) -> str:
-    """A hash of everything that changes a compile's result."""
+def code_digest(source_dir: Path = Path(__file__).resolve().parent) -> str:
+    """A hash of the code that decides what a compile measures (``COMPILE_CODE``)."""
+    digest = hashlib.sha256()
+    for name in COMPILE_CODE:
+        digest.update((source_dir / name).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def cache_key(request: StageRequest, jax_version: str, code: str | None = None) -> str:
+    """A hash of everything that changes a compile's result (``code``: ``code_digest()``)."""
     payload = {
-        "format": CACHE_FORMAT, "model": request.model,
+        "format": CACHE_FORMAT, "code": code or code_digest(), "model": request.model,
         "arch": dataclasses.asdict(request.arch),
         "layers": [request.layer_start, request.layer_end], "dp": request.dp, "tp": request.tp,
         "micro_batch": request.micro_batch, "dtype": request.arch.compute_dtype,
@@ -202,8 +213,8 @@ def compile_stages(requests: list[StageRequest], cache_dir: Path | None = DEFAUL
         gpu_specs_dir: a directory with XLA GPU target specs (``GPU_TARGET_SPECS`` names);
             needed for GPU targets, which are otherwise compiled for the CPU only.
     """
-    version = installed_jax_version()
-    keys = [cache_key(r, version) for r in requests]
+    version, code = installed_jax_version(), code_digest()
+    keys = [cache_key(r, version, code) for r in requests]
     results: list[CompiledStage | None] = [_cache_read(cache_dir, k) for k in keys]
     todo = [i for i, r in enumerate(results) if r is None]
     if todo:

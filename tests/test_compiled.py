@@ -1,6 +1,7 @@
 """HLO collective parsing, the compile cache, and compiled costs of a stage."""
 
 import json
+from pathlib import Path
 from dataclasses import replace
 
 import pytest
@@ -110,6 +111,22 @@ def test_cache_key_changes_with_every_input():
     assert len(keys) == len(variants) + 1
     assert cache_key(base, "0.10.2") != cache_key(base, "0.10.3")
     assert cache_key(base, "0.10.2") == cache_key(_request(), "0.10.2")  # deterministic
+    assert cache_key(base, "0.10.2", "code-a") != cache_key(base, "0.10.2", "code-b")
+
+
+def test_another_version_of_the_compile_code_is_another_cache_entry(tmp_path):
+    import shutil
+
+    from estimator import compiled
+    source = Path(compiled.__file__).parent
+    for name in compiled.COMPILE_CODE:
+        shutil.copy(source / name, tmp_path / name)
+    assert compiled.code_digest(tmp_path) == compiled.code_digest()
+    for name in compiled.COMPILE_CODE:  # a change to any one of them
+        original = (tmp_path / name).read_text()
+        (tmp_path / name).write_text(original + "\n# changed\n")
+        assert compiled.code_digest(tmp_path) != compiled.code_digest()
+        (tmp_path / name).write_text(original)
 
 
 def test_cached_result_is_returned_without_compiling(tmp_path):
