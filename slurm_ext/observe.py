@@ -30,7 +30,7 @@ from policy.interface import Assignment, DerivedCache, JobView, NodeView, Snapsh
 from policy.placement import FreeGpus
 from slurm_ext import store as journal
 from slurm_ext.jobspec import ElasticSpec
-from slurm_ext.slurm_client import HELD_FOR_RESCALE, JobUpdate, SlurmJob, SlurmNode
+from slurm_ext.slurm_client import COMPLETING, HELD_FOR_RESCALE, JobUpdate, SlurmJob, SlurmNode
 from slurm_ext.user_files import read_user_file
 
 
@@ -517,13 +517,19 @@ def required_placement(entries) -> tuple[tuple[str, int], ...] | None:
 
 def gpu_releases(jobs: list[SlurmJob], now_s: float) -> tuple[GpuRelease, ...]:
     """When the GPUs of running jobs the policy does not manage come free: at each job's
-    end time in Slurm (start plus time limit), per node. Jobs without one are left out."""
+    end time in Slurm (start plus time limit), per node; now for a job past it (in its
+    OverTimeLimit or KillWait) or completing. Running jobs without one are left out."""
     out = []
     for job in jobs:
-        if not job.is_running or not job.end_time_s or job.end_time_s <= now_s:
+        completing = job.state == COMPLETING or COMPLETING in job.state_flags
+        if completing:
+            at_s = now_s
+        elif job.is_running and job.end_time_s:
+            at_s = max(float(job.end_time_s), now_s)
+        else:
             continue
         per_node = job.granted_gpus_per_node or (job.gpus_per_node,) * len(job.nodes)
-        out += [GpuRelease(float(job.end_time_s), node, gpus) for node, gpus in zip(job.nodes, per_node) if gpus]
+        out += [GpuRelease(at_s, node, gpus) for node, gpus in zip(job.nodes, per_node) if gpus]
     return tuple(out)
 
 

@@ -189,6 +189,26 @@ def test_a_release_frees_no_more_gpus_than_the_plain_job_held():
         assert {k: got[k].start_s for k in "PQR"} == {"P": 0.0, "Q": 10.0, "R": 20.0}, max_decisions
 
 
+@pytest.mark.parametrize("state, flags, end_s, start_s", [
+    ("RUNNING", (), 30.0, 30.0),  # frees its GPUs at its end in Slurm
+    ("RUNNING", (), -5.0, 0.0),  # past it (OverTimeLimit, KillWait): now
+    ("COMPLETING", (), -5.0, 0.0),
+    ("RUNNING", ("COMPLETING",), -5.0, 0.0),
+    ("RUNNING", (), None, None),  # no time limit: never, as far as anyone knows
+])
+def test_a_plain_jobs_gpus_come_free_at_its_end_or_now_once_it_is_past_it(state, flags, end_s, start_s):
+    from slurm_ext.observe import gpu_releases
+    from slurm_ext.slurm_client import SlurmJob
+    now_s = 1_800_000_000.0
+    plain = SlurmJob(9, "v", "plain", state, nodes=("a100-1",), granted_gpus_per_node=(4,), gpus_per_node=4,
+                     start_time_s=now_s - 3600, end_time_s=None if end_s is None else now_s + end_s,
+                     state_flags=flags)
+    snap = Snapshot(now_s, (NodeView("a100-1", "a100", 4, 4),), (pending("B", 4, now_s - 100.0, 100),),
+                    TRIGGER_ROUND, 60.0, 0.0)
+    got = forecast(snap, FcfsPolicy(), gpu_releases([plain], now_s))["B"]
+    assert (None if got.start_s is None else got.start_s - now_s) == start_s
+
+
 def test_the_rounds_decision_is_applied_once_even_when_an_event_falls_on_now():
     """D has no iteration left (it ends now); the round's decision keeps D and starts E.
     The next event is at now again: the run must decide afresh there, not apply the
