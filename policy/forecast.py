@@ -98,13 +98,16 @@ class GpuRelease:
 @dataclass(frozen=True)
 class JobForecast:
     """One job's expected start (its last start if it runs now), end, and the Cells it is
-    expected to pass through (labels, in order, the current one first when it runs)."""
+    expected to pass through (labels, in order, the current one first when it runs);
+    ``next_start_s``: when it is next expected to start from waiting (its start, for a
+    job waiting now; a restart, for one running now that is suspended on the way)."""
 
     job_id: str
     start_s: float | None
     end_s: float | None
     cells: tuple[str, ...] = ()
     extrapolated: bool = False  # its start or end came from the list schedule
+    next_start_s: float | None = None
 
 
 @dataclass
@@ -115,6 +118,7 @@ class _Job:
     busy_until_s: float = 0.0  # a (re)start's cost: GPUs held, no progress
     cells: list[str] = field(default_factory=list)
     extrapolated: bool = False
+    next_start_s: float | None = None  # its first start from waiting in the forward run
 
 
 def rate_of(view: JobView, assignment: Assignment | None) -> float:
@@ -233,7 +237,7 @@ def forecast(snapshot: Snapshot, policy: Policy, releases: tuple[GpuRelease, ...
         # As the daemon and the simulator say it: a job finished (Crius searches again for
         # the waiting jobs only then), else a round.
         trigger = TRIGGER_COMPLETION if sum(j.end_s is not None for j in jobs.values()) > ended else TRIGGER_ROUND
-    return {job_id: JobForecast(job_id, j.start_s, j.end_s, tuple(j.cells), j.extrapolated)
+    return {job_id: JobForecast(job_id, j.start_s, j.end_s, tuple(j.cells), j.extrapolated, j.next_start_s)
             for job_id, j in jobs.items()}
 
 
@@ -355,6 +359,8 @@ def _start_fitting(jobs: dict[str, _Job], window: list, free: dict[str, int], bl
         j.extrapolated = True
         if j.start_s is None:
             j.start_s = now_s
+        if j.next_start_s is None:
+            j.next_start_s = now_s
         if not j.cells or j.cells[-1] != cell.label():
             j.cells.append(cell.label())
         end_s = now_s + cost_s + j.view.remaining_iterations / rate_of(j.view, after)
@@ -394,6 +400,8 @@ def _apply(jobs: dict[str, _Job], actions, now_s: float, start_cost: StartCost) 
         j.busy_until_s = now_s + start_cost(Start(view, action.after, j.start_s is None, tuple(j.cells)))
         if view.assignment is None and j.start_s is None:
             j.start_s = now_s
+        if view.assignment is None and j.next_start_s is None:
+            j.next_start_s = now_s
         label = action.after.cell.label()
         if not j.cells or j.cells[-1] != label:
             j.cells.append(label)

@@ -418,7 +418,8 @@ class Actor:
         """Write each job's forecast (``start=``, ``end=``) and progress into its
         AdminComment when they moved (by more than ``FORECAST_SHIFT_S``, or a percent of
         progress), within the budget, those that moved most first. A waiting job's start
-        is the forecast's; a running one's is Slurm's own StartTime."""
+        is the forecast's next start from waiting (a job that ran when the forecast began
+        and waits now: its restart); a running one's is Slurm's own StartTime."""
         todo = []
         for m in jobs:
             pc = plan_comment(m.slurm.admin_comment)
@@ -426,7 +427,7 @@ class Actor:
             if pc.error is not None or f is None:
                 continue
             # A time no text can show (past year 9999) is shown as none, and stays so.
-            start = f.start_s if m.view.assignment is None and shown_time(f.start_s) else None
+            start = f.next_start_s if m.view.assignment is None and shown_time(f.next_start_s) else None
             end = f.end_s if shown_time(f.end_s) else None
             progress = round(m.view.progress_frac, 3)
             shift = max(_shift(pc.expected_start_s, start), _shift(pc.expected_end_s, end))

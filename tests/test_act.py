@@ -228,3 +228,25 @@ def test_an_action_whose_command_cannot_even_start_leaves_no_open_entry(world):
     assert store.open_entries() == ()
     (entry,) = store.entries(41)
     assert entry.state == journal.FAILED and entry.note.startswith("no answer: BlockingIOError")
+
+
+def test_a_job_that_ran_when_the_forecast_began_and_waits_now_shows_its_restart(world):
+    """The forecast began while the job ran (its ``start_s`` is that run's start, an hour
+    ago); it waits now: the start shown is its next start from waiting."""
+    from estimator.contract import format_utc, parse_plan_comment
+    from estimator.jobs import JobSpec
+    from policy.forecast import JobForecast
+    from policy.interface import PENDING, JobView
+    from slurm_ext.observe import ManagedJob
+
+    clock, slurm, _, actor = world
+    now_s = clock.now_s()
+    waiting = replace(slurm.state[41], state="PENDING", reason="JobHeldAdmin", priority=0,
+                      admin_comment="requested=a100 why=preempted")
+    view = JobView("41", "u", JobSpec("gpt-1.3b", 8, 4, "a100"), 0.0, PENDING, None, 50.0, 1000, 1, now_s)
+    shown = JobForecast("41", now_s - 3600.0, now_s + 1470.0, ("a100x4:s1",), next_start_s=now_s + 130.0)
+    actor()._show_forecasts([ManagedJob(waiting, None, view)], {"41": shown}, 10, Acts())
+    (call,) = slurm.calls
+    comment = parse_plan_comment(call[2].admin_comment)
+    assert (comment.expected_start_s, comment.expected_end_s) == (now_s + 130.0, now_s + 1470.0), \
+        format_utc(comment.expected_start_s)

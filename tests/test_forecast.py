@@ -209,6 +209,20 @@ def test_a_plain_jobs_gpus_come_free_at_its_end_or_now_once_it_is_past_it(state,
     assert (None if got.start_s is None else got.start_s - now_s) == start_s
 
 
+def test_a_running_job_the_decision_suspends_is_next_expected_at_its_restart_not_its_last_start():
+    """A (running for an hour) is suspended for B by the round's decision; B ends at 130 s
+    (its 30 s start, then 100 iterations of 1 s), and A restarts then: while A waits, that
+    restart is its expected start."""
+    a = job("A", 4, (est(4, 1.0),), iterations=1000, done=50.0, running_on=("a100-1", 4), started_s=-3600.0)
+    b = pending("B", 4, -5.0, 100)
+    snap = Snapshot(0.0, (NodeView("a100-1", "a100", 4, 0),), (a, b), TRIGGER_ROUND, 60.0, 30.0)
+    first = Decision((JobDecision("A", None), JobDecision("B", Assignment(Cell("a100", 4, 4, 1), (("a100-1", 4),)))))
+    got = forecast(snap, FcfsPolicy(), first=first)
+    assert got["A"].start_s == -3600.0  # its last start: it ran when the forecast began
+    assert got["B"].next_start_s == got["B"].start_s == 0.0
+    assert got["A"].next_start_s == got["B"].end_s == 130.0
+
+
 def test_the_rounds_decision_is_applied_once_even_when_an_event_falls_on_now():
     """D has no iteration left (it ends now); the round's decision keeps D and starts E.
     The next event is at now again: the run must decide afresh there, not apply the
