@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from estimator.cells import CellEstimate
 from estimator.contract import PlanComment, format_utc
 from slurm_ext.limits import STUCK_REASONS, per_job_limit, waits_on_its_own_condition
-from slurm_ext.slurm_client import SlurmJob
+from slurm_ext.slurm_client import TERMINAL_STATES, SlurmJob
 from slurm_ext.squeue_view import job_row
 from slurm_ext.store import JournalEntry
 
@@ -138,7 +138,8 @@ def format_text(doc: dict) -> str:
         lines.append(f"why this Cell: {doc['why_chosen']}")
     f = doc["forecast"]
     if f["expected_start"] or f["expected_end"]:
-        lines.append(f"forecast: start {f['expected_start'] or 'unknown'}, end {f['expected_end'] or 'unknown'}"
+        label = "ran" if doc["state"] in TERMINAL_STATES else "forecast"
+        lines.append(f"{label}: start {f['expected_start'] or 'unknown'}, end {f['expected_end'] or 'unknown'}"
                      + (f", {100 * f['progress_frac']:.1f} % done" if f["progress_frac"] is not None else ""))
     if doc["waiting"]:
         w = doc["waiting"]

@@ -134,14 +134,15 @@ def job_row(job: SlurmJob) -> JobRow:
     measured = pc.samples_per_s if pc.sps_measured else None
     start_s = job.start_time_s if started and job.start_time_s else pc.expected_start_s
     end_s = pc.expected_end_s
-    if ended:  # what happened, not the last forecast
+    progress, cells = pc.progress_frac, pc.expected_cells
+    if ended:  # what happened, not the last forecast (nor its progress and Cells to come)
         start_s, end_s = job.start_time_s or None, job.end_time_s or None
+        progress, cells = None, ()
     return JobRow(job.job_id, job.user, job.state, job.partition, gpus, gpu_type, nodes,
                   job.is_elastic, pc.cell, pc.plan, pc.micro_batches, pc.samples_per_s,
                   pc.requested, why, pc.error, source, measured,
                   format_utc(start_s) if start_s else None,
-                  format_utc(end_s) if end_s else None, pc.progress_frac,
-                  pc.expected_cells)
+                  format_utc(end_s) if end_s else None, progress, cells)
 
 
 def rows(jobs: Iterable[SlurmJob], include_finished: bool = False) -> list[JobRow]:

@@ -1,6 +1,8 @@
 """`slurm-ext explain`: its pure parts (why a job waits, why its Cell won, the text form), and
 the command on a stand-in client."""
 
+from dataclasses import replace
+
 from estimator.cells import Cell, CellEstimate
 from estimator.contract import PlanComment, format_plan_comment, parse_plan_comment
 from slurm_ext import explain
@@ -70,6 +72,9 @@ def test_text_form_has_every_part():
     assert "what you can do: nothing: it starts when the GPUs come free" in text
     assert "  2026-11-25T09:46:40Z rescale (done): " in text
     assert "* a10x2:s1       out of memory: 30 GB > 24 GB" in text
+    done = replace(job, state="COMPLETED", start_time_s=1795608000, end_time_s=1795610000)
+    text = explain.format_text({**doc, "state": "COMPLETED", "forecast": explain.forecast_json(done), "waiting": None})
+    assert "ran: start 2026-11-25T12:00:00Z, end 2026-11-25T12:33:20Z\n" in text and "forecast:" not in text
 
 
 def test_explain_lists_the_cells_while_the_configured_profile_store_is_not_yet_written(tmp_path, monkeypatch):

@@ -100,13 +100,16 @@ def test_requeued_and_finished_jobs_say_why_and_when():
                     admin_comment="requested=any", gpus_per_node=4, node_count=1)
     requeued = SlurmJob(21, "u", "t", "REQUEUED", reason="BeginTime", priority=1, comment="elastic",
                         admin_comment="cell=a100x4:s1 plan=[dp4tp1] why=chosen by crius", gpus_per_node=4, node_count=1)
-    forecast = "cell=a100x4:s1 plan=[dp4tp1] why=chosen start=2026-01-01T00:00:00Z end=2026-01-02T00:00:00Z"
+    forecast = ("cell=a100x4:s1 plan=[dp4tp1] start=2026-01-01T00:00:00Z end=2026-01-02T00:00:00Z "
+                "progress=0.420 via=a100x4:s1,a40x8:s2 why=chosen")
     done = SlurmJob(22, "u", "t", "COMPLETED", comment="elastic", admin_comment=forecast,
                     start_time_s=1_767_300_000, end_time_s=1_767_310_000)
     r20, r21, r22 = rows([held, requeued, done], include_finished=True)
     assert r20.why == "waiting for the slurm-ext daemon"
     assert r21.why == "chosen by crius (slurm: BeginTime)"
     assert (r22.expected_start, r22.expected_end) == ("2026-01-01T20:40:00Z", "2026-01-01T23:26:40Z")
+    assert (r22.progress_frac, r22.expected_cells) == (None, ())  # the last forecast's, not what happened
+    assert rows([replace(done, state="RUNNING")])[0].progress_frac == 0.42
     assert "SPECIAL_EXIT " in format_table([r20])  # the state column holds Slurm's longest
     # A malformed speed (an admin's edit) is none: JSON has no NaN.
     nan = SlurmJob(23, "u", "t", "PENDING", comment="elastic", admin_comment="cell=a100x4:s1 sps=nan why=x")
