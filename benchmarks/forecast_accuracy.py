@@ -14,7 +14,7 @@ Prints one JSON object: ``{"command", "runs": [{"command", "trace", "density",
 
 Usage: ``python benchmarks/forecast_accuracy.py [--runs itp:1:10 philly:0.1:10 philly:0.5:20
 philly:1:50] [--policy cells-ilp --policy crius] [--out FILE]`` (a run is
-TRACE:DENSITY:EVERY; the full set takes about 40 minutes on 2 cores).
+TRACE:DENSITY:EVERY; the full set took 15–26 minutes on 2 cores).
 """
 
 from __future__ import annotations
