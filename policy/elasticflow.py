@@ -50,9 +50,10 @@ Differences (ElasticFlow / here / whether our setting forces it):
 - Admission. EF: at an arrival all admitted jobs plus the newcomer are re-planned; a job
   whose deadline cannot be met is declined (dropped); no queue blocking. Here: in
   submission order per type, a job whose share does not fit is passed over (no blocking,
-  as EF; ``blocking=True`` gives Arena's rule, its ``_ef_pending_jobs_restart_trial``);
-  nothing is declined: a job no count finishes in time waits (in deadline mode, possibly
-  for good). Dropping is ruled out here (every job must finish).
+  as EF; ``blocking=True`` gives Arena's rule, its ``_ef_pending_jobs_restart_trial``).
+  In deadline mode a waiting job that no count finishes by its deadline (however many
+  GPUs were free) is declined, as EF declines it: its reason starts with
+  ``DROPPED_PREFIX``, and the daemon runs it as submitted.
 - Running jobs. EF: no priority for running jobs; jobs holding 0 GPUs rank first
   (``get_marginal`` sets them to sys.maxsize), in deadline order. Here: running jobs keep
   their minimum share before any pending job is admitted. Not forced.
@@ -98,7 +99,7 @@ import logging
 
 from estimator.cells import Cell
 from policy._solver import RateTable, capacity_by_type, realize, requested_count
-from policy.interface import Decision, JobView, Snapshot
+from policy.interface import DROPPED_PREFIX, Decision, JobView, Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ class ElasticFlowPolicy:
                 # A head that cannot fit even in all the type's GPUs blocks nobody (as FCFS).
                 blocked = self.blocking and m is not None and m <= type_gpus
                 wanted[job.job_id] = None
-                reasons[job.job_id] = ("waiting: no count finishes it in time" if m is None
+                reasons[job.job_id] = (f"{DROPPED_PREFIX}: no GPU count finishes it by its deadline" if m is None
                                        else f"waiting: minimum share {m} {gtype} not free" if m <= type_gpus
                                        else f"waiting: minimum share {m} {gtype} never fits ({type_gpus} in all)")
                 continue

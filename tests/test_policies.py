@@ -14,7 +14,7 @@ from policy.elasticflow import ElasticFlowPolicy
 from policy.gavel import GavelPolicy
 from policy.gavel_greedy import GavelGreedyPolicy
 from policy.interface import (
-    PENDING, RUNNING, TRIGGER_ARRIVAL, TRIGGER_COMPLETION, TRIGGER_ROUND, Assignment, JobView, NodeView, Snapshot,
+    DROPPED_PREFIX, PENDING, RUNNING, TRIGGER_ARRIVAL, TRIGGER_COMPLETION, TRIGGER_ROUND, Assignment, JobView, NodeView, Snapshot,
     validate_decision,
 )
 from policy.sia import SiaPolicy
@@ -387,6 +387,11 @@ def test_elasticflow_deadline_mode_sizes_the_minimum_share_by_the_deadline():
     assert cell_of(d, "j") == ("a100", 2) and cell_of(d, "o") is None
     d = run(ElasticFlowPolicy(), s)  # throughput mode: both get one GPU
     assert cell_of(d, "j") == ("a100", 1) and cell_of(d, "o") == ("a100", 1)
+    # A deadline no count meets: declined (the daemon runs it as submitted), not kept waiting.
+    late = job("late", {("a100", 1): 16.0, ("a100", 2): 32.0}, gpus=1, deadline=1500.0)
+    d = run(ElasticFlowPolicy(deadline_aware=True), snap([a100(1)], [late], now=0.0))
+    (late_decision,) = [x for x in d.jobs if x.job_id == "late"]
+    assert late_decision.assignment is None and late_decision.reason.startswith(DROPPED_PREFIX)
 
 
 # ---- fcfs ------------------------------------------------------------------------------
