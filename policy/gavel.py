@@ -29,7 +29,9 @@ Gavel (Narayanan et al., OSDI'20; ``stanford-futuredata/gavel``) in two parts:
    work-conserving). A job keeps its nodes when it runs on the same type again (Gavel's
    lease extension); a running job not picked this round is preempted (suspended), a
    picked one starts or resumes. Between rounds nothing changes: arrivals wait for the
-   next round, and GPUs a finished job frees stay idle until then, as in Gavel.
+   next round, and GPUs a finished job frees stay idle until then, as in Gavel. An arrival
+   on an idle cluster starts a round at once, and the rounds' clock from it (Gavel's
+   simulator jumps to the next arrival when nothing runs).
 
 The round state (rounds each job was active, rounds it received per type, the deficit per
 type, the last LP solution, when the next round starts) is a ``GavelState`` handed back in
@@ -66,7 +68,7 @@ from dataclasses import dataclass, replace
 from estimator.cells import Cell, CellEstimate
 from policy._solver import RateTable, capacity_by_type, realize, requested_count
 from policy.binary_program import quiet_highs
-from policy.interface import Assignment, Decision, JobDecision, JobView, Snapshot
+from policy.interface import TRIGGER_ARRIVAL, Assignment, Decision, JobDecision, JobView, Snapshot
 from policy.placement import FreeGpus
 
 log = logging.getLogger(__name__)
@@ -140,7 +142,13 @@ class GavelPolicy:
     def decide(self, snapshot: Snapshot) -> Decision:
         """At a round boundary: re-solve if needed, pick this round's jobs, preempt the rest."""
         state = snapshot.policy_state if isinstance(snapshot.policy_state, GavelState) else GavelState()
-        if snapshot.now_s < state.next_round_s - _EPS_S:
+        history = dict(state.history)
+        # Arrivals on an idle cluster (nothing runs, no job was in the last round) start a
+        # round now and the rounds' clock with it, as Gavel's simulator restarts its rounds
+        # at the first arrival after an idle spell (and ours its round clock).
+        idle_arrival = snapshot.trigger == TRIGGER_ARRIVAL and all(
+            j.assignment is None and j.job_id not in history for j in snapshot.jobs)
+        if snapshot.now_s < state.next_round_s - _EPS_S and not idle_arrival:
             return Decision((), state)  # between rounds: Gavel changes nothing
         types = _type_order(snapshot)
         capacity = capacity_by_type(snapshot)
@@ -150,7 +158,6 @@ class GavelPolicy:
             allocation = {i: dict(x) for i, x in state.allocation}
         else:
             allocation = solve_allocation(snapshot.jobs, options, capacity)
-        history = dict(state.history)
         picked = self.pick(snapshot.jobs, types, options, allocation, history, capacity)
 
         wanted: dict[str, Cell | None] = {}
@@ -179,7 +186,7 @@ class GavelPolicy:
         new_history = tuple((j.job_id, _advance(history.get(j.job_id), allocation.get(j.job_id, {}),
                                                 ran.get(j.job_id))) for j in snapshot.jobs)
         next_round_s = state.next_round_s
-        if next_round_s == -math.inf:
+        if next_round_s == -math.inf or idle_arrival:
             next_round_s = snapshot.now_s
         while next_round_s <= snapshot.now_s + _EPS_S:
             next_round_s += self.round_s

@@ -161,6 +161,23 @@ def test_between_rounds_nothing_changes_and_arrivals_wait_for_the_next_round():
     assert d.policy_state.next_round_s == 720.0
 
 
+@pytest.mark.parametrize("grid_s", [720.0, 1080.0])  # the old clock's next round: passed, or still ahead
+def test_an_arrival_on_an_idle_cluster_starts_the_rounds_again_from_it(grid_s):
+    """The last job left; a new one arrives at t=1000. Its round is now and the next 360 s
+    later (the simulator's round clock restarts there too); a later arrival waits for it."""
+    policy = GavelPolicy()
+    idle = GavelState(next_round_s=grid_s, rounds_done=3)
+    first = run(policy, snap([a100(1)], [job("a", {("a100", 2): 10.0}, gpus=2)], now=1000.0,
+                             trigger=TRIGGER_ARRIVAL, state=idle))
+    assert first.for_job("a").assignment is not None
+    assert (first.policy_state.next_round_s, first.policy_state.rounds_done) == (1360.0, 4)
+    running = replace(job("a", {("a100", 2): 10.0}, gpus=2), assignment=first.for_job("a").assignment,
+                      state="running")
+    late = job("b", {("a100", 2): 10.0}, gpus=2, submit=1100.0)
+    d = run(policy, snap([a100(1)], [running, late], now=1100.0, trigger=TRIGGER_ARRIVAL, state=first.policy_state))
+    assert d.jobs == ()  # a round is under way: it waits for the next
+
+
 def test_both_names_are_registered():
     assert isinstance(make_policy("gavel"), GavelPolicy)
     assert isinstance(make_policy("gavel-greedy"), GavelGreedyPolicy)
