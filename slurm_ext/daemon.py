@@ -39,6 +39,7 @@ from policy.interface import (
 from policy.placement import job_fitting_idle_gpus
 from policy.registry import make_policy
 from slurm_ext.act import Actor, Acts
+from slurm_ext.background_forecast import BackgroundForecast
 from slurm_ext.config import DaemonConfig
 from slurm_ext.errors import SlurmExtError
 from slurm_ext.guarantees import GuaranteeClaim, grant_guarantees
@@ -110,48 +111,6 @@ class RoundReport:
         return self.observe_s + self.estimate_s + self.decide_s + self.act_s
 
 
-
-class BackgroundForecast:
-    """One forecast at a time, computed in a thread; a round takes the last one finished.
-
-    A forecast over thousands of queued jobs takes seconds (``benchmarks/forecast_speed.py``):
-    it must not hold up a round. The policy's ``decide`` is pure, so the thread may call it
-    while rounds go on.
-    """
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._result: dict | None = None
-
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def start(self, compute: Callable[[], dict]) -> None:
-        def run():
-            try:
-                result = compute()
-            except Exception as e:  # a forecast that fails must not stop the service
-                log.exception(kv("forecast_failed", error=repr(e)))
-                return
-            with self._lock:
-                self._result = result
-        self._thread = threading.Thread(target=run, name="forecast", daemon=True)
-        self._thread.start()
-
-    def wait(self, timeout_s: float | None = None) -> None:
-        """Until the forecast under way is done (tests; a stopping daemon does not wait)."""
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-
-    def take(self) -> dict | None:
-        """The last forecast finished and not taken yet, or None."""
-        with self._lock:
-            result, self._result = self._result, None
-        return result
-
-
 class Daemon:
     """The scheduling service.
 
@@ -190,7 +149,7 @@ class Daemon:
         self._sole: frozenset[int] = frozenset()  # jobs whose Cell alone is over their group's limit
         self._script_read_failures: dict[int, int] = {}  # job: rounds in a row its script was unreadable
         self._estimate_failing_s: dict[int, float] = {}  # job: since when its estimate fails, in a row
-        self._gpu_types_seen: set[str] = set()  # in any round since the daemon started
+        self._gpu_types_seen = store.gpu_types_seen(self.clock.now_s())  # this run's rounds or earlier ones
         self._pruned_s = 0.0
         self._forecast_s = -math.inf
         self.forecasts = BackgroundForecast()
@@ -336,6 +295,8 @@ class Daemon:
         part_types = partition_types(nodes, cfg.partition_map())
         cluster = cluster_spec(nodes, part_types, cfg.cluster, cfg.network)
         self._gpu_types_seen.update(cluster.gpu_types)
+        if not cfg.dry_run:
+            self.store.note_gpu_types(cluster.gpu_types, now_s)
         elastic = [j for j in active if j.is_elastic]
         if self._spec_cache is None:  # once per process: what earlier runs parsed
             self._spec_cache = {job_id: (None if sj is None else ElasticSpec.from_json(sj), err)

@@ -80,7 +80,10 @@ CREATE TABLE IF NOT EXISTS refit_observations (
     observation_json TEXT NOT NULL, seen_s REAL NOT NULL, PRIMARY KEY (job_id, plan));
 CREATE TABLE IF NOT EXISTS refit_times (gpu_type TEXT PRIMARY KEY, refit_s REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS gpu_caps (job_id INTEGER PRIMARY KEY, gpus INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS gpu_types_seen (gpu_type TEXT PRIMARY KEY, seen_s REAL NOT NULL);
 """
+# A GPU type not seen in Slurm's nodes for this long is taken to be gone for good.
+GPU_TYPE_MEMORY_S = 30 * 86400.0
 
 
 @dataclass(frozen=True)
@@ -312,6 +315,17 @@ class Store:
     def gpu_caps(self) -> dict[int, int]:
         """Job → the most GPUs Slurm lets it have (it refused more)."""
         return dict(self._exec("SELECT job_id, gpus FROM gpu_caps").fetchall())
+
+    def note_gpu_types(self, gpu_types: Iterable[str], now_s: float) -> None:
+        """The GPU types Slurm's nodes show now."""
+        self._many("INSERT OR REPLACE INTO gpu_types_seen VALUES (?, ?)", [(t, now_s) for t in gpu_types])
+
+    def gpu_types_seen(self, now_s: float) -> set[str]:
+        """The GPU types Slurm's nodes showed in the last ``GPU_TYPE_MEMORY_S``, in this
+        daemon's rounds or an earlier one's (nodes powered down or being replaced go
+        missing from a listing)."""
+        rows = self._exec("SELECT gpu_type FROM gpu_types_seen WHERE seen_s >= ?", (now_s - GPU_TYPE_MEMORY_S,))
+        return {t for (t,) in rows.fetchall()}
 
     # -- forgetting finished jobs --------------------------------------------------------
     def forget_jobs_except(self, active_job_ids: Iterable[int]) -> int:

@@ -551,6 +551,30 @@ def test_a_job_that_fits_only_gpus_gone_from_the_listing_waits_for_them(tmp_path
     assert fresh.round().spec_errors == 1  # a100 never seen: no Cell of this cluster fits it
 
 
+def test_a_daemon_restarted_while_a_gpu_type_is_gone_remembers_it(tmp_path):
+    """The a100 nodes go missing from the listing and the daemon restarts (an upgrade):
+    the job that fits only them waits for them as it would have without the restart."""
+    from slurm_ext.store import GPU_TYPE_MEMORY_S
+    clock = SimulatedClock(float(NOW))
+    big = held(41, NOW - 100, comment="elastic model=gpt-6.7b global_batch=64 iterations=1000")
+    a100, v100 = node("a100-1", "a100", 8), node("v100-1", "v100", 4)
+    daemon, client = daemon_for(tmp_path, [big], [a100, v100], clock=clock)
+    daemon.round()
+    client._nodes = (v100,)
+    clock.advance_to(NOW + 60)
+    restarted = Daemon(daemon.config, client, Store(daemon.config.state_db), clock=clock, out=print)
+    report = restarted.round()
+    assert report.spec_errors == 0 and ("release", 41) not in report.actions
+    client._nodes = (a100, v100)
+    clock.advance_to(NOW + 120)
+    assert restarted.round().managed == 1
+    # Gone for longer than the store remembers: a type like any never seen.
+    client._nodes = (v100,)
+    clock.advance_to(NOW + 120 + GPU_TYPE_MEMORY_S + 1)
+    later = Daemon(daemon.config, client, Store(daemon.config.state_db), clock=clock, out=print)
+    assert later.round().spec_errors == 1
+
+
 def test_a_job_whose_starts_slurm_refuses_runs_as_submitted_after_a_few(tmp_path):
     """Slurm refuses the update of every start (the job's account may not use the Cell's
     partition): the policy chose the same Cell round after round and the job stayed held
