@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -206,15 +207,19 @@ class Actor:
             return 0
         jobs = {j.job_id: j for j in self.client.jobs()}
         steps = plan_recovery(entries, jobs, self.store.newest_entry_ids())
-        if any(s.step in (journal.REAPPLY, journal.RELEASE_ONLY) for s in steps):
+        if not self.config.dry_run and any(s.step in (journal.REAPPLY, journal.RELEASE_ONLY) for s in steps):
             # A job may have been requeued just now: releasing it in that second would fail it.
-            self.clock.sleep_until(self.clock.now_s() + REQUEUE_SETTLE_S)
+            # A signal (a reload, a stop) cuts the clock's sleep short, never this wait.
+            settled_s = self.clock.now_s() + REQUEUE_SETTLE_S
+            self.clock.sleep_until(settled_s)
+            time.sleep(max(0.0, settled_s - self.clock.now_s()))
         for step in steps:
             e = step.entry
-            log.warning(kv("recover", job_id=e.job_id, kind=e.kind, step=step.step, why=step.why))
-            if self.config.dry_run:
-                self.out(f"dry-run: recover job={e.job_id} kind={e.kind} step={step.step} ({step.why})")
+            if self.config.dry_run:  # the service beside it may be carrying these out now
+                self.out(f"dry-run: open job={e.job_id} kind={e.kind} (a daemon starting now would: "
+                         f"{step.step}, {step.why})")
                 continue
+            log.warning(kv("recover", job_id=e.job_id, kind=e.kind, step=step.step, why=step.why))
             if step.step == journal.KEEP:
                 continue  # a rescale under way: advance_rescales goes on with it
             try:
@@ -548,8 +553,9 @@ class Actor:
         it has or will have: the round leaves these jobs to their rescale, and counts the
         GPUs of their new Cell as taken.
         """
-        if self.config.dry_run:
-            return {}
+        if self.config.dry_run:  # read only: what the service's rescales under way will give their jobs
+            return {e.job_id: e.update for e in self.store.open_entries()
+                    if e.kind in (journal.RESCALE, journal.SUSPEND) and e.job_id in jobs and jobs[e.job_id].is_active}
         out: dict[int, JobUpdate] = {}
         for e in self.store.open_entries():
             if e.kind not in (journal.RESCALE, journal.SUSPEND):

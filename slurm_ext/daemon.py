@@ -232,7 +232,7 @@ class Daemon:
                                 max(self.config.interval_s / 10, 2 * backoff_s, 1.0))
                 log.error(kv("slurm_unreachable", error=e, retry_in_s=backoff_s))
             except Exception as e:  # the service must outlive any single bad round
-                ok = False
+                ok, backoff_s = False, 0.0  # the next round at the interval, whatever Slurm did before
                 self.metrics.error("round")
                 self.metrics.round_done(self.clock.now_s() - started_s, "error")
                 log.exception(kv("round_failed", error=repr(e)))
@@ -247,14 +247,16 @@ class Daemon:
 
     def _wait_for_next(self, next_s: float, poll: bool) -> str:
         """Sleep until ``next_s``, polling for new elastic jobs; returns the next trigger."""
-        while not self._stop and not self._reload_requested:
+        while True:
+            self._wake.clear()  # before the tests: a stop or reload requested after them wakes the sleep
+            if self._stop or self._reload_requested:
+                break
             now_s = self.clock.now_s()
             if now_s >= next_s:
                 return TRIGGER_ROUND
             step_s = next_s - now_s
             if poll and self.config.poll_s > 0:
                 step_s = min(step_s, self.config.poll_s)
-            self._wake.clear()
             self.clock.sleep_until(now_s + step_s)
             if poll and self.config.poll_s > 0 and not self._stop and self._new_elastic_job():
                 return TRIGGER_ARRIVAL
@@ -386,8 +388,10 @@ class Daemon:
         if not cfg.dry_run and (background or cfg.background_profiling):
             self._background_profiling(jobs, active, nodes, part_types, background, decision, specs,
                                        set(held or ()), now_s)
-        if held == ():  # free them before the round's starts (the held job's among them)
-            self.actor.hold_nodes(held, decision.holds or ())
+        if held is not None:  # free what is no longer held before the round's starts (the held job's)
+            kept = tuple(n for n in self.actor.held_nodes or () if n in held)
+            if kept != self.actor.held_nodes:
+                self.actor.hold_nodes(kept, decision.holds or ())
         self.actor.act(snapshot, decision, {m.view.job_id: m for m in managed},
                        lambda: self._steering(nodes, part_types), self.policy.name, acts, forecasts,
                        [j for j in elastic if j.job_id in specs and kept_back_by_slurm(j, self._sole)])

@@ -43,7 +43,8 @@ def make_client(config: DaemonConfig):
 @click.command("daemon")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False),
               help="YAML configuration (default: $SLURM_EXT_CONFIG, else built-in defaults).")
-@click.option("--once", is_flag=True, help="Run one round and exit (status 1 if it failed).")
+@click.option("--once", is_flag=True, help="Run one round and exit (status 1 if it failed); nodes it holds for a "
+              "waiting job stay held for the next run, which releases them if no longer needed.")
 @click.option("--dry-run", is_flag=True, default=None,
               help="Print the actions a round would take; change nothing in Slurm (may run beside the "
                    "service, which holds the state file's lock).")
