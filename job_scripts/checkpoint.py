@@ -198,6 +198,10 @@ class Checkpoints:
             if agree(float(bool(problems))) > 0:  # every process refuses, or none
                 raise CheckpointError(f"no readable checkpoint in {self.directory}: " + (
                     "; ".join(problems) or "another process of this job could not read them"))
+            left = self._left_unreadable()
+            if agree(float(bool(left))) > 0:  # a run after the one that set them aside refuses as it did
+                raise CheckpointError(left or f"{self.directory}: another process of this job found checkpoints "
+                                              "it cannot read")
             return None
         unread = ""
         if oldest < mine:
@@ -212,6 +216,19 @@ class Checkpoints:
                                   f"{unread or 'another process could not read step ' + str(int(oldest))})")
         self._set_aside([step for step in steps if step > int(oldest)], agree)
         return saved
+
+    def _left_unreadable(self) -> str:
+        """Why a directory with no checkpoint to resume from is no place to start afresh
+        (checkpoints set aside as unreadable, or of the first format), or ""."""
+        aside = sorted(p.name for p in self.directory.glob("*.unreadable*"))
+        if aside:
+            return (f"no readable checkpoint in {self.directory}: every one was set aside as unreadable "
+                    f"({', '.join(aside[:4])}{', ...' if len(aside) > 4 else ''}); move one back once its "
+                    "storage reads again, or remove them to train from step 1")
+        if any(self.directory.glob("ckpt-*.npz")):
+            return (f"{self.directory} holds checkpoints of an older format (ckpt-*.npz) this runner cannot "
+                    "read: resume them with the version that wrote them, or remove them to train from step 1")
+        return ""
 
     def set_aside(self, step: int, agree: Callable[[float], float] = lambda value: value) -> None:
         """Set the checkpoint of ``step`` aside as unreadable (``7`` → ``7.unreadable``), on

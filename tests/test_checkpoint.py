@@ -505,3 +505,15 @@ def test_a_step_whose_array_files_are_damaged_is_set_aside_and_the_one_before_re
     last = _train(ckpt, 10)
     assert last.returncode == 2 and "no readable checkpoint" in last.stderr and "Traceback" not in last.stderr
     assert "step 1 loss" not in last.stderr
+    # Its requeue finds only the steps it set aside: the same refusal, not step 1 afresh.
+    requeued = _train(ckpt, 10)
+    assert requeued.returncode == 2 and "every one was set aside as unreadable" in requeued.stderr
+    assert "step 1 loss" not in requeued.stderr
+    # A directory of the first format's checkpoints (ckpt-NNNNNNNN.npz) is refused too.
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "ckpt-00000004.npz").write_bytes(b"PK")
+    (old / "ckpt-00000004.json").write_text("{}")
+    first_format = _train(old, 6)
+    assert first_format.returncode == 2 and "older format (ckpt-*.npz)" in first_format.stderr
+    assert "step 1 loss" not in first_format.stderr
