@@ -652,16 +652,15 @@ class Daemon:
                             why="a job needs the node" if b.node in placed else "a job waits for its type"))
             except SlurmExtError as e:
                 log.warning(kv("background_profile_cancel_failed", job_id=b.job_id, error=e))
-        # a failed profile of a pair is not tried again at once
-        self._profile_retry = retry_after_failures(jobs, part_types, self._profile_retry, now_s)
-        if background or not (cfg.background_profiling and cfg.profile_db):
-            return
         models = {s.model for s in specs.values() if s is not None and s.model in BUILTIN_MODELS}
-        profiled = profiled_pairs(cfg.profile_db, models) if models else None
-        if profiled is None:  # no model to profile, or a store that cannot be read (logged)
-            return
+        profiled = profiled_pairs(cfg.profile_db, models) if models and cfg.profile_db else None
+        # a failed profile of a pair (or one that timed nothing) is not tried again at once
+        self._profile_retry = retry_after_failures(jobs, part_types, self._profile_retry, now_s, profiled)
+        if background or not (cfg.background_profiling and cfg.profile_db) or profiled is None:
+            return  # one at a time; no model to profile, or a store that cannot be read (logged)
         retry = {pair: until for pair, (_, until) in self._profile_retry.items()}
-        plan = next_background(models, profiled, nodes, part_types, placed | held, waiting, retry, now_s)
+        plan = next_background(models, profiled, nodes, part_types, placed | held, waiting, retry, now_s,
+                               partitions)
         if plan is None:
             return
         log_path = str(Path(cfg.profile_db).resolve().parent / "background-profile-%j.out")

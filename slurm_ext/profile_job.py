@@ -145,15 +145,21 @@ FAILED_STATES = ("FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 
 def retry_after_failures(jobs: Iterable[SlurmJob], part_types: Mapping[str, str],
                          retry: Mapping[tuple[str, str], tuple[int | None, float]],
-                         now_s: float) -> dict[tuple[str, str], tuple[int | None, float]]:
+                         now_s: float, profiled: set[tuple[str, str]] | None = None
+                         ) -> dict[tuple[str, str], tuple[int | None, float]]:
     """(model, GPU type) → (its newest failed profiling job, when it may be tried again):
     ``RETRY_AFTER_S`` after a failure first seen now. A pair that failed again after its
-    wait gets a new wait (it had been resubmitted every round)."""
+    wait gets a new wait (it had been resubmitted every round). A job that completed
+    without timing its model (``profiled`` lacks the pair: its budget ran out first) failed
+    too."""
     out = dict(retry)
     newest: dict[tuple[str, str], int] = {}
     for j in jobs:
-        if is_background(j) and j.state in FAILED_STATES:
-            b = parse_background(j, part_types)
+        if not is_background(j):
+            continue
+        b = parse_background(j, part_types)
+        if j.state in FAILED_STATES or (j.state == "COMPLETED" and profiled is not None
+                                        and (b.model, b.gpu_type) not in profiled):
             newest[(b.model, b.gpu_type)] = max(j.job_id, newest.get((b.model, b.gpu_type), j.job_id))
     for pair, job_id in newest.items():
         if out.get(pair, (None, 0.0))[0] != job_id:
@@ -192,7 +198,8 @@ def profiled_pairs(profile_db: str, models: Iterable[str]) -> set[tuple[str, str
 
 def next_background(models: Iterable[str], profiled: set[tuple[str, str]], nodes: Iterable[SlurmNode],
                     part_types: Mapping[str, str], busy_nodes: set[str], waiting_types: set[str],
-                    retry_after: Mapping[tuple[str, str], float], now_s: float) -> BackgroundPlan | None:
+                    retry_after: Mapping[tuple[str, str], float], now_s: float,
+                    waiting_in: set[str] = frozenset()) -> BackgroundPlan | None:
     """The (model, GPU type) pair to profile next on an idle node, or None.
 
     Args:
@@ -204,11 +211,14 @@ def next_background(models: Iterable[str], profiled: set[tuple[str, str]], nodes
         waiting_types: GPU types an ordinary job waits for.
         retry_after: pairs whose profiling failed → when they may be tried again.
         now_s: the round's time.
+        waiting_in: partitions an ordinary job waits in: their nodes are left to it (a
+            profiling job there would be cancelled next round, as ``to_cancel`` says).
     """
     idle: dict[str, tuple[SlurmNode, str]] = {}
     for n in sorted(nodes, key=lambda n: n.name):
         part = next((p for p in n.partitions if p in part_types), None)
-        if part is None or n.gpus == 0 or n.gpus_free < n.gpus or n.name in busy_nodes:
+        if part is None or n.gpus == 0 or n.gpus_free < n.gpus or n.name in busy_nodes \
+                or waiting_in & set(n.partitions):
             continue
         t = part_types[part]
         if t not in waiting_types and t not in idle:

@@ -111,6 +111,12 @@ def test_a_pair_that_fails_again_after_its_wait_waits_again():
     again = retry_after_failures([failed(101), failed(102)], PARTS, retry, later)
     assert again == {pair: (102, later + RETRY_AFTER_S)}
     assert retry_after_failures([failed(101), failed(102)], PARTS, again, later + 60) == again
+    # One that completed without timing its model (its budget ran out first) waits too; one
+    # that timed it does not.
+    done = SlurmJob(103, "root", JOB_NAME, "COMPLETED", partition="a100",
+                    comment=f"{BACKGROUND_COMMENT} model=gpt-760m", nodes=("a100-1",))
+    assert retry_after_failures([done], PARTS, {}, 10.0, set()) == {pair: (103, 10.0 + RETRY_AFTER_S)}
+    assert retry_after_failures([done], PARTS, {}, 10.0, {pair}) == {}
 
 
 def test_next_background_picks_an_idle_node_of_an_unprofiled_pair():
@@ -127,6 +133,11 @@ def test_next_background_picks_an_idle_node_of_an_unprofiled_pair():
     assert next_background({"gpt-760m"}, {("gpt-760m", "a100")}, nodes, PARTS, set(), set(),
                            {("gpt-760m", "a10"): 50.0}, 10.0) is None
     assert next_background({"gpt-760m"}, set(), nodes[:1], PARTS, set(), set(), {}, 0.0) is None
+    # A node also in a partition a job waits in (a mixed one) is left to that job: a profile
+    # there was cancelled the round after, and submitted again the round after that.
+    mixed = [SlurmNode("a100-1", "idle", ("a100", "all"), (), (Gres("gpu", "a100", 4),), ())]
+    assert next_background({"gpt-760m"}, set(), mixed, PARTS, set(), set(), {}, 0.0) is not None
+    assert next_background({"gpt-760m"}, set(), mixed, PARTS, set(), set(), {}, 0.0, {"all"}) is None
 
 
 TRAINER = """#!/bin/bash
