@@ -47,7 +47,6 @@ STAGE_GPUS = ("equal", "arena")
 PROFILED = "profiled"
 
 
-
 @dataclass(frozen=True)
 class EstimateOptions:
     """How Cells are enumerated and estimated.
@@ -358,7 +357,8 @@ def _context(job: JobSpec, cell: Cell, cluster: ClusterSpec, options: EstimateOp
         if cell.gpu_type in profile.collectives:
             table = _profiled_table(options.comm_table, version, cell.gpu_type)
         if cell.gpu_type in profile.efficiencies and options.efficiency is None:
-            eff, eff_source = profile.efficiencies[cell.gpu_type], PROFILED
+            eff = profile.efficiencies[cell.gpu_type]  # a refit alone, without a profile: analytic
+            eff_source = PROFILED if cell.gpu_type in profile.fitted else "analytic"
     host = options.host or default_host(cell.gpu_type)
     fingerprint = model_fingerprint(model) if profile is not None and profile.layers else None
     return _Context(model, job.global_batch, cell, group, table, eff, B,

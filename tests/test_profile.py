@@ -239,6 +239,22 @@ def test_estimate_prefers_the_profile_and_falls_back_cleanly(tmp_path):
         {e.cell: e.iteration_time_s for e in base.cells if e.feasible}
 
 
+def test_a_store_with_only_an_online_refit_of_a_type_uses_it_and_says_analytic(tmp_path):
+    """The daemon writes a refit into a store no profile has been written to: the refitted
+    efficiency is used, but nothing of the type was profiled."""
+    from estimator.profile_store import write_refit
+    db = str(tmp_path / "refit-only.sqlite")
+    a10 = efficiency(gpu_type("a10"))
+    write_refit(db, "a10", replace(a10, matmul_frac=a10.matmul_frac / 3), 3, 0.4, 0.05, "job 1: +40 %",
+                "2026-11-02T00:00:00Z")
+    job, cluster = JobSpec("gpt-760m", 16, None, None), load_cluster("lab")
+    base = {e.cell: e for e in estimate_job(job, cluster, EstimateOptions(), ("a10",)).cells if e.feasible}
+    refitted = [e for e in estimate_job(job, cluster, EstimateOptions(profile_db=db), ("a10",)).cells if e.feasible]
+    assert refitted and all(e.fidelity == "analytic" for e in refitted)
+    assert all(e.iteration_time_s > 1.1 * base[e.cell].iteration_time_s for e in refitted), \
+        [round(e.iteration_time_s / base[e.cell].iteration_time_s, 2) for e in refitted]
+
+
 def test_profiled_layers_drive_the_stage_time(tmp_path):
     # Layers profiled with an efficiency different from the one fitted for the type: the
     # Cell's compute must come from the layer timings, not from the fitted parameters.
