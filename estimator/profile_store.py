@@ -229,24 +229,23 @@ def connect(path: str | Path, create: bool = False) -> sqlite3.Connection:
         raise SpecError("profile_db", str(p), f"cannot open: {getattr(e, 'strerror', None) or e}") from None
     try:
         if create:
-            conn.executescript(_SCHEMA)
-            conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-            conn.commit()
+            _create(conn, p)
         version = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
     except sqlite3.DatabaseError as e:
         conn.close()
         raise SpecError("profile_db", str(p), f"not a profile store ({e})") from None
+    except SpecError:
+        conn.close()
+        raise
     if version is not None and not str(version[0]).strip().isdigit():
         conn.close()
         raise SpecError("profile_db", str(p), f"schema version {version[0]!r} is not a number: not a profile store "
                                               "this program wrote")
     if version is not None and int(version[0]) == 1:
-        try:  # version 1 → 2: the layers' temporary bytes, unknown for old rows
-            conn.execute("ALTER TABLE layers ADD COLUMN backward_temp_bytes INTEGER")
-            conn.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
-            conn.commit()
-            version = (str(SCHEMA_VERSION),)
+        try:
+            version = _upgrade_from_1(conn)
         except sqlite3.DatabaseError as e:
+            conn.rollback()
             conn.close()
             raise SpecError("profile_db", str(p), f"schema version 1 and cannot upgrade it ({e}); "
                                                   "make it writable once") from None
@@ -255,6 +254,38 @@ def connect(path: str | Path, create: bool = False) -> sqlite3.Connection:
         raise SpecError("profile_db", str(p), f"schema version {version and version[0]}, "
                                               f"expected {SCHEMA_VERSION}")
     return conn
+
+
+def _create(conn: sqlite3.Connection, path: Path) -> None:
+    """Make the store's tables in ``conn``'s file, in one transaction (a reader never sees
+    half a store); a file of another program's tables is refused, not added to."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        if tables and "meta" not in tables:
+            raise SpecError("profile_db", str(path), "a SQLite file of something else (tables: "
+                                                     f"{', '.join(sorted(tables)[:5])}): not a profile store")
+        for statement in filter(str.strip, _SCHEMA.split(";")):
+            conn.execute(statement)
+        conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        conn.commit()
+    except BaseException:
+        conn.rollback()
+        raise
+
+
+def _upgrade_from_1(conn: sqlite3.Connection) -> tuple[str]:
+    """Version 1 → 2 (the layers' temporary bytes, unknown for old rows) in one
+    transaction, the version read again inside it (another process may have upgraded)."""
+    conn.execute("BEGIN IMMEDIATE")
+    (version,) = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+    if int(version) == 1:
+        columns = {row[1] for row in conn.execute("PRAGMA table_info(layers)")}
+        if "backward_temp_bytes" not in columns:
+            conn.execute("ALTER TABLE layers ADD COLUMN backward_temp_bytes INTEGER")
+        conn.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
+    conn.commit()
+    return (str(SCHEMA_VERSION),)
 
 
 def write_profile(path: str | Path, profile: Profile) -> int:
@@ -327,7 +358,7 @@ def read_profile(path: str | Path, profile_id: int) -> Profile:
         if p is None:
             raise SpecError("profile_id", profile_id, f"not in {path}")
         info = ProfileInfo(p[0], p[1], p[2], p[3], p[4], p[5], p[6],
-                           tuple(n for n in (p[7] or "").split(",") if n), p[8], json.loads(p[9]))
+                           tuple(n for n in (p[7] or "").split(",") if n), p[8], _versions(p[9]))
         coll = tuple(CollectiveRow(*r) for r in conn.execute(
             "SELECT op, group_size, num_nodes, gpus_per_node, replica_groups, bytes, seconds "
             "FROM collectives WHERE profile_id=?", (profile_id,)))
@@ -343,6 +374,15 @@ def read_profile(path: str | Path, profile_id: int) -> Profile:
         conn.close()
     eff = usable_efficiency(e[0]) if e else None
     return Profile(info, coll, kern, lay, eff, e[1] if e else None)
+
+
+def _versions(text: object) -> dict:
+    """A profile's software versions; an unreadable record of them (an edit by hand) is none."""
+    try:
+        versions = json.loads(text)
+    except (TypeError, ValueError):
+        versions = None
+    return versions if isinstance(versions, dict) else {}
 
 
 def load_profile_view(path: str | Path) -> ProfileView:

@@ -129,6 +129,10 @@ def test_store_round_trip_and_summary(tmp_path):
     fp = model_fingerprint(load_model("gpt-760m"))
     assert view.layer_timing("a10", fp, 5, 2).samples == (1, 2, 4, 8)
     assert view.layer_timing("a10", fp, 5, 4) is None
+    with sqlite3.connect(db) as conn:  # its versions edited by hand into something unreadable
+        conn.execute("UPDATE profiles SET versions_json='{jax' WHERE id=?", (pid,))
+    conn.close()
+    assert read_profile(db, pid).info.versions == {}
 
 
 def test_the_view_keeps_the_newest_of_each_measurement_not_of_each_type(tmp_path):
@@ -183,6 +187,16 @@ def test_not_a_store_is_one_clear_error(tmp_path):
         conn.execute("UPDATE meta SET value='2.1' WHERE key='schema_version'")
     with pytest.raises(SpecError, match="schema version '2.1' is not a number"):
         connect(odd)
+    # Another program's database, given as the store to write: refused, not added to.
+    other = tmp_path / "users.sqlite"
+    with sqlite3.connect(other) as conn:
+        conn.execute("CREATE TABLE users (name TEXT)")
+    conn.close()
+    with pytest.raises(SpecError, match="a SQLite file of something else \\(tables: users\\)"):
+        connect(other, create=True)
+    with sqlite3.connect(other) as conn:
+        assert [n for (n,) in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")] == ["users"]
+    conn.close()
 
 
 def test_a_damaged_store_is_one_line_and_the_estimates_go_on_without_it(tmp_path):
@@ -338,6 +352,12 @@ def test_a_version_1_store_is_upgraded_when_opened(tmp_path):
     assert p.layers and all(r.backward_temp_bytes is None for r in p.layers)
     with connect(db) as conn:
         assert conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() == ("2",)
+    # An upgrade an older version left half done (its column added, the version not):
+    # finished, not refused for ever as "duplicate column".
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE meta SET value='1' WHERE key='schema_version'")
+    conn.close()
+    assert read_profile(db, pid).layers
 
 
 def test_compile_all_on_threads_gives_the_programs_one_by_one_gives():
