@@ -153,7 +153,8 @@ class ElasticFlowPolicy:
         share: dict[str, int] = {}
         left = total_gpus
         blocked = False
-        type_gpus = sum(n.total_gpus for n in snapshot.nodes if n.gpu_type == gtype)  # unmanaged too
+        # Busy with unmanaged jobs too, not down or drained ones.
+        type_gpus = sum(n.total_gpus for n in snapshot.nodes if n.gpu_type == gtype and n.usable)
         # ``jobs`` is in submission order; a stable sort puts running jobs first.
         for job in sorted(jobs, key=lambda j: j.assignment is None):
             if job.assignment is None and blocked:

@@ -94,9 +94,9 @@ class FcfsPolicy:
                 continue
             placement = free.place(want.cell)
             if placement is None and empty is None:
-                # A request that does not fit even on an empty cluster never will, and must
-                # not block the jobs behind it.
-                empty = FreeGpus([(n.name, n.gpu_type, n.total_gpus) for n in snapshot.nodes])
+                # A request that does not fit even on an empty cluster (its usable nodes)
+                # never will while they are what there is, and must not block the jobs behind it.
+                empty = FreeGpus([(n.name, n.gpu_type, n.total_gpus) for n in snapshot.nodes if n.usable])
             if placement is None and empty.place(want.cell) is None:
                 decisions.append(JobDecision(
                     job.job_id, None, f"requested {want.cell.num_gpus} {gtype} ({want.cell.num_nodes} node(s) of "

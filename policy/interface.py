@@ -46,12 +46,15 @@ class NodeView:
         total_gpus: GPUs on the node.
         unmanaged_gpus: GPUs held by jobs the policy does not manage (ordinary Slurm
             jobs, drained GPUs); never available to the policy.
+        usable: False for a node that is down or drained (all its GPUs unmanaged, and
+            they come back only when an admin or Slurm brings the node back).
     """
 
     name: str
     gpu_type: str
     total_gpus: int
     unmanaged_gpus: int = 0
+    usable: bool = True
 
     @property
     def managed_gpus(self) -> int:

@@ -663,6 +663,6 @@ def build_snapshot(now_s: float, nodes: tuple[SlurmNode, ...], managed: list[Man
                 unmanaged[name] += gpus
                 if until_s is not None:
                     releases.append(GpuRelease(until_s, name, gpus))
-    views = tuple(NodeView(n.name, t, n.gpus, unmanaged[n.name]) for n, t in typed)
+    views = tuple(NodeView(n.name, t, n.gpus, unmanaged[n.name], n.is_usable) for n, t in typed)
     jobs = tuple(sorted((m.view for m in managed), key=lambda v: (v.submit_time_s, int(v.job_id))))
     return Snapshot(now_s, views, jobs, trigger, round_s, restart_cost_s, policy_state, derived), tuple(releases)

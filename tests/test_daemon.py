@@ -260,7 +260,7 @@ def test_snapshot_counts_unmanaged_and_launching_gpus():
     # a100-1: 4 used, 2 of them by the managed job; a100-2: 2 used, all managed;
     # v100-1: 3 reserved for jobs about to start; h100-1 is down; cpu-1 has no GPUs.
     assert unmanaged == {"a100-1": 2, "a100-2": 0, "v100-1": 3, "h100-1": 8}
-    assert snap.now_s == 100.0 and snap.restart_cost_s == 30.0
+    assert (snap.now_s, snap.restart_cost_s, [n.name for n in snap.nodes if not n.usable]) == (100.0, 30.0, ["h100-1"])
     # A forecast frees the released job's two GPUs where they were reserved, when it ends.
     assert releases == (GpuRelease(900.0, "v100-1", 2),)
 

@@ -410,3 +410,10 @@ def test_fcfs_a_request_larger_than_the_type_does_not_block_its_queue():
     s = snap([a100(0, unmanaged=2), a100(1)], [head, small])
     d = run(FcfsPolicy(), s)
     assert d.for_job("head").reason.startswith("waiting for 8 a100") and d.for_job("small") is None
+    # Its GPUs on a drained node do not come back by themselves: it blocks nobody (with
+    # Arena's ElasticFlow too), and the job behind it starts.
+    from dataclasses import replace
+    drained = snap([replace(a100(0, unmanaged=4), usable=False), a100(1)], [head, small])
+    for policy in (FcfsPolicy(), ElasticFlowPolicy(blocking=True)):
+        d = run(policy, drained)
+        assert "never fit" in d.for_job("head").reason and cell_of(d, "small") == ("a100", 4), policy
