@@ -137,6 +137,8 @@ def job_row(job: SlurmJob) -> JobRow:
     progress, cells = pc.progress_frac, pc.expected_cells
     if ended:  # what happened, not the last forecast (nor its progress and Cells to come)
         start_s, end_s = job.start_time_s or None, job.end_time_s or None
+        if start_s is not None and start_s == end_s:  # Slurm's mark of a job ended while pending
+            start_s = None
         progress, cells = None, ()
     return JobRow(job.job_id, job.user, job.state, job.partition, gpus, gpu_type, nodes,
                   job.is_elastic, pc.cell, pc.plan, pc.micro_batches, pc.samples_per_s,

@@ -110,6 +110,9 @@ def test_requeued_and_finished_jobs_say_why_and_when():
     assert (r22.expected_start, r22.expected_end) == ("2026-01-01T20:40:00Z", "2026-01-01T23:26:40Z")
     assert (r22.progress_frac, r22.expected_cells) == (None, ())  # the last forecast's, not what happened
     assert rows([replace(done, state="RUNNING")])[0].progress_frac == 0.42
+    # Cancelled while it waited: Slurm sets its start and end to the cancel time; it never ran.
+    cancelled = rows([replace(done, state="CANCELLED", start_time_s=1_767_310_000)], include_finished=True)[0]
+    assert (cancelled.expected_start, cancelled.expected_end) == (None, "2026-01-01T23:26:40Z")
     assert "SPECIAL_EXIT " in format_table([r20])  # the state column holds Slurm's longest
     # A malformed speed (an admin's edit) is none: JSON has no NaN.
     nan = SlurmJob(23, "u", "t", "PENDING", comment="elastic", admin_comment="cell=a100x4:s1 sps=nan why=x")
