@@ -204,6 +204,11 @@ def arena_filter(metrics: dict) -> tuple:
 # --------------------------------------------------------------------------- search
 
 
+# Per-stage splits combined per partition in the pruned search; beyond it, the combinations
+# of splits alike in every stage and one stage apart (``_assemble``).
+MAX_STAGE_PLANS = 256
+
+
 class _Scorer:
     """Scores candidates once each and counts them."""
 
@@ -220,9 +225,13 @@ class _Scorer:
 
 
 def _assemble(ranges, splits_per_stage, model: ModelSpec | None = None,
-              expert_parallel: bool = False) -> list[tuple[StagePlan, ...]]:
+              expert_parallel: bool = False, limit: int | None = None) -> list[tuple[StagePlan, ...]]:
     """Every plan taking one split per stage; with ``expert_parallel``, a MoE stage's
-    splits with dp > 1 also with its experts split over its GPUs (``StagePlan.ep``)."""
+    splits with dp > 1 also with its experts split over its GPUs (``StagePlan.ep``).
+
+    With ``limit``, where there are more such plans than that (they grow as the splits to
+    the power of the stages: 3^16 for 16 stages of 8 GPUs), only each split taken by every
+    stage alike, and each of those with one stage's split changed."""
     per_stage = []
     for (s, e), splits in zip(ranges, splits_per_stage):
         options = [StagePlan(s, e, dp, tp) for dp, tp in splits]
@@ -230,7 +239,15 @@ def _assemble(ranges, splits_per_stage, model: ModelSpec | None = None,
             options += [StagePlan(s, e, dp, tp, ep=True) for dp, tp in splits
                         if dp > 1 and expert_parallel_fits(model.layers[s:e], dp * tp)]
         per_stage.append(options)
-    return [tuple(combo) for combo in product(*per_stage)]
+    if limit is None or math.prod(len(o) for o in per_stage) <= limit:
+        return [tuple(combo) for combo in product(*per_stage)]
+    alike = [tuple(o[min(k, len(o) - 1)] for o in per_stage) for k in range(max(len(o) for o in per_stage))]
+    plans = dict.fromkeys(alike)
+    for base in alike:
+        for i, options in enumerate(per_stage):
+            for other in options:
+                plans.setdefault(base[:i] + (other,) + base[i + 1:])
+    return list(plans)
 
 
 def tune(job: JobSpec, cell: Cell, cluster: ClusterSpec, options: TuneOptions = TuneOptions()
@@ -302,7 +319,7 @@ def _pruned_search(est: CellEstimate, model, options: TuneOptions, per_stage, pa
     kept = arena_filter(metrics)
     ep = options.estimate.expert_parallel
     first = [_fit(scorer, stages, default_mb)
-             for ranges in kept for stages in _assemble(ranges, splits, model, ep)]
+             for ranges in kept for stages in _assemble(ranges, splits, model, ep, MAX_STAGE_PLANS)]
     first.sort(key=ScoredPlan.rank_key)
     for start in first[:options.local_search_width]:
         _walk_micro_batches(scorer, start, mbs)

@@ -32,6 +32,26 @@ def test_stage_splits_cover_every_power_of_two_factorisation():
     assert {(8, 4), (4, 8)} <= set(pruned_splits(32, "dp")) & set(pruned_splits(32, "tp"))
 
 
+def test_stage_plans_beyond_the_limit_are_the_splits_alike_and_one_stage_apart():
+    """16 stages of 8 GPUs with 3 splits each are 3^16 = 43M plans: the pruned search never
+    finished. Beyond the limit it takes each split alike in every stage and each of those
+    with one stage changed."""
+    from estimator.tuner import _assemble
+    ranges = tuple((i, i + 1) for i in range(16))
+    splits = [((8, 1), (4, 2), (2, 4))] * 16
+    plans = _assemble(ranges, splits, limit=256)
+    assert len(plans) == len(set(plans)) == 3 + 3 * 16 * 2
+    assert {tuple((p.dp, p.tp) for p in plan) for plan in plans[:3]} == {((dp, tp),) * 16 for dp, tp in splits[0]}
+    assert all(sum(p.dp != plan[0].dp for p in plan) <= 1 or sum(p.dp != plan[-1].dp for p in plan) <= 1
+               for plan in plans)
+    assert len(_assemble(ranges[:4], splits[:4], limit=256)) == 3 ** 4  # under it: every one
+
+
+def test_tuning_a_cell_of_many_stages_scores_a_bounded_number_of_plans():
+    result = tune(JobSpec("gpt-1.3b", 256), Cell("a100", 128, 8, 16), load_cluster("crius-1280"))
+    assert result.ranked and result.candidates_evaluated < 5000
+
+
 def test_candidate_partitions_are_contiguous_and_include_the_balanced_one():
     base = ((0, 9), (9, 17), (17, 26))
     parts = candidate_partitions(base, 26, 2)
