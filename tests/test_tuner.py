@@ -190,6 +190,30 @@ def test_tune_cli_errors_are_one_line_with_exit_2():
         rc, out, err = _cli(["tune", "--model", "gpt-1.3b", "--global-batch", "64", "--gpu-type", "a100",
                              "--cluster", "crius-1280", *flags])
         assert rc == 2 and out == "" and err.count("\n") == 1 and word in err
+    # What `estimate` refuses, `tune` refuses too; and ZeRO 1-3 for an Adafactor model (every
+    # plan was dropped as one the runner cannot run: "no feasible plan", exit 0).
+    for flags, word in ((["--gpus", "12"], "gpus='12': not a power of two"),
+                        (["--gpus", "8", "--gpus-per-node", "3"], "gpus_per_node=3: give a power of two"),
+                        (["--model", "moe-1.3b", "--gpus", "8", "--zero", "1"], "moe-1.3b trains with adafactor")):
+        rc, out, err = _cli(["tune", "--model", "gpt-1.3b", "--global-batch", "64", "--gpu-type", "a100",
+                             "--cluster", "crius-1280", *flags])
+        assert rc == 2 and out == "" and err.count("\n") == 1 and word in err, err
+
+
+def test_tune_tries_every_node_size_of_the_type_whatever_the_groups_order(tmp_path):
+    """Its default layout was the first node group's: 16 h100 as 4 × 4 on one cluster file
+    and 2 × 8 on the same cluster with its groups listed the other way round."""
+    groups = [{"gpu_type": "h100", "nodes": 4, "gpus_per_node": 4, "partition": "small"},
+              {"gpu_type": "h100", "nodes": 4, "gpus_per_node": 8, "partition": "big"}]
+    best = []
+    for order in (groups, groups[::-1]):
+        path = tmp_path / f"c{len(best)}.yaml"
+        path.write_text(json.dumps({"name": "two-sizes", "node_groups": order}))
+        rc, out, err = _cli(["tune", "--model", "gpt-1.3b", "--global-batch", "256", "--gpu-type", "h100",
+                             "--gpus", "16", "--stages", "1", "--cluster", str(path), "--json"])
+        assert rc == 0, err
+        best.append(json.loads(out))
+    assert best[0] == best[1] and best[0]["cell"].startswith("h100x16")
 
 
 # --------------------------------------------------------------------------- running plans

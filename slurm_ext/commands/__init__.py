@@ -42,6 +42,18 @@ def check_writable(field: str, path: str | None, directory: bool = False) -> Non
         raise SpecError(field, path, f"cannot write: {e.strerror or e}") from None
 
 
+def check_gpu_counts(gpus: int | None, gpus_per_node: int | None) -> None:
+    """A Cell's GPU count and GPUs per node are powers of two (None: not given)."""
+    from slurm_ext.jobspec import check_power_of_two_gpus
+    if gpus_per_node is not None and (gpus_per_node < 1 or gpus_per_node & (gpus_per_node - 1)):
+        raise SpecError("gpus_per_node", gpus_per_node, "give a power of two (a Cell's GPUs lie on nodes in "
+                                                        "groups of 1, 2, 4, 8, ...)")
+    if gpus is not None:
+        if gpus < 1:
+            raise SpecError("gpus", gpus, "give a positive power of two, or leave it out to see every count")
+        check_power_of_two_gpus(gpus, "not a power of two", "ask for {below} or {above}")
+
+
 def check_micro_batches(micro_batches: int | None, global_batch: int) -> None:
     """A micro-batch count must divide the global batch (None: chosen per Cell)."""
     if micro_batches and global_batch > 0 and global_batch % micro_batches:

@@ -10,28 +10,17 @@ from estimator.errors import SpecError
 from estimator.estimate import EstimateOptions, JobEstimate, estimate_job
 from estimator.jobs import JobSpec
 from estimator.memory import MemoryOptions
-from slurm_ext.commands import check_micro_batches, check_writable, cluster_option
-from slurm_ext.jobspec import check_power_of_two_gpus
+from slurm_ext.commands import check_gpu_counts, check_micro_batches, check_writable, cluster_option
 
 DEFAULT_CLUSTER = "crius-1280"
 BATCH_KEYS = {"model", "global_batch", "gpu_type", "num_gpus", "gpus_per_node", "max_stages", "trainer"}
 MAX_BATCH_LINE_BYTES = 4096
 
 
-def _check_counts(gpus: int | None, gpus_per_node: int | None) -> None:
-    if gpus_per_node is not None and (gpus_per_node < 1 or gpus_per_node & (gpus_per_node - 1)):
-        raise SpecError("gpus_per_node", gpus_per_node, "give a power of two (a Cell's GPUs lie on nodes in "
-                                                        "groups of 1, 2, 4, 8, ...)")
-    if gpus is not None:
-        if gpus < 1:
-            raise SpecError("gpus", gpus, "give a positive power of two, or leave it out to see every count")
-        check_power_of_two_gpus(gpus, "not a power of two", "ask for {below} or {above}")
-
-
 def _estimate(model: str, global_batch: int, gpu_type: str | None, gpus: int | None,
               gpus_per_node: int | None, max_stages: int | None, cluster_name: str,
               options: EstimateOptions, trainer: str = "runner") -> JobEstimate:
-    _check_counts(gpus, gpus_per_node)
+    check_gpu_counts(gpus, gpus_per_node)
     cluster = load_cluster(cluster_name)
     job = JobSpec(model, global_batch, gpus, gpu_type, max_stages, trainer=trainer)
     if job.gpu_type:
@@ -245,7 +234,7 @@ def command(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, trai
     if batch_file is not None:
         if model is not None or global_batch is not None:
             raise click.UsageError("--batch reads model and global_batch from each line; drop --model/--global-batch")
-        _check_counts(gpus, gpus_per_node)  # the flags' own errors, before any line's
+        check_gpu_counts(gpus, gpus_per_node)  # the flags' own errors, before any line's
         requests = _read_batch(batch_file)
         results = []
         for lineno, req in requests:

@@ -21,7 +21,7 @@ from estimator.jobs import JobSpec
 from estimator.memory import ZERO_LEVELS, MemoryOptions
 from estimator.models import load_model
 from estimator.tuner import PRUNE_MODES, TuneOptions, TuneResult, tune
-from slurm_ext.commands import check_micro_batches, cluster_option
+from slurm_ext.commands import check_gpu_counts, check_micro_batches, cluster_option
 
 log = logging.getLogger(__name__)
 
@@ -30,20 +30,22 @@ MEASURE_TOP = 3
 
 
 def _cells(job: JobSpec, cluster: ClusterSpec, gpus_per_node: int | None, stages: int | None) -> list[Cell]:
-    group = cluster.group(job.gpu_type)
-    if gpus_per_node is not None and gpus_per_node < 1:
-        raise SpecError("gpus_per_node", gpus_per_node, "give a positive integer")
+    """The Cells to tune: each stage count (or ``stages``) on each layout of the count over
+    the type's node sizes the cluster holds (or on ``gpus_per_node``)."""
+    check_gpu_counts(job.num_gpus, gpus_per_node)
+    cluster.group(job.gpu_type)  # a type the cluster lacks: one line naming those it has
     if job.num_gpus > (capacity := cluster.total_gpus(job.gpu_type)):
         raise SpecError("gpus", job.num_gpus, f"{cluster.name} has {capacity} {job.gpu_type} GPUs")
-    gpn = gpus_per_node_of(job.num_gpus, gpus_per_node or group.gpus_per_node)
-    if not cluster.holds_layout(job.gpu_type, job.num_gpus, gpn):
+    sizes = (gpus_per_node,) if gpus_per_node else cluster.node_sizes(job.gpu_type)
+    layouts = [gpn for gpn in dict.fromkeys(gpus_per_node_of(job.num_gpus, n) for n in sizes)
+               if cluster.holds_layout(job.gpu_type, job.num_gpus, gpn)]
+    if not layouts:
+        gpn = gpus_per_node_of(job.num_gpus, sizes[0])
         raise SpecError("gpus", job.num_gpus, f"{cluster.name} has too few {job.gpu_type} nodes of "
                         f"{gpn} or more GPUs for {job.num_gpus} laid out {gpn} a node")
     model = load_model(job.model)
     counts = [stages] if stages else stage_counts(job.num_gpus, model.num_layers, job.max_stages)
-    if not counts:
-        raise SpecError("gpus", job.num_gpus, "no stage count fits; give a power-of-two GPU count")
-    return [Cell(job.gpu_type, job.num_gpus, gpn, s) for s in counts]
+    return [Cell(job.gpu_type, job.num_gpus, gpn, s) for gpn in layouts for s in counts]
 
 
 def _measure(job: JobSpec, result: TuneResult, gpus_per_node: int) -> TuneResult:
@@ -115,7 +117,8 @@ def _text(result: TuneResult, top: int = 5) -> str:
 @click.option("--global-batch", type=int, required=True, help="Samples per iteration.")
 @click.option("--gpu-type", required=True, help="GPU type of the Cell.")
 @click.option("--gpus", type=int, required=True, help="GPU count of the Cell.")
-@click.option("--gpus-per-node", type=int, help="GPUs per node (default: the cluster's node size).")
+@click.option("--gpus-per-node", type=int, help="GPUs per node, a power of two (default: each node size the "
+              "cluster has for the type; the best wins).")
 @click.option("--stages", type=int, help="Pipeline stages (default: try every stage count).")
 @click.option("--prune", type=click.Choice(PRUNE_MODES), default="cell", show_default=True,
               help="cell: Crius/Arena pruning; none: score the whole plan space.")
@@ -137,6 +140,9 @@ def command(model, global_batch, gpu_type, gpus, gpus_per_node, stages, prune, m
     cluster_spec = load_cluster(cluster)
     cells = _cells(job, cluster_spec, gpus_per_node, stages)
     optimizer = load_model(model).optimizer
+    if zero_level and not MemoryOptions(zero_level=zero_level).runnable(optimizer):
+        raise SpecError("zero", zero_level, f"the runner shards optimizer states only of element-wise optimizers; "
+                                            f"{model} trains with {optimizer}: give --zero 0 or leave it out")
     evaluated, best = 0, None
     for level in (zero_level,) if zero_level is not None else ZERO_LEVELS:
         memory = MemoryOptions(zero_level=level)
