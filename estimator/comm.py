@@ -152,13 +152,18 @@ def load_comm_table(path: str | None = None) -> CommTable:
     p = Path(path) if path else DEFAULT_TABLE
     if not p.is_file():
         raise SpecError("comm_table", str(p), "give a readable CSV of measured collectives")
-    with p.open(newline="", encoding="utf-8-sig") as f:  # a BOM (spreadsheets) is not a column
-        reader = csv.reader(f)
-        header = next(reader, [])
-        if not set(COLUMNS) <= set(header):
-            raise SpecError("comm_table", str(p), f"CSV needs columns {', '.join(COLUMNS)}")
-        col = [header.index(name) for name in COLUMNS]
-        return CommTable(_curves(_checked_rows(reader, col, p)), shipped=p.resolve() == DEFAULT_TABLE.resolve())
+    try:
+        with p.open(newline="", encoding="utf-8-sig") as f:  # a BOM (spreadsheets) is not a column
+            reader = csv.reader(f)
+            header = next(reader, [])
+            if not set(COLUMNS) <= set(header):
+                raise SpecError("comm_table", str(p), f"CSV needs columns {', '.join(COLUMNS)}")
+            col = [header.index(name) for name in COLUMNS]
+            return CommTable(_curves(_checked_rows(reader, col, p)), shipped=p.resolve() == DEFAULT_TABLE.resolve())
+    except UnicodeDecodeError as e:
+        raise SpecError("comm_table", str(p), f"not UTF-8 text (byte {e.start}): give a CSV") from None
+    except OSError as e:
+        raise SpecError("comm_table", str(p), f"cannot read: {e.strerror or e}") from None
 
 
 def _checked_rows(reader, col: list[int], path: Path):

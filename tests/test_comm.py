@@ -75,6 +75,13 @@ def test_errors(table):
     assert isinstance(table, CommTable) and table.curve(CurveKey("x", "y", "send", 2, 1)) is None
 
 
+def test_a_table_that_is_not_text_is_one_clear_error(tmp_path):
+    binary = tmp_path / "table.csv"
+    binary.write_bytes(b"\xff\xfejob_id\n")  # UTF-16, or anything not UTF-8: was a traceback
+    with pytest.raises(SpecError, match="comm_table=.*not UTF-8 text"):
+        load_comm_table(str(binary))
+
+
 @pytest.mark.parametrize("row, says", [
     ('a100,1,4,default,all-reduce,"[[0,1,2,3]]",4,1,float32,1000,-1', "line 3: seconds='-1'"),
     ('a100,1,4,default,all-reduce,"[[0,1,2,3]]",4,1,float32,1000,abc', "line 3: seconds='abc'"),
