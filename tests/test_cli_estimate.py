@@ -223,6 +223,24 @@ def test_batch_values_of_the_wrong_type_are_refused_before_any_estimate(capsys, 
     assert code == 2 and out == "" and "drop --model/--global-batch" in err
 
 
+def test_batch_lines_a_request_would_refuse_are_refused_before_any_estimate(capsys, monkeypatch):
+    """An unknown GPU type, model or count on line 3 was found only after lines 1 and 2 were
+    estimated (seconds of work on a long file, thrown away)."""
+    import slurm_ext.commands.estimate as estimate_command
+    estimated = []
+    real = estimate_command._estimate
+    monkeypatch.setattr(estimate_command, "_estimate", lambda *a: estimated.append(a) or real(*a))
+    good = '{"model": "gpt-760m", "global_batch": 8}\n'
+    for bad, says in (('{"model": "gpt-760m", "global_batch": 8, "gpu_type": "h100"}', "line 3.gpu_type='h100'"),
+                      ('{"model": "gpt-99b", "global_batch": 8}', "line 3.model='gpt-99b'"),
+                      ('{"model": "gpt-760m", "global_batch": 8, "num_gpus": 12}', "line 3.num_gpus='12'")):
+        code, out, err = run(capsys, "estimate", "--batch", "-", stdin=good * 2 + bad + "\n", monkeypatch=monkeypatch)
+        assert (code, out, estimated) == (2, "", []) and says in err, err
+    # An editor's byte-order mark before the first line is no part of its JSON.
+    code, out, err = run(capsys, "estimate", "--batch", "-", stdin="\ufeff" + good, monkeypatch=monkeypatch)
+    assert code == 0 and len(out.splitlines()) == 1, err
+
+
 def test_batch_errors_name_the_input_line_and_check_what_one_request_would(capsys, monkeypatch):
     """Blank lines count; --micro-batches is checked against each line's batch; a key given
     as null takes the flag; bytes that are not UTF-8 are one line of error."""
@@ -304,6 +322,10 @@ def test_simulate_refuses_rounds_shorter_than_a_second(capsys, tmp_path):
         code, out, err = run(capsys, "simulate", "--trace", str(trace), "--cluster", "crius-1280",
                              "--policy", "fcfs", "--round-s", value)
         assert code == 2 and "round_s" in err and "at least 1 s" in err and len(err.strip().splitlines()) == 1
+    # Nor longer than a day (1e300: gavel and sia left most jobs unfinished, and said nothing).
+    code, out, err = run(capsys, "simulate", "--trace", str(trace), "--cluster", "crius-1280",
+                         "--policy", "fcfs", "--round-s", "1e300")
+    assert code == 2 and "round_s=1e+300: give at most 86400 s" in err
 
 
 def test_simulate_checks_its_outputs_before_it_simulates(capsys, tmp_path):

@@ -2,6 +2,7 @@
 
 import json
 import sys
+from contextlib import contextmanager
 
 import click
 
@@ -10,6 +11,7 @@ from estimator.errors import SpecError
 from estimator.estimate import EstimateOptions, JobEstimate, estimate_job
 from estimator.jobs import JobSpec
 from estimator.memory import MemoryOptions
+from estimator.models import load_model
 from slurm_ext.commands import check_gpu_counts, check_micro_batches, check_writable, cluster_option
 
 DEFAULT_CLUSTER = "crius-1280"
@@ -103,10 +105,12 @@ def _read_batch(source) -> list[tuple[int, dict]]:
         except UnicodeDecodeError:
             raise SpecError(f"line {lineno + 1}", "…", "not UTF-8 text") from None
         lineno += 1
+        if lineno == 1:
+            line = line.removeprefix("\ufeff")  # a byte-order mark (an editor's) is no part of the JSON
         if not line.strip():
             continue
         where = f"line {lineno}"
-        if len(line) > MAX_BATCH_LINE_BYTES:
+        if len(line.encode()) > MAX_BATCH_LINE_BYTES:
             raise SpecError(where, line[:40] + "…", f"longer than {MAX_BATCH_LINE_BYTES} bytes")
         try:
             req = json.loads(line)
@@ -134,12 +138,22 @@ def _read_batch(source) -> list[tuple[int, dict]]:
     return requests
 
 
+@contextmanager
+def _named_by_line(lineno: int):
+    """A request's error, named as its line names it (``line 3.num_gpus``)."""
+    try:
+        yield
+    except SpecError as e:
+        field = "num_gpus" if e.field == "gpus" else e.field
+        raise SpecError(f"line {lineno}.{field}", e.value, e.hint) from None
+
+
 @click.command("estimate")
 @click.option("--model", help="Built-in model name (e.g. gpt-1.3b) or a model YAML file.")
 @click.option("--global-batch", type=int, help="Samples per iteration.")
 @click.option("--gpu-type", help="Only Cells of this GPU type.")
 @click.option("--gpus", type=int, help="Requested GPU count N: Cells of N/2, N and 2N GPUs. "
-              "Without it, every power of two from the smallest that fits.")
+              "Without it, every power of two from the smallest that fits, up to 64.")
 @click.option("--gpus-per-node", type=int, help="GPUs per node (default: the cluster's node size).")
 @click.option("--max-stages", type=int, help="Only Cells of at most this many pipeline stages: "
               "what the job's training script can run (1 for data and tensor parallelism only). "
@@ -235,22 +249,25 @@ def command(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, trai
         if model is not None or global_batch is not None:
             raise click.UsageError("--batch reads model and global_batch from each line; drop --model/--global-batch")
         check_gpu_counts(gpus, gpus_per_node)  # the flags' own errors, before any line's
-        requests = _read_batch(batch_file)
-        results = []
-        for lineno, req in requests:
+        cluster_spec, lines = load_cluster(cluster), []
+        for lineno, req in _read_batch(batch_file):
             # --gpu-type, --gpus, --gpus-per-node, --max-stages and --trainer: for lines without their own
             # (or with it given as null).
             def given(key, flag):
                 return flag if req.get(key) is None else req[key]
-            try:
-                check_micro_batches(micro_batches, req["global_batch"])
-                results.append(_estimate(req["model"], req["global_batch"], given("gpu_type", gpu_type),
-                                         given("num_gpus", gpus), given("gpus_per_node", gpus_per_node),
-                                         given("max_stages", max_stages), cluster, options,
-                                         given("trainer", trainer)))
-            except SpecError as e:  # named as the line names it
-                field = "num_gpus" if e.field == "gpus" else e.field
-                raise SpecError(f"line {lineno}.{field}", e.value, e.hint) from None
+            args = (req["model"], req["global_batch"], given("gpu_type", gpu_type), given("num_gpus", gpus),
+                    given("gpus_per_node", gpus_per_node), given("max_stages", max_stages))
+            with _named_by_line(lineno):  # what can be told without estimating, of every line first
+                check_micro_batches(micro_batches, args[1])
+                check_gpu_counts(args[3], args[4])
+                load_model(args[0])
+                if args[2] is not None:
+                    cluster_spec.group(args[2])
+            lines.append((lineno, args, given("trainer", trainer)))
+        results = []
+        for lineno, args, line_trainer in lines:
+            with _named_by_line(lineno):
+                results.append(_estimate(*args, cluster, options, line_trainer))
         sys.stdout.write("".join(json.dumps(r.to_json()) + "\n" for r in results))
         return
     if not model or global_batch is None:

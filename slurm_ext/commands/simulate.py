@@ -25,6 +25,7 @@ from slurm_ext.commands import check_writable
 log = logging.getLogger(__name__)
 
 MIN_ROUND_S = 1.0  # a round is a policy decision: sub-second ones only slow the replay down
+MAX_ROUND_S = 86400.0
 
 
 class _Progress:
@@ -150,6 +151,9 @@ def command(trace_path, cluster_name, policies, trace_kind, seed, density, oracl
     if not math.isfinite(round_s) or round_s < MIN_ROUND_S:
         raise SpecError("round_s", round_s, f"give at least {MIN_ROUND_S:g} s (shorter rounds only make the "
                                             "replay take longer)")
+    if round_s > MAX_ROUND_S:
+        raise SpecError("round_s", round_s, f"give at most {MAX_ROUND_S:g} s (a day): a policy woken less often "
+                                            "leaves jobs unfinished at the replay's end")
     if forecast_every < 0:
         raise SpecError("forecast_every", forecast_every, "give 0 (no forecasts) or a positive job count")
     names = list(dict.fromkeys(p.strip().lower() for p in policies))
