@@ -46,6 +46,8 @@ def test_table_marks_best(capsys):
     (["--model", "gpt-1.3b", "--global-batch", "8", "--gpu-type", "tpu"], "gpu_type='tpu'"),
     (["--model", "gpt-1.3b", "--global-batch", "8", "--gpus", "0"], "gpus=0"),
     (["--model", "gpt-1.3b", "--global-batch", "8", "--cluster", "nowhere"], "cluster='nowhere'"),
+    # ZeRO 1-3 of an Adafactor model: plans the runner cannot run, listed as feasible.
+    (["--model", "moe-690m", "--global-batch", "32", "--zero", "1"], "moe-690m trains with adafactor"),
 ])
 def test_errors_are_one_line_and_print_nothing(capsys, args, needle):
     code, out, err = run(capsys, "estimate", *args, "--json")

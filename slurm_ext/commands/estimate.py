@@ -25,6 +25,11 @@ def _estimate(model: str, global_batch: int, gpu_type: str | None, gpus: int | N
     check_gpu_counts(gpus, gpus_per_node)
     cluster = load_cluster(cluster_name)
     job = JobSpec(model, global_batch, gpus, gpu_type, max_stages, trainer=trainer)
+    memory, optimizer = options.memory, load_model(model).optimizer
+    if options.runnable_only and memory.zero_level and not memory.runnable(optimizer):
+        raise SpecError("zero", memory.zero_level, f"the runner shards optimizer states only of element-wise "
+                                                   f"optimizers; {model} trains with {optimizer}: give --zero 0, "
+                                                   "or add --what-if to see them estimated anyway")
     if job.gpu_type:
         cluster.group(job.gpu_type)  # a clear error for a type the cluster lacks, before its node sizes
     types = (job.gpu_type,) if job.gpu_type else cluster.gpu_types
