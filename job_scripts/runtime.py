@@ -194,8 +194,15 @@ def _relaunch_under_srun(alloc: SlurmAllocation, argv: list[str], settings: dict
 
 
 def _configure_jax(cfg: RunConfig, alloc: SlurmAllocation) -> None:
-    """Platform, CPU device count and compilation cache, before JAX starts its backends."""
+    """Platform, CPU device count, GPU memory and compilation cache, before JAX starts its
+    backends."""
     import jax
+    if cfg.platform == "gpu":
+        # The share of each GPU's memory the estimates count on; JAX's own default takes
+        # 75 %, and a Cell estimated to fit in 90 % would run out of memory (a job's own
+        # setting stands).
+        from estimator.memory import MemoryOptions
+        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{MemoryOptions().usable_frac:g}")
     if cfg.platform == "cpu":
         flags = os.environ.get("XLA_FLAGS", "")
         for f in CPU_FAST_COMPILE_FLAGS:

@@ -21,3 +21,20 @@ def test_an_admin_comment_plan_that_does_not_parse_is_ignored_not_fatal(tmp_path
         ("cell=a100x2:s1 plan=[dp2tp1] mb=1 remat=1", ADMIN_COMMENT_PLAN)
     broken = "requested=any cell=a100x2:s1 plan=[dp2tp1 mb=1 remat=1 why=edited"  # no closing bracket
     assert in_jax_child(2, _plan_with_admin_comment, str(tmp_path / "b"), broken) == (None, None)
+
+
+def test_on_gpus_jax_may_take_the_share_of_memory_the_estimates_count_on(monkeypatch):
+    """JAX's own default is 75 % of each GPU: a Cell estimated to fit in 90 % ran out of
+    memory. A job that sets the share itself keeps its setting."""
+    from types import SimpleNamespace
+
+    from estimator.memory import MemoryOptions
+    from job_scripts.runtime import _configure_jax
+    gpu = SimpleNamespace(platform="gpu", compile_cache_dir=None)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    _configure_jax(gpu, None)
+    import os
+    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.9" == f"{MemoryOptions().usable_frac:g}"
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+    _configure_jax(gpu, None)
+    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5"
