@@ -88,7 +88,7 @@ class RunConfig:
 
 def _number(settings: dict[str, str], key: str) -> int | None:
     raw = settings.get(key)
-    if raw is not None and not raw.isdigit():
+    if raw is not None and not (raw.isascii() and raw.isdigit()):  # int() refuses '²'
         raise SpecError(key, raw, "give a whole number")
     return None if raw is None else int(raw)
 

@@ -91,7 +91,7 @@ def _expand_range(body: str, whole: str) -> list[str]:
     out: list[str] = []
     for item in body.split(","):
         lo, sep, hi = item.partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()):
+        if not (lo + hi).isascii() or not lo.isdigit() or (sep and not hi.isdigit()):
             raise SpecError("SLURM_JOB_NODELIST", whole, f"bad range {item!r}; expected N or N-M")
         if not sep:
             out.append(lo)
@@ -174,7 +174,7 @@ def _gpus_of_item(raw: str, item: str) -> int:
     """GPUs of one item of ``--gpus-per-node``: ``N``, ``TYPE:N`` or ``TYPE`` (Slurm's
     count defaults to 1)."""
     count = item.strip().rsplit(":", 1)[-1].split("(")[0]
-    if count.isdigit():
+    if count.isascii() and count.isdigit():
         return int(count)
     if re.fullmatch(r"[A-Za-z][\w.-]*", count):
         return 1

@@ -139,6 +139,10 @@ class Daemon:
         self._reload_requested = False
         self._policy_state: object = None
         self._known_ids: set[int] = set()
+        # Ids a poll saw pending that the next round's listing did not have (a line of a
+        # comment that imitates one): not a reason for an early round again.
+        self._polled_ids: set[int] = set()
+        self._unlisted_ids: set[int] = set()
         self._estimates = EstimateCache(store, read_only=config.dry_run)
         self._spec_cache: dict[int, tuple[ElasticSpec | None, str | None]] | None = None
         self._submit_s: dict[int, float] = {}
@@ -265,10 +269,11 @@ class Daemon:
     def _new_elastic_job(self) -> bool:
         try:
             pending = self.client.pending_elastic_job_ids()
-        except SlurmExtError as e:
+        except Exception as e:  # noqa: BLE001 - a poll that fails waits for the round, never stops the service
             log.debug(kv("poll_failed", error=e))
             return False
-        new = [j for j in pending if j not in self._known_ids]
+        new = [j for j in pending if j not in self._known_ids and j not in self._unlisted_ids]
+        self._polled_ids.update(new)
         if new:
             log.info(kv("elastic_job_arrived", job_ids=",".join(map(str, new[:10]))))
         return bool(new)
@@ -293,6 +298,8 @@ class Daemon:
         t1 = time.perf_counter()
         active = [j for j in jobs if j.is_active]
         self._known_ids = {j.job_id for j in active}
+        self._unlisted_ids = {j for j in self._unlisted_ids | self._polled_ids if j not in self._known_ids}
+        self._polled_ids = set()
         self._sole, self._group_shared_s = sole_under_group_limit(active, self._group_shared_s, now_s)
         part_types = partition_types(nodes, cfg.partition_map())
         cluster = cluster_spec(nodes, part_types, cfg.cluster, cfg.network)

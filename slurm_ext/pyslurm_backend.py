@@ -47,7 +47,7 @@ from slurm_ext.errors import (
 from slurm_ext.slurm_client import ACTIVE_STATES, JobUpdate, SlurmJob, SlurmNode, SubmitRequest
 from slurm_ext.run import run_command
 from slurm_ext.slurm_install import SlurmInstall
-from slurm_ext.slurm_parse import expand_hostlist, is_elastic, listing_records, parse_job, parse_node
+from slurm_ext.slurm_parse import expand_hostlist, is_elastic, is_number, listing_records, parse_job, parse_node
 
 log = logging.getLogger(__name__)
 
@@ -384,7 +384,7 @@ class PyslurmClient:
 
     def signal_batch(self, job_ids: int | Sequence[int], signal: str = "USR1") -> None:
         name = signal_batch_argv(1, signal)[1].split("=", 1)[1]  # the CLI backend's check
-        sig = int(name) if name.isdigit() else f"SIG{name}"
+        sig = int(name) if is_number(name) else f"SIG{name}"
         self._each("signal", job_ids, lambda job: job.send_signal(sig, steps="batch"))
 
     def requeue_hold(self, job_id: int) -> None:

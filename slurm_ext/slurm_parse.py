@@ -40,6 +40,12 @@ NODE_BASE_STATES = frozenset({
 
 # ---- small values -------------------------------------------------------------------------
 
+def is_number(text_: str) -> bool:
+    """Whether ``text_`` is a whole number in ASCII digits (``str.isdigit`` also takes ``²``,
+    which ``int`` refuses: a user's comment must not stop a round)."""
+    return text_.isascii() and text_.isdigit()
+
+
 def number(value: object, default: int | None = None) -> int | None:
     """A Slurm number: a plain int/float, or 23.02+'s ``{"set", "infinite", "number"}``.
 
@@ -53,7 +59,7 @@ def number(value: object, default: int | None = None) -> int | None:
         if not value.get("set", True) or value.get("infinite", False):
             return default
         return number(value.get("number"), default)
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+    if isinstance(value, str) and is_number(value.strip().lstrip("-")):
         return int(value)
     return default
 
@@ -167,7 +173,7 @@ def expand_hostlist(hostlist: str) -> tuple[str, ...]:
         prefix, ranges, suffix = m.groups()
         for rng in ranges.split(","):
             lo, _, hi = rng.partition("-")
-            if not lo.isdigit() or (hi and not hi.isdigit()):
+            if not is_number(lo) or (hi and not is_number(hi)):
                 raise SlurmParseError("hostlist", hostlist)
             width = len(lo)
             for i in range(int(lo), int(hi or lo) + 1):
@@ -390,7 +396,7 @@ def parse_reservation_nodes(text_: str) -> tuple[str, ...]:
 def parse_sbatch_parsable(out: str) -> int:
     """``sbatch --parsable`` prints ``JOBID`` or ``JOBID;CLUSTER``."""
     first = out.strip().split(";", 1)[0]
-    if not first.isdigit():
+    if not is_number(first):
         raise SlurmParseError("sbatch --parsable output", out)
     return int(first)
 
@@ -434,7 +440,7 @@ def listing_records(text_: str, fields: int) -> dict[int, list[str]]:
     last: list[str] | None = None
     for line in text_.split("\n"):
         head, sep, _ = line.partition("|")
-        parts = line.split("|", fields - 1) if sep and head.isdigit() else None
+        parts = line.split("|", fields - 1) if sep and is_number(head) else None
         if parts is not None and len(parts) == fields:
             job_id = int(head)
             if job_id in records:
@@ -535,8 +541,8 @@ def parse_job_listing(main: str, admin_comments: str, names: str,
             batch=bool(_listing_int(batch)),
             requeue=bool(_listing_int(requeue)),
             array_job_id=_listing_int(array_job) if is_array else None,
-            array_task_id=int(array_task) if is_array and array_task.isdigit() else None,
-            array_task_spec=array_task if is_array and not array_task.isdigit() else "",
+            array_task_id=int(array_task) if is_array and is_number(array_task) else None,
+            array_task_spec=array_task if is_array and not is_number(array_task) else "",
             exit_code=listing_exit_code(exit_raw)
             if state not in ("PENDING", "RUNNING") or restart_count else None,
             account="" if account.strip() in _UNSET else account.strip(),
@@ -598,11 +604,6 @@ PENDING_LISTING_FIELDS = "JobID:|,Comment:|"
 
 
 def parse_pending_listing(text: str) -> list[int]:
-    """Job ids of the elastic jobs in a pending-jobs listing (``PENDING_LISTING_FIELDS``), ascending."""
-    out = []
-    for line in text.splitlines():
-        job_id, _, comment = line.partition("|")
-        job_id = job_id.strip()
-        if job_id.isdigit() and is_elastic(comment.rstrip("|")):
-            out.append(int(job_id))
-    return sorted(out)
+    """Job ids of the elastic jobs in a pending-jobs listing (``PENDING_LISTING_FIELDS``),
+    ascending; a comment's later lines belong to it (``listing_records``), never a job."""
+    return sorted(job_id for job_id, (_, comment) in listing_records(text, 2).items() if is_elastic(comment))

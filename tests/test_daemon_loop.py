@@ -133,3 +133,18 @@ def test_nodes_held_last_round_are_freed_before_a_job_starts_on_them(tmp_path):
     order = [(c[0], c[2] if c[0] == "hold_nodes" else c[1]) for c in client.calls
              if c[0] in ("hold_nodes", "release")]
     assert order == [("hold_nodes", ()), ("release", 71), ("hold_nodes", ("a100-1",))]
+
+
+def test_a_pending_id_the_rounds_never_list_starts_no_more_early_rounds(tmp_path):
+    """A line of a pending job's comment that looks like a record of another elastic job
+    (``424242|elastic``) made every poll find a new job: a round every poll, not every
+    interval. After one round that does not list it, the poll passes over it."""
+    from policy.interface import TRIGGER_ARRIVAL, TRIGGER_ROUND
+    clock = SimulatedClock(float(NOW))
+    daemon, client = daemon_for(tmp_path, [], [node("a100-1", "a100", 4)], clock=clock, interval_s=60, poll_s=2)
+    client.pending_elastic_job_ids = lambda: [424242]
+    daemon.round()
+    assert daemon._wait_for_next(clock.now_s() + 60, poll=True) == TRIGGER_ARRIVAL
+    daemon.round()  # its listing has no such job
+    began = clock.now_s()
+    assert daemon._wait_for_next(began + 60, poll=True) == TRIGGER_ROUND and clock.now_s() >= began + 60

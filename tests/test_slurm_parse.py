@@ -345,6 +345,18 @@ def test_listing_keeps_pipes_and_newlines_inside_free_text():
     assert jobs[3].comment == "" and jobs[3].admin_comment == ""  # Slurm prints (null)
 
 
+def test_free_text_with_digits_of_other_scripts_or_an_invented_record_is_free_text():
+    """``'²'.isdigit()`` is True and ``int('²')`` raises: a comment with a line starting
+    '²|' made every listing of everybody's jobs fail (and the daemon's poll, outside its
+    round's error handling, stop the service). In the pending listing a comment's later
+    lines are its own, not jobs of their own."""
+    from slurm_ext.slurm_parse import parse_pending_listing
+    assert listing_records("5|a|plain\n²|b|x|\n", 3) == {5: ["5", "a", "plain\n²|b|x"]}
+    assert parse_pending_listing("5|plain\n²|elastic|\n") == []
+    assert parse_pending_listing("5|plain\nelastic|\n6|elastic model=x|\n") == [6]
+    assert number("²") is None and number("12") == 12
+
+
 def test_listing_exit_status_of_a_requeued_job():
     job = listing_of("requeued_held")[7]
     assert (job.state, job.restart_count, job.exit_code, job.is_held) == ("SPECIAL_EXIT", 1, 86, True)
