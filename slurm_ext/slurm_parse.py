@@ -291,7 +291,8 @@ def parse_job(raw: Mapping, where: str = "job") -> SlurmJob:
     state, flags = job_state(raw.get("job_state"))
     requested = parse_gres(raw.get("tres_per_node") or raw.get("gres") or "")
     gpus_per_node, gpu_type = gpus_of(requested)
-    gpus_per_job, _ = gpus_of(parse_gres(raw.get("tres_per_job") or ""))
+    gpus_per_job, job_gpu_type = gpus_of(parse_gres(raw.get("tres_per_job") or ""))
+    gpu_type = gpu_type or job_gpu_type  # --gpus=a100:8 names its type per job
     granted, granted_type = parse_gres_detail(raw.get("gres_detail"))
     array_job_id = number(raw.get("array_job_id"), 0) or None
     array_task_id = number(raw.get("array_task_id")) if array_job_id else None
@@ -514,7 +515,8 @@ def parse_job_listing(main: str, admin_comments: str, names: str,
          exit_raw, account, qos, comment) = f
         state, flags = state_and_flags(state_.strip(), JOB_BASE_STATES)
         gpus_per_node, gpu_type = _gpus_of_text(per_node)
-        gpus_per_job, _ = _gpus_of_text(per_job)
+        gpus_per_job, job_gpu_type = _gpus_of_text(per_job)
+        gpu_type = gpu_type or job_gpu_type
         array_task = array_task.strip()
         is_array = array_task not in _UNSET
         restart_count = _listing_int(restarts)

@@ -357,6 +357,17 @@ def test_free_text_with_digits_of_other_scripts_or_an_invented_record_is_free_te
     assert number("²") is None and number("12") == 12
 
 
+def test_a_typed_request_per_job_names_the_gpu_type():
+    """``--gpus=a100:8`` (Slurm's tres_per_job ``gres/gpu:a100:8``) lost its type, which
+    the submit hook and the docs read as the request."""
+    from slurm_ext.slurm_parse import parse_job
+    job = parse_job({"job_id": 7, "job_state": "PENDING", "tres_per_job": "gres/gpu:a100:8"})
+    assert (job.gpus_per_job, job.gpus_per_node, job.gpu_type_requested) == (8, 0, "a100")
+    line = "7|7|N/A|PENDING|None|gpu|u|N/A|gres:gpu:a100:8||1|0|1795625990|N/A|N/A|1|1|1|0|(null)|(null)|elastic|\n"
+    (listed,) = parse_job_listing(line, "7|(null)|\n", "7|t|\n")
+    assert (listed.gpus_per_job, listed.gpu_type_requested) == (8, "a100")
+
+
 def test_listing_exit_status_of_a_requeued_job():
     job = listing_of("requeued_held")[7]
     assert (job.state, job.restart_count, job.exit_code, job.is_held) == ("SPECIAL_EXIT", 1, 86, True)
