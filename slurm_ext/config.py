@@ -386,6 +386,9 @@ def resolve(flags: Mapping[str, object] | None = None, env: Mapping[str, str] | 
             values[key], sources[key] = _coerce(key, raw, source), source
     config = DaemonConfig(**values)
     _check_policy(config, sources)
+    if config.background_profiling and config.profile_db is None:
+        raise ConfigError("background_profiling", True, f"({sources['background_profiling']}) needs profile_db: "
+                                                        "the store the profiles are written to")
     return config
 
 

@@ -54,3 +54,10 @@ def test_the_metrics_address_is_an_ip_address_and_is_where_it_listens(tmp_path):
         port = sock.getsockname()[1]
     assert Metrics(port).enabled
     socket.create_connection(("127.0.0.2", port), timeout=2).close()
+
+
+def test_background_profiling_without_a_store_to_write_is_refused(tmp_path):
+    """It was on, and did nothing: no profile was ever submitted, and nothing said why."""
+    with pytest.raises(ConfigError, match="background_profiling=True: .*slurm-ext.yaml.*needs profile_db"):
+        _load(tmp_path, "background_profiling: true\n")
+    assert _load(tmp_path, "background_profiling: true\nprofile_db: /srv/p.sqlite\n").background_profiling
