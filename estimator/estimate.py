@@ -793,7 +793,7 @@ def estimate_job(job: JobSpec, cluster: ClusterSpec, options: EstimateOptions = 
         estimates = [e for e in estimates
                      if e.cell.num_gpus >= smallest.get(e.cell.gpu_type, math.inf)
                      or e.cell.num_gpus == max(c.num_gpus for c in cells if c.gpu_type == e.cell.gpu_type)]
-    feasible = [e for e in estimates if e.feasible]
+    feasible = [e for e in estimates if e.feasible and (e.runnable or not options.runnable_only)]
     best = min(feasible, key=lambda e: (e.iteration_time_s, e.cell.num_gpus)) if feasible else None
     return JobEstimate(job, tuple(estimates), best)
 

@@ -119,7 +119,10 @@ def stage_send_s(ctx, index: int, layers, plan: StagePlan, first_device: int, mi
     n = plan.num_gpus
     crosses = (first_device + n - 1) // gpn != (first_device + n) // gpn
     t, src = collective_s(ctx, "send", 2, 2 if crosses else 1, nbytes)
-    sharing = min(plan.dp, gpn) if crosses else 1  # replicas of a node share its NIC
+    # Replicas of a node share its NIC; the runner sends from every device of the stage
+    # (each tp rank its copy of its replica's activations), Alpa from each replica.
+    senders = plan.num_gpus if ctx.options.memory.program == "runner" else plan.dp
+    sharing = min(senders, gpn) if crosses else 1
     sources.add(src)
     return 2.0 * t * sharing
 

@@ -177,3 +177,27 @@ def test_a_layout_past_the_table_costs_what_the_table_attains_on_its_network(tab
     assert 0.5 < model_time("all-reduce", 8, 2, nbytes, "a100", attained) / measured.seconds < 2.0
     other = collective_time(table, "all-reduce", 32, 8, nbytes, "a100", "infiniband", 25.0)
     assert other.seconds == pytest.approx(model_time("all-reduce", 32, 8, nbytes, "a100", 25.0))
+
+
+def test_the_runners_pipeline_sends_count_every_device_of_the_stage():
+    """The runner sends a stage's activations from each of its devices (every tp rank its
+    copy): dp1tp4 puts four times dp4tp1's bytes through a node's NIC; Alpa sends one per
+    replica."""
+    from types import SimpleNamespace
+
+    from estimator.cells import StagePlan
+    from estimator.cluster import Network
+    from estimator.stage_comm import stage_send_s
+
+    def send_s(program, dp, tp):
+        ctx = SimpleNamespace(table=load_comm_table(), cell=SimpleNamespace(
+            gpu_type="a100", gpus_per_node=4, num_gpus=8, num_stages=2), group=SimpleNamespace(
+            network=Network("default", 25.0)), eff=SimpleNamespace(inter_node_frac=1.0),
+            options=SimpleNamespace(memory=SimpleNamespace(program=program)))
+        output = SimpleNamespace(output_bytes=1e6)
+        return stage_send_s(ctx, 0, [output], StagePlan(0, 1, dp, tp), 0, 64 / dp, set())
+
+    runner = [send_s("runner", dp, tp) for dp, tp in ((4, 1), (2, 2), (1, 4))]
+    assert runner[1] == pytest.approx(2 * runner[0], rel=0.05) and runner[2] == pytest.approx(4 * runner[0], rel=0.05)
+    alpa = [send_s("alpa", dp, tp) for dp, tp in ((4, 1), (1, 4))]
+    assert alpa[1] == pytest.approx(alpa[0], rel=0.05)
