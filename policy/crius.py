@@ -24,7 +24,9 @@ requested type and count; the best Cell of the requested count when the type was
 
 ``deadline_aware=True`` (``crius-ddl``) admits a job only on Cells that finish it by its
 deadline (restart cost included), never scales a running job onto a Cell that would miss
-its deadline, and drops — reports and never starts — a job no Cell can finish in time.
+its deadline (unless every Cell would: a late job runs best effort, and a faster Cell only
+makes it less late), and drops — reports and never starts — a job no Cell can finish in
+time.
 """
 
 from __future__ import annotations
@@ -141,6 +143,7 @@ class _Round:
         # Jobs of one spec share their estimates object (the daemon's and the simulator's
         # caches hand out one per spec): their reference rate and candidates are computed once.
         self._by_spec: dict[tuple, tuple] = {}
+        self._late: dict[str, bool] = {}  # jobs no Cell of which meets their deadline any more
         self.ref = {j.job_id: self._shared(j, "ref", self._reference_rate) for j in snapshot.jobs}
         self.free = FreeGpus.from_snapshot(snapshot)
         self.index = FitIndex(self.free)
@@ -175,6 +178,18 @@ class _Round:
             return True
         cost = self.snap.restart_cost_s if restart else 0.0
         return self.snap.now_s + cost + job.remaining_iterations * e.iteration_time_s <= job.deadline_s
+
+    def _deadline_allows(self, job: JobView, e: CellEstimate) -> bool:
+        """Whether crius-ddl may move a running job to ``e``: it meets the job's deadline,
+        or no Cell of the job does any more (a late job runs best effort: a faster Cell
+        only makes it less late)."""
+        if self._meets_deadline(job, e):
+            return True
+        late = self._late.get(job.job_id)
+        if late is None:
+            late = self._late[job.job_id] = not any(
+                self._meets_deadline(job, o) for o in self.tables[job.job_id].fastest)
+        return late
 
     def _shared(self, job: JobView, what: str, compute):
         """``compute(job)``, once per (estimates object, spec): it depends on nothing else."""
@@ -393,7 +408,7 @@ class _Round:
             if not smaller:
                 continue
             opts = [o for o in self.tables[i].options[(gtype, max(smaller))]
-                    if self._meets_deadline(self.jobs[i], o)]
+                    if self._deadline_allows(self.jobs[i], o)]
             if not opts:
                 continue
             delta = (opts[0].samples_per_s - self.tables[i].rate_of_cell(a.cell)) / self.ref[i]
@@ -433,7 +448,7 @@ class _Round:
                 delta = (opts[0].samples_per_s - cur) / self.ref[i]
                 if best is not None and (delta, -self.rank[i]) <= best[0]:
                     continue
-                fitting = next((o for o in opts if self._meets_deadline(self.jobs[i], o)
+                fitting = next((o for o in opts if self._deadline_allows(self.jobs[i], o)
                                 and fits(plan.free, o.cell)), None)
                 if fitting is not None:
                     d = (fitting.samples_per_s - cur) / self.ref[i]
@@ -486,7 +501,7 @@ class _Round:
             for gtype, n in shapes:
                 if gtype in reserved:
                     continue
-                opts = [o for o in t.options[(gtype, n)] if self._meets_deadline(job, o)]
+                opts = [o for o in t.options[(gtype, n)] if self._deadline_allows(job, o)]
                 if not opts or opts[0].samples_per_s <= cur:
                     continue
                 # Worth a restart only when the faster Cell wins back the restart's cost.

@@ -271,6 +271,22 @@ def test_crius_ddl_refuses_a_job_that_cannot_meet_its_deadline():
     assert cell_of(d, "late") == ("a100", 4) and cell_of(d, "ok") == ("a100", 4)
 
 
+def test_crius_ddl_lets_a_job_that_is_late_anyway_scale_up_and_move_back():
+    """Past reach of its deadline on every Cell, a running job stayed on its slow one with
+    the GPUs of a faster one idle: every faster Cell "missed the deadline" too."""
+    late = job("r", {("a100", 2): 32.0, ("a100", 4): 64.0}, gpus=2, deadline=500.0, done=10.0,
+               running=("a100", 2, (("a100-1", 2),)))
+    s = snap([a100(1)], [late], now=0.0, trigger=TRIGGER_COMPLETION)
+    assert final_cell(s, run(CriusDdlPolicy(), s), "r") == ("a100", 4)
+    away = job("r", {("a100", 4): 64.0, ("v100", 4): 16.0}, gpus=4, deadline=500.0, done=10.0,
+               running=("v100", 4, (("v100-1", 4),)))
+    s = snap([a100(1), v100(1)], [away], now=0.0, trigger=TRIGGER_ROUND)
+    assert final_cell(s, run(CriusDdlPolicy(), s), "r") == ("a100", 4)
+    # One that a faster Cell would still bring in on time is scaled up as before.
+    s = snap([a100(1)], [replace(late, deadline_s=1500.0)], now=0.0, trigger=TRIGGER_COMPLETION)
+    assert final_cell(s, run(CriusDdlPolicy(), s), "r") == ("a100", 4)
+
+
 def test_crius_ddl_charges_a_first_start_no_restart_and_never_drops_a_job_that_ran():
     """A new job whose run fits its deadline with less slack than a restart costs is
     started (it was dropped, though its first start is no checkpoint and resume); a job
