@@ -246,9 +246,10 @@ class _Round:
             new = job_id not in self.searched
             if new or (departure and restart_budget > 0):
                 restart_budget -= 0 if new else 1
-                self.searched.add(job_id)
                 if self._search_and_apply(job, cands):
                     continue
+                if self.plans_left > 0:  # searched in full; one the shared budget cut is searched again
+                    self.searched.add(job_id)
             best = cands[0].cell
             why = f"waiting for {best.num_gpus} {best.gpu_type} (best Cell {best.label()})"
             earlier = self.reasons.get(job_id, "")

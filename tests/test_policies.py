@@ -254,6 +254,23 @@ def test_crius_does_not_scale_up_onto_gpus_a_waiting_job_could_use():
     assert final_cell(s, d, "r") == ("a100", 2) and cell_of(d, "big") is None
 
 
+def test_crius_searches_again_for_a_job_whose_search_the_shared_budget_cut():
+    """Arrivals beyond the decision's plan budget got a search of a plan or none, and were
+    recorded as searched: no later arrival or round searched for them again."""
+    nodes = [a100(k) for k in range(6)] + [v100(k) for k in range(6)]
+    busy = [job(f"r{k}", {(n.gpu_type, 1): 9.5, (n.gpu_type, 2): 10.0}, gpus=2, gpu_type=n.gpu_type, submit=k,
+                running=(n.gpu_type, 2, ((n.name, 2),))) for k, n in enumerate(n for n in nodes for _ in range(2))]
+    arrivals = [job(f"p{i}", {("a100", 2): 10.0}, gpus=2, submit=1000 + i) for i in range(8)]
+    first = run(CriusPolicy(max_plans=40), snap(nodes, busy + arrivals))
+    views = [replace(j, assignment=first.for_job(j.job_id).assignment,
+                     state=RUNNING if first.for_job(j.job_id).assignment else PENDING) for j in busy + arrivals]
+
+    def started(state):
+        d = run(CriusPolicy(max_plans=40), snap(nodes, views, trigger=TRIGGER_ROUND, state=state))
+        return [x.job_id for x in d.jobs if x.job_id.startswith("p") and x.reason.startswith("started")]
+    assert started(first.policy_state) == started(None) != []
+
+
 def test_crius_ddl_refuses_a_job_that_cannot_meet_its_deadline():
     # 1000 iterations of BATCH samples at 64 samples/s take 1000 s.
     late = job("late", {("a100", 4): 64.0}, gpus=4, deadline=600.0)
