@@ -65,7 +65,7 @@ from policy.fcfs import requested_estimate
 from policy.interface import Assignment, Decision, DerivedCache, JobDecision, JobView, QueueOrder, Snapshot
 from policy.binary_program import SOLVERS
 from policy.choice_program import solve_choice
-from policy.placement import FreeGpus
+from policy.placement import FreeGpus, name_beneficiaries
 
 log = logging.getLogger(__name__)
 
@@ -318,6 +318,10 @@ class CellsIlpPolicy:
             t_s = rem_samples / e.samples_per_s  # = T_ref / normalized throughput
             value = per_s * (wait_cost_s - t_s) + restart_weight * (held_s - (0.0 if is_cur else restart_s))
             candidates.append((e, c, alts, t_s, is_cur, value))
+        if cur is not None and not any(x[4] for x in candidates):  # its Cell has no feasible estimate now:
+            known = job.feasible_like(cur)  # it stays a choice, at its shape's speed where known
+            t_s = rem_samples / known.samples_per_s if known is not None and known.samples_per_s > 0 else t_ref_s
+            candidates.append((known, cur, (), t_s, True, per_s * (wait_cost_s - t_s) + restart_weight * held_s))
         note = ""
         if self.config.deadlines and job.deadline_s is not None and candidates:
             # A first start is not charged a restart (its launch is not a checkpoint and resume).
@@ -631,28 +635,11 @@ class CellsIlpPolicy:
                 spare -= got.num_gpus
                 _spend(left, j.user, got.num_gpus)
                 reasons[j.job_id] = f"backfilled on {got.cell.label()}"
-        _name_beneficiaries(snapshot, final, reasons)
+        name_beneficiaries(snapshot, final, reasons)
         for job_id in reservation.evicted if reservation else ():
             reasons[job_id] = f"suspended for job {reservation.job_id}, which {_waited(reservation.waited_s)}"
         return tuple(JobDecision(j.job_id, final[j.job_id], _with_note(reasons.get(j.job_id, ""), notes.get(j.job_id)))
                      for j in snapshot.jobs if j.job_id in final)
-
-
-def _name_beneficiaries(snapshot: Snapshot, final: dict[str, Assignment | None], reasons: dict[str, str]) -> None:
-    """Append "for job X" to the reason of a running job that was moved or suspended when
-    jobs now placed on the nodes it left got its GPUs (what a user reading squeue asks)."""
-    newcomers: dict[str, list[str]] = {}
-    for j in snapshot.jobs:
-        got = final.get(j.job_id)
-        if got is not None and got != j.assignment:
-            for node, _ in got.placement:
-                newcomers.setdefault(node, []).append(j.job_id)
-    for j in snapshot.jobs:
-        if j.assignment is None or j.job_id not in final or final[j.job_id] == j.assignment:
-            continue
-        takers = sorted({k for node, _ in j.assignment.placement for k in newcomers.get(node, ()) if k != j.job_id})
-        if takers and j.job_id in reasons:
-            reasons[j.job_id] += " for job " + ", ".join(takers[:3]) + (" …" if len(takers) > 3 else "")
 
 
 def _waited(wait_s: float) -> str:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from estimator.cells import Cell
-from policy.interface import Placement, Snapshot, node_index
+from policy.interface import Assignment, Placement, Snapshot, node_index
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -216,3 +216,20 @@ def job_fitting_idle_gpus(snapshot: Snapshot) -> str | None:
                                           for e in job.feasible_estimates()):
             return job.job_id
     return None
+
+
+def name_beneficiaries(snapshot: Snapshot, final: dict[str, Assignment | None], reasons: dict[str, str]) -> None:
+    """Append "for job X" to the reason of a running job that was moved or suspended when
+    jobs now placed on the nodes it left got its GPUs (what a user reading squeue asks)."""
+    newcomers: dict[str, list[str]] = {}
+    for j in snapshot.jobs:
+        got = final.get(j.job_id)
+        if got is not None and got != j.assignment:
+            for node, _ in got.placement:
+                newcomers.setdefault(node, []).append(j.job_id)
+    for j in snapshot.jobs:
+        if j.assignment is None or j.job_id not in final or final[j.job_id] == j.assignment:
+            continue
+        takers = sorted({k for node, _ in j.assignment.placement for k in newcomers.get(node, ()) if k != j.job_id})
+        if takers and j.job_id in reasons:
+            reasons[j.job_id] += " for job " + ", ".join(takers[:3]) + (" …" if len(takers) > 3 else "")

@@ -512,3 +512,20 @@ def test_a_deadline_job_is_not_placed_on_a_slower_layout_of_a_cell_that_meets_it
     whole = (NodeView("a100-0", "a100", 4), NodeView("a100-1", "a100", 4, unmanaged_gpus=2))
     s = snap([p], whole, now=now)
     assert final_assignments(s, CellsIlpPolicy().decide(s))["p"].cell == fast.cell
+
+
+@pytest.mark.parametrize("guaranteed", [False, True])
+def test_a_job_running_on_a_cell_its_estimates_now_call_infeasible_is_not_suspended_for_nothing(guaranteed):
+    """Its v100 estimates turned infeasible (a refit, say) while it ran there: it had no
+    option of staying, was suspended "for jobs of higher weight" that did not exist, and
+    its 8 GPUs idled; a guaranteed one too."""
+    r = job("r", {("v100", 8): 30.0, ("a100", 4): 40.0}, gpus=8, gpu_type="v100", running=("v100", 8, (("v100-0", 8),)),
+            last_change=0.0, guaranteed=guaranteed)
+    estimates = tuple(replace(e, feasible=False, reason="out of memory") if e.cell.gpu_type == "v100" else e
+                      for e in r.estimates)
+    r = replace(r, estimates=estimates, dp_only_estimates=estimates)
+    busy = job("busy", {("a100", 4): 40.0}, gpus=4, running=("a100", 4, (("a100-0", 4),)), last_change=9_990.0)
+    s = snap([r, busy], node_views=(NodeView("a100-0", "a100", 4), NodeView("v100-0", "v100", 8)))
+    d = CellsIlpPolicy().decide(s)
+    validate_decision(s, d)
+    assert d.for_job("r") is None or d.for_job("r").assignment == r.assignment
