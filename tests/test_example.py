@@ -98,3 +98,25 @@ def test_daemon_rescales_the_own_model_which_resumes_at_the_exact_sample(slurm_l
     reference = _losses(_run(tmp_path / "reference", max(losses)))
     for step, loss in losses.items():
         assert loss == pytest.approx(reference[step], rel=RTOL), (step, loss, reference[step])
+
+
+def test_the_examples_data_that_cannot_make_a_sample_is_one_line_and_its_order_is_per_epoch(tmp_path, monkeypatch):
+    """A missing, empty or too short data.txt was a traceback and exit 1 (a FAILED job
+    with a stack trace); each sample reshuffled its whole epoch."""
+    import numpy as np
+    monkeypatch.syspath_prepend(str(ROOT / "examples" / "charlm"))
+    import train
+    for name, content in (("missing", None), ("empty", b""), ("short", b"x" * 64)):
+        path = tmp_path / name
+        if content is not None:
+            path.write_bytes(content)
+        with pytest.raises(train.runtime.SpecError, match=f"data='{path}'"):
+            train.ByteWindows(path, 64)
+    text = tmp_path / "text"
+    text.write_bytes(np.random.default_rng(7).integers(0, 256, 1024, dtype=np.uint8).tobytes())
+    windows = train.ByteWindows(text, 16)
+    epoch = [tuple(windows.sample(i)) for i in range(windows.count)]
+    assert len(set(epoch)) == windows.count  # every window once per epoch
+    order = np.random.default_rng([0, 1]).permutation(windows.count)
+    assert [tuple(windows.sample(windows.count + k)) for k in range(3)] == \
+        [tuple(windows.windows[o * 16:o * 16 + 17]) for o in order[:3]]

@@ -43,13 +43,21 @@ class ByteWindows:
     """
 
     def __init__(self, path: Path, seq_len: int, seed: int = 0):
-        data = np.frombuffer(path.read_bytes(), dtype=np.uint8).astype(np.int32)
+        try:
+            data = np.frombuffer(path.read_bytes(), dtype=np.uint8).astype(np.int32)
+        except OSError as e:
+            raise runtime.SpecError("data", str(path), f"cannot read it: {e.strerror or e}") from None
+        if len(data) < seq_len + 1:
+            raise runtime.SpecError("data", str(path), f"{len(data)} bytes: give at least {seq_len + 1}, one sample")
         self.windows = data[:(len(data) - 1) // seq_len * seq_len + 1]
         self.count, self.seq_len, self.seed = (len(data) - 1) // seq_len, seq_len, seed
+        self._epoch: tuple[int, np.ndarray] | None = None  # the last epoch's order, shuffled once
 
     def sample(self, i: int) -> np.ndarray:
         epoch, k = divmod(i, self.count)
-        start = np.random.default_rng([self.seed, epoch]).permutation(self.count)[k] * self.seq_len
+        if self._epoch is None or self._epoch[0] != epoch:
+            self._epoch = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.count))
+        start = self._epoch[1][k] * self.seq_len
         return self.windows[start:start + self.seq_len + 1]
 
     def batch(self, first: int, size: int) -> np.ndarray:
@@ -122,7 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     import optax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    data = ByteWindows(HERE / "data.txt", SEQ_LEN)
+    try:
+        data = ByteWindows(HERE / "data.txt", SEQ_LEN)
+    except runtime.SpecError as e:
+        print(f"train.py: error: {e}", file=sys.stderr)
+        return runtime.EXIT_BAD_INPUT
     model = build_model()
     tx = optax.adamw(3e-3)
     micro = job.micro_batches
