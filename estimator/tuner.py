@@ -241,7 +241,10 @@ def _assemble(ranges, splits_per_stage, model: ModelSpec | None = None,
         per_stage.append(options)
     if limit is None or math.prod(len(o) for o in per_stage) <= limit:
         return [tuple(combo) for combo in product(*per_stage)]
-    alike = [tuple(o[min(k, len(o) - 1)] for o in per_stage) for k in range(max(len(o) for o in per_stage))]
+    def split(p: StagePlan) -> tuple:
+        return p.dp, p.tp, p.ep
+    values = dict.fromkeys(split(p) for options in per_stage for p in options)
+    alike = [tuple(next((p for p in o if split(p) == v), o[0]) for o in per_stage) for v in values]
     plans = dict.fromkeys(alike)
     for base in alike:
         for i, options in enumerate(per_stage):

@@ -187,8 +187,10 @@ class _Round:
             return True
         late = self._late.get(job.job_id)
         if late is None:
-            late = self._late[job.job_id] = not any(
-                self._meets_deadline(job, o) for o in self.tables[job.job_id].fastest)
+            fastest = self.tables[job.job_id].fastest
+            here = next((o for o in fastest if job.assignment is not None and o.cell == job.assignment.cell), None)
+            late = self._late[job.job_id] = not any(self._meets_deadline(job, o) for o in fastest) and not (
+                here is not None and self._meets_deadline(job, here, restart=False))  # staying needs no restart
         return late
 
     def _shared(self, job: JobView, what: str, compute):

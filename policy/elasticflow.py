@@ -52,8 +52,9 @@ Differences (ElasticFlow / here / whether our setting forces it):
   submission order per type, a job whose share does not fit is passed over (no blocking,
   as EF; ``blocking=True`` gives Arena's rule, its ``_ef_pending_jobs_restart_trial``).
   In deadline mode a waiting job that no count finishes by its deadline (however many
-  GPUs were free) is declined, as EF declines it: its reason starts with
-  ``DROPPED_PREFIX``, and the daemon runs it as submitted.
+  GPUs were free) is declined before its first start, as EF declines it: its reason
+  starts with ``DROPPED_PREFIX``, and the daemon runs it as submitted (one that has run
+  gets its smallest count, best effort).
 - Running jobs. EF: no priority for running jobs; jobs holding 0 GPUs rank first
   (``get_marginal`` sets them to sys.maxsize), in deadline order. Here: running jobs keep
   their minimum share before any pending job is admitted. Not forced.
@@ -227,15 +228,17 @@ def _home_type(job: JobView, table: RateTable, capacity: dict[str, int]) -> str 
 
 def _min_share(snapshot: Snapshot, job: JobView, table: RateTable, gtype: str,
                deadline_aware: bool) -> int | None:
-    """The smallest feasible count on ``gtype`` (that meets the deadline, in deadline mode)."""
-    for n in table.counts(gtype):
+    """The smallest feasible count on ``gtype`` (that meets the deadline, in deadline mode;
+    for a waiting job that has run and none does, the smallest: it runs best effort)."""
+    counts = table.counts(gtype)
+    for n in counts:
         if job.deadline_s is None or not deadline_aware:
             return n
         e = table.options[(gtype, n)][0]
         finish = snapshot.now_s + snapshot.restart_cost_s + job.remaining_iterations * e.iteration_time_s
         if finish <= job.deadline_s:
             return n
-    return None
+    return counts[0] if counts and job.has_run and job.assignment is None else None
 
 
 class ElasticFlowBlockingPolicy(ElasticFlowPolicy):

@@ -269,8 +269,11 @@ class Daemon:
     def _new_elastic_job(self) -> bool:
         try:
             pending = self.client.pending_elastic_job_ids()
-        except Exception as e:  # noqa: BLE001 - a poll that fails waits for the round, never stops the service
+        except SlurmExtError as e:  # Slurm busy or away: the round says so
             log.debug(kv("poll_failed", error=e))
+            return False
+        except Exception as e:  # noqa: BLE001 - a poll that fails waits for the round, never stops the service
+            log.warning(kv("poll_failed", error=repr(e)))
             return False
         new = [j for j in pending if j not in self._known_ids and j not in self._unlisted_ids]
         self._polled_ids.update(new)

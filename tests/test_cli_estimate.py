@@ -235,8 +235,13 @@ def test_batch_lines_a_request_would_refuse_are_refused_before_any_estimate(caps
     good = '{"model": "gpt-760m", "global_batch": 8}\n'
     for bad, says in (('{"model": "gpt-760m", "global_batch": 8, "gpu_type": "h100"}', "line 3.gpu_type='h100'"),
                       ('{"model": "gpt-99b", "global_batch": 8}', "line 3.model='gpt-99b'"),
-                      ('{"model": "gpt-760m", "global_batch": 8, "num_gpus": 12}', "line 3.num_gpus='12'")):
-        code, out, err = run(capsys, "estimate", "--batch", "-", stdin=good * 2 + bad + "\n", monkeypatch=monkeypatch)
+                      ('{"model": "gpt-760m", "global_batch": 8, "num_gpus": 12}', "line 3.num_gpus='12'"),
+                      ('{"model": "gpt-760m", "global_batch": 8, "max_stages": 0}', "line 3.max_stages=0"),
+                      ('{"model": "gpt-760m", "global_batch": 8, "trainer": "nope"}', "line 3.trainer='nope'"),
+                      ('{"model": "moe-690m", "global_batch": 8}', "--what-if")):
+        flags = ("--zero", "1") if "moe" in bad else ()  # ZeRO-1 of an Adafactor model: refused
+        code, out, err = run(capsys, "estimate", "--batch", "-", *flags, stdin=good * 2 + bad + "\n",
+                             monkeypatch=monkeypatch)
         assert (code, out, estimated) == (2, "", []) and says in err, err
     # An editor's byte-order mark before the first line is no part of its JSON.
     code, out, err = run(capsys, "estimate", "--batch", "-", stdin="\ufeff" + good, monkeypatch=monkeypatch)

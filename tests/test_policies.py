@@ -302,6 +302,13 @@ def test_crius_ddl_lets_a_job_that_is_late_anyway_scale_up_and_move_back():
     # One that a faster Cell would still bring in on time is scaled up as before.
     s = snap([a100(1)], [replace(late, deadline_s=1500.0)], now=0.0, trigger=TRIGGER_COMPLETION)
     assert final_cell(s, run(CriusDdlPolicy(), s), "r") == ("a100", 4)
+    # One that meets its deadline by staying (no restart) is not late: it is not shrunk for
+    # a newcomer onto a Cell that, with the restart, would miss it.
+    stays = job("r", {("a100", 2): 32.0, ("a100", 4): 64.0}, gpus=4, deadline=150.0, done=900.0,
+                running=("a100", 4, (("a100-1", 4),)))
+    s = snap([a100(1)], [stays, job("p", {("a100", 2): 32.0}, gpus=2, submit=1.0)], now=0.0,
+             trigger=TRIGGER_ARRIVAL, restart_cost_s=60.0)
+    assert final_cell(s, run(CriusDdlPolicy(), s), "r") == ("a100", 4)
 
 
 def test_crius_ddl_charges_a_first_start_no_restart_and_never_drops_a_job_that_ran():
@@ -425,6 +432,10 @@ def test_elasticflow_deadline_mode_sizes_the_minimum_share_by_the_deadline():
     d = run(ElasticFlowPolicy(deadline_aware=True), snap([a100(1)], [late], now=0.0))
     (late_decision,) = [x for x in d.jobs if x.job_id == "late"]
     assert late_decision.assignment is None and late_decision.reason.startswith(DROPPED_PREFIX)
+    # One that has run (suspended, requeued) is never declined: it runs, best effort.
+    ran = replace(late, iterations_done=10.0, restarts=1)
+    assert ran.has_run and cell_of(run(ElasticFlowPolicy(deadline_aware=True), snap([a100(1)], [ran], now=0.0)),
+                                   "late") is not None
 
 
 # ---- fcfs ------------------------------------------------------------------------------

@@ -45,6 +45,10 @@ def test_stage_plans_beyond_the_limit_are_the_splits_alike_and_one_stage_apart()
     assert all(sum(p.dp != plan[0].dp for p in plan) <= 1 or sum(p.dp != plan[-1].dp for p in plan) <= 1
                for plan in plans)
     assert len(_assemble(ranges[:4], splits[:4], limit=256)) == 3 ** 4  # under it: every one
+    # Stages that favour other halves list their splits in another order: alike by value.
+    mixed = [((4, 2), (2, 4), (1, 8))] * 2 + splits[2:]
+    splits_of = {tuple((p.dp, p.tp) for p in plan) for plan in _assemble(ranges, mixed, limit=256)}
+    assert all(((dp, tp),) * 16 in splits_of for dp, tp in ((4, 2), (2, 4)))
 
 
 def test_tuning_a_cell_of_many_stages_scores_a_bounded_number_of_plans():

@@ -19,17 +19,23 @@ BATCH_KEYS = {"model", "global_batch", "gpu_type", "num_gpus", "gpus_per_node", 
 MAX_BATCH_LINE_BYTES = 4096
 
 
+def _check_zero(model: str, options: EstimateOptions) -> None:
+    """ZeRO 1-3 of a model whose optimizer the runner does not shard is refused (its Cells
+    would be listed feasible, and none runnable) unless ``--what-if`` asks for them."""
+    memory, optimizer = options.memory, load_model(model).optimizer
+    if options.runnable_only and memory.zero_level and not memory.runnable(optimizer):
+        raise SpecError("zero", memory.zero_level, f"the runner shards optimizer states only of element-wise "
+                                                   f"optimizers; {model} trains with {optimizer}: give --zero 0, "
+                                                   "or add --what-if to see them estimated anyway")
+
+
 def _estimate(model: str, global_batch: int, gpu_type: str | None, gpus: int | None,
               gpus_per_node: int | None, max_stages: int | None, cluster_name: str,
               options: EstimateOptions, trainer: str = "runner") -> JobEstimate:
     check_gpu_counts(gpus, gpus_per_node)
     cluster = load_cluster(cluster_name)
     job = JobSpec(model, global_batch, gpus, gpu_type, max_stages, trainer=trainer)
-    memory, optimizer = options.memory, load_model(model).optimizer
-    if options.runnable_only and memory.zero_level and not memory.runnable(optimizer):
-        raise SpecError("zero", memory.zero_level, f"the runner shards optimizer states only of element-wise "
-                                                   f"optimizers; {model} trains with {optimizer}: give --zero 0, "
-                                                   "or add --what-if to see them estimated anyway")
+    _check_zero(model, options)
     if job.gpu_type:
         cluster.group(job.gpu_type)  # a clear error for a type the cluster lacks, before its node sizes
     types = (job.gpu_type,) if job.gpu_type else cluster.gpu_types
@@ -265,7 +271,8 @@ def command(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, trai
             with _named_by_line(lineno):  # what can be told without estimating, of every line first
                 check_micro_batches(micro_batches, args[1])
                 check_gpu_counts(args[3], args[4])
-                load_model(args[0])
+                JobSpec(args[0], args[1], args[3], args[2], args[5], trainer=given("trainer", trainer))
+                _check_zero(args[0], options)
                 if args[2] is not None:
                     cluster_spec.group(args[2])
             lines.append((lineno, args, given("trainer", trainer)))

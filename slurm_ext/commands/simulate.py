@@ -112,7 +112,7 @@ def _measured_costs(paths: tuple[str, ...]):
 @click.option("--density", default=1.0, show_default=True, type=float, help="Share of trace records kept, (0, 1].")
 @click.option("--oracle", is_flag=True, help="Policies see measured iteration times instead of estimates.")
 @click.option("--round-s", default=300.0, show_default=True, type=float,
-              help="Seconds between scheduling rounds (at least 1); gavel (360 s) and sia (60 s) keep the rounds of "
+              help="Seconds between scheduling rounds (1 to 86400); gavel (360 s) and sia (60 s) keep the rounds of "
                    "their papers unless --rounds-for-all.")
 @click.option("--rounds-for-all", is_flag=True, help="--round-s also sets the rounds of gavel and sia.")
 @click.option("--measured", "measured_path", default=None, help="Measured iteration-time CSV (ground truth).")
