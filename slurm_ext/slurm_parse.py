@@ -283,6 +283,16 @@ def load_document(raw: str, what: str, key: str) -> list[Mapping]:
     return items
 
 
+# slurmctld gives a running job without a time limit an end a year after its start
+# (job_mgr.c); squeue's listing and pyslurm show none.
+UNLIMITED_RUN_S = 365 * 24 * 3600
+
+
+def _end_time(start_s: int, end_s: int, state: str) -> int:
+    """A job's end time in Slurm, 0 for a running job without a time limit."""
+    return 0 if state == "RUNNING" and start_s and end_s - start_s == UNLIMITED_RUN_S else end_s
+
+
 def parse_job(raw: Mapping, where: str = "job") -> SlurmJob:
     """One job object of ``squeue --json`` (any supported version)."""
     job_id = number(raw.get("job_id"))
@@ -321,7 +331,7 @@ def parse_job(raw: Mapping, where: str = "job") -> SlurmJob:
         restart_count=restarts,
         submit_time_s=number(raw.get("submit_time"), 0),
         start_time_s=number(raw.get("start_time"), 0),
-        end_time_s=number(raw.get("end_time"), 0),
+        end_time_s=_end_time(number(raw.get("start_time"), 0), number(raw.get("end_time"), 0), state),
         priority=number(raw.get("priority"), 0),
         batch=bool(number(raw.get("batch_flag"), 1)),
         requeue=bool(number(raw.get("requeue"), 0)),
