@@ -159,7 +159,11 @@ def load_comm_table(path: str | None = None) -> CommTable:
             if not set(COLUMNS) <= set(header):
                 raise SpecError("comm_table", str(p), f"CSV needs columns {', '.join(COLUMNS)}")
             col = [header.index(name) for name in COLUMNS]
-            return CommTable(_curves(_checked_rows(reader, col, p)), shipped=p.resolve() == DEFAULT_TABLE.resolve())
+            curves = _curves(_checked_rows(reader, col, p))
+            if not curves:  # every estimate would fall back to the model without a word
+                raise SpecError("comm_table", str(p), "no measured collective in it (a header only, or no row "
+                                                      f"of {', '.join(OPS)})")
+            return CommTable(curves, shipped=p.resolve() == DEFAULT_TABLE.resolve())
     except UnicodeDecodeError as e:
         raise SpecError("comm_table", str(p), f"not UTF-8 text (byte {e.start}): give a CSV") from None
     except OSError as e:

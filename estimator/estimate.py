@@ -27,7 +27,7 @@ from estimator.comm import CommTable, load_comm_table, with_profiled
 from estimator.compute import Efficiency, efficiency, layer_time_s
 from estimator.errors import SpecError
 from estimator.gpus import gpu_type as _gpu_type
-from estimator.jobs import JobSpec, job_model
+from estimator.jobs import MAX_GPUS, JobSpec, job_model
 from estimator.host import HostSpec, default_host
 from estimator.memory import (GRADIENT_BYTES, OPTIMIZER_STATE_BYTES, MemoryOptions, StageMemory, host_memory_gb,
                               memory_alternatives, memory_label, runner_row_bytes, stage_memory, stage_params)
@@ -757,7 +757,7 @@ def enumerate_cells(job: JobSpec, cluster: ClusterSpec, options: EstimateOptions
         cluster.group(t)  # a clear error for a type the cluster lacks
         capacity = cluster.total_gpus(t)
         if job.num_gpus:
-            counts = sorted({max(1, job.num_gpus // 2), job.num_gpus, 2 * job.num_gpus})
+            counts = sorted({max(1, job.num_gpus // 2), job.num_gpus, min(2 * job.num_gpus, MAX_GPUS)})
         else:
             counts = _powers_of_two(1, min(options.max_gpus, capacity))
         for n in counts:

@@ -449,7 +449,10 @@ def listing_records(text_: str, fields: int) -> dict[int, list[str]]:
     """
     records: dict[int, list[str]] = {}
     last: list[str] | None = None
-    for line in text_.split("\n"):
+    lines = text_.split("\n")
+    if lines and not lines[-1]:
+        lines.pop()  # the listing's own last newline
+    for line in lines:
         head, sep, _ = line.partition("|")
         parts = line.split("|", fields - 1) if sep and is_number(head) else None
         if parts is not None and len(parts) == fields:
@@ -458,7 +461,7 @@ def listing_records(text_: str, fields: int) -> dict[int, list[str]]:
                 raise SlurmParseError("squeue listing: job id listed twice", line)
             records[job_id] = parts
             last = parts
-        elif last is not None and line:
+        elif last is not None:  # an empty line too: a blank line of the free text
             last[-1] = f"{last[-1]}\n{line}"
     for parts in records.values():  # the free text ends with the field's own suffix '|'
         if parts[-1].endswith("|"):

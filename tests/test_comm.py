@@ -2,7 +2,7 @@ import re
 
 import pytest
 
-from estimator.comm import (CommTable, CurveKey, collective_time, load_comm_table, model_time)
+from estimator.comm import (COLUMNS, CommTable, CurveKey, collective_time, load_comm_table, model_time)
 from estimator.errors import SpecError
 
 
@@ -80,6 +80,10 @@ def test_a_table_that_is_not_text_is_one_clear_error(tmp_path):
     binary.write_bytes(b"\xff\xfejob_id\n")  # UTF-16, or anything not UTF-8: was a traceback
     with pytest.raises(SpecError, match="comm_table=.*not UTF-8 text"):
         load_comm_table(str(binary))
+    header = tmp_path / "header.csv"
+    header.write_text(",".join(COLUMNS) + "\n")  # nothing measured: every Cell on the model, silently
+    with pytest.raises(SpecError, match="comm_table=.*no measured collective in it"):
+        load_comm_table(str(header))
 
 
 @pytest.mark.parametrize("row, says", [

@@ -273,3 +273,15 @@ def test_accumulation_skips_counts_moe_routing_cannot_split():
     assert one.feasible and one.micro_batches == 24
     four = estimate_cell(JobSpec("moe-2.4b", 1000), Cell("a10", 4, 2, 4), CRIUS)
     assert four.feasible and four.micro_batches > 20
+
+
+def test_the_cells_of_a_count_never_exceed_what_a_job_may_ask_for():
+    """N/2, N and 2N: at the largest count a job may request, 2N was offered (and starred
+    as best) though it could not be asked for."""
+    from estimator.cluster import cluster_from_dict
+    from estimator.estimate import enumerate_cells
+    from estimator.jobs import MAX_GPUS
+    huge = cluster_from_dict({"name": "huge", "node_groups": [{"gpu_type": "h100", "nodes": 10**5,
+                                                               "gpus_per_node": 8}]})
+    counts = {c.num_gpus for c in enumerate_cells(JobSpec("gpt-1.3b", 2**20, MAX_GPUS, "h100"), huge)}
+    assert counts == {MAX_GPUS // 2, MAX_GPUS}

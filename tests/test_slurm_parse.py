@@ -356,6 +356,8 @@ def test_free_text_with_digits_of_other_scripts_or_an_invented_record_is_free_te
     assert parse_pending_listing("5|plain\n²|elastic|\n") == []
     assert parse_pending_listing("5|plain\nelastic|\n6|elastic model=x|\n") == [6]
     assert number("²") is None and number("12") == 12
+    # A blank line inside free text is kept, as Slurm's JSON keeps it.
+    assert listing_records("5|a|elastic a\n\nb|\n6|b|x|\n", 3)[5][2] == "elastic a\n\nb"
 
 
 def test_a_typed_request_per_job_names_the_gpu_type():
