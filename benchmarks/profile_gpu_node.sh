@@ -8,7 +8,9 @@
 # Steps, in order of priority, each cut to what is left of TOTAL_S (default 500 s):
 #  1. profile $MODEL (default gpt-760m) at tp 1-8, default XLA flags (benchmarks/profile_cost.py: seconds by
 #     part and the profiler's progress lines) into $OUT/profile.sqlite;
-#  2. benchmarks/plan_measure.py: the model at global batch 8, three one-GPU plans;
+#  2. benchmarks/plan_measure.py: the model at global batch 8, three one-GPU plans; then
+#     (steps plan_13b, plan_moe1, plan_wrn1) one one-GPU plan each of gpt-1.3b, moe-690m
+#     and wide_resnet-500m: the other families' optimizers (AdamW, Adafactor, SGD);
 #  3. the same profile with XLA's autotuning off (--xla_gpu_autotune_level=0) into
 #     $OUT/profile_autotune0.sqlite: what autotuning costs, and whether the layer times
 #     it measures differ from step 1's;
@@ -24,7 +26,7 @@
 #     timed, without the buffer initialisation and the correctness check of the default
 #     level 4) into $OUT/profile_autotune1.sqlite: whether it costs less and measures the
 #     same layer times as step 1 (compare with benchmarks/profile_compare.py).
-# STEPS (default: profile plan plan_moe plan_zero profile_autotune1) picks some, e.g.
+# STEPS (default: profile plan plan_13b plan_moe1 plan_wrn1 plan_moe plan_zero profile_autotune1) picks some, e.g.
 # STEPS="profile_no_triton profile_tp1" (steps 3 and 4, already measured on an H100).
 # Also writes summary.txt (exit code and wall seconds of each step) and steps.log (every
 # step's output).
@@ -42,7 +44,7 @@ name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 case "$name" in *H200*) gpu=h200 ;; *H100*) gpu=h100 ;; *A100*) gpu=a100 ;; *) gpu=${GPU_TYPE:?unknown GPU "$name": set GPU_TYPE} ;; esac
 echo "device=$name gpu_type=$gpu jax=$("$PY" -c 'import jax; print(jax.__version__)')" | tee "$OUT/summary.txt"
 
-STEPS=${STEPS:-profile plan plan_moe plan_zero profile_autotune1}
+STEPS=${STEPS:-profile plan plan_13b plan_moe1 plan_wrn1 plan_moe plan_zero profile_autotune1}
 gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | wc -l)
 
 # step NAME MAX_S COMMAND...: run COMMAND under the smaller of MAX_S and the time left
@@ -64,6 +66,17 @@ step plan 170 "$PY" benchmarks/plan_measure.py --model "$MODEL" --global-batch 8
     --plans "cell=${gpu}x1:s1 plan=[dp1tp1] mb=1 remat=1" "cell=${gpu}x1:s1 plan=[dp1tp1] mb=1 remat=0" \
             "cell=${gpu}x1:s1 plan=[dp1tp1] mb=2 remat=1" \
     --init zeros --steps 10 --plan-timeout-s 80 --json "$OUT/plan.json"
+# One-GPU plans of the other families (their optimizers differ: AdamW, Adafactor, SGD),
+# each one that benchmarks/results_memory_gpu_target.json compiled for a GPU target.
+step plan_13b 110 "$PY" benchmarks/plan_measure.py --model gpt-1.3b --global-batch 8 --gpu-type "$gpu" \
+    --plans "cell=${gpu}x1:s1 plan=[dp1tp1] mb=2 remat=1" --init zeros --steps 10 --plan-timeout-s 100 \
+    --json "$OUT/plan_13b.json"
+step plan_moe1 110 "$PY" benchmarks/plan_measure.py --model moe-690m --global-batch 8 --gpu-type "$gpu" \
+    --plans "cell=${gpu}x1:s1 plan=[dp1tp1] mb=2 remat=1" --init zeros --steps 10 --plan-timeout-s 100 \
+    --json "$OUT/plan_moe1.json"
+step plan_wrn1 110 "$PY" benchmarks/plan_measure.py --model wide_resnet-500m --global-batch 32 --gpu-type "$gpu" \
+    --plans "cell=${gpu}x1:s1 plan=[dp1tp1] mb=2 remat=1" --init zeros --steps 10 --plan-timeout-s 100 \
+    --json "$OUT/plan_wrn1.json"
 step profile_autotune0 150 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" "$PY" benchmarks/profile_cost.py --profile-db "$OUT/profile_autotune0.sqlite" \
     --gpu-type "$gpu" --model "$MODEL" --max-tp 8 --budget-s 120 --skip-collectives --json "$OUT/cost_autotune0.json"
 step profile_no_triton 150 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" "$PY" benchmarks/profile_cost.py \

@@ -250,7 +250,7 @@ def stage_cost(ctx: _Context, index: int, first_device: int, plan: StagePlan, co
             row = runner_row_bytes(layers, dp, tp, micro, d, ctx.remat, plan.ep)
         else:
             row = micro * sum(x.output_bytes if ctx.remat else x.activation_bytes for x in layers)
-        second_gb = mem.micro_gradients_gb or (mem.gradients_gb if mem.accumulating else 0.0)
+        second_gb = mem.micro_gradients_gb or (mem.gradients_gb if mem.accumulating else mem.packed_sum_gb)
         compiled_peak_gb = (compiled.memory_bytes + (in_flight - 1) * row) / 1e9 + second_gb + memory.reserve_gb
     peak_gb = mem.peak_gb if compiled_peak_gb is None else compiled_peak_gb
     usable = gpu.device_memory_gb * ctx.options.memory.usable_frac
@@ -326,7 +326,7 @@ def pipeline_peak_gb(costs: tuple[StageCost, ...], memory: MemoryOptions) -> flo
                        max(x.reserve_gb for x in m), max(x.update_gb for x in m),
                        any(x.accumulating for x in m), max(x.host_gb for x in m), max(x.stash_gb for x in m),
                        max(x.row_gb for x in m), max(x.branch_update_gb for x in m), in_branch,
-                       max(x.micro_gradients_gb for x in m)).peak_gb
+                       max(x.micro_gradients_gb for x in m), max(x.packed_sum_gb for x in m)).peak_gb
 
 
 def pipeline_time_s(costs: tuple[StageCost, ...], micro_batches: int) -> float:

@@ -10,9 +10,11 @@ buffer, as its GPU-target compile shows them (``docs/estimator.md``, "Memory"):
   MoE expert weights and their states lie on their tensor-parallel (expert) shards like
   every other tensor-parallel weight; under expert parallelism (``StagePlan.ep``) they
   are split over the stage's dp × tp GPUs instead.
-- **gradients**: accumulated in fp32 (the master's dtype), 4 B/param; while a micro-batch
-  is added to the accumulator, its own gradient is a second such buffer (only with more
-  than one micro-batch).
+- **gradients**: accumulated in fp32 (the master's dtype), 4 B/param; in a pipeline, while
+  a micro-batch is added to the accumulator, its own gradient is a second such buffer
+  (only with more than one micro-batch). A single stage sums each weight's gradient as its
+  own array and packs the sum once: a second buffer only then, before an elementwise
+  update.
 - **the optimizer update's temporaries**, beside the gradients. AdamW and SGD step the
   stage's flat weight buffer in place (``job_scripts/flat_optimizer.py``): SGD writes its
   one momentum buffer in place (0); AdamW steps in up to 32 pieces, each piece's weights,
@@ -158,12 +160,16 @@ class StageMemory:
     # joins the split accumulator (``gradients_gb``); accumulating or not, the backward
     # holds both.
     micro_gradients_gb: float = 0.0
+    # The runner's single stage of several micro-batches sums each weight's gradient as its
+    # own array and packs the sum once: the packed copy beside the sum, before the update.
+    packed_sum_gb: float = 0.0
 
     @property
     def peak_gb(self) -> float:
         second = self.micro_gradients_gb or (self.gradients_gb if self.accumulating else 0.0)
         backward = self.gradients_gb + second + self.activations_gb + self.row_gb
-        update = self.gradients_gb + self.update_gb + (self.branch_update_gb if self.in_branch else 0.0)
+        update = self.gradients_gb + max(self.packed_sum_gb,
+                                         self.update_gb + (self.branch_update_gb if self.in_branch else 0.0))
         return self.weights_gb + self.optimizer_gb + self.reserve_gb + self.stash_gb + max(backward, update)
 
 
@@ -322,6 +328,15 @@ def stage_memory(model: ModelSpec, layers: tuple[LayerSpec, ...], dp: int, tp: i
         acts += largest * (d + max(d, GRADIENT_BYTES) if options.program == "runner" else d)
     gb = 1e-9
     accumulating = micro_batches > 1 and options.program == "runner"
+    flat_update = model.optimizer in ELEMENTWISE_OPTIMIZERS and not expert_parallel and not options.offload
+    packed_sum = 0.0
+    if accumulating and not pipeline and z < 2 and not options.offload:
+        # A single stage of whole weights (not ZeRO-2's chunks, nor ZeRO-3's) sums each
+        # weight's gradient as its own array, no second buffer while the backward runs, and
+        # packs the sum once for an elementwise update; a layer-by-layer update reads the
+        # arrays themselves (the measured H200 peaks, docs/gpu-measurements.md).
+        accumulating = False
+        packed_sum = grads if flat_update else 0.0
     branch = 0.0
     if pipeline:
         # Inside a stage's branch the data-parallel gradient sum lands in a buffer of its
@@ -331,7 +346,6 @@ def stage_memory(model: ModelSpec, layers: tuple[LayerSpec, ...], dp: int, tp: i
         # program (``estimate.pipeline_peak_gb``); the others' layer-by-layer update
         # always is.
         # Offloaded, the update runs on the host: no optimizer temporaries on the GPU.
-        flat_update = model.optimizer in ELEMENTWISE_OPTIMIZERS and not expert_parallel and not options.offload
         extra = (grads if dp > 1 else 0.0) + (
             max(0.0, (replicated + experts) * WHOLE_UPDATE_BYTES[model.optimizer] - update) if flat_update else 0.0)
         if flat_update:
@@ -342,7 +356,7 @@ def stage_memory(model: ModelSpec, layers: tuple[LayerSpec, ...], dp: int, tp: i
     micro_grads = (replicated + experts) * GRADIENT_BYTES if options.runner_zero2 and dp > 1 else 0.0
     return StageMemory(weights * gb, grads * gb, opt * gb, acts * gb, options.reserve_gb,
                        update * gb, accumulating, host * gb, stash * gb, row * gb, branch * gb,
-                       micro_gradients_gb=micro_grads * gb)
+                       micro_gradients_gb=micro_grads * gb, packed_sum_gb=packed_sum * gb)
 
 
 # The runner's process on the host: Python, JAX, the CUDA context's host side, the data.

@@ -110,17 +110,6 @@ def add_buffers(buffers: dict[str, jax.Array], more: dict[str, jax.Array]) -> di
     return {dt: buffers[dt] + more[dt] for dt in buffers}
 
 
-def add_into(layout: FlatLayout, buffers: dict[str, jax.Array], arrays: Sequence) -> dict[str, jax.Array]:
-    """``buffers`` plus ``arrays`` packed (in the layout's order), added slot by slot in
-    place: no packed copy of ``arrays`` is built (gradient accumulation)."""
-    out = dict(buffers)
-    for slot, a in zip(layout.slots, arrays, strict=True):
-        buf = out[slot.dtype]
-        piece = lax.dynamic_slice_in_dim(buf, slot.offset, slot.size) + jnp.ravel(a).astype(slot.dtype)
-        out[slot.dtype] = lax.dynamic_update_slice_in_dim(buf, piece, slot.offset, 0)
-    return out
-
-
 def pack_range(layout: FlatLayout, arrays: Sequence, dtype: str, start: int, stop: int) -> jax.Array:
     """Elements ``[start, stop)`` of :func:`pack`'s ``dtype`` buffer, from the arrays that
     overlap them only: the whole buffer is never built. Past the arrays, zeros (padding)."""

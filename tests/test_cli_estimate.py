@@ -183,12 +183,12 @@ def test_plan_dimension_flags_reach_the_plan_and_the_memory(capsys):
 
 def test_expert_parallel_flag_reaches_the_plan(capsys):
     """--expert-parallel offers MoE stages with their experts sharded over data parallelism:
-    on two nodes of two a100s moe-2.4b's Cell becomes such a plan, faster and runnable;
-    without the flag no stage is marked. (At batch 512 replicated experts fit the a100's
-    40 GiB, and plain data parallelism is faster.)"""
+    on two nodes of two V100s moe-2.4b's Cell becomes such a plan, faster and runnable;
+    without the flag no stage is marked. (At batch 512 replicated experts fit the V100's
+    32 GB, and plain data parallelism is faster.)"""
     def best(*flags):
         code, out, err = run(capsys, "estimate", "--model", "moe-2.4b", "--global-batch", "1024",
-                             "--gpu-type", "a100", "--gpus", "4", "--gpus-per-node", "2", "--max-stages", "1",
+                             "--gpu-type", "v100", "--gpus", "4", "--gpus-per-node", "2", "--max-stages", "1",
                              "--json", *flags)
         assert code == 0, err
         return next(c for c in json.loads(out)["cells"] if c["num_gpus"] == 4)

@@ -7,6 +7,7 @@ from estimator.cluster import load_cluster
 from estimator.errors import SpecError
 from estimator.estimate import (EstimateOptions, enumerate_cells, estimate_cell, estimate_job,
                                 pipeline_time_s, score_plan, StageCost)
+from estimator.gpus import gpu_type
 from estimator.jobs import JobSpec
 from estimator.memory import MemoryOptions, StageMemory
 
@@ -186,7 +187,14 @@ def test_a_large_batch_fits_in_as_many_micro_batches_as_it_needs():
     big = estimate_cell(JobSpec("gpt-15b", 16384), Cell("a10", 1, 1, 1), CRIUS,
                         EstimateOptions(memory=MemoryOptions(zero_level=0), remat=True))
     assert not big.feasible and "GB per GPU" in big.reason
-    assert big.micro_batches <= 64  # stopped once a doubling's saving showed none could fit (16,384 allows more)
+    # It stopped once a doubling's saving showed none could fit (16,384 allows far more):
+    # the peak at the last count, less twice what its doubling saved, is still too much.
+    usable_gb = gpu_type("a10").device_memory_gb * MemoryOptions().usable_frac
+    half = estimate_cell(JobSpec("gpt-15b", 16384), Cell("a10", 1, 1, 1), CRIUS,
+                         EstimateOptions(memory=MemoryOptions(zero_level=0), remat=True,
+                                         micro_batches=big.micro_batches // 2))
+    assert big.micro_batches <= 256
+    assert big.peak_memory_gb - 2 * (half.peak_memory_gb - big.peak_memory_gb) > usable_gb
 
 
 def test_micro_batch_count_is_the_largest_divisor_of_the_global_batch_up_to_the_target():
@@ -265,12 +273,15 @@ def test_with_runnable_only_a_job_is_never_given_a_plan_the_runner_refuses():
 
 
 def test_accumulation_skips_counts_moe_routing_cannot_split():
-    """moe-2.4b at 48 samples on one V100: 16 micro-batches of 3 samples cannot be routed
-    (whole expert groups of 2048 tokens), and the doubling stopped there, calling the
-    Cell out of memory; 24 fit. On four a10s its pipeline of 4 stages fits in 100
-    micro-batches: the doubling had stopped at 20."""
-    one = estimate_cell(JobSpec("moe-2.4b", 48), Cell("v100", 1, 1, 1), CRIUS)
-    assert one.feasible and one.micro_batches == 24
+    """moe-2.4b at 100 samples on one V100: 2 micro-batches do not fit, and the doubling's
+    4 micro-batches of 25 samples cannot be routed (whole expert groups of 2048 tokens),
+    which stopped it there, calling the Cell out of memory; 5 fit. On four a10s its
+    pipeline of 4 stages fits in 100 micro-batches: the doubling had stopped at 20."""
+    job, v100 = JobSpec("moe-2.4b", 100), Cell("v100", 1, 1, 1)
+    assert "GB per GPU" in estimate_cell(job, v100, CRIUS, EstimateOptions(micro_batches=2)).reason
+    assert "tokens per micro-batch" in estimate_cell(job, v100, CRIUS, EstimateOptions(micro_batches=4)).reason
+    one = estimate_cell(job, v100, CRIUS)
+    assert one.feasible and one.micro_batches == 5
     four = estimate_cell(JobSpec("moe-2.4b", 1000), Cell("a10", 4, 2, 4), CRIUS)
     assert four.feasible and four.micro_batches > 20
 

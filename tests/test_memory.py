@@ -26,9 +26,21 @@ def test_gpt_1_3b_memory_by_hand():
     block_live = 34 * s * h + 5 * a * s * s
     assert head_live > block_live
     assert mem.activations_gb == pytest.approx(8 * (kept + head_live) / 1e9)
-    # The backward phase (two gradient buffers and the activations) is the peak now,
-    # above the update phase's 4 + 0.5 B/param beside the weights and moments.
-    assert mem.peak_gb == pytest.approx((4 + 8 + 8) * params / 1e9 + mem.activations_gb)
+    # A single stage sums each weight's gradient as its own array (one buffer while the
+    # backward runs) and packs the sum once before the flat update: a second buffer then.
+    assert not mem.accumulating and mem.packed_sum_gb == pytest.approx(4 * params / 1e9)
+    # The update phase (the sum and its packed copy beside the weights and moments) is the
+    # peak, above the backward's one gradient buffer and the activations.
+    assert mem.activations_gb < mem.packed_sum_gb
+    assert mem.peak_gb == pytest.approx((4 + 8 + 4 + 4) * params / 1e9)
+    # In a pipeline the accumulator and a micro-batch's gradients are both whole buffers.
+    piped = stage_memory(m, m.layers, dp=2, tp=1, micro_batch=8, in_flight=3, remat=True,
+                         options=MemoryOptions(zero_level=0, reserve_gb=0.0), micro_batches=2)
+    assert piped.accumulating and piped.packed_sum_gb == 0.0
+    # One micro-batch: nothing to sum, no packed copy.
+    one = stage_memory(m, m.layers, dp=2, tp=1, micro_batch=8, in_flight=1, remat=True,
+                       options=MemoryOptions(zero_level=0, reserve_gb=0.0), micro_batches=1)
+    assert not one.accumulating and one.packed_sum_gb == 0.0
 
 
 def test_moe_layer_memory_by_hand():
