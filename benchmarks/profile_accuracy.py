@@ -63,15 +63,16 @@ def compare(db: str, gpu: str = "h200") -> dict:
                "analytic_s": round(analytic.iteration_time_s, 4), "profiled_s": round(profiled.iteration_time_s, 4),
                "analytic_time_accuracy": round(_acc(analytic.iteration_time_s, r["step_s"]), 4),
                "profiled_time_accuracy": round(_acc(profiled.iteration_time_s, r["step_s"]), 4)}
-        # Peak memory only of the runner's current program: the earlier one's update held
-        # more (memory_accuracy.gpu_rows). Its step times stay: the same layers, the same
-        # time model of the update.
-        if r.get("peak_gb") and is_current(r):
+        # Scored only on the runner's current program: earlier ones held more in their
+        # update (memory_accuracy.gpu_rows), and revisions 6-8 summed a single stage's
+        # micro-batches slot by slot, 5-6x slower on a GPU than the same layers now.
+        row["current_program"] = is_current(r)
+        if r.get("peak_gb") and row["current_program"]:
             row.update({"analytic_gb": round(analytic.peak_memory_gb, 3), "profiled_gb": round(profiled.peak_memory_gb, 3),
                         "analytic_memory_accuracy": round(_acc(analytic.peak_memory_gb, r["peak_gb"]), 4),
                         "profiled_memory_accuracy": round(_acc(profiled.peak_memory_gb, r["peak_gb"]), 4)})
         rows.append(row)
-    summary = {key: _summary([r[key] for r in rows if key in r])
+    summary = {key: _summary([r[key] for r in rows if key in r and r["current_program"]])
                for key in ("analytic_time_accuracy", "profiled_time_accuracy",
                            "analytic_memory_accuracy", "profiled_memory_accuracy")}
     shown = Path(db).resolve()
