@@ -521,7 +521,7 @@ def test_a_job_rescaled_this_round_keeps_its_new_admin_comment(tmp_path):
 
 
 def test_expert_parallel_reaches_the_estimates_and_their_cache_key(tmp_path):
-    """``expert_parallel: true`` offers moe-2.4b at batch 1024 on two 2-GPU a100 nodes a
+    """``expert_parallel: true`` offers moe-2.4b at batch 1024 on two 2-GPU a10 nodes a
     Cell whose stage splits the experts over dp (far faster than tp over both nodes, the
     only plan there whose replicated experts fit), runnable, and keys its estimates apart;
     off, no stage is marked and the key is as before."""
@@ -530,8 +530,8 @@ def test_expert_parallel_reaches_the_estimates_and_their_cache_key(tmp_path):
     from slurm_ext.jobspec import ElasticSpec
     from slurm_ext.observe import estimate_key
     from slurm_ext.store import estimate_from_json, estimate_to_json
-    cluster = cluster_from_dict({"name": "two", "node_groups": [{"gpu_type": "a100", "nodes": 2, "gpus_per_node": 2}]})
-    spec = ElasticSpec("moe-2.4b", 1024, 10, num_gpus=4, gpu_type="a100", max_stages=1)
+    cluster = cluster_from_dict({"name": "two", "node_groups": [{"gpu_type": "a10", "nodes": 2, "gpus_per_node": 2}]})
+    spec = ElasticSpec("moe-2.4b", 1024, 10, num_gpus=4, gpu_type="a10", max_stages=1)
     best = {}
     for ep in (False, True):
         cfg = dc_replace(resolve({"state_db": str(tmp_path / f"state{ep}.db")}, {}, {}), expert_parallel=ep)

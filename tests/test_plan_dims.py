@@ -183,8 +183,8 @@ def test_arena_stage_counts_are_estimated_where_faster_and_refused_by_the_runner
 
 
 def test_expert_parallel_stages_are_estimated_where_faster_and_run_by_the_runner():
-    """moe-2.4b at batch 1024 on two nodes of two a100s: with experts replicated over dp
-    only tp over all four GPUs fits (at 512 dp 4 fits the a100's 40 GiB), its all-reduces
+    """moe-2.4b at batch 1024 on two nodes of two a10s: with experts replicated over dp
+    only tp over all four GPUs fits (on a100s dp 4 fits their 40 GiB), its all-reduces
     crossing the nodes; with the experts split over the stage's GPUs, dp 4 with ep fits and
     is far faster. The plan string marks
     the stage and the runner takes it; experts that do not split evenly over the stage's
@@ -192,7 +192,7 @@ def test_expert_parallel_stages_are_estimated_where_faster_and_run_by_the_runner
     from estimator.jax_models import builtin_arch
     from estimator.models import load_model
     from job_scripts.plan import plan_from_string
-    job, cell = JobSpec("moe-2.4b", 1024), Cell("a100", 4, 2, 1)
+    job, cell = JobSpec("moe-2.4b", 1024), Cell("a10", 4, 2, 1)
     plain = estimate_cell(job, cell, CRIUS)
     ep = estimate_cell(job, cell, CRIUS, EstimateOptions(expert_parallel=True))
     assert plain.feasible and plain.runnable and not any(s.ep for s in plain.stages)
