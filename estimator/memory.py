@@ -333,8 +333,9 @@ def stage_memory(model: ModelSpec, layers: tuple[LayerSpec, ...], dp: int, tp: i
     if accumulating and not pipeline and z < 2 and not options.offload:
         # A single stage of whole weights (not ZeRO-2's chunks, nor ZeRO-3's) sums each
         # weight's gradient as its own array, no second buffer while the backward runs, and
-        # packs the sum once for an elementwise update; a layer-by-layer update reads the
-        # arrays themselves (the measured H200 peaks, docs/gpu-measurements.md).
+        # packs the sum once: beside the sum before an elementwise update; a layer-by-layer
+        # update slices the arrays back out, and the measured moe-690m peak on an H200
+        # holds no such copy (docs/gpu-measurements.md).
         accumulating = False
         packed_sum = grads if flat_update else 0.0
     branch = 0.0
