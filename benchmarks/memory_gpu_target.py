@@ -21,7 +21,9 @@ step (revision 5 changed only pipelines), ``_rev5`` the one before AdamW's flat 
 stepped in pieces (revision 6, every plan compiled again), ``_rev6`` the one before a
 single stage's update stepped in pieces too (revision 7, the single stages compiled
 again), ``_rev7`` the one before a pipeline's backward packed its gradients layer by
-layer (revision 8, the pipelines compiled again)::
+layer (revision 8, the pipelines compiled again), ``_rev8`` the one before a single stage
+summed its micro-batches' gradients array by array (revision 9, its 20 single stages over
+several micro-batches compiled again with XLA's H100 target spec)::
 
     python benchmarks/memory_gpu_target.py --compare benchmarks/results_memory_gpu_target_rev1.json \
         --with benchmarks/results_memory_gpu_target_rev2.json
@@ -35,7 +37,9 @@ layer (revision 8, the pipelines compiled again)::
         --with benchmarks/results_memory_gpu_target_rev6.json
     python benchmarks/memory_gpu_target.py --compare benchmarks/results_memory_gpu_target_rev6.json \
         --with benchmarks/results_memory_gpu_target_rev7.json
-    python benchmarks/memory_gpu_target.py --compare benchmarks/results_memory_gpu_target_rev7.json
+    python benchmarks/memory_gpu_target.py --compare benchmarks/results_memory_gpu_target_rev7.json \
+        --with benchmarks/results_memory_gpu_target_rev8.json
+    python benchmarks/memory_gpu_target.py --compare benchmarks/results_memory_gpu_target_rev8.json
 """
 
 import argparse

@@ -87,17 +87,25 @@ def test_zero_levels_fit_more_and_cost_communication():
 
 def test_zero2_splits_the_gradient_accumulator_on_stages_split_alike():
     """ZeRO-2 as the runner runs it: the accumulator 1/dp, each micro-batch's gradient whole
-    until summed (so the saving is one gradient buffer less 1/dp), a dp all-reduce per
-    micro-batch; runnable where every stage is split alike, and the Cell's plan is."""
+    until summed, a dp all-reduce per micro-batch; runnable where every stage is split
+    alike, and the Cell's plan is. ZeRO-1 (revision 9) sums whole gradients array by array
+    and packs the sum for its update: two whole buffers then, where ZeRO-2's backward holds
+    one and a quarter beside a micro-batch's activations."""
     job = JobSpec("gpt-760m", 32)
     one = {z: estimate_cell(job, Cell("a100", 4, 4, 1), CRIUS,
                             EstimateOptions(memory=MemoryOptions(zero_level=z), plan_space="dp-only", micro_batches=4))
            for z in (1, 2)}
     assert one[2].runnable and one[2].zero_level == 2 and "zero=2" in one[2].plan
+    from estimator.memory import stage_memory
     from estimator.models import load_model
-    params_gb = load_model("gpt-760m").params * 4 / 1e9
-    # ZeRO-1 keeps two whole gradients in the backward, ZeRO-2 one and a quarter.
-    assert one[1].peak_memory_gb - one[2].peak_memory_gb == pytest.approx(params_gb * 3 / 4, rel=0.02)
+    model = load_model("gpt-760m")
+    params_gb = model.params * 4 / 1e9
+    # 8 samples a micro-batch over dp 4: 2 per GPU.
+    acts_gb = stage_memory(model, model.layers, 4, 1, 2, 1, True, MemoryOptions(zero_level=2),
+                           micro_batches=4).activations_gb
+    # fp32 weights, AdamW's moments over dp 4, the reserve, the sum and its packed copy.
+    assert one[1].peak_memory_gb == pytest.approx(params_gb * (1 + 2 / 4 + 2) + 1.0, rel=0.01)
+    assert one[1].peak_memory_gb - one[2].peak_memory_gb == pytest.approx(params_gb * 3 / 4 - acts_gb, rel=0.02)
     assert one[2].iteration_time_s > one[1].iteration_time_s  # four all-reduces for one
     two = estimate_cell(job, Cell("a100", 8, 4, 2), CRIUS, EstimateOptions(memory=MemoryOptions(zero_level=2)))
     assert len({(p.dp, p.tp) for p in two.stages}) == 1 and two.runnable
