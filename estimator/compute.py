@@ -88,14 +88,18 @@ def efficiency(gpu: GpuType, table: dict[str, Efficiency] | None = None) -> Effi
 
 
 def layer_time_s(layer: LayerSpec, gpu: GpuType, eff: Efficiency, dtype: str, samples: float,
-                 tp: int, passes: float, flops_scale: float = 1.0) -> float:
+                 tp: int, passes: float, flops_scale: float = 1.0, *, tf32: bool = False) -> float:
     """Seconds for ``passes`` forward-equivalents of one layer over ``samples`` on tp GPUs.
 
     A backward pass costs two forward passes; rematerialization adds one. ``flops_scale``
-    corrects the layer's FLOPs (compiled / formula) when a compiler counted them.
+    corrects the layer's FLOPs (compiled / formula) when a compiler counted them. ``tf32``:
+    the program runs fp32 convolutions and matmuls on the tensor cores in TF32 where the
+    GPU has them (``MemoryOptions.tf32``), at the tensor cores' attained fraction;
+    otherwise on the CUDA cores.
     """
-    if dtype == "fp32":
-        # fp32 training ran its convolutions and matmuls on CUDA cores (no TF32).
+    if dtype == "fp32" and tf32 and gpu.tf32_tflops > gpu.fp32_tflops:
+        rate = gpu.tf32_tflops * 1e12 * eff.matmul_frac
+    elif dtype == "fp32":
         rate = gpu.fp32_tflops * 1e12 * eff.conv_frac
     else:
         rate = gpu.peak_tflops(dtype) * 1e12 * eff.matmul_frac

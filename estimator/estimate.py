@@ -288,7 +288,7 @@ def _compute_s(ctx: _Context, gpu, plan: StagePlan, micro: float, passes: float,
         k = model.layer_classes[i]
         if k not in seen:
             seen[k] = layer_time_s(model.layers[k], gpu, ctx.eff, model.dtype, micro, plan.tp, passes,
-                                   flops_scale)
+                                   flops_scale, tf32=ctx.options.memory.tf32)
         total += seen[k]
     return total, timed
 
@@ -396,7 +396,7 @@ def _layer_loads(model: ModelSpec, cell: Cell, options: EstimateOptions) -> list
     seen: dict[int, float] = {}
     for k in model.layer_classes:
         if k not in seen:
-            seen[k] = layer_time_s(model.layers[k], gpu, eff, model.dtype, 1.0, 1, 1.0)
+            seen[k] = layer_time_s(model.layers[k], gpu, eff, model.dtype, 1.0, 1, 1.0, tf32=options.memory.tf32)
     return [seen[k] for k in model.layer_classes]
 
 

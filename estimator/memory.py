@@ -103,6 +103,15 @@ class MemoryOptions:
             raise SpecError("program", self.program, f"use one of {', '.join(PROGRAMS)}")
 
     @property
+    def tf32(self) -> bool:
+        """Whether the program runs fp32 convolutions and matmuls on TF32 tensor cores where
+        the GPU has them. The runner does (XLA's default precision): wide_resnet-500m's step
+        ran at 168 TFLOP/s on an H200, 2.5× its fp32 peak (docs/gpu-measurements.md). Alpa's
+        measured rows did not: at the TF32 rate the public table's A100 rows fit far worse
+        (docs/estimator.md)."""
+        return self.program == "runner"
+
+    @property
     def runner_zero2(self) -> bool:
         """The runner's ZeRO-2 (``job_scripts.flat_optimizer``): each micro-batch's gradients
         summed over dp as they come, a 1/dp accumulator (memory and time count both)."""

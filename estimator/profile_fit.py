@@ -30,10 +30,13 @@ from scipy.optimize import least_squares
 
 from estimator.compute import Efficiency, layer_time_s
 from estimator.gpus import GpuType
+from estimator.memory import MemoryOptions
 from estimator.profile_store import KernelRow, LayerRow, LayerTiming, model_fingerprint
 
 # Passes of one layer measured as forward + backward: the backward costs two forwards.
 FORWARD_BACKWARD_PASSES = 3.0
+# The profile times the runner's layers, in its precision (``MemoryOptions.tf32``).
+RUNNER_TF32 = MemoryOptions().tf32
 
 
 @dataclass(frozen=True)
@@ -118,13 +121,13 @@ def fit_efficiency(gpu: GpuType, compute_dtype: str, kernels: Iterable[KernelRow
             continue
         layer = spec.layers[row.layer_index]
         roofline = layer_time_s(layer, gpu, replace(eff, layer_overhead_s=0.0), spec.dtype,
-                                row.samples, row.tp, FORWARD_BACKWARD_PASSES)
+                                row.samples, row.tp, FORWARD_BACKWARD_PASSES, tf32=RUNNER_TF32)
         overheads.append((row.forward_backward_s - roofline) / FORWARD_BACKWARD_PASSES)
         pairs.append((layer, spec.dtype, row))
     if overheads:
         eff = replace(eff, layer_overhead_s=max(0.0, statistics.median(overheads)))
         for layer, dtype, row in pairs:
-            t = layer_time_s(layer, gpu, eff, dtype, row.samples, row.tp, FORWARD_BACKWARD_PASSES)
+            t = layer_time_s(layer, gpu, eff, dtype, row.samples, row.tp, FORWARD_BACKWARD_PASSES, tf32=RUNNER_TF32)
             errors.append(abs(t - row.forward_backward_s) / row.forward_backward_s)
     return eff, (statistics.median(errors) if errors else 0.0)
 

@@ -4,9 +4,14 @@ from dataclasses import replace
 
 import pytest
 
+from estimator.cells import Cell
+from estimator.cluster import load_cluster
 from estimator.compute import (FITTED_EFFICIENCY, FITTED_PHYSICS, Efficiency, SharedPhysics,
                                datasheet_efficiency, efficiency, layer_time_s)
+from estimator.estimate import EstimateOptions, estimate_cell
 from estimator.gpus import CATALOG, gpu_type
+from estimator.jobs import JobSpec
+from estimator.memory import MemoryOptions
 from estimator.models import load_model
 
 MEASURED = ("a100", "v100", "a40", "a10")
@@ -80,3 +85,30 @@ def test_weight_reads_make_tiny_batches_memory_bound():
     t = layer_time_s(layer, gpu, eff, "fp16", 1e-6, 1, 1.0)
     weights_s = layer.params * 2 / (gpu.memory_bandwidth_gbytes_s * 1e9 * eff.memory_frac)
     assert t == pytest.approx(weights_s, rel=1e-3)
+
+
+def test_the_runner_runs_fp32_convolutions_on_tf32_tensor_cores_where_a_gpu_has_them():
+    """By hand: with the memory and overhead terms off, a wide_resnet convolution layer's
+    time is its FLOPs over the rate, and the occupancy term is the same either way. An H200
+    takes TF32 at its tensor cores' share; a V100 has no TF32 and runs on its CUDA cores
+    whatever the program. The runner's estimate takes TF32 (XLA's default), Alpa's does not."""
+    model = load_model("wide_resnet-500m")
+    conv = next(layer for layer in model.layers if layer.kernels)
+    for name, tf32_rate in (("h200", 494.7e12), ("v100", None)):
+        gpu = gpu_type(name)
+        eff = replace(efficiency(gpu), memory_frac=1e9, layer_overhead_s=0.0)
+        cuda = layer_time_s(conv, gpu, eff, "fp32", 32.0, 1, 1.0)
+        tensor = layer_time_s(conv, gpu, eff, "fp32", 32.0, 1, 1.0, tf32=True)
+        if tf32_rate is None:
+            assert tensor == cuda
+        else:
+            expected = (gpu.fp32_tflops * 1e12 * eff.conv_frac) / (tf32_rate * eff.matmul_frac)
+            assert tensor / cuda == pytest.approx(expected, rel=1e-3)
+            assert expected < 0.2  # the 4.6× slow estimate of wide_resnet-500m on an H200
+    assert MemoryOptions().tf32 and not MemoryOptions(program="alpa").tf32
+    cluster, job = load_cluster("crius-1280"), JobSpec("wide_resnet-500m", 64)
+    alpa = EstimateOptions(memory=MemoryOptions(program="alpa"))
+    runner_a100 = estimate_cell(job, Cell("a100", 4, 4, 1), cluster).iteration_time_s
+    assert runner_a100 < 0.5 * estimate_cell(job, Cell("a100", 4, 4, 1), cluster, alpa).iteration_time_s
+    v100 = [estimate_cell(job, Cell("v100", 4, 4, 1), cluster, o).iteration_time_s for o in (EstimateOptions(), alpa)]
+    assert v100[0] == pytest.approx(v100[1], rel=0.05)  # memory settings differ, not the convolutions' rate

@@ -235,7 +235,7 @@ def test_a_guaranteed_job_in_a_rescale_keeps_its_quota(tmp_path):
 def test_a_forecast_end_past_the_last_printable_year_shows_none_and_the_round_acts(tmp_path):
     """A billion iterations of a slow model end after year 9999, which no UTC text can
     show. Such a job is started without an ``end=``, and the other job of the round too."""
-    endless = "elastic model=wide_resnet-6.8b gpus=4 global_batch=16384 iterations=1000000000"
+    endless = "elastic model=wide_resnet-6.8b gpus=4 global_batch=131072 iterations=1000000000"
     short = "elastic model=gpt-760m gpus=4 global_batch=64 iterations=1000"
     daemon, client = daemon_for(tmp_path, [held(70, NOW - 100, comment=endless), held(71, NOW - 50, comment=short)],
                                 [node("a100-1", "a100", 4), node("a100-2", "a100", 4), node("h100-1", "h100", 8)],
