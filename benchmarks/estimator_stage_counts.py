@@ -10,6 +10,13 @@ measurement ran that pipeline, where the estimator finds a faster plan.
     python benchmarks/estimator_stage_counts.py [--gpu-type v100] [--out FILE]
 
 Shipped shared physics; a few seconds on 2 cores.
+
+``dgx2_at_four_stages`` (without ``--gpu-type``): the issue's figures (held-out v100 median
+and mean, with the physics ``estimator_accuracy.py`` fitted without v100, read from its
+results file; the median of the rows not used for fitting) as that benchmark scores them,
+and with the rows of 4 and 8 GPUs of one DGX-2 scored at 4 stages, the plan they match
+(``docs/estimator.md``; the best plan where 4 stages do not fit). A diagnostic of what the misses are, not a score: the rule was
+chosen by looking at those rows.
 """
 
 from __future__ import annotations
@@ -22,10 +29,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from estimator_accuracy import DEFAULT_DATA, MEASURED_CLUSTER, accuracy, load_rows, physics_options  # noqa: E402
+from estimator_accuracy import (DEFAULT_DATA, MEASURED_CLUSTER, accuracy, load_rows, physics_options,  # noqa: E402
+                                summarize)
 
 from estimator.cells import Cell  # noqa: E402
-from estimator.compute import FITTED_PHYSICS  # noqa: E402
+from estimator.compute import FITTED_PHYSICS, SharedPhysics  # noqa: E402
 from estimator.estimate import estimate_cell, stage_counts  # noqa: E402
 from estimator.jobs import JobSpec  # noqa: E402
 from estimator.models import load_model  # noqa: E402
@@ -61,6 +69,39 @@ def by_layout(rows, gpu_type: str | None) -> dict[str, dict]:
     return out
 
 
+# The layouts whose rows a 4-stage pipeline matches where the best plan is ~20 % fast.
+FOUR_STAGE_LAYOUTS = {("v100", 1, 4), ("v100", 1, 8)}
+ACCURACY_RESULTS = Path(__file__).resolve().parent / "results_estimator_accuracy.json"
+
+
+def dgx2_at_four_stages(rows, loto_results: Path = ACCURACY_RESULTS) -> dict:
+    """The targets' figures with the DGX-2's 4- and 8-GPU rows scored as the best plan and
+    at 4 stages."""
+    held_physics = SharedPhysics(**json.loads(loto_results.read_text())["leave_one_type_out"]["by_gpu_type"]
+                                 ["v100"]["physics"])
+    out = {}
+    for name, physics, pick in (("held_out_v100", held_physics, lambda r: r.gpu_type == "v100"),
+                                ("in_distribution", FITTED_PHYSICS, lambda r: not r.in_fit_set)):
+        options = physics_options(physics)
+        best, four = [], []
+        for row in rows:
+            if row.measured_s <= 0 or not pick(row):
+                continue
+            n = row.num_nodes * row.gpus_per_node
+            job = JobSpec(row.model, row.global_batch)
+            times = [e.iteration_time_s for s in stage_counts(n, load_model(row.model).num_layers)
+                     if (e := estimate_cell(job, Cell(row.gpu_type, n, row.gpus_per_node, s), MEASURED_CLUSTER,
+                                            options)).feasible]
+            best.append(accuracy(min(times) if times else None, row.measured_s))
+            if (row.gpu_type, row.num_nodes, row.gpus_per_node) in FOUR_STAGE_LAYOUTS:
+                e = estimate_cell(job, Cell(row.gpu_type, n, row.gpus_per_node, 4), MEASURED_CLUSTER, options)
+                four.append(accuracy(e.iteration_time_s, row.measured_s) if e.feasible else best[-1])
+            else:
+                four.append(best[-1])
+        out[name] = {"best_plan": summarize(best), "dgx2_4_and_8_at_4_stages": summarize(four)}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
@@ -70,6 +111,8 @@ def main() -> None:
     result = {"command": "python benchmarks/estimator_stage_counts.py"
               + (f" --gpu-type {args.gpu_type}" if args.gpu_type else ""),
               "layouts": by_layout(load_rows(args.data), args.gpu_type)}
+    if not args.gpu_type:
+        result["dgx2_at_four_stages"] = dgx2_at_four_stages(load_rows(args.data))
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

@@ -35,7 +35,8 @@ from estimator.models import DTYPE_BYTES, ModelSpec, tp_problem
 from estimator.partition import arena_stage_gpus, balanced_partition, stage_gpu_counts
 from estimator.plan_string import MAX_PLAN_STRING, format_plan
 from estimator.profile_fit import profiled_layer_s
-from estimator.profile_store import ProfileView, collective_csv_rows, load_profile_view, model_fingerprint
+from estimator.profile_store import (ProfileView, cached_profile_view, collective_csv_rows, model_fingerprint,
+                                     store_version)
 from estimator.stage_comm import (collective_s, dp_groups_per_node, gradient_sync_s, span_nodes,
                                   stage_collectives_s, stage_send_s)
 
@@ -352,8 +353,8 @@ def _context(job: JobSpec, cell: Cell, cluster: ClusterSpec, options: EstimateOp
     table, eff = load_comm_table(options.comm_table), efficiency(gpu, options.efficiency)
     profile, eff_source = None, "analytic"
     if options.profile_db:
-        version = _profile_version(options.profile_db)
-        profile = _cached_view(*version)
+        version = store_version(options.profile_db)
+        profile = cached_profile_view(version)
         if cell.gpu_type in profile.collectives:
             table = _profiled_table(options.comm_table, version, cell.gpu_type)
         if cell.gpu_type in profile.efficiencies and options.efficiency is None:
@@ -366,26 +367,10 @@ def _context(job: JobSpec, cell: Cell, cluster: ClusterSpec, options: EstimateOp
                     fingerprint)
 
 
-def _profile_version(path: str) -> tuple[str, int, int]:
-    """The store's path and version (modification time, size): what its caches key on."""
-    from pathlib import Path
-    try:
-        st = Path(path).stat()
-    except OSError:
-        raise SpecError("profile_db", path, "no such file; run `slurm-ext profile` first") from None
-    return path, st.st_mtime_ns, st.st_size
-
-
-@lru_cache(maxsize=4)
-def _cached_view(path: str, mtime_ns: int, size: int) -> ProfileView:
-    """The store's view, read again only when the file changed."""
-    return load_profile_view(path)
-
-
 @lru_cache(maxsize=32)
 def _profiled_table(comm_table: str | None, version: tuple[str, int, int], gpu_type: str) -> CommTable:
     """The collectives table with a GPU type's curves from the store, built once per version."""
-    rows = _cached_view(*version).collectives[gpu_type]
+    rows = cached_profile_view(version).collectives[gpu_type]
     return with_profiled(load_comm_table(comm_table), collective_csv_rows(gpu_type, rows))
 
 

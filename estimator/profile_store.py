@@ -35,6 +35,7 @@ import math
 import sqlite3
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
+from functools import lru_cache
 from pathlib import Path
 
 from estimator.comm import valid_groups
@@ -383,6 +384,22 @@ def _versions(text: object) -> dict:
     except (TypeError, ValueError):
         versions = None
     return versions if isinstance(versions, dict) else {}
+
+
+def store_version(path: str) -> tuple[str, int, int]:
+    """The store's path and version (modification time, size): what its caches key on."""
+    try:
+        st = Path(path).stat()
+    except OSError:
+        raise SpecError("profile_db", path, "no such file; run `slurm-ext profile` first") from None
+    return path, st.st_mtime_ns, st.st_size
+
+
+@lru_cache(maxsize=4)
+def cached_profile_view(version: tuple[str, int, int]) -> ProfileView:
+    """The store's view (``load_profile_view``), read again only when the file changed
+    (``store_version``): the estimator and the daemon's rounds read it often."""
+    return load_profile_view(version[0])
 
 
 def load_profile_view(path: str | Path) -> ProfileView:

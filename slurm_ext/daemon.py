@@ -63,7 +63,7 @@ from slurm_ext.profile_job import (
 from slurm_ext.refit import OnlineRefitter
 from slurm_ext.slurm_client import SlurmClient, SlurmJob, SlurmNode
 from slurm_ext.steering import Steering, steering
-from slurm_ext.store import START, EstimateCache, Store
+from slurm_ext.store import GPU_TYPE_NOTE_EVERY_S, START, EstimateCache, Store
 from slurm_ext.user_files import read_user_file
 
 log = logging.getLogger(__name__)
@@ -154,6 +154,7 @@ class Daemon:
         self._script_read_failures: dict[int, int] = {}  # job: rounds in a row its script was unreadable
         self._estimate_failing_s: dict[int, float] = {}  # job: since when its estimate fails, in a row
         self._gpu_types_seen = store.gpu_types_seen(self.clock.now_s())  # this run's rounds or earlier ones
+        self._gpu_types_noted_s: dict[str, float] = {}  # type: when this run last wrote it seen
         self._pruned_s = 0.0
         self._forecast_s = -math.inf
         self.forecasts = BackgroundForecast()
@@ -307,8 +308,11 @@ class Daemon:
         part_types = partition_types(nodes, cfg.partition_map())
         cluster = cluster_spec(nodes, part_types, cfg.cluster, cfg.network)
         self._gpu_types_seen.update(cluster.gpu_types)
-        if not cfg.dry_run:
-            self.store.note_gpu_types(cluster.gpu_types, now_s)
+        noted_s = self._gpu_types_noted_s
+        due = [t for t in cluster.gpu_types if now_s - noted_s.get(t, -math.inf) >= GPU_TYPE_NOTE_EVERY_S]
+        if due and not cfg.dry_run:
+            self.store.note_gpu_types(due, now_s)
+            noted_s.update(dict.fromkeys(due, now_s))
         elastic = [j for j in active if j.is_elastic]
         if self._spec_cache is None:  # once per process: what earlier runs parsed
             self._spec_cache = {job_id: (None if sj is None else ElasticSpec.from_json(sj), err)

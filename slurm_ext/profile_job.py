@@ -184,11 +184,11 @@ def profiled_pairs(profile_db: str, models: Iterable[str]) -> set[tuple[str, str
     from pathlib import Path
 
     from estimator.models import load_model
-    from estimator.profile_store import load_profile_view, model_fingerprint
+    from estimator.profile_store import cached_profile_view, model_fingerprint, store_version
     if not Path(profile_db).is_file():
         return set()
-    try:
-        timed = {(gpu, fp) for gpu, fp, _, _ in load_profile_view(profile_db).layers}
+    try:  # read again only when the store changed: it is asked every round
+        timed = {(gpu, fp) for gpu, fp, _, _ in cached_profile_view(store_version(profile_db)).layers}
     except SpecError as e:
         log.warning("background profiling paused: %s", e)
         return None

@@ -84,6 +84,9 @@ CREATE TABLE IF NOT EXISTS gpu_types_seen (gpu_type TEXT PRIMARY KEY, seen_s REA
 """
 # A GPU type not seen in Slurm's nodes for this long is taken to be gone for good.
 GPU_TYPE_MEMORY_S = 30 * 86400.0
+# A type still seen is written again at most this often: against a memory of 30 days an
+# hour's staleness is nothing, and a write every round was a commit every round.
+GPU_TYPE_NOTE_EVERY_S = 3600.0
 
 
 @dataclass(frozen=True)

@@ -715,3 +715,29 @@ def test_a_daemon_that_stops_frees_its_reservation_even_after_a_change_of_it_fai
     daemon.request_stop()
     assert daemon.run() == 0
     assert ("hold_nodes", "slurm-ext-hold", ()) in client.calls
+
+
+def test_the_gpu_types_seen_are_written_once_an_hour_not_every_round(tmp_path):
+    """The store remembers a type for 30 days: a round writes a type again only once
+    GPU_TYPE_NOTE_EVERY_S has passed since it last did (a write every round was a commit
+    every round), and a type new to the listing is written at once."""
+    import sqlite3
+    from contextlib import closing
+    from slurm_ext.store import GPU_TYPE_NOTE_EVERY_S
+    clock = SimulatedClock(float(NOW))
+    a100, v100 = node("a100-1", "a100", 8), node("v100-1", "v100", 4)
+    daemon, client = daemon_for(tmp_path, [], [a100], clock=clock)
+
+    def written():
+        with closing(sqlite3.connect(daemon.config.state_db)) as db:
+            return dict(db.execute("SELECT gpu_type, seen_s FROM gpu_types_seen").fetchall())
+    daemon.round()
+    assert written() == {"a100": NOW}
+    client._nodes = (a100, v100)
+    for t in (60, 120, GPU_TYPE_NOTE_EVERY_S - 1):
+        clock.advance_to(NOW + t)
+        daemon.round()
+    assert written() == {"a100": NOW, "v100": NOW + 60}
+    clock.advance_to(NOW + GPU_TYPE_NOTE_EVERY_S)
+    daemon.round()
+    assert written() == {"a100": NOW + GPU_TYPE_NOTE_EVERY_S, "v100": NOW + 60}

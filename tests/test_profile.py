@@ -480,3 +480,19 @@ def test_unusable_rows_of_a_store_are_skipped_with_a_warning(tmp_path, corruptio
     feasible = [e for e in est.cells if e.feasible]
     assert feasible and all(math.isfinite(e.iteration_time_s) and e.iteration_time_s > 0 for e in feasible)
     assert "rows skipped" in caplog.text
+
+
+def test_the_daemons_profiled_pairs_read_the_store_again_only_when_it_changed(tmp_path, monkeypatch):
+    """The daemon asks which (model, GPU type) pairs are profiled every round: the store is
+    read once per version of the file, and again when a profile lands in it."""
+    import estimator.profile_store as store
+    from slurm_ext.profile_job import profiled_pairs
+    db, _ = _profile(tmp_path, "a10")
+    reads, real = [], store.load_profile_view
+    monkeypatch.setattr(store, "load_profile_view", lambda path: reads.append(path) or real(path))
+    for _ in range(3):
+        assert profiled_pairs(str(db), {"gpt-760m", "gpt-1.3b"}) == {("gpt-760m", "a10")}
+    assert len(reads) == 1
+    _profile(tmp_path, "a100")  # a second profile lands in the same store
+    assert profiled_pairs(str(db), {"gpt-760m"}) == {("gpt-760m", "a10"), ("gpt-760m", "a100")}
+    assert len(reads) == 2
