@@ -48,17 +48,30 @@ TIMING_LOSS_SCALE = MappingProxyType({"scale": 1.0, "good_steps": 0})
 DEVICE_WORDS = {"v100s": "v100", "gv100": "v100"}
 
 
-def training_arch(arch, gpu_name: str):
+def training_arch(arch, gpu_name: str, bf16_tensor_cores: bool | None = None):
     """The architecture the runner trains on ``gpu_name``: an fp16 model in bf16 where the
     tensor cores take bf16 (Ampere and later: the same rate and bytes, so the estimates
     hold, and fp32's range, so no loss scaling and no skipped steps); in fp16 with dynamic
-    loss scaling (below) where they take fp16 only (Volta), on which
-    bf16 would run at the CUDA cores' fp32 rate. A GPU type outside the catalog counts as
-    a recent one."""
-    gpu = CATALOG.get((gpu_name or "").strip().lower())
-    if arch.compute_dtype != "fp16" or (gpu is not None and not gpu.bf16_tensor_cores):
+    loss scaling (below) where they take fp16 only (Volta, Turing), on which bf16 would
+    run at the CUDA cores' fp32 rate. ``bf16_tensor_cores``: what the device itself says
+    (``device_takes_bf16``), which decides; without it, the catalog type's, and a type
+    outside the catalog counts as a recent one."""
+    if bf16_tensor_cores is None:
+        gpu = CATALOG.get((gpu_name or "").strip().lower())
+        bf16_tensor_cores = gpu is None or gpu.bf16_tensor_cores
+    if arch.compute_dtype != "fp16" or not bf16_tensor_cores:
         return arch
     return replace(arch, compute_dtype="bf16")
+
+
+def device_takes_bf16(device) -> bool | None:
+    """Whether a GPU's tensor cores take bf16, from its CUDA compute capability (8.0 and
+    later: Ampere on; a T4's 7.5 or a V100's 7.0 take fp16 only); None where the device
+    does not say (a CPU, a platform without one)."""
+    try:
+        return int(str(getattr(device, "compute_capability", "")).split(".")[0]) >= 8
+    except ValueError:
+        return None
 
 
 def catalog_type_of_device(device_kind: str) -> str | None:

@@ -144,15 +144,17 @@ def train(job: runtime.Job) -> int:
     from estimator.models import load_model
     from job_scripts import reshard
     from job_scripts.data import stream_for
-    from job_scripts.precision import DivergedError, catalog_type_of_device, check_step, training_arch
+    from job_scripts.precision import (DivergedError, catalog_type_of_device, check_step, device_takes_bf16,
+                                       training_arch)
     from job_scripts.pipeline import Pipeline
 
     cfg = job.config
     model_spec = load_model(cfg.model)
-    # The dtype follows the devices' own kind where it names a catalog type (a plan may be
-    # another type's), else the job's GPU type.
+    # The dtype follows the devices' own compute capability, else their kind where it names
+    # a catalog type (a plan may be another type's), else the job's GPU type.
     gpu = (catalog_type_of_device(job.devices[0].device_kind) if job.devices else None) or gpu_type_of(job)
-    arch = training_arch(jm.arch_from_model(model_spec), gpu)
+    takes_bf16 = device_takes_bf16(job.devices[0]) if job.devices else None
+    arch = training_arch(jm.arch_from_model(model_spec), gpu, takes_bf16)
     if arch.compute_dtype != model_spec.dtype:
         log.info("training the %s model in %s on %s (fp32's range: no loss scaling needed)", model_spec.dtype,
                  arch.compute_dtype, gpu)

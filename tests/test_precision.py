@@ -273,6 +273,28 @@ def test_volta_has_no_bf16_tensor_cores_and_an_fp16_model_trains_there_in_fp16()
     assert training_arch(a32, "v100") is a32 and training_arch(a32, "a100") is a32
 
 
+@pytest.mark.parametrize("capability, dtype", [("7.5", "fp16"), ("7.0", "fp16"), ("8.0", "bf16"), ("8.9", "bf16"),
+                                               ("9.0", "bf16"), (None, "bf16")])
+def test_a_gpu_outside_the_catalog_trains_in_what_its_tensor_cores_take(capability, dtype):
+    """A T4 (Turing, compute capability 7.5) is in no catalog: its tensor cores take fp16
+    only, so an fp16 model trains there in fp16 with loss scaling, not in bf16 on its CUDA
+    cores. The device's capability decides over the type's name; a device that says none
+    (a CPU) leaves the catalog's rule."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from estimator import jax_models as jm
+    from estimator.models import load_model
+    from job_scripts.precision import device_takes_bf16, training_arch
+
+    a16 = replace(jm.arch_from_model(load_model(TINY_GPT)), compute_dtype="fp16")
+    said = {} if capability is None else {"compute_capability": capability}
+    device = SimpleNamespace(device_kind="Tesla T4", **said)
+    assert device_takes_bf16(device) is (None if capability is None else dtype == "bf16")
+    assert training_arch(a16, "t4", device_takes_bf16(device)).compute_dtype == dtype
+    assert training_arch(a16, "v100", device_takes_bf16(SimpleNamespace())).compute_dtype == "fp16"
+
+
 def test_a_run_without_loss_scaling_stops_at_its_first_non_finite_loss_and_saves_nothing(tmp_path, capfd):
     """fp32 (bf16 alike): no step is skipped, so a NaN loss means the weights are gone; the
     run stops there (exit 3) before it saves over its good checkpoints."""
