@@ -199,6 +199,15 @@ def test_expert_parallel_flag_reaches_the_plan(capsys):
     assert ep["iteration_time_s"] < plain["iteration_time_s"]
 
 
+def test_expert_parallel_on_a_dense_model_says_it_changes_nothing(capsys):
+    args = ("estimate", "--model", "gpt-760m", "--global-batch", "64", "--gpu-type", "a100", "--gpus", "4", "--json")
+    code, plain, err = run(capsys, *args)
+    assert code == 0 and "expert" not in err
+    code, ep, err = run(capsys, *args, "--expert-parallel")
+    assert code == 0 and ep == plain
+    assert err.strip() == "slurm-ext: note: gpt-760m has no expert layers: --expert-parallel changes nothing"
+
+
 @pytest.mark.parametrize("args, message", [
     (("explain", "1234_5"), "'1234_5' is not a job id: an array task's own job id"),
     (("explain", "12", "--timeout-s", "0"), "0.0 is not in the range x>0"),

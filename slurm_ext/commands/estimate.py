@@ -285,5 +285,7 @@ def command(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, trai
     if not model or global_batch is None:
         raise click.UsageError("give --model and --global-batch (or --batch FILE)")
     check_micro_batches(micro_batches, global_batch)
+    if expert_parallel and not any(layer.experts for layer in load_model(model).layers):
+        click.echo(f"slurm-ext: note: {model} has no expert layers: --expert-parallel changes nothing", err=True)
     result = _estimate(model, global_batch, gpu_type, gpus, gpus_per_node, max_stages, cluster, options, trainer)
     click.echo(json.dumps(result.to_json(), indent=2) if as_json else _table(result))
