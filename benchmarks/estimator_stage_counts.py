@@ -11,12 +11,12 @@ measurement ran that pipeline, where the estimator finds a faster plan.
 
 Shipped shared physics; a few seconds on 2 cores.
 
-``dgx2_at_four_stages`` (without ``--gpu-type``): the issue's figures (held-out v100 median
-and mean, with the physics ``estimator_accuracy.py`` fitted without v100, read from its
-results file; the median of the rows not used for fitting) as that benchmark scores them,
-and with the rows of 4 and 8 GPUs of one DGX-2 scored at 4 stages, the plan they match
-(``docs/estimator.md``; the best plan where 4 stages do not fit). A diagnostic of what the misses are, not a score: the rule was
-chosen by looking at those rows.
+``dgx2_at_four_stages`` (without ``--gpu-type``): the figures of ``estimator_accuracy.py``'s
+targets (held-out v100 median and mean, with the physics that benchmark fitted without
+v100, read from its results file; the median of the rows not used for fitting) as it
+scores them, and with the rows of 4 and 8 GPUs of one DGX-2 scored at 4 stages, the plan
+they match (``docs/estimator.md``; the best plan where 4 stages do not fit). A diagnostic
+of what the misses are, not a score: the rule was chosen by looking at those rows.
 """
 
 from __future__ import annotations
