@@ -8,7 +8,7 @@ a100 2×4, v100 2×4, a10 2×2, h100 1×8):
    ``tests/fixtures/runner/tiny-gpt.yaml``, global batch 16, asking for 8 GPUs) is planned
    by the daemon onto the 4 free a100 and trains there: the real JAX runner, on one CPU
    fake device per granted GPU.
-3. The a10 nodes come free and a second elastic job arrives whose model (6.5 B
+3. The a10 nodes come free and a second elastic job arrives whose model (4.8 B
    parameters) fits 4 a100 but no count of a10 the lab has.
 4. One daemon round moves the first job to 4 a10 to make room: SIGUSR1 → the runner
    finishes its step, checkpoints and exits 86 → Slurm requeues it held → new partition,
@@ -58,9 +58,17 @@ REPO = Path(__file__).resolve().parent.parent
 ELASTIC_SBATCH = REPO / "job_scripts" / "elastic.sbatch"
 RUNNER_MODELS = REPO / "tests" / "fixtures" / "runner"
 TRAIN_MODEL = RUNNER_MODELS / "tiny-gpt.yaml"
-ARRIVAL_MODEL = RUNNER_MODELS / "arrival-3b.yaml"
+ARRIVAL_MODEL = RUNNER_MODELS / "arrival-5b.yaml"
 TRAIN_GLOBAL_BATCH = 16
 TRAIN_GPUS = 8  # asked for; its Cells have 4, 8 or 16 GPUs, and 4 a100 are free
+# The iterations the training job asks for, and the arrival's: what the policy weighs
+# (cells-ilp: a Cell worth less than waiting is dropped, and a short arrival is worth
+# starting). The training job is fp32, whose layers run at the TF32 rate on an a100 and
+# 2.5x slower on an a10: a long one would rather wait than move, and an arrival of
+# 100,000 iterations (days) is not worth slowing it down for. Neither finishes in the
+# scenario.
+TRAIN_ITERATIONS = 20_000
+ARRIVAL_ITERATIONS = 200
 EXAMPLE_DIR = REPO / "examples" / "charlm"
 EXAMPLE_GLOBAL_BATCH = 16
 # Plain jobs of other users: (partition, gres per node, nodes). All of the lab but one
@@ -73,7 +81,7 @@ DEFAULT_POLICY = DaemonConfig().policy
 SCENARIO_POLICY_OPTIONS = {"cells-ilp": {"min_change_interval_s": 0}}
 # The arrival waits in the queue (it never trains): only its size matters to the policy.
 ARRIVAL_SCRIPT = f"""#!/bin/bash
-#ELASTIC model={ARRIVAL_MODEL} global_batch=64 iterations=100000 gpus=4 gpu_type=a100
+#ELASTIC model={ARRIVAL_MODEL} global_batch=64 iterations={ARRIVAL_ITERATIONS} gpus=4 gpu_type=a100
 trap 'exit 86' USR1
 while true; do sleep 0.2 & wait $!; done
 """
@@ -182,7 +190,7 @@ def _with_elastic_line(path: Path, line: str) -> str:
 
 
 def training_script(model: Path = TRAIN_MODEL, global_batch: int = TRAIN_GLOBAL_BATCH,
-                    gpus: int = TRAIN_GPUS, iterations: int = 100_000) -> str:
+                    gpus: int = TRAIN_GPUS, iterations: int = TRAIN_ITERATIONS) -> str:
     """``job_scripts/elastic.sbatch`` with its #ELASTIC lines set to train ``model``."""
     return _with_elastic_line(ELASTIC_SBATCH, f"#ELASTIC model={model} global_batch={global_batch} "
                                               f"iterations={iterations} gpus={gpus}")
@@ -198,7 +206,7 @@ def example_training_job(global_batch: int = EXAMPLE_GLOBAL_BATCH) -> TrainingJo
     """A researcher's own script (examples/charlm: flax and optax on a text file), through
     the runtime API; it runs what the API gives (``trainer=api``: single-stage ZeRO-0 plans)."""
     line = (f"#ELASTIC model={EXAMPLE_DIR / 'model.yaml'} global_batch={global_batch} "
-            f"iterations=100000 gpus={TRAIN_GPUS} trainer=api")
+            f"iterations={TRAIN_ITERATIONS} gpus={TRAIN_GPUS} trainer=api")
     return TrainingJob("charlm", _with_elastic_line(EXAMPLE_DIR / "train.sbatch", line), global_batch,
                        "examples/charlm/train.sbatch (a byte-level transformer in flax, optax, its own text)")
 
@@ -283,10 +291,10 @@ def run_rescale_scenario(client: SlurmClient, env: dict[str, str], workdir: Path
     client.cancel(freed)
     _wait(f"the {FREED_PARTITION} job to end", lambda: not (j := client.job(freed)) or not j.is_active, 30)
     arrival = client.submit(SubmitRequest(
-        script=ARRIVAL_SCRIPT, name="arrival-3b", comment="elastic", output=str(workdir / "arrival.out"),
+        script=ARRIVAL_SCRIPT, name="arrival-5b", comment="elastic", output=str(workdir / "arrival.out"),
         workdir=str(workdir)))
     say(f"The {FREED_PARTITION} nodes came free and elastic job {arrival} arrived: "
-        f"{ARRIVAL_MODEL.name} (6.5 B parameters) fits 4 a100 but no count of {FREED_PARTITION}.")
+        f"{ARRIVAL_MODEL.name} (4.8 B parameters) fits 4 a100 but no count of {FREED_PARTITION}.")
     squeue_before = squeue_text(env)
 
     report = daemon.round()

@@ -61,7 +61,7 @@ def test_training_script_is_the_wrapper_with_the_demo_settings():
     script = training_script()
     assert script.startswith("#!/bin/bash") and "exec \"$PYTHON\" -m job_scripts.run" in script
     assert script_settings(script) == {"model": str(TRAIN_MODEL), "global_batch": "16",
-                                       "iterations": "100000", "gpus": "8"}
+                                       "iterations": "20000", "gpus": "8"}
 
 
 def test_example_training_job_is_the_examples_script_on_the_runtime_api():
@@ -69,7 +69,7 @@ def test_example_training_job_is_the_examples_script_on_the_runtime_api():
     job = example_training_job()
     assert job.script.startswith("#!/bin/bash") and "examples/charlm/train.py" in job.script
     assert script_settings(job.script) == {"model": str(EXAMPLE_DIR / "model.yaml"), "global_batch": "16",
-                                           "iterations": "100000", "gpus": "8", "trainer": "api"}
+                                           "iterations": "20000", "gpus": "8", "trainer": "api"}
 
 
 def test_an_unknown_policy_is_refused_before_anything_starts(tmp_path, monkeypatch, capsys):
