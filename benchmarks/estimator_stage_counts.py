@@ -39,19 +39,22 @@ from estimator.jobs import JobSpec  # noqa: E402
 from estimator.models import load_model  # noqa: E402
 
 
+def stage_times(row, options) -> dict[int, float]:
+    """The row's estimated seconds per iteration at each stage count that fits."""
+    n = row.num_nodes * row.gpus_per_node
+    job = JobSpec(row.model, row.global_batch)
+    return {s: e.iteration_time_s for s in stage_counts(n, load_model(row.model).num_layers)
+            if (e := estimate_cell(job, Cell(row.gpu_type, n, row.gpus_per_node, s), MEASURED_CLUSTER,
+                                   options)).feasible}
+
+
 def by_layout(rows, gpu_type: str | None) -> dict[str, dict]:
     options = physics_options(FITTED_PHYSICS)
     groups: dict[str, list[tuple[float, dict[int, float]]]] = {}
     for row in rows:
         if row.measured_s <= 0 or (gpu_type and row.gpu_type != gpu_type):
             continue
-        n = row.num_nodes * row.gpus_per_node
-        job = JobSpec(row.model, row.global_batch)
-        times = {}
-        for s in stage_counts(n, load_model(row.model).num_layers):
-            e = estimate_cell(job, Cell(row.gpu_type, n, row.gpus_per_node, s), MEASURED_CLUSTER, options)
-            if e.feasible:
-                times[s] = e.iteration_time_s
+        times = stage_times(row, options)
         best = min(times.values()) if times else None
         key = f"{row.gpu_type} {row.num_nodes}x{row.gpus_per_node}"
         groups.setdefault(key, []).append(
@@ -87,17 +90,10 @@ def dgx2_at_four_stages(rows, loto_results: Path = ACCURACY_RESULTS) -> dict:
         for row in rows:
             if row.measured_s <= 0 or not pick(row):
                 continue
-            n = row.num_nodes * row.gpus_per_node
-            job = JobSpec(row.model, row.global_batch)
-            times = [e.iteration_time_s for s in stage_counts(n, load_model(row.model).num_layers)
-                     if (e := estimate_cell(job, Cell(row.gpu_type, n, row.gpus_per_node, s), MEASURED_CLUSTER,
-                                            options)).feasible]
-            best.append(accuracy(min(times) if times else None, row.measured_s))
-            if (row.gpu_type, row.num_nodes, row.gpus_per_node) in FOUR_STAGE_LAYOUTS:
-                e = estimate_cell(job, Cell(row.gpu_type, n, row.gpus_per_node, 4), MEASURED_CLUSTER, options)
-                four.append(accuracy(e.iteration_time_s, row.measured_s) if e.feasible else best[-1])
-            else:
-                four.append(best[-1])
+            times = stage_times(row, options)
+            best.append(accuracy(min(times.values()) if times else None, row.measured_s))
+            at_four = (row.gpu_type, row.num_nodes, row.gpus_per_node) in FOUR_STAGE_LAYOUTS and 4 in times
+            four.append(accuracy(times[4], row.measured_s) if at_four else best[-1])
         out[name] = {"best_plan": summarize(best), "dgx2_4_and_8_at_4_stages": summarize(four)}
     return out
 

@@ -24,6 +24,7 @@ from estimator.errors import SpecError, yaml_problem
 from estimator.gpus import CATALOG
 from estimator.models import BUILTIN_MODELS, MAX_MODEL_FILE_BYTES, load_model, model_from_yaml
 from estimator.plan_string import PlanString, parse_plan
+from estimator.profile_store import store_version
 from estimator.refine import Measurement
 from policy.forecast import GpuRelease
 from policy.interface import Assignment, DerivedCache, JobView, NodeView, Snapshot
@@ -464,9 +465,10 @@ def profile_version(path: str | None) -> str | None:
     if path is None:
         return None
     try:
-        return f"{path}@{Path(path).stat().st_mtime_ns}"
-    except OSError:
+        _, mtime_ns, _ = store_version(path)
+    except SpecError:
         return f"{path}@missing"
+    return f"{path}@{mtime_ns}"
 
 
 def running_assignment(job: SlurmJob, pc: PlanComment, node_types: dict[str, str],
